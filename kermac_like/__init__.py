@@ -1,0 +1,46 @@
+"""kermac_like: fused, JIT-compiled CUDA kernels for kernel methods, for PyTorch.
+
+Public API::
+
+    cdist(x1, x2, p=2.0, *, out=None, skip_epilogue=False, compute_mode=..., debug=False)
+    run_kernel(descriptor, a, b, *, out=None, p=None, inner_p=None, outer_p=None, bandwidth=None,
+               regularization=None, regularization_offset_x=0, regularization_offset_y=0,
+               epsilon=None, debug=False)
+    cdist_grad(a, b, c, d, *, out=None, p=2.0, debug=False)
+    precompile(descriptors, device=None, debug=False)
+    KernelDescriptor, InnerOperator, PowerType, KernelType, PRESETS, preset
+    linalg.solve_cholesky / solve_lu / eigh
+"""
+
+from ._version import __version__
+from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
+from .distance import cdist, run_kernel
+from .precompile import precompile
+
+__all__ = [
+    "__version__",
+    "cdist",
+    "run_kernel",
+    "cdist_grad",
+    "precompile",
+    "KernelDescriptor",
+    "InnerOperator",
+    "PowerType",
+    "KernelType",
+    "PRESETS",
+    "preset",
+    "linalg",
+]
+
+
+def __getattr__(name):
+    # Submodules with heavier imports load on first use.
+    if name == "linalg":
+        import importlib
+
+        return importlib.import_module(".linalg", __name__)
+    if name == "cdist_grad":
+        from .grad import cdist_grad
+
+        return cdist_grad
+    raise AttributeError(f"module 'kermac_like' has no attribute {name!r}")

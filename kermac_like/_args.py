@@ -1,0 +1,63 @@
+"""Argument checks shared by the ops: one place, one wording."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def check_tensor(name: str, t, *, min_dim: int = 2) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a floating tensor (float32, float64, float16, bfloat16), got {t.dtype}")
+    if t.dim() < min_dim:
+        raise ValueError(f"{name}: expected at least {min_dim} dimensions, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name}: dtype {t.dtype} differs from {ref_name}'s {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name}: device {t.device} differs from {ref_name}'s {ref.device}")
+
+
+def check_scalar_or_tensor(name: str, x, device: torch.device, *, positive: bool = False, nonnegative: bool = False,
+                           allow_inf: bool = False):
+    """A hyper-parameter: a real number, or a floating tensor over batch modes on ``device``.
+
+    Python numbers are checked for their sign here; tensor values are not
+    inspected (that would synchronise the host) and are documented as the
+    caller's responsibility.
+    """
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        if not (x.is_floating_point()):
+            raise TypeError(f"{name}: expected a floating tensor, got {x.dtype}")
+        if x.device != device:
+            raise ValueError(f"{name}: tensor is on {x.device}, the data is on {device}")
+        return x
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a real number or a tensor, got {type(x).__name__}")
+    x = float(x)
+    if math.isnan(x):
+        raise ValueError(f"{name}: must not be NaN")
+    if math.isinf(x) and not allow_inf:
+        raise ValueError(f"{name}: must be finite, got {x}")
+    if positive and not x > 0:
+        raise ValueError(f"{name}: must be > 0, got {x}")
+    if nonnegative and not x >= 0:
+        raise ValueError(f"{name}: must be >= 0, got {x}")
+    return x
+
+
+def check_int(name: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(x).__name__}")
+    return int(x)

@@ -1,0 +1,125 @@
+"""Autograd for :func:`run_kernel` and :func:`cdist` (w.r.t. the two data inputs).
+
+For a DIFF descriptor with inner power |t|^q, outer power D and epilogue E::
+
+    y[m,n] = E(D(acc[m,n])),  acc[m,n] = sum_k |a[m,k] - b[n,k]|^q
+    dL/da[m,k] =  sum_n W[m,n] sgn(a[m,k]-b[n,k]) |a[m,k]-b[n,k]|^(q-1)
+    dL/db[n,k] =  sum_m W[m,n] sgn(b[n,k]-a[m,k]) |b[n,k]-a[m,k]|^(q-1)
+    W = G * E'(d) * D'(acc) * q
+
+Both sums are :func:`cdist_grad` contractions with O = 1 (so the GPU runs
+our kernel, the CPU the reference).  Where d == 0 (or d < epsilon) the
+weight is 0, matching torch.cdist's backward.  DOT descriptors are matrix
+products: their gradients are ``G @ b`` and ``G^T @ a``.  Gradients with
+respect to hyper-parameters are not supported (NotImplementedError), nor is
+double backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+
+__all__ = ["distance_with_grad"]
+
+
+def _flat(t: torch.Tensor, batch: tuple, tail: tuple) -> torch.Tensor:
+    """Expand to the full batch and flatten it into one leading mode."""
+    return t.expand(*batch, *tail).reshape(-1, *tail)
+
+
+def _hyper(x, ndim_tail: int):
+    if isinstance(x, torch.Tensor):
+        return x.reshape(*x.shape, *([1] * ndim_tail))
+    return x
+
+
+class _DistanceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, call, out, compute_mode, debug):
+        from .distance import forward
+
+        with torch.no_grad():
+            y = forward(call, out, compute_mode=compute_mode, debug=debug)
+        ctx.call, ctx.compute_mode, ctx.debug = call, compute_mode, debug
+        ctx.save_for_backward(a, b, y)
+        if out is not None:
+            ctx.mark_dirty(out)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise NotImplementedError("kermac_like: double backward through run_kernel/cdist is not supported")
+        a, b, y = ctx.saved_tensors
+        call = ctx.call
+        ga, gb = _distance_backward(call, a, b, y, grad, ctx.needs_input_grad[:2], ctx.compute_mode, ctx.debug)
+        return ga, gb, None, None, None, None
+
+
+def _distance_backward(call, a, b, y, grad, needs, compute_mode, debug):
+    from .distance import forward
+    from .grad import cdist_grad
+
+    desc: KernelDescriptor = call.desc
+    batch, M, N, K = call.batch, call.M, call.N, call.K
+    if desc.inner_operator is InnerOperator.DOT:
+        ga = (grad @ b).sum_to_size(a.shape) if needs[0] else None
+        gb = (grad.mT @ a).sum_to_size(b.shape) if needs[1] else None
+        return ga, gb
+
+    hp = call.hypers
+    # d: the distance before epsilon, epilogue and regularisation.
+    if desc.kernel_type is KernelType.NONE and hp["regularization"] is None and call.epsilon is None:
+        d = y
+    else:
+        plain = KernelDescriptor(desc.inner_operator, desc.inner_power, desc.outer_power, KernelType.NONE)
+        from dataclasses import replace
+
+        dcall = replace(call, desc=plain, hypers=dict(hp, bandwidth=None, regularization=None), epsilon=None)
+        d = forward(dcall, None, compute_mode=compute_mode, debug=debug)
+
+    zero = torch.zeros((), dtype=d.dtype, device=d.device)
+    w = grad
+    bw = _hyper(hp["bandwidth"], 2)
+    if desc.kernel_type is KernelType.LAPLACE:
+        w = w * (-torch.exp(-d / bw) / bw)
+    elif desc.kernel_type is KernelType.GAUSSIAN:
+        w = w * (-(d / (bw * bw)) * torch.exp(-(d * d) / (2.0 * bw * bw)))
+    q = {PowerType.ABS: 1.0, PowerType.SQUARE: 2.0}.get(desc.inner_power, hp["inner_p"])
+    qb = _hyper(q, 2)
+    if desc.outer_power is PowerType.NOOP:
+        w = w * qb
+    elif desc.outer_power is PowerType.SQRT:
+        w = torch.where(d > 0, w * qb / (2.0 * d), zero)
+    else:
+        r = _hyper(hp["outer_p"], 2)
+        w = torch.where(d > 0, w * (qb / r) * d.pow(1.0 - r), zero)
+    if call.epsilon is not None:
+        w = torch.where(d < call.epsilon, zero, w)
+
+    # One leading batch mode for the contraction; broadcast inputs are summed back.
+    wf = _flat(w, batch, (M, N))
+    af = _flat(a, batch, (M, K))
+    bf = _flat(b, batch, (N, K))
+    qf = q
+    if isinstance(q, torch.Tensor):
+        qf = q.expand(batch).reshape(-1)
+    ga = gb = None
+    if needs[0]:
+        ones = torch.ones((1, 1, N), dtype=a.dtype, device=a.device)
+        g = cdist_grad(wf.mT, bf.mT, ones, af.mT, p=qf, debug=debug)  # (L, 1, K, M)
+        ga = g[:, 0].mT.reshape(*batch, M, K).sum_to_size(a.shape)
+    if needs[1]:
+        ones = torch.ones((1, 1, M), dtype=a.dtype, device=a.device)
+        g = cdist_grad(wf, af.mT, ones, bf.mT, p=qf, debug=debug)  # (L, 1, K, N)
+        gb = g[:, 0].mT.reshape(*batch, N, K).sum_to_size(b.shape)
+    return ga, gb
+
+
+def distance_with_grad(call, out, compute_mode: str, debug: bool):
+    for name, v in call.hypers.items():
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
+    return _DistanceFn.apply(call.a, call.b, call, out, compute_mode, debug)

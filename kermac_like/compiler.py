@@ -1,0 +1,295 @@
+"""The compiler: template instantiations -> cubin with NVRTC (through ``cuda.core``).
+
+A :class:`KernelSpec` names one instantiation (a kernel template applied to a
+traits type) and carries the launch constants the Python side mirrors.  The
+compiler renders a tiny stub (the family's header and one ``static_assert`` per
+mirrored constant), compiles any number of specs in one NVRTC program, and
+hands a :class:`~kermac_like.cache.ModuleRecord` to the cache.  It never
+needs a GPU: the architecture is a string such as ``"sm_90"``.
+
+The cache key of a spec is a full sha256 over everything that changes the
+cubin: package version, the hash of every shipped ``.cuh``, the exact NVRTC
+options, the architecture, the NVRTC version and the name expression.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import hashlib
+import importlib.util
+import io
+import logging
+import multiprocessing
+import os
+import re
+import time
+from pathlib import Path
+
+from ._version import __version__
+from .render import KernelSpec, LaunchShape, render_source  # noqa: F401  (re-exported)
+
+log = logging.getLogger("kermac_like.compiler")
+
+__all__ = [
+    "LaunchShape",
+    "KernelSpec",
+    "CompileError",
+    "template_dir",
+    "template_hash",
+    "nvrtc_version",
+    "arch_of_device",
+    "compile_specs",
+    "precompile_specs",
+    "kernel_key",
+]
+
+MIN_CAPABILITY = (8, 0)
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a program; carries its log, options and name expressions."""
+
+    def __init__(self, message: str, *, log_text: str, options: tuple, name_expressions: tuple):
+        self.log = log_text
+        self.options = options
+        self.name_expressions = name_expressions
+        exprs = "\n  ".join(name_expressions)
+        super().__init__(
+            f"{message}\noptions: {' '.join(options)}\nname expressions:\n  {exprs}\nNVRTC log:\n{log_text}"
+        )
+
+
+# -- sources and environment -------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def template_dir() -> Path:
+    """Folder of the shipped ``.cuh`` templates: package data when installed,
+    the repository's ``cuda_templates/`` in a source checkout."""
+    try:
+        spec = importlib.util.find_spec("kermac_like.cuda_templates")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            p = Path(loc)
+            if (p / "common.cuh").is_file():
+                return p
+    p = Path(__file__).resolve().parent.parent / "cuda_templates"
+    if (p / "common.cuh").is_file():
+        return p
+    raise FileNotFoundError("kermac_like: cannot find the cuda_templates folder (broken installation?)")
+
+
+@functools.lru_cache(maxsize=None)
+def template_hash() -> str:
+    h = hashlib.sha256()
+    for f in sorted(template_dir().glob("*.cuh")):
+        h.update(f.name.encode())
+        h.update(b"\0")
+        h.update(f.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_version() -> str:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:  # older cuda-python layout
+        from cuda import nvrtc  # type: ignore
+    err, major, minor = nvrtc.nvrtcVersion()
+    if int(err) != 0:
+        raise RuntimeError(f"nvrtcVersion failed: {err}")
+    return f"{major}.{minor}"
+
+
+def arch_of_device(device) -> str:
+    """``"sm_XY"`` of a CUDA device; ValueError below sm_80."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < MIN_CAPABILITY:
+        raise ValueError(
+            f"device: {torch.cuda.get_device_name(device)} is sm_{major}{minor}; kermac_like kernels need sm_80 or newer"
+        )
+    return f"sm_{major}{minor}"
+
+
+def _check_arch(arch: str) -> str:
+    m = re.fullmatch(r"sm_(\d+)(a?)", arch)
+    if not m or int(m.group(1)) < 80:
+        raise ValueError(f"arch: {arch!r} is not a supported architecture (sm_80 or newer, e.g. 'sm_80', 'sm_90')")
+    return arch
+
+
+def _options(arch: str) -> tuple:
+    """The exact NVRTC options (as text, for the key and for error messages)."""
+    return ("-std=c++17", f"-arch={arch}", f"-I{template_dir()}", "-Xptxas=-v")
+
+
+def kernel_key(spec: KernelSpec, arch: str) -> str:
+    full_arch = arch + spec.arch_suffix
+    h = hashlib.sha256()
+    opts = " ".join(o for o in _options(full_arch) if not o.startswith("-I"))  # paths differ between machines
+    for part in (__version__, template_hash(), opts, full_arch, nvrtc_version(), spec.name_expression):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+# -- compiling -----------------------------------------------------------------------
+_RES_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_RES_USED = re.compile(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?", re.S)
+_RES_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas_log(text: str) -> dict:
+    """{lowered name: {"registers", "smem", "stack", "spill_stores", "spill_loads"}}."""
+    out, cur = {}, None
+    for line in text.splitlines():
+        m = _RES_ENTRY.search(line)
+        if m:
+            cur = out.setdefault(m.group(1), {})
+            continue
+        if cur is None:
+            continue
+        m = _RES_SPILL.search(line)
+        if m:
+            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            cur["registers"] = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            cur["smem"] = int(s.group(1)) if s else 0
+    return out
+
+
+def _program_options(arch: str):
+    try:
+        from cuda.core import ProgramOptions
+    except ImportError:  # cuda-core < 0.4
+        from cuda.core.experimental import ProgramOptions  # type: ignore
+    return ProgramOptions(std="c++17", arch=arch, include_path=[str(template_dir())], ptxas_options=["-v"])
+
+
+def _compile_group(specs: tuple, arch: str):
+    """Compile ``specs`` into one cubin. Returns (cubin, {expr: lowered}, seconds, log)."""
+    try:
+        from cuda.core import Program
+    except ImportError:
+        from cuda.core.experimental import Program  # type: ignore
+    exprs = tuple(s.name_expression for s in specs)
+    source = render_source(specs)
+    logs = io.StringIO()
+    t0 = time.perf_counter()
+    try:
+        prog = Program(source, code_type="c++", options=_program_options(arch))
+        obj = prog.compile("cubin", name_expressions=exprs, logs=logs)
+    except Exception as e:  # NVRTC errors surface as various exception types
+        raise CompileError(
+            f"NVRTC failed to compile {len(exprs)} kernel(s) for {arch}: {e}",
+            log_text=logs.getvalue() or str(e),
+            options=_options(arch),
+            name_expressions=exprs,
+        ) from None
+    seconds = time.perf_counter() - t0
+    mapping = dict(obj.symbol_mapping) if hasattr(obj, "symbol_mapping") else dict(obj._sym_map)
+    missing = [e for e in exprs if e not in mapping]
+    if missing:
+        raise CompileError(
+            "NVRTC produced no symbol for some name expressions",
+            log_text=logs.getvalue(),
+            options=_options(arch),
+            name_expressions=tuple(missing),
+        )
+    return bytes(obj.code), mapping, seconds, logs.getvalue()
+
+
+def compile_specs(specs, arch: str, *, debug: bool = False):
+    """Compile ``specs`` (all with the same ``arch_suffix``) in one program.
+
+    Returns ``(ModuleRecord, resources)`` where resources maps each name
+    expression to its ptxas report (registers, smem, spills).
+    """
+    from .cache import ModuleRecord
+
+    specs = tuple(specs)
+    suffixes = {s.arch_suffix for s in specs}
+    if len(suffixes) != 1:
+        raise ValueError("specs: one program compiles for one architecture variant")
+    full_arch = _check_arch(arch) + suffixes.pop()
+    cubin, mapping, seconds, text = _compile_group(specs, full_arch)
+    res_by_lowered = parse_ptxas_log(text)
+    resources = {e: res_by_lowered.get(mapping[e], {}) for e in mapping}
+    for expr, res in resources.items():
+        if res.get("spill_stores") or res.get("spill_loads"):
+            log.warning("%s spills registers on %s: %s", expr, full_arch, res)
+    if debug:
+        log.debug("compiled %d kernel(s) for %s in %.2f s", len(specs), full_arch, seconds)
+        for expr, res in resources.items():
+            log.debug("  %s: %s", expr, res)
+    record = ModuleRecord(
+        cubin=cubin,
+        arch=full_arch,
+        compile_seconds=seconds,
+        nvrtc_version=nvrtc_version(),
+        options=" ".join(o for o in _options(full_arch) if not o.startswith("-I")),
+        kernels=tuple((kernel_key(s, arch), s.name_expression, mapping[s.name_expression]) for s in specs),
+    )
+    return record, resources
+
+
+def _worker(args):
+    specs, arch = args
+    record, resources = compile_specs(specs, arch)
+    return record, resources
+
+
+def precompile_specs(specs, arch: str, *, cache=None, processes: int | None = None, group_size: int = 8,
+                     debug: bool = False, progress=None) -> dict:
+    """Compile every spec not yet in the cache, many per program, groups in
+    parallel processes when there is more than one group and more than one core.
+
+    Returns a summary: requested, compiled, already cached, seconds, programs.
+    """
+    from .cache import get_cache
+
+    _check_arch(arch)
+    cache = cache if cache is not None else get_cache()
+    specs = list(dict.fromkeys(specs))
+    keys = {kernel_key(s, arch): s for s in specs}
+    present = cache.contains(list(keys))
+    todo = [s for k, s in keys.items() if k not in present]
+    groups = []
+    for suffix in sorted({s.arch_suffix for s in todo}):
+        same = [s for s in todo if s.arch_suffix == suffix]
+        groups += [tuple(same[i : i + group_size]) for i in range(0, len(same), group_size)]
+    t0 = time.perf_counter()
+    if processes is None:
+        processes = min(len(groups), os.cpu_count() or 1)
+    processes = max(1, processes)
+    done = 0
+    if processes > 1 and len(groups) > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with cf.ProcessPoolExecutor(max_workers=processes, mp_context=ctx) as ex:
+            for record, _ in ex.map(_worker, [(g, arch) for g in groups]):
+                cache.put(record)
+                done += len(record.kernels)
+                if progress:
+                    progress(done, len(todo))
+    else:
+        for g in groups:
+            record, _ = compile_specs(g, arch, debug=debug)
+            cache.put(record)
+            done += len(record.kernels)
+            if progress:
+                progress(done, len(todo))
+    seconds = time.perf_counter() - t0
+    summary = dict(
+        arch=arch, requested=len(specs), cached=len(present), compiled=len(todo),
+        programs=len(groups), processes=processes if len(groups) > 1 else min(1, len(groups)), seconds=seconds,
+    )
+    if debug:
+        log.debug("precompile %s", summary)
+    return summary

@@ -1,0 +1,155 @@
+"""The cdist gradient contraction :func:`cdist_grad`.
+
+    out[..., o, n, m] = sum_k c[o,k] a[k,m] sgn(d[n,m] - b[n,k]) |d[n,m] - b[n,k]|^(p-1)
+
+with a (..., K, M), b (..., N, K), c (..., O, K), d (..., N, M), out (..., O, N, M).
+In a Recursive Feature Machine, a is the kernel matrix, b the data, c the
+coefficients and d the points where the gradient is taken; the backward of
+cdist is the same contraction with O = 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+
+from . import _debug
+from ._args import check_same, check_scalar_or_tensor, check_tensor
+from .layout import batch_strides, broadcast_batch_shape, plan_batch
+from .reference import cdist_grad_reference
+from .render import grad_spec
+
+log = logging.getLogger("kermac_like.grad")
+
+__all__ = ["cdist_grad"]
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """The kernel reads every operand along a unit-stride last mode."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return t.contiguous()
+    return t
+
+
+def _check_grad_out(out, shape, dtype, device):
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out: expected device {device}, got {out.device}")
+    if out.shape[-1] > 1 and out.stride(-1) != 1:
+        raise ValueError(f"out: its last (m) mode must be unit-stride, got strides {tuple(out.stride())}")
+    for size, stride in zip(out.shape[:-1], out.stride()[:-1]):
+        if size > 1 and stride == 0:
+            raise ValueError("out: has overlapping memory (zero stride)")
+
+
+def cdist_grad(a, b, c, d, *, out=None, p=2.0, debug: bool = False) -> torch.Tensor:
+    """Gradient contraction of cdist (see the module docstring).
+
+    ``p`` is a float (``p - 1`` is the power of the distance factor; p = 1 and
+    p = 2 are pow-free) or a tensor over the batch modes.  Where
+    ``d[n,m] == b[n,k]`` the factor is 0.  Views are accepted; an operand whose
+    last mode is not unit-stride is copied.  ``out`` must have a unit-stride
+    last mode; it is left untouched when an argument is rejected.
+    """
+    debug = _debug.resolve(debug)
+    for name, t in (("a", a), ("b", b), ("c", c), ("d", d)):
+        check_tensor(name, t)
+    for name, t in (("b", b), ("c", c), ("d", d)):
+        check_same(name, t, "a", a)
+    K, M = a.shape[-2], a.shape[-1]
+    N = b.shape[-2]
+    O = c.shape[-2]
+    if b.shape[-1] != K:
+        raise ValueError(f"b: expected (..., N, K) with K={K} (a is (..., K, M)), got {tuple(b.shape)}")
+    if c.shape[-1] != K:
+        raise ValueError(f"c: expected (..., O, K) with K={K}, got {tuple(c.shape)}")
+    if tuple(d.shape[-2:]) != (N, M):
+        raise ValueError(f"d: expected (..., N, M) = (..., {N}, {M}), got {tuple(d.shape)}")
+    p = check_scalar_or_tensor("p", p, a.device, nonnegative=True)
+    shapes = {n: tuple(t.shape[:-2]) for n, t in (("a", a), ("b", b), ("c", c), ("d", d))}
+    if isinstance(p, torch.Tensor):
+        shapes["p"] = tuple(p.shape)
+    batch = broadcast_batch_shape(shapes)
+    out_shape = (*batch, O, N, M)
+    _check_grad_out(out, out_shape, a.dtype, a.device)
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, c, d, p)) and torch.is_grad_enabled():
+        raise NotImplementedError("cdist_grad: inputs require grad; differentiating cdist_grad is not supported")
+
+    gpu = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 0) and a.dtype == torch.float32
+    if not gpu or 0 in (K, M, N, O) or math.prod(batch) == 0:
+        if debug:
+            log.debug("cdist_grad: reference path (%s, %s)", a.device, a.dtype)
+        res = cdist_grad_reference(a, b, c, d, p)
+        if out is None:
+            return res
+        out.copy_(res)
+        return out
+    return _launch_grad(a, b, c, d, p, out, batch, (K, M, N, O), debug)
+
+
+def _launch_grad(a, b, c, d, p, out, batch, sizes, debug):
+    from .launcher import get_kernel, launch
+
+    K, M, N, O = sizes
+    if out is None:
+        out = torch.empty((*batch, O, N, M), dtype=a.dtype, device=a.device)
+    ops = {"a": _unit_last(a), "b": _unit_last(b), "c": _unit_last(c), "d": _unit_last(d), "out": out}
+    if isinstance(p, torch.Tensor):
+        ops["p"] = p.float() if p.dtype != torch.float32 else p
+        kind = "pow"
+    else:
+        kind = "abs" if p == 1 else "square" if p == 2 else "pow"
+    strides = {}
+    for k, t in ops.items():
+        nb = t.dim() if k == "p" else t.dim() - (3 if k == "out" else 2)
+        strides[k] = batch_strides(batch, tuple(t.shape[:nb]), tuple(t.stride()[:nb]))
+    plan = plan_batch(batch, strides, max_modes=1)
+    lds = {
+        "a": ops["a"].stride(-2), "b": ops["b"].stride(-2), "c": ops["c"].stride(-2), "d": ops["d"].stride(-2),
+        "ldo_o": out.stride(-3), "ldo_n": out.stride(-2),
+    }
+    mats = [ops[k] for k in ("a", "b", "c", "d", "out")]
+    all_strides = list(lds.values()) + [s for k in ("a", "b", "c", "d", "out") for s in plan.strides[k][0] + plan.strides[k][1]]
+    vec = 4 if (
+        M % 4 == 0 and K % 4 == 0
+        and all(t.data_ptr() % 16 == 0 for t in mats)
+        and all(s % 4 == 0 for s in all_strides)
+    ) else 1
+    spec = grad_spec(kind, vec)
+    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    kernel = get_kernel(spec, device, debug=debug)
+    L = plan.count
+    grid = (math.ceil(M / spec.launch.block_m), math.ceil(N / spec.launch.block_n), min(L, 65535))
+    if debug:
+        log.debug("cdist_grad: kind=%s vec=%d K=%d M=%d N=%d O=%d batch=%s", kind, vec, K, M, N, O, batch)
+    offsets = {k: list(plan.outer_offsets(k)) for k in ops}
+    for i in range(len(offsets["a"])):
+
+        def ptr(k):
+            t = ops[k]
+            return t.data_ptr() + offsets[k][i] * t.element_size()
+
+        bs = {k: plan.strides[k][1][0] for k in ops}
+        args = [
+            ptr("a"), ptr("b"), ptr("c"), ptr("d"), ptr("out"),
+            np.int32(M), np.int32(N), np.int32(K), np.int32(O),
+            np.int64(lds["a"]), np.int64(lds["b"]), np.int64(lds["c"]), np.int64(lds["d"]),
+            np.int64(lds["ldo_o"]), np.int64(lds["ldo_n"]),
+            np.int32(L), np.int64(bs["a"]), np.int64(bs["b"]), np.int64(bs["c"]), np.int64(bs["d"]), np.int64(bs["out"]),
+        ]
+        if "p" in ops:
+            args += [ptr("p"), np.int64(bs["p"]), np.float32(0.0)]
+        else:
+            args += [0, np.int64(0), np.float32(p)]
+        launch(kernel, grid, tuple(args), debug=debug)
+    return out

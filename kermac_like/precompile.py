@@ -1,0 +1,55 @@
+"""Bulk compilation of kernels ahead of their first call."""
+
+from __future__ import annotations
+
+import itertools
+
+from . import _debug
+from .descriptor import KernelDescriptor
+from .layout import Layout
+from .render import distance_spec, mma_specs_for
+
+__all__ = ["precompile", "specs_for_descriptor"]
+
+
+def specs_for_descriptor(desc: KernelDescriptor) -> list:
+    """Every instantiation a call with ``desc`` can reach for row/column-major
+    inputs and a row-major output (a column-major ``out`` compiles on demand)."""
+    specs = [
+        distance_spec(desc, a, b, Layout.ROW_MAJOR, vec)
+        for a, b in itertools.product(Layout, Layout)
+        for vec in (4, 1)
+    ]
+    specs += mma_specs_for(desc)
+    return specs
+
+
+def precompile(descriptors, device=None, *, arch: str | None = None, processes: int | None = None,
+               debug: bool = False) -> dict:
+    """Compile (or find in the cache) every kernel the given descriptors need.
+
+    ``descriptors``: one KernelDescriptor or an iterable of them.  The target is
+    ``arch`` (e.g. ``"sm_90"``, no GPU needed) or else the architecture of
+    ``device`` (default: the current CUDA device).  Many kernels go into one
+    NVRTC program, and programs compile in parallel processes.  Returns a summary
+    dict (requested, cached, compiled, seconds, ...).
+    """
+    from .compiler import arch_of_device, precompile_specs
+
+    debug = _debug.resolve(debug)
+    if isinstance(descriptors, KernelDescriptor):
+        descriptors = [descriptors]
+    descriptors = list(descriptors)
+    for i, d in enumerate(descriptors):
+        if not isinstance(d, KernelDescriptor):
+            raise TypeError(f"descriptors[{i}]: expected a KernelDescriptor, got {type(d).__name__}")
+    if arch is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("device: no CUDA device; pass arch='sm_80' (or newer) to compile without one")
+        if device is None:
+            device = torch.cuda.current_device()
+        arch = arch_of_device(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
+    specs = [s for d in descriptors for s in specs_for_descriptor(d)]
+    return precompile_specs(specs, arch, processes=processes, debug=debug)

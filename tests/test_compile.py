@@ -1,0 +1,99 @@
+"""Compiler, renderer and CLI without a GPU: every shipped instantiation compiles
+to cubin for sm_80 and sm_90, a second precompile compiles nothing, errors carry
+NVRTC's log."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kermac_like as km
+from kermac_like import compiler, render
+from kermac_like.render import KernelSpec, LaunchShape
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "kermac_like", *args], capture_output=True, text=True, env=e, cwd=ROOT)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_precompile_all_then_nothing(tmp_path, arch):
+    env = {"KERMAC_LIKE_CACHE_DIR": str(tmp_path)}
+    r = _cli("precompile", "--arch", arch, "--all", env=env)
+    assert r.returncode == 0, r.stderr
+    first = json.loads(r.stdout.strip().splitlines()[-1])
+    n = len(render.shipped_specs())
+    assert first["requested"] == n and first["compiled"] == n, first
+    r = _cli("precompile", "--arch", arch, "--all", env=env)
+    assert r.returncode == 0, r.stderr
+    second = json.loads(r.stdout.strip().splitlines()[-1])
+    assert second["compiled"] == 0 and second["cached"] == n, second
+    info = _cli("cache", "info", env=env)
+    assert info.returncode == 0 and json.loads(info.stdout)["n_kernels"] == n
+    print(f"{arch}: {n} kernels in {first['programs']} programs, {first['seconds']:.1f} s "
+          f"({first['seconds'] / max(1, n):.2f} s per kernel, {first['processes']} processes)")
+
+
+def test_cli_clear_and_info(tmp_path):
+    env = {"KERMAC_LIKE_CACHE_DIR": str(tmp_path)}
+    r = _cli("precompile", "--arch", "sm_80", "--preset", "l1", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["compiled"] > 0
+    r = _cli("cache", "clear", env=env)
+    assert r.returncode == 0 and "removed" in r.stdout
+    assert json.loads(_cli("cache", "info", env=env).stdout)["n_kernels"] == 0
+    assert _cli("precompile", "--arch", "sm_70", "--all", env=env).returncode != 0
+
+
+def test_compile_error_carries_log():
+    bad = KernelSpec("common.cuh", "kermac_like::no_such_kernel", "int", LaunchShape(1, 1, 1))
+    with pytest.raises(compiler.CompileError) as ei:
+        compiler.compile_specs([bad], "sm_80")
+    msg = str(ei.value)
+    assert "no_such_kernel" in msg and "-arch=sm_80" in msg and ei.value.log
+
+
+def test_stale_mirror_fails_to_compile():
+    spec = render.distance_spec(km.PRESETS["l1"], *([render.Layout.ROW_MAJOR] * 3), 4)
+    stale = KernelSpec(spec.header, spec.kernel, spec.traits, LaunchShape(spec.launch.threads + 32, spec.launch.block_m,
+                                                                          spec.launch.block_n, spec.launch.smem_bytes))
+    with pytest.raises(compiler.CompileError, match="stale"):
+        compiler.compile_specs([stale], "sm_80")
+
+
+def test_key_changes_with_what_matters(monkeypatch):
+    spec = render.distance_spec(km.PRESETS["l1"], *([render.Layout.ROW_MAJOR] * 3), 4)
+    k80, k90 = compiler.kernel_key(spec, "sm_80"), compiler.kernel_key(spec, "sm_90")
+    assert k80 != k90 and len(k80) == 64
+    other = render.distance_spec(km.PRESETS["l2"], *([render.Layout.ROW_MAJOR] * 3), 4)
+    assert compiler.kernel_key(other, "sm_80") != k80
+    monkeypatch.setattr(compiler, "template_hash", lambda: "edited")
+    assert compiler.kernel_key(spec, "sm_80") != k80
+
+
+def test_invalid_arch():
+    with pytest.raises(ValueError, match="arch"):
+        compiler.precompile_specs([], "sm_75")
+
+
+def test_templates_found_and_hashed():
+    d = compiler.template_dir()
+    assert (d / "common.cuh").is_file() and (d / "distance.cuh").is_file()
+    assert len(compiler.template_hash()) == 64
+
+
+def test_precompile_api_needs_device_or_arch(tmp_path, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(ValueError, match="device"):
+        km.precompile(km.PRESETS["l1"])
+    with pytest.raises(TypeError, match=r"descriptors\[0\]"):
+        km.precompile(["l1"], arch="sm_80")

@@ -122,66 +122,74 @@ def _run_reference(call: DistanceCall, out):
     )
 
 
-def _hyper_args(name, value, plan, outer_index):
-    """(pointer, s0, s1, s2, scalar) arguments of one hyper-parameter."""
-    if isinstance(value, torch.Tensor):
-        ptr = value.data_ptr() + outer_index.get(name, 0) * value.element_size()
-        s = plan.strides[name][1]
-        return [ptr, np.int64(s[0]), np.int64(s[1]), np.int64(s[2]), np.float32(0.0)]
-    v = 0.0 if value is None else value
-    return [0, np.int64(0), np.int64(0), np.int64(0), np.float32(v)]
+def _plan(call: DistanceCall, tensors: dict):
+    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()
+               if k in ("a", "b", "out")}
+    for k, v in tensors.items():
+        if k not in strides:
+            strides[k] = batch_strides(call.batch, tuple(v.shape), tuple(v.stride()))
+    return plan_batch(call.batch, strides)
+
+
+def _aligned(plan, names, per: int) -> bool:
+    """Every batch offset of these operands keeps a ``per``-element alignment."""
+    return all(s % per == 0 for k in names for part in plan.strides[k] for s in part)
+
+
+def _select(call: DistanceCall, out, hypers: dict, compute_mode: str):
+    """(spec, views, plan, path) for a GPU call, or None for the reference path."""
+    tf32_types = (torch.float32, torch.float16, torch.bfloat16)
+    if call.desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist" and call.dtype in tf32_types:
+        av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
+        bv = analyse_matrix("b", call.b, prefer=Layout.ROW_MAJOR)
+        outv = analyse_output("out", out, call.out_shape, call.dtype, call.device)
+        tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
+        plan = _plan(call, tensors)
+        per = 16 // call.a.element_size()
+        spec = mma_spec(call.desc, av, bv, outv, tf32=_tf32_allowed(), batch_offsets_ok=_aligned(plan, ("a", "b"), per))
+        if spec is not None:
+            return spec, (av, bv, outv), tensors, plan, "tensor-core"
+    if call.dtype != torch.float32:
+        return None
+    av = analyse_matrix("a", call.a)
+    bv = analyse_matrix("b", call.b)
+    outv = analyse_output("out", out, call.out_shape, call.dtype, call.device)
+    tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
+    plan = _plan(call, tensors)
+    vec_ok = av.vector_ok() and bv.vector_ok() and outv.vector_ok() and _aligned(plan, ("a", "b", "out"), 4)
+    spec = distance_spec(call.desc, av.layout, bv.layout, outv.layout, 4 if vec_ok else 1)
+    return spec, (av, bv, outv), tensors, plan, "simt"
 
 
 def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
+    """Launch the chosen GPU kernel; returns None when only the reference path applies."""
     from .launcher import get_kernel, launch
 
     hypers = {}
     for k, v in call.hypers.items():
-        if isinstance(v, torch.Tensor) and v.dtype != torch.float32:
-            v = v.float()  # a copy of at most batch-many scalars
-        hypers[k] = v
-    spec = None
-    path = "simt"
-    if call.desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist":
-        av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
-        bv = analyse_matrix("b", call.b, prefer=Layout.ROW_MAJOR)
-        outv = analyse_output("out", out, call.out_shape, call.dtype, call.device)
-        spec = mma_spec(call.desc, av, bv, outv, tf32=_tf32_allowed())
-        path = "tensor-core"
-    if spec is None:
-        av = analyse_matrix("a", call.a)
-        bv = analyse_matrix("b", call.b)
-        outv = analyse_output("out", out, call.out_shape, call.dtype, call.device)
-        vec = 4 if (av.vector_ok() and bv.vector_ok() and outv.vector_ok()) else 1
-        spec = distance_spec(call.desc, av.layout, bv.layout, outv.layout, vec)
-        path = "simt"
-    device = call.device.index if call.device.index is not None else torch.cuda.current_device()
-    kernel = get_kernel(spec, device, debug=debug)
-
-    tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor}
-    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
-    for k, v in hypers.items():
         if isinstance(v, torch.Tensor):
-            tensors[k] = v
-            strides[k] = batch_strides(call.batch, tuple(v.shape), tuple(v.stride()))
-    plan = plan_batch(call.batch, strides)
+            hypers[k] = v if v.dtype == torch.float32 else v.float()  # at most batch-many scalars
+    chosen = _select(call, out, hypers, compute_mode)
+    if chosen is None:
+        return None
+    spec, (av, bv, outv), tensors, plan, path = chosen
     if plan.count == 0 or call.M == 0 or call.N == 0:
         return out
+    device = call.device.index if call.device.index is not None else torch.cuda.current_device()
+    kernel = get_kernel(spec, device, debug=debug)
     L = plan.count
     grid = (math.ceil(call.M / spec.launch.block_m), math.ceil(call.N / spec.launch.block_n), min(L, 65535))
     if debug:
-        log.debug("run_kernel %r: path=%s M=%d N=%d K=%d batch=%s plan=%s/%s", call.desc, path, call.M, call.N,
-                  call.K, call.batch, plan.outer, plan.modes)
+        log.debug("run_kernel %r: %s path, M=%d N=%d K=%d batch=%s (kernel modes %s, host loop %s)", call.desc, path,
+                  call.M, call.N, call.K, call.batch, plan.modes, plan.outer)
+    sa, sb, so = plan.strides["a"][1], plan.strides["b"][1], plan.strides["out"][1]
+    eps = np.float32(-np.inf if call.epsilon is None else call.epsilon)
     offsets = {k: list(plan.outer_offsets(k)) for k in tensors}
-    n_outer = len(offsets["a"])
-    for i in range(n_outer):
-        idx = {k: offsets[k][i] for k in tensors}
-
+    for i in range(len(offsets["a"])):
         def ptr(k):
             t = tensors[k]
-            return t.data_ptr() + idx[k] * t.element_size()
+            return t.data_ptr() + offsets[k][i] * t.element_size()
 
-        sa, sb, so = plan.strides["a"][1], plan.strides["b"][1], plan.strides["out"][1]
         args = [
             ptr("a"), ptr("b"), ptr("out"),
             np.int32(call.M), np.int32(call.N), np.int32(call.K),
@@ -190,8 +198,13 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
             *(np.int64(s) for s in sa), *(np.int64(s) for s in sb), *(np.int64(s) for s in so),
         ]
         for name in _HYPERS:
-            args += _hyper_args(name, hypers[name], plan, idx)
-        args += [np.int64(call.reg_diag), np.float32(call.epsilon or 0.0)]
+            v = hypers.get(name, call.hypers[name])
+            if isinstance(v, torch.Tensor):
+                s3 = plan.strides[name][1]
+                args += [ptr(name), np.int64(s3[0]), np.int64(s3[1]), np.int64(s3[2]), np.float32(0.0)]
+            else:
+                args += [0, np.int64(0), np.int64(0), np.int64(0), np.float32(0.0 if v is None else v)]
+        args += [np.int64(call.reg_diag), eps]
         launch(kernel, grid, tuple(args), debug=debug)
     return out
 
@@ -204,11 +217,13 @@ def forward(call: DistanceCall, out=None, *, compute_mode: str = COMPUTE_MODES[0
     """Compute a validated call (no autograd). ``out`` was validated by the caller."""
     if out is None:
         out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
-    if call.K == 0 or call.dtype != torch.float32 or not _gpu_ok(call.a):
-        if debug:
-            log.debug("run_kernel %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
-        return _run_reference(call, out)
-    return _launch_distance(call, out, compute_mode, debug)
+    if call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.a):
+        res = _launch_distance(call, out, compute_mode, debug)
+        if res is not None:
+            return res
+    if debug:
+        log.debug("run_kernel %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
+    return _run_reference(call, out)
 
 
 def _check_out(out, shape, dtype, device):

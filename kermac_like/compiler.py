@@ -55,9 +55,17 @@ class CompileError(RuntimeError):
         self.options = options
         self.name_expressions = name_expressions
         exprs = "\n  ".join(name_expressions)
+        self.message = message
         super().__init__(
             f"{message}\noptions: {' '.join(options)}\nname expressions:\n  {exprs}\nNVRTC log:\n{log_text}"
         )
+
+    def __reduce__(self):  # crosses process boundaries in parallel precompile
+        return (_rebuild_compile_error, (self.message, self.log, self.options, self.name_expressions))
+
+
+def _rebuild_compile_error(message, log_text, options, name_expressions):
+    return CompileError(message, log_text=log_text, options=options, name_expressions=name_expressions)
 
 
 # -- sources and environment -------------------------------------------------------

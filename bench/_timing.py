@@ -1,0 +1,71 @@
+"""Median timing of GPU (CUDA events) or CPU (perf_counter) calls on fresh inputs.
+
+    t = time_calls(lambda x, y: km.cdist(x, y), make_inputs, device, repeats=10, warmup=2)
+    t.median_ms, t.times_ms, t.last_inputs, t.last_output
+
+Every call, warm-ups included, gets new inputs from ``make_inputs()`` (so no
+cache holds the previous call's data); input generation is outside the timed
+region.  On a GPU the time is the CUDA-event interval around the call on the
+current stream, which includes the host's launch overhead whenever the GPU
+waits for it.  Each output is released before the next inputs are made, so
+peak memory is one call's worth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Timing", "time_calls", "sync"]
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    times_ms: list = field(default_factory=list)
+    last_inputs: tuple | None = None
+    last_output: object = None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_one(fn, args, device):
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn(*args)
+        end.record()
+        end.synchronize()
+        return out, start.elapsed_time(end)
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def time_calls(fn, make_inputs, device: torch.device, *, repeats: int, warmup: int, keep_last: bool = False) -> Timing:
+    """Median of ``repeats`` timed calls ``fn(*make_inputs())`` after ``warmup`` untimed ones.
+
+    With ``keep_last`` the last call's inputs and output are returned (to
+    measure its error); otherwise they are dropped.
+    """
+    repeats = max(1, int(repeats))
+    times = []
+    args = out = None
+    for i in range(max(0, int(warmup)) + repeats):
+        args = out = None  # free the previous call's memory first
+        args = tuple(make_inputs())
+        sync(device)
+        out, ms = _time_one(fn, args, device)
+        if i >= warmup:
+            times.append(ms)
+    t = Timing(statistics.median(times), times)
+    if keep_last:
+        t.last_inputs, t.last_output = args, out
+    return t

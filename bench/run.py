@@ -1,0 +1,534 @@
+"""The benchmark table: every workload of DESIGN.md, kermac_like beside torch (and Kermac).
+
+    python bench/run.py                          # full sizes (needs an 80 GB GPU), ~3-5 minutes on an H100
+    python bench/run.py --only cdist_p2 --only laplace_l2_kernel
+    python bench/run.py --quick --out /tmp/b     # tiny sizes; on a CPU-only machine the reference path
+
+Each row times kermac_like and its torch counterpart in this one process: the
+median of CUDA-event timings (perf_counter on a CPU) over --repeats calls, each
+on fresh torch.randn inputs, after --warmup calls (torch's multi-second rows use
+2-3 repeats).  The error is the relative Frobenius error against float64 on a
+slice of the output (the first rows), for ours and for torch.  Kermac joins as
+a third column when it is importable.  Writes, to --out:
+
+    results.json   {device, date, torch, kermac_like, ..., rows: [...]}
+    speedup.png    bar chart of the speed-ups over torch (needs matplotlib)
+    table.md       the markdown table, also printed last (paste it into README.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # a source checkout: kermac_like and bench/ live here
+    sys.path.insert(0, str(ROOT))
+
+import kermac_like as km  # noqa: E402
+from bench._timing import time_calls  # noqa: E402
+
+try:
+    import kermac  # the baseline package, when installed
+except Exception:  # ImportError, or a broken CUDA setup inside it
+    kermac = None
+
+WORKLOADS = (
+    "cdist_p1",
+    "cdist_p1.3",
+    "cdist_p2",
+    "laplace_l2_kernel",
+    "cdist_grad_p2",
+    "cdist_grad_p1",
+    "cdist_grad_p1.3",
+    "solve_cholesky",
+    "solve_lu",
+    "eigh",
+    "cold_compile",
+    "warm_process",
+)
+LINALG = ("solve_cholesky", "solve_lu", "eigh")
+
+FULL = dict(cdist=(30000, 30000, 1024), laplace=(50000, 50000, 256), grad=(2, 10000, 10000, 768, 16),
+            linalg=(10, 5000, 16), process=(1024, 1024, 64))
+QUICK = dict(cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
+             linalg=(2, 64, 4), process=(64, 64, 16))
+ERR_ROWS = 256  # rows of the output compared with float64
+GRAD_SLICE = (8, 256)  # (n, m) corner of the cdist_grad output compared with float64
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    den = ref.norm().item()
+    num = (ours.double() - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+class Bench:
+    def __init__(self, args, device):
+        self.args = args
+        self.device = device
+        self.sizes = QUICK if args.quick else FULL
+        self.gen = torch.Generator(device=device).manual_seed(args.seed)
+
+    def randn(self, *shape):
+        return torch.randn(*shape, device=self.device, generator=self.gen)
+
+    def rand(self, *shape):
+        return torch.rand(*shape, device=self.device, generator=self.gen)
+
+    def reps(self, cap=None):
+        return self.args.repeats if cap is None or self.args.quick else min(self.args.repeats, cap)
+
+    def warm(self, cap=None):
+        return self.args.warmup if cap is None or self.args.quick else min(self.args.warmup, cap)
+
+    def row(self, name, size, ours=None, theirs=None, kerm=None, error=None, torch_error=None, note="", **extra):
+        r = dict(workload=name, size=size,
+                 ours_ms=ours.median_ms if ours else None,
+                 torch_ms=theirs.median_ms if theirs else None,
+                 kermac_ms=kerm.median_ms if kerm else None,
+                 error=error, torch_error=torch_error, unit="ms", note=note,
+                 times_ms=dict(ours=ours.times_ms if ours else [], torch=theirs.times_ms if theirs else [],
+                               kermac=kerm.times_ms if kerm else []))
+        r.update(extra)
+        add_ratios(r)
+        return r
+
+    def time_kermac(self, fn, make, reps, warm):
+        """Kermac's time, or None with the reason when it is absent or rejects the call."""
+        if kermac is None or self.device.type != "cuda":
+            return None, ""
+        try:
+            return time_calls(fn, make, self.device, repeats=reps, warmup=warm), ""
+        except Exception as e:  # an API difference must not stop the benchmark
+            return None, f"Kermac failed: {type(e).__name__}: {e}"
+
+    # -- cdist -------------------------------------------------------------------------
+    def cdist(self, p, ours_cap, torch_cap):
+        M, N, K = self.sizes["cdist"]
+        make = lambda: (self.randn(M, K), self.randn(N, K))  # noqa: E731
+        ours = time_calls(lambda x, y: km.cdist(x, y, p=p), make, self.device,
+                          repeats=self.reps(ours_cap), warmup=self.warm(1 if ours_cap else None), keep_last=True)
+        x, y = ours.last_inputs
+        r = min(ERR_ROWS, M)
+        ref = torch.cdist(x[:r].double(), y.double(), p=p, compute_mode="donot_use_mm_for_euclid_dist")
+        err = rel_err(ours.last_output[:r], ref)
+        terr = rel_err(torch.cdist(x[:r], y, p=p), ref)
+        ours.last_inputs = ours.last_output = None
+        del x, y, ref
+        theirs = time_calls(lambda x, y: torch.cdist(x, y, p=p), make, self.device,
+                            repeats=self.reps(torch_cap), warmup=self.warm(1 if torch_cap else None))
+        kerm, note = self.time_kermac(lambda x, y: kermac.cdist(x, y, p=p), make, self.reps(torch_cap), 1)
+        return self.row(f"cdist_p{p:g}", f"{M}x{N}x{K}", ours, theirs, kerm, err, terr, note)
+
+    # -- Laplace kernel matrix ---------------------------------------------------------------
+    def laplace(self):
+        M, N, K = self.sizes["laplace"]
+        bw = math.sqrt(2.0 * K)  # the typical distance between standard normal rows: values around e^-1
+        desc = km.preset("laplace_l2")
+        make = lambda: (self.randn(M, K), self.randn(N, K))  # noqa: E731
+
+        def torch_laplace(x, y):
+            return torch.cdist(x, y).div_(-bw).exp_()
+
+        ours = time_calls(lambda x, y: km.run_kernel(desc, x, y, bandwidth=bw), make, self.device,
+                          repeats=self.reps(), warmup=self.warm(), keep_last=True)
+        x, y = ours.last_inputs
+        r = min(ERR_ROWS, M)
+        ref = torch.exp(-torch.cdist(x[:r].double(), y.double(), compute_mode="donot_use_mm_for_euclid_dist") / bw)
+        err = rel_err(ours.last_output[:r], ref)
+        terr = rel_err(torch_laplace(x[:r], y), ref)
+        ours.last_inputs = ours.last_output = None
+        del x, y, ref
+        theirs = time_calls(torch_laplace, make, self.device, repeats=self.reps(), warmup=self.warm())
+        return self.row("laplace_l2_kernel", f"{M}x{N}x{K}, bw={bw:.3g}", ours, theirs, None, err, terr,
+                        "torch: cdist then in-place exp")
+
+    # -- cdist_grad -----------------------------------------------------------------------
+    def cdist_grad(self, p):
+        L, K, M, N, O = self.sizes["grad"]
+        make = lambda: (self.rand(L, K, M), self.randn(L, N, K), self.randn(L, O, K), self.randn(L, N, M))  # noqa: E731
+        cap = None if p == 2 else 5
+        ours = time_calls(lambda a, b, c, d: km.cdist_grad(a, b, c, d, p=p), make, self.device,
+                          repeats=self.reps(cap), warmup=self.warm(), keep_last=True)
+        a, b, c, d = ours.last_inputs
+        n, m = min(GRAD_SLICE[0], N), min(GRAD_SLICE[1], M)
+        ref = grad_formula_float64(a, b, c, d, p, n, m)
+        err = rel_err(ours.last_output[..., :n, :m], ref)
+        terr = None
+        if p == 2:
+            terr = rel_err(torch_cdist_grad_p2(a[..., :m], b[..., :n, :], c, d[..., :n, :m]), ref)
+        ours.last_inputs = ours.last_output = None
+        del a, b, c, d, ref
+        theirs = None
+        note = "torch: two batched matmuls (p=2 identity)" if p == 2 else "no torch formulation"
+        if p == 2:
+            theirs = time_calls(torch_cdist_grad_p2, make, self.device, repeats=self.reps(), warmup=self.warm())
+        kerm, knote = self.time_kermac(lambda a, b, c, d: kermac.cdist_grad(a, b, c, d, p=p), make,
+                                       self.reps(cap), 1)
+        return self.row(f"cdist_grad_p{p:g}", f"L={L} K={K} M={M} N={N} O={O}", ours, theirs, kerm, err, terr,
+                        "; ".join(s for s in (note, knote) if s))
+
+    # -- linalg (bench/bench_linalg.py, another module's workloads) -----------------------------
+    def linalg(self, wanted):
+        L, N, C = self.sizes["linalg"]
+        try:
+            from bench.bench_linalg import bench_linalg
+        except ImportError as e:
+            return [dict(workload=w, size=f"L={L} N={N} C={C}", ours_ms=None, torch_ms=None, kermac_ms=None,
+                         error=None, torch_error=None, unit="ms", note=f"bench_linalg unavailable: {e}")
+                    for w in wanted]
+        rows = []
+        for r in bench_linalg(self.device, L=L, N=N, C=C, warmup=self.warm(3), iters=self.reps()):
+            name, _, size = r["workload"].partition(" ")
+            if name not in wanted:
+                continue
+            row = dict(workload=name, size=size, ours_ms=r.get("ours_ms"), torch_ms=r.get("torch_ms"),
+                       kermac_ms=None, error=r.get("error"), torch_error=r.get("torch_error"), unit="ms",
+                       note="error: max relative residual, float64")
+            add_ratios(row)
+            rows.append(row)
+        return rows
+
+    # -- compile and process start-up -------------------------------------------------------
+    def processes(self, wanted):
+        """cold_compile: first call in a new process with an empty cache directory (seconds).
+        warm_process: first call in a new process with that cache now filled (ms), import time beside."""
+        M, N, K = self.sizes["process"]
+        n_proc = 1 if self.args.quick else min(self.args.repeats, 3)
+        cfg = dict(device=str(self.device), M=M, N=N, K=K, bw=math.sqrt(2.0 * K),
+                   calls=["laplace_l2", "cdist_p1", "cdist_p1.3"])
+        cpu_note = "" if self.device.type == "cuda" else "CPU reference path: nothing is compiled"
+        cold, warm = [], []
+        with tempfile.TemporaryDirectory(prefix="kermac_like_bench_") as tmp:
+            for i in range(n_proc):
+                cache = os.path.join(tmp, f"cold{i}")
+                cold.append(run_child(cfg, cache))
+            if "warm_process" in wanted:
+                for _ in range(n_proc):
+                    warm.append(run_child(cfg, cache))
+        rows = []
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        if "cold_compile" in wanted:
+            first = med([c["calls"]["laplace_l2"] for c in cold])
+            others = {k: round(med([c["calls"][k] for c in cold]) / 1e3, 3) for k in cfg["calls"][1:]}
+            note = (f"first call of run_kernel(laplace_l2) in a new process, empty cache; then "
+                    + ", ".join(f"{k} {v:.2f} s" for k, v in others.items()))
+            rows.append(dict(workload="cold_compile", size=f"{M}x{N}x{K}", ours_ms=first, torch_ms=None,
+                             kermac_ms=None, error=None, torch_error=None, unit="s",
+                             note="; ".join(s for s in (note, cpu_note) if s),
+                             ours_s=first / 1e3, other_first_calls_s=others, processes=n_proc))
+        if "warm_process" in wanted:
+            first = med([c["calls"]["laplace_l2"] for c in warm])
+            imp = med([c["import_ms"] for c in warm])
+            note = f"first call after import in a new process, warm cache; import kermac_like {imp:.0f} ms"
+            rows.append(dict(workload="warm_process", size=f"{M}x{N}x{K}", ours_ms=first, torch_ms=None,
+                             kermac_ms=None, error=None, torch_error=None, unit="ms",
+                             note="; ".join(s for s in (note, cpu_note) if s),
+                             import_ms=imp, processes=n_proc))
+        for r in rows:
+            add_ratios(r)
+        return rows
+
+
+def add_ratios(r):
+    o, t, k = r.get("ours_ms"), r.get("torch_ms"), r.get("kermac_ms")
+    r["speedup"] = t / o if o and t else None
+    r["kermac_speedup"] = k / o if o and k else None
+
+
+def torch_cdist_grad_p2(a, b, c, d):
+    """cdist_grad for p = 2 with torch matmuls, no K x N x M temporary:
+    out[o,n,m] = d[n,m] (c a)[o,m] - sum_k (c[o,k] b[n,k]) a[k,m]."""
+    O, N, K = c.shape[-2], b.shape[-2], c.shape[-1]
+    ca = c @ a  # (..., O, M)
+    cb = (c.unsqueeze(-2) * b.unsqueeze(-3)).reshape(*c.shape[:-2], O * N, K)  # (..., O*N, K)
+    out = (cb @ a).unflatten(-2, (O, N))  # (..., O, N, M)
+    return out.neg_().addcmul_(d.unsqueeze(-3), ca.unsqueeze(-2))
+
+
+def grad_formula_float64(a, b, c, d, p, n, m):
+    """The cdist_grad definition evaluated literally in float64 on out[..., :n, :m]."""
+    a, b, c, d = a[..., :m].double(), b[..., :n, :].double(), c.double(), d[..., :n, :m].double()
+    diff = d.unsqueeze(-2) - b.unsqueeze(-1)  # (..., n, K, m)
+    phi = torch.sign(diff) * diff.abs().pow(p - 1.0)
+    return torch.einsum("...ok,...km,...nkm->...onm", c, a, phi)
+
+
+_CHILD = r"""
+import json, sys, time
+import torch
+cfg = json.loads(sys.argv[1])
+dev = torch.device(cfg["device"])
+x = torch.randn(cfg["M"], cfg["K"], device=dev)
+y = torch.randn(cfg["N"], cfg["K"], device=dev)
+if dev.type == "cuda":
+    torch.cuda.synchronize(dev)  # the CUDA context is torch's cost, not ours
+t0 = time.perf_counter()
+import kermac_like as km
+res = {"import_ms": (time.perf_counter() - t0) * 1e3, "calls": {}}
+for name in cfg["calls"]:
+    t0 = time.perf_counter()
+    if name == "laplace_l2":
+        out = km.run_kernel(km.preset("laplace_l2"), x, y, bandwidth=cfg["bw"])
+    else:
+        out = km.cdist(x, y, p=float(name[len("cdist_p"):]))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    res["calls"][name] = (time.perf_counter() - t0) * 1e3
+print("RESULT " + json.dumps(res))
+"""
+
+
+def run_child(cfg, cache_dir):
+    env = dict(os.environ, KERMAC_LIKE_CACHE_DIR=cache_dir)
+    env.pop("KERMAC_LIKE_DEBUG", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    p = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cfg)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"child process failed (exit {p.returncode}): {p.stderr.strip()[-2000:]}")
+
+
+# -- output -----------------------------------------------------------------------------------
+def fmt_time(ms, unit="ms"):
+    if ms is None:
+        return "-"
+    if unit == "s":
+        return f"{ms / 1e3:.2f} s"
+    if ms >= 100:
+        return f"{ms:,.0f} ms"
+    return f"{ms:.3g} ms" if ms >= 1 else f"{ms:.3f} ms"
+
+
+def fmt_ratio(x):
+    return "-" if x is None else f"{x:.2f}x" if x < 10 else f"{x:.1f}x"
+
+
+def fmt_err(x):
+    return "-" if x is None else f"{x:.1e}"
+
+
+def markdown(meta, rows):
+    with_k = any(r.get("kermac_ms") is not None for r in rows)
+    head = ["workload", "size", "kermac_like", "torch", "speed-up vs torch"]
+    if with_k:
+        head += ["Kermac", "speed-up vs Kermac"]
+    head += ["error vs fp64", "torch error", "notes"]
+    lines = [f"Device: {meta['device']}; {meta['path']}; torch {meta['torch']}; kermac_like {meta['kermac_like']}; "
+             f"{meta['date']}" + (" (--quick sizes)" if meta["quick"] else ""),
+             "",
+             "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for r in rows:
+        unit = r.get("unit", "ms")
+        cells = [r["workload"], r["size"], fmt_time(r.get("ours_ms"), unit), fmt_time(r.get("torch_ms"), unit),
+                 fmt_ratio(r.get("speedup"))]
+        if with_k:
+            cells += [fmt_time(r.get("kermac_ms"), unit), fmt_ratio(r.get("kermac_speedup"))]
+        cells += [fmt_err(r.get("error")), fmt_err(r.get("torch_error")), r.get("note", "").replace("|", "/")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no PNG (pip install matplotlib)"
+    shown = [r for r in rows if r.get("speedup") or r.get("kermac_speedup")]
+    if not shown:
+        return "no row with a speed-up to plot"
+    series = [("vs torch", "speedup", "tab:blue")]
+    if any(r.get("kermac_speedup") for r in shown):
+        series.append(("vs Kermac", "kermac_speedup", "tab:orange"))
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(shown) * len(series) + 1.5))
+    h = 0.8 / len(series)
+    everything = [1.0]
+    for j, (label, key, color) in enumerate(series):
+        ys = [i + j * h for i in range(len(shown))]
+        vals = [r.get(key) or 1.0 for r in shown]
+        everything += vals
+        # bars grow from 1x: right of the line is faster than the baseline, left is slower
+        ax.barh(ys, [v - 1.0 for v in vals], left=1.0, height=h, color=color, label=f"speed-up {label}")
+        for y, v, r in zip(ys, vals, shown):
+            if r.get(key):
+                ax.text(v, y, f" {v:.2f}x " if v < 10 else f" {v:.1f}x ", va="center", fontsize=8,
+                        ha="left" if v >= 1 else "right")
+    ax.set_yticks([i + h * (len(series) - 1) / 2 for i in range(len(shown))])
+    ax.set_yticklabels([r["workload"] for r in shown])
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlim(min(everything) / 2.0, max(everything) * 2.0)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}x"))
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("speed-up = baseline time / kermac_like time (log scale; right of 1x is faster)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+class Progress:
+    """tqdm on a terminal when it is installed, else a counter on stderr."""
+
+    def __init__(self, total):
+        self.total, self.done = total, 0
+        self.bar = None
+        if sys.stderr.isatty():  # a redrawn bar is noise in a log file
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, file=sys.stderr, unit="workload", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def start(self, name):
+        if self.bar is not None:
+            self.bar.set_description(name)
+        else:
+            print(f"[{self.done + 1}/{self.total}] {name} ...", file=sys.stderr, flush=True)
+
+    def write(self, text):
+        (self.bar.write if self.bar is not None else lambda s: print(s, file=sys.stderr))(text)
+
+    def step(self, n=1):
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def device_info(device):
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        name = f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]})"
+        path = "fused CUDA kernels" if cap >= (8, 0) else "torch reference path (GPU older than sm_80)"
+        return name, path
+    return "cpu", "CPU reference path"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="kermac_like vs torch (and Kermac): the benchmark table",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="folder for results.json, speedup.png, table.md")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds; a CPU runs the reference path)")
+    ap.add_argument("--only", action="append", metavar="NAME", help=f"run only these workloads: {', '.join(WORKLOADS)}")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed calls per measurement (default 10, 3 with --quick)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2, 1 with --quick)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 10
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 2
+    wanted = list(WORKLOADS)
+    if args.only:
+        bad = [w for w in args.only if w not in WORKLOADS]
+        if bad:
+            ap.error(f"--only: unknown workload(s) {bad}; valid: {', '.join(WORKLOADS)}")
+        wanted = [w for w in WORKLOADS if w in args.only]
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dev_name, path = device_info(device)
+    meta = dict(device=dev_name, path=path,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                torch=torch.__version__, cuda=torch.version.cuda, kermac_like=km.__version__,
+                kermac=getattr(kermac, "__version__", "installed") if kermac is not None else None,
+                python=sys.version.split()[0], quick=args.quick, repeats=args.repeats, warmup=args.warmup,
+                argv=sys.argv[1:] if argv is None else list(argv))
+    print(f"device: {dev_name}: {path}; torch {torch.__version__}, kermac_like {km.__version__}"
+          + (f", Kermac {meta['kermac']}" if kermac is not None else ", Kermac not installed")
+          + (" [--quick sizes]" if args.quick else ""), flush=True)
+
+    bench = Bench(args, device)
+    steps = []  # (label, thunk returning a list of rows)
+    for w in wanted:
+        if w.startswith("cdist_grad_p"):
+            steps.append((w, lambda p=float(w[len("cdist_grad_p"):]): [bench.cdist_grad(p)]))
+        elif w.startswith("cdist_p"):
+            p = float(w[len("cdist_p"):])
+            caps = {1.0: (None, 3), 1.3: (5, 2)}.get(p, (None, None))
+            steps.append((w, lambda p=p, caps=caps: [bench.cdist(p, *caps)]))
+        elif w == "laplace_l2_kernel":
+            steps.append((w, lambda: [bench.laplace()]))
+    lin = [w for w in wanted if w in LINALG]
+    if lin:
+        steps.append(("linalg (" + ", ".join(lin) + ")", lambda: bench.linalg(lin)))
+    proc = [w for w in wanted if w in ("cold_compile", "warm_process")]
+    if proc:
+        steps.append(("new processes (" + ", ".join(proc) + ")", lambda: bench.processes(proc)))
+
+    rows, failed = [], []
+    progress = Progress(len(steps))
+    t_start = time.perf_counter()
+    for label, thunk in steps:
+        progress.start(label)
+        try:
+            got = thunk()
+        except Exception as e:  # one broken workload must not lose the others
+            failed.append(label)
+            progress.write(f"{label}: FAILED: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
+            names = [label] if label in WORKLOADS else [w for w in wanted if w in label]
+            got = [dict(workload=n, size="", ours_ms=None, torch_ms=None, kermac_ms=None, error=None,
+                        torch_error=None, unit="ms", note=f"failed: {type(e).__name__}: {str(e)[:200]}",
+                        speedup=None, kermac_speedup=None) for n in names]
+        for r in got:
+            progress.write(f"  {r['workload']}: ours {fmt_time(r.get('ours_ms'), r.get('unit', 'ms'))}, "
+                           f"torch {fmt_time(r.get('torch_ms'), r.get('unit', 'ms'))}, "
+                           f"speed-up {fmt_ratio(r.get('speedup'))}, error {fmt_err(r.get('error'))}")
+        rows += got
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        progress.step()
+    progress.close()
+    meta["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    order = {w: i for i, w in enumerate(WORKLOADS)}
+    rows.sort(key=lambda r: order.get(r["workload"], len(order)))
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
+    table = markdown(meta, rows)
+    (out / "table.md").write_text(table)
+    why = plot(rows, out / "speedup.png", f"kermac_like speed-ups, {dev_name}, {meta['date'][:10]}")
+    print(f"wrote {out / 'results.json'}, {out / 'table.md'}"
+          + (f", {out / 'speedup.png'}" if why is None else f" ({why})")
+          + f"; {meta['total_seconds']} s in all")
+    if failed:
+        print(f"FAILED workloads: {', '.join(failed)}")
+    print()
+    print(table, end="")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The example CLIs and the benchmark run end to end (--quick -d), plus the RFM
+gradient mapping and the benchmark's torch formulas against independent oracles.
+
+Each script runs in a subprocess with ``sys.executable``; on a machine without
+CUDA they take the CPU reference path.  The kernel cache directory comes from
+conftest's private ``KERMAC_LIKE_CACHE_DIR`` (inherited by the subprocesses).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+BENCH = ROOT / "bench"
+
+# script -> a line every successful run prints
+KEY_LINES = {
+    "cdist.py": "relative error vs float64",
+    "cdist_grad.py": "relative error vs float64",
+    "build_a_kernel.py": "worst relative error",
+    "broadcast_kernel.py": "worst difference batched vs loop",
+    "kernel_regression.py": "KernelRidge",
+    "rfm.py": "relative test MSE",
+    "linalg.py": "",
+}
+
+
+def _run(args, timeout=240, **kw):
+    env = dict(os.environ)
+    env.pop("KERMAC_LIKE_DEBUG", None)
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout, **kw)
+    return p, p.stdout + p.stderr
+
+
+def _sys_path_for_examples():
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+@pytest.mark.parametrize("script", sorted(KEY_LINES))
+def test_example_quick_debug(script):
+    path = EXAMPLES / script
+    if not path.exists():
+        pytest.skip(f"examples/{script} is not in this checkout")
+    p, out = _run([str(path), "--quick", "-d"])
+    assert p.returncode == 0, out[-4000:]
+    assert KEY_LINES[script] in p.stdout, out[-4000:]
+    if not torch.cuda.is_available():
+        assert "CPU reference path" in p.stdout or script == "linalg.py", p.stdout[-2000:]
+    # -d shows the library's activity (JIT/cache on a GPU, the chosen path on a CPU)
+    assert "kermac_like" in p.stderr, p.stderr[-2000:]
+
+
+def test_kernel_regression_without_sklearn():
+    """scikit-learn is an optional extra: the example must still run and say what it skipped."""
+    code = (
+        "import sys, runpy; sys.modules['sklearn'] = None; "  # makes `import sklearn` fail
+        f"sys.path.insert(0, {str(EXAMPLES)!r}); "
+        f"sys.argv = ['kernel_regression.py', '--quick']; "
+        f"runpy.run_path({str(EXAMPLES / 'kernel_regression.py')!r}, run_name='__main__')"
+    )
+    p, out = _run(["-c", code])
+    assert p.returncode == 0, out[-4000:]
+    assert "comparison skipped" in p.stdout, out[-4000:]
+    assert "synthetic" in p.stdout
+
+
+def test_bench_quick(tmp_path):
+    p, out = _run([str(BENCH / "run.py"), "--quick", "--out", str(tmp_path), "--repeats", "2"], timeout=300)
+    assert p.returncode == 0, out[-4000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    names = [r["workload"] for r in res["rows"]]
+    for w in ("cdist_p1", "cdist_p1.3", "cdist_p2", "laplace_l2_kernel", "cdist_grad_p2", "cdist_grad_p1",
+              "cdist_grad_p1.3", "cold_compile", "warm_process"):
+        assert w in names
+    for r in res["rows"]:
+        if r["workload"].startswith("cdist") or r["workload"] == "laplace_l2_kernel":
+            assert r["ours_ms"] > 0 and r["error"] < 1e-5, r
+    table = (tmp_path / "table.md").read_text()
+    assert "| workload |" in table
+    assert table.strip().splitlines()[-1] in p.stdout  # the table is printed last, as written
+    if not torch.cuda.is_available():
+        assert res["path"] == "CPU reference path"
+        assert "CPU reference path" in p.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert (tmp_path / "speedup.png").stat().st_size > 0
+
+
+def test_bench_rejects_unknown_workload(tmp_path):
+    p, out = _run([str(BENCH / "run.py"), "--quick", "--out", str(tmp_path), "--only", "nope"])
+    assert p.returncode == 2 and "unknown workload" in out
+
+
+# -- pure-CPU checks of the formulas the examples and the benchmark rely on ---------------------
+def _autograd_laplace_grad(x, alpha, z, mhalf, bw):
+    """d/dz of f_o(z) = sum_i alpha[o,i] exp(-||(z - x_i) mhalf|| / bw), by torch.autograd (float64)."""
+    zz = z.clone().requires_grad_(True)
+    f = torch.exp(-((zz.unsqueeze(1) - x.unsqueeze(0)) @ mhalf).norm(dim=-1) / bw) @ alpha.T  # (m, O)
+    return torch.stack([torch.autograd.grad(f[:, o].sum(), zz, retain_graph=True)[0] for o in range(f.shape[1])])
+
+
+@pytest.mark.parametrize("n,m,D,O", [(30, 17, 5, 1), (41, 23, 7, 3)])
+def test_rfm_gradient_matches_autograd(n, m, D, O):
+    _sys_path_for_examples()
+    import rfm
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    z = torch.randn(m, D, generator=g, dtype=torch.float64)
+    alpha = torch.randn(O, n, generator=g, dtype=torch.float64)
+    mhalf = torch.eye(D, dtype=torch.float64) + 0.4 * torch.randn(D, D, generator=g, dtype=torch.float64)
+    want = _autograd_laplace_grad(x, alpha, z, mhalf, 1.7)
+    got = rfm.laplace_gradients(x, alpha, z, mhalf, 1.7)
+    assert got.shape == (O, m, D)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_rfm_gradient_at_training_points_is_finite():
+    """Evaluated at the training points themselves (as RFM does) the self term contributes 0."""
+    _sys_path_for_examples()
+    import rfm
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(25, 4, generator=g, dtype=torch.float64)
+    alpha = torch.randn(1, 25, generator=g, dtype=torch.float64)
+    mhalf = torch.eye(4, dtype=torch.float64)
+    got = rfm.laplace_gradients(x, alpha, x, mhalf, 2.0)
+    assert torch.isfinite(got).all()
+    # oracle: autograd with the self term removed (its cusp has no gradient)
+    for j in range(3):
+        keep = torch.arange(25) != j
+        want = _autograd_laplace_grad(x[keep], alpha[:, keep], x[j:j + 1], mhalf, 2.0)
+        torch.testing.assert_close(got[:, j:j + 1], want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_rfm_gradient_on_gpu():
+    _sys_path_for_examples()
+    import rfm
+
+    assert rfm.gradient_check(torch.device("cuda")) < 1e-4
+
+
+def test_bench_torch_cdist_grad_formulas():
+    _sys_path_for_examples()
+    from bench.run import grad_formula_float64, torch_cdist_grad_p2
+    from kermac_like.reference import cdist_grad_reference
+
+    g = torch.Generator().manual_seed(0)
+    L, K, M, N, O = 2, 13, 11, 5, 3
+    a = torch.rand(L, K, M, generator=g, dtype=torch.float64)
+    b = torch.randn(L, N, K, generator=g, dtype=torch.float64)
+    c = torch.randn(L, O, K, generator=g, dtype=torch.float64)
+    d = torch.randn(L, N, M, generator=g, dtype=torch.float64)
+    want = cdist_grad_reference(a, b, c, d, 2.0)
+    torch.testing.assert_close(torch_cdist_grad_p2(a, b, c, d), want)
+    for p in (1.0, 1.3, 2.0):
+        ref = cdist_grad_reference(a, b, c, d, p)
+        torch.testing.assert_close(grad_formula_float64(a, b, c, d, p, 4, 7), ref[..., :4, :7])

@@ -156,7 +156,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str):
     outv = analyse_output("out", out, call.out_shape, call.dtype, call.device)
     tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
     plan = _plan(call, tensors)
-    vec_ok = av.vector_ok() and bv.vector_ok() and outv.vector_ok() and _aligned(plan, ("a", "b", "out"), 4)
+    vec_ok = av.vector_ok() and bv.vector_ok() and _aligned(plan, ("a", "b"), 4)
     spec = distance_spec(call.desc, av.layout, bv.layout, outv.layout, 4 if vec_ok else 1)
     return spec, (av, bv, outv), tensors, plan, "simt"
 

@@ -15,11 +15,11 @@ __all__ = ["precompile", "specs_for_descriptor"]
 def specs_for_descriptor(desc: KernelDescriptor) -> list:
     """Every instantiation a call with ``desc`` can reach for row/column-major
     inputs and a row-major output (a column-major ``out`` compiles on demand)."""
-    specs = [
+    specs = list(dict.fromkeys(
         distance_spec(desc, a, b, Layout.ROW_MAJOR, vec)
         for a, b in itertools.product(Layout, Layout)
         for vec in (4, 1)
-    ]
+    ))
     specs += mma_specs_for(desc)
     return specs
 

@@ -202,7 +202,8 @@ def _compile_group(specs: tuple, arch: str):
             name_expressions=exprs,
         ) from None
     seconds = time.perf_counter() - t0
-    mapping = dict(obj.symbol_mapping) if hasattr(obj, "symbol_mapping") else dict(obj._sym_map)
+    raw = obj.symbol_mapping if hasattr(obj, "symbol_mapping") else obj._sym_map
+    mapping = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in dict(raw).items()}
     missing = [e for e in exprs if e not in mapping]
     if missing:
         raise CompileError(

@@ -107,6 +107,7 @@ sizes and stream assignment to the ``kermac_like.linalg`` logger at DEBUG level.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import ctypes
 import logging
 import os
@@ -332,6 +333,10 @@ _lock = threading.Lock()
 _streams: dict[int, list] = {}  # device index -> [torch.cuda.Stream], grown to <= MAX_STREAMS
 _solvers: list["_Solver"] = []  # every handle set ever made (for atexit and adoption)
 _local = threading.local()  # .solvers: {device index: _Solver} of this thread
+_host_pools: dict = {}  # device index -> ThreadPoolExecutor (see _host_pool)
+# xsyevd blocks the calling host thread inside each call; issuing the entries of a
+# batch from one worker thread per stream slot lets them overlap on the GPU.
+EIGH_HOST_THREADS = os.environ.get("KERMAC_LIKE_LINALG_THREADS", "1") != "0"
 _atexit_registered = False
 
 
@@ -361,6 +366,7 @@ class _Solver:
                 f"cuSOLVER library matching your CUDA (e.g. nvmath-python[cu12] or [cu13])"
             ) from e
         self.handles: list[int] = []
+        self.slot_params: list[int] = []  # one params object per slot for concurrent host threads
         self.fork = torch.cuda.Event()
         self.joins: list = []
         # (event, host buffers) kept alive until the event completes
@@ -370,6 +376,7 @@ class _Solver:
         while len(self.handles) < count:
             handle = self.cs.create()
             self.handles.append(handle)
+            self.slot_params.append(self.cs.create_params())
             self.joins.append(torch.cuda.Event())
             if log:
                 logger.debug(
@@ -381,7 +388,10 @@ class _Solver:
         cs = self.cs
         for handle in self.handles:
             cs.destroy(handle)
+        for prm in self.slot_params:
+            cs.destroy_params(prm)
         self.handles = []
+        self.slot_params = []
         if self.params:
             cs.destroy_params(self.params)
             self.params = 0
@@ -442,7 +452,19 @@ def cache_info() -> dict:
         }
 
 
-def _run_batched(cs, device, batch, query, enqueue, *, extra_slot_bytes=0, log=False, what=""):
+def _host_pool(device: int):
+    """Worker threads that issue cuSOLVER calls for several stream slots at once
+    (routines such as xsyevd wait on the host inside each call)."""
+    with _lock:
+        pool = _host_pools.get(device)
+        if pool is None:
+            pool = _host_pools[device] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=MAX_STREAMS, thread_name_prefix=f"kermac_like-linalg-{device}")
+        return pool
+
+
+def _run_batched(cs, device, batch, query, enqueue, *, extra_slot_bytes=0, log=False, what="",
+                 host_threads=False):
     """Fork ``batch`` entries over the stream pool, enqueue them, join back.
 
     ``query(handle, params) -> (device_bytes, host_bytes)`` sizes one entry's
@@ -481,17 +503,30 @@ def _run_batched(cs, device, batch, query, enqueue, *, extra_slot_bytes=0, log=F
     for k in range(slots):
         streams[k].wait_event(solver.fork)
         cs.set_stream(solver.handles[k], streams[k].cuda_stream)
+    def issue(i, prm):
+        k = i % slots
+        slot = base + k * (stride + extra)
+        host_ptr = 0
+        if host_bufs is not None:
+            host_ptr = _buffer_address(host_bufs[k])
+        if log:
+            logger.debug("%s: entry %d -> stream slot %d (stream 0x%x)",
+                         what, i, k, streams[k].cuda_stream)
+        enqueue(i, solver.handles[k], prm, slot, dev_bytes, host_ptr, host_bytes, slot + stride)
+
+    def issue_slot_in_worker(k):
+        with torch.cuda.device(device):  # the worker thread's current context
+            for i in range(k, batch, slots):
+                issue(i, solver.slot_params[k])
+
     try:
-        for i in range(batch):
-            k = i % slots
-            slot = base + k * (stride + extra)
-            host_ptr = 0
-            if host_bufs is not None:
-                host_ptr = _buffer_address(host_bufs[k])
-            if log:
-                logger.debug("%s: entry %d -> stream slot %d (stream 0x%x)",
-                             what, i, k, streams[k].cuda_stream)
-            enqueue(i, solver.handles[k], params, slot, dev_bytes, host_ptr, host_bytes, slot + stride)
+        if host_threads and slots > 1:
+            futures = [_host_pool(device).submit(issue_slot_in_worker, k) for k in range(slots)]
+            for f in futures:
+                f.result()
+        else:
+            for i in range(batch):
+                issue(i, params)
     finally:
         # Join even if a call raised, so the current stream stays ordered.
         for k in range(slots):
@@ -691,4 +726,4 @@ def _eigh_gpu(cs, work, w, info, L, n, log):
                   dt, w_ptr + i * n * esize, dt, ws, ws_bytes, host, host_bytes, i_ptr + 4 * i)
 
     with torch.cuda.device(device):
-        _run_batched(cs, device, L, query, enqueue, log=log, what="eigh")
+        _run_batched(cs, device, L, query, enqueue, log=log, what="eigh", host_threads=EIGH_HOST_THREADS)

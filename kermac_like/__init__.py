@@ -13,6 +13,11 @@ Public API::
 """
 
 from ._version import __version__
+
+try:  # the launcher's runtime; imported up front so a first call pays no import
+    import cuda.core  # noqa: F401
+except ImportError:  # CPU-only use still works through the reference path
+    pass
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from .distance import cdist, run_kernel
 from .precompile import precompile

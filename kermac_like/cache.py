@@ -86,11 +86,10 @@ __all__ = [
 
 logger = logging.getLogger("kermac_like.cache")
 
-# Bump SCHEMA_VERSION with any change to the tables below: a file stamped with
-# another version is then moved aside and rebuilt. Rename DB_FILENAME as well
-# if old and new package versions should keep separate caches side by side.
-SCHEMA_VERSION = 1
-DB_FILENAME = "kernels-v1.sqlite"
+# The file location and the schema stamp are shared with the SQLAlchemy-free
+# warm-start reader (cache_read.py); bump SCHEMA_VERSION there with any change
+# to the tables below.
+from .cache_read import DB_FILENAME, SCHEMA_VERSION, default_cache_dir  # noqa: E402
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
 BUSY_TIMEOUT_S = 30.0
@@ -98,7 +97,7 @@ BUSY_TIMEOUT_S = 30.0
 _ENV_DIR = "KERMAC_LIKE_CACHE_DIR"
 _ENV_MAX_BYTES = "KERMAC_LIKE_CACHE_MAX_BYTES"
 
-_TOUCH_INTERVAL_S = 60.0  # last_used_at is refreshed at most this often per module
+from .cache_read import TOUCH_INTERVAL_S as _TOUCH_INTERVAL_S  # noqa: E402
 _LOCKED_RETRIES = 5  # on top of the busy timeout, which already waits
 _IN_CHUNK = 500  # keys per IN (...) clause, well below SQLite's variable limit
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
@@ -238,28 +237,6 @@ def _chunks(items: Sequence[T], size: int = _IN_CHUNK) -> Iterator[Sequence[T]]:
 
 
 # --------------------------------------------------------------------------- locations
-
-
-def default_cache_dir() -> Path:
-    """``$KERMAC_LIKE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kermac_like``, else the
-    platform's user cache dir (``~/.cache/kermac_like`` on Linux)."""
-    env = os.environ.get(_ENV_DIR)
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg and os.path.isabs(xdg):  # the XDG spec says to ignore relative values
-        return Path(xdg) / "kermac_like"
-    try:
-        home = Path.home()
-    except (KeyError, RuntimeError):  # no HOME and no passwd entry (some containers)
-        user = os.getuid() if hasattr(os, "getuid") else "user"
-        return Path(tempfile.gettempdir()) / f"kermac_like-cache-{user}"
-    if sys.platform == "darwin":
-        return home / "Library" / "Caches" / "kermac_like"
-    if sys.platform.startswith("win"):
-        local = os.environ.get("LOCALAPPDATA")
-        return (Path(local) if local else home / "AppData" / "Local") / "kermac_like" / "Cache"
-    return home / ".cache" / "kermac_like"
 
 
 _SIZE_RE = re.compile(r"(\d+)\s*(?:([kmgt])(?:i?b)?|b)?", re.IGNORECASE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ from ._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from .descriptor import PRESETS, KernelDescriptor, PowerType
 from .layout import Layout, analyse_matrix, analyse_output, batch_strides, broadcast_batch_shape, plan_batch
 from .reference import cdist_reference, distance_reference
-from .render import distance_spec, mma_spec
+from .render import distance_spec, mma_spec, wgmma_spec
 
 log = logging.getLogger("kermac_like.distance")
 
@@ -146,7 +147,12 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str):
         tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
         plan = _plan(call, tensors)
         per = 16 // call.a.element_size()
-        spec = mma_spec(call.desc, av, bv, outv, tf32=_tf32_allowed(), batch_offsets_ok=_aligned(plan, ("a", "b"), per))
+        offsets_ok = _aligned(plan, ("a", "b"), per)
+        spec = None
+        if _wgmma_enabled(call.device):
+            spec = wgmma_spec(call.desc, av, bv, outv, tf32=_tf32_allowed(), batch_offsets_ok=offsets_ok)
+        if spec is None:
+            spec = mma_spec(call.desc, av, bv, outv, tf32=_tf32_allowed(), batch_offsets_ok=offsets_ok)
         if spec is not None:
             return spec, (av, bv, outv), tensors, plan, "tensor-core"
     if call.dtype != torch.float32:
@@ -207,6 +213,14 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
         args += [np.int64(call.reg_diag), eps]
         launch(kernel, grid, tuple(args), debug=debug)
     return out
+
+
+def _wgmma_enabled(device) -> bool:
+    """The sm_90a (wgmma) kernel serves float32 tensor-core calls on sm_90 devices when
+    ``KERMAC_LIKE_WGMMA=1`` (opt-in until it has been validated on the GPU)."""
+    if os.environ.get("KERMAC_LIKE_WGMMA", "0") != "1":
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def _tf32_allowed() -> bool:

@@ -9,6 +9,7 @@ the host, and a hit in the in-process dict does no I/O.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -90,25 +91,26 @@ def get_kernel(spec: KernelSpec, device: int, *, debug: bool = False) -> LoadedK
         hit = _functions.get((device, spec))
         if hit is not None:
             return hit
-        from .cache import get_cache
+        from .cache_read import read_kernel
 
         t0 = time.perf_counter()
         arch = arch_of_device(device)
         key = kernel_key(spec, arch)
-        cache = get_cache()
-        entry = cache.get(key)
         source = "cache"
-        if entry is None:
-            source = "compiled"
-            record, resources = compile_specs([spec], arch, debug=debug)
-            cache.put(record)
-            cubin, lowered, module_sha = record.cubin, record.kernels[0][2], None
-        else:
-            cubin, lowered, module_sha = entry.cubin, entry.lowered_name, entry.module_sha256
-        if module_sha is None:
-            import hashlib
+        found = read_kernel(key)  # warm start without SQLAlchemy
+        if found is None:
+            from .cache import get_cache
 
-            module_sha = hashlib.sha256(cubin).hexdigest()
+            cache = get_cache()
+            entry = cache.get(key)
+            if entry is None:
+                source = "compiled"
+                record, _ = compile_specs([spec], arch, debug=debug)
+                cache.put(record)
+                found = (record.cubin, record.kernels[0][2], hashlib.sha256(record.cubin).hexdigest())
+            else:
+                found = (entry.cubin, entry.lowered_name, entry.module_sha256)
+        cubin, lowered, module_sha = found
         _make_current(device)
         core = _core()
         module = _modules.get((device, module_sha))

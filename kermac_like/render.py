@@ -28,6 +28,7 @@ __all__ = [
     "KernelSpec",
     "render_source",
     "distance_spec",
+    "wgmma_spec",
     "shipped_specs",
     "FAMILIES",
 ]
@@ -181,6 +182,39 @@ def _mma_shipped():
 
 FAMILIES["distance_mma"] = _mma_shipped
 
+
+
+# -- distance on Hopper tensor cores (wgmma, sm_90a) ---------------------------------------
+# Mirror of kermac_like::DistanceWgmmaTraits (cuda_templates/distance_wgmma.cuh): float32
+# data only; the dynamic shared memory depends on the precision (3xTF32 keeps a ring of
+# "small" tiles). Compiled for "sm_90a" (arch_suffix "a"): wgmma exists on no other target.
+WGMMA_LAUNCH = {
+    False: LaunchShape(threads=256, block_m=128, block_n=256, smem_bytes=223744),  # Tf32x3
+    True: LaunchShape(threads=256, block_m=128, block_n=256, smem_bytes=150016),  # Tf32
+}
+
+
+def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False) -> KernelSpec:
+    outer = "kermac_like::Power::Noop" if desc.outer_power is PowerType.NOOP else "kermac_like::Power::Sqrt"
+    precision = "kermac_like::Precision::Tf32" if tf32 else "kermac_like::Precision::Tf32x3"
+    row = Layout.ROW_MAJOR.cpp
+    traits = (
+        f"kermac_like::DistanceWgmmaTraits<{desc.inner_operator.cpp}, {outer}, {desc.kernel_type.cpp}, "
+        f"{row}, {row}, {out.cpp}, {precision}, float>"
+    )
+    return KernelSpec("distance_wgmma.cuh", "kermac_like::distance_wgmma_kernel", traits, WGMMA_LAUNCH[tf32],
+                      arch_suffix="a")
+
+
+def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True):
+    """The sm_90a (wgmma) instantiation for these operand views, or None when it does
+    not apply: the requirements of :func:`mma_spec`, float32 data only. The caller
+    checks that the device is sm_90."""
+    if a.tensor.dtype != torch.float32:
+        return None
+    if mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok) is None:
+        return None
+    return wgmma_traits_spec(desc, out.layout, tf32=tf32)
 
 # -- cdist_grad --------------------------------------------------------------------------
 # Mirror of kermac_like::CdistGradTraits (cuda_templates/cdist_grad.cuh).

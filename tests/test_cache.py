@@ -625,7 +625,11 @@ import hashlib, importlib.util, json, logging, os, random, sys, time
 logging.basicConfig(level=logging.DEBUG, format="%(process)d %(relativeCreated)d %(message)s")
 cache_py, directory, rank, n_modules, n_kernels, sync = sys.argv[1:]
 rank, n_modules, n_kernels = int(rank), int(n_modules), int(n_kernels)
-spec = importlib.util.spec_from_file_location("kermac_like_cache_standalone", cache_py)
+import types
+pkg = types.ModuleType("kermac_like_standalone")  # a bare parent: cache.py's relative
+pkg.__path__ = [os.path.dirname(cache_py)]        # imports resolve without running __init__
+sys.modules[pkg.__name__] = pkg
+spec = importlib.util.spec_from_file_location("kermac_like_standalone.cache", cache_py)
 kc = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = kc
 spec.loader.exec_module(kc)
@@ -740,3 +744,27 @@ def test_get_cache_is_thread_safe(tmp_path):
     for th in threads:
         th.join()
     assert len(seen) == 8 and all(c is seen[0] for c in seen)
+
+
+# -- the SQLAlchemy-free warm-start reader ---------------------------------------------------
+def test_fast_reader_agrees_with_cache(tmp_path, monkeypatch):
+    import sqlite3
+
+    from kermac_like.cache_read import DB_FILENAME, read_kernel
+
+    monkeypatch.setenv("KERMAC_LIKE_CACHE_DIR", str(tmp_path))
+    cubin = os.urandom(5000)
+    k = hashlib.sha256(b"fast-reader").hexdigest()
+    with KernelCache(tmp_path) as c:
+        c.put(ModuleRecord(cubin, "sm_90", 0.5, "13.0", "-arch=sm_90", ((k, "kern<1>", "_Zkern1"),)))
+    got = read_kernel(k)
+    assert got == (cubin, "_Zkern1", hashlib.sha256(cubin).hexdigest())
+    assert read_kernel(hashlib.sha256(b"absent").hexdigest()) is None
+    db = sqlite3.connect(tmp_path / DB_FILENAME)
+    with db:
+        db.execute("UPDATE modules SET cubin = ?", (b"tampered",))
+    assert read_kernel(k) is None  # the full cache then removes the row
+    with db:
+        db.execute("PRAGMA user_version = 99")
+    db.close()
+    assert read_kernel(k) is None

@@ -91,6 +91,8 @@ def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwi
     if descriptor.needs_inner_p:
         if inner_p is None:
             raise ValueError(f"p: {descriptor!r} has a POW inner power; pass p or inner_p")
+        if isinstance(inner_p, float) and inner_p == 0:
+            raise ValueError("inner_p: must be > 0 for a POW inner power (cdist(p=0) counts non-zeros instead)")
     else:
         inner_p = None
     if descriptor.needs_outer_p:

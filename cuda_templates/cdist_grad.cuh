@@ -38,7 +38,11 @@ namespace kermac_like {
 // ---------------------------------------------------------------------------
 // Traits: every launch constant derives from the two template parameters.
 // ---------------------------------------------------------------------------
-template <Power kPower_, int kVec_>
+// kSignFma_ (Power::Abs only; default 0): 1 generates sgn(d - b) * a on the
+// FMA pipe (FADD, FFMA.SAT, FFMA, no predicates) instead of with compares and
+// selects on the ALU pipe; see WeightGen<Power::Abs>.  kMinBlocksPerSM_: the
+// occupancy the registers are budgeted for (2: up to 255 registers).
+template <Power kPower_, int kVec_, int kSignFma_ = 0, int kMinBlocksPerSM_ = 2>
 struct CdistGradTraits {
   static_assert(kPower_ == Power::Abs || kPower_ == Power::Square || kPower_ == Power::Pow,
                 "CdistGradTraits: the power must be Power::Abs (p == 1), Power::Square "
@@ -46,8 +50,12 @@ struct CdistGradTraits {
   static_assert(kVec_ == 1 || kVec_ == 4,
                 "CdistGradTraits: kVec must be 1 (any alignment) or 4 (16-byte vectors)");
 
+  static_assert(kSignFma_ == 0 || kSignFma_ == 1, "CdistGradTraits: kSignFma must be 0 or 1");
+  static_assert(kMinBlocksPerSM_ >= 1 && kMinBlocksPerSM_ <= 4, "CdistGradTraits: kMinBlocksPerSM in 1..4");
+
   static constexpr Power kPower = kPower_;
   static constexpr int kVec = kVec_;
+  static constexpr bool kSignFma = kSignFma_ == 1;
 
   // Thread tile: kPairN x kPairM (n, m) pairs (m consecutive) times an
   // o-chunk of at most kOChunk outputs, all in registers.
@@ -66,7 +74,7 @@ struct CdistGradTraits {
   // outputs runs a narrow instance (see run_tile).
   static constexpr int kOChunk = 16;
   static constexpr int kONarrow = 4;
-  static constexpr int kMinBlocksPerSM = 2;
+  static constexpr int kMinBlocksPerSM = kMinBlocksPerSM_;
   static constexpr int kSmemBytes = 0;  // static shared memory only
 
   // Shared-memory pitches (floats).  b and c are stored transposed, k-major,
@@ -264,28 +272,37 @@ struct ChunkLoader {
 // kZeroSafe (Pow only) zeroes diff == 0 explicitly; it is needed when
 // p - 1 <= 0, where 2^((p-1) * log2 0) is 1 (p == 1), inf (p < 1) or NaN.
 // ---------------------------------------------------------------------------
-template <Power kPower, bool kZeroSafe>
+template <Power kPower, bool kZeroSafe, bool kSignFma = false>
 struct WeightGen;
 
-template <bool kZeroSafe>
-struct WeightGen<Power::Abs, kZeroSafe> {
+template <bool kZeroSafe, bool kSignFma>
+struct WeightGen<Power::Abs, kZeroSafe, kSignFma> {
   float q;  // unused
   __device__ __forceinline__ float operator()(float a, float b, float d) const {
-    // Two compares and two selects; exact, sgn(0) = 0.
-    return d > b ? a : (d < b ? -a : 0.0f);
+    if constexpr (kSignFma) {
+      // u = sat(0.5 + (d - b) 2^127) is exactly 0, 1/2 or 1 (d < b, d == b,
+      // d > b) whenever |d - b| >= 2^-128, and 2a u - a is then exactly -a, 0
+      // or a: FADD, FFMA.SAT, FFMA (a + a is shared by the n of a thread).
+      // Differences below 2^-128 give a fraction of +-a; NaN gives -a.
+      const float u = __saturatef(fmaf(d - b, 1.7014118346046923e38f, 0.5f));
+      return fmaf(a + a, u, -a);
+    } else {
+      // Two compares and two selects; exact, sgn(0) = 0.
+      return d > b ? a : (d < b ? -a : 0.0f);
+    }
   }
 };
 
-template <bool kZeroSafe>
-struct WeightGen<Power::Square, kZeroSafe> {
+template <bool kZeroSafe, bool kSignFma>
+struct WeightGen<Power::Square, kZeroSafe, kSignFma> {
   float q;  // unused
   __device__ __forceinline__ float operator()(float a, float b, float d) const {
     return a * (d - b);
   }
 };
 
-template <bool kZeroSafe>
-struct WeightGen<Power::Pow, kZeroSafe> {
+template <bool kZeroSafe, bool kSignFma>
+struct WeightGen<Power::Pow, kZeroSafe, kSignFma> {
   float q;  // p - 1
   __device__ __forceinline__ float operator()(float a, float b, float d) const {
     const float diff = d - b;
@@ -467,7 +484,7 @@ __device__ __forceinline__ void run_tile(CdistGradSmem<Traits>& s, const GradTil
   // generator, compiled for the wide chunk only to bound code size and
   // compile time (narrow O then wastes FMAs, never correctness).
   const bool fast = Traits::kPower != Power::Pow || q > 0.0f;
-  using FastGen = WeightGen<Traits::kPower, false>;
+  using FastGen = WeightGen<Traits::kPower, false, Traits::kSignFma>;
   for (int o0 = 0; o0 < t.O;) {
     if (fast && t.O - o0 <= kNarrow) {
       run_o_chunk<Traits, kNarrow>(s, t, o0, dv, FastGen{q});

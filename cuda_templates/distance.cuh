@@ -33,8 +33,19 @@
 
 namespace kermac_like {
 
+// Tuning parameters (defaults = the shipped configuration; bench/try_simt.py
+// times the alternatives):
+//   kPolyPer64_      fractional p: exp2 of this many of the 64 micro-tile
+//                    elements runs on the FMA pipe, the rest on MUFU;
+//   kBlockK_         k per pipeline stage (8, 16, 32 or 64);
+//   kMinBlocksPerSm_ 1: 64 partial + 64 total accumulators in registers (up to
+//                    255 registers, 8 warps per SM); 2: the totals live in
+//                    shared memory and registers are capped at 128, so two
+//                    blocks (16 warps) share an SM when the shared memory fits
+//                    (sm_90 with kBlockK_ <= 16; sm_80 runs one block).
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_,
-          Layout kLayoutA_, Layout kLayoutB_, Layout kLayoutOut_, int kVec_>
+          Layout kLayoutA_, Layout kLayoutB_, Layout kLayoutOut_, int kVec_,
+          int kPolyPer64_ = 41, int kBlockK_ = 32, int kMinBlocksPerSm_ = 1>
 struct DistanceTraits {
   // ---- static preconditions: impossible combinations fail here, by name.
   static_assert(kVec_ == 1 || kVec_ == 4, "DistanceTraits: kVec must be 1 or 4");
@@ -68,16 +79,23 @@ struct DistanceTraits {
   static constexpr int kThreadM = 8, kThreadN = 8;      // per-thread micro-tile
   static constexpr int kBlockM = kThreadsM * kThreadM;  // 128
   static constexpr int kBlockN = kThreadsN * kThreadN;  // 128
-  static constexpr int kBlockK = 32;                    // k per pipeline stage
+  static constexpr int kBlockK = kBlockK_;              // k per pipeline stage (32)
   static constexpr int kStages = 2;                     // 3 also fits sm_80/sm_90 (101.9 KB)
   static constexpr int kSmemStride = kBlockM + 4;       // floats per k-row (+4: conflict-free transpose)
   static constexpr int kStageFloats = 2 * kBlockK * kSmemStride;  // A (BK, S) then B (BK, S)
-  // + one spare row: the fragment prefetch of the last k-step reads row BK.
-  static constexpr int kSmemBytes = (kStages * kStageFloats + kSmemStride) * 4;
-  static constexpr int kUnrollK = kInnerPow_ == Power::Pow ? 2 : 8;  // k-steps per inner-loop trip
-  static constexpr int kChunkTiles = 8;                 // k-tiles per partial sum (256 k)
-  static constexpr int kPolyPer64 = 41;                 // exp2 on the FMA pipe, per 64 elements
-  static constexpr int kMinBlocksPerSm = 1;             // ~190 registers: one block per SM
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // 1: 235-255 registers, one block per SM
+  static constexpr bool kTotalInSmem = kMinBlocksPerSm_ > 1;  // totals in shared memory (128 registers)
+  // Shared memory: the stages, one spare row (the fragment prefetch of the
+  // last k-step reads row BK), then (kTotalInSmem) 64 totals per thread; the
+  // epilogue's (BM, BN + 1) sum tile reuses the front.
+  static constexpr int kTotalOffset = kStages * kStageFloats + kSmemStride;  // floats, 16-byte aligned
+  static constexpr int kMainFloats = kTotalOffset + (kTotalInSmem ? kThreads * 64 : 0);
+  static constexpr int kEpiFloats = kBlockM * (kBlockN + 1);
+  static constexpr int kSmemBytes = (kMainFloats > kEpiFloats ? kMainFloats : kEpiFloats) * 4;
+  static constexpr int kUnrollK =                       // k-steps per inner-loop trip
+      kInnerPow_ == Power::Pow ? 2 : (kMinBlocksPerSm_ > 1 ? 4 : 8);
+  static constexpr int kChunkTiles = 256 / kBlockK_;    // k-tiles per partial sum (256 k)
+  static constexpr int kPolyPer64 = kPolyPer64_;        // exp2 on the FMA pipe, per 64 elements
 
   static_assert(kThreadsM * kThreadsN == kThreads, "thread grid must match kThreads");
   static_assert(kThreadM == 8 && kThreadN == 8, "fragments are two float4 per operand");
@@ -87,14 +105,17 @@ struct DistanceTraits {
   static_assert(kBlockK % kUnrollK == 0 && kUnrollK % 2 == 0, "fragment double buffer needs an even unroll");
   static_assert(kStages >= 2, "the cp.async ring needs at least two stages");
   static_assert(kPolyPer64 >= 0 && kPolyPer64 <= 64, "kPolyPer64 is a count out of 64");
-  static_assert(kBlockM * (kBlockN + 1) * 4 <= kSmemBytes, "the epilogue's sum tile must fit the stages");
+  static_assert(kBlockK_ == 8 || kBlockK_ == 16 || kBlockK_ == 32 || kBlockK_ == 64,
+                "DistanceTraits: kBlockK must be 8, 16, 32 or 64");
+  static_assert(kMinBlocksPerSm_ == 1 || kMinBlocksPerSm_ == 2, "DistanceTraits: kMinBlocksPerSm must be 1 or 2");
+  static_assert(kTotalOffset % 4 == 0, "the shared totals are float4 rows");
   static_assert(kThreads % kBlockM == 0 && kThreads % kBlockN == 0, "epilogue walks need BM, BN | kThreads");
 
-  // Elements (i, j) of the micro-tile whose exp2 runs on the FMA pipe: an
-  // evenly spread set of kPolyPer64 (x -> x * kPolyPer64 mod 64 is a bijection
-  // for odd kPolyPer64).
+  // Elements (i, j) of the micro-tile whose exp2 runs on the FMA pipe: exactly
+  // kPolyPer64 of the 64, evenly spread (element x is chosen when
+  // floor((x + 1) P / 64) steps past floor(x P / 64)).
   __host__ __device__ static constexpr bool exp2_on_fma(int i, int j) {
-    return ((i * kThreadN + j) * kPolyPer64) % 64 < kPolyPer64;
+    return ((i * kThreadN + j + 1) * kPolyPer64) / 64 > ((i * kThreadN + j) * kPolyPer64) / 64;
   }
 };
 
@@ -164,6 +185,15 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __device__ __forceinline__ int min_int(int x, int y) { return x < y ? x : y; }
 
+// x, hidden from the optimiser: values derived from it are recomputed where
+// they are used instead of being hoisted out of loops into registers.
+__device__ __forceinline__ i64 opaque(i64 x) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("mov.b64 %0, %0;" : "+l"(x));
+#endif
+  return x;
+}
+
 // --------------------------------------------------------------- tile loaders
 // A loader fills one operand's (BK, S) k-major tile of a stage:
 //   tile[k][r] = x[row0 + r, k0 + k]   for r < BM, k < BK
@@ -182,7 +212,13 @@ struct TileLoader<Tr, Layout::RowMajor, kVec> {
   static constexpr int kKGroups = Tr::kBlockK / 8;
   static_assert(S % 32 == 4, "transposing copies need S % 32 == 4 to be conflict-free");
 
-  const float* row_[kRowGroups];  // this thread's rows at k = k0 + kl (advanced by load)
+  // Register budget: one pointer per row group, or (kTotalInSmem, 128
+  // registers) one pointer plus row indices, the row addresses recomputed per
+  // tile (one IMAD.WIDE per row group).
+  static constexpr bool kCompact = Tr::kTotalInSmem;
+  static constexpr int kPtrs = kCompact ? 1 : kRowGroups;
+  const float* row_[kPtrs];       // this thread's rows at k = k0 + kl (advanced by load)
+  int rowi_[kCompact ? kRowGroups : 1];
   int dst_;                       // offset of (k = kl, r = w*4 + r4) in the tile
   int kl_;
 
@@ -193,20 +229,41 @@ struct TileLoader<Tr, Layout::RowMajor, kVec> {
 #pragma unroll
     for (int g = 0; g < kRowGroups; ++g) {
       const int row = min_int(row0 + g * Tr::kWarps * 4 + r, rows - 1);  // clamp: never stored
-      row_[g] = base + row * ld + kl_;
+      if constexpr (kCompact) {
+        rowi_[g] = row;
+      } else {
+        row_[g] = base + row * ld + kl_;
+      }
     }
+    if constexpr (kCompact) row_[0] = base + kl_;
     dst_ = kl_ * S + r;
   }
 
-  // Loads the tile at k0 (tiles are loaded in order, k0 = 0, BK, 2 BK, ...).
-  __device__ __forceinline__ void load(unsigned tile, int k0, int K) {
+  // Loads the tile at k0 (tiles are loaded in order, k0 = 0, BK, 2 BK, ...);
+  // ld: the same leading dimension as in init (read again from the kernel
+  // parameters instead of occupying registers).
+  __device__ __forceinline__ void load(unsigned tile, int k0, int K, i64 ld) {
+    if constexpr (kCompact) {
+      const float* rp[kRowGroups];
+#pragma unroll
+      for (int g = 0; g < kRowGroups; ++g) rp[g] = row_[0] + rowi_[g] * opaque(ld);
+      load_rows(tile, k0, K, rp);
+      row_[0] += Tr::kBlockK;
+    } else {
+      load_rows(tile, k0, K, row_);
+#pragma unroll
+      for (int g = 0; g < kRowGroups; ++g) row_[g] += Tr::kBlockK;
+    }
+  }
+
+  __device__ __forceinline__ void load_rows(unsigned tile, int k0, int K, const float* const (&rp)[kRowGroups]) {
     const unsigned dst = tile + 4 * dst_;
     if (k0 + Tr::kBlockK <= K) {
 #pragma unroll
       for (int g = 0; g < kRowGroups; ++g)
 #pragma unroll
         for (int kk = 0; kk < kKGroups; ++kk)
-          cp_async_4(dst + 4 * (kk * 8 * S + g * Tr::kWarps * 4), row_[g] + kk * 8);
+          cp_async_4(dst + 4 * (kk * 8 * S + g * Tr::kWarps * 4), rp[g] + kk * 8);
     } else {
 #pragma unroll
       for (int g = 0; g < kRowGroups; ++g)
@@ -214,11 +271,9 @@ struct TileLoader<Tr, Layout::RowMajor, kVec> {
         for (int kk = 0; kk < kKGroups; ++kk) {
           const int k = k0 + kk * 8 + kl_;
           const bool in = k < K;
-          cp_async_4_zfill(dst + 4 * (kk * 8 * S + g * Tr::kWarps * 4), row_[g] + ((in ? k : K - 1) - k0 - kl_), in ? 4 : 0);
+          cp_async_4_zfill(dst + 4 * (kk * 8 * S + g * Tr::kWarps * 4), rp[g] + ((in ? k : K - 1) - k0 - kl_), in ? 4 : 0);
         }
     }
-#pragma unroll
-    for (int g = 0; g < kRowGroups; ++g) row_[g] += Tr::kBlockK;
   }
 };
 
@@ -249,7 +304,7 @@ struct TileLoader<Tr, Layout::ColMajor, 4> {
   }
 
   // Loads the tile at k0 (tiles are loaded in order, k0 = 0, BK, 2 BK, ...).
-  __device__ __forceinline__ void load(unsigned tile, int k0, int K) {
+  __device__ __forceinline__ void load(unsigned tile, int k0, int K, i64 /*ld*/) {
     const unsigned dst = tile + 4 * dst_;
     const i64 step = Tr::kWarps * ld_;
     if (bytes_ != 0) {
@@ -298,7 +353,7 @@ struct TileLoader<Tr, Layout::ColMajor, 1> {
   }
 
   // Loads the tile at k0 (tiles are loaded in order, k0 = 0, BK, 2 BK, ...).
-  __device__ __forceinline__ void load(unsigned tile, int k0, int K) {
+  __device__ __forceinline__ void load(unsigned tile, int k0, int K, i64 /*ld*/) {
     const unsigned dst = tile + 4 * dst_;
     const i64 step = Tr::kWarps * ld_;
     if (k0 + Tr::kBlockK <= K) {
@@ -375,8 +430,16 @@ __device__ __forceinline__ float finish(float acc, const EpilogueArgs& e) {
 }  // namespace distance_detail
 
 // ------------------------------------------------------------------- kernel
+// Two blocks per SM need 2 x ~100 KB of shared memory: only sm_90 (228 KB per
+// SM) has it, so other architectures keep the 255-register budget (no spills).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define KL_DISTANCE_MIN_BLOCKS(Tr) 1
+#else
+#define KL_DISTANCE_MIN_BLOCKS(Tr) Tr::kMinBlocksPerSm
+#endif
+
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) distance_kernel(
+__global__ void __launch_bounds__(Traits::kThreads, KL_DISTANCE_MIN_BLOCKS(Traits)) distance_kernel(
     const typename Traits::T* __restrict__ a, const typename Traits::T* __restrict__ b,
     typename Traits::T* __restrict__ out, int M, int N, int K, long long lda, long long ldb,
     long long ldo, int batch, int batch_n1, int batch_n2, long long a_bs0, long long a_bs1,
@@ -427,15 +490,58 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
     const unsigned smem_base = smem_addr(kl_distance_smem);
     auto load_tile = [&](int t) {
       const unsigned stage = smem_base + (t % Tr::kStages) * (Tr::kStageFloats * 4);
-      load_a.load(stage, t * BK, K);
-      load_b.load(stage + BK * S * 4, t * BK, K);
+      load_a.load(stage, t * BK, K, lda);
+      load_b.load(stage + BK * S * 4, t * BK, K, ldb);
     };
 
-    float part[8][8], total[8][8];  // (kThreadM, kThreadN)
+    // part: the current 256-k chunk; total: the folded chunks, in registers
+    // or (kTotalInSmem) as 16 float4 per thread in shared memory, thread-major
+    // so that a warp's float4 accesses are conflict-free.
+    constexpr int kTotRegs = Tr::kTotalInSmem ? 1 : 8;
+    float part[8][8], total[kTotRegs][8];  // (kThreadM, kThreadN)
+    float4* const tot_s = reinterpret_cast<float4*>(kl_distance_smem + Tr::kTotalOffset) + tid;
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) part[i][j] = total[i][j] = 0.0f;
+      for (int j = 0; j < 8; ++j) part[i][j] = 0.0f;
+    if constexpr (Tr::kTotalInSmem) {
+#pragma unroll
+      for (int e = 0; e < 16; ++e) tot_s[e * Tr::kThreads] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kTotRegs; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) total[i][j] = 0.0f;
+    }
+    // total += part, part = 0 (add_only: part += total, for the epilogue).
+    auto fold = [&](bool add_only) {
+      if constexpr (Tr::kTotalInSmem) {
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {
+          float4 t = tot_s[e * Tr::kThreads];
+          float* pe = &part[e >> 1][(e & 1) * 4];
+          t.x += pe[0], t.y += pe[1], t.z += pe[2], t.w += pe[3];
+          if (add_only) {
+            pe[0] = t.x, pe[1] = t.y, pe[2] = t.z, pe[3] = t.w;
+          } else {
+            tot_s[e * Tr::kThreads] = t;
+            pe[0] = pe[1] = pe[2] = pe[3] = 0.0f;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kTotRegs; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            if (add_only) {
+              part[i][j] += total[i][j];
+            } else {
+              total[i][j] += part[i][j];
+              part[i][j] = 0.0f;
+            }
+          }
+      }
+    };
 
     // Prologue: tiles 0 .. kStages-2 in flight (one commit group per tile,
     // empty groups included, so wait_group counts stay uniform).
@@ -462,16 +568,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
         x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w;
         x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
       };
-      fetch(fa[0], sa);
-      fetch(fb[0], sb);
+      // Registers permitting, the fragments of k + 1 are fetched while k is
+      // consumed; at 128 registers (kTotalInSmem) the compiler schedules the
+      // loads itself and the other warps hide their latency.
+      constexpr bool kPrefetch = !Tr::kTotalInSmem;
+      if constexpr (kPrefetch) {
+        fetch(fa[0], sa);
+        fetch(fb[0], sb);
+      }
 #pragma unroll 1
       for (int kb = 0; kb < BK; kb += Tr::kUnrollK) {
 #pragma unroll
         for (int kk = 0; kk < Tr::kUnrollK; ++kk) {
-          // Prefetch k + 1 (the last step of the tile reads row BK: the next
-          // operand's row 0 or the spare row; the values are never used).
-          fetch(fa[(kk + 1) & 1], sa + (kk + 1) * S);
-          fetch(fb[(kk + 1) & 1], sb + (kk + 1) * S);
+          if constexpr (kPrefetch) {
+            // Prefetch k + 1 (the last step of the tile reads row BK: the next
+            // operand's row 0 or the spare row; the values are never used).
+            fetch(fa[(kk + 1) & 1], sa + (kk + 1) * S);
+            fetch(fb[(kk + 1) & 1], sb + (kk + 1) * S);
+          } else {
+            fetch(fa[kk & 1], sa + kk * S);
+            fetch(fb[kk & 1], sb + kk * S);
+          }
 #pragma unroll
           for (int i = 0; i < 8; ++i)
 #pragma unroll
@@ -484,15 +601,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
 
       if (++chunk == Tr::kChunkTiles) {
         chunk = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            total[i][j] += part[i][j];
-            part[i][j] = 0.0f;
-          }
+        fold(false);
       }
     }
+    fold(true);  // part = the whole sum
 
     // ---- epilogue.  The sums go through shared memory as a (BM, BN + 1) tile
     // so that (a) finish() is instantiated once, in a loop, not 64 times
@@ -500,15 +612,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
     // floats for either output layout.  The odd row stride keeps both the
     // row walk (RowMajor out) and the column walk (ColMajor out) conflict-free.
     constexpr int CS = BN + 1;
-    __syncthreads();  // every warp is done with the last stage
+    __syncthreads();  // every warp is done with the last stage (and its shared totals)
     {
       float* cs = kl_distance_smem;  // (BM, CS)
 #pragma unroll
       for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          cs[((i >> 2) * kHalfM + tm * 4 + (i & 3)) * CS + (j >> 2) * kHalfN + tn * 4 + (j & 3)] =
-              total[i][j] + part[i][j];
+          cs[((i >> 2) * kHalfM + tm * 4 + (i & 3)) * CS + (j >> 2) * kHalfN + tn * 4 + (j & 3)] = part[i][j];
     }
     __syncthreads();
 

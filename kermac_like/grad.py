@@ -118,12 +118,17 @@ def _launch_grad(a, b, c, d, p, out, batch, sizes, debug):
         "a": ops["a"].stride(-2), "b": ops["b"].stride(-2), "c": ops["c"].stride(-2), "d": ops["d"].stride(-2),
         "ldo_o": out.stride(-3), "ldo_n": out.stride(-2),
     }
-    mats = [ops[k] for k in ("a", "b", "c", "d", "out")]
-    all_strides = list(lds.values()) + [s for k in ("a", "b", "c", "d", "out") for s in plan.strides[k][0] + plan.strides[k][1]]
+    # kVec = 4 (16-byte a/d/out accesses) needs a, d, out 16-byte aligned with
+    # M, their leading dimensions and batch strides multiples of 4; b and c are
+    # copied 4 bytes at a time and have no requirement (nor has K).
+    vec_ops = ("a", "d", "out")
+    vec_strides = [lds[k] for k in ("a", "d", "ldo_o", "ldo_n")] + [
+        s for k in vec_ops for s in plan.strides[k][0] + plan.strides[k][1]
+    ]
     vec = 4 if (
-        M % 4 == 0 and K % 4 == 0
-        and all(t.data_ptr() % 16 == 0 for t in mats)
-        and all(s % 4 == 0 for s in all_strides)
+        M % 4 == 0
+        and all(ops[k].data_ptr() % 16 == 0 for k in vec_ops)
+        and all(s % 4 == 0 for s in vec_strides)
     ) else 1
     spec = grad_spec(kind, vec)
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()

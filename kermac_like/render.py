@@ -78,17 +78,32 @@ def render_source(specs) -> str:
 # -- distance (exact fp32 SIMT) -------------------------------------------------------
 # Mirror of kermac_like::DistanceTraits (cuda_templates/distance.cuh): the same
 # constants for every instantiation; the dynamic shared memory exceeds 48 KiB.
-DISTANCE_LAUNCH = LaunchShape(threads=256, block_m=128, block_n=128, smem_bytes=68112)
+DISTANCE_TUNING = (41, 32, 1)  # defaults of (kPolyPer64, kBlockK, kMinBlocksPerSm)
 
 
-def distance_spec(desc: KernelDescriptor, a: Layout, b: Layout, out: Layout, vec: int) -> KernelSpec:
+def distance_launch(block_k: int = 32, min_blocks: int = 1) -> LaunchShape:
+    """Mirror of DistanceTraits' launch constants for a tuning (kBlockK, kMinBlocksPerSm)."""
+    stride = 128 + 4
+    main = 2 * 2 * block_k * stride + stride + (256 * 64 if min_blocks > 1 else 0)
+    return LaunchShape(threads=256, block_m=128, block_n=128, smem_bytes=4 * max(main, 128 * 129))
+
+
+DISTANCE_LAUNCH = distance_launch()  # 68112 bytes of dynamic shared memory
+
+
+def distance_spec(desc: KernelDescriptor, a: Layout, b: Layout, out: Layout, vec: int, *,
+                  tuning: tuple = DISTANCE_TUNING) -> KernelSpec:
     """``vec`` (4 or 1) selects 16-byte loads of column-major inputs; row-major
     inputs are transposed into shared memory by 4-byte copies either way, so a
-    row-major pair always renders as ``vec=1`` (one instantiation, not two)."""
+    row-major pair always renders as ``vec=1`` (one instantiation, not two).
+    ``tuning``: (kPolyPer64, kBlockK, kMinBlocksPerSm); the defaults render no
+    extra template arguments."""
     if a is Layout.ROW_MAJOR and b is Layout.ROW_MAJOR:
         vec = 1
-    traits = f"kermac_like::DistanceTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {out.cpp}, {vec}>"
-    return KernelSpec("distance.cuh", "kermac_like::distance_kernel", traits, DISTANCE_LAUNCH)
+    tuning = tuple(tuning)
+    extra = "" if tuning == DISTANCE_TUNING else ", " + ", ".join(str(int(v)) for v in tuning)
+    traits = f"kermac_like::DistanceTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {out.cpp}, {vec}{extra}>"
+    return KernelSpec("distance.cuh", "kermac_like::distance_kernel", traits, distance_launch(tuning[1], tuning[2]))
 
 
 # -- the shipped set ----------------------------------------------------------------
@@ -222,9 +237,16 @@ GRAD_LAUNCH = LaunchShape(threads=128, block_m=64, block_n=16, smem_bytes=0)
 _GRAD_KINDS = {"abs": "kermac_like::Power::Abs", "square": "kermac_like::Power::Square", "pow": "kermac_like::Power::Pow"}
 
 
-def grad_spec(kind: str, vec: int) -> KernelSpec:
-    """``kind``: "abs" (p == 1), "square" (p == 2) or "pow" (any p)."""
-    traits = f"kermac_like::CdistGradTraits<{_GRAD_KINDS[kind]}, {vec}>"
+GRAD_TUNING = (0, 2)  # defaults of (kSignFma, kMinBlocksPerSM)
+
+
+def grad_spec(kind: str, vec: int, *, tuning: tuple = GRAD_TUNING) -> KernelSpec:
+    """``kind``: "abs" (p == 1), "square" (p == 2) or "pow" (any p).
+    ``tuning``: (kSignFma, kMinBlocksPerSM); the defaults render no extra
+    template arguments (the launch shape does not depend on them)."""
+    tuning = tuple(tuning)
+    extra = "" if tuning == GRAD_TUNING else ", " + ", ".join(str(int(v)) for v in tuning)
+    traits = f"kermac_like::CdistGradTraits<{_GRAD_KINDS[kind]}, {vec}{extra}>"
     return KernelSpec("cdist_grad.cuh", "kermac_like::cdist_grad_kernel", traits, GRAD_LAUNCH)
 
 

@@ -403,8 +403,8 @@ template <class Tr> using K = void (*)(const float*, const float*, float*, int, 
     const float*, long long, long long, long long, float, const float*, long long, long long,
     long long, float, const float*, long long, long long, long long, float, long long, float);
 
-#define D(i, ip, op, ep, la, lb, lo, v) DistanceTraits<Inner::i, Power::ip, Power::op, Epilogue::ep, \
-    Layout::la, Layout::lb, Layout::lo, v>
+#define D(i, ip, op, ep, la, lb, lo, v, ...) DistanceTraits<Inner::i, Power::ip, Power::op, Epilogue::ep, \
+    Layout::la, Layout::lb, Layout::lo, v __VA_OPT__(,) __VA_ARGS__>
 @@INSTANCES@@
 
 template <class Tr>
@@ -469,7 +469,14 @@ CPU_INSTANCES = [
     (("Diff", "Pow", "Noop", "Laplace"), "ColMajor", "ColMajor", "RowMajor", 4),
     (("Diff", "Abs", "Noop", "None"), "ColMajor", "RowMajor", "RowMajor", 1),
     (("Diff", "Square", "Noop", "None"), "RowMajor", "ColMajor", "ColMajor", 4),
+    # tuned variants (bench/try_simt.py): totals in shared memory with the
+    # compact row loader, kBlockK 16 and 64, other FMA-pipe shares.
+    (("Diff", "Abs", "Noop", "None"), "RowMajor", "RowMajor", "RowMajor", 1),
+    (("Diff", "Pow", "Pow", "None"), "ColMajor", "RowMajor", "ColMajor", 4),
+    (("Diff", "Square", "Sqrt", "None"), "RowMajor", "ColMajor", "RowMajor", 1),
 ]
+# Extra template arguments (kPolyPer64, kBlockK, kMinBlocksPerSm) by instance index.
+CPU_TUNING = {8: (41, 16, 2), 9: (48, 16, 2), 10: (36, 64, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -479,7 +486,8 @@ def cpu_runner(tmp_path_factory):
         pytest.skip("no C++ compiler for the CPU execution tests")
     inst, cases = [], []
     for idx, ((i, ip, op, ep), la, lb, lo, v) in enumerate(CPU_INSTANCES):
-        inst.append(f"using T{idx} = D({i}, {ip}, {op}, {ep}, {la}, {lb}, {lo}, {v});")
+        extra = "".join(f", {t}" for t in CPU_TUNING.get(idx, ()))
+        inst.append(f"using T{idx} = D({i}, {ip}, {op}, {ep}, {la}, {lb}, {lo}, {v}{extra});")
         cases.append(f"    case {idx}: run<T{idx}>(buf, h, hf, gz); break;")
     src = SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
     d = tmp_path_factory.mktemp("distance_cpu")
@@ -662,3 +670,28 @@ def test_cpu_execution_identical_rows_give_exact_zero(cpu_runner, idx):
     expected = np.diagonal(ref, axis1=-2, axis2=-1)
     assert np.array_equal(diag, expected.astype(np.float32)), diag
     assert rel_fro(got, ref) <= tol(idx)
+
+
+# ------------------------------------------------------ tuned variants (try_simt)
+def test_tuned_variants_compile_without_spills_and_mirror_their_launch():
+    """The tunings bench/try_simt.py times: the Python mirror (static_assert
+    stub, including kSmemBytes) holds and ptxas spills nothing on sm_90."""
+    from kermac_like.compiler import compile_specs
+    from kermac_like.descriptor import PRESETS
+    from kermac_like.layout import Layout
+    from kermac_like.render import DISTANCE_LAUNCH, distance_spec
+
+    assert DISTANCE_LAUNCH.smem_bytes == EXPECTED_LAUNCH["kSmemBytes"]
+    row = Layout.ROW_MAJOR
+    specs = [
+        distance_spec(PRESETS["l1"], row, row, row, 1, tuning=(41, 16, 2)),
+        distance_spec(PRESETS["l2"], row, row, row, 1, tuning=(41, 64, 1)),
+        distance_spec(PRESETS["p_norm"], row, row, row, 1, tuning=(48, 16, 2)),
+    ]
+    assert specs[0].launch.smem_bytes == 99856 and specs[1].launch.smem_bytes == 135696
+    # the defaults render the shipped name (no extra template arguments)
+    assert distance_spec(PRESETS["l1"], row, row, row, 1).name_expression.endswith("RowMajor, 1>>")
+    _, resources = compile_specs(specs, "sm_90")
+    for expr, res in resources.items():
+        assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (expr, res)
+    assert resources[specs[0].name_expression]["registers"] <= 128

@@ -616,3 +616,34 @@ def test_kernel_matches_oracle_on_gpu(case):
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     tol = 1e-5 if power == "Pow" else 5e-6  # fp32 sums over K <= 1000 (+ MUFU for Pow)
     assert np.isfinite(got).all() and err < tol, err
+
+
+# ------------------------------------------------------ tuned variants (try_simt)
+def test_sign_fma_formula_is_exact_above_2_pow_minus_128():
+    """WeightGen<Abs> with kSignFma: u = sat(0.5 + (d - b) 2^127), W = 2a u - a."""
+    rng = np.random.default_rng(0)
+    d = rng.standard_normal(4096).astype(np.float32)
+    b = d.copy()
+    b[::3] = rng.standard_normal(b[::3].size).astype(np.float32)  # ties elsewhere
+    b[1::7] = np.nextafter(d[1::7], np.float32(np.inf))  # one ulp apart
+    a = rng.standard_normal(4096).astype(np.float32)
+    diff = (d - b).astype(np.float32)
+    # fma in float64 is exact here (diff * 2^127 + 0.5 then one rounding to float32)
+    with np.errstate(over="ignore"):  # |diff| >= 2: the product overflows to inf, sat gives 1
+        u = np.clip((diff.astype(np.float64) * 2.0**127 + 0.5).astype(np.float32), 0, 1)
+    assert set(np.unique(u)) <= {0.0, 0.5, 1.0}
+    w = ((a + a).astype(np.float64) * u - a).astype(np.float32)
+    np.testing.assert_array_equal(w, np.where(d > b, a, np.where(d < b, -a, 0)).astype(np.float32))
+
+
+def test_sign_fma_variant_compiles_pow_free_without_spills():
+    from kermac_like.compiler import compile_specs
+    from kermac_like.render import GRAD_LAUNCH, grad_spec
+
+    spec = grad_spec("abs", 4, tuning=(1, 2))
+    assert spec.launch == GRAD_LAUNCH and spec.name_expression.endswith("Power::Abs, 4, 1, 2>>")
+    assert grad_spec("abs", 4).name_expression.endswith("Power::Abs, 4>>")
+    for arch in ("sm_80", "sm_90"):
+        _, resources = compile_specs([spec], arch)
+        res = resources[spec.name_expression]
+        assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (arch, res)

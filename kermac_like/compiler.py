@@ -266,7 +266,7 @@ def precompile_specs(specs, arch: str, *, cache=None, processes: int | None = No
 
     _check_arch(arch)
     cache = cache if cache is not None else get_cache()
-    specs = list(dict.fromkeys(specs))
+    specs = [s for s in dict.fromkeys(specs) if s.supports(arch)]
     keys = {kernel_key(s, arch): s for s in specs}
     present = cache.contains(list(keys))
     todo = [s for k, s in keys.items() if k not in present]

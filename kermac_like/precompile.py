@@ -7,7 +7,7 @@ import itertools
 from . import _debug
 from .descriptor import KernelDescriptor
 from .layout import Layout
-from .render import distance_spec, mma_specs_for
+from .render import distance_spec, mma_specs_for, wgmma_traits_spec
 
 __all__ = ["precompile", "specs_for_descriptor"]
 
@@ -21,6 +21,8 @@ def specs_for_descriptor(desc: KernelDescriptor) -> list:
         for vec in (4, 1)
     ))
     specs += mma_specs_for(desc)
+    if desc.is_euclidean:  # compiled for sm_90 only (KernelSpec.supports)
+        specs += [wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=t) for t in (False, True)]
     return specs
 
 

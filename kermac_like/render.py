@@ -58,6 +58,11 @@ class KernelSpec:
     def name_expression(self) -> str:
         return f"{self.kernel}<{self.traits}>"
 
+    def supports(self, arch: str) -> bool:
+        """Whether this instantiation exists for ``arch``: arch-specific ("a")
+        features such as wgmma exist on sm_90 alone."""
+        return not self.arch_suffix or arch == "sm_90"
+
     def asserts(self) -> str:
         t, s = self.traits, self.launch
         checks = (("kThreads", s.threads), ("kBlockM", s.block_m), ("kBlockN", s.block_n), ("kSmemBytes", s.smem_bytes))
@@ -91,8 +96,18 @@ def distance_launch(block_k: int = 32, min_blocks: int = 1) -> LaunchShape:
 DISTANCE_LAUNCH = distance_launch()  # 68112 bytes of dynamic shared memory
 
 
+# Measured on an H200 (bench/NOTES.md, v2): two blocks per SM with 48/64 of the
+# exp2 on the FMA pipe win for fractional p (421 -> 406 ms at 30000^2 x 1024); the
+# defaults stay best for p = 1, 2 and DOT. Both fit 99 KiB of shared memory (sm_86/89).
+POW_TUNING = (48, 16, 2)
+
+
+def default_distance_tuning(desc: KernelDescriptor) -> tuple:
+    return POW_TUNING if desc.inner_power is PowerType.POW else DISTANCE_TUNING
+
+
 def distance_spec(desc: KernelDescriptor, a: Layout, b: Layout, out: Layout, vec: int, *,
-                  tuning: tuple = DISTANCE_TUNING) -> KernelSpec:
+                  tuning: tuple | None = None) -> KernelSpec:
     """``vec`` (4 or 1) selects 16-byte loads of column-major inputs; row-major
     inputs are transposed into shared memory by 4-byte copies either way, so a
     row-major pair always renders as ``vec=1`` (one instantiation, not two).
@@ -100,7 +115,7 @@ def distance_spec(desc: KernelDescriptor, a: Layout, b: Layout, out: Layout, vec
     extra template arguments."""
     if a is Layout.ROW_MAJOR and b is Layout.ROW_MAJOR:
         vec = 1
-    tuning = tuple(tuning)
+    tuning = tuple(default_distance_tuning(desc) if tuning is None else tuning)
     extra = "" if tuning == DISTANCE_TUNING else ", " + ", ".join(str(int(v)) for v in tuning)
     traits = f"kermac_like::DistanceTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {out.cpp}, {vec}{extra}>"
     return KernelSpec("distance.cuh", "kermac_like::distance_kernel", traits, distance_launch(tuning[1], tuning[2]))
@@ -240,10 +255,17 @@ _GRAD_KINDS = {"abs": "kermac_like::Power::Abs", "square": "kermac_like::Power::
 GRAD_TUNING = (0, 2)  # defaults of (kSignFma, kMinBlocksPerSM)
 
 
-def grad_spec(kind: str, vec: int, *, tuning: tuple = GRAD_TUNING) -> KernelSpec:
+# Measured on an H200 (bench/NOTES.md, v2): the sign of p = 1 on the FMA pipe,
+# 129 -> 118 ms on the bench case.
+ABS_GRAD_TUNING = (1, 2)
+
+
+def grad_spec(kind: str, vec: int, *, tuning: tuple | None = None) -> KernelSpec:
     """``kind``: "abs" (p == 1), "square" (p == 2) or "pow" (any p).
     ``tuning``: (kSignFma, kMinBlocksPerSM); the defaults render no extra
     template arguments (the launch shape does not depend on them)."""
+    if tuning is None:
+        tuning = ABS_GRAD_TUNING if kind == "abs" else GRAD_TUNING
     tuning = tuple(tuning)
     extra = "" if tuning == GRAD_TUNING else ", " + ", ".join(str(int(v)) for v in tuning)
     traits = f"kermac_like::CdistGradTraits<{_GRAD_KINDS[kind]}, {vec}{extra}>"
@@ -257,3 +279,13 @@ def _grad_shipped():
 
 
 FAMILIES["cdist_grad"] = _grad_shipped
+
+
+def _wgmma_shipped():
+    for desc in SHIPPED_DESCRIPTORS:
+        if desc.is_euclidean:
+            for tf32 in (False, True):
+                yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32)
+
+
+FAMILIES["distance_wgmma"] = _wgmma_shipped  # sm_90 only (KernelSpec.supports)

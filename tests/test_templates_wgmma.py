@@ -11,7 +11,7 @@ CPU (CI):
     copies vs the layout the wgmma descriptor reads (64-byte swizzle, K-major),
     and the pipeline schedule (no stage or small tile is overwritten while a
     wgmma may still read it; every read finds its data landed).
-  * The selection in kermac_like.distance stays off unless KERMAC_LIKE_WGMMA=1.
+  * The selection in kermac_like.distance uses it on sm_90 unless KERMAC_LIKE_WGMMA=0.
 GPU (marker gpu, sm_90 only): the float64 checks of bench/try_wgmma.py; marker
 slow as well: the two bench workloads.
 """
@@ -219,11 +219,13 @@ def test_pipeline_schedule_has_no_hazards(num_k_tiles):
     assert split_done == set(range(T))
 
 
-def test_selection_is_opt_in(monkeypatch):
+def test_selection_default_and_opt_out(monkeypatch):
     from kermac_like import distance
 
     monkeypatch.delenv("KERMAC_LIKE_WGMMA", raising=False)
-    assert distance._wgmma_enabled(torch.device("cpu")) is False
+    assert distance._wgmma_enabled(torch.device("cpu")) is False  # CPU tensors: never
+    monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0")
+    assert distance._wgmma_enabled(torch.device("cuda", 0)) is False  # opted out, no device query
 
 
 # ----------------------------------------------------------------------- GPU

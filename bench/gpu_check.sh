@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment report, GPU tests, benchmarks, short table last.
-#   bash bench/gpu_check.sh [all|tests|bench] [extra pytest args...]
+#   bash bench/gpu_check.sh [all|tests|examples|bench] [extra pytest args...]
 # Expects the wheels of ../shared/wheels-py312 copied into .whl/ (git-ignored, carried).
 # Writes logs and JSON under $OUT (the device tool brings them back).
 set -uo pipefail
@@ -28,8 +28,11 @@ from kermac_like.compiler import nvrtc_version; print("nvrtc", nvrtc_version())
 PY
 status=0
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  python3 -m pytest -q -m gpu -rfE --tb=short -p no:cacheprovider "$@" tests 2>&1 | tee "$OUT/pytest.log" | tail -n 60
+  python3 -m pytest -q -m "gpu and not slow" -rfE --tb=short -p no:cacheprovider "$@" tests 2>&1 | tee "$OUT/pytest.log" | tail -n 60
   status=${PIPESTATUS[0]}
+fi
+if [ "$mode" = all ] || [ "$mode" = examples ]; then
+  bash bench/run_examples.sh 2>&1 | tee "$OUT/examples.txt"
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
   python3 bench/run.py --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 40

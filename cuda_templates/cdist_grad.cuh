@@ -136,28 +136,19 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// Asynchronous global -> shared copies; valid == false zero-fills the
-// destination and reads nothing (src must still be a mapped address).
+// Asynchronous global -> shared copies (common.cuh) to a shared-memory
+// pointer; valid == false zero-fills the destination and reads nothing (src
+// must still be a mapped address).
 __device__ __forceinline__ void cp_async_4(float* dst, const float* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(valid ? 4 : 0)
-               : "memory");
+  async_copy::cp_async_4(smem_u32(dst), src, valid ? 4 : 0);
 }
 
 __device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
+  async_copy::cp_async_16(smem_u32(dst), src, valid ? 16 : 0);
 }
 
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+using async_copy::cp_async_commit;
+using async_copy::cp_async_wait;
 
 // ---------------------------------------------------------------------------
 // Shared storage: one ring of kStages k-chunks.

@@ -455,13 +455,11 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_DISTANCE_MIN_BLOCKS(Trait
   constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, BK = Tr::kBlockK, S = Tr::kSmemStride;
   constexpr int kHalfM = BM / 2, kHalfN = BN / 2;  // distance between a thread's two 4-wide groups
 
-  const BatchShape shape{batch_n1, batch_n2};
-  const BatchStride a_bs{a_bs0, a_bs1, a_bs2}, b_bs{b_bs0, b_bs1, b_bs2}, o_bs{o_bs0, o_bs1, o_bs2};
-  const HyperParam p_in{inner_p_ptr, {inner_p_bs0, inner_p_bs1, inner_p_bs2}, inner_p};
-  const HyperParam p_out{outer_p_ptr, {outer_p_bs0, outer_p_bs1, outer_p_bs2}, outer_p};
-  const HyperParam p_bw{bw_ptr, {bw_bs0, bw_bs1, bw_bs2}, bandwidth};
-  const HyperParam p_reg{reg_ptr, {reg_bs0, reg_bs1, reg_bs2}, regularization};
-  const bool reg_on = reg_ptr != nullptr || regularization != 0.0f;
+  const DistanceBatchArgs<typename Tr::T> args(
+      a, b, out, batch_n1, batch_n2, a_bs0, a_bs1, a_bs2, b_bs0, b_bs1, b_bs2, o_bs0, o_bs1, o_bs2,
+      inner_p_ptr, inner_p_bs0, inner_p_bs1, inner_p_bs2, inner_p, outer_p_ptr, outer_p_bs0,
+      outer_p_bs1, outer_p_bs2, outer_p, bw_ptr, bw_bs0, bw_bs1, bw_bs2, bandwidth, reg_ptr,
+      reg_bs0, reg_bs1, reg_bs2, regularization);
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -473,19 +471,15 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_DISTANCE_MIN_BLOCKS(Trait
   const int num_tiles = (K + BK - 1) / BK;
 
   for (int l = blockIdx.z; l < batch; l += gridDim.z) {
-    int l0, l1, l2;
-    shape.split(l, l0, l1, l2);
-    const float* a_l = a + a_bs.offset(l0, l1, l2);
-    const float* b_l = b + b_bs.offset(l0, l1, l2);
-    float* o_l = out + o_bs.offset(l0, l1, l2);
+    const auto entry = args.at(l);
 
     math::PowArgs pw{};
-    if constexpr (Tr::kInnerPow == Power::Pow) pw = math::make_pow_args(p_in.at(l0, l1, l2));
+    if constexpr (Tr::kInnerPow == Power::Pow) pw = math::make_pow_args(args.inner_p.at(entry.index));
 
     TileLoader<Tr, Tr::kLayoutA, Tr::kVec> load_a;
     TileLoader<Tr, Tr::kLayoutB, Tr::kVec> load_b;
-    load_a.init(a_l, lda, M, m0, tid);
-    load_b.init(b_l, ldb, N, n0, tid);
+    load_a.init(entry.a, lda, M, m0, tid);
+    load_b.init(entry.b, ldb, N, n0, tid);
 
     const unsigned smem_base = smem_addr(kl_distance_smem);
     auto load_tile = [&](int t) {
@@ -627,19 +621,20 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_DISTANCE_MIN_BLOCKS(Trait
     ea.epsilon = epsilon;
     ea.inv_outer_p = 0.0f;
     ea.exp_scale = 0.0f;
-    if constexpr (Tr::kOuterPow == Power::Pow) ea.inv_outer_p = 1.0f / p_out.at(l0, l1, l2);
-    if constexpr (Tr::kEpilogue == Epilogue::Laplace) ea.exp_scale = -1.0f / p_bw.at(l0, l1, l2);
+    if constexpr (Tr::kOuterPow == Power::Pow) ea.inv_outer_p = 1.0f / args.outer_p.at(entry.index);
+    if constexpr (Tr::kEpilogue == Epilogue::Laplace)
+      ea.exp_scale = -1.0f / args.bandwidth.at(entry.index);
     if constexpr (Tr::kEpilogue == Epilogue::Gaussian) {
-      const float bw = p_bw.at(l0, l1, l2);
+      const float bw = args.bandwidth.at(entry.index);
       ea.exp_scale = -0.5f / (bw * bw);
     }
     // The diagonal n - m == reg_diag is, in tile coordinates, c - r == target.
     float lam = 0.0f;
     int target = 0;
-    if (reg_on) {
+    if (args.reg_on) {
       const i64 t = reg_diag - (i64(n0) - i64(m0));
       if (t > -BM && t < BN) {
-        lam = p_reg.at(l0, l1, l2);
+        lam = args.regularization.at(entry.index);
         target = int(t);
       }
     }
@@ -649,7 +644,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_DISTANCE_MIN_BLOCKS(Trait
       constexpr int kStep = Tr::kThreads / BN;
       const int c = tid % BN;
       if (c < cols) {
-        float* dst = o_l + i64(m0 + tid / BN) * ldo + n0 + c;
+        float* dst = entry.out + i64(m0 + tid / BN) * ldo + n0 + c;
 #pragma unroll 1
         for (int r = tid / BN; r < rows; r += kStep, dst += kStep * ldo) {
           float y = finish<Tr>(kl_distance_smem[r * CS + c], ea);
@@ -662,7 +657,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_DISTANCE_MIN_BLOCKS(Trait
       constexpr int kStep = Tr::kThreads / BM;
       const int r = tid % BM;
       if (r < rows) {
-        float* dst = o_l + i64(n0 + tid / BM) * ldo + m0 + r;
+        float* dst = entry.out + i64(n0 + tid / BM) * ldo + m0 + r;
 #pragma unroll 1
         for (int c = tid / BM; c < cols; c += kStep, dst += kStep * ldo) {
           float y = finish<Tr>(kl_distance_smem[r * CS + c], ea);

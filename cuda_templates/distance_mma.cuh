@@ -90,18 +90,10 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 }
 
 // 16-byte global -> shared copy; bytes < 16 zero-fills the rest (0: all zero,
-// nothing is read).
-__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+// nothing is read). See common.cuh.
+using async_copy::cp_async_16;
+using async_copy::cp_async_commit;
+using async_copy::cp_async_wait;
 
 
 // d += a * b on a 16x8x8 TF32 tile (PTX ISA "Matrix Fragments for mma.m16n8k8",

@@ -39,6 +39,9 @@ if str(ROOT) not in sys.path:  # a source checkout: kermac_like and bench/ live 
 import kermac_like as km  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "examples"))
+from cdist_grad import torch_cdist_grad_p2  # noqa: E402  (one copy, shared with the example)
+
 try:
     import kermac  # the baseline package, when installed
 except Exception:  # ImportError, or a broken CUDA setup inside it
@@ -247,16 +250,6 @@ def add_ratios(r):
     o, t, k = r.get("ours_ms"), r.get("torch_ms"), r.get("kermac_ms")
     r["speedup"] = t / o if o and t else None
     r["kermac_speedup"] = k / o if o and k else None
-
-
-def torch_cdist_grad_p2(a, b, c, d):
-    """cdist_grad for p = 2 with torch matmuls, no K x N x M temporary:
-    out[o,n,m] = d[n,m] (c a)[o,m] - sum_k (c[o,k] b[n,k]) a[k,m]."""
-    O, N, K = c.shape[-2], b.shape[-2], c.shape[-1]
-    ca = c @ a  # (..., O, M)
-    cb = (c.unsqueeze(-2) * b.unsqueeze(-3)).reshape(*c.shape[:-2], O * N, K)  # (..., O*N, K)
-    out = (cb @ a).unflatten(-2, (O, N))  # (..., O, N, M)
-    return out.neg_().addcmul_(d.unsqueeze(-3), ca.unsqueeze(-2))
 
 
 def grad_formula_float64(a, b, c, d, p, n, m):

@@ -34,7 +34,6 @@ import random
 import re
 import sqlite3
 import sys
-import tempfile
 import threading
 import time
 import warnings

@@ -14,6 +14,7 @@ the C++ name expression and, through it, in the persistent cache key.
 from __future__ import annotations
 
 import enum
+import itertools
 import types
 from dataclasses import dataclass
 
@@ -165,6 +166,17 @@ class KernelDescriptor:
             f"KernelDescriptor({self.inner_operator.name}, {self.inner_power.name}, "
             f"{self.outer_power.name}, {self.kernel_type.name})"
         )
+
+    @classmethod
+    def all(cls) -> "tuple[KernelDescriptor, ...]":
+        """Every valid descriptor (28: 27 DIFF combinations and DOT)."""
+        found = []
+        for combo in itertools.product(InnerOperator, PowerType, PowerType, KernelType):
+            try:
+                found.append(cls(*combo))
+            except ValueError:
+                pass
+        return tuple(found)
 
     # -- presets (frozen instances: safe to share) ----------------------------------
     @classmethod

@@ -19,7 +19,7 @@ import torch
 
 from . import _debug
 from ._args import check_int, check_same, check_scalar_or_tensor, check_tensor
-from .descriptor import PRESETS, KernelDescriptor, PowerType
+from .descriptor import PRESETS, KernelDescriptor
 from .layout import Layout, analyse_matrix, analyse_output, batch_strides, broadcast_batch_shape, plan_batch
 from .reference import cdist_reference, distance_reference
 from .render import distance_spec, mma_spec, wgmma_spec

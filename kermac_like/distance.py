@@ -145,7 +145,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str):
     if call.desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist" and call.dtype in tf32_types:
         av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
         bv = analyse_matrix("b", call.b, prefer=Layout.ROW_MAJOR)
-        outv = analyse_output("out", out, call.out_shape, call.dtype, call.device)
+        outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
         tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
         plan = _plan(call, tensors)
         per = 16 // call.a.element_size()
@@ -161,7 +161,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str):
         return None
     av = analyse_matrix("a", call.a)
     bv = analyse_matrix("b", call.b)
-    outv = analyse_output("out", out, call.out_shape, call.dtype, call.device)
+    outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
     tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
     plan = _plan(call, tensors)
     vec_ok = av.vector_ok() and bv.vector_ok() and _aligned(plan, ("a", "b"), 4)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from . import _debug
 from ._args import check_same, check_scalar_or_tensor, check_tensor
 from .layout import batch_strides, broadcast_batch_shape, plan_batch
 from .reference import cdist_grad_reference
-from .render import grad_spec
+from .render import grad_mma_spec, grad_spec
 
 log = logging.getLogger("kermac_like.grad")
 
@@ -130,13 +131,16 @@ def _launch_grad(a, b, c, d, p, out, batch, sizes, debug):
         and all(ops[k].data_ptr() % 16 == 0 for k in vec_ops)
         and all(s % 4 == 0 for s in vec_strides)
     ) else 1
-    spec = grad_spec(kind, vec)
+    # Tensor-core contraction (3xTF32): opt-in until validated on the GPU.
+    use_mma = os.environ.get("KERMAC_LIKE_GRAD_MMA", "0") == "1"
+    spec = grad_mma_spec(kind, vec) if use_mma else grad_spec(kind, vec)
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     kernel = get_kernel(spec, device, debug=debug)
     L = plan.count
     grid = (math.ceil(M / spec.launch.block_m), math.ceil(N / spec.launch.block_n), min(L, 65535))
     if debug:
-        log.debug("cdist_grad: kind=%s vec=%d K=%d M=%d N=%d O=%d batch=%s", kind, vec, K, M, N, O, batch)
+        log.debug("cdist_grad: kind=%s vec=%d mma=%s K=%d M=%d N=%d O=%d batch=%s", kind, vec, use_mma, K, M, N, O,
+                  batch)
     offsets = {k: list(plan.outer_offsets(k)) for k in ops}
     for i in range(len(offsets["a"])):
 

@@ -289,3 +289,28 @@ def _wgmma_shipped():
 
 
 FAMILIES["distance_wgmma"] = _wgmma_shipped  # sm_90 only (KernelSpec.supports)
+
+
+# -- cdist_grad on tensor cores (mma.sync 3xTF32) -----------------------------------------
+# Mirror of kermac_like::CdistGradMmaTraits (cuda_templates/cdist_grad_mma.cuh): same
+# argument list and launch contract as cdist_grad_kernel, a 32 (m) x 16 (n) pair tile.
+GRAD_MMA_LAUNCH = LaunchShape(threads=256, block_m=32, block_n=16, smem_bytes=0)
+GRAD_MMA_MIN_BLOCKS = 1  # default of kMinBlocksPerSM (renders no extra argument)
+
+
+def grad_mma_spec(kind: str, vec: int, *, min_blocks: int = GRAD_MMA_MIN_BLOCKS) -> KernelSpec:
+    """``kind``: "abs" (p == 1), "square" (p == 2) or "pow" (any p); ``vec`` 4 or 1
+    (the kVec contract of :func:`grad_spec`). ``min_blocks`` (1 or 2): register budget;
+    the launch shape does not depend on it."""
+    extra = "" if min_blocks == GRAD_MMA_MIN_BLOCKS else f", {int(min_blocks)}"
+    traits = f"kermac_like::CdistGradMmaTraits<{_GRAD_KINDS[kind]}, {vec}{extra}>"
+    return KernelSpec("cdist_grad_mma.cuh", "kermac_like::cdist_grad_mma_kernel", traits, GRAD_MMA_LAUNCH)
+
+
+def _grad_mma_shipped():
+    for kind in _GRAD_KINDS:
+        for vec in (4, 1):
+            yield grad_mma_spec(kind, vec)
+
+
+FAMILIES["cdist_grad_mma"] = _grad_mma_shipped

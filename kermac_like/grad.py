@@ -21,7 +21,7 @@ from . import _debug
 from ._args import check_same, check_scalar_or_tensor, check_tensor
 from .layout import batch_strides, broadcast_batch_shape, plan_batch
 from .reference import cdist_grad_reference
-from .render import grad_mma_spec, grad_spec
+from .render import grad_kernel_spec
 
 log = logging.getLogger("kermac_like.grad")
 
@@ -131,9 +131,9 @@ def _launch_grad(a, b, c, d, p, out, batch, sizes, debug):
         and all(ops[k].data_ptr() % 16 == 0 for k in vec_ops)
         and all(s % 4 == 0 for s in vec_strides)
     ) else 1
-    # Tensor-core contraction (3xTF32): opt-in until validated on the GPU.
-    use_mma = os.environ.get("KERMAC_LIKE_GRAD_MMA", "0") == "1"
-    spec = grad_mma_spec(kind, vec) if use_mma else grad_spec(kind, vec)
+    # Tensor-core contraction (3xTF32) where it measured faster; KERMAC_LIKE_GRAD_MMA=0 keeps SIMT.
+    use_mma = os.environ.get("KERMAC_LIKE_GRAD_MMA", "1") != "0"
+    spec = grad_kernel_spec(kind, vec, tensor_cores=use_mma)
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     kernel = get_kernel(spec, device, debug=debug)
     L = plan.count

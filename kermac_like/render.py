@@ -307,10 +307,24 @@ def grad_mma_spec(kind: str, vec: int, *, min_blocks: int = GRAD_MMA_MIN_BLOCKS)
     return KernelSpec("cdist_grad_mma.cuh", "kermac_like::cdist_grad_mma_kernel", traits, GRAD_MMA_LAUNCH)
 
 
+# Measured on an H200 at L=2 K=10000 M=10000 N=768 O=16 (bench/NOTES.md, v3): the
+# tensor-core contraction with two blocks per SM wins for p = 2 (108 -> 97.6 ms) and
+# p = 1 (117.5 -> 106.7 ms), with 4e-7 instead of 1.8e-6 error; for fractional p the
+# two-block build spills, so the SIMT kernel (137.9 ms) stays.
+GRAD_MMA_KINDS = ("abs", "square")
+
+
+def grad_kernel_spec(kind: str, vec: int, *, tensor_cores: bool = True) -> KernelSpec:
+    """The cdist_grad instantiation a call uses."""
+    if tensor_cores and kind in GRAD_MMA_KINDS:
+        return grad_mma_spec(kind, vec, min_blocks=2)
+    return grad_spec(kind, vec)
+
+
 def _grad_mma_shipped():
-    for kind in _GRAD_KINDS:
+    for kind in GRAD_MMA_KINDS:
         for vec in (4, 1):
-            yield grad_mma_spec(kind, vec)
+            yield grad_mma_spec(kind, vec, min_blocks=2)
 
 
 FAMILIES["cdist_grad_mma"] = _grad_mma_shipped

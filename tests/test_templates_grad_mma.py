@@ -10,7 +10,7 @@ CPU:
   ``kermac_like.compiler.compile_specs`` (the mirror static_asserts) for sm_80
   and sm_90: no spills; HMMA in the SASS.
 GPU (marker gpu, skips without CUDA): the public ``cdist_grad`` with
-KERMAC_LIKE_GRAD_MMA=1 against the float64 reference.
+the default selection (tensor cores for p = 1, 2) against the float64 reference.
 """
 
 from __future__ import annotations
@@ -227,8 +227,9 @@ def test_invalid_traits_fail_with_a_named_reason():
 def test_family_is_registered():
     from kermac_like.render import FAMILIES, GRAD_MMA_LAUNCH, grad_mma_spec
 
-    specs = list(FAMILIES["cdist_grad_mma"]())
-    assert len(specs) == 6 and all(s.launch == GRAD_MMA_LAUNCH for s in specs)
+    specs = list(FAMILIES["cdist_grad_mma"]())  # p = 1 and p = 2, two blocks per SM (measured winners)
+    assert len(specs) == 4 and all(s.launch == GRAD_MMA_LAUNCH for s in specs)
+    assert all(s.traits.endswith(", 2>") for s in specs)
     assert grad_mma_spec("abs", 4).name_expression.endswith("Power::Abs, 4>>")
     assert grad_mma_spec("abs", 4, min_blocks=2).name_expression.endswith("Power::Abs, 4, 2>>")
 

@@ -5,8 +5,9 @@
 1. correctness sweep of the mma kernel (KERMAC_LIKE_GRAD_MMA=1) against the float64
    reference: p in {1, 1.3, 2, 3}, O in {1, 3, 16, 33}, odd sizes, batch broadcast,
    p tensor, NaN-poisoned out;
-2. timing of L=2, K=10000, M=10000, N=768, O=16 for p = 1, 1.3, 2: SIMT, mma (default
-   and the 2-blocks/SM tuning) and torch.einsum of the p = 2 identity; median of 5
+2. each tuning variant of VARIANTS (CdistGradMmaTraits knobs) on 3 odd-size cases, p = 1, 2;
+3. timing of L=2, K=10000, M=10000, N=768, O=16 for p = 2, 1: SIMT, every variant (two
+   blocks per SM) and torch.einsum of the p = 2 identity; median of 5
    CUDA-event timings after a warm-up, fresh random data per call; an error check of
    each kernel on a slice of its last output against float64.
 Each case catches its own failure; the table comes last.  Budget: < 3 minutes on an H200.
@@ -31,7 +32,9 @@ import torch  # noqa: E402
 import kermac_like as km  # noqa: E402
 from kermac_like import grad as grad_mod  # noqa: E402
 from kermac_like.reference import cdist_grad_reference  # noqa: E402
-from kermac_like.render import grad_mma_spec  # noqa: E402
+from kermac_like.render import GRAD_MMA_KINDS, grad_mma_spec, grad_spec  # noqa: E402
+
+ORIG_SPEC = grad_mod.grad_kernel_spec
 
 
 def set_mma(on: bool):
@@ -98,6 +101,56 @@ def slice_err(args, out, p):
     return ((got - ref).norm() / ref.norm()).item()
 
 
+# Tuning variants of CdistGradMmaTraits (grad_mma_spec keywords; all two blocks per SM).
+# SASS (sm_90, p = 2) issue slots per HMMA in the k loop incl. loader/flush: base 7.4,
+# f128 7.0, u4f128 6.5, tw 6.9, tw-u4f128 5.8, bk64-u4f128 6.5.
+VARIANTS = [
+    ("base", {}),
+    ("f128", dict(flush_k=128)),
+    ("u4f128", dict(unroll_k=4, flush_k=128)),
+    ("tw", dict(trunc_w=True)),
+    ("tw-u4f128", dict(trunc_w=True, unroll_k=4, flush_k=128)),
+    ("bk64-u4f128", dict(block_k=64, unroll_k=4, flush_k=128)),
+]
+
+
+def use_variant(kw):
+    """Route km.cdist_grad's tensor-core p = 1 / p = 2 path to the variant ``kw``."""
+    def spec(kind, vec, *, tensor_cores=True):
+        if tensor_cores and kind in GRAD_MMA_KINDS:
+            return grad_mma_spec(kind, vec, min_blocks=2, **kw)
+        return grad_spec(kind, vec)
+    grad_mod.grad_kernel_spec = spec
+
+
+def variant_correctness():
+    """Every variant on odd sizes (K past several flush periods, ragged tiles), p = 1, 2."""
+    rows = []
+    set_mma(True)
+    cases = [(2.0, 16, 1000, 1000, 33, 2), (1.0, 33, 777, 131, 19, 1), (2.0, 3, 10000, 67, 5, 1)]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for label, kw in VARIANTS:
+        for p, O, K, M, N, L in cases:
+            name = f"{label} p={p} O={O} K={K} M={M} N={N} L={L}"
+            try:
+                use_variant(kw)
+                r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+                a, b, c, d = r(L, K, M), r(L, N, K), r(L, O, K), r(L, N, M)
+                d[..., : min(M, K)] = b[..., : min(M, K)]
+                out = torch.full((L, O, N, M), float("nan"), device="cuda")
+                km.cdist_grad(a, b, c, d, p=p, out=out)
+                ref = cdist_grad_reference(a.double(), b.double(), c.double(), d.double(), p)
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                ok = bool(torch.isfinite(out).all()) and err <= 2e-6
+                rows.append((name, "ok" if ok else "FAIL", f"{err:.2e}"))
+            except Exception as e:  # noqa: BLE001
+                rows.append((name, "ERROR", repr(e)[:120]))
+                traceback.print_exc()
+            finally:
+                grad_mod.grad_kernel_spec = ORIG_SPEC
+    return rows
+
+
 def timing():
     L, K, M, N, O = 2, 10000, 10000, 768, 16
     rows = []
@@ -106,15 +159,13 @@ def timing():
         return (torch.randn(L, K, M, device="cuda"), torch.randn(L, N, K, device="cuda"),
                 torch.randn(L, O, K, device="cuda"), torch.randn(L, N, M, device="cuda"))
 
-    orig_spec = grad_mod.grad_mma_spec
-    variants = [("simt", False, None), ("mma", True, 1), ("mma 2blk/SM", True, 2)]
-    for p in (2.0, 1.0, 1.3):
-        for label, on, mb in variants:
+    for p in (2.0, 1.0):
+        for label, kw in [("simt", None)] + VARIANTS:
             name = f"p={p} {label}"
             try:
-                set_mma(on)
-                if mb is not None:
-                    grad_mod.grad_mma_spec = lambda k, v, _mb=mb: grad_mma_spec(k, v, min_blocks=_mb)
+                set_mma(kw is not None)
+                if kw is not None:
+                    use_variant(kw)
                 t0 = time.perf_counter()
                 ms, args, out = timed(lambda a, b, c, d: km.cdist_grad(a, b, c, d, p=p), make)
                 err = slice_err(args, out, p)
@@ -123,7 +174,7 @@ def timing():
                 rows.append((name, "ERROR", repr(e)[:120], ""))
                 traceback.print_exc()
             finally:
-                grad_mod.grad_mma_spec = orig_spec
+                grad_mod.grad_kernel_spec = ORIG_SPEC
             print(*rows[-1], flush=True)
             torch.cuda.empty_cache()
     try:
@@ -144,10 +195,16 @@ def main():
     corr = correctness()
     for r in corr:
         print(*r, flush=True)
+    vcorr = variant_correctness()
+    for r in vcorr:
+        print(*r, flush=True)
     tim = timing()
     print("\n== correctness (mma kernel, rel. error vs float64) ==")
     for r in corr:
         print(f"  {r[0]:48s} {r[1]:6s} {r[2]}")
+    print("== correctness of the tuning variants (tol 2e-6) ==")
+    for r in vcorr:
+        print(f"  {r[0]:56s} {r[1]:6s} {r[2]}")
     print("== timing L=2 K=10000 M=10000 N=768 O=16 (median of 5) ==")
     for r in tim:
         print(f"  {r[0]:32s} {r[1]:>10s}  {r[2]} {r[3]}")

@@ -25,9 +25,9 @@
 //
 // Accumulation: each kFlushK-long k-chunk is summed in fresh MMA accumulators
 // and then added to the running fp32 sums with one FADD per element.  The
-// tensor cores accumulate with truncation; restarting every 32 k keeps that
-// error per chunk small, and the running sum over K / 32 chunks rounds to
-// nearest (relative error at K = 10000 about 1e-6 instead of ~1e-5).
+// tensor cores accumulate with truncation; restarting every kFlushK (default
+// 32) k keeps that error per chunk small, and the running sum over K / kFlushK
+// chunks rounds to nearest (relative error at K = 10000 about 1e-6 instead of ~1e-5).
 //
 // O > 16 runs o-chunks of 16 one after another, regenerating W per chunk (W
 // in registers cannot be kept across the K loop); the MMA cost is per o-chunk
@@ -43,7 +43,20 @@ namespace kermac_like {
 // kMinBlocksPerSM_: the occupancy registers are budgeted for.  1 (default):
 // ~170 registers, no spills, 8 warps per SM.  2: 128 registers, 16 warps per
 // SM, a few bytes of spills outside the MMA loop (a tuning to time).
-template <Power kPower_, int kVec_, int kMinBlocksPerSM_ = 1>
+//
+// Tuning knobs (the defaults render the v3 kernel):
+//   kFlushK_  k per fresh set of MMA accumulators (32, 64 or 128; a multiple of
+//             kBlockK): longer periods cost fewer FADDs / accumulator resets and
+//             add tensor-core truncation error roughly in proportion.
+//   kBlockK_  k per pipeline stage (32: 3 stages; 64: 2 stages, half the
+//             barriers and cp.async waits per k, same 48 KiB static budget).
+//   kUnrollK_ 8-k MMA steps per unrolled loop body (1, 2 or 4).
+//   kTruncW_  1: split W by truncation (big = W with its low 13 bits cleared,
+//             2 instructions instead of 3); small then carries up to 2^-10 of W
+//             instead of 2^-11, so the dropped small*small and the MMA's own
+//             truncation of small grow 2x (about 2^-21 per product).
+template <Power kPower_, int kVec_, int kMinBlocksPerSM_ = 1, int kFlushK_ = 32, int kBlockK_ = 32,
+          int kUnrollK_ = 1, int kTruncW_ = 0>
 struct CdistGradMmaTraits {
   static_assert(kPower_ == Power::Abs || kPower_ == Power::Square || kPower_ == Power::Pow,
                 "CdistGradMmaTraits: the power must be Power::Abs (p == 1), Power::Square "
@@ -53,6 +66,12 @@ struct CdistGradMmaTraits {
 
   static_assert(kMinBlocksPerSM_ == 1 || kMinBlocksPerSM_ == 2,
                 "CdistGradMmaTraits: kMinBlocksPerSM must be 1 or 2");
+  static_assert(kBlockK_ == 32 || kBlockK_ == 64, "CdistGradMmaTraits: kBlockK must be 32 or 64");
+  static_assert(kFlushK_ % kBlockK_ == 0 && kFlushK_ >= kBlockK_ && kFlushK_ <= 128,
+                "CdistGradMmaTraits: kFlushK must be a multiple of kBlockK, at most 128");
+  static_assert(kUnrollK_ == 1 || kUnrollK_ == 2 || kUnrollK_ == 4,
+                "CdistGradMmaTraits: kUnrollK must be 1, 2 or 4");
+  static_assert(kTruncW_ == 0 || kTruncW_ == 1, "CdistGradMmaTraits: kTruncW must be 0 or 1");
 
   static constexpr Power kPower = kPower_;
   static constexpr int kVec = kVec_;
@@ -64,8 +83,12 @@ struct CdistGradMmaTraits {
   static constexpr int kTilesN = 8;                        // n per warp, one MMA tile each
   static constexpr int kBlockM = kWarpsM * kWarpM;         // 32
   static constexpr int kBlockN = kWarpsN * kTilesN;        // 16
-  static constexpr int kBlockK = 32;                       // k per pipeline stage (= flush period)
-  static constexpr int kStages = 3;                        // cp.async ring depth
+  static constexpr int kBlockK = kBlockK_;                 // k per pipeline stage
+  static constexpr int kStages = kBlockK_ == 32 ? 3 : 2;   // cp.async ring depth (48 KiB static)
+  static constexpr int kFlushK = kFlushK_;                 // k per fresh MMA accumulator set
+  static constexpr int kFlushChunks = kFlushK_ / kBlockK_; // pipeline stages per flush
+  static constexpr int kUnrollK = kUnrollK_;               // MMA steps per unrolled body
+  static constexpr bool kTruncW = kTruncW_ == 1;
   static constexpr int kOChunk = 16;                       // MMA rows
   static constexpr int kMinBlocksPerSM = kMinBlocksPerSM_;
   static constexpr int kSmemBytes = 0;  // static shared memory only
@@ -79,7 +102,7 @@ struct CdistGradMmaTraits {
   static constexpr int kPitchC = kBlockK + 8;  // 40
 
   static_assert(kPitchA % 32 == 4 && kPitchC % 32 == 8 && kPitchB % 2 == 0, "bank layout");
-  static_assert(kBlockK % 8 == 0, "k-chunks are whole MMA steps");
+  static_assert(kBlockK % (8 * kUnrollK) == 0, "k-chunks are whole unrolled MMA steps");
   static_assert((kBlockK * kBlockM / kVec) % kThreads == 0, "a tile must split evenly over threads");
   static_assert((kBlockK * kBlockN) % kThreads == 0, "b tile must split evenly over threads");
   static_assert((kBlockK * kOChunk) % kThreads == 0, "c tile must split evenly over threads");
@@ -104,6 +127,14 @@ using grad_detail::WeightGen;
 // integer ops and one FADD.  Non-finite x gives NaN.
 __device__ __forceinline__ void split_tf32(float x, unsigned& big, unsigned& small) {
   const unsigned b = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  big = b;
+  small = __float_as_uint(x - __uint_as_float(b));
+}
+
+// big = x with the low 13 mantissa bits cleared (truncation), small = x - big
+// (exact): one LOP3 and one FADD.  |small| < 2^-10 |x|.
+__device__ __forceinline__ void split_tf32_trunc(float x, unsigned& big, unsigned& small) {
+  const unsigned b = __float_as_uint(x) & 0xffffe000u;
   big = b;
   small = __float_as_uint(x - __uint_as_float(b));
 }
@@ -198,6 +229,7 @@ __device__ __forceinline__ void run_o_chunk(Smem<Traits>& s, const GradTile& t, 
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tq = lane & 3;
   const int wm = warp % Traits::kWarpsM, wn = warp / Traits::kWarpsM;
+  constexpr int R = Traits::kFlushChunks, U = Traits::kUnrollK;
   const int num_k = ceil_div(t.K, BK);
 
   float acc[J][4];  // (n tile, fragment d0..d3): running fp32 sums
@@ -205,6 +237,8 @@ __device__ __forceinline__ void run_o_chunk(Smem<Traits>& s, const GradTile& t, 
   for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[j][r] = 0.0f;
+
+  float part[J][4];  // MMA sums of the current flush period
 
   Loader<Traits> loader;
   loader.init(t, o0, tid);
@@ -216,53 +250,61 @@ __device__ __forceinline__ void run_o_chunk(Smem<Traits>& s, const GradTile& t, 
     cp_async_commit();
   }
 
+  // Flush periods of R pipeline stages: fresh MMA sums, then one FADD per
+  // element into acc (a loop nest, so no per-stage flush predicate).
   int slot = 0, fill = S - 1;
-  for (int kc = 0; kc < num_k; ++kc) {
-    cp_async_wait<S - 2>();
-    __syncthreads();
-    if (kc + S - 1 < num_k) loader.load(s, fill, (kc + S - 1) * BK, t, o0);
-    cp_async_commit();
-
-    const float* sa = &s.a[slot][2 * tq][wm * Traits::kWarpM + g];  // a[k 2t, m g]
-    const float* sb = &s.b[slot][wn * J][2 * tq];                   // b[n j, k 2t]
-    const float* sc = &s.c[slot][g][2 * tq];                        // c[o g, k 2t]
-
-    float part[J][4];  // this chunk's MMA sums
+  for (int kp = 0; kp < num_k; kp += R) {
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
       for (int r = 0; r < 4; ++r) part[j][r] = 0.0f;
-
+    const int kend = min(kp + R, num_k);
 #pragma unroll 1
-    for (int ks = 0; ks < BK / 8; ++ks) {
-      // A = c: (a0, a2) = c[g][2t, 2t+1], (a1, a3) = c[g+8][2t, 2t+1].
-      const float2 c_lo = *reinterpret_cast<const float2*>(sc + ks * 8);
-      const float2 c_hi = *reinterpret_cast<const float2*>(sc + 8 * Traits::kPitchC + ks * 8);
-      unsigned cb[4], cs[4];
-      split_tf32(c_lo.x, cb[0], cs[0]);
-      split_tf32(c_hi.x, cb[1], cs[1]);
-      split_tf32(c_lo.y, cb[2], cs[2]);
-      split_tf32(c_hi.y, cb[3], cs[3]);
-      const float a0 = sa[(ks * 8) * Traits::kPitchA];
-      const float a1 = sa[(ks * 8 + 1) * Traits::kPitchA];
+    for (int kc = kp; kc < kend; ++kc) {
+      cp_async_wait<S - 2>();
+      __syncthreads();
+      if (kc + S - 1 < num_k) loader.load(s, fill, (kc + S - 1) * BK, t, o0);
+      cp_async_commit();
+
+      const float* sa = &s.a[slot][2 * tq][wm * Traits::kWarpM + g];  // a[k 2t, m g]
+      const float* sb = &s.b[slot][wn * J][2 * tq];                   // b[n j, k 2t]
+      const float* sc = &s.c[slot][g][2 * tq];                        // c[o g, k 2t]
+
+#pragma unroll U
+      for (int ks = 0; ks < BK / 8; ++ks) {
+        // A = c: (a0, a2) = c[g][2t, 2t+1], (a1, a3) = c[g+8][2t, 2t+1].
+        const float2 c_lo = *reinterpret_cast<const float2*>(sc + ks * 8);
+        const float2 c_hi = *reinterpret_cast<const float2*>(sc + 8 * Traits::kPitchC + ks * 8);
+        unsigned cb[4], cs[4];
+        split_tf32(c_lo.x, cb[0], cs[0]);
+        split_tf32(c_hi.x, cb[1], cs[1]);
+        split_tf32(c_lo.y, cb[2], cs[2]);
+        split_tf32(c_hi.y, cb[3], cs[3]);
+        const float a0 = sa[(ks * 8) * Traits::kPitchA];
+        const float a1 = sa[(ks * 8 + 1) * Traits::kPitchA];
 #pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const float2 bv = *reinterpret_cast<const float2*>(sb + j * Traits::kPitchB + ks * 8);
-        unsigned wb0, ws0, wb1, ws1;
-        split_tf32(gen(a0, bv.x, dv[j]), wb0, ws0);
-        split_tf32(gen(a1, bv.y, dv[j]), wb1, ws1);
-        mma_tf32(part[j], cs, wb0, wb1);
-        mma_tf32(part[j], cb, ws0, ws1);
-        mma_tf32(part[j], cb, wb0, wb1);
+        for (int j = 0; j < J; ++j) {
+          const float2 bv = *reinterpret_cast<const float2*>(sb + j * Traits::kPitchB + ks * 8);
+          unsigned wb0, ws0, wb1, ws1;
+          if constexpr (Traits::kTruncW) {
+            split_tf32_trunc(gen(a0, bv.x, dv[j]), wb0, ws0);
+            split_tf32_trunc(gen(a1, bv.y, dv[j]), wb1, ws1);
+          } else {
+            split_tf32(gen(a0, bv.x, dv[j]), wb0, ws0);
+            split_tf32(gen(a1, bv.y, dv[j]), wb1, ws1);
+          }
+          mma_tf32(part[j], cs, wb0, wb1);
+          mma_tf32(part[j], cb, ws0, ws1);
+          mma_tf32(part[j], cb, wb0, wb1);
+        }
       }
+      slot = slot + 1 == S ? 0 : slot + 1;
+      fill = fill + 1 == S ? 0 : fill + 1;
     }
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[j][r] += part[j][r];
-
-    slot = slot + 1 == S ? 0 : slot + 1;
-    fill = fill + 1 == S ? 0 : fill + 1;
   }
   cp_async_wait<0>();
 

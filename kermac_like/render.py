@@ -298,11 +298,20 @@ GRAD_MMA_LAUNCH = LaunchShape(threads=256, block_m=32, block_n=16, smem_bytes=0)
 GRAD_MMA_MIN_BLOCKS = 1  # default of kMinBlocksPerSM (renders no extra argument)
 
 
-def grad_mma_spec(kind: str, vec: int, *, min_blocks: int = GRAD_MMA_MIN_BLOCKS) -> KernelSpec:
+def grad_mma_spec(kind: str, vec: int, *, min_blocks: int = GRAD_MMA_MIN_BLOCKS, flush_k: int = 32,
+                  block_k: int = 32, unroll_k: int = 1, trunc_w: bool = False) -> KernelSpec:
     """``kind``: "abs" (p == 1), "square" (p == 2) or "pow" (any p); ``vec`` 4 or 1
-    (the kVec contract of :func:`grad_spec`). ``min_blocks`` (1 or 2): register budget;
-    the launch shape does not depend on it."""
-    extra = "" if min_blocks == GRAD_MMA_MIN_BLOCKS else f", {int(min_blocks)}"
+    (the kVec contract of :func:`grad_spec`). ``min_blocks`` (1 or 2): register budget.
+    Tuning knobs of CdistGradMmaTraits (defaults = the v3 kernel, rendered without extra
+    arguments): ``flush_k`` k per fresh accumulator set (32/64/128, a multiple of
+    ``block_k``), ``block_k`` k per pipeline stage (32 or 64), ``unroll_k`` MMA steps per
+    unrolled body (1/2/4), ``trunc_w`` split W by truncation. The launch shape depends on
+    none of them."""
+    args = [int(min_blocks), int(flush_k), int(block_k), int(unroll_k), int(bool(trunc_w))]
+    defaults = [GRAD_MMA_MIN_BLOCKS, 32, 32, 1, 0]
+    while args and args[-1] == defaults[len(args) - 1]:
+        args.pop()
+    extra = "".join(f", {x}" for x in args)
     traits = f"kermac_like::CdistGradMmaTraits<{_GRAD_KINDS[kind]}, {vec}{extra}>"
     return KernelSpec("cdist_grad_mma.cuh", "kermac_like::cdist_grad_mma_kernel", traits, GRAD_MMA_LAUNCH)
 

@@ -233,7 +233,9 @@ def compile_specs(specs, arch: str, *, debug: bool = False):
     resources = {e: res_by_lowered.get(mapping[e], {}) for e in mapping}
     for expr, res in resources.items():
         if res.get("spill_stores") or res.get("spill_loads"):
-            log.warning("%s spills registers on %s: %s", expr, full_arch, res)
+            # Some shipped builds trade a few spilled bytes for occupancy (measured faster,
+            # bench/NOTES.md), so this is a record, not a warning.
+            log.info("%s spills registers on %s: %s", expr, full_arch, res)
     if debug:
         log.debug("compiled %d kernel(s) for %s in %.2f s", len(specs), full_arch, seconds)
         for expr, res in resources.items():

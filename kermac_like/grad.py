@@ -133,7 +133,8 @@ def _launch_grad(a, b, c, d, p, out, batch, sizes, debug):
     ) else 1
     # Tensor-core contraction (3xTF32) where it measured faster; KERMAC_LIKE_GRAD_MMA=0 keeps SIMT.
     use_mma = os.environ.get("KERMAC_LIKE_GRAD_MMA", "1") != "0"
-    spec = grad_kernel_spec(kind, vec, tensor_cores=use_mma)
+    sm90 = torch.cuda.get_device_capability(a.device) == (9, 0)
+    spec = grad_kernel_spec(kind, vec, tensor_cores=use_mma, sm90=sm90)
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     kernel = get_kernel(spec, device, debug=debug)
     L = plan.count

@@ -316,24 +316,28 @@ def grad_mma_spec(kind: str, vec: int, *, min_blocks: int = GRAD_MMA_MIN_BLOCKS,
     return KernelSpec("cdist_grad_mma.cuh", "kermac_like::cdist_grad_mma_kernel", traits, GRAD_MMA_LAUNCH)
 
 
-# Measured on an H200 at L=2 K=10000 M=10000 N=768 O=16 (bench/NOTES.md, v3): the
-# tensor-core contraction with two blocks per SM wins for p = 2 (108 -> 97.6 ms) and
-# p = 1 (117.5 -> 106.7 ms), with 4e-7 instead of 1.8e-6 error; for fractional p the
-# two-block build spills, so the SIMT kernel (137.9 ms) stays.
+# Measured on an H200 at L=2 K=10000 M=10000 N=768 O=16 (bench/NOTES.md, v3 and v3.1):
+# the tensor-core contraction beats the SIMT kernel for p = 1 and p = 2; on sm_90 the
+# tuned build (two blocks per SM, truncating W split, 4-step unroll, flush every 128 k)
+# runs p = 2 in 86.4 ms and p = 1 in 94.4 ms (SIMT 108 / 117.5; error 1.0e-6). Its
+# two-block builds spill on sm_80, where the one-block build is used. Fractional p stays
+# on the SIMT kernel (137.9 ms; the two-block tensor-core build spills there).
 GRAD_MMA_KINDS = ("abs", "square")
+GRAD_MMA_SM90 = dict(min_blocks=2, trunc_w=True, unroll_k=4, flush_k=128)
 
 
-def grad_kernel_spec(kind: str, vec: int, *, tensor_cores: bool = True) -> KernelSpec:
-    """The cdist_grad instantiation a call uses."""
+def grad_kernel_spec(kind: str, vec: int, *, tensor_cores: bool = True, sm90: bool = False) -> KernelSpec:
+    """The cdist_grad instantiation a call uses on a device (``sm90``: compute capability 9.0)."""
     if tensor_cores and kind in GRAD_MMA_KINDS:
-        return grad_mma_spec(kind, vec, min_blocks=2)
+        return grad_mma_spec(kind, vec, **(GRAD_MMA_SM90 if sm90 else {}))
     return grad_spec(kind, vec)
 
 
 def _grad_mma_shipped():
     for kind in GRAD_MMA_KINDS:
         for vec in (4, 1):
-            yield grad_mma_spec(kind, vec, min_blocks=2)
+            yield grad_mma_spec(kind, vec)  # sm_80-class GPUs
+            yield grad_mma_spec(kind, vec, **GRAD_MMA_SM90)  # Hopper
 
 
 FAMILIES["cdist_grad_mma"] = _grad_mma_shipped

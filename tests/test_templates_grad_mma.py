@@ -227,9 +227,9 @@ def test_invalid_traits_fail_with_a_named_reason():
 def test_family_is_registered():
     from kermac_like.render import FAMILIES, GRAD_MMA_LAUNCH, grad_mma_spec
 
-    specs = list(FAMILIES["cdist_grad_mma"]())  # p = 1 and p = 2, two blocks per SM (measured winners)
-    assert len(specs) == 4 and all(s.launch == GRAD_MMA_LAUNCH for s in specs)
-    assert all(s.traits.endswith(", 2>") for s in specs)
+    specs = list(FAMILIES["cdist_grad_mma"]())  # p = 1 and p = 2: sm_80-class and tuned sm_90 builds
+    assert len(specs) == 8 and all(s.launch == GRAD_MMA_LAUNCH for s in specs)
+    assert sum(s.traits.endswith(", 2, 128, 32, 4, 1>") for s in specs) == 4
     assert grad_mma_spec("abs", 4).name_expression.endswith("Power::Abs, 4>>")
     assert grad_mma_spec("abs", 4, min_blocks=2).name_expression.endswith("Power::Abs, 4, 2>>")
 

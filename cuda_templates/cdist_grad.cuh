@@ -176,6 +176,44 @@ struct GradTile {
   int m0, n0;      // block tile origin
 };
 
+// The batch loop of both cdist_grad kernels (SIMT and tensor-core), from their flat
+// arguments: one GradTile per batch entry and the exponent q = p - 1 of its factor.
+// n-tiles are walked fastest: the blocks resident together share one m-tile, so each
+// a[k-chunk, m-tile] (a is the large operand) is fetched from DRAM about once and
+// served to every n-tile from L2.  The remap is a bijection of the grid.
+template <int kBlockM, int kBlockN, class RunTile>
+__device__ __forceinline__ void for_each_batch_tile(
+    const float* a, const float* b, const float* c, const float* d, float* out, int M, int N, int K,
+    int O, i64 lda, i64 ldb, i64 ldc, i64 ldd, i64 ldo_o, i64 ldo_n, int batch, i64 a_bs, i64 b_bs,
+    i64 c_bs, i64 d_bs, i64 o_bs, const float* p_ptr, i64 p_bs, float p, RunTile&& run) {
+  const long long bid = static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const int n_tile = static_cast<int>(bid % gridDim.y);
+  const int m_tile = static_cast<int>(bid / gridDim.y);
+
+  for (int l = blockIdx.z; l < batch; l += gridDim.z) {
+    GradTile t;
+    t.a = a + l * a_bs;
+    t.b = b + l * b_bs;
+    t.c = c + l * c_bs;
+    t.d = d + l * d_bs;
+    t.out = out + l * o_bs;
+    t.safe = a;
+    t.lda = lda;
+    t.ldb = ldb;
+    t.ldc = ldc;
+    t.ldd = ldd;
+    t.ldo_o = ldo_o;
+    t.ldo_n = ldo_n;
+    t.M = M;
+    t.N = N;
+    t.K = K;
+    t.O = O;
+    t.m0 = m_tile * kBlockM;
+    t.n0 = n_tile * kBlockN;
+    run(t, (p_ptr != nullptr ? p_ptr[l * p_bs] : p) - 1.0f);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Stage 0: the cp.async producer.  Each thread owns fixed (row, column)
 // slots of the a, b and c chunk tiles; only the k origin moves, so the state
@@ -515,37 +553,9 @@ cdist_grad_kernel(const float* __restrict__ a, const float* __restrict__ b,
   using namespace grad_detail;
   __shared__ CdistGradSmem<Traits> smem;
 
-  // Walk n-tiles fastest: the blocks resident together share one m-tile, so
-  // each a[k-chunk, m-tile] (a is the large operand) is fetched from DRAM
-  // about once and served to every n-tile from L2.  A bijection of the grid.
-  const long long bid = static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x;
-  const int n_tile = static_cast<int>(bid % gridDim.y);
-  const int m_tile = static_cast<int>(bid / gridDim.y);
-
-  for (int l = blockIdx.z; l < batch; l += gridDim.z) {
-    GradTile t;
-    t.a = a + l * a_bs;
-    t.b = b + l * b_bs;
-    t.c = c + l * c_bs;
-    t.d = d + l * d_bs;
-    t.out = out + l * o_bs;
-    t.safe = a;
-    t.lda = lda;
-    t.ldb = ldb;
-    t.ldc = ldc;
-    t.ldd = ldd;
-    t.ldo_o = ldo_o;
-    t.ldo_n = ldo_n;
-    t.M = M;
-    t.N = N;
-    t.K = K;
-    t.O = O;
-    t.m0 = m_tile * Traits::kBlockM;
-    t.n0 = n_tile * Traits::kBlockN;
-    const float q = (p_ptr != nullptr ? p_ptr[l * p_bs] : p) - 1.0f;
-
-    run_tile<Traits>(smem, t, q);
-  }
+  for_each_batch_tile<Traits::kBlockM, Traits::kBlockN>(
+      a, b, c, d, out, M, N, K, O, lda, ldb, ldc, ldd, ldo_o, ldo_n, batch, a_bs, b_bs, c_bs, d_bs,
+      o_bs, p_ptr, p_bs, p, [&](const GradTile& t, float q) { run_tile<Traits>(smem, t, q); });
 }
 
 }  // namespace kermac_like

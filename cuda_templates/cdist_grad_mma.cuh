@@ -379,34 +379,9 @@ cdist_grad_mma_kernel(const float* __restrict__ a, const float* __restrict__ b,
   using namespace grad_mma_detail;
   __shared__ Smem<Traits> smem;
 
-  // n-tiles fastest (see cdist_grad_kernel): resident blocks share an m-tile of a.
-  const long long bid = static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x;
-  const int n_tile = static_cast<int>(bid % gridDim.y);
-  const int m_tile = static_cast<int>(bid / gridDim.y);
-
-  for (int l = blockIdx.z; l < batch; l += gridDim.z) {
-    GradTile t;
-    t.a = a + l * a_bs;
-    t.b = b + l * b_bs;
-    t.c = c + l * c_bs;
-    t.d = d + l * d_bs;
-    t.out = out + l * o_bs;
-    t.safe = a;
-    t.lda = lda;
-    t.ldb = ldb;
-    t.ldc = ldc;
-    t.ldd = ldd;
-    t.ldo_o = ldo_o;
-    t.ldo_n = ldo_n;
-    t.M = M;
-    t.N = N;
-    t.K = K;
-    t.O = O;
-    t.m0 = m_tile * Traits::kBlockM;
-    t.n0 = n_tile * Traits::kBlockN;
-    const float q = (p_ptr != nullptr ? p_ptr[l * p_bs] : p) - 1.0f;
-    run_tile<Traits>(smem, t, q);
-  }
+  grad_detail::for_each_batch_tile<Traits::kBlockM, Traits::kBlockN>(
+      a, b, c, d, out, M, N, K, O, lda, ldb, ldc, ldd, ldo_o, ldo_n, batch, a_bs, b_bs, c_bs, d_bs,
+      o_bs, p_ptr, p_bs, p, [&](const GradTile& t, float q) { run_tile<Traits>(smem, t, q); });
 }
 
 }  // namespace kermac_like

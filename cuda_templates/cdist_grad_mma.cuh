@@ -139,18 +139,8 @@ __device__ __forceinline__ void split_tf32_trunc(float x, unsigned& big, unsigne
   small = __float_as_uint(x - __uint_as_float(b));
 }
 
-// d += a * b on a 16x8x8 TF32 tile; fragment layout as in distance_mma.cuh:
-//   a0 (row g, slot t) a1 (row g+8, slot t) a2 (row g, slot t+4) a3 (row g+8, slot t+4)
-//   b0 (slot t, col g) b1 (slot t+4, col g)
-//   d0 (row g, col 2t) d1 (row g, col 2t+1) d2 (row g+8, col 2t) d3 (row g+8, col 2t+1)
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                         unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// d += a * b on a 16x8x8 TF32 tile (fragment layout in common.cuh).
+using tensor_core::mma_tf32;
 
 template <class Traits>
 struct Smem {

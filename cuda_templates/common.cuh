@@ -149,4 +149,24 @@ __device__ __forceinline__ T ceil_div(T a, T b) {
   return (a + b - 1) / b;
 }
 
+// Tensor-core instructions shared by the kernel families (mma.sync, sm_80+).
+// The mma host emulation (tests) supplies its own under the same name.
+namespace tensor_core {
+
+// d += a * b on a 16x8x8 TF32 tile (PTX ISA "Matrix Fragments for mma.m16n8k8",
+// .tf32). With g = lane / 4, t = lane % 4:
+//   a0 (row g, k t)   a1 (row g+8, k t)   a2 (row g, k t+4)   a3 (row g+8, k t+4)
+//   b0 (k t, col g)   b1 (k t+4, col g)
+//   d0 (row g, col 2t)  d1 (row g, col 2t+1)  d2 (row g+8, col 2t)  d3 (row g+8, col 2t+1)
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+}  // namespace tensor_core
+
 }  // namespace kermac_like

@@ -19,7 +19,7 @@ import torch
 
 from . import _debug
 from ._args import check_same, check_scalar_or_tensor, check_tensor
-from .layout import batch_strides, broadcast_batch_shape, plan_batch
+from .layout import Layout, analyse_output, batch_strides, broadcast_batch_shape, plan_batch
 from .reference import cdist_grad_reference
 from .render import grad_kernel_spec
 
@@ -36,21 +36,12 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_grad_out(out, shape, dtype, device):
+    """The shared output checks, plus the kernel's unit-stride last (m) mode."""
     if out is None:
         return
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
-    if out.dtype != dtype:
-        raise TypeError(f"out: expected dtype {dtype}, got {out.dtype}")
-    if out.device != device:
-        raise ValueError(f"out: expected device {device}, got {out.device}")
-    if out.shape[-1] > 1 and out.stride(-1) != 1:
+    view = analyse_output("out", out, shape, dtype, device)
+    if view.layout is not Layout.ROW_MAJOR and out.shape[-1] > 1:
         raise ValueError(f"out: its last (m) mode must be unit-stride, got strides {tuple(out.stride())}")
-    for size, stride in zip(out.shape[:-1], out.stride()[:-1]):
-        if size > 1 and stride == 0:
-            raise ValueError("out: has overlapping memory (zero stride)")
 
 
 def cdist_grad(a, b, c, d, *, out=None, p=2.0, debug: bool = False) -> torch.Tensor:

@@ -43,29 +43,38 @@ DEVICE = "cuda"
 class Variant:
     """One kernel family: header, kernel template, traits template, arch, launch shape."""
 
-    def __init__(self, name, header, kernel, traits, arch, block, smem, prefix=""):
+    def __init__(self, name, header, kernel, traits, arch, block, smem, prefix="", threads=256, persistent=False,
+                 extra=""):
         self.name, self.header, self.kernel, self.traits = name, header, kernel, traits
         self.arch, self.block, self.smem, self.prefix = arch, block, smem, prefix
+        self.threads, self.persistent, self.extra = threads, persistent, extra
 
     def traits_of(self, cfg):
         inner, outer, epi, out, prec = cfg
         return (f"{NS}{self.traits}<{NS}Inner::{inner}, {NS}Power::{outer}, {NS}Epilogue::{epi}, "
-                f"{NS}Layout::RowMajor, {NS}Layout::RowMajor, {NS}Layout::{out}, {NS}Precision::{prec}, float>")
+                f"{NS}Layout::RowMajor, {NS}Layout::RowMajor, {NS}Layout::{out}, {NS}Precision::{prec}, float"
+                f"{self.extra}>")
 
     def smem_of(self, cfg):
         return self.smem(cfg) if callable(self.smem) else self.smem
 
 
-WGMMA_SMEM = {"Tf32x3": 223744, "Tf32": 150016}  # mirror of DistanceWgmmaTraits::kSmemBytes
+WGMMA_SMEM = {"Tf32x3": 206928, "Tf32": 198784}  # mirror of DistanceWgmmaTraits::kSmemBytes
+
+
+def wgmma_variant(name, prefix=""):
+    return Variant(name, "distance_wgmma.cuh", "distance_wgmma_kernel", "DistanceWgmmaTraits", "sm_90a", (128, 256),
+                   lambda cfg: WGMMA_SMEM[cfg[4]], prefix=prefix, threads=384, persistent=True)
+
+
 VARIANTS = {
-    "wgmma": Variant("wgmma", "distance_wgmma.cuh", "distance_wgmma_kernel", "DistanceWgmmaTraits", "sm_90a",
-                     (128, 256), lambda cfg: WGMMA_SMEM[cfg[4]]),
-    # Diagnostic only (not a correct program): the split pass without its proxy fence.
-    "wgmma-nofence": Variant("wgmma-nofence", "distance_wgmma.cuh", "distance_wgmma_kernel", "DistanceWgmmaTraits",
-                             "sm_90a", (128, 256), lambda cfg: WGMMA_SMEM[cfg[4]],
-                             prefix="#define KERMAC_LIKE_WGMMA_SKIP_PROXY_FENCE 1\n"),
+    "wgmma": wgmma_variant("wgmma"),
+    # Diagnostics (not correct programs): no output writes; no b split.
+    "wgmma-nostore": wgmma_variant("wgmma-nostore", "#define KERMAC_LIKE_WGMMA_DIAG_NO_STORE 1\n"),
+    "wgmma-nosplit": wgmma_variant("wgmma-nosplit", "#define KERMAC_LIKE_WGMMA_DIAG_NO_SPLIT 1\n"),
     "mma": Variant("mma", "distance_mma.cuh", "distance_mma_kernel", "DistanceMmaTraits", "sm_90", (128, 256), 99840),
 }
+DIAGNOSTIC = {"wgmma-nostore", "wgmma-nosplit"}
 _COMPILED = {}
 
 
@@ -137,7 +146,10 @@ def run(variant, cfg, a, b, out, *, bw=1.0, lam=0.0, reg_diag=0, eps=0.0, bw_t=N
             *hp(None, 0.0), *hp(None, 0.0), *hp(bw_t, bw), *hp(lam_t, lam), i64(reg_diag), f32(eps)]
     bm, bn = variant.block
     grid = (-(-M // bm), -(-N // bn), min(grid_z or batch, 65535))
-    config = LaunchConfig(grid=grid, block=(256, 1, 1), shmem_size=smem)
+    if variant.persistent:
+        tiles = grid[0] * grid[1] * batch
+        grid = (min(tiles, SMS if not grid_z else grid_z), 1, 1)
+    config = LaunchConfig(grid=grid, block=(variant.threads, 1, 1), shmem_size=smem)
     torch.cuda.synchronize()
     launch(STREAM, config, kernel, *args)
     STREAM.sync()
@@ -294,6 +306,8 @@ CASES = [
     (("Diff", "Noop", "Laplace", "ColMajor", "Tf32x3"), (90, 90, 20), {"reg_diag": -3}),
     (("Dot", "Noop", "None", "RowMajor", "Tf32x3"), (129, 257, 100), {}),
     (("Dot", "Noop", "None", "ColMajor", "Tf32x3"), (65, 300, 1024), {}),
+    (("Diff", "Sqrt", "None", "RowMajor", "Tf32x3"), (1000, 1300, 200), {"grid_z": 0, "batch_a": 2}),
+    (("Diff", "Sqrt", "Laplace", "RowMajor", "Tf32x3"), (2000, 700, 64), {"grid_z": 0, "per_batch_hyper": True}),
     (("Diff", "Sqrt", "None", "RowMajor", "Tf32"), (300, 260, 1000), {}),
     (("Diff", "Sqrt", "Laplace", "ColMajor", "Tf32"), (129, 513, 40), {}),
 ]
@@ -361,7 +375,9 @@ WORKLOADS = [
     ("cdist p=2", ("Diff", "Sqrt", "None", "RowMajor"), 30000, 30000, 1024, 15.0),
     ("Laplace-l2", ("Diff", "Sqrt", "Laplace", "RowMajor"), 50000, 50000, 256, 12.0),
 ]
-TIMED = [("mma", "Tf32x3"), ("wgmma", "Tf32x3"), ("wgmma-nofence", "Tf32x3"), ("mma", "Tf32"), ("wgmma", "Tf32")]
+TIMED = [("wgmma", "Tf32x3"), ("wgmma-nostore", "Tf32x3"), ("wgmma-nosplit", "Tf32x3"), ("wgmma", "Tf32")]
+if "--mma" in sys.argv:
+    TIMED += [("mma", "Tf32x3"), ("mma", "Tf32")]
 TIMINGS = []  # (workload, variant, precision, ms, tflops, err, target)
 
 
@@ -391,27 +407,47 @@ def timing():
             except Exception as e:  # noqa: BLE001
                 record("timing", f"{label} {vname} {prec}", False, f"{type(e).__name__}: {e}"[:300])
                 traceback.print_exc()
+        try:  # cuBLAS ceilings on the same shapes: one TF32 product, and bf16
+            for name, dt, tf32 in (("torch mm TF32", torch.float32, True), ("torch mm bf16", torch.bfloat16, False)):
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                p1, p2 = x1[0].to(dt), x2[0].to(dt)
+                o = torch.empty(M, N, device=DEVICE, dtype=dt)
+                times = []
+                for i in range(8):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    torch.mm(p1, p2.t(), out=o)
+                    e1.record()
+                    e1.synchronize()
+                    times.append(e0.elapsed_time(e1))
+                ms = sorted(times[2:])[len(times[2:]) // 2]
+                TIMINGS.append((label, name, "-", ms, 2.0 * M * N * K / (ms * 1e-3) / 1e12, float("nan"), target))
+                del p1, p2, o
+            torch.backends.cuda.matmul.allow_tf32 = False
+        except Exception as e:  # noqa: BLE001
+            record("timing", f"{label} torch mm", False, f"{type(e).__name__}: {e}"[:300])
         del x1, x2, out, ref
         torch.cuda.empty_cache()
 
 
 def main():
-    global DEV, STREAM
+    global DEV, STREAM, SMS
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 1
     cap = torch.cuda.get_device_capability()
     print(f"device: {torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}, torch {torch.__version__}", flush=True)
+    SMS = torch.cuda.get_device_properties(0).multi_processor_count
     DEV = Device(torch.cuda.current_device())
     DEV.set_current()
     STREAM = torch_stream()
     if cap != (9, 0):
         print("not an sm_90 device: only the mma.sync variant can run; wgmma rows are skipped")
-        for k in [k for k in VARIANTS if k.startswith("wgmma")]:
+        for k in [k for k in VARIANTS if k != "mma"]:
             VARIANTS.pop(k)
     for cfg in sorted({c for c, _, _ in CASES}):
         for vname in VARIANTS:
-            if vname == "wgmma-nofence":
+            if vname != "wgmma":
                 continue
             try:
                 print(f"compiled {vname} {'/'.join(cfg)}: {compiled(VARIANTS[vname], cfg)[2]}", flush=True)
@@ -442,6 +478,7 @@ def summary():
 
 
 DEV = STREAM = None
+SMS = 132
 
 if __name__ == "__main__":
     sys.exit(main())

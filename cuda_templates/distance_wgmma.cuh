@@ -1,41 +1,37 @@
-// Hopper (sm_90a) tensor-core distance kernel: the distance_mma_kernel
-// semantics on wgmma, for p=2 distances, the Laplace-l2 and Gaussian kernels
-// and the DOT descriptor.
+// Hopper (sm_90a) tensor-core distance kernel, persistent and warp-specialised:
+// the distance_mma_kernel contract (p=2 distances, Laplace-l2 / Gaussian
+// kernels, DOT) on wgmma with A in registers.
 //
 //   ||x - y||^2 = ||x||^2 + ||y||^2 - 2 x.y
 //
-// Same flat ABI and the same limits as distance_mma_kernel
-// (.helpers/DISTANCE_ABI.md, cuda_templates/distance_mma.cuh): Inner::Diff
-// means the inner power Square with outer Noop or Sqrt; Inner::Dot takes outer
-// Noop and Epilogue::None; a and b RowMajor (K contiguous), 16-byte aligned
-// base and batch offsets, lda/ldb multiples of 4 floats; K free (tail
-// zero-filled); out RowMajor or ColMajor, element alignment only. Exact zero
-// self-distance diagonal when a == b and lda == ldb. Float32 data only:
-// Precision::Tf32x3 (fp32-grade, three TF32 products) or Precision::Tf32.
-// Compile for "sm_90a" (wgmma does not exist on plain sm_90 or on sm_80).
+// Same flat ABI as distance_mma_kernel (.helpers/DISTANCE_ABI.md) with its
+// limits: float32 data, Precision::Tf32x3 (fp32-grade, three TF32 products)
+// or Precision::Tf32; a and b RowMajor with 16-byte aligned bases, rows and
+// batch offsets; K free (tail zero-filled); out RowMajor or ColMajor, element
+// alignment only; exact zero self-distance diagonal when a == b and lda == ldb.
+// Compile for "sm_90a" (wgmma and setmaxnreg exist on no other target).
+// Launch: kThreads threads,
+// a 1-D grid of at most (number of SMs) blocks; each block walks the output
+// tiles blockIdx.x, blockIdx.x + gridDim.x, ... of all batch entries.
 //
-// Design (bench/NOTES_wgmma.md has the numbers):
-//   * Block 128 x 256, 256 threads = 2 warpgroups; warpgroup w computes rows
-//     64 w .. 64 w + 63 against all 256 columns with
-//     wgmma.mma_async.m64n256k8.f32.tf32.tf32, both operands read from shared
-//     memory through matrix descriptors; 128 fp32 accumulators per thread.
-//   * k-tile = 16 floats (64 bytes) of every row, K-major with the 64-byte
-//     swizzle of the wgmma descriptor (16-byte chunk c of row r stored at chunk
-//     c ^ ((r >> 1) & 3); every tile starts on a 1024-byte boundary).
-//   * cp.async (16 bytes, zero-filling rows past M/N and the K tail) fills a
-//     ring of kStages raw stages, 4 k-tiles ahead of the tensor cores.
-//   * 3xTF32 needs big = tf32(x) and small = tf32(x - big) of BOTH operands in
-//     shared memory (wgmma's B always comes from shared memory): one pass of
-//     all threads over each landed stage rounds it in place (big) and writes
-//     the residual into a ring of 3 "small" tiles, and in the same pass sums
-//     the squared row norms in fp32 from the raw values. Then per k-step
-//     small*big, big*small, big*big accumulate into the same registers.
-//   * Pipeline per k-tile kt (one __syncthreads):
-//       wait raw(kt+1); barrier; issue wgmma(kt) (6 instructions);
-//       split(kt+1) + norms + fence.proxy.async; copy raw(kt+4); wgmma.wait(kt-1).
-//     The split of the next tile overlaps the tensor cores' work on this one.
-//   * Epilogue as in distance_mma_kernel (clamp, sqrt.approx, epsilon,
-//     ex2.approx, regularisation, exact self-distance diagonal).
+// Roles (bench/NOTES_wgmma.md has the design notes and the measurements):
+//   * warpgroup 0, the loader (128 threads): cp.async copies of the raw
+//     128 x 16 (a) and 256 x 16 (b) k-tiles into a ring of kStages stages;
+//     cp.async.mbarrier.arrive signals "landed" without the loader ever
+//     waiting for its copies (a thread that reads shared memory while its own
+//     cp.async copies are in flight stalls until they land: measured, NOTES).
+//   * warpgroups 1 and 2, the consumers (rows 0-63 and 64-127 of the tile):
+//     per k-tile, ldmatrix of the raw a fragment and the a side of the 3xTF32
+//     split in registers (big = rna(a), small = rna(a - big)), squared row
+//     norms of a from the same registers; small_a*b, big_a*small_b, big_a*b
+//     per k8 step as wgmma.m64n256k8 with A from registers and B from shared
+//     memory (the raw b tile is the big half: the tensor cores read fp32 as
+//     TF32 by truncation); while that wgmma runs, the 256 consumer threads
+//     split the next landed b tile (small = b - trunc(b), exact, into the stage's
+//     "small" tile) and sum its squared row norms; one named barrier per
+//     k-tile. One k-tile of wgmma stays in flight; mbarrier "empty" gives a
+//     stage back to the loader when its wgmma has completed. Then the fused
+//     epilogue from the accumulators, while the loader fills the next tile.
 #pragma once
 
 #include "distance_mma.cuh"
@@ -75,25 +71,21 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
-// Generic-proxy writes to shared memory (st.shared) become visible to the async
-// proxy (wgmma operand reads) after this fence in the writing thread and a barrier.
-// (KERMAC_LIKE_WGMMA_SKIP_PROXY_FENCE is a diagnostic for bench/try_wgmma.py only:
-// it measures the fence's cost and is not a correct program.)
+// Generic-proxy writes to shared memory (st.shared, cp.async) become visible to
+// the async proxy (wgmma operand reads) after this fence and a barrier.
 __device__ __forceinline__ void fence_proxy_async() {
-#ifndef KERMAC_LIKE_WGMMA_SKIP_PROXY_FENCE
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
 }
 
-// D (64 x 256, f32) += A (64 x 8, tf32, K-major, descriptor) * B (256 x 8,
-// tf32, K-major, descriptor)^T. Accumulator fragment (PTX ISA "Register
-// Fragments" of wgmma .m64nNk8, D): warp w of the warpgroup holds rows
-// 16 w .. 16 w + 15; with g = lane / 4, t = lane % 4, register 4 j + 2 h + e
-// is row 16 w + g + 8 h, column 8 j + 2 t + e (j = 0..31, h, e = 0..1).
-__device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], unsigned long long desc_a,
-                                                   unsigned long long desc_b) {
+
+// D (64 x 256, f32) += A (64 x 8, tf32, registers) * B (256 x 8, tf32, K-major,
+// descriptor)^T. A fragment (PTX ISA "Register Fragments" of wgmma .m64nNk8,
+// .tf32 A): warp w of the warpgroup, g = lane / 4, t = lane % 4:
+//   a0 (row 16w+g, k t)  a1 (row 16w+g+8, k t)  a2 (row 16w+g, k t+4)  a3 (row 16w+g+8, k t+4).
+__device__ __forceinline__ void wgmma_m64n256k8_tf32_rs(float (&d)[128], const unsigned (&a)[4],
+                                                      unsigned long long desc_b) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 "
       "{"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -104,7 +96,7 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], unsigned l
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1;\n"
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -122,9 +114,63 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], unsigned l
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+// Four 8 x 16-byte matrices from shared memory: lanes 8 i .. 8 i + 7 give the
+// row addresses of matrix i, and lane l receives 32-bit word l % 4 of row l / 4
+// of matrix i in register i (ldmatrix .b16 moves 32-bit words intact).
+__device__ __forceinline__ void ldmatrix_x4(unsigned addr, unsigned (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// mbarrier (shared::cta), phase-parity waits.
+__device__ __forceinline__ void mbar_init(unsigned addr, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned addr) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(addr) : "memory");
+}
+// Returns once the phase with this parity has completed (a fresh barrier is in
+// phase 0, so waiting for parity 1 returns at once).
+__device__ __forceinline__ void mbar_wait(unsigned addr, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// Arrive on the mbarrier once every cp.async issued so far by this thread has
+// landed (the arrival is counted in the barrier's expected count: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned addr) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Barrier of the kThreads threads of one role (id 1..15; 0 is __syncthreads).
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
+
+// Register budget per warpgroup role (sum over the block <= 64K registers).
+template <int kRegs>
+__device__ __forceinline__ void regs_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void regs_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
 
 #endif  // KERMAC_LIKE_MMA_HOST_EMULATION
 
@@ -133,7 +179,7 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], unsigned l
 // ------------------------------------------------------------------- traits
 
 template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, Layout kLayoutB_,
-          Layout kLayoutO_, Precision kPrecision_, class T_>
+          Layout kLayoutO_, Precision kPrecision_, class T_, int kStagesArg = 0>
 struct DistanceWgmmaTraits {
   using T = T_;
   static constexpr Inner kInner = kInner_;
@@ -158,21 +204,29 @@ struct DistanceWgmmaTraits {
                 "DistanceWgmmaTraits: only T = float with Precision Tf32x3 or Tf32 (16-bit data: use "
                 "DistanceMmaTraits)");
 
-  static constexpr bool kSplit = kPrecision == Precision::Tf32x3;  // big + small tiles
-  static constexpr int kThreads = 256;  // 2 warpgroups
-  static constexpr int kBlockM = 128;   // 64 rows per warpgroup
-  static constexpr int kBlockN = 256;   // one m64n256k8 per k-step and product
+  static constexpr bool kSplit = kPrecision == Precision::Tf32x3;
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;  // 3 warpgroups
+  // setmaxnreg: 56 * 128 + 224 * 256 = 64512 = 168 * 384, the launch allocation.
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 224;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 256;
   static constexpr int kRowBytes = 64;  // one k-tile of a row: 16 floats, two k8 steps
   static constexpr int kBlockK = kRowBytes / 4;
-  static constexpr int kTileABytes = kBlockM * kRowBytes;         // 8 KiB
-  static constexpr int kStageBytes = (kBlockM + kBlockN) * kRowBytes;  // 24 KiB
-  static constexpr int kStages = 6;     // raw/big ring: wgmma(kt-1), wgmma(kt), split(kt+1), 3 in flight
-  static constexpr int kSmallTiles = kSplit ? 3 : 0;  // small ring: wgmma(kt-1), wgmma(kt), split(kt+1)
-  static constexpr int kNormBytes = (kBlockM + kBlockN) * 4;
-  static constexpr int kAlignSlack = 1024;  // the kernel aligns its base to 1024 bytes
-  static constexpr int kSmemBytes =
-      (kStages + kSmallTiles) * kStageBytes + kNormBytes + kAlignSlack;  // 223744 for Tf32x3
+  static constexpr int kTileABytes = kBlockM * kRowBytes;  // 8 KiB
+  static constexpr int kTileBBytes = kBlockN * kRowBytes;  // 16 KiB
+  // A raw, B raw (= B big), B small (3xTF32 only).
+  static constexpr int kStageBytes = kTileABytes + kTileBBytes * (kSplit ? 2 : 1);
+  static constexpr int kStages = kStagesArg > 0 ? kStagesArg : (kSplit ? 5 : 8);
+  static constexpr int kNormBytes = kBlockN * 4;  // b norms of the tile
+  static constexpr int kBarrierBytes = 2 * kStages * 8;    // full[], empty[]
+  static constexpr int kAlignSlack = 1024;                 // the kernel aligns its base to 1 KiB
+  static constexpr int kSmemBytes = kStages * kStageBytes + kNormBytes + kBarrierBytes + kAlignSlack;
   static constexpr int kGroupM = 16;  // M tiles that sweep N together (L2 reuse)
+  static constexpr bool kPersistent = true;
+  static_assert(kStages >= 3, "DistanceWgmmaTraits: at least 3 stages");
   static_assert(kSmemBytes <= 227 * 1024, "DistanceWgmmaTraits: shared memory above 227 KiB");
 };
 
@@ -180,314 +234,362 @@ struct DistanceWgmmaTraits {
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     distance_wgmma_kernel(const float* __restrict__ a, const float* __restrict__ b,
-                          float* __restrict__ out, int M, int N, int K, long long lda, long long ldb,
-                          long long ldo, int batch, int batch_n1, int batch_n2, long long a_bs0,
-                          long long a_bs1, long long a_bs2, long long b_bs0, long long b_bs1,
-                          long long b_bs2, long long o_bs0, long long o_bs1, long long o_bs2,
-                          const float* inner_p_ptr, long long inner_p_bs0, long long inner_p_bs1,
-                          long long inner_p_bs2, float inner_p, const float* outer_p_ptr,
-                          long long outer_p_bs0, long long outer_p_bs1, long long outer_p_bs2,
-                          float outer_p, const float* bw_ptr, long long bw_bs0, long long bw_bs1,
-                          long long bw_bs2, float bandwidth, const float* reg_ptr, long long reg_bs0,
-                          long long reg_bs1, long long reg_bs2, float regularization,
-                          long long reg_diag, float epsilon) {
+                             float* __restrict__ out, int M, int N, int K, long long lda, long long ldb,
+                             long long ldo, int batch, int batch_n1, int batch_n2, long long a_bs0,
+                             long long a_bs1, long long a_bs2, long long b_bs0, long long b_bs1,
+                             long long b_bs2, long long o_bs0, long long o_bs1, long long o_bs2,
+                             const float* inner_p_ptr, long long inner_p_bs0, long long inner_p_bs1,
+                             long long inner_p_bs2, float inner_p, const float* outer_p_ptr,
+                             long long outer_p_bs0, long long outer_p_bs1, long long outer_p_bs2,
+                             float outer_p, const float* bw_ptr, long long bw_bs0, long long bw_bs1,
+                             long long bw_bs2, float bandwidth, const float* reg_ptr, long long reg_bs0,
+                             long long reg_bs1, long long reg_bs2, float regularization,
+                             long long reg_diag, float epsilon) {
   using namespace mma_detail;
   using namespace wgmma_detail;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kStageBytes = Traits::kStageBytes;
   constexpr int kRowBytes = Traits::kRowBytes, kBlockK = Traits::kBlockK;
-  constexpr int kTileABytes = Traits::kTileABytes;
+  constexpr int kTileABytes = Traits::kTileABytes, kTileBBytes = Traits::kTileBBytes;
   constexpr bool kSplit = Traits::kSplit;
-  constexpr int kSmall = kSplit ? Traits::kSmallTiles : 1;
   constexpr bool kDiff = Traits::kInner == Inner::Diff;
-  constexpr int kChunksA = kBlockM * kRowBytes / 16 / Traits::kThreads;  // 2
-  constexpr int kChunksB = kBlockN * kRowBytes / 16 / Traits::kThreads;  // 4
-  constexpr int kRowsPerPass = Traits::kThreads / 4;                     // 64
+  constexpr int kRowsPerPass = Traits::kProducerThreads / 4;  // 32 rows, 4 chunks each
+  constexpr int kPassesA = kBlockM / kRowsPerPass;            // 4
+  constexpr int kPassesB = kBlockN / kRowsPerPass;            // 8
+  constexpr unsigned kConsumerWarps = Traits::kConsumerThreads / 32;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // 1024-byte aligned base (the swizzle pattern follows absolute address bits).
   const unsigned raw_base = smem_u32(smem_raw);
-  const unsigned base = (raw_base + 1023u) & ~1023u;
+  const unsigned base = (raw_base + 1023u) & ~1023u;  // the swizzle follows address bits
   unsigned char* smem = smem_raw + (base - raw_base);
-  // [kStages raw/big stages][kSmallTiles small tiles][norm_a][norm_b]
-  float* norm_a = reinterpret_cast<float*>(smem + (kStages + Traits::kSmallTiles) * kStageBytes);
-  float* norm_b = norm_a + kBlockM;
-  const unsigned small_base = base + kStages * kStageBytes;
+  // [kStages x (A raw, B raw, B small)][kStages x 256 b norms][full[kStages]][empty[kStages]]
+  float* norm_b_all = reinterpret_cast<float*>(smem + kStages * kStageBytes);
+  const unsigned bar_full = base + kStages * kStageBytes + Traits::kNormBytes;
+  const unsigned bar_empty = bar_full + 8 * kStages;
 
   const int tid = threadIdx.x;
-  const int lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int wg = warp >> 2;  // warpgroup: rows 64 wg .. 64 wg + 63 of the block
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_full + 8 * s, Traits::kProducerThreads);
+      mbar_init(bar_empty + 8 * s, kConsumerWarps);
+    }
+  }
+  __syncthreads();
 
-  // Block tile, grouped so that kGroupM consecutive M tiles sweep N together.
-  const int tiles_m = gridDim.x, tiles_n = gridDim.y;
-  const int linear = blockIdx.y * tiles_m + blockIdx.x;
-  const int group_size = Traits::kGroupM * tiles_n;
-  const int first_m = (linear / group_size) * Traits::kGroupM;
-  const int rows_in_group = min(tiles_m - first_m, Traits::kGroupM);
-  const int in_group = linear % group_size;
-  const int m0 = (first_m + in_group % rows_in_group) * kBlockM;
-  const int n0 = (in_group / rows_in_group) * kBlockN;
-
-  // Copy assignment: thread tid copies logical chunk tid % 4 of rows
-  // tid / 4 + 64 u (rows 64 apart keep the same swizzle).
-  const int copy_row = tid >> 2, copy_chunk = tid & 3;
-  const unsigned copy_dst = swizzled(copy_row, copy_chunk);
-
+  const int tiles_m = ceil_div(M, kBlockM), tiles_n = ceil_div(N, kBlockN);
+  const long long per_batch = (long long)tiles_m * tiles_n;
+  const long long total = per_batch * batch;
+  const int num_k_tiles = ceil_div(K, kBlockK);
   const BatchShape shape{batch_n1, batch_n2};
   const BatchStride a_stride{a_bs0, a_bs1, a_bs2}, b_stride{b_bs0, b_bs1, b_bs2},
       o_stride{o_bs0, o_bs1, o_bs2};
-  const HyperParam bw_param{bw_ptr, {bw_bs0, bw_bs1, bw_bs2}, bandwidth};
-  const HyperParam reg_param{reg_ptr, {reg_bs0, reg_bs1, reg_bs2}, regularization};
-  const bool reg_on = reg_ptr != nullptr || regularization != 0.f;
   (void)inner_p_ptr, (void)inner_p_bs0, (void)inner_p_bs1, (void)inner_p_bs2, (void)inner_p;
   (void)outer_p_ptr, (void)outer_p_bs0, (void)outer_p_bs1, (void)outer_p_bs2, (void)outer_p;
 
-  const int num_k_tiles = ceil_div(K, kBlockK);
+  // Output tile t (any block): batch entry and tile origin, grouped so that
+  // kGroupM consecutive M tiles sweep N together.
+  auto tile_of = [&](long long t, int& l, int& m0, int& n0) {
+    l = (int)(t / per_batch);
+    const int linear = (int)(t - (long long)l * per_batch);
+    const int group_size = Traits::kGroupM * tiles_n;
+    const int first_m = (linear / group_size) * Traits::kGroupM;
+    const int rows_in_group = min(tiles_m - first_m, Traits::kGroupM);
+    const int in_group = linear % group_size;
+    m0 = (first_m + in_group % rows_in_group) * kBlockM;
+    n0 = (in_group / rows_in_group) * kBlockN;
+  };
 
-  for (int l = blockIdx.z; l < batch; l += gridDim.z) {
-    int l0, l1, l2;
-    shape.split(l, l0, l1, l2);
-    const float* a_l = a + a_stride.offset(l0, l1, l2);
-    const float* b_l = b + b_stride.offset(l0, l1, l2);
-    float* out_l = out + o_stride.offset(l0, l1, l2);
-
-    const float* src_a[kChunksA];
-    const float* src_b[kChunksB];
+  if (tid < Traits::kProducerThreads) {
+    // ================================================================== loader
+    regs_decrease<Traits::kProducerRegs>();
+    // Thread tid copies chunk tid % 4 of rows tid / 4 + 32 u (same swizzle for all u).
+    const int chunk = tid & 3, prow = tid >> 2;
+    const unsigned dst = swizzled(prow, chunk);
+    int stage = 0;
+    unsigned phase = 0;
+    for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+      int l, m0, n0;
+      tile_of(t, l, m0, n0);
+      int l0, l1, l2;
+      shape.split(l, l0, l1, l2);
+      const float* a_row = a + a_stride.offset(l0, l1, l2) + (long long)(m0 + prow) * lda + chunk * 4;
+      const float* b_row = b + b_stride.offset(l0, l1, l2) + (long long)(n0 + prow) * ldb + chunk * 4;
+      const int a_rows = M - m0 - prow, b_rows = N - n0 - prow;  // pass u is valid if 32 u < rows
+      for (int kt = 0; kt < num_k_tiles; ++kt) {
+        mbar_wait(bar_empty + 8 * stage, phase ^ 1u);
+        const int k_left = K - kt * kBlockK - chunk * 4;
+        const int bytes = k_left <= 0 ? 0 : (k_left >= 4 ? 16 : k_left * 4);
+        const unsigned st = base + stage * kStageBytes + dst;
+#ifdef KERMAC_LIKE_WGMMA_DIAG_NO_LOAD  // bench/try_wgmma.py diagnostic: the kernel without global loads
+        if (kt < 0) {
+#endif
 #pragma unroll
-    for (int u = 0; u < kChunksA; ++u) {
-      const int row = m0 + copy_row + u * kRowsPerPass;
-      src_a[u] = row < M ? a_l + (long long)row * lda + copy_chunk * 4 : nullptr;
-    }
-#pragma unroll
-    for (int u = 0; u < kChunksB; ++u) {
-      const int row = n0 + copy_row + u * kRowsPerPass;
-      src_b[u] = row < N ? b_l + (long long)row * ldb + copy_chunk * 4 : nullptr;
-    }
-
-    auto load_tile = [&](int kt) {
-      const int k_left = K - kt * kBlockK - copy_chunk * 4;  // floats left in the row
-      const int bytes = k_left <= 0 ? 0 : (k_left >= 4 ? 16 : k_left * 4);
-      const unsigned dst = base + (kt % kStages) * kStageBytes + copy_dst;
-#pragma unroll
-      for (int u = 0; u < kChunksA; ++u) {
-        const bool ok = src_a[u] != nullptr && bytes > 0;
-        cp_async_16(dst + u * kRowsPerPass * kRowBytes, ok ? src_a[u] + kt * kBlockK : a_l,
-                    ok ? bytes : 0);
-      }
-#pragma unroll
-      for (int u = 0; u < kChunksB; ++u) {
-        const bool ok = src_b[u] != nullptr && bytes > 0;
-        cp_async_16(dst + kTileABytes + u * kRowsPerPass * kRowBytes,
-                    ok ? src_b[u] + kt * kBlockK : b_l, ok ? bytes : 0);
-      }
-    };
-
-    // Partial squared norms of rows copy_row + 64 u (4 threads per row).
-    float sq_a[kChunksA], sq_b[kChunksB];
-#pragma unroll
-    for (int u = 0; u < kChunksA; ++u) sq_a[u] = 0.f;
-#pragma unroll
-    for (int u = 0; u < kChunksB; ++u) sq_b[u] = 0.f;
-
-    // Split pass over landed k-tile kt: every thread takes the 16-byte chunks
-    // tid + 256 u of the stage (any chunk order: the split is elementwise and
-    // the norms are sums; chunk tid + 256 u belongs to row tid / 4 + 64 u).
-    auto split_tile = [&](int kt) {
-      unsigned char* stage = smem + (kt % kStages) * kStageBytes;
-      unsigned char* small = smem + kStages * kStageBytes + (kt % kSmall) * kStageBytes;
-#pragma unroll
-      for (int u = 0; u < kChunksA + kChunksB; ++u) {
-        const int off = (tid + u * Traits::kThreads) * 16;
-        uint4 v = *reinterpret_cast<const uint4*>(stage + off);
-        if constexpr (kDiff) {
-          const float s = chunk_sumsq<float>(v);
-          if (u < kChunksA) {
-            sq_a[u < kChunksA ? u : 0] += s;
-          } else {
-            sq_b[u >= kChunksA ? u - kChunksA : 0] += s;
-          }
+        for (int u = 0; u < kPassesA; ++u) {
+          const bool ok = u * kRowsPerPass < a_rows && bytes > 0;
+          cp_async_16(st + u * kRowsPerPass * kRowBytes, ok ? a_row + u * kRowsPerPass * lda + kt * kBlockK : a,
+                      ok ? bytes : 0);
         }
-        const uint4 big = make_uint4(tf32_rna(v.x), tf32_rna(v.y), tf32_rna(v.z), tf32_rna(v.w));
-        *reinterpret_cast<uint4*>(stage + off) = big;
-        if constexpr (kSplit) {
-          const uint4 sm = make_uint4(
-              tf32_rna(__float_as_uint(__uint_as_float(v.x) - __uint_as_float(big.x))),
-              tf32_rna(__float_as_uint(__uint_as_float(v.y) - __uint_as_float(big.y))),
-              tf32_rna(__float_as_uint(__uint_as_float(v.z) - __uint_as_float(big.z))),
-              tf32_rna(__float_as_uint(__uint_as_float(v.w) - __uint_as_float(big.w))));
-          *reinterpret_cast<uint4*>(small + off) = sm;
+#pragma unroll
+        for (int u = 0; u < kPassesB; ++u) {
+          const bool ok = u * kRowsPerPass < b_rows && bytes > 0;
+          cp_async_16(st + kTileABytes + u * kRowsPerPass * kRowBytes,
+                      ok ? b_row + u * kRowsPerPass * ldb + kt * kBlockK : b, ok ? bytes : 0);
+        }
+#ifdef KERMAC_LIKE_WGMMA_DIAG_NO_LOAD
+        }
+#endif
+        cp_async_mbar_arrive(bar_full + 8 * stage);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1u;
         }
       }
-      fence_proxy_async();  // these st.shared are read next by wgmma (async proxy)
-    };
+    }
+    cp_async_wait_all();
+  } else {
+    // ================================================================ consumers
+    regs_increase<Traits::kConsumerRegs>();
+    const int ctid = tid - Traits::kProducerThreads;
+    const int lane = ctid & 31, cwarp = ctid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int wg = cwarp >> 2;  // rows 64 wg .. 64 wg + 63 of the tile
+    // ldmatrix rows of this lane: matrix i = lane / 8 is (rows +8 if i odd, chunk +1 if i >= 2).
+    unsigned ld_off[2];
+    {
+      const int i = lane >> 3;
+      const int row = wg * 64 + (cwarp & 3) * 16 + (lane & 7) + 8 * (i & 1);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) ld_off[s] = swizzled(row, 2 * s + (i >> 1));
+    }
+    // b split: consumer thread ctid takes chunk ctid % 4 of rows ctid / 4 + 64 u.
+    constexpr int kSplitPasses = kBlockN * 4 / Traits::kConsumerThreads;  // 4
+    const unsigned split_off = swizzled(ctid >> 2, ctid & 3);
+    float* norm_b = norm_b_all;
+    int stage = 0;
+    unsigned phase = 0;
+
+    const HyperParam bw_param{bw_ptr, {bw_bs0, bw_bs1, bw_bs2}, bandwidth};
+    const HyperParam reg_param{reg_ptr, {reg_bs0, reg_bs1, reg_bs2}, regularization};
+    const bool reg_on = reg_ptr != nullptr || regularization != 0.f;
 
     float acc[128];
+    for (long long t = blockIdx.x; t < total; t += gridDim.x) {
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-
-    // Prologue: k-tiles 0 .. kStages - 3 in flight, then split k-tile 0.
+      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      float na[2] = {0.f, 0.f};
+      float nb_part[kSplitPasses];
 #pragma unroll
-    for (int s = 0; s < kStages - 2; ++s) {
-      if (s < num_k_tiles) load_tile(s);
-      cp_async_commit();
-    }
-    cp_async_wait<kStages - 3>();
-    __syncthreads();
-    split_tile(0);
+      for (int u = 0; u < kSplitPasses; ++u) nb_part[u] = 0.f;
 
-    for (int kt = 0; kt < num_k_tiles; ++kt) {
-      // Groups committed: k-tiles 0 .. kt + kStages - 3; k-tile kt + 1 must have landed.
-      cp_async_wait<kStages - 4>();
-      // After this barrier: split(kt) is complete and fenced by every thread;
-      // raw k-tile kt + 1 is visible; every warpgroup has passed wgmma.wait
-      // for k-tile kt - 2, so its stage and small tile are free.
-      __syncthreads();
+      // Wait for the k-tile in `st_index` to land, then split this thread's b chunks
+      // (small tile), add their squares to the b norms, and fence for wgmma.
+      auto split_b = [&](int st_index, unsigned st_phase) {
+        mbar_wait(bar_full + 8 * st_index, st_phase);
+#ifndef KERMAC_LIKE_WGMMA_DIAG_NO_SPLIT  // bench/try_wgmma.py diagnostic: what the b split costs
+        if constexpr (kDiff || kSplit) {
+          unsigned char* tile_b = smem + st_index * kStageBytes + kTileABytes;
+#pragma unroll
+          for (int u = 0; u < kSplitPasses; ++u) {
+            const unsigned off = split_off + u * (Traits::kConsumerThreads / 4) * kRowBytes;
+            const uint4 v = *reinterpret_cast<const uint4*>(tile_b + off);
+            if constexpr (kDiff) nb_part[u] += chunk_sumsq<float>(v);
+            if constexpr (kSplit) {
+              // x - trunc(x) is exact; the tensor cores truncate it once more
+              // (2 instructions; rounding it first measured the same error, 4% slower).
+              auto lo = [](unsigned x) {
+                return __float_as_uint(__uint_as_float(x) - __uint_as_float(x & 0xffffe000u));
+              };
+              *reinterpret_cast<uint4*>(tile_b + kTileBBytes + off) =
+                  make_uint4(lo(v.x), lo(v.y), lo(v.z), lo(v.w));
+            }
+          }
+        }
+#endif
+        fence_proxy_async();  // cp.async data and st.shared, read next by wgmma (async proxy)
+      };
 
-      {
-        const unsigned st = base + (kt % kStages) * kStageBytes;
-        const unsigned sm = small_base + (kt % kSmall) * kStageBytes;
+      int prev_stage = -1;
+      split_b(stage, phase);
+      named_barrier<1, Traits::kConsumerThreads>();
+
+      // One k-tile: its a fragment is split into `frag` ([k8 step][big, small][4]).
+      // The fragment registers of a wgmma must stay untouched until it completes,
+      // and one k-tile of wgmma stays in flight: two fragment buffers, used by
+      // even and odd k-tiles (distinct registers in the unrolled loop below).
+      auto k_tile = [&](int kt, unsigned (&frag)[2][2][4]) {
+        const unsigned st = base + stage * kStageBytes;
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          unsigned raw[4];
+          ldmatrix_x4(st + ld_off[s], raw);
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            const float x = __uint_as_float(raw[v]);
+            if constexpr (kDiff) na[v & 1] = fmaf(x, x, na[v & 1]);
+            frag[s][0][v] = tf32_rna(raw[v]);
+            frag[s][1][v] = tf32_rna(__float_as_uint(x - __uint_as_float(frag[s][0][v])));
+          }
+        }
+        // Every fragment register is written before the first wgmma of the k-tile
+        // (ptxas serialises wgmma whose inputs are defined between them).
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            asm volatile("" : "+r"(frag[s][0][v]));
+            if constexpr (kSplit) asm volatile("" : "+r"(frag[s][1][v]));
+          }
+        }
         wgmma_fence();
+#ifdef KERMAC_LIKE_WGMMA_DIAG_NO_MMA  // diagnostic: the pipeline without tensor-core work
+        if (num_k_tiles < 0)
+#endif
 #pragma unroll
         for (int s = 0; s < 2; ++s) {  // two k8 steps: 32 bytes into each 64-byte row
-          const unsigned a_off = wg * 64 * kRowBytes + s * 32;
-          const unsigned b_off = kTileABytes + s * 32;
-          const unsigned long long a_big = make_desc(st + a_off), b_big = make_desc(st + b_off);
+          const unsigned long long b_raw = make_desc(st + kTileABytes + s * 32);
           if constexpr (kSplit) {
-            const unsigned long long a_small = make_desc(sm + a_off), b_small = make_desc(sm + b_off);
-            wgmma_m64n256k8_tf32(acc, a_small, b_big);  // least significant terms first
-            wgmma_m64n256k8_tf32(acc, a_big, b_small);
+            const unsigned long long b_small = make_desc(st + kTileABytes + kTileBBytes + s * 32);
+            wgmma_m64n256k8_tf32_rs(acc, frag[s][1], b_raw);  // least significant terms first
+            wgmma_m64n256k8_tf32_rs(acc, frag[s][0], b_small);
           }
-          wgmma_m64n256k8_tf32(acc, a_big, b_big);
+          wgmma_m64n256k8_tf32_rs(acc, frag[s][0], b_raw);
         }
         wgmma_commit();
+        prev_stage = stage;
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1u;
+        }
+        if (kt + 1 < num_k_tiles) split_b(stage, phase);  // overlaps this k-tile's wgmma
+        wgmma_wait<1>();  // the previous k-tile's wgmma is done: release its stage
+        if (kt > 0) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(bar_empty + 8 * (prev_stage == 0 ? kStages - 1 : prev_stage - 1));
+        }
+        named_barrier<1, Traits::kConsumerThreads>();  // the next small tile is complete
+      };
+      unsigned frag_even[2][2][4], frag_odd[2][2][4];
+      for (int kt = 0; kt < num_k_tiles; kt += 2) {
+        k_tile(kt, frag_even);
+        if (kt + 1 < num_k_tiles) k_tile(kt + 1, frag_odd);
       }
-
-      if (kt + 1 < num_k_tiles) split_tile(kt + 1);
-      {
-        // Into the stage of k-tile kt - 2 (free). Issued after the split's
-        // proxy fence, so that the fence never has this group outstanding.
-        const int kn = kt + kStages - 2;
-        if (kn < num_k_tiles) load_tile(kn);
-        cp_async_commit();
-      }
-      wgmma_wait<1>();  // k-tile kt - 1 done (this warpgroup)
-    }
-    wgmma_wait<0>();
-    cp_async_wait<0>();  // only empty groups can be left
-
-    if constexpr (kDiff) {
+      wgmma_wait<0>();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * prev_stage);  // the tile's last stage
+      if constexpr (kDiff) {  // b norms of the tile: the quad holds the 4 chunks of a row
 #pragma unroll
-      for (int u = 0; u < kChunksA; ++u) {
-        sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 1);
-        sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 2);
-        if (copy_chunk == 0) norm_a[copy_row + u * kRowsPerPass] = sq_a[u];
+        for (int u = 0; u < kSplitPasses; ++u) {
+          float s2 = nb_part[u];
+          s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
+          s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
+          if ((ctid & 3) == 0) norm_b[(ctid >> 2) + u * (Traits::kConsumerThreads / 4)] = s2;
+        }
       }
+      named_barrier<1, Traits::kConsumerThreads>();  // norm_b complete
+
+      // ---------------------------------------------------------- epilogue
+      int l, m0, n0;
+      tile_of(t, l, m0, n0);
+      int l0, l1, l2;
+      shape.split(l, l0, l1, l2);
+      const float* a_l = a + a_stride.offset(l0, l1, l2);
+      const float* b_l = b + b_stride.offset(l0, l1, l2);
+      float* out_l = out + o_stride.offset(l0, l1, l2);
+
+      const float bw = bw_param.at(l0, l1, l2);
+      const float lam = reg_on ? reg_param.at(l0, l1, l2) : 0.f;
+      constexpr float kLog2e = 1.4426950408889634f;
+      const float laplace_scale = -kLog2e / bw;
+      const float gauss_scale = -kLog2e / (2.f * bw * bw);
+      const float eps = epsilon > 0.f ? epsilon : -__uint_as_float(0x7f800000u);
+      const bool vec_out = Traits::kLayoutO == Layout::RowMajor &&
+                           ((unsigned long long)out_l % 8) == 0 && (ldo % 2) == 0;
+
+      auto finish = [&](float dot, float nx, float ny, bool regularised) -> float {
+        float d, d2 = 0.f;
+        if constexpr (kDiff) {
+          d2 = fmaxf(fmaf(-2.f, dot, nx + ny), 0.f);
+          d = Traits::kOuter == Power::Sqrt ? sqrt_approx(d2) : d2;
+        } else {
+          d = dot;
+        }
+        if (d < eps) d = d2 = 0.f;
+        float y;
+        if constexpr (Traits::kEpilogue == Epilogue::Laplace) {
+          y = exp2_approx(d * laplace_scale);
+        } else if constexpr (Traits::kEpilogue == Epilogue::Gaussian) {
+          y = exp2_approx((Traits::kOuter == Power::Sqrt ? d2 : d * d) * gauss_scale);
+        } else {
+          y = d;
+        }
+        return regularised ? y + lam : y;
+      };
+
+      // Accumulator h (0: row0, 1: row0 + 8), columns 8 j + 2 t4 + e.
+      const int row0 = wg * 64 + (cwarp & 3) * 16 + g, col0 = 2 * t4;
+      int reg_col[2];
 #pragma unroll
-      for (int u = 0; u < kChunksB; ++u) {
-        sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 1);
-        sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 2);
-        if (copy_chunk == 0) norm_b[copy_row + u * kRowsPerPass] = sq_b[u];
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kDiff) {  // the quad (t4 = 0..3) holds the 16 k of each row
+          na[h] += __shfl_xor_sync(0xffffffffu, na[h], 1);
+          na[h] += __shfl_xor_sync(0xffffffffu, na[h], 2);
+        }
+        const long long c = (long long)(m0 + row0 + h * 8) + reg_diag - n0;
+        reg_col[h] = reg_on && c >= 0 && c < kBlockN ? (int)c : -1;
       }
-    }
-    // Norms visible to all; every warpgroup is done with the stages, so the
-    // next batch entry may refill them.
-    __syncthreads();
 
-    // ------------------------------------------------------------ epilogue
-    const float bw = bw_param.at(l0, l1, l2);
-    const float lam = reg_on ? reg_param.at(l0, l1, l2) : 0.f;
-    constexpr float kLog2e = 1.4426950408889634f;
-    const float laplace_scale = -kLog2e / bw;
-    const float gauss_scale = -kLog2e / (2.f * bw * bw);
-    const float eps = epsilon > 0.f ? epsilon : -__uint_as_float(0x7f800000u);
-    const bool vec_out = Traits::kLayoutO == Layout::RowMajor &&
-                         ((unsigned long long)out_l % 8) == 0 && (ldo % 2) == 0;
-
-    auto finish = [&](float dot, float na, float nb, bool regularised) -> float {
-      float d, d2 = 0.f;
-      if constexpr (kDiff) {
-        d2 = fmaxf(fmaf(-2.f, dot, na + nb), 0.f);
-        d = Traits::kOuter == Power::Sqrt ? sqrt_approx(d2) : d2;
-      } else {
-        d = dot;
-      }
-      if (d < eps) d = d2 = 0.f;
-      float y;
-      if constexpr (Traits::kEpilogue == Epilogue::Laplace) {
-        y = exp2_approx(d * laplace_scale);
-      } else if constexpr (Traits::kEpilogue == Epilogue::Gaussian) {
-        y = exp2_approx((Traits::kOuter == Power::Sqrt ? d2 : d * d) * gauss_scale);
-      } else {
-        y = d;
-      }
-      return regularised ? y + lam : y;
-    };
-
-    // Tile-local row of this thread's accumulators h = 0 (row0) and h = 1
-    // (row0 + 8), column 8 j + 2 t + e. The empty asm keeps the epilogue's
-    // addresses from being hoisted out of the batch loop.
-    int row0 = wg * 64 + (warp & 3) * 16 + g, col0 = 2 * t;
-    asm volatile("" : "+r"(row0), "+r"(col0));
-    float na[2];
-    int reg_col[2];
+      if (kDiff && a_l == b_l && lda == ldb && m0 < n0 + kBlockN && n0 < m0 + kBlockM) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row0 + h * 8;
-      na[h] = kDiff ? norm_a[row] : 0.f;
-      const long long c = (long long)(m0 + row) + reg_diag - n0;
-      reg_col[h] = reg_on && c >= 0 && c < kBlockN ? (int)c : -1;
-    }
+        for (int j = 0; j < 32; ++j) {
+          const int col = col0 + j * 8;
+          const float2 nb = *reinterpret_cast<const float2*>(norm_b + col);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int diag = m0 + row0 + h * 8 - n0;  // tile-local column of m == n
+            if (diag == col) acc[4 * j + 2 * h] = 0.5f * (na[h] + nb.x);
+            if (diag == col + 1) acc[4 * j + 2 * h + 1] = 0.5f * (na[h] + nb.y);
+          }
+        }
+      }
 
-    if (kDiff && a_l == b_l && lda == ldb && m0 < n0 + kBlockN && n0 < m0 + kBlockM) {
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const int col = col0 + j * 8;
-        const float2 nb = *reinterpret_cast<const float2*>(norm_b + col);
+        const int n = n0 + col;
+        if (n >= N) continue;
+        float2 nb = make_float2(0.f, 0.f);
+        if constexpr (kDiff) nb = *reinterpret_cast<const float2*>(norm_b + col);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int diag = m0 + row0 + h * 8 - n0;  // tile-local column of m == n
-          if (diag == col) acc[4 * j + 2 * h] = 0.5f * (na[h] + nb.x);
-          if (diag == col + 1) acc[4 * j + 2 * h + 1] = 0.5f * (na[h] + nb.y);
-        }
-      }
-    }
-
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = col0 + j * 8;
-      const int n = n0 + col;
-      if (n >= N) continue;
-      float2 nb = make_float2(0.f, 0.f);
-      if constexpr (kDiff) nb = *reinterpret_cast<const float2*>(norm_b + col);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = m0 + row0 + h * 8;
-        if (m >= M) continue;
-        const float y0 = finish(acc[4 * j + 2 * h], na[h], nb.x, reg_col[h] == col);
-        const float y1 = finish(acc[4 * j + 2 * h + 1], na[h], nb.y, reg_col[h] == col + 1);
-        if constexpr (Traits::kLayoutO == Layout::RowMajor) {
-          float* p = out_l + (long long)m * ldo + n;
-          if (n + 1 < N) {
-            if (vec_out) {
-              store_two<float>(p, y0, y1);
+          const int m = m0 + row0 + h * 8;
+          if (m >= M) continue;
+          const float y0 = finish(acc[4 * j + 2 * h], na[h], nb.x, reg_col[h] == col);
+          const float y1 = finish(acc[4 * j + 2 * h + 1], na[h], nb.y, reg_col[h] == col + 1);
+#ifdef KERMAC_LIKE_WGMMA_DIAG_NO_STORE  // bench/try_wgmma.py diagnostic: what the writes cost
+          if (y0 == y0 && y1 == y1) continue;
+#endif
+          if constexpr (Traits::kLayoutO == Layout::RowMajor) {
+            float* p = out_l + (long long)m * ldo + n;
+            if (n + 1 < N) {
+              if (vec_out) {
+                store_two<float>(p, y0, y1);
+              } else {
+                p[0] = y0;
+                p[1] = y1;
+              }
             } else {
               p[0] = y0;
-              p[1] = y1;
             }
           } else {
+            float* p = out_l + (long long)n * ldo + m;
             p[0] = y0;
+            if (n + 1 < N) p[ldo] = y1;
           }
-        } else {
-          float* p = out_l + (long long)n * ldo + m;
-          p[0] = y0;
-          if (n + 1 < N) p[ldo] = y1;
         }
       }
+      // norm_b is rewritten only after the next tile's first named barrier,
+      // which every consumer reaches after this epilogue.
     }
-    // The next batch entry's prologue overwrites the stages and the norms:
-    // every thread must be past its epilogue reads of norm_a/norm_b.
-    __syncthreads();
   }
 }
 

@@ -42,6 +42,7 @@ class LaunchShape:
     block_m: int
     block_n: int
     smem_bytes: int = 0
+    persistent: bool = False  # 1-D grid of at most one block per SM walking every tile
 
 
 @dataclass(frozen=True)
@@ -216,11 +217,18 @@ FAMILIES["distance_mma"] = _mma_shipped
 
 # -- distance on Hopper tensor cores (wgmma, sm_90a) ---------------------------------------
 # Mirror of kermac_like::DistanceWgmmaTraits (cuda_templates/distance_wgmma.cuh): float32
-# data only; the dynamic shared memory depends on the precision (3xTF32 keeps a ring of
-# "small" tiles). Compiled for "sm_90a" (arch_suffix "a"): wgmma exists on no other target.
+# data only; 384 threads (loader warpgroup + 2 consumer warpgroups), a persistent grid;
+# the dynamic shared memory depends on the precision (3xTF32 stages carry a "small" b
+# tile). Compiled for "sm_90a" (arch_suffix "a"): wgmma exists on no other target.
+def _wgmma_smem(tf32: bool) -> int:
+    stages = 8 if tf32 else 5
+    stage = 128 * 64 + 256 * 64 * (1 if tf32 else 2)
+    return stages * stage + 256 * 4 + 2 * stages * 8 + 1024  # stages, b norms, barriers, alignment
+
+
 WGMMA_LAUNCH = {
-    False: LaunchShape(threads=256, block_m=128, block_n=256, smem_bytes=223744),  # Tf32x3
-    True: LaunchShape(threads=256, block_m=128, block_n=256, smem_bytes=150016),  # Tf32
+    tf32: LaunchShape(threads=384, block_m=128, block_n=256, smem_bytes=_wgmma_smem(tf32), persistent=True)
+    for tf32 in (False, True)
 }
 
 

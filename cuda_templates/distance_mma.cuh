@@ -230,6 +230,44 @@ __device__ __forceinline__ void store_two(T* p, float y0, float y1) {
   }
 }
 
+// The fused epilogue of one kernel-matrix entry from its dot product and the two
+// squared row norms (both tensor-core kernels): ||x-y||^2 clamped at 0, sqrt,
+// "d < epsilon -> 0" (epsilon <= 0: no effect, also for a negative DOT), then
+// exp(-d / bw) or exp(-d^2 / (2 bw^2)) through ex2, plus the regularisation.
+template <class Traits>
+struct EntryEpilogue {
+  static constexpr bool kDiff = Traits::kInner == Inner::Diff;
+  float laplace_scale, gauss_scale, eps, lam;
+
+  __device__ __forceinline__ EntryEpilogue(float bw, float lam_, float epsilon) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    laplace_scale = -kLog2e / bw;
+    gauss_scale = -kLog2e / (2.f * bw * bw);
+    eps = epsilon > 0.f ? epsilon : -__uint_as_float(0x7f800000u);
+    lam = lam_;
+  }
+
+  __device__ __forceinline__ float operator()(float dot, float na, float nb, bool regularised) const {
+    float d, d2 = 0.f;
+    if constexpr (kDiff) {
+      d2 = fmaxf(fmaf(-2.f, dot, na + nb), 0.f);
+      d = Traits::kOuter == Power::Sqrt ? sqrt_approx(d2) : d2;
+    } else {
+      d = dot;
+    }
+    if (d < eps) d = d2 = 0.f;
+    float y;
+    if constexpr (Traits::kEpilogue == Epilogue::Laplace) {
+      y = exp2_approx(d * laplace_scale);
+    } else if constexpr (Traits::kEpilogue == Epilogue::Gaussian) {
+      y = exp2_approx((Traits::kOuter == Power::Sqrt ? d2 : d * d) * gauss_scale);
+    } else {
+      y = d;
+    }
+    return regularised ? y + lam : y;
+  }
+};
+
 }  // namespace mma_detail
 
 // ------------------------------------------------------------------- traits
@@ -543,35 +581,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     __syncthreads();
 
     // ------------------------------------------------------------ epilogue
-    const float bw = bw_param.at(l0, l1, l2);
-    const float lam = reg_on ? reg_param.at(l0, l1, l2) : 0.f;
-    constexpr float kLog2e = 1.4426950408889634f;
-    const float laplace_scale = -kLog2e / bw;              // exp(-d / bw)
-    const float gauss_scale = -kLog2e / (2.f * bw * bw);  // exp(-d^2 / (2 bw^2))
-    // "d < epsilon -> 0" with epsilon <= 0 has no effect, also for a negative DOT.
-    const float eps = epsilon > 0.f ? epsilon : -__uint_as_float(0x7f800000u);
+    const EntryEpilogue<Traits> finish(bw_param.at(l0, l1, l2), reg_on ? reg_param.at(l0, l1, l2) : 0.f, epsilon);
     const bool vec_out = Traits::kLayoutO == Layout::RowMajor &&
                          ((unsigned long long)out_l % (2 * sizeof(T))) == 0 && (ldo % 2) == 0;
-
-    auto finish = [&](float dot, float na, float nb, bool regularised) -> float {
-      float d, d2 = 0.f;
-      if constexpr (kDiff) {
-        d2 = fmaxf(fmaf(-2.f, dot, na + nb), 0.f);
-        d = Traits::kOuter == Power::Sqrt ? sqrt_approx(d2) : d2;
-      } else {
-        d = dot;
-      }
-      if (d < eps) d = d2 = 0.f;
-      float y;
-      if constexpr (Traits::kEpilogue == Epilogue::Laplace) {
-        y = exp2_approx(d * laplace_scale);
-      } else if constexpr (Traits::kEpilogue == Epilogue::Gaussian) {
-        y = exp2_approx((Traits::kOuter == Power::Sqrt ? d2 : d * d) * gauss_scale);
-      } else {
-        y = d;
-      }
-      return regularised ? y + lam : y;
-    };
 
     // Tile-local row and column of this thread's first accumulator. The empty
     // asm keeps the compiler from hoisting the epilogue's 128 addresses out of

@@ -496,34 +496,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float* b_l = b + b_stride.offset(l0, l1, l2);
       float* out_l = out + o_stride.offset(l0, l1, l2);
 
-      const float bw = bw_param.at(l0, l1, l2);
-      const float lam = reg_on ? reg_param.at(l0, l1, l2) : 0.f;
-      constexpr float kLog2e = 1.4426950408889634f;
-      const float laplace_scale = -kLog2e / bw;
-      const float gauss_scale = -kLog2e / (2.f * bw * bw);
-      const float eps = epsilon > 0.f ? epsilon : -__uint_as_float(0x7f800000u);
+      const EntryEpilogue<Traits> finish(bw_param.at(l0, l1, l2), reg_on ? reg_param.at(l0, l1, l2) : 0.f,
+                                         epsilon);
       const bool vec_out = Traits::kLayoutO == Layout::RowMajor &&
                            ((unsigned long long)out_l % 8) == 0 && (ldo % 2) == 0;
-
-      auto finish = [&](float dot, float nx, float ny, bool regularised) -> float {
-        float d, d2 = 0.f;
-        if constexpr (kDiff) {
-          d2 = fmaxf(fmaf(-2.f, dot, nx + ny), 0.f);
-          d = Traits::kOuter == Power::Sqrt ? sqrt_approx(d2) : d2;
-        } else {
-          d = dot;
-        }
-        if (d < eps) d = d2 = 0.f;
-        float y;
-        if constexpr (Traits::kEpilogue == Epilogue::Laplace) {
-          y = exp2_approx(d * laplace_scale);
-        } else if constexpr (Traits::kEpilogue == Epilogue::Gaussian) {
-          y = exp2_approx((Traits::kOuter == Power::Sqrt ? d2 : d * d) * gauss_scale);
-        } else {
-          y = d;
-        }
-        return regularised ? y + lam : y;
-      };
 
       // Accumulator h (0: row0, 1: row0 + 8), columns 8 j + 2 t4 + e.
       const int row0 = wg * 64 + (cwarp & 3) * 16 + g, col0 = 2 * t4;

@@ -67,6 +67,8 @@ class KernelSpec:
     def asserts(self) -> str:
         t, s = self.traits, self.launch
         checks = (("kThreads", s.threads), ("kBlockM", s.block_m), ("kBlockN", s.block_n), ("kSmemBytes", s.smem_bytes))
+        if s.persistent:  # the launcher's 1-D grid over all tiles must meet a kernel that walks them
+            checks += (("kPersistent", "true"),)
         return "\n".join(
             f'static_assert({t}::{c} == {v}, "Python mirror of {c} is stale for {t}");' for c, v in checks
         )

@@ -72,9 +72,15 @@ VARIANTS = {
     # Diagnostics (not correct programs): no output writes; no b split.
     "wgmma-nostore": wgmma_variant("wgmma-nostore", "#define KERMAC_LIKE_WGMMA_DIAG_NO_STORE 1\n"),
     "wgmma-nosplit": wgmma_variant("wgmma-nosplit", "#define KERMAC_LIKE_WGMMA_DIAG_NO_SPLIT 1\n"),
+    "wgmma-nomma": wgmma_variant("wgmma-nomma", "#define KERMAC_LIKE_WGMMA_DIAG_NO_MMA 1\n"),
+    # Probes: the general epilogue on every tile; other M-tile group sizes.
+    "wgmma-nofast": wgmma_variant("wgmma-nofast", "#define KERMAC_LIKE_WGMMA_NO_FAST_EPILOGUE 1\n"),
+    "wgmma-g8": wgmma_variant("wgmma-g8", "#define KERMAC_LIKE_WGMMA_GROUP_M 8\n"),
+    "wgmma-g32": wgmma_variant("wgmma-g32", "#define KERMAC_LIKE_WGMMA_GROUP_M 32\n"),
+    "wgmma-nosplitstore": wgmma_variant("wgmma-nosplitstore", "#define KERMAC_LIKE_WGMMA_DIAG_NO_SPLIT_STORE 1\n"),
     "mma": Variant("mma", "distance_mma.cuh", "distance_mma_kernel", "DistanceMmaTraits", "sm_90", (128, 256), 99840),
 }
-DIAGNOSTIC = {"wgmma-nostore", "wgmma-nosplit"}
+DIAGNOSTIC = {"wgmma-nostore", "wgmma-nosplit", "wgmma-nomma", "wgmma-nosplitstore"}
 _COMPILED = {}
 
 
@@ -376,6 +382,10 @@ WORKLOADS = [
     ("Laplace-l2", ("Diff", "Sqrt", "Laplace", "RowMajor"), 50000, 50000, 256, 12.0),
 ]
 TIMED = [("wgmma", "Tf32x3"), ("wgmma-nostore", "Tf32x3"), ("wgmma-nosplit", "Tf32x3"), ("wgmma", "Tf32")]
+for _only in [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]:
+    TIMED = [(v, "Tf32x3") for v in _only.split(",") if v]
+for _extra in [a.split("=", 1)[1] for a in sys.argv if a.startswith("--also=")]:
+    TIMED += [(v, "Tf32x3") for v in _extra.split(",") if v]
 if "--mma" in sys.argv:
     TIMED += [("mma", "Tf32x3"), ("mma", "Tf32")]
 TIMINGS = []  # (workload, variant, precision, ms, tflops, err, target)
@@ -453,12 +463,17 @@ def main():
                 print(f"compiled {vname} {'/'.join(cfg)}: {compiled(VARIANTS[vname], cfg)[2]}", flush=True)
             except Exception as e:  # noqa: BLE001
                 record("compile", f"{vname} {'/'.join(cfg)}", False, f"{type(e).__name__}: {e}"[:600])
-    if "wgmma" in VARIANTS:
+    if "wgmma" in VARIANTS and "--no-correct" not in sys.argv:
         correctness("wgmma")
         package_path()
+    for _extra in [a.split("=", 1)[1] for a in sys.argv if a.startswith("--correct=")]:
+        for vname in _extra.split(","):
+            if vname in VARIANTS:
+                correctness(vname)
     if "--check-mma" in sys.argv:
         correctness("mma")
-    timing()
+    if "--no-timing" not in sys.argv:
+        timing()
 
     return summary()
 

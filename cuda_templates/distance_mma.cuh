@@ -247,7 +247,10 @@ struct EntryEpilogue {
     lam = lam_;
   }
 
-  __device__ __forceinline__ float operator()(float dot, float na, float nb, bool regularised) const {
+  // plain (a constant at the call site): the caller knows that epsilon is off and
+  // `regularised` is false (tiles that the regularised diagonal does not cross).
+  __device__ __forceinline__ float operator()(float dot, float na, float nb, bool regularised,
+                                              bool plain = false) const {
     float d, d2 = 0.f;
     if constexpr (kDiff) {
       d2 = fmaxf(fmaf(-2.f, dot, na + nb), 0.f);
@@ -255,7 +258,11 @@ struct EntryEpilogue {
     } else {
       d = dot;
     }
-    if (d < eps) d = d2 = 0.f;
+    if (plain) {
+      regularised = false;
+    } else if (d < eps) {
+      d = d2 = 0.f;
+    }
     float y;
     if constexpr (Traits::kEpilogue == Epilogue::Laplace) {
       y = exp2_approx(d * laplace_scale);

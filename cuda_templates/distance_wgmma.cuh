@@ -224,7 +224,11 @@ struct DistanceWgmmaTraits {
   static constexpr int kBarrierBytes = 2 * kStages * 8;    // full[], empty[]
   static constexpr int kAlignSlack = 1024;                 // the kernel aligns its base to 1 KiB
   static constexpr int kSmemBytes = kStages * kStageBytes + kNormBytes + kBarrierBytes + kAlignSlack;
+#ifdef KERMAC_LIKE_WGMMA_GROUP_M  // bench/try_wgmma.py probe
+  static constexpr int kGroupM = KERMAC_LIKE_WGMMA_GROUP_M;
+#else
   static constexpr int kGroupM = 16;  // M tiles that sweep N together (L2 reuse)
+#endif
   static constexpr bool kPersistent = true;
   static_assert(kStages >= 3, "DistanceWgmmaTraits: at least 3 stages");
   static_assert(kSmemBytes <= 227 * 1024, "DistanceWgmmaTraits: shared memory above 227 KiB");
@@ -393,7 +397,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             const unsigned off = split_off + u * (Traits::kConsumerThreads / 4) * kRowBytes;
             const uint4 v = *reinterpret_cast<const uint4*>(tile_b + off);
             if constexpr (kDiff) nb_part[u] += chunk_sumsq<float>(v);
+#ifdef KERMAC_LIKE_WGMMA_DIAG_NO_SPLIT_STORE  // diagnostic: the split without its shared-memory writes
+            if constexpr (false) {
+#else
             if constexpr (kSplit) {
+#endif
               // x - trunc(x) is exact; the tensor cores truncate it once more
               // (2 instructions; rounding it first measured the same error, 4% slower).
               auto lo = [](unsigned x) {
@@ -528,41 +536,56 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
 
+      // Fast path for tiles that lie inside the output, with epsilon off and the
+      // regularised diagonal not crossing them (all of them but a thin border):
+      // no bounds or diagonal tests per element (tile-uniform branch).
+      const bool fast = m0 + kBlockM <= M && n0 + kBlockN <= N && !(epsilon > 0.f) &&
+                        (Traits::kLayoutO == Layout::ColMajor || vec_out) &&
+                        (!reg_on || (long long)m0 + reg_diag >= n0 + kBlockN ||
+                         (long long)m0 + kBlockM - 1 + reg_diag < n0);
+      // kFast is a constant in each of the two calls below (inlined, folded).
+      auto write_tile = [&](const bool kFast) {
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = col0 + j * 8;
-        const int n = n0 + col;
-        if (n >= N) continue;
-        float2 nb = make_float2(0.f, 0.f);
-        if constexpr (kDiff) nb = *reinterpret_cast<const float2*>(norm_b + col);
+        for (int j = 0; j < 32; ++j) {
+          const int col = col0 + j * 8;
+          const int n = n0 + col;
+          if (!kFast && n >= N) continue;
+          float2 nb = make_float2(0.f, 0.f);
+          if constexpr (kDiff) nb = *reinterpret_cast<const float2*>(norm_b + col);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int m = m0 + row0 + h * 8;
-          if (m >= M) continue;
-          const float y0 = finish(acc[4 * j + 2 * h], na[h], nb.x, reg_col[h] == col);
-          const float y1 = finish(acc[4 * j + 2 * h + 1], na[h], nb.y, reg_col[h] == col + 1);
+          for (int h = 0; h < 2; ++h) {
+            const int m = m0 + row0 + h * 8;
+            if (!kFast && m >= M) continue;
+            const float y0 = finish(acc[4 * j + 2 * h], na[h], nb.x, reg_col[h] == col, kFast);
+            const float y1 = finish(acc[4 * j + 2 * h + 1], na[h], nb.y, reg_col[h] == col + 1, kFast);
 #ifdef KERMAC_LIKE_WGMMA_DIAG_NO_STORE  // bench/try_wgmma.py diagnostic: what the writes cost
-          if (y0 == y0 && y1 == y1) continue;
+            if (y0 == y0 && y1 == y1) continue;
 #endif
-          if constexpr (Traits::kLayoutO == Layout::RowMajor) {
-            float* p = out_l + (long long)m * ldo + n;
-            if (n + 1 < N) {
-              if (vec_out) {
+            if constexpr (Traits::kLayoutO == Layout::RowMajor) {
+              float* p = out_l + (long long)m * ldo + n;
+              if (kFast || (n + 1 < N && vec_out)) {
                 store_two<float>(p, y0, y1);
               } else {
                 p[0] = y0;
-                p[1] = y1;
+                if (n + 1 < N) p[1] = y1;
               }
             } else {
+              float* p = out_l + (long long)n * ldo + m;
               p[0] = y0;
+              if (kFast || n + 1 < N) p[ldo] = y1;
             }
-          } else {
-            float* p = out_l + (long long)n * ldo + m;
-            p[0] = y0;
-            if (n + 1 < N) p[ldo] = y1;
           }
         }
+      };
+#ifdef KERMAC_LIKE_WGMMA_NO_FAST_EPILOGUE  // bench/try_wgmma.py: the general epilogue everywhere
+      write_tile(false);
+#else
+      if (fast) {
+        write_tile(true);
+      } else {
+        write_tile(false);
       }
+#endif
       // norm_b is rewritten only after the next tile's first named barrier,
       // which every consumer reaches after this epilogue.
     }

@@ -314,6 +314,10 @@ CASES = [
     (("Dot", "Noop", "None", "ColMajor", "Tf32x3"), (65, 300, 1024), {}),
     (("Diff", "Sqrt", "None", "RowMajor", "Tf32x3"), (1000, 1300, 200), {"grid_z": 0, "batch_a": 2}),
     (("Diff", "Sqrt", "Laplace", "RowMajor", "Tf32x3"), (2000, 700, 64), {"grid_z": 0, "per_batch_hyper": True}),
+    # many tiles, the regularised diagonal far off the main one: fast-path tiles beside crossed ones
+    (("Diff", "Sqrt", "Laplace", "RowMajor", "Tf32x3"), (700, 1100, 96), {"grid_z": 0, "reg_diag": -300,
+                                                                           "per_batch_hyper": True}),
+    (("Diff", "Noop", "None", "ColMajor", "Tf32x3"), (600, 1000, 64), {"grid_z": 0, "reg_diag": 400}),
     (("Diff", "Sqrt", "None", "RowMajor", "Tf32"), (300, 260, 1000), {}),
     (("Diff", "Sqrt", "Laplace", "ColMajor", "Tf32"), (129, 513, 40), {}),
 ]

@@ -331,6 +331,7 @@ def _sm90():
 
 
 sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (H100/H200)")
+_CASES = _try_module().CASES  # every float64 case of the probe, in both precisions
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +349,7 @@ def tw():
 
 @sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(18))
+@pytest.mark.parametrize("case", range(len(_CASES)), ids=lambda i: "/".join(_CASES[i][0]) + f"-{i}")
 def test_gpu_matches_float64(tw, case):
     cfg, shape, extra = tw.CASES[case]
     ok, detail = tw.correctness_case(tw.VARIANTS["wgmma"], cfg, shape, **extra)

@@ -307,6 +307,30 @@ def test_mbarrier_protocol_has_no_hazards(stages, tiles, k_tiles):
     assert released == set(range(total))
 
 
+# The epilogue's tile-uniform fast path (distance_wgmma.cuh), as written in the kernel.
+FAST_TILE_CONDITION = """(!reg_on || (long long)m0 + reg_diag >= n0 + kBlockN ||
+                         (long long)m0 + kBlockM - 1 + reg_diag < n0)"""
+
+
+def test_fast_epilogue_tiles_hold_no_regularised_entry():
+    """The kernel skips the per-element bounds and diagonal tests on tiles inside the
+    output that the regularised diagonal n - m == reg_diag does not cross: brute force
+    over tile origins and diagonals says the condition is exactly 'no entry of the tile
+    is regularised'."""
+    import random
+
+    text = (TEMPLATES / "distance_wgmma.cuh").read_text()
+    assert " ".join(FAST_TILE_CONDITION.split()) in " ".join(text.split())
+    bm, bn = 128, 256
+    rng = random.Random(7)
+    for _ in range(3000):
+        m0, n0 = bm * rng.randrange(0, 12), bn * rng.randrange(0, 6)
+        reg_diag = rng.randrange(-3 * bn, 3 * bn) if rng.random() < 0.8 else rng.choice([0, -m0, n0 - m0])
+        fast = m0 + reg_diag >= n0 + bn or m0 + bm - 1 + reg_diag < n0
+        crossed = any(n0 <= m + reg_diag < n0 + bn for m in range(m0, m0 + bm))
+        assert fast == (not crossed), (m0, n0, reg_diag)
+
+
 def test_selection_default_and_opt_out(monkeypatch):
     from kermac_like import distance
 

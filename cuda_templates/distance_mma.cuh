@@ -275,13 +275,12 @@ struct EntryEpilogue {
   }
 };
 
-}  // namespace mma_detail
-
-// ------------------------------------------------------------------- traits
-
+// The template parameters and the operand rules common to both tensor-core
+// distance kernels (DistanceMmaTraits below, DistanceWgmmaTraits in
+// distance_wgmma.cuh): ||x - y||^2 = ||x||^2 + ||y||^2 - 2 x.y, or the dot product.
 template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, Layout kLayoutB_,
           Layout kLayoutO_, Precision kPrecision_, class T_>
-struct DistanceMmaTraits {
+struct TensorCoreDistance {
   using T = T_;
   static constexpr Inner kInner = kInner_;
   static constexpr Power kOuter = kOuter_;
@@ -291,25 +290,36 @@ struct DistanceMmaTraits {
   static constexpr Layout kLayoutO = kLayoutO_;
   static constexpr Precision kPrecision = kPrecision_;
 
-  static constexpr bool kIsFloat = mma_detail::SameType<T, float>::value;
-  static constexpr bool kIs16 =
-      mma_detail::SameType<T, float16>::value || mma_detail::SameType<T, bfloat16>::value;
-
-  static_assert(kInner == Inner::Diff || kInner == Inner::Dot, "DistanceMmaTraits: unknown Inner");
+  static_assert(kInner == Inner::Diff || kInner == Inner::Dot, "tensor-core distance: unknown Inner");
   static_assert(kInner != Inner::Diff || kOuter == Power::Noop || kOuter == Power::Sqrt,
-                "DistanceMmaTraits: Inner::Diff (inner power Square) takes outer power Noop "
+                "tensor-core distance: Inner::Diff (inner power Square) takes outer power Noop "
                 "(squared distance) or Sqrt (distance) only");
   static_assert(kInner != Inner::Dot || (kOuter == Power::Noop && kEpilogue == Epilogue::None),
-                "DistanceMmaTraits: Inner::Dot takes outer power Noop and Epilogue::None only");
+                "tensor-core distance: Inner::Dot takes outer power Noop and Epilogue::None only");
   static_assert(kLayoutA == Layout::RowMajor && kLayoutB == Layout::RowMajor,
-                "DistanceMmaTraits: a and b must be RowMajor (K contiguous); make a contiguous copy "
+                "tensor-core distance: a and b must be RowMajor (K contiguous); make a contiguous copy "
                 "or use the SIMT kernel");
+};
+
+}  // namespace mma_detail
+
+// ------------------------------------------------------------------- traits
+
+template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, Layout kLayoutB_,
+          Layout kLayoutO_, Precision kPrecision_, class T_>
+struct DistanceMmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kEpilogue_, kLayoutA_, kLayoutB_,
+                                                          kLayoutO_, kPrecision_, T_> {
+  // (T_ and kPrecision_ below: the base's members are not visible by plain name here)
+  static constexpr bool kIsFloat = mma_detail::SameType<T_, float>::value;
+  static constexpr bool kIs16 =
+      mma_detail::SameType<T_, float16>::value || mma_detail::SameType<T_, bfloat16>::value;
+
   static_assert(kIsFloat || kIs16,
                 "DistanceMmaTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");
-  static_assert(kIsFloat == (kPrecision == Precision::Tf32x3 || kPrecision == Precision::Tf32),
+  static_assert(kIsFloat == (kPrecision_ == Precision::Tf32x3 || kPrecision_ == Precision::Tf32),
                 "DistanceMmaTraits: Precision Tf32x3/Tf32 take T = float, Native16 takes "
                 "T = float16 or bfloat16");
-  static_assert(kIs16 == (kPrecision == Precision::Native16),
+  static_assert(kIs16 == (kPrecision_ == Precision::Native16),
                 "DistanceMmaTraits: Precision::Native16 takes T = float16 or bfloat16");
 
   // Block tile (kBlockM x kBlockN) of 8 warps in a 2 x 4 grid, 64 x 64 per warp.
@@ -326,8 +336,8 @@ struct DistanceMmaTraits {
   // One k-tile is 64 bytes of every row: 16 floats or 32 sixteen-bit values,
   // two MMA k-steps (k8 for TF32, k16 for 16-bit) of 32 bytes each.
   static constexpr int kRowBytes = 64;
-  static constexpr int kBlockK = kRowBytes / (int)sizeof(T);
-  static constexpr int kChunkElems = 16 / (int)sizeof(T);
+  static constexpr int kBlockK = kRowBytes / (int)sizeof(T_);
+  static constexpr int kChunkElems = 16 / (int)sizeof(T_);
   static constexpr int kStages = 4;
   static constexpr int kStageBytes = (kBlockM + kBlockN) * kRowBytes;  // 24 KiB
   static constexpr int kNormBytes = (kBlockM + kBlockN) * 4;

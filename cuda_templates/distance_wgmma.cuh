@@ -180,31 +180,15 @@ __device__ __forceinline__ void regs_decrease() {
 
 template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, Layout kLayoutB_,
           Layout kLayoutO_, Precision kPrecision_, class T_, int kStagesArg = 0>
-struct DistanceWgmmaTraits {
-  using T = T_;
-  static constexpr Inner kInner = kInner_;
-  static constexpr Power kOuter = kOuter_;
-  static constexpr Epilogue kEpilogue = kEpilogue_;
-  static constexpr Layout kLayoutA = kLayoutA_;
-  static constexpr Layout kLayoutB = kLayoutB_;
-  static constexpr Layout kLayoutO = kLayoutO_;
-  static constexpr Precision kPrecision = kPrecision_;
-
-  static_assert(kInner == Inner::Diff || kInner == Inner::Dot, "DistanceWgmmaTraits: unknown Inner");
-  static_assert(kInner != Inner::Diff || kOuter == Power::Noop || kOuter == Power::Sqrt,
-                "DistanceWgmmaTraits: Inner::Diff (inner power Square) takes outer power Noop "
-                "(squared distance) or Sqrt (distance) only");
-  static_assert(kInner != Inner::Dot || (kOuter == Power::Noop && kEpilogue == Epilogue::None),
-                "DistanceWgmmaTraits: Inner::Dot takes outer power Noop and Epilogue::None only");
-  static_assert(kLayoutA == Layout::RowMajor && kLayoutB == Layout::RowMajor,
-                "DistanceWgmmaTraits: a and b must be RowMajor (K contiguous); make a contiguous copy "
-                "or use the SIMT kernel");
-  static_assert(wgmma_detail::SameType<T, float>::value &&
-                    (kPrecision == Precision::Tf32x3 || kPrecision == Precision::Tf32),
+struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kEpilogue_, kLayoutA_, kLayoutB_,
+                                                            kLayoutO_, kPrecision_, T_> {
+  // (T_ and kPrecision_ below: the base's members are not visible by plain name here)
+  static_assert(wgmma_detail::SameType<T_, float>::value &&
+                    (kPrecision_ == Precision::Tf32x3 || kPrecision_ == Precision::Tf32),
                 "DistanceWgmmaTraits: only T = float with Precision Tf32x3 or Tf32 (16-bit data: use "
                 "DistanceMmaTraits)");
 
-  static constexpr bool kSplit = kPrecision == Precision::Tf32x3;
+  static constexpr bool kSplit = kPrecision_ == Precision::Tf32x3;
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;  // 3 warpgroups

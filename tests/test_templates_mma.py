@@ -14,6 +14,7 @@ GPU (marker gpu): the same oracle on the device, accuracy of Tf32x3 / Tf32 /
 16-bit on random and clustered data, and (marker slow as well) the timings of
 the two bench workloads.
 """
+import importlib.util
 import math
 import os
 import re
@@ -192,54 +193,19 @@ def test_column_major_operands_are_rejected():
 # ------------------------------------------------------------ float64 oracle
 
 
-def reference(cfg, a, b, bw, lam, reg_diag, eps):
-    """ABI semantics in float64 on a's device. a (L, M, K), b (L, N, K); bw, lam (L,).
-    The norm expansion in float64 is exact to ~1e-16 of the norms, far below
-    every tolerance here, and needs no (L, M, N, K) temporary."""
-    inner, outer, epilogue = cfg[:3]
-    a, b = a.double(), b.double()
-    dot = a @ b.transpose(-1, -2)
-    if inner == "Dot":
-        d = dot
-    else:
-        d = ((a * a).sum(-1)[..., :, None] + (b * b).sum(-1)[..., None, :] - 2 * dot).clamp_min(0)
-        if outer == "Sqrt":
-            d = d.sqrt()
-    if eps > 0:
-        d = torch.where(d < eps, torch.zeros_like(d), d)
-    bw = bw.to(d).reshape(-1, 1, 1)
-    if epilogue == "Laplace":
-        y = torch.exp(-d / bw)
-    elif epilogue == "Gaussian":
-        y = torch.exp(-d * d / (2 * bw * bw))
-    else:
-        y = d
-    m = torch.arange(y.shape[-2], device=y.device).reshape(-1, 1)
-    n = torch.arange(y.shape[-1], device=y.device).reshape(1, -1)
-    return y + (n - m == reg_diag).to(y) * lam.to(y).reshape(-1, 1, 1)
+def _load_probe():
+    """bench/try_wgmma.py, the GPU probe: its float64 oracle is the one used here."""
+    spec = importlib.util.spec_from_file_location("try_wgmma", ROOT / "bench" / "try_wgmma.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def bandwidth_for(cfg, K):
-    """A bandwidth near the typical distance of standard normal data, so the
-    epilogue's exponentials are neither 0 nor 1."""
-    d2 = 2.0 * K
-    return math.sqrt(d2) if cfg[1] == "Sqrt" else d2
+_PROBE = _load_probe()
+reference, bandwidth_for, rel_error, padded = _PROBE.reference, _PROBE.bandwidth_for, _PROBE.rel_error, _PROBE.padded
 
 
 TOLERANCE = {"Tf32x3": 1e-5, "Tf32": 3e-3, "Native16": 1e-2}
-
-
-def rel_error(y, ref):
-    y, ref = y.double().cpu(), ref.double().cpu()
-    return ((y - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
-def padded(x, align):
-    """x (L, R, K) as a view whose row stride is K rounded up to align elements."""
-    L, R, K = x.shape
-    buf = torch.zeros(L, R, -(-K // align) * align, dtype=x.dtype, device=x.device)
-    buf[..., :K] = x
-    return buf[..., :K]
 
 
 # -------------------------------------------------------------- host emulation

@@ -4,34 +4,34 @@
 //
 //   ||x - y||^2 = ||x||^2 + ||y||^2 - 2 x.y
 //
-// Same flat ABI as distance_mma_kernel (.helpers/DISTANCE_ABI.md) with its
-// limits: float32 data, Precision::Tf32x3 (fp32-grade, three TF32 products)
-// or Precision::Tf32; a and b RowMajor with 16-byte aligned bases, rows and
-// batch offsets; K free (tail zero-filled); out RowMajor or ColMajor, element
-// alignment only; exact zero self-distance diagonal when a == b and lda == ldb.
-// Compile for "sm_90a" (wgmma and setmaxnreg exist on no other target).
-// Launch: kThreads threads,
-// a 1-D grid of at most (number of SMs) blocks; each block walks the output
-// tiles blockIdx.x, blockIdx.x + gridDim.x, ... of all batch entries.
+// The flat ABI of distance_mma_kernel (.helpers/DISTANCE_ABI.md) plus six trailing
+// arguments written by wgmma_prepare_b_kernel (below), which the caller launches
+// first on the same stream; same limits: float32 data, Precision::Tf32x3
+// (fp32-grade, three TF32 products) or Precision::Tf32; a and b RowMajor with
+// 16-byte aligned bases, rows and batch offsets; K free (tail zero-filled); out
+// RowMajor or ColMajor, element alignment only; exact zero self-distance diagonal
+// when a == b and lda == ldb. Compile for "sm_90a" (wgmma and setmaxnreg exist on
+// no other target). Launch: kThreads threads, a 1-D grid of at most (number of
+// SMs) blocks; each block walks the output tiles blockIdx.x, blockIdx.x +
+// gridDim.x, ... of all batch entries.
 //
-// Roles (bench/NOTES_wgmma.md has the design notes and the measurements):
-//   * warpgroup 0, the loader (128 threads): cp.async copies of the raw
-//     128 x 16 (a) and 256 x 16 (b) k-tiles into a ring of kStages stages;
-//     cp.async.mbarrier.arrive signals "landed" without the loader ever
-//     waiting for its copies (a thread that reads shared memory while its own
-//     cp.async copies are in flight stalls until they land: measured, NOTES).
-//   * warpgroups 1 and 2, the consumers (rows 0-63 and 64-127 of the tile):
-//     per k-tile, ldmatrix of the raw a fragment and the a side of the 3xTF32
-//     split in registers (big = rna(a), small = rna(a - big)), squared row
-//     norms of a from the same registers; small_a*b, big_a*small_b, big_a*b
+// Roles (bench/NOTES_wgmma.md has the design notes, bench/NOTES.md the measurements):
+//   * before the kernel, wgmma_prepare_b_kernel: B small = b - trunc(b) (3xTF32; the
+//     tensor cores read fp32 as TF32 by truncation, so b itself is the big half) and
+//     the squared row norms of b, once per row of b rather than once per output tile.
+//   * warpgroup 0, the loader (128 threads): cp.async copies of the 128 x 16 (a),
+//     256 x 16 (b) and 256 x 16 (B small) k-tiles into a ring of kStages stages;
+//     cp.async.mbarrier.arrive signals "landed" without the loader ever waiting
+//     for its copies.
+//   * warpgroups 1 and 2, the consumers (rows 0-63 and 64-127 of the tile): per
+//     k-tile, wait for the stage, ldmatrix of the raw a fragment and the a side of
+//     the 3xTF32 split in registers (big = rna(a), small = rna(a - big)), squared
+//     row norms of a from the same registers; small_a*b, big_a*small_b, big_a*b
 //     per k8 step as wgmma.m64n256k8 with A from registers and B from shared
-//     memory (the raw b tile is the big half: the tensor cores read fp32 as
-//     TF32 by truncation); while that wgmma runs, the 256 consumer threads
-//     split the next landed b tile (small = b - trunc(b), exact, into the stage's
-//     "small" tile) and sum its squared row norms; one named barrier per
-//     k-tile. One k-tile of wgmma stays in flight; mbarrier "empty" gives a
-//     stage back to the loader when its wgmma has completed. Then the fused
-//     epilogue from the accumulators, while the loader fills the next tile.
+//     memory. One k-tile of wgmma stays in flight; mbarrier "empty" gives a stage
+//     back to the loader when its wgmma has completed. Then the fused epilogue
+//     from the accumulators (b norms from the prepared array), while the loader
+//     fills the next tile's stages.
 #pragma once
 
 #include "distance_mma.cuh"
@@ -204,10 +204,9 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
   // A raw, B raw (= B big), B small (3xTF32 only).
   static constexpr int kStageBytes = kTileABytes + kTileBBytes * (kSplit ? 2 : 1);
   static constexpr int kStages = kStagesArg > 0 ? kStagesArg : (kSplit ? 5 : 8);
-  static constexpr int kNormBytes = kBlockN * 4;  // b norms of the tile
   static constexpr int kBarrierBytes = 2 * kStages * 8;    // full[], empty[]
   static constexpr int kAlignSlack = 1024;                 // the kernel aligns its base to 1 KiB
-  static constexpr int kSmemBytes = kStages * kStageBytes + kNormBytes + kBarrierBytes + kAlignSlack;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kBarrierBytes + kAlignSlack;
 #ifdef KERMAC_LIKE_WGMMA_GROUP_M  // bench/try_wgmma.py probe
   static constexpr int kGroupM = KERMAC_LIKE_WGMMA_GROUP_M;
 #else
@@ -218,7 +217,77 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
   static_assert(kSmemBytes <= 227 * 1024, "DistanceWgmmaTraits: shared memory above 227 KiB");
 };
 
+// ------------------------------------------------------------ b preparation
+// Once per launch, on the stream before distance_wgmma_kernel: for every row of b
+// the kernel reads, small = b - trunc(b) (3xTF32: the tensor cores read fp32 as TF32
+// by truncation, so b itself is the big half and small is exact) and the squared
+// row norm (Inner::Diff). The kernel's loader then copies B small like any operand
+// and no consumer touches b (bench/NOTES.md, v10: splitting b inside the kernel
+// cost ~2.8 ms at 30000^2 x 1024, all of it the shared-memory stores).
+//
+// Rows are indexed canonically over the entries of b itself, not of the broadcast
+// output: entry e = (i0, i1, i2) over extents (e0, e1, e2) (1 where b broadcasts),
+// e = (i0 e1 + i1) e2 + i2; b's element (e, n, k) is at
+// b[i0 s0 + i1 s1 + i2 s2 + n ldb + k]. Outputs: small[(e N + n) ldbs + k] for
+// k < K (ldbs a multiple of 4), norms[e n_pad + n] for n < n_pad (0 past N;
+// n_pad a multiple of the kernel's 256-column tile, so the epilogue reads whole
+// tiles of norms without bounds tests). One warp per row; b rows 16-byte aligned.
+template <bool kSmall_, bool kNorms_>
+struct WgmmaPrepareTraits {
+  static constexpr bool kSmall = kSmall_, kNorms = kNorms_;
+  static_assert(kSmall || kNorms, "WgmmaPrepareTraits: nothing to prepare");
+  static constexpr int kThreads = 256;
+  static constexpr int kBlockM = kThreads / 32;  // rows per block
+  static constexpr int kBlockN = 1;
+  static constexpr int kSmemBytes = 0;
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    wgmma_prepare_b_kernel(const float* __restrict__ b, int N, int K, long long ldb, int e1, int e2, long long s0,
+                           long long s1, long long s2, long long rows, float* __restrict__ small, long long ldbs,
+                           float* __restrict__ norms, int n_pad) {
+  const long long r = (long long)blockIdx.x * Traits::kBlockM + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const long long e = r / n_pad;
+  const int n = (int)(r - e * n_pad);
+  if (n >= N) {
+    if (Traits::kNorms && lane == 0) norms[r] = 0.f;
+    return;
+  }
+  const long long q = e / e2;
+  const float* src = b + (q / e1) * s0 + (q % e1) * s1 + (e % e2) * s2 + (long long)n * ldb;
+  float* dst = small + (e * N + n) * ldbs;
+  float sum = 0.f;
+  for (int k = 4 * lane; k < K; k += 128) {
+    float4 v;
+    if (k + 4 <= K) {
+      v = *reinterpret_cast<const float4*>(src + k);
+    } else {  // K tail: zeros (small's row holds ldbs >= K rounded up to 4)
+      v.x = src[k];
+      v.y = k + 1 < K ? src[k + 1] : 0.f;
+      v.z = k + 2 < K ? src[k + 2] : 0.f;
+      v.w = 0.f;
+    }
+    if constexpr (Traits::kNorms) sum = fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, fmaf(v.x, v.x, sum))));
+    if constexpr (Traits::kSmall) {
+      auto lo = [](float x) { return x - __uint_as_float(__float_as_uint(x) & 0xffffe000u); };
+      *reinterpret_cast<float4*>(dst + k) = make_float4(lo(v.x), lo(v.y), lo(v.z), lo(v.w));
+    }
+  }
+  if constexpr (Traits::kNorms) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) norms[r] = sum;
+  }
+}
+
 // ------------------------------------------------------------------- kernel
+// The flat ABI plus what wgmma_prepare_b_kernel wrote: b_small (3xTF32; row (e, n)
+// at (e N + n) ldbs) and b_norm (Inner::Diff; e n_pad + n with n_pad = N rounded up
+// to 256), e = l0 bc0 + l1 bc1 + l2 bc2 for batch entry (l0, l1, l2) (bc_i = 0
+// where b broadcasts). Null where the build does not read them.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     distance_wgmma_kernel(const float* __restrict__ a, const float* __restrict__ b,
@@ -232,7 +301,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                              float outer_p, const float* bw_ptr, long long bw_bs0, long long bw_bs1,
                              long long bw_bs2, float bandwidth, const float* reg_ptr, long long reg_bs0,
                              long long reg_bs1, long long reg_bs2, float regularization,
-                             long long reg_diag, float epsilon) {
+                             long long reg_diag, float epsilon, const float* __restrict__ b_small,
+                             const float* __restrict__ b_norm, long long ldbs, long long bc0, long long bc1,
+                             long long bc2) {
   using namespace mma_detail;
   using namespace wgmma_detail;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -244,22 +315,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kRowsPerPass = Traits::kProducerThreads / 4;  // 32 rows, 4 chunks each
   constexpr int kPassesA = kBlockM / kRowsPerPass;            // 4
   constexpr int kPassesB = kBlockN / kRowsPerPass;            // 8
-  constexpr unsigned kConsumerWarps = Traits::kConsumerThreads / 32;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw_base = smem_u32(smem_raw);
   const unsigned base = (raw_base + 1023u) & ~1023u;  // the swizzle follows address bits
-  unsigned char* smem = smem_raw + (base - raw_base);
-  // [kStages x (A raw, B raw, B small)][kStages x 256 b norms][full[kStages]][empty[kStages]]
-  float* norm_b_all = reinterpret_cast<float*>(smem + kStages * kStageBytes);
-  const unsigned bar_full = base + kStages * kStageBytes + Traits::kNormBytes;
+  // [kStages x (A raw, B raw, B small)][full[kStages]][empty[kStages]]
+  const unsigned bar_full = base + kStages * kStageBytes;
   const unsigned bar_empty = bar_full + 8 * kStages;
 
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bar_full + 8 * s, Traits::kProducerThreads);
-      mbar_init(bar_empty + 8 * s, kConsumerWarps);
+      mbar_init(bar_empty + 8 * s, Traits::kConsumerThreads / 32);
     }
   }
   __syncthreads();
@@ -268,16 +336,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const long long per_batch = (long long)tiles_m * tiles_n;
   const long long total = per_batch * batch;
   const int num_k_tiles = ceil_div(K, kBlockK);
+  const long long n_pad = (long long)tiles_n * kBlockN;
   const BatchShape shape{batch_n1, batch_n2};
   const BatchStride a_stride{a_bs0, a_bs1, a_bs2}, b_stride{b_bs0, b_bs1, b_bs2},
-      o_stride{o_bs0, o_bs1, o_bs2};
+      o_stride{o_bs0, o_bs1, o_bs2}, b_entry{bc0, bc1, bc2};
   (void)inner_p_ptr, (void)inner_p_bs0, (void)inner_p_bs1, (void)inner_p_bs2, (void)inner_p;
   (void)outer_p_ptr, (void)outer_p_bs0, (void)outer_p_bs1, (void)outer_p_bs2, (void)outer_p;
 
   // Output tile t (any block): batch entry and tile origin, grouped so that
   // kGroupM consecutive M tiles sweep N together.
-  auto tile_of = [&](long long t, int& l, int& m0, int& n0) {
-    l = (int)(t / per_batch);
+  auto tile_of = [&](long long t, int& l0, int& l1, int& l2, int& m0, int& n0) {
+    const int l = (int)(t / per_batch);
     const int linear = (int)(t - (long long)l * per_batch);
     const int group_size = Traits::kGroupM * tiles_n;
     const int first_m = (linear / group_size) * Traits::kGroupM;
@@ -285,6 +354,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int in_group = linear % group_size;
     m0 = (first_m + in_group % rows_in_group) * kBlockM;
     n0 = (in_group / rows_in_group) * kBlockN;
+    shape.split(l, l0, l1, l2);
   };
 
   if (tid < Traits::kProducerThreads) {
@@ -296,12 +366,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     int stage = 0;
     unsigned phase = 0;
     for (long long t = blockIdx.x; t < total; t += gridDim.x) {
-      int l, m0, n0;
-      tile_of(t, l, m0, n0);
-      int l0, l1, l2;
-      shape.split(l, l0, l1, l2);
+      int l0, l1, l2, m0, n0;
+      tile_of(t, l0, l1, l2, m0, n0);
       const float* a_row = a + a_stride.offset(l0, l1, l2) + (long long)(m0 + prow) * lda + chunk * 4;
       const float* b_row = b + b_stride.offset(l0, l1, l2) + (long long)(n0 + prow) * ldb + chunk * 4;
+      const float* s_row = kSplit ? b_small + (b_entry.offset(l0, l1, l2) * N + n0 + prow) * ldbs + chunk * 4
+                                  : nullptr;
       const int a_rows = M - m0 - prow, b_rows = N - n0 - prow;  // pass u is valid if 32 u < rows
       for (int kt = 0; kt < num_k_tiles; ++kt) {
         mbar_wait(bar_empty + 8 * stage, phase ^ 1u);
@@ -317,11 +387,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           cp_async_16(st + u * kRowsPerPass * kRowBytes, ok ? a_row + u * kRowsPerPass * lda + kt * kBlockK : a,
                       ok ? bytes : 0);
         }
-#pragma unroll
+        // b and B small: a rolled loop (unrolled, the 16 row addresses would not fit
+        // the loader's 56 registers).
+        const float* pb = b_row + kt * kBlockK;
+        const float* ps = kSplit ? s_row + kt * kBlockK : nullptr;
+#pragma unroll 1
         for (int u = 0; u < kPassesB; ++u) {
           const bool ok = u * kRowsPerPass < b_rows && bytes > 0;
-          cp_async_16(st + kTileABytes + u * kRowsPerPass * kRowBytes,
-                      ok ? b_row + u * kRowsPerPass * ldb + kt * kBlockK : b, ok ? bytes : 0);
+          const unsigned sb = st + kTileABytes + u * kRowsPerPass * kRowBytes;
+          cp_async_16(sb, ok ? pb : b, ok ? bytes : 0);
+          if constexpr (kSplit) cp_async_16(sb + kTileBBytes, ok ? ps : b_small, ok ? bytes : 0);
+          pb += kRowsPerPass * ldb;
+          if constexpr (kSplit) ps += kRowsPerPass * ldbs;
         }
 #ifdef KERMAC_LIKE_WGMMA_DIAG_NO_LOAD
         }
@@ -349,10 +426,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int s = 0; s < 2; ++s) ld_off[s] = swizzled(row, 2 * s + (i >> 1));
     }
-    // b split: consumer thread ctid takes chunk ctid % 4 of rows ctid / 4 + 64 u.
-    constexpr int kSplitPasses = kBlockN * 4 / Traits::kConsumerThreads;  // 4
-    const unsigned split_off = swizzled(ctid >> 2, ctid & 3);
-    float* norm_b = norm_b_all;
     int stage = 0;
     unsigned phase = 0;
 
@@ -362,53 +435,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     float acc[128];
     for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+      int l0, l1, l2, m0, n0;
+      tile_of(t, l0, l1, l2, m0, n0);
+      // The tile's 256 b norms (1 KiB), read by the epilogue: into L1 meanwhile.
+      const float* norm_b = kDiff ? b_norm + b_entry.offset(l0, l1, l2) * n_pad + n0 : nullptr;
+      if (kDiff && lane == 0) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(norm_b + 32 * cwarp));
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       float na[2] = {0.f, 0.f};
-      float nb_part[kSplitPasses];
-#pragma unroll
-      for (int u = 0; u < kSplitPasses; ++u) nb_part[u] = 0.f;
-
-      // Wait for the k-tile in `st_index` to land, then split this thread's b chunks
-      // (small tile), add their squares to the b norms, and fence for wgmma.
-      auto split_b = [&](int st_index, unsigned st_phase) {
-        mbar_wait(bar_full + 8 * st_index, st_phase);
-#ifndef KERMAC_LIKE_WGMMA_DIAG_NO_SPLIT  // bench/try_wgmma.py diagnostic: what the b split costs
-        if constexpr (kDiff || kSplit) {
-          unsigned char* tile_b = smem + st_index * kStageBytes + kTileABytes;
-#pragma unroll
-          for (int u = 0; u < kSplitPasses; ++u) {
-            const unsigned off = split_off + u * (Traits::kConsumerThreads / 4) * kRowBytes;
-            const uint4 v = *reinterpret_cast<const uint4*>(tile_b + off);
-            if constexpr (kDiff) nb_part[u] += chunk_sumsq<float>(v);
-#ifdef KERMAC_LIKE_WGMMA_DIAG_NO_SPLIT_STORE  // diagnostic: the split without its shared-memory writes
-            if constexpr (false) {
-#else
-            if constexpr (kSplit) {
-#endif
-              // x - trunc(x) is exact; the tensor cores truncate it once more
-              // (2 instructions; rounding it first measured the same error, 4% slower).
-              auto lo = [](unsigned x) {
-                return __float_as_uint(__uint_as_float(x) - __uint_as_float(x & 0xffffe000u));
-              };
-              *reinterpret_cast<uint4*>(tile_b + kTileBBytes + off) =
-                  make_uint4(lo(v.x), lo(v.y), lo(v.z), lo(v.w));
-            }
-          }
-        }
-#endif
-        fence_proxy_async();  // cp.async data and st.shared, read next by wgmma (async proxy)
-      };
-
-      int prev_stage = -1;
-      split_b(stage, phase);
-      named_barrier<1, Traits::kConsumerThreads>();
 
       // One k-tile: its a fragment is split into `frag` ([k8 step][big, small][4]).
       // The fragment registers of a wgmma must stay untouched until it completes,
       // and one k-tile of wgmma stays in flight: two fragment buffers, used by
       // even and odd k-tiles (distinct registers in the unrolled loop below).
+      int prev_stage = -1;
       auto k_tile = [&](int kt, unsigned (&frag)[2][2][4]) {
+        mbar_wait(bar_full + 8 * stage, phase);
+        fence_proxy_async();  // cp.async data (generic proxy), read next by wgmma (async proxy)
         const unsigned st = base + stage * kStageBytes;
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
@@ -440,25 +483,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int s = 0; s < 2; ++s) {  // two k8 steps: 32 bytes into each 64-byte row
           const unsigned long long b_raw = make_desc(st + kTileABytes + s * 32);
           if constexpr (kSplit) {
-            const unsigned long long b_small = make_desc(st + kTileABytes + kTileBBytes + s * 32);
+            const unsigned long long b_lo = make_desc(st + kTileABytes + kTileBBytes + s * 32);
             wgmma_m64n256k8_tf32_rs(acc, frag[s][1], b_raw);  // least significant terms first
-            wgmma_m64n256k8_tf32_rs(acc, frag[s][0], b_small);
+            wgmma_m64n256k8_tf32_rs(acc, frag[s][0], b_lo);
           }
           wgmma_m64n256k8_tf32_rs(acc, frag[s][0], b_raw);
         }
         wgmma_commit();
+        wgmma_wait<1>();  // the previous k-tile's wgmma is done: release its stage
+        if (kt > 0) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(bar_empty + 8 * prev_stage);
+        }
         prev_stage = stage;
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1u;
         }
-        if (kt + 1 < num_k_tiles) split_b(stage, phase);  // overlaps this k-tile's wgmma
-        wgmma_wait<1>();  // the previous k-tile's wgmma is done: release its stage
-        if (kt > 0) {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(bar_empty + 8 * (prev_stage == 0 ? kStages - 1 : prev_stage - 1));
-        }
-        named_barrier<1, Traits::kConsumerThreads>();  // the next small tile is complete
+#ifdef KERMAC_LIKE_WGMMA_LOCKSTEP  // bench/try_wgmma.py probe: the consumer warps in lockstep per k-tile
+        named_barrier<1, Traits::kConsumerThreads>();
+#endif
       };
       unsigned frag_even[2][2][4], frag_odd[2][2][4];
       for (int kt = 0; kt < num_k_tiles; kt += 2) {
@@ -468,22 +512,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_wait<0>();
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_empty + 8 * prev_stage);  // the tile's last stage
-      if constexpr (kDiff) {  // b norms of the tile: the quad holds the 4 chunks of a row
-#pragma unroll
-        for (int u = 0; u < kSplitPasses; ++u) {
-          float s2 = nb_part[u];
-          s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-          s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
-          if ((ctid & 3) == 0) norm_b[(ctid >> 2) + u * (Traits::kConsumerThreads / 4)] = s2;
-        }
-      }
-      named_barrier<1, Traits::kConsumerThreads>();  // norm_b complete
 
       // ---------------------------------------------------------- epilogue
-      int l, m0, n0;
-      tile_of(t, l, m0, n0);
-      int l0, l1, l2;
-      shape.split(l, l0, l1, l2);
       const float* a_l = a + a_stride.offset(l0, l1, l2);
       const float* b_l = b + b_stride.offset(l0, l1, l2);
       float* out_l = out + o_stride.offset(l0, l1, l2);
@@ -570,8 +600,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         write_tile(false);
       }
 #endif
-      // norm_b is rewritten only after the next tile's first named barrier,
-      // which every consumer reaches after this epilogue.
     }
   }
 }

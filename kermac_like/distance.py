@@ -23,7 +23,7 @@ from ._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from .descriptor import PRESETS, KernelDescriptor
 from .layout import Layout, analyse_matrix, analyse_output, batch_strides, broadcast_batch_shape, plan_batch
 from .reference import cdist_reference, distance_reference
-from .render import distance_spec, mma_spec, wgmma_spec
+from .render import distance_spec, mma_spec, wgmma_prepare_needs, wgmma_prepare_spec, wgmma_spec
 
 log = logging.getLogger("kermac_like.distance")
 
@@ -196,6 +196,7 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
     sa, sb, so = plan.strides["a"][1], plan.strides["b"][1], plan.strides["out"][1]
     eps = np.float32(-np.inf if call.epsilon is None else call.epsilon)
     offsets = {k: list(plan.outer_offsets(k)) for k in tensors}
+    prepare = _WgmmaPrepare(call, plan, bv, spec, device, debug) if spec.kernel == WGMMA_KERNEL else None
     for i in range(len(offsets["a"])):
         def ptr(k):
             t = tensors[k]
@@ -216,8 +217,66 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
             else:
                 args += [0, np.int64(0), np.int64(0), np.int64(0), np.float32(0.0 if v is None else v)]
         args += [np.int64(call.reg_diag), eps]
+        if prepare is not None:
+            args += prepare(ptr("b"))
         launch(kernel, grid, tuple(args), debug=debug)
     return out
+
+
+WGMMA_KERNEL = "kermac_like::distance_wgmma_kernel"
+
+
+def b_entries(modes, strides) -> tuple:
+    """The entries of b itself among the kernel batch modes ``modes`` (b's element
+    strides ``strides``, 0 where b broadcasts): (extents, index strides) such that
+    batch entry (l0, l1, l2) reads entry l0 c0 + l1 c1 + l2 c2 of the extents
+    (e0, e1, e2), row-major; e_i = 1 and c_i = 0 where b broadcasts."""
+    ext = tuple(n if s else 1 for n, s in zip(modes, strides))
+    return ext, (ext[1] * ext[2] if strides[0] else 0, ext[2] if strides[1] else 0, 1 if strides[2] else 0)
+
+
+class _WgmmaPrepare:
+    """What distance_wgmma_kernel reads besides the flat ABI: B small (3xTF32) and the b
+    row norms (distances), written by wgmma_prepare_b_kernel on the same stream before
+    each launch (cuda_templates/distance_wgmma.cuh has the layout). The buffers cover
+    the entries of b itself (1 where b broadcasts over the folded batch) and serve every
+    host-loop launch in turn (stream order)."""
+
+    def __init__(self, call: DistanceCall, plan, bv, spec, device: int, debug: bool):
+        from .launcher import get_kernel
+
+        small, norms = wgmma_prepare_needs(call.desc, tf32=_tf32_allowed())
+        self.spec = wgmma_prepare_spec(small=small, norms=norms) if small or norms else None
+        sb = plan.strides["b"][1]
+        ext, self.entry = b_entries(plan.modes, sb)
+        self.ext, self.strides, self.bv = ext, sb, bv
+        self.N, self.K = call.N, call.K
+        self.n_pad = -(-call.N // spec.launch.block_n) * spec.launch.block_n  # whole tiles of norms
+        self.ldbs = -(-call.K // 4) * 4
+        entries = math.prod(ext)
+        self.rows = entries * self.n_pad
+        dev = call.device
+        self.small = torch.empty(entries * call.N * self.ldbs if small else 0, dtype=torch.float32, device=dev)
+        self.norms = torch.empty(self.rows if norms else 0, dtype=torch.float32, device=dev)
+        self.kernel = get_kernel(self.spec, device, debug=debug) if self.spec is not None else None
+        self.debug = debug
+
+    @staticmethod
+    def _ptr(t: torch.Tensor) -> int:
+        return t.data_ptr() if t.numel() else 0
+
+    def __call__(self, b_ptr: int) -> list:
+        from .launcher import launch
+
+        if self.kernel is not None:
+            s0, s1, s2 = self.strides
+            args = (b_ptr, np.int32(self.N), np.int32(self.K), np.int64(self.bv.ld), np.int32(self.ext[1]),
+                    np.int32(self.ext[2]), np.int64(s0), np.int64(s1), np.int64(s2), np.int64(self.rows),
+                    self._ptr(self.small), np.int64(self.ldbs), self._ptr(self.norms), np.int32(self.n_pad))
+            grid = (-(-self.rows // self.spec.launch.block_m), 1, 1)
+            launch(self.kernel, grid, args, debug=self.debug)
+        return [self._ptr(self.small), self._ptr(self.norms), np.int64(self.ldbs),
+                *(np.int64(c) for c in self.entry)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,7 @@ import itertools
 from . import _debug
 from .descriptor import KernelDescriptor
 from .layout import Layout
-from .render import distance_spec, mma_specs_for, wgmma_traits_spec
+from .render import distance_spec, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec, wgmma_traits_spec
 
 __all__ = ["precompile", "specs_for_descriptor"]
 
@@ -22,7 +22,12 @@ def specs_for_descriptor(desc: KernelDescriptor) -> list:
     ))
     specs += mma_specs_for(desc)
     if desc.is_euclidean:  # compiled for sm_90 only (KernelSpec.supports)
-        specs += [wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=t) for t in (False, True)]
+        for t in (False, True):
+            specs.append(wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=t))
+            small, norms = wgmma_prepare_needs(desc, tf32=t)
+            if small or norms:
+                specs.append(wgmma_prepare_spec(small=small, norms=norms))
+    specs = list(dict.fromkeys(specs))
     return specs
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .descriptor import PRESETS, KernelDescriptor, PowerType
+from .descriptor import PRESETS, InnerOperator, KernelDescriptor, PowerType
 from .layout import Layout
 
 __all__ = [
@@ -29,6 +29,8 @@ __all__ = [
     "render_source",
     "distance_spec",
     "wgmma_spec",
+    "wgmma_prepare_spec",
+    "wgmma_prepare_needs",
     "shipped_specs",
     "FAMILIES",
 ]
@@ -222,16 +224,19 @@ FAMILIES["distance_mma"] = _mma_shipped
 # data only; 384 threads (loader warpgroup + 2 consumer warpgroups), a persistent grid;
 # the dynamic shared memory depends on the precision (3xTF32 stages carry a "small" b
 # tile). Compiled for "sm_90a" (arch_suffix "a"): wgmma exists on no other target.
+# Each launch is preceded by wgmma_prepare_b_kernel (B small for 3xTF32, b row norms for
+# distances), which :func:`wgmma_prepare_spec` renders.
 def _wgmma_smem(tf32: bool) -> int:
     stages = 8 if tf32 else 5
     stage = 128 * 64 + 256 * 64 * (1 if tf32 else 2)
-    return stages * stage + 256 * 4 + 2 * stages * 8 + 1024  # stages, b norms, barriers, alignment
+    return stages * stage + 2 * stages * 8 + 1024  # stages, barriers, alignment
 
 
 WGMMA_LAUNCH = {
     tf32: LaunchShape(threads=384, block_m=128, block_n=256, smem_bytes=_wgmma_smem(tf32), persistent=True)
     for tf32 in (False, True)
 }
+WGMMA_PREPARE_LAUNCH = LaunchShape(threads=256, block_m=8, block_n=1)  # one warp per row of b
 
 
 def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False) -> KernelSpec:
@@ -244,6 +249,20 @@ def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False
     )
     return KernelSpec("distance_wgmma.cuh", "kermac_like::distance_wgmma_kernel", traits, WGMMA_LAUNCH[tf32],
                       arch_suffix="a")
+
+
+def wgmma_prepare_spec(*, small: bool, norms: bool) -> KernelSpec:
+    """The b preparation a wgmma launch needs: ``small`` (3xTF32) and/or ``norms``
+    (distances, not DOT)."""
+    traits = f"kermac_like::WgmmaPrepareTraits<{str(bool(small)).lower()}, {str(bool(norms)).lower()}>"
+    return KernelSpec("distance_wgmma.cuh", "kermac_like::wgmma_prepare_b_kernel", traits, WGMMA_PREPARE_LAUNCH,
+                      arch_suffix="a")
+
+
+def wgmma_prepare_needs(desc: KernelDescriptor, *, tf32: bool) -> tuple:
+    """(small, norms): what a wgmma launch of ``desc`` reads prepared: B small for
+    3xTF32, the b row norms for distances (not DOT)."""
+    return not tf32, desc.inner_operator is not InnerOperator.DOT
 
 
 def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True):
@@ -296,6 +315,8 @@ def _wgmma_shipped():
         if desc.is_euclidean:
             for tf32 in (False, True):
                 yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32)
+    for small, norms in ((True, True), (True, False), (False, True)):
+        yield wgmma_prepare_spec(small=small, norms=norms)
 
 
 FAMILIES["distance_wgmma"] = _wgmma_shipped  # sm_90 only (KernelSpec.supports)

@@ -221,3 +221,22 @@ def test_self_distance_is_zero():
     d = km.cdist(x, x)
     assert (d.diagonal() == 0).all()
     assert (d >= 0).all()
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+@pytest.mark.parametrize("name", ["l2", "laplace_l2", "dot"])
+def test_tensor_core_batches_broadcast_and_host_loop(name, tf32, monkeypatch, caplog):
+    """Broadcast batches, views with padded rows and a K tail, and more batch modes than
+    the kernel takes (host loop): on sm_90 the b preparation (B small, norms) is indexed
+    per entry of b and shared by the host-loop launches."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+    desc = km.PRESETS[name]
+    kw = {"bandwidth": 30.0} if desc.needs_bandwidth else {}
+    a = torch.randn(2, 3, 1, 2, 300, 48, device="cuda")[..., :45]  # rows 16-byte aligned, K = 45
+    b = torch.randn(1, 3, 2, 1, 520, 48, device="cuda")[..., :45]
+    out = poisoned((2, 3, 2, 2, 300, 520))
+    with caplog.at_level("DEBUG", logger="kermac_like"):
+        km.run_kernel(desc, a, b, out=out, debug=True, **kw)
+    assert "tensor-core path" in caplog.text
+    ref = distance_reference(desc, a.double(), b.double(), **kw)
+    assert rel(out, ref) <= (3e-3 if tf32 else 1e-5)

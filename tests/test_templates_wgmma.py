@@ -11,9 +11,10 @@ CPU (CI):
     combinations fail with their static_assert message.
   * Models of what cannot run here: the shared-memory layout written by the
     copies vs the layout the wgmma descriptor reads (64-byte swizzle, K-major),
-    the ldmatrix addresses vs the wgmma A-fragment layout, and the mbarrier
+    the ldmatrix addresses vs the wgmma A-fragment layout, the mbarrier
     protocol (no stage is rewritten while a reader may still use it, every read
-    finds its data landed and split, no wait can deadlock).
+    finds its data landed, no wait can deadlock), and the batch-entry indexing of
+    the prepared b (B small, norms) written by wgmma_prepare_b_kernel.
   * The selection in kermac_like.distance uses it on sm_90 unless KERMAC_LIKE_WGMMA=0.
 GPU (marker gpu, sm_90 only): the float64 checks of bench/try_wgmma.py; marker
 slow as well: the two bench workloads.
@@ -27,7 +28,14 @@ import torch
 
 from kermac_like.descriptor import PRESETS
 from kermac_like.layout import Layout
-from kermac_like.render import WGMMA_LAUNCH, render_source, wgmma_traits_spec
+from kermac_like.render import (
+    WGMMA_LAUNCH,
+    WGMMA_PREPARE_LAUNCH,
+    render_source,
+    wgmma_prepare_needs,
+    wgmma_prepare_spec,
+    wgmma_traits_spec,
+)
 
 try:
     from cuda.core import Program, ProgramOptions
@@ -133,8 +141,64 @@ def test_impossible_combinations_fail_with_their_message(traits, message):
 def test_python_mirror_matches_the_traits_arithmetic():
     for tf32, stages, stage in ((False, 5, (128 + 2 * 256) * 64), (True, 8, (128 + 256) * 64)):
         shape = WGMMA_LAUNCH[tf32]
-        assert shape.smem_bytes == stages * stage + 256 * 4 + 2 * stages * 8 + 1024
+        assert shape.smem_bytes == stages * stage + 2 * stages * 8 + 1024
         assert shape.smem_bytes <= 227 * 1024 and shape.threads == 384 and shape.persistent
+    assert WGMMA_PREPARE_LAUNCH.threads == 256 and WGMMA_PREPARE_LAUNCH.block_m == 8  # a warp per row
+
+
+def test_prepare_kernels_compile_vectorised_without_spills():
+    """wgmma_prepare_b_kernel, every combination the package launches: 16-byte loads and
+    stores of b and B small, no local memory."""
+    specs = [wgmma_prepare_spec(small=s, norms=n) for s, n in ((True, True), (True, False), (False, True))]
+    cubin, log = compile_cubin(render_source(specs), [s.name_expression for s in specs], "sm_90a")
+    usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(usage) == 3 and all(u == ("0", "0", "0") for u in usage), log
+    functions = _sass(cubin)
+    assert len(functions) == 3
+    for name, text in functions.items():
+        assert "LDG.E.128" in text, name
+        assert ("STG.E.128" in text) == ("WgmmaPrepareTraitsILb1E" in name), name  # B small written
+
+
+def test_prepare_needs():
+    assert wgmma_prepare_needs(PRESETS["l2"], tf32=False) == (True, True)
+    assert wgmma_prepare_needs(PRESETS["laplace_l2"], tf32=True) == (False, True)
+    assert wgmma_prepare_needs(PRESETS["dot"], tf32=False) == (True, False)
+    assert wgmma_prepare_needs(PRESETS["dot"], tf32=True) == (False, False)
+
+
+@pytest.mark.parametrize("a_batch, b_batch", [
+    ((), ()), ((3,), ()), ((3,), (3,)), ((2, 1, 4), (3, 1)), ((2, 3, 4), (1, 3, 4)), ((1, 5), (2, 1)),
+    ((2, 3, 2, 2), (2, 1, 2, 1)),
+])
+def test_b_entries_address_every_entry_of_b_once(a_batch, b_batch):
+    """kermac_like.distance.b_entries: for every batch entry of the folded kernel modes,
+    the prepared entry e = l . c, decoded the way wgmma_prepare_b_kernel decodes it, is
+    b's element offset for that batch entry; and the entries cover b itself exactly."""
+    import itertools
+
+    from kermac_like.distance import b_entries
+    from kermac_like.layout import batch_strides, broadcast_batch_shape, plan_batch
+
+    a = torch.empty(*a_batch, 5, 4)
+    b = torch.empty(*b_batch, 6, 4)
+    batch = broadcast_batch_shape({"a": tuple(a_batch), "b": tuple(b_batch)})
+    strides = {k: batch_strides(batch, t.shape[:-2], t.stride()[:-2]) for k, t in (("a", a), ("b", b))}
+    plan = plan_batch(batch, strides)
+    sb = plan.strides["b"][1]
+    ext, c = b_entries(plan.modes, sb)
+    seen = set()
+    for outer in plan.outer_offsets("b"):
+        for l0, l1, l2 in itertools.product(*(range(n) for n in plan.modes)):
+            e = l0 * c[0] + l1 * c[1] + l2 * c[2]
+            assert 0 <= e < ext[0] * ext[1] * ext[2]
+            q = e // ext[2]
+            decoded = (q // ext[1]) * sb[0] + (q % ext[1]) * sb[1] + (e % ext[2]) * sb[2]
+            assert decoded == l0 * sb[0] + l1 * sb[1] + l2 * sb[2], (l0, l1, l2)
+            seen.add(outer + decoded)
+    # the prepared entries (over all host-loop launches) are b's own batch entries
+    own = {sum(i * s for i, s in zip(idx, b.stride()[:-2])) for idx in itertools.product(*(range(n) for n in b_batch))}
+    assert seen == own
 
 
 # ------------------------------------------------------------------ models
@@ -171,8 +235,8 @@ def test_copy_layout_is_what_the_descriptor_reads(rows):
 
 
 def test_copy_writes_of_a_warp_are_contiguous():
-    # Loader thread tid copies chunk tid % 4 of row tid // 4 (+ 32 u): a warp covers 8 rows
-    # = 512 contiguous bytes; the consumers' b split reads chunks ctid + 256 u the same way.
+    # Loader thread tid copies chunk tid % 4 of row tid // 4 (+ 32 u) of a, b and B small:
+    # a warp covers 8 rows = 512 contiguous bytes.
     for warp in range(8):
         offs = sorted(swizzled(t // 4, t % 4) for t in range(32 * warp, 32 * warp + 32))
         assert offs == list(range(512 * warp, 512 * warp + 512, 16))
@@ -205,10 +269,10 @@ def test_ldmatrix_gives_the_wgmma_a_fragment():
 def test_mbarrier_protocol_has_no_hazards(stages, tiles, k_tiles):
     """Random interleavings of the kernel's three roles, each a program over the same
     stage/phase counters, with mbarrier semantics: full[s] (128 loader arrivals, one per
-    thread when its copies land), empty[s] (8 consumer-warp arrivals). Checks that a
-    stage is loaded only when its previous k-tile was released, that consumers read
-    (ldmatrix, split, wgmma) only landed data of the right k-tile, that the b split of
-    k-tile j+1 and the wgmma of k-tile j never touch the same stage, that every k-tile is
+    thread when its copies of a, b and B small land), empty[s] (8 consumer-warp arrivals).
+    Checks that a stage is loaded only when its previous k-tile was released, that
+    consumers read (ldmatrix, wgmma) only landed data of the right k-tile, that the
+    wgmma of k-tile j+1 and the still running one of k-tile j use different stages, that every k-tile is
     released exactly once (the first k-tile of a tile releases nothing: the previous
     tile's last stage went back after its wgmma.wait_group<0>), and that nothing
     deadlocks."""
@@ -263,7 +327,7 @@ def test_mbarrier_protocol_has_no_hazards(stages, tiles, k_tiles):
         if full_phases[s] < q // S + 1:
             return False
         assert holder[s] == q and q in loads_landed
-        # the split of k-tile q (consumers) follows the full wait; wgmma(q-1), still in
+        # k-tile q (ldmatrix, wgmma) follows the full wait; wgmma(q-1), still in
         # flight, reads stage (q-1) % S, which must be another stage.
         if c["inflight"]:
             assert c["inflight"][-1] % S != s
@@ -275,7 +339,7 @@ def test_mbarrier_protocol_has_no_hazards(stages, tiles, k_tiles):
             done = c["inflight"].pop(0)
             if kt != 0:
                 release(done)
-        if kt == k_tiles - 1:  # wait<0>, epilogue reads the tile's b norms, then release
+        if kt == k_tiles - 1:  # wait<0>, release, then the epilogue
             release(c["inflight"].pop(0))
         c["q"] += 1
         return True

@@ -48,7 +48,8 @@ class Variant:
         self.name, self.header, self.kernel, self.traits = name, header, kernel, traits
         self.arch, self.block, self.smem, self.prefix = arch, block, smem, prefix
         self.threads, self.persistent, self.extra = threads, persistent, extra
-        self.prepared = prepared  # takes wgmma_prepare_b_kernel's B small and b norms (launched first)
+        self.prepared = prepared  # takes wgmma_prepare_b_kernel's b blocks and norms (launched first)
+        self.cluster = 2 if prepared else 1  # CTAs per cluster (the grid then counts clusters)
 
     def traits_of(self, cfg):
         inner, outer, epi, out, prec = cfg
@@ -60,7 +61,7 @@ class Variant:
         return self.smem(cfg) if callable(self.smem) else self.smem
 
 
-WGMMA_SMEM = {"Tf32x3": 205904, "Tf32": 197760}  # mirror of DistanceWgmmaTraits::kSmemBytes
+WGMMA_SMEM = {"Tf32x3": 211024, "Tf32": 205952}  # (unchanged by the cluster launch)  # mirror of DistanceWgmmaTraits::kSmemBytes
 
 
 def wgmma_variant(name, prefix=""):
@@ -145,24 +146,20 @@ def prepare(cfg, b, keep):
     small, norms = cfg[4] == "Tf32x3", cfg[0] == "Diff"
     Lb, N, K = b.shape
     i64 = np.int64
-    n_pad, ldbs = -(-N // 256) * 256, -(-K // 4) * 4
-    if not (small or norms):
-        return None, [0, 0, i64(ldbs), i64(0), i64(0), i64(0)]
-    sm = torch.empty(Lb * N * ldbs if small else 1, device=DEVICE)
-    nb = torch.empty(Lb * n_pad if norms else 1, device=DEVICE)
-    keep += [sm, nb]
+    n_pad, k_pad = -(-N // 256) * 256, -(-K // 16) * 16
     rows = Lb * n_pad
+    blocks = torch.empty(rows * k_pad * (2 if small else 1), device=DEVICE)
+    nb = torch.empty(rows if norms else 1, device=DEVICE)
+    keep += [blocks, nb]
     args = (b.data_ptr(), np.int32(N), np.int32(K), i64(b.stride(1)), np.int32(Lb), np.int32(1), i64(0),
-            i64(b.stride(0)), i64(0), i64(rows), sm.data_ptr() if small else 0, i64(ldbs),
-            nb.data_ptr() if norms else 0, np.int32(n_pad))
+            i64(b.stride(0)), i64(0), i64(rows), blocks.data_ptr(), nb.data_ptr() if norms else 0, np.int32(n_pad))
     config = LaunchConfig(grid=(-(-rows // 8), 1, 1), block=(256, 1, 1), shmem_size=0)
     kernel = compiled_prepare(small, norms)
 
     def go():
         launch(STREAM, config, kernel, *args)
 
-    extra = [sm.data_ptr() if small else 0, nb.data_ptr() if norms else 0, i64(ldbs), i64(0),
-             i64(1 if Lb > 1 else 0), i64(0)]
+    extra = [blocks.data_ptr(), nb.data_ptr() if norms else 0, i64(0), i64(1 if Lb > 1 else 0), i64(0)]
     return go, extra
 
 
@@ -197,10 +194,18 @@ def run(variant, cfg, a, b, out, *, bw=1.0, lam=0.0, reg_diag=0, eps=0.0, bw_t=N
         args += extra
     bm, bn = variant.block
     grid = (-(-M // bm), -(-N // bn), min(grid_z or batch, 65535))
-    if variant.persistent:
-        tiles = grid[0] * grid[1] * batch
-        grid = (min(tiles, SMS if not grid_z else grid_z), 1, 1)
-    config = LaunchConfig(grid=grid, block=(variant.threads, 1, 1), shmem_size=smem)
+    if variant.cluster > 1:  # grid counts clusters of vertically adjacent tiles
+        units = -(-grid[0] // variant.cluster) * grid[1] * batch
+        config = LaunchConfig(grid=(1, 1, 1), cluster=(variant.cluster, 1, 1), block=(variant.threads, 1, 1),
+                              shmem_size=smem)
+        fit = kernel.occupancy.max_active_clusters(config, stream=STREAM)
+        config = LaunchConfig(grid=(min(units, grid_z or fit, fit), 1, 1), cluster=(variant.cluster, 1, 1),
+                              block=(variant.threads, 1, 1), shmem_size=smem)
+    else:
+        if variant.persistent:
+            tiles = grid[0] * grid[1] * batch
+            grid = (min(tiles, SMS if not grid_z else grid_z), 1, 1)
+        config = LaunchConfig(grid=grid, block=(variant.threads, 1, 1), shmem_size=smem)
 
     def op():
         if pre is not None:

@@ -149,6 +149,57 @@ __device__ __forceinline__ void mbar_wait(unsigned addr, unsigned parity) {
   } while (!done);
 }
 
+// Arrive and add `bytes` to the transaction count the current phase waits for
+// (bytes written by bulk copies that signal this barrier, from any CTA of the cluster).
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned addr, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(addr), "r"(bytes)
+               : "memory");
+}
+// Arrive on the mbarrier at the same shared-memory offset in CTA `rank` of the cluster.
+// Release at CTA scope (no GPU-wide memory barrier): the arrival only says "my reads
+// of this stage are done" (wgmma.wait_group returned), nothing is published through it.
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned addr, unsigned rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(addr),
+      "r"(rank)
+      : "memory");
+}
+// `bytes` (a multiple of 16) from global memory to the same shared-memory offset in
+// every CTA of `cta_mask`; each destination's mbarrier at offset `mbar` receives
+// complete_tx of the bytes. 16-byte aligned source and destination.
+__device__ __forceinline__ void bulk_copy_multicast(unsigned dst, const void* src, unsigned bytes, unsigned mbar,
+                                                    unsigned short cta_mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(mbar), "h"(cta_mask)
+      : "memory");
+}
+__device__ __forceinline__ unsigned cluster_ctarank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ unsigned cluster_id_x() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ unsigned cluster_count_x() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster (release / acquire).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init_cluster() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
 // Arrive on the mbarrier once every cp.async issued so far by this thread has
 // landed (the arrival is counted in the barrier's expected count: .noinc).
 __device__ __forceinline__ void cp_async_mbar_arrive(unsigned addr) {
@@ -201,8 +252,13 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
   static constexpr int kBlockK = kRowBytes / 4;
   static constexpr int kTileABytes = kBlockM * kRowBytes;  // 8 KiB
   static constexpr int kTileBBytes = kBlockN * kRowBytes;  // 16 KiB
-  // A raw, B raw (= B big), B small (3xTF32 only).
-  static constexpr int kStageBytes = kTileABytes + kTileBBytes * (kSplit ? 2 : 1);
+  // A raw, B raw (= B big), B small (3xTF32 only), and the tile's 256 b norms (copied
+  // with the tile's last k-tile; that stage is held until the epilogue is done).
+  static constexpr int kNormBytes = kBlockN * 4;
+  static constexpr int kNormOffset = kTileABytes + kTileBBytes * (kSplit ? 2 : 1);
+  static constexpr int kStageBytes = kNormOffset + kNormBytes;
+  static constexpr int kBBlockBytes = kTileBBytes * (kSplit ? 2 : 1);  // one prepared b block
+  static constexpr int kClusterM = 2;  // CTAs per cluster: M-tile pairs share each b block (multicast)
   static constexpr int kStages = kStagesArg > 0 ? kStagesArg : (kSplit ? 5 : 8);
   static constexpr int kBarrierBytes = 2 * kStages * 8;    // full[], empty[]
   static constexpr int kAlignSlack = 1024;                 // the kernel aligns its base to 1 KiB
@@ -214,66 +270,72 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
 #endif
   static constexpr bool kPersistent = true;
   static_assert(kStages >= 3, "DistanceWgmmaTraits: at least 3 stages");
+  static_assert(kStageBytes % 1024 == 0, "DistanceWgmmaTraits: stages keep the 1 KiB alignment of the swizzle");
   static_assert(kSmemBytes <= 227 * 1024, "DistanceWgmmaTraits: shared memory above 227 KiB");
 };
 
 // ------------------------------------------------------------ b preparation
-// Once per launch, on the stream before distance_wgmma_kernel: for every row of b
-// the kernel reads, small = b - trunc(b) (3xTF32: the tensor cores read fp32 as TF32
-// by truncation, so b itself is the big half and small is exact) and the squared
-// row norm (Inner::Diff). The kernel's loader then copies B small like any operand
-// and no consumer touches b (bench/NOTES.md, v10: splitting b inside the kernel
-// cost ~2.8 ms at 30000^2 x 1024, all of it the shared-memory stores).
+// Once per launch, on the stream before distance_wgmma_kernel: b rearranged into the
+// kernel's shared-memory image, one contiguous block per (entry of b, 256-row n tile,
+// 16-column k tile) that a single bulk copy moves: the 256 x 16 floats of b in the
+// 64-byte swizzle of the tiles (`swizzled`), then for 3xTF32 the same image of
+// B small = b - trunc(b) (the tensor cores read fp32 as TF32 by truncation, so b
+// itself is the big half and small is exact); rows past N and columns past K are 0.
+// Also the squared row norms of b (Inner::Diff). Both once per row of b rather than
+// once per output tile (bench/NOTES.md, v10-v11).
 //
-// Rows are indexed canonically over the entries of b itself, not of the broadcast
-// output: entry e = (i0, i1, i2) over extents (e0, e1, e2) (1 where b broadcasts),
-// e = (i0 e1 + i1) e2 + i2; b's element (e, n, k) is at
-// b[i0 s0 + i1 s1 + i2 s2 + n ldb + k]. Outputs: small[(e N + n) ldbs + k] for
-// k < K (ldbs a multiple of 4), norms[e n_pad + n] for n < n_pad (0 past N;
-// n_pad a multiple of the kernel's 256-column tile, so the epilogue reads whole
-// tiles of norms without bounds tests). One warp per row; b rows 16-byte aligned.
+// Entries are those of b itself, not of the broadcast output: entry e = (i0, i1, i2)
+// over extents (e0, e1, e2) (1 where b broadcasts), e = (i0 e1 + i1) e2 + i2; b's
+// element (e, n, k) is b[i0 s0 + i1 s1 + i2 s2 + n ldb + k]. Block (e, tn, kt) starts
+// at float ((e tiles_n + tn) k_tiles + kt) kBlockFloats; norms[e n_pad + n] for
+// n < n_pad = 256 tiles_n (0 past N). One warp per row; b rows 16-byte aligned.
 template <bool kSmall_, bool kNorms_>
 struct WgmmaPrepareTraits {
   static constexpr bool kSmall = kSmall_, kNorms = kNorms_;
-  static_assert(kSmall || kNorms, "WgmmaPrepareTraits: nothing to prepare");
   static constexpr int kThreads = 256;
   static constexpr int kBlockM = kThreads / 32;  // rows per block
   static constexpr int kBlockN = 1;
   static constexpr int kSmemBytes = 0;
+  static constexpr int kTileN = 256, kTileK = 16;  // DistanceWgmmaTraits' kBlockN, kBlockK
+  static constexpr int kBlockFloats = kTileN * kTileK * (kSmall ? 2 : 1);
 };
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads)
     wgmma_prepare_b_kernel(const float* __restrict__ b, int N, int K, long long ldb, int e1, int e2, long long s0,
-                           long long s1, long long s2, long long rows, float* __restrict__ small, long long ldbs,
+                           long long s1, long long s2, long long rows, float* __restrict__ blocks,
                            float* __restrict__ norms, int n_pad) {
+  using wgmma_detail::swizzled;
   const long long r = (long long)blockIdx.x * Traits::kBlockM + (threadIdx.x >> 5);
   if (r >= rows) return;
   const int lane = threadIdx.x & 31;
   const long long e = r / n_pad;
   const int n = (int)(r - e * n_pad);
-  if (n >= N) {
-    if (Traits::kNorms && lane == 0) norms[r] = 0.f;
-    return;
-  }
+  const int tiles_n = n_pad / Traits::kTileN, row = n % Traits::kTileN;
+  const int k_tiles = (K + Traits::kTileK - 1) / Traits::kTileK;
   const long long q = e / e2;
   const float* src = b + (q / e1) * s0 + (q % e1) * s1 + (e % e2) * s2 + (long long)n * ldb;
-  float* dst = small + (e * N + n) * ldbs;
+  float* dst = blocks + (e * tiles_n + n / Traits::kTileN) * k_tiles * (long long)Traits::kBlockFloats;
   float sum = 0.f;
-  for (int k = 4 * lane; k < K; k += 128) {
-    float4 v;
-    if (k + 4 <= K) {
-      v = *reinterpret_cast<const float4*>(src + k);
-    } else {  // K tail: zeros (small's row holds ldbs >= K rounded up to 4)
-      v.x = src[k];
-      v.y = k + 1 < K ? src[k + 1] : 0.f;
-      v.z = k + 2 < K ? src[k + 2] : 0.f;
-      v.w = 0.f;
+  for (int c = lane; c < 4 * k_tiles; c += 32) {  // 16-byte chunk c: k = 4c .. 4c + 3
+    const int k = 4 * c;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (n < N && k < K) {
+      if (k + 4 <= K) {
+        v = *reinterpret_cast<const float4*>(src + k);
+      } else {
+        v.x = src[k];
+        if (k + 1 < K) v.y = src[k + 1];
+        if (k + 2 < K) v.z = src[k + 2];
+      }
     }
     if constexpr (Traits::kNorms) sum = fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, fmaf(v.x, v.x, sum))));
+    float* block = dst + (c >> 2) * (long long)Traits::kBlockFloats + swizzled(row, c & 3) / 4;
+    *reinterpret_cast<float4*>(block) = v;
     if constexpr (Traits::kSmall) {
       auto lo = [](float x) { return x - __uint_as_float(__float_as_uint(x) & 0xffffe000u); };
-      *reinterpret_cast<float4*>(dst + k) = make_float4(lo(v.x), lo(v.y), lo(v.z), lo(v.w));
+      *reinterpret_cast<float4*>(block + Traits::kTileN * Traits::kTileK) =
+          make_float4(lo(v.x), lo(v.y), lo(v.z), lo(v.w));
     }
   }
   if constexpr (Traits::kNorms) {
@@ -284,10 +346,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
 }
 
 // ------------------------------------------------------------------- kernel
-// The flat ABI plus what wgmma_prepare_b_kernel wrote: b_small (3xTF32; row (e, n)
-// at (e N + n) ldbs) and b_norm (Inner::Diff; e n_pad + n with n_pad = N rounded up
-// to 256), e = l0 bc0 + l1 bc1 + l2 bc2 for batch entry (l0, l1, l2) (bc_i = 0
-// where b broadcasts). Null where the build does not read them.
+// The flat ABI plus what wgmma_prepare_b_kernel wrote: b_blocks (the shared-memory
+// image of b, and of B small for 3xTF32) and b_norm (Inner::Diff), indexed by the
+// entry e = l0 bc0 + l1 bc1 + l2 bc2 of batch entry (l0, l1, l2) (bc_i = 0 where b
+// broadcasts). Launched in clusters of kClusterM CTAs: the pair takes vertically
+// adjacent tiles (same n0), loads its a rows itself and multicasts each b block to both.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     distance_wgmma_kernel(const float* __restrict__ a, const float* __restrict__ b,
@@ -301,39 +364,48 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                              float outer_p, const float* bw_ptr, long long bw_bs0, long long bw_bs1,
                              long long bw_bs2, float bandwidth, const float* reg_ptr, long long reg_bs0,
                              long long reg_bs1, long long reg_bs2, float regularization,
-                             long long reg_diag, float epsilon, const float* __restrict__ b_small,
-                             const float* __restrict__ b_norm, long long ldbs, long long bc0, long long bc1,
-                             long long bc2) {
+                             long long reg_diag, float epsilon, const float* __restrict__ b_blocks,
+                             const float* __restrict__ b_norm, long long bc0, long long bc1, long long bc2) {
   using namespace mma_detail;
   using namespace wgmma_detail;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kStageBytes = Traits::kStageBytes;
   constexpr int kRowBytes = Traits::kRowBytes, kBlockK = Traits::kBlockK;
   constexpr int kTileABytes = Traits::kTileABytes, kTileBBytes = Traits::kTileBBytes;
+  constexpr int kBBlockBytes = Traits::kBBlockBytes;
+  constexpr int kCluster = Traits::kClusterM;
   constexpr bool kSplit = Traits::kSplit;
   constexpr bool kDiff = Traits::kInner == Inner::Diff;
   constexpr int kRowsPerPass = Traits::kProducerThreads / 4;  // 32 rows, 4 chunks each
   constexpr int kPassesA = kBlockM / kRowsPerPass;            // 4
-  constexpr int kPassesB = kBlockN / kRowsPerPass;            // 8
+  using Prepared = WgmmaPrepareTraits<kSplit, kDiff>;
+  static_assert(Prepared::kTileN == kBlockN && Prepared::kTileK == kBlockK &&
+                    Prepared::kBlockFloats * 4 == kBBlockBytes,
+                "distance_wgmma_kernel: the prepared b blocks are this kernel's b tiles");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw_base = smem_u32(smem_raw);
   const unsigned base = (raw_base + 1023u) & ~1023u;  // the swizzle follows address bits
-  // [kStages x (A raw, B raw, B small)][full[kStages]][empty[kStages]]
+  // [kStages x (A raw, B raw, B small, b norms)][full[kStages]][empty[kStages]]
   const unsigned bar_full = base + kStages * kStageBytes;
   const unsigned bar_empty = bar_full + 8 * kStages;
+  // Every CTA of the cluster computes the same `base` (same kernel, same dynamic
+  // shared memory), so the offsets that multicasts and remote arrivals use agree.
 
   const int tid = threadIdx.x;
+  const unsigned rank = cluster_ctarank();
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_full + 8 * s, Traits::kProducerThreads);
-      mbar_init(bar_empty + 8 * s, Traits::kConsumerThreads / 32);
+      mbar_init(bar_full + 8 * s, Traits::kProducerThreads + 1);  // a copies + the expect_tx arrival
+      mbar_init(bar_empty + 8 * s, kCluster * Traits::kConsumerThreads / 32);  // consumer warps of the cluster
     }
+    fence_mbarrier_init_cluster();
   }
-  __syncthreads();
+  cluster_sync();  // barriers initialised in every CTA before any remote use
 
   const int tiles_m = ceil_div(M, kBlockM), tiles_n = ceil_div(N, kBlockN);
-  const long long per_batch = (long long)tiles_m * tiles_n;
+  const int pairs_m = ceil_div(tiles_m, kCluster);
+  const long long per_batch = (long long)pairs_m * tiles_n;
   const long long total = per_batch * batch;
   const int num_k_tiles = ceil_div(K, kBlockK);
   const long long n_pad = (long long)tiles_n * kBlockN;
@@ -342,17 +414,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       o_stride{o_bs0, o_bs1, o_bs2}, b_entry{bc0, bc1, bc2};
   (void)inner_p_ptr, (void)inner_p_bs0, (void)inner_p_bs1, (void)inner_p_bs2, (void)inner_p;
   (void)outer_p_ptr, (void)outer_p_bs0, (void)outer_p_bs1, (void)outer_p_bs2, (void)outer_p;
+  const long long first = cluster_id_x(), step = cluster_count_x();
 
-  // Output tile t (any block): batch entry and tile origin, grouped so that
-  // kGroupM consecutive M tiles sweep N together.
+  // Cluster tile t: batch entry, this CTA's tile origin, grouped so that kGroupM
+  // consecutive M-tile pairs sweep N together.
   auto tile_of = [&](long long t, int& l0, int& l1, int& l2, int& m0, int& n0) {
     const int l = (int)(t / per_batch);
     const int linear = (int)(t - (long long)l * per_batch);
     const int group_size = Traits::kGroupM * tiles_n;
     const int first_m = (linear / group_size) * Traits::kGroupM;
-    const int rows_in_group = min(tiles_m - first_m, Traits::kGroupM);
+    const int rows_in_group = min(pairs_m - first_m, Traits::kGroupM);
     const int in_group = linear % group_size;
-    m0 = (first_m + in_group % rows_in_group) * kBlockM;
+    m0 = ((first_m + in_group % rows_in_group) * kCluster + (int)rank) * kBlockM;
     n0 = (in_group / rows_in_group) * kBlockN;
     shape.split(l, l0, l1, l2);
   };
@@ -360,45 +433,51 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (tid < Traits::kProducerThreads) {
     // ================================================================== loader
     regs_decrease<Traits::kProducerRegs>();
-    // Thread tid copies chunk tid % 4 of rows tid / 4 + 32 u (same swizzle for all u).
+    // Thread tid copies chunk tid % 4 of a rows tid / 4 + 32 u (same swizzle for all u);
+    // thread 0 also issues this CTA's share of the b block (multicast to the cluster).
     const int chunk = tid & 3, prow = tid >> 2;
     const unsigned dst = swizzled(prow, chunk);
+    constexpr unsigned short kMask = (1u << kCluster) - 1u;
+    constexpr unsigned kShare = kBBlockBytes / kCluster;
     int stage = 0;
     unsigned phase = 0;
-    for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+    for (long long t = first; t < total; t += step) {
       int l0, l1, l2, m0, n0;
       tile_of(t, l0, l1, l2, m0, n0);
       const float* a_row = a + a_stride.offset(l0, l1, l2) + (long long)(m0 + prow) * lda + chunk * 4;
-      const float* b_row = b + b_stride.offset(l0, l1, l2) + (long long)(n0 + prow) * ldb + chunk * 4;
-      const float* s_row = kSplit ? b_small + (b_entry.offset(l0, l1, l2) * N + n0 + prow) * ldbs + chunk * 4
-                                  : nullptr;
-      const int a_rows = M - m0 - prow, b_rows = N - n0 - prow;  // pass u is valid if 32 u < rows
+      const long long entry = b_entry.offset(l0, l1, l2);
+      const unsigned char* blocks = reinterpret_cast<const unsigned char*>(b_blocks) +
+                                    (entry * tiles_n + n0 / kBlockN) * num_k_tiles * (long long)kBBlockBytes;
+      const int a_rows = M - m0 - prow;  // pass u is valid if 32 u < a_rows
       for (int kt = 0; kt < num_k_tiles; ++kt) {
-        mbar_wait(bar_empty + 8 * stage, phase ^ 1u);
+        mbar_wait(bar_empty + 8 * stage, phase ^ 1u);  // free in every CTA of the cluster
+        const unsigned st = base + stage * kStageBytes;
+        const bool last = kt == num_k_tiles - 1;
+        if (tid == 0) {
+#ifndef KERMAC_LIKE_WGMMA_DIAG_NO_LOAD
+          mbar_arrive_expect_tx(bar_full + 8 * stage, kBBlockBytes + (kDiff && last ? Traits::kNormBytes : 0));
+          bulk_copy_multicast(st + kTileABytes + rank * kShare, blocks + kt * (long long)kBBlockBytes + rank * kShare,
+                              kShare, bar_full + 8 * stage, kMask);
+#else
+          (void)blocks;
+          mbar_arrive_expect_tx(bar_full + 8 * stage, kDiff && last ? Traits::kNormBytes : 0);
+#endif
+          // The tile's b norms (whole tiles: the array is padded to n_pad) with its last
+          // k-tile, into the stage the consumers hold through the epilogue.
+          if (kDiff && last && rank == 0)
+            bulk_copy_multicast(st + Traits::kNormOffset, b_norm + entry * n_pad + n0, Traits::kNormBytes,
+                                bar_full + 8 * stage, kMask);
+        }
         const int k_left = K - kt * kBlockK - chunk * 4;
         const int bytes = k_left <= 0 ? 0 : (k_left >= 4 ? 16 : k_left * 4);
-        const unsigned st = base + stage * kStageBytes + dst;
 #ifdef KERMAC_LIKE_WGMMA_DIAG_NO_LOAD  // bench/try_wgmma.py diagnostic: the kernel without global loads
         if (kt < 0) {
 #endif
 #pragma unroll
         for (int u = 0; u < kPassesA; ++u) {
           const bool ok = u * kRowsPerPass < a_rows && bytes > 0;
-          cp_async_16(st + u * kRowsPerPass * kRowBytes, ok ? a_row + u * kRowsPerPass * lda + kt * kBlockK : a,
+          cp_async_16(st + dst + u * kRowsPerPass * kRowBytes, ok ? a_row + u * kRowsPerPass * lda + kt * kBlockK : a,
                       ok ? bytes : 0);
-        }
-        // b and B small: a rolled loop (unrolled, the 16 row addresses would not fit
-        // the loader's 56 registers).
-        const float* pb = b_row + kt * kBlockK;
-        const float* ps = kSplit ? s_row + kt * kBlockK : nullptr;
-#pragma unroll 1
-        for (int u = 0; u < kPassesB; ++u) {
-          const bool ok = u * kRowsPerPass < b_rows && bytes > 0;
-          const unsigned sb = st + kTileABytes + u * kRowsPerPass * kRowBytes;
-          cp_async_16(sb, ok ? pb : b, ok ? bytes : 0);
-          if constexpr (kSplit) cp_async_16(sb + kTileBBytes, ok ? ps : b_small, ok ? bytes : 0);
-          pb += kRowsPerPass * ldb;
-          if constexpr (kSplit) ps += kRowsPerPass * ldbs;
         }
 #ifdef KERMAC_LIKE_WGMMA_DIAG_NO_LOAD
         }
@@ -428,18 +507,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     int stage = 0;
     unsigned phase = 0;
+    // A stage goes back to the loaders of every CTA of the cluster (they all write it).
+    auto release = [&](int s) {
+      __syncwarp();
+      if (lane < kCluster) mbar_arrive_cluster(bar_empty + 8 * s, (unsigned)lane);
+    };
 
     const HyperParam bw_param{bw_ptr, {bw_bs0, bw_bs1, bw_bs2}, bandwidth};
     const HyperParam reg_param{reg_ptr, {reg_bs0, reg_bs1, reg_bs2}, regularization};
     const bool reg_on = reg_ptr != nullptr || regularization != 0.f;
 
     float acc[128];
-    for (long long t = blockIdx.x; t < total; t += gridDim.x) {
+    for (long long t = first; t < total; t += step) {
       int l0, l1, l2, m0, n0;
       tile_of(t, l0, l1, l2, m0, n0);
-      // The tile's 256 b norms (1 KiB), read by the epilogue: into L1 meanwhile.
-      const float* norm_b = kDiff ? b_norm + b_entry.offset(l0, l1, l2) * n_pad + n0 : nullptr;
-      if (kDiff && lane == 0) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(norm_b + 32 * cwarp));
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       float na[2] = {0.f, 0.f};
@@ -491,10 +572,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous k-tile's wgmma is done: release its stage
-        if (kt > 0) {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(bar_empty + 8 * prev_stage);
-        }
+        if (kt > 0) release(prev_stage);
         prev_stage = stage;
         if (++stage == kStages) {
           stage = 0;
@@ -510,8 +588,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (kt + 1 < num_k_tiles) k_tile(kt + 1, frag_odd);
       }
       wgmma_wait<0>();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * prev_stage);  // the tile's last stage
+      // The last k-tile's stage holds the tile's b norms: released after the epilogue.
+      const float* norm_b = reinterpret_cast<const float*>(smem_raw + (base - raw_base) +
+                                                           prev_stage * kStageBytes + Traits::kNormOffset);
 
       // ---------------------------------------------------------- epilogue
       const float* a_l = a + a_stride.offset(l0, l1, l2);
@@ -600,8 +679,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         write_tile(false);
       }
 #endif
+      release(prev_stage);  // the tile's last stage (b norms read)
     }
   }
+  cluster_sync();  // no CTA leaves while a peer may still multicast into it or arrive on its barriers
 }
 
 }  // namespace kermac_like

@@ -172,7 +172,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str):
 
 def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
     """Launch the chosen GPU kernel; returns None when only the reference path applies."""
-    from .launcher import get_kernel, launch
+    from .launcher import get_kernel, launch, max_active_clusters
 
     hypers = {}
     for k, v in call.hypers.items():
@@ -188,8 +188,12 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
     kernel = get_kernel(spec, device, debug=debug)
     L = plan.count
     grid = (math.ceil(call.M / spec.launch.block_m), math.ceil(call.N / spec.launch.block_n), min(L, 65535))
-    if spec.launch.persistent:  # the blocks walk all tiles of all batch entries
-        grid = (min(grid[0] * grid[1] * L, _sm_count(device)), 1, 1)
+    if spec.launch.persistent:  # the blocks (or clusters) walk all tiles of all batch entries
+        c = spec.launch.cluster
+        if c > 1:  # clusters of c CTAs over c vertically adjacent tiles
+            grid = (min(-(-grid[0] // c) * grid[1] * L, max_active_clusters(kernel)), 1, 1)
+        else:
+            grid = (min(grid[0] * grid[1] * L, _sm_count(device)), 1, 1)
     if debug:
         log.debug("run_kernel %r: %s path, M=%d N=%d K=%d batch=%s (kernel modes %s, host loop %s)", call.desc, path,
                   call.M, call.N, call.K, call.batch, plan.modes, plan.outer)
@@ -224,6 +228,7 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
 
 
 WGMMA_KERNEL = "kermac_like::distance_wgmma_kernel"
+WGMMA_BLOCK_K = 16  # DistanceWgmmaTraits::kBlockK (= WgmmaPrepareTraits::kTileK)
 
 
 def b_entries(modes, strides) -> tuple:
@@ -236,29 +241,31 @@ def b_entries(modes, strides) -> tuple:
 
 
 class _WgmmaPrepare:
-    """What distance_wgmma_kernel reads besides the flat ABI: B small (3xTF32) and the b
-    row norms (distances), written by wgmma_prepare_b_kernel on the same stream before
-    each launch (cuda_templates/distance_wgmma.cuh has the layout). The buffers cover
-    the entries of b itself (1 where b broadcasts over the folded batch) and serve every
-    host-loop launch in turn (stream order)."""
+    """What distance_wgmma_kernel reads besides the flat ABI: b in the kernel's
+    shared-memory image (with B small for 3xTF32) and the b row norms (distances),
+    written by wgmma_prepare_b_kernel on the same stream before each launch
+    (cuda_templates/distance_wgmma.cuh has the layout). The buffers cover the entries of
+    b itself (1 where b broadcasts over the folded batch) and serve every host-loop
+    launch in turn (stream order). Scratch: about b's size (twice for 3xTF32), padded
+    to whole 256 x 16 tiles."""
 
     def __init__(self, call: DistanceCall, plan, bv, spec, device: int, debug: bool):
         from .launcher import get_kernel
 
         small, norms = wgmma_prepare_needs(call.desc, tf32=_tf32_allowed())
-        self.spec = wgmma_prepare_spec(small=small, norms=norms) if small or norms else None
+        self.spec = wgmma_prepare_spec(small=small, norms=norms)
         sb = plan.strides["b"][1]
         ext, self.entry = b_entries(plan.modes, sb)
         self.ext, self.strides, self.bv = ext, sb, bv
         self.N, self.K = call.N, call.K
-        self.n_pad = -(-call.N // spec.launch.block_n) * spec.launch.block_n  # whole tiles of norms
-        self.ldbs = -(-call.K // 4) * 4
+        self.n_pad = -(-call.N // spec.launch.block_n) * spec.launch.block_n  # whole 256-row tiles
+        k_pad = -(-call.K // WGMMA_BLOCK_K) * WGMMA_BLOCK_K  # whole 16-column k-tiles
         entries = math.prod(ext)
         self.rows = entries * self.n_pad
         dev = call.device
-        self.small = torch.empty(entries * call.N * self.ldbs if small else 0, dtype=torch.float32, device=dev)
+        self.blocks = torch.empty(self.rows * k_pad * (2 if small else 1), dtype=torch.float32, device=dev)
         self.norms = torch.empty(self.rows if norms else 0, dtype=torch.float32, device=dev)
-        self.kernel = get_kernel(self.spec, device, debug=debug) if self.spec is not None else None
+        self.kernel = get_kernel(self.spec, device, debug=debug)
         self.debug = debug
 
     @staticmethod
@@ -268,15 +275,13 @@ class _WgmmaPrepare:
     def __call__(self, b_ptr: int) -> list:
         from .launcher import launch
 
-        if self.kernel is not None:
-            s0, s1, s2 = self.strides
-            args = (b_ptr, np.int32(self.N), np.int32(self.K), np.int64(self.bv.ld), np.int32(self.ext[1]),
-                    np.int32(self.ext[2]), np.int64(s0), np.int64(s1), np.int64(s2), np.int64(self.rows),
-                    self._ptr(self.small), np.int64(self.ldbs), self._ptr(self.norms), np.int32(self.n_pad))
-            grid = (-(-self.rows // self.spec.launch.block_m), 1, 1)
-            launch(self.kernel, grid, args, debug=self.debug)
-        return [self._ptr(self.small), self._ptr(self.norms), np.int64(self.ldbs),
-                *(np.int64(c) for c in self.entry)]
+        s0, s1, s2 = self.strides
+        args = (b_ptr, np.int32(self.N), np.int32(self.K), np.int64(self.bv.ld), np.int32(self.ext[1]),
+                np.int32(self.ext[2]), np.int64(s0), np.int64(s1), np.int64(s2), np.int64(self.rows),
+                self.blocks.data_ptr(), self._ptr(self.norms), np.int32(self.n_pad))
+        grid = (-(-self.rows // self.spec.launch.block_m), 1, 1)
+        launch(self.kernel, grid, args, debug=self.debug)
+        return [self.blocks.data_ptr(), self._ptr(self.norms), *(np.int64(c) for c in self.entry)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,7 @@ from .compiler import KernelSpec, arch_of_device, compile_specs, kernel_key
 
 log = logging.getLogger("kermac_like.launcher")
 
-__all__ = ["LoadedKernel", "get_kernel", "launch", "clear_loaded"]
+__all__ = ["LoadedKernel", "get_kernel", "launch", "clear_loaded", "max_active_clusters"]
 
 _STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -151,21 +151,49 @@ def _stream_for(device: int):
     return s
 
 
+def _config(shape, grid: tuple):
+    core = _core()
+    if shape.cluster > 1:  # grid counts clusters
+        return core.LaunchConfig(grid=grid, cluster=(shape.cluster, 1, 1), block=(shape.threads, 1, 1),
+                                 shmem_size=shape.smem_bytes)
+    return core.LaunchConfig(grid=grid, block=(shape.threads, 1, 1), shmem_size=shape.smem_bytes)
+
+
+_max_clusters: dict = {}
+
+
+def max_active_clusters(kernel: LoadedKernel) -> int:
+    """How many clusters of ``kernel`` run at once on its device (a persistent grid of
+    clusters must not exceed it: the excess would wait for a second wave)."""
+    key = (kernel.device, kernel.spec)
+    n = _max_clusters.get(key)
+    if n is None:
+        _make_current(kernel.device)
+        n = int(kernel.function.occupancy.max_active_clusters(_config(kernel.spec.launch, (1, 1, 1)),
+                                                               stream=_stream_for(kernel.device)))
+        if n < 1:
+            raise RuntimeError(f"{kernel.spec.name_expression}: no cluster of {kernel.spec.launch.cluster} CTAs fits "
+                               f"cuda:{kernel.device}")
+        _max_clusters[key] = n
+    return n
+
+
 def launch(kernel: LoadedKernel, grid: tuple, args: tuple, *, debug: bool = False) -> None:
-    """Launch on the current torch stream of the kernel's device (asynchronous)."""
+    """Launch on the current torch stream of the kernel's device (asynchronous). For a
+    clustered kernel (``spec.launch.cluster > 1``) ``grid`` counts clusters."""
     device = kernel.device
     if torch.cuda.current_device() != device:
         with torch.cuda.device(device):
             return launch(kernel, grid, args, debug=debug)
     _make_current(device)
-    core = _core()
     shape = kernel.spec.launch
     smem = shape.smem_bytes
-    cfg = core.LaunchConfig(grid=grid, block=(shape.threads, 1, 1), shmem_size=smem)
+    cfg = _config(shape, grid)
     stream = _stream_for(device)
     if debug:
         log.debug(
-            "launch %s grid=%s block=(%d,1,1) smem=%d stream=0x%x",
-            kernel.spec.name_expression, grid, shape.threads, smem, torch.cuda.current_stream(device).cuda_stream,
+            "launch %s grid=%s%s block=(%d,1,1) smem=%d stream=0x%x",
+            kernel.spec.name_expression, grid, f" clusters of {shape.cluster}" if shape.cluster > 1 else "",
+            shape.threads, smem, torch.cuda.current_stream(device).cuda_stream,
         )
-    core.launch(stream, cfg, kernel.function, *args)
+    _core().launch(stream, cfg, kernel.function, *args)

@@ -25,8 +25,7 @@ def specs_for_descriptor(desc: KernelDescriptor) -> list:
         for t in (False, True):
             specs.append(wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=t))
             small, norms = wgmma_prepare_needs(desc, tf32=t)
-            if small or norms:
-                specs.append(wgmma_prepare_spec(small=small, norms=norms))
+            specs.append(wgmma_prepare_spec(small=small, norms=norms))
     specs = list(dict.fromkeys(specs))
     return specs
 

@@ -45,6 +45,7 @@ class LaunchShape:
     block_n: int
     smem_bytes: int = 0
     persistent: bool = False  # 1-D grid of at most one block per SM walking every tile
+    cluster: int = 1  # CTAs per thread-block cluster (the grid then counts clusters)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class KernelSpec:
         checks = (("kThreads", s.threads), ("kBlockM", s.block_m), ("kBlockN", s.block_n), ("kSmemBytes", s.smem_bytes))
         if s.persistent:  # the launcher's 1-D grid over all tiles must meet a kernel that walks them
             checks += (("kPersistent", "true"),)
+        if s.cluster > 1:
+            checks += (("kClusterM", s.cluster),)
         return "\n".join(
             f'static_assert({t}::{c} == {v}, "Python mirror of {c} is stale for {t}");' for c, v in checks
         )
@@ -224,16 +227,17 @@ FAMILIES["distance_mma"] = _mma_shipped
 # data only; 384 threads (loader warpgroup + 2 consumer warpgroups), a persistent grid;
 # the dynamic shared memory depends on the precision (3xTF32 stages carry a "small" b
 # tile). Compiled for "sm_90a" (arch_suffix "a"): wgmma exists on no other target.
-# Each launch is preceded by wgmma_prepare_b_kernel (B small for 3xTF32, b row norms for
-# distances), which :func:`wgmma_prepare_spec` renders.
+# Launched in clusters of 2 CTAs (M-tile pairs that share each b block by multicast), each
+# launch preceded by wgmma_prepare_b_kernel (b in the kernel's shared-memory image, B small
+# for 3xTF32, b row norms for distances), which :func:`wgmma_prepare_spec` renders.
 def _wgmma_smem(tf32: bool) -> int:
     stages = 8 if tf32 else 5
-    stage = 128 * 64 + 256 * 64 * (1 if tf32 else 2)
+    stage = 128 * 64 + 256 * 64 * (1 if tf32 else 2) + 256 * 4  # a, b, (B small), b norms
     return stages * stage + 2 * stages * 8 + 1024  # stages, barriers, alignment
 
 
 WGMMA_LAUNCH = {
-    tf32: LaunchShape(threads=384, block_m=128, block_n=256, smem_bytes=_wgmma_smem(tf32), persistent=True)
+    tf32: LaunchShape(threads=384, block_m=128, block_n=256, smem_bytes=_wgmma_smem(tf32), persistent=True, cluster=2)
     for tf32 in (False, True)
 }
 WGMMA_PREPARE_LAUNCH = LaunchShape(threads=256, block_m=8, block_n=1)  # one warp per row of b
@@ -252,16 +256,16 @@ def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False
 
 
 def wgmma_prepare_spec(*, small: bool, norms: bool) -> KernelSpec:
-    """The b preparation a wgmma launch needs: ``small`` (3xTF32) and/or ``norms``
-    (distances, not DOT)."""
+    """The b preparation a wgmma launch needs: b's blocks, plus B small (``small``, 3xTF32)
+    and the row norms (``norms``, distances, not DOT)."""
     traits = f"kermac_like::WgmmaPrepareTraits<{str(bool(small)).lower()}, {str(bool(norms)).lower()}>"
     return KernelSpec("distance_wgmma.cuh", "kermac_like::wgmma_prepare_b_kernel", traits, WGMMA_PREPARE_LAUNCH,
                       arch_suffix="a")
 
 
 def wgmma_prepare_needs(desc: KernelDescriptor, *, tf32: bool) -> tuple:
-    """(small, norms): what a wgmma launch of ``desc`` reads prepared: B small for
-    3xTF32, the b row norms for distances (not DOT)."""
+    """(small, norms): what a wgmma launch of ``desc`` reads prepared besides b's blocks:
+    B small for 3xTF32, the b row norms for distances (not DOT)."""
     return not tf32, desc.inner_operator is not InnerOperator.DOT
 
 
@@ -315,8 +319,9 @@ def _wgmma_shipped():
         if desc.is_euclidean:
             for tf32 in (False, True):
                 yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32)
-    for small, norms in ((True, True), (True, False), (False, True)):
-        yield wgmma_prepare_spec(small=small, norms=norms)
+    for small in (True, False):
+        for norms in (True, False):
+            yield wgmma_prepare_spec(small=small, norms=norms)
 
 
 FAMILIES["distance_wgmma"] = _wgmma_shipped  # sm_90 only (KernelSpec.supports)

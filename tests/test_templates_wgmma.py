@@ -139,7 +139,7 @@ def test_impossible_combinations_fail_with_their_message(traits, message):
 
 
 def test_python_mirror_matches_the_traits_arithmetic():
-    for tf32, stages, stage in ((False, 5, (128 + 2 * 256) * 64), (True, 8, (128 + 256) * 64)):
+    for tf32, stages, stage in ((False, 5, (128 + 2 * 256) * 64 + 1024), (True, 8, (128 + 256) * 64 + 1024)):
         shape = WGMMA_LAUNCH[tf32]
         assert shape.smem_bytes == stages * stage + 2 * stages * 8 + 1024
         assert shape.smem_bytes <= 227 * 1024 and shape.threads == 384 and shape.persistent
@@ -147,17 +147,21 @@ def test_python_mirror_matches_the_traits_arithmetic():
 
 
 def test_prepare_kernels_compile_vectorised_without_spills():
-    """wgmma_prepare_b_kernel, every combination the package launches: 16-byte loads and
-    stores of b and B small, no local memory."""
-    specs = [wgmma_prepare_spec(small=s, norms=n) for s, n in ((True, True), (True, False), (False, True))]
-    cubin, log = compile_cubin(render_source(specs), [s.name_expression for s in specs], "sm_90a")
+    """wgmma_prepare_b_kernel, every combination the package launches: 16-byte loads of b
+    and stores of the blocks, no local memory; its tile constants are the kernel's and
+    the package's (WGMMA_BLOCK_K)."""
+    from kermac_like.distance import WGMMA_BLOCK_K
+
+    specs = [wgmma_prepare_spec(small=s, norms=n) for s in (True, False) for n in (True, False)]
+    check = (f"static_assert({specs[0].traits}::kTileK == {WGMMA_BLOCK_K} && "
+             f"{specs[0].traits}::kTileN == {WGMMA_LAUNCH[False].block_n}, \"prepared tiles\");\n")
+    cubin, log = compile_cubin(render_source(specs) + check, [s.name_expression for s in specs], "sm_90a")
     usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(usage) == 3 and all(u == ("0", "0", "0") for u in usage), log
+    assert len(usage) == 4 and all(u == ("0", "0", "0") for u in usage), log
     functions = _sass(cubin)
-    assert len(functions) == 3
+    assert len(functions) == 4
     for name, text in functions.items():
-        assert "LDG.E.128" in text, name
-        assert ("STG.E.128" in text) == ("WgmmaPrepareTraitsILb1E" in name), name  # B small written
+        assert "LDG.E.128" in text and "STG.E.128" in text, name
 
 
 def test_prepare_needs():
@@ -339,7 +343,7 @@ def test_mbarrier_protocol_has_no_hazards(stages, tiles, k_tiles):
             done = c["inflight"].pop(0)
             if kt != 0:
                 release(done)
-        if kt == k_tiles - 1:  # wait<0>, release, then the epilogue
+        if kt == k_tiles - 1:  # wait<0>, the epilogue (b norms from this stage), then release
             release(c["inflight"].pop(0))
         c["q"] += 1
         return True

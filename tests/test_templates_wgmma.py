@@ -101,6 +101,7 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
     for name, text in functions.items():
         assert "LDL" not in text and "STL" not in text, f"local memory in {name}"
         assert "LDGSTS" in text and "ARRIVES.LDGSTSBAR" in text, f"no cp.async -> mbarrier in {name}"
+        assert "UBLKCP.S.G.MULTICAST" in text and "UCGABAR_WAIT" in text, f"no b multicast / cluster sync in {name}"
         assert "USETMAXREG" in text and "LDSM" in text, name
         assert not re.search(r"\bHMMA\b", text), f"mma.sync left in {name}"
         # A from registers: "HGMMA.64x256x8.F32.TF32 R24, R152, gdesc[...]"

@@ -64,9 +64,11 @@ class Variant:
 WGMMA_SMEM = {"Tf32x3": 211024, "Tf32": 205952}  # (unchanged by the cluster launch)  # mirror of DistanceWgmmaTraits::kSmemBytes
 
 
-def wgmma_variant(name, prefix=""):
-    return Variant(name, "distance_wgmma.cuh", "distance_wgmma_kernel", "DistanceWgmmaTraits", "sm_90a", (128, 256),
-                   lambda cfg: WGMMA_SMEM[cfg[4]], prefix=prefix, threads=384, persistent=True, prepared=True)
+def wgmma_variant(name, prefix="", cluster=2):
+    v = Variant(name, "distance_wgmma.cuh", "distance_wgmma_kernel", "DistanceWgmmaTraits", "sm_90a", (128, 256),
+                lambda cfg: WGMMA_SMEM[cfg[4]], prefix=prefix, threads=384, persistent=True, prepared=True)
+    v.cluster = cluster
+    return v
 
 
 VARIANTS = {
@@ -80,6 +82,13 @@ VARIANTS = {
     "wgmma-g8": wgmma_variant("wgmma-g8", "#define KERMAC_LIKE_WGMMA_GROUP_M 8\n"),
     "wgmma-g32": wgmma_variant("wgmma-g32", "#define KERMAC_LIKE_WGMMA_GROUP_M 32\n"),
     "wgmma-lockstep": wgmma_variant("wgmma-lockstep", "#define KERMAC_LIKE_WGMMA_LOCKSTEP 1\n"),
+    "wgmma-fx1": wgmma_variant("wgmma-fx1", "#define KERMAC_LIKE_WGMMA_FMA_EXP 1\n"),
+    "wgmma-fx2": wgmma_variant("wgmma-fx2", "#define KERMAC_LIKE_WGMMA_FMA_EXP 2\n"),
+    "wgmma-fx3": wgmma_variant("wgmma-fx3", "#define KERMAC_LIKE_WGMMA_FMA_EXP 3\n"),
+    "wgmma-cs": wgmma_variant("wgmma-cs", "#define KERMAC_LIKE_WGMMA_STREAM_STORE 1\n"),
+    "wgmma-fence": wgmma_variant("wgmma-fence", "#define KERMAC_LIKE_WGMMA_PROXY_FENCE 1\n"),
+    "wgmma-c1": wgmma_variant("wgmma-c1", "#define KERMAC_LIKE_WGMMA_CLUSTER 1\n", cluster=1),
+    "wgmma-c4": wgmma_variant("wgmma-c4", "#define KERMAC_LIKE_WGMMA_CLUSTER 4\n", cluster=4),
     "mma": Variant("mma", "distance_mma.cuh", "distance_mma_kernel", "DistanceMmaTraits", "sm_90", (128, 256), 99840),
 }
 DIAGNOSTIC = {"wgmma-nostore", "wgmma-noload", "wgmma-nomma"}
@@ -194,11 +203,13 @@ def run(variant, cfg, a, b, out, *, bw=1.0, lam=0.0, reg_diag=0, eps=0.0, bw_t=N
         args += extra
     bm, bn = variant.block
     grid = (-(-M // bm), -(-N // bn), min(grid_z or batch, 65535))
-    if variant.cluster > 1:  # grid counts clusters of vertically adjacent tiles
+    if variant.prepared:  # grid counts clusters of vertically adjacent tiles
         units = -(-grid[0] // variant.cluster) * grid[1] * batch
         config = LaunchConfig(grid=(1, 1, 1), cluster=(variant.cluster, 1, 1), block=(variant.threads, 1, 1),
                               shmem_size=smem)
         fit = kernel.occupancy.max_active_clusters(config, stream=STREAM)
+        if timing:
+            print(f"  {variant.name}: {fit} clusters of {variant.cluster} fit at once", flush=True)
         config = LaunchConfig(grid=(min(units, grid_z or fit, fit), 1, 1), cluster=(variant.cluster, 1, 1),
                               block=(variant.threads, 1, 1), shmem_size=smem)
     else:

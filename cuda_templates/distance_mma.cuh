@@ -43,6 +43,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "math.cuh"
 
 namespace kermac_like {
 
@@ -249,8 +250,11 @@ struct EntryEpilogue {
 
   // plain (a constant at the call site): the caller knows that epsilon is off and
   // `regularised` is false (tiles that the regularised diagonal does not cross).
+  // fma_exp (a constant at the call site): the exponential on the FMA pipe
+  // (exp2_fma, math.cuh) instead of MUFU, to share the epilogue's transcendental work
+  // between the two pipes.
   __device__ __forceinline__ float operator()(float dot, float na, float nb, bool regularised,
-                                              bool plain = false) const {
+                                              bool plain = false, bool fma_exp = false) const {
     float d, d2 = 0.f;
     if constexpr (kDiff) {
       d2 = fmaxf(fmaf(-2.f, dot, na + nb), 0.f);
@@ -265,9 +269,10 @@ struct EntryEpilogue {
     }
     float y;
     if constexpr (Traits::kEpilogue == Epilogue::Laplace) {
-      y = exp2_approx(d * laplace_scale);
+      y = fma_exp ? math::exp2_fma(d * laplace_scale) : exp2_approx(d * laplace_scale);
     } else if constexpr (Traits::kEpilogue == Epilogue::Gaussian) {
-      y = exp2_approx((Traits::kOuter == Power::Sqrt ? d2 : d * d) * gauss_scale);
+      const float t = (Traits::kOuter == Power::Sqrt ? d2 : d * d) * gauss_scale;
+      y = fma_exp ? math::exp2_fma(t) : exp2_approx(t);
     } else {
       y = d;
     }

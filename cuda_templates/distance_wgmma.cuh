@@ -258,7 +258,11 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
   static constexpr int kNormOffset = kTileABytes + kTileBBytes * (kSplit ? 2 : 1);
   static constexpr int kStageBytes = kNormOffset + kNormBytes;
   static constexpr int kBBlockBytes = kTileBBytes * (kSplit ? 2 : 1);  // one prepared b block
+#ifdef KERMAC_LIKE_WGMMA_CLUSTER  // bench/try_wgmma.py probe
+  static constexpr int kClusterM = KERMAC_LIKE_WGMMA_CLUSTER;
+#else
   static constexpr int kClusterM = 2;  // CTAs per cluster: M-tile pairs share each b block (multicast)
+#endif
   static constexpr int kStages = kStagesArg > 0 ? kStagesArg : (kSplit ? 5 : 8);
   static constexpr int kBarrierBytes = 2 * kStages * 8;    // full[], empty[]
   static constexpr int kAlignSlack = 1024;                 // the kernel aligns its base to 1 KiB
@@ -269,6 +273,11 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
   static constexpr int kGroupM = 16;  // M tiles that sweep N together (L2 reuse)
 #endif
   static constexpr bool kPersistent = true;
+#ifdef KERMAC_LIKE_WGMMA_FMA_EXP  // bench/try_wgmma.py probe
+  static constexpr int kFmaExp = KERMAC_LIKE_WGMMA_FMA_EXP;
+#else
+  static constexpr int kFmaExp = 0;  // of every 4 epilogue entries, how many exponentials run on the FMA pipe
+#endif
   static_assert(kStages >= 3, "DistanceWgmmaTraits: at least 3 stages");
   static_assert(kStageBytes % 1024 == 0, "DistanceWgmmaTraits: stages keep the 1 KiB alignment of the swizzle");
   static_assert(kSmemBytes <= 227 * 1024, "DistanceWgmmaTraits: shared memory above 227 KiB");
@@ -532,7 +541,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       int prev_stage = -1;
       auto k_tile = [&](int kt, unsigned (&frag)[2][2][4]) {
         mbar_wait(bar_full + 8 * stage, phase);
-        fence_proxy_async();  // cp.async data (generic proxy), read next by wgmma (async proxy)
+        // No proxy fence: a (cp.async, generic proxy) is read by ldmatrix (generic), b (bulk
+        // copy, async proxy) by wgmma (async proxy); the mbarrier orders both.
+#ifdef KERMAC_LIKE_WGMMA_PROXY_FENCE  // bench/try_wgmma.py probe: what the fence would cost
+        fence_proxy_async();
+#endif
         const unsigned st = base + stage * kStageBytes;
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
@@ -649,15 +662,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           for (int h = 0; h < 2; ++h) {
             const int m = m0 + row0 + h * 8;
             if (!kFast && m >= M) continue;
-            const float y0 = finish(acc[4 * j + 2 * h], na[h], nb.x, reg_col[h] == col, kFast);
-            const float y1 = finish(acc[4 * j + 2 * h + 1], na[h], nb.y, reg_col[h] == col + 1, kFast);
+            // Entries 2 h + e < kFmaExp of each (j) take their exponential on the FMA pipe.
+            const float y0 = finish(acc[4 * j + 2 * h], na[h], nb.x, reg_col[h] == col, kFast,
+                                    2 * h < Traits::kFmaExp);
+            const float y1 = finish(acc[4 * j + 2 * h + 1], na[h], nb.y, reg_col[h] == col + 1, kFast,
+                                    2 * h + 1 < Traits::kFmaExp);
 #ifdef KERMAC_LIKE_WGMMA_DIAG_NO_STORE  // bench/try_wgmma.py diagnostic: what the writes cost
             if (y0 == y0 && y1 == y1) continue;
 #endif
             if constexpr (Traits::kLayoutO == Layout::RowMajor) {
               float* p = out_l + (long long)m * ldo + n;
               if (kFast || (n + 1 < N && vec_out)) {
+#ifdef KERMAC_LIKE_WGMMA_STREAM_STORE  // bench/try_wgmma.py probe: evict-first output stores
+                __stcs(reinterpret_cast<float2*>(p), make_float2(y0, y1));
+#else
                 store_two<float>(p, y0, y1);
+#endif
               } else {
                 p[0] = y0;
                 if (n + 1 < N) p[1] = y1;

@@ -143,7 +143,7 @@ def compiled_prepare(small, norms):
     if key not in _COMPILED:
         name = f"{NS}wgmma_prepare_b_kernel<{NS}WgmmaPrepareTraits<{str(small).lower()}, {str(norms).lower()}>>"
         opts = ProgramOptions(arch="sm_90a", std="c++17", include_path=[str(TEMPLATES)])
-        obj = Program('#include "distance_wgmma.cuh"\n', "c++", opts).compile("cubin", name_expressions=[name])
+        obj = Program('#include "wgmma_prepare.cuh"\n', "c++", opts).compile("cubin", name_expressions=[name])
         _COMPILED[key] = obj.get_kernel(name)
     return _COMPILED[key]
 

@@ -259,7 +259,7 @@ def wgmma_prepare_spec(*, small: bool, norms: bool) -> KernelSpec:
     """The b preparation a wgmma launch needs: b's blocks, plus B small (``small``, 3xTF32)
     and the row norms (``norms``, distances, not DOT)."""
     traits = f"kermac_like::WgmmaPrepareTraits<{str(bool(small)).lower()}, {str(bool(norms)).lower()}>"
-    return KernelSpec("distance_wgmma.cuh", "kermac_like::wgmma_prepare_b_kernel", traits, WGMMA_PREPARE_LAUNCH,
+    return KernelSpec("wgmma_prepare.cuh", "kermac_like::wgmma_prepare_b_kernel", traits, WGMMA_PREPARE_LAUNCH,
                       arch_suffix="a")
 
 

@@ -361,7 +361,9 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
 
     ``skip_epilogue=True`` returns ``sum |x - y|^p`` without the ``1/p`` root.
     p = 1 and p = 2 use pow-free kernels; p = 2 runs on tensor cores (3xTF32,
-    fp32-grade) unless ``compute_mode="donot_use_mm_for_euclid_dist"``.
+    fp32-grade) unless ``compute_mode="donot_use_mm_for_euclid_dist"``; on sm_90 that
+    path takes temporary GPU memory of about x2's size (twice for 3xTF32) for x2 in
+    the kernel's tile layout.
     p = 0, p = inf and float64/float16/bfloat16 inputs take the torch reference
     path (on the inputs' device).
     """

@@ -44,12 +44,12 @@ class Variant:
     """One kernel family: header, kernel template, traits template, arch, launch shape."""
 
     def __init__(self, name, header, kernel, traits, arch, block, smem, prefix="", threads=256, persistent=False,
-                 extra="", prepared=False):
+                 extra="", prepared=False, cluster=1):
         self.name, self.header, self.kernel, self.traits = name, header, kernel, traits
         self.arch, self.block, self.smem, self.prefix = arch, block, smem, prefix
         self.threads, self.persistent, self.extra = threads, persistent, extra
         self.prepared = prepared  # takes wgmma_prepare_b_kernel's b blocks and norms (launched first)
-        self.cluster = 2 if prepared else 1  # CTAs per cluster (the grid then counts clusters)
+        self.cluster = cluster  # CTAs per cluster of a prepared (wgmma) variant
 
     def traits_of(self, cfg):
         inner, outer, epi, out, prec = cfg
@@ -65,10 +65,9 @@ WGMMA_SMEM = {"Tf32x3": 211024, "Tf32": 205952}  # (unchanged by the cluster lau
 
 
 def wgmma_variant(name, prefix="", cluster=2):
-    v = Variant(name, "distance_wgmma.cuh", "distance_wgmma_kernel", "DistanceWgmmaTraits", "sm_90a", (128, 256),
-                lambda cfg: WGMMA_SMEM[cfg[4]], prefix=prefix, threads=384, persistent=True, prepared=True)
-    v.cluster = cluster
-    return v
+    return Variant(name, "distance_wgmma.cuh", "distance_wgmma_kernel", "DistanceWgmmaTraits", "sm_90a", (128, 256),
+                   lambda cfg: WGMMA_SMEM[cfg[4]], prefix=prefix, threads=384, persistent=True, prepared=True,
+                   cluster=cluster)
 
 
 VARIANTS = {

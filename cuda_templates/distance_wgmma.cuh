@@ -44,8 +44,6 @@ namespace wgmma_detail {
 using mma_detail::SameType;
 using mma_detail::tf32_rna;
 
-using kermac_like::swizzled;
-
 #ifndef KERMAC_LIKE_MMA_HOST_EMULATION
 
 // Shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format" of

@@ -140,8 +140,11 @@ def _aligned(plan, names, per: int) -> bool:
     return all(s % per == 0 for k in names for part in plan.strides[k] for s in part)
 
 
-def _select(call: DistanceCall, out, hypers: dict, compute_mode: str):
-    """(spec, views, plan, path) for a GPU call, or None for the reference path."""
+def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, tf32: bool | None = None):
+    """(spec, views, plan, path) for a GPU call, or None for the reference path.
+    ``tf32``: plain TF32 allowed (default: torch's matmul setting, read now)."""
+    if tf32 is None:
+        tf32 = _tf32_allowed()
     tf32_types = (torch.float32, torch.float16, torch.bfloat16)
     if call.desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist" and call.dtype in tf32_types:
         av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
@@ -153,9 +156,9 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str):
         offsets_ok = _aligned(plan, ("a", "b"), per)
         spec = None
         if _wgmma_enabled(call.device):
-            spec = wgmma_spec(call.desc, av, bv, outv, tf32=_tf32_allowed(), batch_offsets_ok=offsets_ok)
+            spec = wgmma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok)
         if spec is None:
-            spec = mma_spec(call.desc, av, bv, outv, tf32=_tf32_allowed(), batch_offsets_ok=offsets_ok)
+            spec = mma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok)
         if spec is not None:
             return spec, (av, bv, outv), tensors, plan, "tensor-core"
     if call.dtype != torch.float32:
@@ -178,7 +181,8 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
     for k, v in call.hypers.items():
         if isinstance(v, torch.Tensor):
             hypers[k] = v if v.dtype == torch.float32 else v.float()  # at most batch-many scalars
-    chosen = _select(call, out, hypers, compute_mode)
+    tf32 = _tf32_allowed()  # read once: the kernel and its b preparation must agree
+    chosen = _select(call, out, hypers, compute_mode, tf32)
     if chosen is None:
         return None
     spec, (av, bv, outv), tensors, plan, path = chosen
@@ -200,7 +204,7 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
     sa, sb, so = plan.strides["a"][1], plan.strides["b"][1], plan.strides["out"][1]
     eps = np.float32(-np.inf if call.epsilon is None else call.epsilon)
     offsets = {k: list(plan.outer_offsets(k)) for k in tensors}
-    prepare = _WgmmaPrepare(call, plan, bv, spec, device, debug) if spec.kernel == WGMMA_KERNEL else None
+    prepare = _WgmmaPrepare(call, plan, bv, spec, tf32, device, debug) if spec.kernel == WGMMA_KERNEL else None
     for i in range(len(offsets["a"])):
         def ptr(k):
             t = tensors[k]
@@ -249,10 +253,10 @@ class _WgmmaPrepare:
     launch in turn (stream order). Scratch: about b's size (twice for 3xTF32), padded
     to whole 256 x 16 tiles."""
 
-    def __init__(self, call: DistanceCall, plan, bv, spec, device: int, debug: bool):
+    def __init__(self, call: DistanceCall, plan, bv, spec, tf32: bool, device: int, debug: bool):
         from .launcher import get_kernel
 
-        small, norms = wgmma_prepare_needs(call.desc, tf32=_tf32_allowed())
+        small, norms = wgmma_prepare_needs(call.desc, tf32=tf32)
         self.spec = wgmma_prepare_spec(small=small, norms=norms)
         sb = plan.strides["b"][1]
         ext, self.entry = b_entries(plan.modes, sb)

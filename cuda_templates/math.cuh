@@ -22,6 +22,8 @@
 // kernels on the CPU; NVRTC always takes the `__CUDA_ARCH__` branch.
 #pragma once
 
+#include "common.cuh"
+
 #if !defined(__CUDA_ARCH__)
 #include <cmath>
 #include <cstring>
@@ -174,4 +176,78 @@ __device__ __forceinline__ float abs_pow_fma(float x, const PowArgs& a) {
 }
 
 }  // namespace math
+
+// ------------------------------------------- exact SIMT inner operator, epilogue
+// Shared by the exact fp32 SIMT kernels (distance.cuh, distance_lowk.cuh). Tr
+// provides kInner, kInnerPow, kOuterPow, kEpilogue and exp2_on_fma(i, j) (which
+// micro-tile elements of a fractional p take the FMA-pipe exp2).
+namespace exact {
+
+// acc + inner(x, y) for micro-tile element (i, j).
+template <class Tr>
+__device__ __forceinline__ float accumulate(float acc, float x, float y, int i, int j,
+                                            const math::PowArgs& pw) {
+  if constexpr (Tr::kInner == Inner::Dot) {
+    return __fmaf_rn(x, y, acc);
+  } else {
+    const float d = __fsub_rn(x, y);
+    if constexpr (Tr::kInnerPow == Power::Abs) {
+      return __fadd_rn(acc, fabsf(d));
+    } else if constexpr (Tr::kInnerPow == Power::Square) {
+      return __fmaf_rn(d, d, acc);
+    } else {  // Power::Pow
+      if (Tr::exp2_on_fma(i, j)) return math::abs_pow_fma_acc(acc, d, pw);
+      return __fadd_rn(acc, math::abs_pow_mufu(d, pw.p));
+    }
+  }
+}
+
+// ----------------------------------------------------------------- epilogue
+struct EpilogueArgs {
+  float inv_outer_p;  // 1 / outer_p (Power::Pow)
+  float epsilon;
+  float exp_scale;    // Laplace: -1/bw; Gaussian: -1/(2 bw^2)
+};
+
+// y = epilogue(outer(acc)) with the epsilon cut, before regularisation.
+template <class Tr>
+__device__ __forceinline__ float finish(float acc, const EpilogueArgs& e) {
+  if constexpr (Tr::kOuterPow == Power::Sqrt && Tr::kEpilogue == Epilogue::Gaussian) {
+    // exp(-d^2 / (2 bw^2)) with d^2 = acc: skip the square root (exact and
+    // cheaper) unless the epsilon cut needs d itself.
+    float d2 = acc;
+    if (e.epsilon > 0.0f && sqrtf(acc) < e.epsilon) d2 = 0.0f;
+    return expf(d2 * e.exp_scale);
+  } else {
+    float d = acc;
+    if constexpr (Tr::kOuterPow == Power::Sqrt) d = sqrtf(acc);
+    if constexpr (Tr::kOuterPow == Power::Pow) d = powf(acc, e.inv_outer_p);
+    // epsilon <= 0 disables the cut: distances are >= 0 anyway, and a dot
+    // product's negative values must survive the default epsilon of 0.
+    if (e.epsilon > 0.0f && d < e.epsilon) d = 0.0f;
+    if constexpr (Tr::kEpilogue == Epilogue::Laplace) d = expf(d * e.exp_scale);
+    if constexpr (Tr::kEpilogue == Epilogue::Gaussian) d = expf((d * d) * e.exp_scale);
+    return d;
+  }
+}
+
+// The epilogue constants of batch entry `index` (hyper-parameters read from the
+// kernel's DistanceBatchArgs).
+template <class Tr, class Args>
+__device__ __forceinline__ EpilogueArgs epilogue_args(const Args& args, const BatchIndex& index, float epsilon) {
+  EpilogueArgs ea;
+  ea.epsilon = epsilon;
+  ea.inv_outer_p = 0.0f;
+  ea.exp_scale = 0.0f;
+  if constexpr (Tr::kOuterPow == Power::Pow) ea.inv_outer_p = 1.0f / args.outer_p.at(index);
+  if constexpr (Tr::kEpilogue == Epilogue::Laplace) ea.exp_scale = -1.0f / args.bandwidth.at(index);
+  if constexpr (Tr::kEpilogue == Epilogue::Gaussian) {
+    const float bw = args.bandwidth.at(index);
+    ea.exp_scale = -0.5f / (bw * bw);
+  }
+  return ea;
+}
+
+}  // namespace exact
+
 }  // namespace kermac_like

@@ -149,6 +149,19 @@ kernels_table = Table(
 )
 
 
+# Kernel choices measured by the autotuner (kermac_like/tuning.py): one row per
+# tuning key (problem class, device, template hash), the winner and every timing.
+tuning_table = Table(
+    "tuning",
+    _metadata,
+    Column("key", Text, primary_key=True),
+    Column("choice", Text, nullable=False),
+    Column("timings", Text, nullable=False),  # JSON {candidate: milliseconds}
+    Column("device", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+
 # --------------------------------------------------------------------------- records
 
 
@@ -707,6 +720,28 @@ class KernelCache:
         self._run(vacuum, what="vacuum", best_effort=True)
         logger.info("kernel cache %s cleared: %d kernels removed", self._path or "(memory)", removed)
         return removed
+
+    def get_tuning(self, key: str) -> tuple[str, str] | None:
+        """(choice, timings JSON) stored by the autotuner under ``key``, or None."""
+        def op(engine: Engine):
+            with engine.connect() as conn:
+                row = conn.execute(
+                    select(tuning_table.c.choice, tuning_table.c.timings).where(tuning_table.c.key == key)
+                ).first()
+            return None if row is None else (row[0], row[1])
+
+        return self._run(op, what="tuning read", best_effort=True)
+
+    def put_tuning(self, key: str, choice: str, timings: str, device: str) -> None:
+        """Store (or replace) the autotuner's winner for ``key``; concurrent writers of
+        one key leave one complete row (the last one)."""
+        def op(engine: Engine):
+            with _write(engine) as conn:
+                conn.execute(tuning_table.delete().where(tuning_table.c.key == key))
+                conn.execute(tuning_table.insert().values(key=key, choice=choice, timings=timings, device=device,
+                                                          created_at=_now()))
+
+        self._run(op, what="tuning write", on_give_up=None)
 
     def close(self) -> None:
         """Release all connections; the object cannot be used afterwards."""

@@ -25,7 +25,7 @@ __all__ = ["SCHEMA_VERSION", "DB_FILENAME", "default_cache_dir", "read_kernel"]
 
 # Bump SCHEMA_VERSION with any change to the tables (kermac_like/cache.py): a file
 # stamped with another version is then moved aside and rebuilt.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the autotuner's table (tuning)
 DB_FILENAME = "kernels-v1.sqlite"
 ENV_DIR = "KERMAC_LIKE_CACHE_DIR"
 TOUCH_INTERVAL_S = 60.0  # last_used_at is refreshed at most this often per module

@@ -23,7 +23,9 @@ from ._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from .descriptor import PRESETS, KernelDescriptor
 from .layout import Layout, analyse_matrix, analyse_output, batch_strides, broadcast_batch_shape, plan_batch
 from .reference import cdist_reference, distance_reference
-from .render import distance_spec, mma_spec, wgmma_prepare_needs, wgmma_prepare_spec, wgmma_spec
+from .render import (LOWK_GENERIC_MAX_K, distance_spec, lowk_spec, mma_spec, wgmma_prepare_needs, wgmma_prepare_spec,
+                     wgmma_spec)
+from . import tuning
 
 log = logging.getLogger("kermac_like.distance")
 
@@ -52,6 +54,7 @@ class DistanceCall:
     M: int
     N: int
     K: int
+    autotune: bool | None = None  # measure the kernel choice (None: KERMAC_LIKE_AUTOTUNE)
 
     @property
     def out_shape(self) -> tuple:
@@ -140,13 +143,22 @@ def _aligned(plan, names, per: int) -> bool:
     return all(s % per == 0 for k in names for part in plan.strides[k] for s in part)
 
 
-def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, tf32: bool | None = None):
+def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, tf32: bool | None = None, kind: str | None = None,
+            debug: bool = False):
     """(spec, views, plan, path) for a GPU call, or None for the reference path.
-    ``tf32``: plain TF32 allowed (default: torch's matmul setting, read now)."""
+    ``tf32``: plain TF32 allowed (default: torch's matmul setting, read now).
+    ``kind``: the kernel kind (kermac_like.tuning); default: tuning.choose's."""
     if tf32 is None:
         tf32 = _tf32_allowed()
+    if kind is None:
+        kind = tuning.choose(call, out, compute_mode, tf32,
+                             lambda k: _launch_distance(call, out, compute_mode, False, kind=k),
+                             autotune_flag=call.autotune, debug=debug)
+    if kind is None:
+        return None
     tf32_types = (torch.float32, torch.float16, torch.bfloat16)
-    if call.desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist" and call.dtype in tf32_types:
+    if (kind == tuning.TENSOR_CORE and call.desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist"
+            and call.dtype in tf32_types):
         av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
         bv = analyse_matrix("b", call.b, prefer=Layout.ROW_MAJOR)
         outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
@@ -168,13 +180,19 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, tf32: bool
     outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
     tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
     plan = _plan(call, tensors)
+    if kind == tuning.LOWK and call.K <= LOWK_GENERIC_MAX_K:
+        # Row-major output only: a column-major out is computed as out^T = kernel(b, a).
+        first, second = (bv, av) if outv.layout is Layout.COL_MAJOR else (av, bv)
+        spec = lowk_spec(call.desc, first.layout, second.layout, call.K)
+        return spec, (av, bv, outv), tensors, plan, "low-K"
     vec_ok = av.vector_ok() and bv.vector_ok() and _aligned(plan, ("a", "b"), 4)
     spec = distance_spec(call.desc, av.layout, bv.layout, outv.layout, 4 if vec_ok else 1)
     return spec, (av, bv, outv), tensors, plan, "simt"
 
 
-def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
-    """Launch the chosen GPU kernel; returns None when only the reference path applies."""
+def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool, kind: str | None = None):
+    """Launch the chosen GPU kernel (``kind``: kermac_like.tuning's; default: its choice);
+    returns None when only the reference path applies."""
     from .launcher import get_kernel, launch, max_active_clusters
 
     hypers = {}
@@ -182,7 +200,7 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
         if isinstance(v, torch.Tensor):
             hypers[k] = v if v.dtype == torch.float32 else v.float()  # at most batch-many scalars
     tf32 = _tf32_allowed()  # read once: the kernel and its b preparation must agree
-    chosen = _select(call, out, hypers, compute_mode, tf32)
+    chosen = _select(call, out, hypers, compute_mode, tf32, kind, debug)
     if chosen is None:
         return None
     spec, (av, bv, outv), tensors, plan, path = chosen
@@ -191,7 +209,13 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
     device = call.device.index if call.device.index is not None else torch.cuda.current_device()
     kernel = get_kernel(spec, device, debug=debug)
     L = plan.count
-    grid = (math.ceil(call.M / spec.launch.block_m), math.ceil(call.N / spec.launch.block_n), min(L, 65535))
+    # The low-K kernel writes a column-major out as the row-major out^T = kernel(b, a).
+    swap = path == "low-K" and outv.layout is Layout.COL_MAJOR
+    first, second = ("b", "a") if swap else ("a", "b")
+    M, N = (call.N, call.M) if swap else (call.M, call.N)
+    lda, ldb = (bv.ld, av.ld) if swap else (av.ld, bv.ld)
+    reg_diag = -call.reg_diag if swap else call.reg_diag
+    grid = (math.ceil(M / spec.launch.block_m), math.ceil(N / spec.launch.block_n), min(L, 65535))
     if spec.launch.persistent:  # the blocks (or clusters) walk all tiles of all batch entries
         c = spec.launch.cluster
         if c > 1:  # clusters of c CTAs over c vertically adjacent tiles
@@ -199,9 +223,10 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
         else:
             grid = (min(grid[0] * grid[1] * L, _sm_count(device)), 1, 1)
     if debug:
-        log.debug("run_kernel %r: %s path, M=%d N=%d K=%d batch=%s (kernel modes %s, host loop %s)", call.desc, path,
-                  call.M, call.N, call.K, call.batch, plan.modes, plan.outer)
-    sa, sb, so = plan.strides["a"][1], plan.strides["b"][1], plan.strides["out"][1]
+        log.debug("run_kernel %r: %s path%s, M=%d N=%d K=%d batch=%s (kernel modes %s, host loop %s)", call.desc,
+                  path, " (out^T = kernel(b, a))" if swap else "", call.M, call.N, call.K, call.batch, plan.modes,
+                  plan.outer)
+    sa, sb, so = plan.strides[first][1], plan.strides[second][1], plan.strides["out"][1]
     eps = np.float32(-np.inf if call.epsilon is None else call.epsilon)
     offsets = {k: list(plan.outer_offsets(k)) for k in tensors}
     prepare = _WgmmaPrepare(call, plan, bv, spec, tf32, device, debug) if spec.kernel == WGMMA_KERNEL else None
@@ -211,9 +236,9 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
             return t.data_ptr() + offsets[k][i] * t.element_size()
 
         args = [
-            ptr("a"), ptr("b"), ptr("out"),
-            np.int32(call.M), np.int32(call.N), np.int32(call.K),
-            np.int64(av.ld), np.int64(bv.ld), np.int64(outv.ld),
+            ptr(first), ptr(second), ptr("out"),
+            np.int32(M), np.int32(N), np.int32(call.K),
+            np.int64(lda), np.int64(ldb), np.int64(outv.ld),
             np.int32(L), np.int32(plan.modes[1]), np.int32(plan.modes[2]),
             *(np.int64(s) for s in sa), *(np.int64(s) for s in sb), *(np.int64(s) for s in so),
         ]
@@ -224,7 +249,7 @@ def _launch_distance(call: DistanceCall, out, compute_mode: str, debug: bool):
                 args += [ptr(name), np.int64(s3[0]), np.int64(s3[1]), np.int64(s3[2]), np.float32(0.0)]
             else:
                 args += [0, np.int64(0), np.int64(0), np.int64(0), np.float32(0.0 if v is None else v)]
-        args += [np.int64(call.reg_diag), eps]
+        args += [np.int64(reg_diag), eps]
         if prepare is not None:
             args += prepare(ptr("b"))
         launch(kernel, grid, tuple(args), debug=debug)
@@ -332,7 +357,7 @@ def _needs_grad(*xs) -> bool:
 def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *, out=None, p=None, inner_p=None,
                outer_p=None, bandwidth=None, regularization=None, regularization_offset_x: int = 0,
                regularization_offset_y: int = 0, epsilon=None, compute_mode: str = COMPUTE_MODES[0],
-               debug: bool = False) -> torch.Tensor:
+               autotune: bool | None = None, debug: bool = False) -> torch.Tensor:
     """Fused kernel matrix ``out[..., m, n] = kernel(a[..., m, :], b[..., n, :])``.
 
     ``a`` is ``(..., M, K)``, ``b`` is ``(..., N, K)``; leading modes broadcast.
@@ -343,6 +368,9 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     modes (broadcasting with the data batch; their values are not inspected).
     ``out`` (any row- or column-major layout of the right shape) is written in
     place and returned; it is left untouched when an argument is rejected.
+    ``autotune``: time the candidate kernels on this call's problem class once and
+    keep the fastest (stored in the kernel cache); None follows ``KERMAC_LIKE_AUTOTUNE``
+    (kermac_like/tuning.py).
     """
     debug = _debug.resolve(debug)
     if compute_mode not in COMPUTE_MODES:
@@ -350,6 +378,9 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     call = prepare_call(descriptor, a, b, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                         regularization=regularization, regularization_offset_x=regularization_offset_x,
                         regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+    if autotune is not None and not isinstance(autotune, bool):
+        raise TypeError(f"autotune: expected a bool or None, got {type(autotune).__name__}")
+    call.autotune = autotune
     _check_out(out, call.out_shape, call.dtype, call.device)
     if _needs_grad(a, b, *call.hypers.values()):
         from .autograd import distance_with_grad
@@ -359,7 +390,7 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
 
 
 def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_epilogue: bool = False,
-          compute_mode: str = COMPUTE_MODES[0], debug: bool = False) -> torch.Tensor:
+          compute_mode: str = COMPUTE_MODES[0], autotune: bool | None = None, debug: bool = False) -> torch.Tensor:
     """Drop-in for ``torch.cdist``: p-norm distances between the rows of x1 (..., M, K)
     and x2 (..., N, K), batch modes broadcast, any ``p >= 0`` or ``inf``.
 
@@ -369,7 +400,9 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     path takes temporary GPU memory of about x2's size (twice for 3xTF32) for x2 in
     the kernel's tile layout.
     p = 0, p = inf and float64/float16/bfloat16 inputs take the torch reference
-    path (on the inputs' device).
+    path (on the inputs' device). At low K (up to 64 for p = 2, 256 otherwise, the
+    default table of kermac_like/tuning.py) an exact output-write-bound kernel serves
+    every p; ``autotune`` as in :func:`run_kernel`.
     """
     debug = _debug.resolve(debug)
     check_tensor("x1", x1)
@@ -396,4 +429,4 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
         desc, kw = (PRESETS["squared_l2"] if skip_epilogue else PRESETS["l2"]), {}
     else:
         desc, kw = (PRESETS["p_norm_skip_root"] if skip_epilogue else PRESETS["p_norm"]), {"p": p}
-    return run_kernel(desc, x1, x2, out=out, compute_mode=compute_mode, debug=debug, **kw)
+    return run_kernel(desc, x1, x2, out=out, compute_mode=compute_mode, autotune=autotune, debug=debug, **kw)

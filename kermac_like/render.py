@@ -31,6 +31,8 @@ __all__ = [
     "wgmma_spec",
     "wgmma_prepare_spec",
     "wgmma_prepare_needs",
+    "lowk_spec",
+    "lowk_bucket",
     "shipped_specs",
     "FAMILIES",
 ]
@@ -129,6 +131,41 @@ def distance_spec(desc: KernelDescriptor, a: Layout, b: Layout, out: Layout, vec
     return KernelSpec("distance.cuh", "kermac_like::distance_kernel", traits, distance_launch(tuning[1], tuning[2]))
 
 
+# -- distance at low K (exact fp32 SIMT, K in shared memory) -----------------------------
+# Mirror of kermac_like::DistanceLowKTraits (cuda_templates/distance_lowk.cuh): 256 threads,
+# 128 x 128 outputs per block, row-major output (a column-major out is launched as out^T),
+# the dynamic shared memory holds kChunkK k of both operands' tiles.
+LOWK_MAX_K = 64  # largest compile-time kK; beyond it the generic (kK = 0) variant
+LOWK_GENERIC_MAX_K = 256  # one running sum per output: the generic variant serves K up to here
+LOWK_MIN_BLOCKS = 2  # default of kMinBlocksPerSm (renders no extra argument)
+
+
+def lowk_bucket(K: int) -> int:
+    """The compile-time kK that serves ``K`` (k >= K zero-filled): K itself up to 8, then
+    multiples of 4 up to 16 and of 8 up to 64; 0 (K at run time) beyond."""
+    if K <= 8:
+        return max(int(K), 1)
+    if K <= 16:
+        return -(-K // 4) * 4
+    if K <= LOWK_MAX_K:
+        return -(-K // 8) * 8
+    return 0
+
+
+def lowk_launch(kk: int) -> LaunchShape:
+    chunk = kk if kk > 0 else 32
+    return LaunchShape(threads=256, block_m=128, block_n=128, smem_bytes=2 * chunk * (128 + 4) * 4)
+
+
+def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS) -> KernelSpec:
+    """The low-K instantiation for inputs of layouts ``a``, ``b`` and dimension ``K``
+    (output row-major; the caller swaps the operands for a column-major out)."""
+    kk = lowk_bucket(K)
+    extra = "" if min_blocks == LOWK_MIN_BLOCKS else f", {int(min_blocks)}"
+    traits = f"kermac_like::DistanceLowKTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {kk}{extra}>"
+    return KernelSpec("distance_lowk.cuh", "kermac_like::distance_lowk_kernel", traits, lowk_launch(kk))
+
+
 # -- the shipped set ----------------------------------------------------------------
 SHIPPED_DESCRIPTORS = tuple(PRESETS.values())
 
@@ -144,8 +181,24 @@ def _distance_shipped():
         yield distance_spec(desc, col, col, row, 1)
 
 
+# The low-K set: row-major inputs (either output layout: one kernel), the presets a
+# low-dimensional user reaches first (cdist p=1/p=2, the Laplace and Gaussian kernels),
+# K = 1..8, 16, 32, 64 and the generic variant; other (K, descriptor, layout) combinations
+# compile on first use.
+LOWK_SHIPPED_K = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 0)
+LOWK_SHIPPED_PRESETS = ("l1", "l2", "laplace_l2", "gaussian_l2")
+
+
+def _lowk_shipped():
+    row = Layout.ROW_MAJOR
+    for name in LOWK_SHIPPED_PRESETS:
+        for K in LOWK_SHIPPED_K:
+            yield lowk_spec(PRESETS[name], row, row, K if K else LOWK_MAX_K + 1)
+
+
 FAMILIES = {
     "distance": _distance_shipped,
+    "distance_lowk": _lowk_shipped,
 }
 
 

@@ -554,8 +554,8 @@ def _reference(desc, dist, bw, lam, reg_diag, eps):
 
 def run_on_cpu(exe, idx, M, N, K, *, batch=(1, 1, 1), b_bcast=(), pad=(0, 0, 0), inner_p=1.3,
                outer_p=None, bw=None, lam=0.0, lam_tensor=False, bw_tensor=False, reg_diag=0,
-               eps=0.0, grid_z=None, seed=0, b_equals_a=False):
-    desc, la, lb, lo, vec = CPU_INSTANCES[idx]
+               eps=0.0, grid_z=None, seed=0, b_equals_a=False, instances=None):
+    desc, la, lb, lo, vec = (CPU_INSTANCES if instances is None else instances)[idx]
     rng = np.random.default_rng(seed)
     bb = tuple(1 if i in b_bcast else e for i, e in enumerate(batch))
     a = rng.standard_normal((*batch, M, K)).astype(np.float32)

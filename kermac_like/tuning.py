@@ -1,0 +1,213 @@
+"""Kernel selection for the distance/kernel-matrix ops: which kernel serves a call.
+
+Candidates (each an exact or documented path of :func:`kermac_like.run_kernel`):
+
+* ``"lowk"``: ``distance_lowk.cuh``, the whole K in shared memory, output-write bound
+  (float32, K <= LOWK_GENERIC_MAX_K);
+* ``"simt"``: ``distance.cuh``, the K-blocked exact SIMT kernel (float32, any K);
+* ``"tensor-core"``: ``distance_mma.cuh`` / ``distance_wgmma.cuh`` (Euclidean and DOT
+  descriptors, 3xTF32 or TF32, unless ``compute_mode="donot_use_mm_for_euclid_dist"``).
+
+The choice depends on a *tuning key*: descriptor, dtype, K bucket, M*N bucket, batch
+bucket, output layout, TF32 setting, device and template hash. Without autotuning the
+default table below decides (measured on an H200, bench/notes/lowk.md). With autotuning
+(``KERMAC_LIKE_AUTOTUNE=1``, ``autotune=True`` on a call, or ``python -m kermac_like tune``)
+a key's first call times every candidate on the call's own tensors with CUDA events (one
+warm-up, median of ``AUTOTUNE_REPEATS``) and stores the winner with its timings in the
+kernel cache's SQLite file (table ``tuning``); later calls of that key, in any process,
+use the stored winner. Debug logging shows the key, the choice, where it came from and
+the timings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import threading
+
+import torch
+
+from .descriptor import InnerOperator, KernelDescriptor, PowerType
+
+log = logging.getLogger("kermac_like.tuning")
+
+__all__ = ["LOWK", "SIMT", "TENSOR_CORE", "candidates", "default_choice", "tuning_key", "choose",
+           "autotune_enabled", "stored", "AUTOTUNE_REPEATS"]
+
+LOWK, SIMT, TENSOR_CORE = "lowk", "simt", "tensor-core"
+AUTOTUNE_REPEATS = 5
+ENV_AUTOTUNE = "KERMAC_LIKE_AUTOTUNE"
+
+_memo: dict = {}  # tuning key -> choice (this process)
+_memo_lock = threading.Lock()
+
+
+def autotune_enabled(autotune: bool | None = None) -> bool:
+    """The call's ``autotune`` argument, else ``KERMAC_LIKE_AUTOTUNE`` (1/true/yes/on)."""
+    if autotune is not None:
+        return bool(autotune)
+    return os.environ.get(ENV_AUTOTUNE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def k_bucket(K: int) -> int:
+    """K itself up to 8, then the next power of two."""
+    return K if K <= 8 else 1 << (K - 1).bit_length()
+
+
+def size_bucket(n: int) -> int:
+    """log2 of n, rounded up (1 for n <= 1)."""
+    return max(int(n) - 1, 0).bit_length()
+
+
+def _tensor_core_ok(desc: KernelDescriptor, dtype: torch.dtype, compute_mode: str) -> bool:
+    return (desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist"
+            and dtype in (torch.float32, torch.float16, torch.bfloat16))
+
+
+def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode: str) -> list:
+    """The kinds that can serve a call, in the default table's preference order."""
+    from .render import LOWK_GENERIC_MAX_K
+
+    out = []
+    if _tensor_core_ok(desc, dtype, compute_mode) and compute_mode == "use_mm_for_euclid_dist":
+        return [TENSOR_CORE]  # the caller asked for the matrix-multiply formulation
+    if dtype == torch.float32 and K <= LOWK_GENERIC_MAX_K:
+        out.append(LOWK)
+    if _tensor_core_ok(desc, dtype, compute_mode):
+        out.append(TENSOR_CORE)
+    if dtype == torch.float32:
+        out.append(SIMT)
+    return out
+
+
+# The default table (no autotuning), measured on an H200 at M = N = 20 000 for
+# K in {1, 3, 8, 16, 32, 64, 128, 256} and at 30000^2 x 1024 (bench/notes/lowk.md):
+# up to this K the low-K kernel beats the others for each descriptor class.
+LOWK_UP_TO = {"abs": 256, "square": 64, "dot": 64, "pow": 256}
+
+
+def _desc_class(desc: KernelDescriptor) -> str:
+    if desc.inner_operator is InnerOperator.DOT:
+        return "dot"
+    return {PowerType.ABS: "abs", PowerType.SQUARE: "square"}.get(desc.inner_power, "pow")
+
+
+def default_choice(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode: str) -> str | None:
+    """The default table's kind for a call (None: no kernel applies, the reference path)."""
+    cands = candidates(desc, dtype, K, compute_mode)
+    if not cands:
+        return None
+    if LOWK in cands and K <= LOWK_UP_TO[_desc_class(desc)]:
+        return LOWK
+    for kind in (TENSOR_CORE, SIMT):
+        if kind in cands:
+            return kind
+    return cands[0]
+
+
+def tuning_key(call, out: torch.Tensor, compute_mode: str, tf32: bool) -> str:
+    """The problem class of a call on its device (see the module docstring)."""
+    from .compiler import template_hash
+    from .layout import Layout, analyse_matrix
+
+    dev = call.device
+    cap = torch.cuda.get_device_capability(dev)
+    name = torch.cuda.get_device_name(dev)
+    L = 1
+    for n in call.batch:
+        L *= n
+    out_layout = analyse_matrix("out", out, copy_ok=False).layout
+    tc = "mm" if compute_mode == "use_mm_for_euclid_dist" else "nomm" if compute_mode.startswith("donot") else "auto"
+    parts = (repr(call.desc), str(call.dtype).replace("torch.", ""), f"K{k_bucket(call.K)}",
+             f"MN{size_bucket(call.M * call.N)}", f"L{size_bucket(L)}",
+             "colout" if out_layout is Layout.COL_MAJOR else "rowout", tc, "tf32" if tf32 else "fp32",
+             f"{name} sm_{cap[0]}{cap[1]}", template_hash()[:16])
+    return "|".join(parts)
+
+
+def stored(key: str):
+    """(choice, timings dict) the autotuner stored for ``key``, or None."""
+    from .cache import get_cache
+
+    row = get_cache().get_tuning(key)
+    if row is None:
+        return None
+    try:
+        return row[0], json.loads(row[1])
+    except ValueError:
+        return None
+
+
+def _time_kind(run, kind: str, device, repeats: int) -> float:
+    stream = torch.cuda.current_stream(device)
+    run(kind)  # warm-up: compiles or loads the kernel, touches the data
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        run(kind)
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def autotune(key: str, cands: list, run, device, *, repeats: int = AUTOTUNE_REPEATS, debug: bool = False):
+    """Time ``run(kind)`` for every candidate; store and return (winner, timings)."""
+    from .cache import get_cache
+
+    timings = {}
+    for kind in cands:
+        try:
+            timings[kind] = round(_time_kind(run, kind, device, repeats), 5)
+        except Exception as e:  # a candidate that cannot run here (e.g. no sm_90a) is not a winner
+            log.debug("autotune %s: candidate %s failed: %s: %s", key, kind, type(e).__name__, e)
+    if not timings:
+        raise RuntimeError(f"autotune: no candidate of {cands} ran for {key}")
+    winner = min(timings, key=timings.get)
+    get_cache().put_tuning(key, winner, json.dumps(timings, sort_keys=True), torch.cuda.get_device_name(device))
+    if debug:
+        log.debug("autotune %s: %s (%s)", key, winner,
+                  ", ".join(f"{k} {v:.4g} ms" for k, v in sorted(timings.items(), key=lambda kv: kv[1])))
+    return winner, timings
+
+
+def choose(call, out: torch.Tensor, compute_mode: str, tf32: bool, run, *, autotune_flag: bool | None = None,
+           debug: bool = False) -> str | None:
+    """The kind that serves ``call`` (None: the reference path). ``run(kind)`` launches the
+    call with that kind on the current stream (used only when autotuning)."""
+    cands = candidates(call.desc, call.dtype, call.K, compute_mode)
+    default = default_choice(call.desc, call.dtype, call.K, compute_mode)
+    if len(cands) <= 1 or not autotune_enabled(autotune_flag) or torch.cuda.is_current_stream_capturing():
+        if debug:
+            log.debug("kernel choice %r K=%d: %s (default table; candidates %s)", call.desc, call.K, default, cands)
+        return default
+    key = tuning_key(call, out, compute_mode, tf32)
+    hit = _memo.get(key)
+    if hit is not None:
+        return hit
+    with _memo_lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            return hit
+        found = stored(key)
+        if found is not None and found[0] in cands:
+            choice, timings = found
+            source = "stored"
+        else:
+            choice, timings = autotune(key, cands, run, call.device, debug=debug)
+            source = "measured now"
+        _memo[key] = choice
+    if debug:
+        log.debug("kernel choice %s: %s (%s; %s)", key, choice, source,
+                  ", ".join(f"{k} {v:.4g} ms" for k, v in timings.items()))
+    return choice
+
+
+def forget() -> None:
+    """Drop this process's memo of choices (the stored ones stay)."""
+    with _memo_lock:
+        _memo.clear()

@@ -1,0 +1,164 @@
+"""CPU-only tests of cuda_templates/distance_lowk.cuh (the low-K kernel).
+
+* NVRTC: representative instantiations compile for sm_80 and sm_90 with the launch
+  constants the Python mirror states (render.lowk_spec), 16-byte streaming stores in
+  the SASS, and the kernel choice's building blocks (buckets).
+* CPU execution of the real kernel through the g++ shim of test_templates_distance
+  (each CUDA thread a std::thread): compile-time K (exact and zero-filled), the generic
+  run-time-K variant, both input layouts, odd shapes, batch broadcast, tensor
+  hyper-parameters, the regularised diagonal and epsilon, against float64.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import test_templates_distance as td
+from kermac_like import render
+from kermac_like.compiler import compile_specs
+from kermac_like.descriptor import PRESETS
+from kermac_like.layout import Layout
+
+ROW, COL = Layout.ROW_MAJOR, Layout.COL_MAJOR
+
+# (descriptor, a layout, b layout, kK): the CPU instances. The output is row-major
+# (the launcher computes a column-major out as out^T).
+LOWK_INSTANCES = [
+    (("Diff", "Abs", "Noop", "None"), "RowMajor", "RowMajor", 3),
+    (("Diff", "Square", "Sqrt", "Laplace"), "RowMajor", "ColMajor", 8),
+    (("Diff", "Square", "Sqrt", "Gaussian"), "ColMajor", "RowMajor", 40),
+    (("Diff", "Pow", "Pow", "None"), "RowMajor", "RowMajor", 5),
+    (("Dot", "Noop", "Noop", "None"), "ColMajor", "ColMajor", 16),
+    (("Diff", "Abs", "Noop", "Laplace"), "RowMajor", "RowMajor", 0),
+    (("Diff", "Square", "Noop", "None"), "ColMajor", "RowMajor", 0),
+]
+# run_on_cpu's view of them: (descriptor, a, b, out, kVec)
+AS_DISTANCE = [(d, la, lb, "RowMajor", 1) for d, la, lb, _ in LOWK_INSTANCES]
+
+
+@pytest.fixture(scope="module")
+def lowk_runner(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the CPU execution tests")
+    src = td.SHIM
+    for old, new in (
+        ('#include "distance.cuh"', '#include "distance_lowk.cuh"'),
+        ("namespace distance_detail {\nalignas(16) float kl_distance_smem[1 << 16];",
+         "namespace lowk_detail {\nalignas(16) float kl_lowk_smem[1 << 16];"),
+        ("distance_kernel<Tr>(", "distance_lowk_kernel<Tr>("),
+        ("#define D(i, ip, op, ep, la, lb, lo, v, ...) DistanceTraits<Inner::i, Power::ip, Power::op, Epilogue::ep, \\\n"
+         "    Layout::la, Layout::lb, Layout::lo, v __VA_OPT__(,) __VA_ARGS__>",
+         "#define D(i, ip, op, ep, la, lb, kk) DistanceLowKTraits<Inner::i, Power::ip, Power::op, Epilogue::ep, \\\n"
+         "    Layout::la, Layout::lb, kk>"),
+    ):
+        assert old in src, old
+        src = src.replace(old, new)
+    inst, cases = [], []
+    for idx, ((i, ip, op, ep), la, lb, kk) in enumerate(LOWK_INSTANCES):
+        inst.append(f"using T{idx} = D({i}, {ip}, {op}, {ep}, {la}, {lb}, {kk});")
+        cases.append(f"    case {idx}: run<T{idx}>(buf, h, hf, gz); break;")
+    src = src.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
+    d = tmp_path_factory.mktemp("lowk_cpu")
+    (d / "runner.cpp").write_text(src)
+    exe = d / "runner"
+    cmd = [cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", f"-I{td.TEMPLATES}", "-o", str(exe),
+           str(d / "runner.cpp")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.fail(f"g++ failed:\n{res.stderr[-6000:]}")
+    return exe
+
+
+def _run(exe, idx, M, N, K, **kw):
+    kk = LOWK_INSTANCES[idx][3]
+    assert kk == 0 or K <= kk
+    return td.run_on_cpu(exe, idx, M, N, K, instances=AS_DISTANCE, **kw)
+
+
+def _tol(idx):
+    return 2e-6 if LOWK_INSTANCES[idx][0][1] == "Pow" else 1e-6
+
+
+def _k(idx, default):
+    return LOWK_INSTANCES[idx][3] or default
+
+
+@pytest.mark.parametrize("idx", range(len(LOWK_INSTANCES)))
+@pytest.mark.parametrize("M,N", [(1, 1), (7, 129), (130, 5), (257, 131)])
+def test_lowk_cpu_odd_shapes(lowk_runner, idx, M, N):
+    K = _k(idx, 97)
+    got, ref = _run(lowk_runner, idx, M, N, K, pad=(3, 1, 2), seed=M * 1000 + N)
+    assert td.rel_fro(got, ref) <= _tol(idx)
+
+
+@pytest.mark.parametrize("idx", [1, 2, 4, 6])
+def test_lowk_cpu_k_below_the_compiled_k_is_zero_filled(lowk_runner, idx):
+    K = max(1, _k(idx, 37) - 3)
+    got, ref = _run(lowk_runner, idx, 70, 90, K, pad=(1, 0, 0), seed=K)
+    assert td.rel_fro(got, ref) <= _tol(idx)
+
+
+@pytest.mark.parametrize("idx", [0, 1, 3, 5])
+def test_lowk_cpu_batch_broadcast_diagonal_and_hyper_tensors(lowk_runner, idx):
+    # 2 x 1 x 3 batch, b broadcast over mode 0, grid_z smaller than the batch, a tensor
+    # regularisation over mode 2 on several diagonals, a tensor bandwidth over mode 0.
+    for reg_diag in (-5, 0, 70, -200):
+        got, ref = _run(lowk_runner, idx, 150, 140, _k(idx, 40), batch=(2, 1, 3), b_bcast=(0,), pad=(1, 2, 5),
+                        lam=0.75, lam_tensor=True, bw_tensor=True, reg_diag=reg_diag, grid_z=2, seed=reg_diag + 300)
+        assert td.rel_fro(got, ref) <= _tol(idx), reg_diag
+
+
+@pytest.mark.parametrize("idx", [0, 2, 3, 4])
+def test_lowk_cpu_epsilon_and_scalar_regularisation(lowk_runner, idx):
+    got, ref = _run(lowk_runner, idx, 40, 50, _k(idx, 3), eps=1.0, lam=2.0, reg_diag=3, seed=3)
+    assert td.rel_fro(got, ref) <= _tol(idx)
+
+
+@pytest.mark.parametrize("idx", [0, 3, 5])
+def test_lowk_cpu_identical_rows_give_exact_zero(lowk_runner, idx):
+    got, ref = _run(lowk_runner, idx, 70, 70, _k(idx, 37), seed=5, b_equals_a=True)
+    diag = np.diagonal(got, axis1=-2, axis2=-1)
+    assert np.array_equal(diag, np.diagonal(ref, axis1=-2, axis2=-1).astype(np.float32)), diag
+
+
+# ------------------------------------------------------------------ NVRTC, SASS
+def test_buckets():
+    assert [render.lowk_bucket(k) for k in (1, 3, 8, 9, 12, 13, 16, 17, 37, 64, 65, 256)] == \
+        [1, 3, 8, 12, 12, 16, 16, 24, 40, 64, 0, 0]
+
+
+@pytest.fixture(scope="module")
+def lowk_sm90():
+    specs = [render.lowk_spec(PRESETS["l1"], ROW, ROW, 3), render.lowk_spec(PRESETS["laplace_l2"], ROW, COL, 37),
+             render.lowk_spec(PRESETS["gaussian_l2"], COL, ROW, 100)]
+    record, resources = compile_specs(specs, "sm_90")
+    return specs, record, resources
+
+
+def test_lowk_compiles_with_its_mirrored_launch_and_at_most_a_few_spilled_words(lowk_sm90):
+    # compile_specs' stub static_asserts kThreads/kBlockM/kBlockN/kSmemBytes against the mirror.
+    specs, _, resources = lowk_sm90
+    for s in specs:
+        r = resources[s.name_expression]
+        assert r["registers"] <= 128, r  # two blocks per SM
+        assert r["spill_stores"] <= 32, r  # a few words around the loads/epilogue, none in the k loop
+
+
+def test_lowk_sass_streams_16_byte_stores(lowk_sm90):
+    _, record, _ = lowk_sm90
+    tool = td.cuobjdump_path()
+    if tool is None:
+        pytest.skip("cuobjdump not installed")
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "lowk.cubin"
+        path.write_bytes(record.cubin)
+        sass = subprocess.run([tool, "-sass", str(path)], check=True, capture_output=True, text=True).stdout
+    assert "STG.E.EF.128" in sass or "STG.E.128.EF" in sass or ".EF.128" in sass, "no 16-byte evict-first stores"

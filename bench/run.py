@@ -60,6 +60,7 @@ WORKLOADS = (
     "eigh",
     "cold_compile",
     "warm_process",
+    "lowk",
 )
 LINALG = ("solve_cholesky", "solve_lu", "eigh")
 
@@ -297,6 +298,125 @@ def run_child(cfg, cache_dir):
     raise RuntimeError(f"child process failed (exit {p.returncode}): {p.stderr.strip()[-2000:]}")
 
 
+# -- low K: the output write is the floor (bench/notes/lowk.md) ----------------------------------
+LOWK_K = (1, 3, 8, 16, 32, 64, 128, 256)
+LOWK_OPS = ("cdist_p1", "cdist_p2", "laplace_l2", "gaussian_l2")
+LOWK_SIZES = dict(full=(20000, 20000, (1000, 256, 256)), quick=(256, 256, (8, 64, 64)))
+
+
+def bench_lowk(bench):
+    """cdist p=1/p=2 and the Laplace/Gaussian kernel matrices at M = N = 20 000 for every K of
+    LOWK_K, out= given, beside torch and the write floor (out.fill_ on the same buffer,
+    timed in the same run); then a batch of small problems (1000 x 256 x 256, K = 3, one
+    bandwidth per problem). Writes lowk.png (time against K) next to results.json."""
+    M, N, (L, bm, bn) = LOWK_SIZES["quick" if bench.args.quick else "full"]
+    dev = bench.device
+    rows = []
+    out = torch.empty(M, N, device=dev)
+    floor = time_calls(lambda o: o.fill_(1.0), lambda: (out,), dev, repeats=bench.reps(), warmup=bench.warm())
+
+    def ops(K):
+        bw = math.sqrt(2.0 * K)
+        lap, gau = km.preset("laplace_l2"), km.preset("gaussian_l2")
+        ref64 = lambda x, y, p: torch.cdist(x.double(), y.double(), p=p,  # noqa: E731
+                                            compute_mode="donot_use_mm_for_euclid_dist")
+        return {
+            "cdist_p1": (lambda x, y: km.cdist(x, y, p=1.0, out=out), lambda x, y: torch.cdist(x, y, p=1.0),
+                         lambda x, y: ref64(x, y, 1.0), lambda x, y: kermac.cdist(x, y, p=1.0)),
+            "cdist_p2": (lambda x, y: km.cdist(x, y, p=2.0, out=out), lambda x, y: torch.cdist(x, y, p=2.0),
+                         lambda x, y: ref64(x, y, 2.0), lambda x, y: kermac.cdist(x, y, p=2.0)),
+            "laplace_l2": (lambda x, y: km.run_kernel(lap, x, y, bandwidth=bw, out=out),
+                           lambda x, y: torch.cdist(x, y).div_(-bw).exp_(),
+                           lambda x, y: torch.exp(-ref64(x, y, 2.0) / bw), None),
+            "gaussian_l2": (lambda x, y: km.run_kernel(gau, x, y, bandwidth=bw, out=out),
+                            lambda x, y: torch.cdist(x, y).square_().div_(-2 * bw * bw).exp_(),
+                            lambda x, y: torch.exp(-ref64(x, y, 2.0) ** 2 / (2 * bw * bw)), None),
+        }
+
+    torch_slow = {"cdist_p1"}  # torch's p=1 cdist takes ~0.5 s at 20000^2: 2 repeats
+    for K in LOWK_K:
+        make = lambda K=K: (bench.randn(M, K), bench.randn(N, K))  # noqa: E731
+        for name, (ours_fn, torch_fn, ref_fn, kermac_fn) in ops(K).items():
+            out.fill_(float("nan"))  # poison: every entry must be written
+            ours = time_calls(ours_fn, make, dev, repeats=bench.reps(), warmup=bench.warm(), keep_last=True)
+            x, y = ours.last_inputs
+            assert not torch.isnan(out).any(), f"lowk {name} K={K}: out not fully written"
+            r = min(ERR_ROWS, M)
+            ref = ref_fn(x[:r], y)
+            err = rel_err(out[:r], ref)
+            terr = rel_err(torch_fn(x[:r], y), ref)
+            ours.last_inputs = ours.last_output = None
+            del x, y, ref
+            cap = 2 if name in torch_slow and not bench.args.quick else None
+            theirs = time_calls(torch_fn, make, dev, repeats=bench.reps(cap), warmup=bench.warm(1 if cap else None))
+            kerm, note = (None, "")
+            if kermac_fn is not None:
+                kerm, note = bench.time_kermac(kermac_fn, make, bench.reps(3), 1)
+            rows.append(bench.row(f"lowk_{name}", f"{M}x{N}x{K}", ours, theirs, kerm, err, terr,
+                                  "; ".join(s for s in (f"write floor {fmt_time(floor.median_ms)}", note) if s),
+                                  K=K, op=name, floor_ms=floor.median_ms,
+                                  floor_ratio=ours.median_ms / floor.median_ms))
+    del out
+    # A batch of small problems: L kernel matrices (a hyper-parameter sweep), one launch.
+    K = 3
+    bw = torch.linspace(0.5, 4.0, L, device=dev)
+    bout = torch.empty(L, bm, bn, device=dev)
+    lap = km.preset("laplace_l2")
+    bfloor = time_calls(lambda o: o.fill_(1.0), lambda: (bout,), dev, repeats=bench.reps(), warmup=bench.warm())
+    make = lambda: (bench.randn(L, bm, K), bench.randn(L, bn, K))  # noqa: E731
+    bout.fill_(float("nan"))
+    ours = time_calls(lambda x, y: km.run_kernel(lap, x, y, bandwidth=bw, out=bout), make, dev,
+                      repeats=bench.reps(), warmup=bench.warm(), keep_last=True)
+    x, y = ours.last_inputs
+    assert not torch.isnan(bout).any(), "lowk batch: out not fully written"
+    torch_fn = lambda x, y: torch.cdist(x, y).div_(-bw[:, None, None]).exp_()  # noqa: E731
+    ref = torch.exp(-torch.cdist(x.double(), y.double(), compute_mode="donot_use_mm_for_euclid_dist")
+                    / bw.double()[:, None, None])
+    err, terr = rel_err(bout, ref), rel_err(torch_fn(x, y), ref)
+    ours.last_inputs = ours.last_output = None
+    theirs = time_calls(torch_fn, make, dev, repeats=bench.reps(), warmup=bench.warm())
+    rows.append(bench.row("lowk_batch_laplace_l2", f"L={L} {bm}x{bn}x{K}", ours, theirs, None, err, terr,
+                          f"one bandwidth per problem; write floor {fmt_time(bfloor.median_ms)}", K=K,
+                          op="batch_laplace_l2", floor_ms=bfloor.median_ms,
+                          floor_ratio=ours.median_ms / bfloor.median_ms))
+    return rows
+
+
+def plot_lowk(rows, path, title):
+    """Time against K for each op (ours, torch, Kermac where measured) and the write floor."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no PNG"
+    sweep = [r for r in rows if r.get("op") in LOWK_OPS and r.get("ours_ms")]
+    if not sweep:
+        return "no low-K row"
+    fig, axes = plt.subplots(1, len(LOWK_OPS), figsize=(4 * len(LOWK_OPS), 3.6), sharey=True)
+    for ax, op in zip(axes, LOWK_OPS):
+        rs = sorted((r for r in sweep if r["op"] == op), key=lambda r: r["K"])
+        ks = [r["K"] for r in rs]
+        for key, label, style in (("ours_ms", "kermac_like", "o-"), ("torch_ms", "torch", "s--"),
+                                  ("kermac_ms", "Kermac", "^:"), ("floor_ms", "write floor", "k-")):
+            pts = [(k, r[key]) for k, r in zip(ks, rs) if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label, linewidth=1 if key == "floor_ms" else 1.5, markersize=4)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(op, fontsize=9)
+        ax.set_xlabel("K")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("time (ms, log)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
 # -- output -----------------------------------------------------------------------------------
 def fmt_time(ms, unit="ms"):
     if ms is None:
@@ -430,7 +550,7 @@ def main(argv=None):
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="folder for results.json, speedup.png, table.md")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds; a CPU runs the reference path)")
-    ap.add_argument("--only", action="append", metavar="NAME", help=f"run only these workloads: {', '.join(WORKLOADS)}")
+    ap.add_argument("--only", "--workloads", dest="only", action="append", metavar="NAME", help=f"run only these workloads: {', '.join(WORKLOADS)}")
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed calls per measurement (default 10, 3 with --quick)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2, 1 with --quick)")
@@ -473,6 +593,8 @@ def main(argv=None):
             steps.append((w, lambda p=p, caps=caps: [bench.cdist(p, *caps)]))
         elif w == "laplace_l2_kernel":
             steps.append((w, lambda: [bench.laplace()]))
+        elif w == "lowk":
+            steps.append((w, lambda: bench_lowk(bench)))
     lin = [w for w in wanted if w in LINALG]
     if lin:
         steps.append(("linalg (" + ", ".join(lin) + ")", lambda: bench.linalg(lin)))
@@ -513,6 +635,9 @@ def main(argv=None):
     table = markdown(meta, rows)
     (out / "table.md").write_text(table)
     why = plot(rows, out / "speedup.png", f"kermac_like speed-ups, {dev_name}, {meta['date'][:10]}")
+    if "lowk" in wanted:
+        why_k = plot_lowk(rows, out / "lowk.png", f"low K, M = N = {rows[0]['size'].split('x')[0]}, {dev_name}")
+        print(f"wrote {out / 'lowk.png'}" if why_k is None else f"no lowk.png ({why_k})")
     print(f"wrote {out / 'results.json'}, {out / 'table.md'}"
           + (f", {out / 'speedup.png'}" if why is None else f" ({why})")
           + f"; {meta['total_seconds']} s in all")

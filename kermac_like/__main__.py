@@ -1,5 +1,7 @@
-"""Command line: ``python -m kermac_like cache info|clear|precompile`` (and ``precompile`` alone).
+"""Command line: ``python -m kermac_like cache info|clear|precompile`` (and ``precompile`` alone), ``tune``.
 
+    python -m kermac_like tune --preset laplace_l2 -K 3 -K 37 -M 20000 -N 20000   # time, store winners
+    python -m kermac_like tune --list                                            # stored winners
     python -m kermac_like cache info
     python -m kermac_like cache clear
     python -m kermac_like precompile --arch sm_80 --all          # no GPU needed
@@ -77,6 +79,49 @@ def _cmd_precompile(args) -> int:
     return 0
 
 
+def _cmd_tune(args) -> int:
+    from .cache import get_cache
+
+    if args.list:
+        rows = get_cache().tuning_rows()
+        print(json.dumps([dict(key=k, choice=c, timings=json.loads(t), device=d) for k, c, t, d in rows], indent=2))
+        return 0
+    import torch
+
+    from . import tuning
+    from .descriptor import preset
+    from .distance import run_kernel
+
+    if not torch.cuda.is_available():
+        print("tune: no CUDA device here (the autotuner times kernels on the GPU)", file=sys.stderr)
+        return 2
+    names = args.preset or ["l1", "l2", "laplace_l2", "gaussian_l2"]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    batch = tuple(args.batch or ())
+    report = []
+    for name in names:
+        desc = preset(name)
+        for K in args.K or [1, 3, 8, 16, 32, 64, 128, 256]:
+            a = torch.randn(*batch, args.M, K, device=dev)
+            b = torch.randn(*batch, args.N, K, device=dev)
+            kw = {}
+            if desc.needs_inner_p or desc.needs_outer_p:
+                kw["p"] = args.p
+            if desc.needs_bandwidth:
+                kw["bandwidth"] = (2.0 * K) ** 0.5
+            tuning.forget()
+            out = torch.empty(*batch, args.M, args.N, device=dev)
+            if args.col_out:
+                out = out.transpose(-1, -2).contiguous().transpose(-1, -2)
+            run_kernel(desc, a, b, out=out, autotune=True, debug=args.debug, **kw)
+            torch.cuda.synchronize(dev)
+            call_key = [r for r in get_cache().tuning_rows() if r[0].startswith(repr(desc) + "|")]
+            report += [dict(preset=name, K=K, key=k, choice=c, timings=json.loads(t)) for k, c, t, _ in call_key
+                       if f"|K{tuning.k_bucket(K)}|" in k]
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kermac_like", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -96,6 +141,18 @@ def main(argv=None) -> int:
     csub.add_parser("clear", help="remove every cached kernel").set_defaults(func=_cmd_clear)
     add_precompile(csub.add_parser("precompile", help="compile kernels into the cache"))
     add_precompile(sub.add_parser("precompile", help="compile kernels into the cache"))
+    tune = sub.add_parser("tune", help="time the candidate kernels of distance calls and store the winners")
+    tune.add_argument("--preset", action="append", help="descriptor preset (repeatable; default l1, l2, laplace_l2, "
+                      "gaussian_l2)")
+    tune.add_argument("-K", type=int, action="append", help="dimension (repeatable; default 1 3 8 16 32 64 128 256)")
+    tune.add_argument("-M", type=int, default=20000)
+    tune.add_argument("-N", type=int, default=20000)
+    tune.add_argument("--batch", type=int, action="append", help="leading batch extent (repeatable)")
+    tune.add_argument("--p", type=float, default=1.5, help="p of POW presets")
+    tune.add_argument("--col-out", action="store_true", help="column-major output")
+    tune.add_argument("--list", action="store_true", help="print the stored winners and exit")
+    tune.add_argument("-d", "--debug", action="store_true", help="log every candidate's timing")
+    tune.set_defaults(func=_cmd_tune)
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -732,6 +732,15 @@ class KernelCache:
 
         return self._run(op, what="tuning read", best_effort=True)
 
+    def tuning_rows(self) -> list:
+        """Every stored (key, choice, timings JSON, device), by key."""
+        def op(engine: Engine):
+            with engine.connect() as conn:
+                t = tuning_table.c
+                return [tuple(r) for r in conn.execute(select(t.key, t.choice, t.timings, t.device).order_by(t.key))]
+
+        return self._run(op, what="tuning read", best_effort=True) or []
+
     def put_tuning(self, key: str, choice: str, timings: str, device: str) -> None:
         """Store (or replace) the autotuner's winner for ``key``; concurrent writers of
         one key leave one complete row (the last one)."""

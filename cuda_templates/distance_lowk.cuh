@@ -11,11 +11,13 @@
 //     zero-filled and inner(0, 0) == 0) and the k loop is fully unrolled;
 //     kK == 0 is the generic variant: K in chunks of kChunkK through the same
 //     shared tiles, one barrier per chunk, the chunk's k loop unrolled by 4;
-//   * block 256 threads -> 128 x 128 outputs, thread 8 x 8: rows tm*8 .. tm*8+7
-//     (one float4 pair of a per k) and columns tn*4 + {0..3} and 64 + tn*4 + {0..3}
-//     (one float4 pair of b per k): 4 LDS.128 per 128 FP instructions;
-//   * warp = 2 (m) x 16 (n) threads, so each store instruction writes two rows of
-//     256 contiguous bytes: 16-byte streaming stores (st.global.cs, evict-first:
+//   * block 256 threads -> 128 x 128, 64 x 256 or 32 x 512 outputs (kThreadsN = 16,
+//     32, 64 threads along n), thread 8 x 8: rows tm*8 .. tm*8+7 (one float4 pair
+//     of a per k) and columns tn*4 + {0..3} and BN/2 + tn*4 + {0..3} (one float4
+//     pair of b per k): 4 LDS.128 per 128 FP instructions;
+//   * lanes run along n (warp = 2 x 16 or 1 x 32 threads), so each store
+//     instruction writes two rows of 256 or one row of 512 contiguous bytes (wider
+//     tiles: longer runs per DRAM page): 16-byte streaming stores (st.global.cs, evict-first:
 //     the output is not read again by this kernel) straight from registers when
 //     out's rows are 16-byte aligned, scalar stores otherwise and at the right edge;
 //   * the output is row-major: the launcher computes a column-major out as the
@@ -34,7 +36,7 @@
 namespace kermac_like {
 
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, Layout kLayoutA_,
-          Layout kLayoutB_, int kK_, int kMinBlocksPerSm_ = 2>
+          Layout kLayoutB_, int kK_, int kMinBlocksPerSm_ = 2, int kThreadsN_ = 16>
 struct DistanceLowKTraits {
   static_assert(kInner_ != Inner::Dot || kInnerPow_ == Power::Noop,
                 "DistanceLowKTraits: Inner::Dot requires inner power Power::Noop");
@@ -49,6 +51,8 @@ struct DistanceLowKTraits {
                 "DistanceLowKTraits: outer power must be Noop, Sqrt or Pow");
   static_assert(kK_ >= 0 && kK_ <= 64, "DistanceLowKTraits: kK is 1..64 (0: K at run time)");
   static_assert(kMinBlocksPerSm_ >= 1 && kMinBlocksPerSm_ <= 3, "DistanceLowKTraits: kMinBlocksPerSm is 1..3");
+  static_assert(kThreadsN_ == 16 || kThreadsN_ == 32 || kThreadsN_ == 64,
+                "DistanceLowKTraits: kThreadsN is 16 (128 x 128 tile), 32 (64 x 256) or 64 (32 x 512)");
 
   using T = float;
   static constexpr Inner kInner = kInner_;
@@ -61,16 +65,22 @@ struct DistanceLowKTraits {
   static constexpr int kK = kK_;
 
   static constexpr int kThreads = 256;
+  static constexpr int kThreadsN = kThreadsN_, kThreadsM = kThreads / kThreadsN_;  // thread grid
   static constexpr int kThreadM = 8, kThreadN = 8;
-  static constexpr int kBlockM = 16 * kThreadM;  // 128
-  static constexpr int kBlockN = 16 * kThreadN;  // 128
-  static constexpr int kChunkK = kK_ > 0 ? kK_ : 32;  // k resident in shared memory at once
-  static constexpr int kSmemStride = kBlockM + 4;     // floats per k-row (float4-aligned rows)
-  static constexpr int kSmemBytes = 2 * kChunkK * kSmemStride * 4;
+  static constexpr int kBlockM = kThreadsM * kThreadM;  // 128, 64 or 32
+  static constexpr int kBlockN = kThreadsN * kThreadN;  // 128, 256 or 512
+  // k in shared memory at once (the run-time-K loop reads 4 k per trip: a multiple of 4)
+  static constexpr int kChunkK = kK_ > 0 ? kK_ : 8192 / (kBlockM + kBlockN) / 4 * 4;
+  static constexpr int kStrideA = kBlockM + 4, kStrideB = kBlockN + 4;  // floats per k-row (float4-aligned)
+  // A (kChunkK, kStrideA), then B (kChunkK + 1, kStrideB): the spare row is read by
+  // the last step's fragment prefetch (never used).
+  static constexpr int kSmemBytes = (kChunkK * kStrideA + (kChunkK + 1) * kStrideB) * 4;
+  // Full unrolling of the k loop up to 16 k; beyond, 4 k per trip (the instruction
+  // cache: a fully unrolled K = 64 body is ~8,500 instructions and ran 30 % slower).
+  static constexpr bool kFullUnroll = kChunkK <= 16;
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
   static constexpr int kPolyPer64 = 41;  // fractional p: exp2 on the FMA pipe, per 64 elements
 
-  static_assert(kBlockM == kBlockN, "A and B tiles share one shared-memory row stride");
 
   __host__ __device__ static constexpr bool exp2_on_fma(int i, int j) {
     return ((i * kThreadN + j + 1) * kPolyPer64) / 64 > ((i * kThreadN + j) * kPolyPer64) / 64;
@@ -93,10 +103,10 @@ __device__ __forceinline__ i64 opaque(i64 x) {
 // tile[k][r] = x[row0 + r, k0 + k] for k < kc (0 for k0 + k >= K), r < BM (rows
 // clamped to `rows` - 1). Consecutive threads take consecutive k (RowMajor) or
 // consecutive rows (ColMajor), so the global reads follow the operand's layout.
-template <class Tr, Layout kLayout, int kc>
+template <class Tr, Layout kLayout, int kc, int BM, int S>
 __device__ __forceinline__ void load_tile(float* tile, const float* __restrict__ x, i64 ld, int rows, int row0,
                                           int k0, int K, int tid) {
-  constexpr int BM = Tr::kBlockM, S = Tr::kSmemStride, kCount = BM * kc;
+  constexpr int kCount = BM * kc;
   ld = opaque(ld);
   // At most 4 loads in flight per thread (the accumulators are live meanwhile).
 #pragma unroll 4
@@ -129,25 +139,54 @@ __device__ __forceinline__ void store_stream4(float* p, float x, float y, float 
 #endif
 }
 
-// acc[i][j] += inner(a[k], b[k]) for one k of the shared tiles.
+// One k of the fragments: a (rows tm*8 .. +7) and b (columns tn*4 + {0..3}, BN/2 + ...).
+struct Frag {
+  float4 a0, a1, b0, b1;
+};
+
 template <class Tr>
-__device__ __forceinline__ void step(float (&acc)[8][8], const float* sa, const float* sb, const math::PowArgs& pw) {
-  const float4 a0 = *reinterpret_cast<const float4*>(sa);
-  const float4 a1 = *reinterpret_cast<const float4*>(sa + 4);
-  const float4 b0 = *reinterpret_cast<const float4*>(sb);
-  const float4 b1 = *reinterpret_cast<const float4*>(sb + Tr::kBlockN / 2);
-  const float fa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-  const float fb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+__device__ __forceinline__ void load_frag(Frag& f, const float* sa, const float* sb) {
+  f.a0 = *reinterpret_cast<const float4*>(sa);
+  f.a1 = *reinterpret_cast<const float4*>(sa + 4);
+  f.b0 = *reinterpret_cast<const float4*>(sb);
+  f.b1 = *reinterpret_cast<const float4*>(sb + Tr::kBlockN / 2);
+}
+
+// acc[i][j] += inner(a[i], b[j]), then a scheduling fence: later shared-memory reads
+// stay behind it, so at most two fragments (this k and the prefetched next one) are
+// live: hoisting every step's fragments costs 16 registers per step and spills at the
+// 128-register budget of two blocks per SM.
+template <class Tr>
+__device__ __forceinline__ void compute(float (&acc)[8][8], const Frag& f, const math::PowArgs& pw) {
+  const float fa[8] = {f.a0.x, f.a0.y, f.a0.z, f.a0.w, f.a1.x, f.a1.y, f.a1.z, f.a1.w};
+  const float fb[8] = {f.b0.x, f.b0.y, f.b0.z, f.b0.w, f.b1.x, f.b1.y, f.b1.z, f.b1.w};
 #pragma unroll
   for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[i][j] = exact::accumulate<Tr>(acc[i][j], fa[i], fb[j], i, j, pw);
-  // The next step's shared-memory reads stay behind this point: hoisting every
-  // step's fragments ahead of the arithmetic costs 16 registers per step and
-  // spills at the 128-register budget of two blocks per SM.
 #if defined(__CUDA_ARCH__)
   asm volatile("" ::: "memory");
 #endif
+}
+
+// acc += the n k-steps at pa, pb (row strides SA, SB), the fragments of k + 1 read
+// while k is computed (row n is read, never used: the tiles have a spare row).
+// kUnroll: pairs of steps per unrolled trip (n is a compile-time constant when the
+// caller unrolls fully).
+template <class Tr, int SA, int SB, int kUnroll>
+__device__ __forceinline__ void run_steps(float (&acc)[8][8], const float* pa, const float* pb, int n,
+                                          const math::PowArgs& pw) {
+  Frag f0, f1;
+  load_frag<Tr>(f0, pa, pb);
+  int k = 0;
+#pragma unroll kUnroll
+  for (; k + 1 < n; k += 2) {
+    load_frag<Tr>(f1, pa + (k + 1) * SA, pb + (k + 1) * SB);
+    compute<Tr>(acc, f0, pw);
+    load_frag<Tr>(f0, pa + (k + 2) * SA, pb + (k + 2) * SB);
+    compute<Tr>(acc, f1, pw);
+  }
+  if (k < n) compute<Tr>(acc, f0, pw);
 }
 
 }  // namespace lowk_detail
@@ -166,7 +205,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
     float regularization, long long reg_diag, float epsilon) {
   using Tr = Traits;
   using namespace lowk_detail;
-  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, S = Tr::kSmemStride, KC = Tr::kChunkK;
+  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, SA = Tr::kStrideA, SB = Tr::kStrideB, KC = Tr::kChunkK;
 
   const DistanceBatchArgs<typename Tr::T> args(
       a, b, out, batch_n1, batch_n2, a_bs0, a_bs1, a_bs2, b_bs0, b_bs1, b_bs2, o_bs0, o_bs1, o_bs2,
@@ -176,11 +215,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
-  const int tm = warp * 2 + (lane >> 4);  // rows tm*8 .. tm*8 + 7
-  const int tn = lane & 15;               // columns tn*4 + {0..3}, BN/2 + tn*4 + {0..3}
+  // Lanes run along n: a warp is 2 x 16, 1 x 32 threads (kThreadsN 16, >= 32).
+  constexpr int kLanesN = Tr::kThreadsN < 32 ? Tr::kThreadsN : 32;
+  constexpr int kWarpsN = Tr::kThreadsN / kLanesN;
+  const int tm = (warp / kWarpsN) * (32 / kLanesN) + lane / kLanesN;  // rows tm*8 .. tm*8 + 7
+  const int tn = (warp % kWarpsN) * kLanesN + lane % kLanesN;        // columns tn*4 + {0..3}, BN/2 + tn*4 + {0..3}
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
   float* const sa = kl_lowk_smem;
-  float* const sb = kl_lowk_smem + KC * S;
+  float* const sb = kl_lowk_smem + KC * SA;
 
   for (int l = blockIdx.z; l < batch; l += gridDim.z) {
     const auto entry = args.at(l);
@@ -195,26 +237,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
 
     if constexpr (Tr::kK > 0) {
       if (l != int(blockIdx.z)) __syncthreads();  // the previous entry's reads are done
-      load_tile<Tr, Tr::kLayoutA, KC>(sa, entry.a, lda, M, m0, 0, K, tid);
-      load_tile<Tr, Tr::kLayoutB, KC>(sb, entry.b, ldb, N, n0, 0, K, tid);
+      load_tile<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, lda, M, m0, 0, K, tid);
+      load_tile<Tr, Tr::kLayoutB, KC, BN, SB>(sb, entry.b, ldb, N, n0, 0, K, tid);
       __syncthreads();
-#pragma unroll
-      for (int k = 0; k < KC; ++k) step<Tr>(acc, sa + k * S + tm * 8, sb + k * S + tn * 4, pw);
+      if constexpr (Tr::kFullUnroll) {
+        run_steps<Tr, SA, SB, KC>(acc, sa + tm * 8, sb + tn * 4, KC, pw);
+      } else {
+        run_steps<Tr, SA, SB, 2>(acc, sa + tm * 8, sb + tn * 4, KC, pw);
+      }
     } else {
 #pragma unroll 1
       for (int k0 = 0; k0 < K; k0 += KC) {
         if (k0 > 0 || l != int(blockIdx.z)) __syncthreads();  // the previous chunk's reads are done
-        load_tile<Tr, Tr::kLayoutA, KC>(sa, entry.a, lda, M, m0, k0, K, tid);
-        load_tile<Tr, Tr::kLayoutB, KC>(sb, entry.b, ldb, N, n0, k0, K, tid);
+        load_tile<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, lda, M, m0, k0, K, tid);
+        load_tile<Tr, Tr::kLayoutB, KC, BN, SB>(sb, entry.b, ldb, N, n0, k0, K, tid);
         __syncthreads();
         const int kc = K - k0 < KC ? K - k0 : KC;  // k of this chunk (zero-filled up to KC)
-        const float* pa = sa + tm * 8;
-        const float* pb = sb + tn * 4;
-#pragma unroll 1
-        for (int k = 0; k < kc; k += 4, pa += 4 * S, pb += 4 * S) {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) step<Tr>(acc, pa + u * S, pb + u * S, pw);
-        }
+        run_steps<Tr, SA, SB, 2>(acc, sa + tm * 8, sb + tn * 4, (kc + 3) & ~3, pw);  // zero-filled to 4
       }
     }
 

@@ -152,18 +152,30 @@ def lowk_bucket(K: int) -> int:
     return 0
 
 
-def lowk_launch(kk: int) -> LaunchShape:
-    chunk = kk if kk > 0 else 32
-    return LaunchShape(threads=256, block_m=128, block_n=128, smem_bytes=2 * chunk * (128 + 4) * 4)
+LOWK_THREADS_N = 16  # default of kThreadsN: 128 x 128 tiles
 
 
-def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS) -> KernelSpec:
+def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N) -> LaunchShape:
+    bm, bn = (256 // threads_n) * 8, threads_n * 8
+    chunk = kk if kk > 0 else 8192 // (bm + bn) // 4 * 4
+    return LaunchShape(threads=256, block_m=bm, block_n=bn, smem_bytes=(chunk * (bm + 4) + (chunk + 1) * (bn + 4)) * 4)
+
+
+def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS,
+              threads_n: int = LOWK_THREADS_N) -> KernelSpec:
     """The low-K instantiation for inputs of layouts ``a``, ``b`` and dimension ``K``
-    (output row-major; the caller swaps the operands for a column-major out)."""
+    (output row-major; the caller swaps the operands for a column-major out).
+    ``min_blocks`` (kMinBlocksPerSm, 1..3) and ``threads_n`` (kThreadsN: 16, 32, 64 for
+    128 x 128, 64 x 256, 32 x 512 tiles): tuning; the defaults render no extra arguments."""
     kk = lowk_bucket(K)
-    extra = "" if min_blocks == LOWK_MIN_BLOCKS else f", {int(min_blocks)}"
+    args = [int(min_blocks), int(threads_n)]
+    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N]
+    while args and args[-1] == defaults[len(args) - 1]:
+        args.pop()
+    extra = "".join(f", {x}" for x in args)
     traits = f"kermac_like::DistanceLowKTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {kk}{extra}>"
-    return KernelSpec("distance_lowk.cuh", "kermac_like::distance_lowk_kernel", traits, lowk_launch(kk))
+    return KernelSpec("distance_lowk.cuh", "kermac_like::distance_lowk_kernel", traits,
+                      lowk_launch(kk, threads_n))
 
 
 # -- the shipped set ----------------------------------------------------------------

@@ -67,7 +67,7 @@ def _tensor_core_ok(desc: KernelDescriptor, dtype: torch.dtype, compute_mode: st
 
 
 def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode: str) -> list:
-    """The kinds that can serve a call, in the default table's preference order."""
+    """The kinds that can serve a call."""
     from .render import LOWK_GENERIC_MAX_K
 
     out = []
@@ -82,10 +82,12 @@ def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode:
     return out
 
 
-# The default table (no autotuning), measured on an H200 at M = N = 20 000 for
-# K in {1, 3, 8, 16, 32, 64, 128, 256} and at 30000^2 x 1024 (bench/notes/lowk.md):
-# up to this K the low-K kernel beats the others for each descriptor class.
-LOWK_UP_TO = {"abs": 256, "square": 64, "dot": 64, "pow": 256}
+# The default table (no autotuning), from measurements on an H200 at M = N = 20 000 for
+# K in {1, 3, 8, 16, 32, 37, 64, 128, 256} (bench/notes/lowk.md): the low-K kernel up to
+# this K for each descriptor class; beyond it the tensor cores where they apply (Euclidean
+# and DOT; K zero-padded to whole 16-byte rows), else the K-blocked SIMT kernel.
+LOWK_UP_TO = {"abs": 64, "pow": 64, "square": 64, "dot": 64}
+TENSOR_CORE_FROM = {"square": 5, "dot": 5}  # tensor cores first from this K on, where they apply
 
 
 def _desc_class(desc: KernelDescriptor) -> str:
@@ -99,7 +101,10 @@ def default_choice(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_m
     cands = candidates(desc, dtype, K, compute_mode)
     if not cands:
         return None
-    if LOWK in cands and K <= LOWK_UP_TO[_desc_class(desc)]:
+    cls = _desc_class(desc)
+    if TENSOR_CORE in cands and K >= TENSOR_CORE_FROM.get(cls, 1 << 30):
+        return TENSOR_CORE
+    if LOWK in cands and K <= LOWK_UP_TO[cls]:
         return LOWK
     for kind in (TENSOR_CORE, SIMT):
         if kind in cands:

@@ -25,20 +25,30 @@ def rel(x, ref):
     return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
-def hyper(desc, K):
+def hyper(desc, a, b):
+    """p for POW powers; a bandwidth at the data's own distance scale (the median
+    distance: exponents of order 1, so the float64 comparison measures the kernel, not
+    the conditioning of exp at arguments of -20)."""
     kw = {}
     if desc.needs_inner_p or desc.needs_outer_p:
         kw["p"] = 1.3
     if desc.needs_bandwidth:
-        kw["bandwidth"] = (2.0 * K) ** 0.5
+        plain = km.KernelDescriptor(desc.inner_operator, desc.inner_power, desc.outer_power, km.KernelType.NONE)
+        kw["bandwidth"] = reference(plain, a[:64], b, **{k: v for k, v in kw.items()}).median().item()
     return kw
 
 
-def run_lowk(desc, a, b, out, **kw):
-    """run_kernel forced onto the low-K kernel; returns out."""
+def run_lowk(desc, a, b, out, threads_n=None, **kw):
+    """run_kernel forced onto the low-K kernel (``threads_n``: its tile shape); returns out."""
     call = distance.prepare_call(desc, a, b, **kw)
     distance.analyse_output("out", out, call.out_shape, call.dtype, call.device)
-    res = distance._launch_distance(call, out, distance.COMPUTE_MODES[0], False, kind=tuning.LOWK)
+    orig = distance.lowk_spec
+    if threads_n is not None:
+        distance.lowk_spec = lambda *x: orig(*x, threads_n=threads_n)
+    try:
+        res = distance._launch_distance(call, out, distance.COMPUTE_MODES[0], False, kind=tuning.LOWK)
+    finally:
+        distance.lowk_spec = orig
     assert res is out
     return out
 
@@ -69,6 +79,8 @@ def warm_cache():
     specs = [lowk_spec(d, R, R, K) for d in ALL for K in KS]
     specs += [lowk_spec(km.preset("laplace_l2"), R, C, K) for K in (3, 37, 100)]
     specs += [lowk_spec(km.preset("laplace_l2"), C, R, K) for K in (3, 37, 100)]
+    specs += [lowk_spec(km.preset("laplace_l2"), la, lb, K, threads_n=t) for K in (3, 37, 100) for t in (32, 64)
+              for la, lb in ((R, C), (C, R))]
     precompile_specs(specs, arch_of_device(torch.device("cuda")), processes=min(16, os.cpu_count() or 1))
     yield
 
@@ -82,7 +94,7 @@ def tol(desc):
 def test_every_descriptor_and_k(desc, K):
     M, N = 257, 131
     a, b = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda")
-    kw = hyper(desc, K)
+    kw = hyper(desc, a, b)
     out = torch.full((M, N), float("nan"), device="cuda")
     run_lowk(desc, a, b, out, **kw)
     assert rel(out, reference(desc, a, b, **kw)) <= tol(desc), (desc, K)
@@ -90,7 +102,8 @@ def test_every_descriptor_and_k(desc, K):
 
 @pytest.mark.parametrize("K", [3, 37, 100])
 @pytest.mark.parametrize("col_out", [False, True])
-def test_odd_sizes_layouts_and_poison(K, col_out):
+@pytest.mark.parametrize("threads_n", [16, 32, 64])
+def test_odd_sizes_layouts_and_poison(K, col_out, threads_n):
     desc = km.preset("laplace_l2")
     for M, N in [(1, 1), (1, 1000), (7, 129), (127, 127), (129, 7), (1000, 1), (1000, 1000), (127, 1000)]:
         a = torch.randn(M, K, device="cuda")
@@ -98,7 +111,7 @@ def test_odd_sizes_layouts_and_poison(K, col_out):
         out = torch.full((N, M), float("nan"), device="cuda").t() if col_out else \
             torch.full((M, N), float("nan"), device="cuda")
         kw = dict(bandwidth=2.0, regularization=0.5, regularization_offset_x=3, epsilon=0.2)
-        run_lowk(desc, a, b, out, **kw)
+        run_lowk(desc, a, b, out, threads_n=threads_n, **kw)
         assert rel(out, reference(desc, a, b, **kw)) <= 5e-7, (M, N, K, col_out)
 
 
@@ -170,3 +183,13 @@ def test_autotune_times_stores_and_reuses(tmp_path, monkeypatch, caplog):
         km.cdist(x, y, autotune=True, debug=True)
     assert "(stored;" in caplog.text and "measured now" not in caplog.text
     reset_cache()
+
+
+@pytest.mark.parametrize("K", [3, 37])
+def test_tensor_cores_at_unaligned_k_pad_the_inputs(K, caplog):
+    x, y = torch.randn(700, K, device="cuda"), torch.randn(600, K, device="cuda")
+    out = torch.full((700, 600), float("nan"), device="cuda")
+    with caplog.at_level("DEBUG", logger="kermac_like"):
+        km.cdist(x, y, out=out, compute_mode="use_mm_for_euclid_dist", debug=True)
+    assert "tensor-core path" in caplog.text
+    assert rel(out, torch.cdist(x.double(), y.double())) <= 1e-5

@@ -35,9 +35,12 @@ LOWK_INSTANCES = [
     (("Dot", "Noop", "Noop", "None"), "ColMajor", "ColMajor", 16),
     (("Diff", "Abs", "Noop", "Laplace"), "RowMajor", "RowMajor", 0),
     (("Diff", "Square", "Noop", "None"), "ColMajor", "RowMajor", 0),
+    # wide tiles (kThreadsN 64: 32 x 512, 32: 64 x 256)
+    (("Diff", "Square", "Sqrt", "None"), "RowMajor", "RowMajor", 3, 2, 64),
+    (("Diff", "Abs", "Noop", "Gaussian"), "ColMajor", "RowMajor", 0, 2, 32),
 ]
 # run_on_cpu's view of them: (descriptor, a, b, out, kVec)
-AS_DISTANCE = [(d, la, lb, "RowMajor", 1) for d, la, lb, _ in LOWK_INSTANCES]
+AS_DISTANCE = [(inst[0], inst[1], inst[2], "RowMajor", 1) for inst in LOWK_INSTANCES]
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +56,15 @@ def lowk_runner(tmp_path_factory):
         ("distance_kernel<Tr>(", "distance_lowk_kernel<Tr>("),
         ("#define D(i, ip, op, ep, la, lb, lo, v, ...) DistanceTraits<Inner::i, Power::ip, Power::op, Epilogue::ep, \\\n"
          "    Layout::la, Layout::lb, Layout::lo, v __VA_OPT__(,) __VA_ARGS__>",
-         "#define D(i, ip, op, ep, la, lb, kk) DistanceLowKTraits<Inner::i, Power::ip, Power::op, Epilogue::ep, \\\n"
-         "    Layout::la, Layout::lb, kk>"),
+         "#define D(i, ip, op, ep, la, lb, kk, ...) DistanceLowKTraits<Inner::i, Power::ip, Power::op, Epilogue::ep, \\\n"
+         "    Layout::la, Layout::lb, kk __VA_OPT__(,) __VA_ARGS__>"),
     ):
         assert old in src, old
         src = src.replace(old, new)
     inst, cases = [], []
-    for idx, ((i, ip, op, ep), la, lb, kk) in enumerate(LOWK_INSTANCES):
-        inst.append(f"using T{idx} = D({i}, {ip}, {op}, {ep}, {la}, {lb}, {kk});")
+    for idx, ((i, ip, op, ep), la, lb, kk, *extra) in enumerate(LOWK_INSTANCES):
+        tail = "".join(f", {x}" for x in extra)
+        inst.append(f"using T{idx} = D({i}, {ip}, {op}, {ep}, {la}, {lb}, {kk}{tail});")
         cases.append(f"    case {idx}: run<T{idx}>(buf, h, hf, gz); break;")
     src = src.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
     d = tmp_path_factory.mktemp("lowk_cpu")
@@ -89,21 +93,21 @@ def _k(idx, default):
 
 
 @pytest.mark.parametrize("idx", range(len(LOWK_INSTANCES)))
-@pytest.mark.parametrize("M,N", [(1, 1), (7, 129), (130, 5), (257, 131)])
+@pytest.mark.parametrize("M,N", [(1, 1), (7, 129), (130, 5), (257, 531)])
 def test_lowk_cpu_odd_shapes(lowk_runner, idx, M, N):
     K = _k(idx, 97)
     got, ref = _run(lowk_runner, idx, M, N, K, pad=(3, 1, 2), seed=M * 1000 + N)
     assert td.rel_fro(got, ref) <= _tol(idx)
 
 
-@pytest.mark.parametrize("idx", [1, 2, 4, 6])
+@pytest.mark.parametrize("idx", [1, 2, 4, 6, 7])
 def test_lowk_cpu_k_below_the_compiled_k_is_zero_filled(lowk_runner, idx):
     K = max(1, _k(idx, 37) - 3)
     got, ref = _run(lowk_runner, idx, 70, 90, K, pad=(1, 0, 0), seed=K)
     assert td.rel_fro(got, ref) <= _tol(idx)
 
 
-@pytest.mark.parametrize("idx", [0, 1, 3, 5])
+@pytest.mark.parametrize("idx", [0, 1, 3, 5, 7, 8])
 def test_lowk_cpu_batch_broadcast_diagonal_and_hyper_tensors(lowk_runner, idx):
     # 2 x 1 x 3 batch, b broadcast over mode 0, grid_z smaller than the batch, a tensor
     # regularisation over mode 2 on several diagonals, a tensor bandwidth over mode 0.

@@ -40,13 +40,17 @@ def test_candidates_follow_dtype_k_and_compute_mode():
 def test_default_table():
     f32 = torch.float32
     for name in ("l1", "l2", "laplace_l2", "gaussian_l2", "p_norm", "dot"):
-        for K in (1, 3, 8, 37, 64):
+        for K in (1, 3):
             assert tuning.default_choice(km.preset(name), f32, K, IF) == "lowk", (name, K)
+    for K in (8, 37, 64):
+        assert tuning.default_choice(km.preset("l1"), f32, K, IF) == "lowk"
+        assert tuning.default_choice(km.preset("p_norm"), f32, K, IF) == "lowk"
+        assert tuning.default_choice(km.preset("laplace_l2"), f32, K, IF) == "tensor-core"
     assert tuning.default_choice(km.preset("l2"), f32, 1024, IF) == "tensor-core"
     assert tuning.default_choice(km.preset("l1"), f32, 1024, IF) == "simt"
     assert tuning.default_choice(km.preset("l2"), f32, 1024, NO) == "simt"
-    for cls, up_to in tuning.LOWK_UP_TO.items():
-        assert 64 <= up_to <= 256, cls
+    assert tuning.default_choice(km.preset("l2"), f32, 37, NO) == "lowk"  # exact asked for: no tensor cores
+    assert tuning.default_choice(km.preset("l2"), f32, 200, NO) == "simt"
 
 
 def test_buckets():

@@ -31,14 +31,14 @@ OPS = {"cdist_p1": ("l1", {}), "cdist_p2": ("l2", {}), "laplace_l2": ("laplace_l
        "gaussian_l2": ("gaussian_l2", {"bw": 1})}
 
 
-def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=None):
+def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=None, threads_n=16):
     orig_lowk, orig_simt = distance.lowk_spec, distance.distance_spec
 
     def fn(a, b):
-        if generic or min_blocks:
+        if generic or min_blocks or threads_n != 16:
             distance.lowk_spec = lambda d, la, lb, K: orig_lowk(
                 d, la, lb, render.LOWK_MAX_K + 1 if generic else K,
-                min_blocks=min_blocks or render.LOWK_MIN_BLOCKS)
+                min_blocks=min_blocks or render.LOWK_MIN_BLOCKS, threads_n=threads_n)
         if tuning_:
             distance.distance_spec = lambda *x, **y: orig_simt(*x, tuning=tuning_)
         saved = render.LOWK_GENERIC_MAX_K
@@ -53,6 +53,33 @@ def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=Non
     return fn
 
 
+def VARIANTS(K):
+    v = [("lowk", dict(kind=tuning.LOWK)), ("lowk_tn32", dict(kind=tuning.LOWK, threads_n=32)),
+         ("lowk_tn64", dict(kind=tuning.LOWK, threads_n=64)), ("simt", dict(kind=tuning.SIMT))]
+    if K > 8:
+        v.insert(1, ("lowk_generic", dict(kind=tuning.LOWK, generic=True)))
+    return v
+
+
+def precompile(ks):
+    """Every low-K instantiation the sweep launches, in parallel processes."""
+    import os
+
+    from kermac_like.compiler import arch_of_device, precompile_specs
+    from kermac_like.layout import Layout
+
+    R = Layout.ROW_MAJOR
+    specs = []
+    for pname, _ in OPS.values():
+        d = km.preset(pname)
+        for K in ks:
+            for t in (16, 32, 64):
+                specs.append(render.lowk_spec(d, R, R, K, threads_n=t))
+        specs.append(render.lowk_spec(d, R, R, 1000))
+        specs.append(render.distance_spec(d, R, R, R, 1))
+    print(precompile_specs(specs, arch_of_device(torch.device("cuda")), processes=os.cpu_count()), flush=True)
+
+
 def rel(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
@@ -62,10 +89,12 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--k1024", action="store_true", help="also cdist p=1 at 30000^2 x 1024")
     args = ap.parse_args()
     dev = torch.device("cuda")
     M = N = 2000 if args.quick else 20000
-    ks = (1, 3, 8, 16, 32, 37, 64, 128, 256)
+    ks = (1, 3, 8, 16, 32, 37, 64, 128)
+    precompile(ks)
     out = torch.empty(M, N, device=dev)
     floor = time_calls(lambda o: o.fill_(1.0), lambda: (out,), dev, repeats=args.reps, warmup=2).median_ms
     print(f"write floor {M}x{N}: {floor:.4f} ms", flush=True)
@@ -75,13 +104,9 @@ def main():
         for op, (pname, extra) in OPS.items():
             desc = km.preset(pname)
             kw = {"bandwidth": math.sqrt(2.0 * K)} if extra else {}
-            variants = [("lowk", dict(kind=tuning.LOWK)), ("lowk_generic", dict(kind=tuning.LOWK, generic=True)),
-                        ("simt", dict(kind=tuning.SIMT))]
+            variants = VARIANTS(K)
             if desc.is_euclidean:
                 variants.append(("tensor_core", dict(kind=tuning.TENSOR_CORE)))
-            if K in (3, 37) and op in ("cdist_p1", "laplace_l2"):
-                variants += [("lowk_1blk", dict(kind=tuning.LOWK, min_blocks=1)),
-                             ("lowk_3blk", dict(kind=tuning.LOWK, min_blocks=3))]
             row = {"op": op, "K": K}
             for name, v in variants:
                 fn = launcher(desc, kw, out, **v)
@@ -97,22 +122,21 @@ def main():
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
     del out
-    # K = 1024, p = 1
-    M2 = 3000 if args.quick else 30000
-    out = torch.empty(M2, M2, device=dev)
-    make = lambda: (torch.randn(M2, 1024, device=dev), torch.randn(M2, 1024, device=dev))  # noqa: E731
-    big = {}
-    for name, v in [("simt", dict(kind=tuning.SIMT)), ("simt_bk64", dict(kind=tuning.SIMT, tuning_=(41, 64, 1))),
-                    ("lowk_generic", dict(kind=tuning.LOWK, generic=True)),
-                    ("lowk_generic_1blk", dict(kind=tuning.LOWK, generic=True, min_blocks=1))]:
-        fn = launcher(km.preset("l1"), {}, out, **v)
-        t = time_calls(fn, make, dev, repeats=5, warmup=1, keep_last=True)
-        a, b = t.last_inputs
-        err = rel(out[:128], torch.cdist(a[:128].double(), b.double(), 1.0))
-        big[name] = (round(t.median_ms, 3), float(f"{err:.2e}"))
-        print(f"K=1024 p=1 {M2}^2 {name}: {t.median_ms:.2f} ms err {err:.2e}", flush=True)
-    res["k1024_p1"] = big
-    del out
+    if args.k1024:  # cdist p=1 at 30000^2 x 1024: the SIMT kernel (default and kBlockK 64), the run-time-K low-K kernel
+        M2 = 3000 if args.quick else 30000
+        out = torch.empty(M2, M2, device=dev)
+        make = lambda: (torch.randn(M2, 1024, device=dev), torch.randn(M2, 1024, device=dev))  # noqa: E731
+        big = {}
+        for name, v in [("simt", dict(kind=tuning.SIMT)), ("simt_bk64", dict(kind=tuning.SIMT, tuning_=(41, 64, 1))),
+                        ("lowk_generic", dict(kind=tuning.LOWK, generic=True))]:
+            fn = launcher(km.preset("l1"), {}, out, **v)
+            t = time_calls(fn, make, dev, repeats=5, warmup=1, keep_last=True)
+            a, b = t.last_inputs
+            err = rel(out[:128], torch.cdist(a[:128].double(), b.double(), 1.0))
+            big[name] = (round(t.median_ms, 3), float(f"{err:.2e}"))
+            print(f"K=1024 p=1 {M2}^2 {name}: {t.median_ms:.2f} ms err {err:.2e}", flush=True)
+        res["k1024_p1"] = big
+        del out
     # 1000 problems of 256 x 256, K = 3, one bandwidth each
     L = 1000
     bw = torch.linspace(0.5, 4.0, L, device=dev)
@@ -128,10 +152,10 @@ def main():
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=1))
     # short table last
-    print("\n| op | K | " + " | ".join(["lowk", "lowk_generic", "simt", "tensor_core", "torch"]) + " |")
+    cols = ["lowk", "lowk_tn32", "lowk_tn64", "lowk_generic", "simt", "tensor_core", "torch"]
+    print("\n| op | K | " + " | ".join(cols) + " |")
     for r in res["rows"]:
-        print(f"| {r['op']} | {r['K']} | " + " | ".join(
-            f"{r[k]:.3f}" if k in r else "-" for k in ["lowk", "lowk_generic", "simt", "tensor_core", "torch"]) + " |")
+        print(f"| {r['op']} | {r['K']} | " + " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in cols) + " |")
     print(f"floor {floor:.4f} ms")
 
 

@@ -300,6 +300,7 @@ def run_child(cfg, cache_dir):
 
 # -- low K: the output write is the floor (bench/notes/lowk.md) ----------------------------------
 LOWK_K = (1, 3, 8, 16, 32, 64, 128, 256)
+LOWK_K_QUICK = (1, 3, 64)  # --quick (CI, the reference path): a lean sweep
 LOWK_OPS = ("cdist_p1", "cdist_p2", "laplace_l2", "gaussian_l2")
 LOWK_SIZES = dict(full=(20000, 20000, (1000, 256, 256)), quick=(256, 256, (8, 64, 64)))
 
@@ -334,7 +335,7 @@ def bench_lowk(bench):
         }
 
     torch_slow = {"cdist_p1"}  # torch's p=1 cdist takes ~0.5 s at 20000^2: 2 repeats
-    for K in LOWK_K:
+    for K in LOWK_K_QUICK if bench.args.quick else LOWK_K:
         make = lambda K=K: (bench.randn(M, K), bench.randn(N, K))  # noqa: E731
         for name, (ours_fn, torch_fn, ref_fn, kermac_fn) in ops(K).items():
             out.fill_(float("nan"))  # poison: every entry must be written

@@ -161,13 +161,23 @@ def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N) -> LaunchShape:
     return LaunchShape(threads=256, block_m=bm, block_n=bn, smem_bytes=(chunk * (bm + 4) + (chunk + 1) * (bn + 4)) * 4)
 
 
+def lowk_threads_n(K: int) -> int:
+    """The tile shape for K (H200, bench/notes/lowk.md, run 2): 64 x 256 tiles up to K = 4
+    (longer store runs; p=1 K=3 0.547 -> 0.529 ms, p=2 0.684 -> 0.637), 128 x 128 beyond
+    (a's reuse: p=1 K=8 0.596 vs 0.644)."""
+    return 32 if K <= 4 else LOWK_THREADS_N
+
+
 def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS,
-              threads_n: int = LOWK_THREADS_N) -> KernelSpec:
+              threads_n: int | None = None) -> KernelSpec:
     """The low-K instantiation for inputs of layouts ``a``, ``b`` and dimension ``K``
     (output row-major; the caller swaps the operands for a column-major out).
     ``min_blocks`` (kMinBlocksPerSm, 1..3) and ``threads_n`` (kThreadsN: 16, 32, 64 for
-    128 x 128, 64 x 256, 32 x 512 tiles): tuning; the defaults render no extra arguments."""
+    128 x 128, 64 x 256, 32 x 512 tiles; default :func:`lowk_threads_n`): tuning; the
+    template defaults (2, 16) render no extra arguments."""
     kk = lowk_bucket(K)
+    if threads_n is None:
+        threads_n = lowk_threads_n(K)
     args = [int(min_blocks), int(threads_n)]
     defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N]
     while args and args[-1] == defaults[len(args) - 1]:

@@ -110,7 +110,8 @@ def test_odd_sizes_layouts_and_poison(K, col_out, threads_n):
         b = torch.randn(K, N, device="cuda").t()  # column-major b
         out = torch.full((N, M), float("nan"), device="cuda").t() if col_out else \
             torch.full((M, N), float("nan"), device="cuda")
-        kw = dict(bandwidth=2.0, regularization=0.5, regularization_offset_x=3, epsilon=0.2)
+        # bandwidth at the distance scale sqrt(2K): exp of O(1) arguments (well conditioned)
+        kw = dict(bandwidth=(2.0 * K) ** 0.5, regularization=0.5, regularization_offset_x=3, epsilon=0.2)
         run_lowk(desc, a, b, out, threads_n=threads_n, **kw)
         assert rel(out, reference(desc, a, b, **kw)) <= 5e-7, (M, N, K, col_out)
 

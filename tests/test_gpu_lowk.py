@@ -12,7 +12,10 @@ import pytest
 import torch
 
 import kermac_like as km
-from kermac_like import distance, tuning
+from kermac_like import plan as distance
+from kermac_like.layout import analyse_output
+from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
+from kermac_like.runtime import autotune as tuning
 from kermac_like.reference import distance_reference
 
 pytestmark = pytest.mark.gpu
@@ -40,13 +43,16 @@ def hyper(desc, a, b):
 
 def run_lowk(desc, a, b, out, threads_n=None, **kw):
     """run_kernel forced onto the low-K kernel (``threads_n``: its tile shape); returns out."""
-    call = distance.prepare_call(desc, a, b, **kw)
-    distance.analyse_output("out", out, call.out_shape, call.dtype, call.device)
+    call = prepare_call(desc, a, b, **kw)
+    analyse_output("out", out, call.out_shape, call.dtype, call.device)
     orig = distance.lowk_spec
     if threads_n is not None:
         distance.lowk_spec = lambda *x: orig(*x, threads_n=threads_n)
     try:
-        res = distance._launch_distance(call, out, distance.COMPUTE_MODES[0], False, kind=tuning.LOWK)
+        plan = distance._plan_distance_gpu(call, out, COMPUTE_MODES[0], False, distance.Settings.current(),
+                                           kind=tuning.LOWK)
+        assert plan.family == "distance_lowk"
+        res = plan.run()
     finally:
         distance.lowk_spec = orig
     assert res is out
@@ -71,9 +77,9 @@ def warm_cache():
     """Compile the instantiations this module launches up front, in parallel processes."""
     import os
 
-    from kermac_like.compiler import arch_of_device, precompile_specs
     from kermac_like.layout import Layout
-    from kermac_like.render import lowk_spec
+    from kermac_like.runtime.compiler import arch_of_device, precompile_specs
+    from kermac_like.runtime.specs import lowk_spec
 
     R, C = Layout.ROW_MAJOR, Layout.COL_MAJOR
     specs = [lowk_spec(d, R, R, K) for d in ALL for K in KS]
@@ -159,7 +165,7 @@ def test_default_choice_is_low_k_and_exact_for_cdist_p2(caplog):
 
 
 def test_autotune_times_stores_and_reuses(tmp_path, monkeypatch, caplog):
-    from kermac_like.cache import reset_cache
+    from kermac_like.runtime.cache import reset_cache
 
     monkeypatch.setenv("KERMAC_LIKE_CACHE_DIR", str(tmp_path))
     reset_cache()
@@ -171,7 +177,7 @@ def test_autotune_times_stores_and_reuses(tmp_path, monkeypatch, caplog):
     assert rel(out, torch.cdist(x.double(), y.double())) <= 1e-5  # the winner may be 3xTF32
     import sqlite3
 
-    from kermac_like.cache_read import DB_FILENAME
+    from kermac_like.runtime.cache import DB_FILENAME
 
     rows = sqlite3.connect(str(tmp_path / DB_FILENAME)).execute("SELECT key, choice, timings FROM tuning").fetchall()
     assert len(rows) == 1

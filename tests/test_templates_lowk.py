@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import test_templates_distance as td
-from kermac_like import render
-from kermac_like.compiler import compile_specs
+from kermac_like.runtime import specs as render
+from kermac_like.runtime.compiler import compile_specs
 from kermac_like.descriptor import PRESETS
 from kermac_like.layout import Layout
 

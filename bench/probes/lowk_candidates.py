@@ -1,4 +1,4 @@
-"""Every kernel kind on the low-K sweep (the data behind tuning.py's default table).
+"""Every kernel kind on the low-K sweep (the data behind runtime/autotune.py's default table).
 
     python bench/probes/lowk_candidates.py [--quick] [--json out.json]
 
@@ -25,7 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 import kermac_like as km  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
-from kermac_like import distance, render, tuning  # noqa: E402
+from kermac_like import plan as distance  # noqa: E402
+from kermac_like.ops.distance import COMPUTE_MODES, prepare_call  # noqa: E402
+from kermac_like.runtime import autotune as tuning  # noqa: E402
+from kermac_like.runtime import specs as render  # noqa: E402
 
 OPS = {"cdist_p1": ("l1", {}), "cdist_p2": ("l2", {}), "laplace_l2": ("laplace_l2", {"bw": 1}),
        "gaussian_l2": ("gaussian_l2", {"bw": 1})}
@@ -44,8 +47,8 @@ def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=Non
         saved = render.LOWK_GENERIC_MAX_K
         distance.LOWK_GENERIC_MAX_K = 1 << 20
         try:
-            call = distance.prepare_call(desc, a, b, **kw)
-            distance._launch_distance(call, out, distance.COMPUTE_MODES[0], False, kind=kind)
+            call = prepare_call(desc, a, b, **kw)
+            distance._plan_distance_gpu(call, out, COMPUTE_MODES[0], False, distance.Settings.current(), kind).run()
         finally:
             distance.lowk_spec, distance.distance_spec = orig_lowk, orig_simt
             distance.LOWK_GENERIC_MAX_K = saved
@@ -65,7 +68,7 @@ def precompile(ks):
     """Every low-K instantiation the sweep launches, in parallel processes."""
     import os
 
-    from kermac_like.compiler import arch_of_device, precompile_specs
+    from kermac_like.runtime.compiler import arch_of_device, precompile_specs
     from kermac_like.layout import Layout
 
     R = Layout.ROW_MAJOR

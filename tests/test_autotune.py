@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import kermac_like as km
-from kermac_like import tuning
-from kermac_like.cache import KernelCache
+from kermac_like.runtime import autotune as tuning
+from kermac_like.runtime.cache import KernelCache
 
 IF = "use_mm_for_euclid_dist_if_necessary"
 MM = "use_mm_for_euclid_dist"
@@ -70,7 +70,7 @@ def test_autotune_flag(monkeypatch):
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     """choose() on a CPU: a fixed tuning key, fake per-kind timings, a private cache."""
-    from kermac_like.cache import reset_cache
+    from kermac_like.runtime.cache import reset_cache
 
     monkeypatch.setenv("KERMAC_LIKE_CACHE_DIR", str(tmp_path))
     reset_cache()

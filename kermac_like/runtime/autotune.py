@@ -29,9 +29,9 @@ import threading
 
 import torch
 
-from .descriptor import InnerOperator, KernelDescriptor, PowerType
+from ..descriptor import InnerOperator, KernelDescriptor, PowerType
 
-log = logging.getLogger("kermac_like.tuning")
+log = logging.getLogger("kermac_like.autotune")
 
 __all__ = ["LOWK", "SIMT", "TENSOR_CORE", "candidates", "default_choice", "tuning_key", "choose",
            "autotune_enabled", "stored", "AUTOTUNE_REPEATS"]
@@ -68,7 +68,7 @@ def _tensor_core_ok(desc: KernelDescriptor, dtype: torch.dtype, compute_mode: st
 
 def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode: str) -> list:
     """The kinds that can serve a call."""
-    from .render import LOWK_GENERIC_MAX_K
+    from .specs import LOWK_GENERIC_MAX_K
 
     out = []
     if _tensor_core_ok(desc, dtype, compute_mode) and compute_mode == "use_mm_for_euclid_dist":
@@ -114,8 +114,8 @@ def default_choice(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_m
 
 def tuning_key(call, out: torch.Tensor, compute_mode: str, tf32: bool) -> str:
     """The problem class of a call on its device (see the module docstring)."""
+    from ..layout import Layout, analyse_matrix
     from .compiler import template_hash
-    from .layout import Layout, analyse_matrix
 
     dev = call.device
     cap = torch.cuda.get_device_capability(dev)

@@ -1,0 +1,82 @@
+"""Mirror of kermac_like::DistanceLowKTraits (cuda_templates/distance_lowk.cuh), the
+exact SIMT kernel for low dimension K: launch constants, the K bucket and tile shape a
+call gets, the shipped set."""
+
+from __future__ import annotations
+
+from ...descriptor import PRESETS, KernelDescriptor
+from ...layout import Layout
+from .kernel_spec import KernelSpec, LaunchShape
+
+__all__ = ["LOWK_MAX_K", "LOWK_GENERIC_MAX_K", "lowk_bucket", "lowk_threads_n", "lowk_launch", "lowk_spec",
+           "shipped"]
+
+# Mirror of kermac_like::DistanceLowKTraits (cuda_templates/distance_lowk.cuh): 256 threads,
+# 128 x 128 outputs per block, row-major output (a column-major out is launched as out^T),
+# the dynamic shared memory holds kChunkK k of both operands' tiles.
+LOWK_MAX_K = 64  # largest compile-time kK; beyond it the generic (kK = 0) variant
+LOWK_GENERIC_MAX_K = 256  # one running sum per output: the generic variant serves K up to here
+LOWK_MIN_BLOCKS = 2  # default of kMinBlocksPerSm (renders no extra argument)
+
+
+def lowk_bucket(K: int) -> int:
+    """The compile-time kK that serves ``K`` (k >= K zero-filled): K itself up to 8, then
+    multiples of 4 up to 16 and of 8 up to 64; 0 (K at run time) beyond."""
+    if K <= 8:
+        return max(int(K), 1)
+    if K <= 16:
+        return -(-K // 4) * 4
+    if K <= LOWK_MAX_K:
+        return -(-K // 8) * 8
+    return 0
+
+
+LOWK_THREADS_N = 16  # default of kThreadsN: 128 x 128 tiles
+
+
+def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N) -> LaunchShape:
+    bm, bn = (256 // threads_n) * 8, threads_n * 8
+    chunk = kk if kk > 0 else 8192 // (bm + bn) // 4 * 4
+    return LaunchShape(threads=256, block_m=bm, block_n=bn, smem_bytes=(chunk * (bm + 4) + (chunk + 1) * (bn + 4)) * 4)
+
+
+def lowk_threads_n(K: int) -> int:
+    """The tile shape for K (H200, bench/notes/lowk.md, run 2): 64 x 256 tiles up to K = 4
+    (longer store runs; p=1 K=3 0.547 -> 0.529 ms, p=2 0.684 -> 0.637), 128 x 128 beyond
+    (a's reuse: p=1 K=8 0.596 vs 0.644)."""
+    return 32 if K <= 4 else LOWK_THREADS_N
+
+
+def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS,
+              threads_n: int | None = None) -> KernelSpec:
+    """The low-K instantiation for inputs of layouts ``a``, ``b`` and dimension ``K``
+    (output row-major; the caller swaps the operands for a column-major out).
+    ``min_blocks`` (kMinBlocksPerSm, 1..3) and ``threads_n`` (kThreadsN: 16, 32, 64 for
+    128 x 128, 64 x 256, 32 x 512 tiles; default :func:`lowk_threads_n`): tuning; the
+    template defaults (2, 16) render no extra arguments."""
+    kk = lowk_bucket(K)
+    if threads_n is None:
+        threads_n = lowk_threads_n(K)
+    args = [int(min_blocks), int(threads_n)]
+    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N]
+    while args and args[-1] == defaults[len(args) - 1]:
+        args.pop()
+    extra = "".join(f", {x}" for x in args)
+    traits = f"kermac_like::DistanceLowKTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {kk}{extra}>"
+    return KernelSpec("distance_lowk.cuh", "kermac_like::distance_lowk_kernel", traits,
+                      lowk_launch(kk, threads_n))
+
+
+# The low-K set: row-major inputs (either output layout: one kernel), the presets a
+# low-dimensional user reaches first (cdist p=1/p=2, the Laplace and Gaussian kernels),
+# K = 1..8, 16, 32, 64 and the generic variant; other (K, descriptor, layout) combinations
+# compile on first use.
+LOWK_SHIPPED_K = (1, 2, 3, 4, 8, 0)
+LOWK_SHIPPED_PRESETS = ("l1", "l2", "laplace_l2", "gaussian_l2")
+
+
+def shipped():
+    row = Layout.ROW_MAJOR
+    for name in LOWK_SHIPPED_PRESETS:
+        for K in LOWK_SHIPPED_K:
+            yield lowk_spec(PRESETS[name], row, row, K if K else LOWK_MAX_K + 1)

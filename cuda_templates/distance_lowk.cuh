@@ -36,7 +36,7 @@
 namespace kermac_like {
 
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, Layout kLayoutA_,
-          Layout kLayoutB_, int kK_, int kMinBlocksPerSm_ = 2, int kThreadsN_ = 16>
+          Layout kLayoutB_, int kK_, int kMinBlocksPerSm_ = 2, int kThreadsN_ = 16, bool kMufuEpilogue_ = true>
 struct DistanceLowKTraits {
   static_assert(kInner_ != Inner::Dot || kInnerPow_ == Power::Noop,
                 "DistanceLowKTraits: Inner::Dot requires inner power Power::Noop");
@@ -63,6 +63,10 @@ struct DistanceLowKTraits {
   static constexpr Layout kLayoutB = kLayoutB_;
   static constexpr Layout kLayoutOut = Layout::RowMajor;
   static constexpr int kK = kK_;
+  // Square root and exponential of the epilogue on MUFU (exact::finish_mufu) instead of
+  // the IEEE sqrtf / expf sequences (exact::finish): at K <= 8 the epilogue is a large
+  // part of the issued instructions.
+  static constexpr bool kMufuEpilogue = kMufuEpilogue_;
 
   static constexpr int kThreads = 256;
   static constexpr int kThreadsN = kThreadsN_, kThreadsM = kThreads / kThreadsN_;  // thread grid
@@ -283,7 +287,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
         const int c = h * (BN / 2) + tn * 4;
         float y[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) y[e] = exact::finish<Tr>(acc[i][h * 4 + e], ea);
+        for (int e = 0; e < 4; ++e)
+          y[e] = Tr::kMufuEpilogue ? exact::finish_mufu<Tr>(acc[i][h * 4 + e], ea)
+                                   : exact::finish<Tr>(acc[i][h * 4 + e], ea);
         if (lam != 0.0f) {  // the regularised column of row r, relative to c
           const int dc = r + target - c;
 #pragma unroll

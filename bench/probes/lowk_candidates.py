@@ -34,14 +34,14 @@ OPS = {"cdist_p1": ("l1", {}), "cdist_p2": ("l2", {}), "laplace_l2": ("laplace_l
        "gaussian_l2": ("gaussian_l2", {"bw": 1})}
 
 
-def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=None, threads_n=16):
+def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=None, threads_n=None, mufu=True):
     orig_lowk, orig_simt = distance.lowk_spec, distance.distance_spec
 
     def fn(a, b):
-        if generic or min_blocks or threads_n != 16:
+        if generic or min_blocks or threads_n or not mufu:
             distance.lowk_spec = lambda d, la, lb, K: orig_lowk(
                 d, la, lb, render.LOWK_MAX_K + 1 if generic else K,
-                min_blocks=min_blocks or render.LOWK_MIN_BLOCKS, threads_n=threads_n)
+                min_blocks=min_blocks or render.LOWK_MIN_BLOCKS, threads_n=threads_n, mufu_epilogue=mufu)
         if tuning_:
             distance.distance_spec = lambda *x, **y: orig_simt(*x, tuning=tuning_)
         saved = render.LOWK_GENERIC_MAX_K
@@ -57,8 +57,10 @@ def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=Non
 
 
 def VARIANTS(K):
-    v = [("lowk", dict(kind=tuning.LOWK)), ("lowk_tn32", dict(kind=tuning.LOWK, threads_n=32)),
-         ("lowk_tn64", dict(kind=tuning.LOWK, threads_n=64)), ("simt", dict(kind=tuning.SIMT))]
+    """lowk: the default spec (tile by K, MUFU epilogue); lowk_ieee: IEEE sqrtf/expf epilogue."""
+    v = [("lowk", dict(kind=tuning.LOWK)), ("lowk_ieee", dict(kind=tuning.LOWK, mufu=False)),
+         ("lowk_tn16", dict(kind=tuning.LOWK, threads_n=16)), ("lowk_tn32", dict(kind=tuning.LOWK, threads_n=32)),
+         ("simt", dict(kind=tuning.SIMT))]
     if K > 8:
         v.insert(1, ("lowk_generic", dict(kind=tuning.LOWK, generic=True)))
     return v
@@ -76,8 +78,9 @@ def precompile(ks):
     for pname, _ in OPS.values():
         d = km.preset(pname)
         for K in ks:
-            for t in (16, 32, 64):
+            for t in (16, 32):
                 specs.append(render.lowk_spec(d, R, R, K, threads_n=t))
+            specs.append(render.lowk_spec(d, R, R, K, mufu_epilogue=False))
         specs.append(render.lowk_spec(d, R, R, 1000))
         specs.append(render.distance_spec(d, R, R, R, 1))
     print(precompile_specs(specs, arch_of_device(torch.device("cuda")), processes=os.cpu_count()), flush=True)
@@ -92,11 +95,12 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 3, 8, 16, 32, 37, 64, 128])
     ap.add_argument("--k1024", action="store_true", help="also cdist p=1 at 30000^2 x 1024")
     args = ap.parse_args()
     dev = torch.device("cuda")
     M = N = 2000 if args.quick else 20000
-    ks = (1, 3, 8, 16, 32, 37, 64, 128)
+    ks = tuple(args.ks)
     precompile(ks)
     out = torch.empty(M, N, device=dev)
     floor = time_calls(lambda o: o.fill_(1.0), lambda: (out,), dev, repeats=args.reps, warmup=2).median_ms
@@ -155,7 +159,7 @@ def main():
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=1))
     # short table last
-    cols = ["lowk", "lowk_tn32", "lowk_tn64", "lowk_generic", "simt", "tensor_core", "torch"]
+    cols = ["lowk", "lowk_ieee", "lowk_tn16", "lowk_tn32", "lowk_generic", "simt", "tensor_core", "torch"]
     print("\n| op | K | " + " | ".join(cols) + " |")
     for r in res["rows"]:
         print(f"| {r['op']} | {r['K']} | " + " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in cols) + " |")

@@ -48,17 +48,18 @@ def lowk_threads_n(K: int) -> int:
 
 
 def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS,
-              threads_n: int | None = None) -> KernelSpec:
+              threads_n: int | None = None, mufu_epilogue: bool = True) -> KernelSpec:
     """The low-K instantiation for inputs of layouts ``a``, ``b`` and dimension ``K``
     (output row-major; the caller swaps the operands for a column-major out).
     ``min_blocks`` (kMinBlocksPerSm, 1..3) and ``threads_n`` (kThreadsN: 16, 32, 64 for
     128 x 128, 64 x 256, 32 x 512 tiles; default :func:`lowk_threads_n`): tuning; the
-    template defaults (2, 16) render no extra arguments."""
+    template defaults (2, 16) render no extra arguments. ``mufu_epilogue``: square root and
+    exponential on MUFU (default) or the IEEE sqrtf/expf sequences."""
     kk = lowk_bucket(K)
     if threads_n is None:
         threads_n = lowk_threads_n(K)
-    args = [int(min_blocks), int(threads_n)]
-    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N]
+    args = [int(min_blocks), int(threads_n), "true" if mufu_epilogue else "false"]
+    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N, "true"]
     while args and args[-1] == defaults[len(args) - 1]:
         args.pop()
     extra = "".join(f", {x}" for x in args)

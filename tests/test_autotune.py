@@ -40,9 +40,9 @@ def test_candidates_follow_dtype_k_and_compute_mode():
 def test_default_table():
     f32 = torch.float32
     for name in ("l1", "l2", "laplace_l2", "gaussian_l2", "p_norm", "dot"):
-        for K in (1, 3):
+        for K in (1, 3, 8):
             assert tuning.default_choice(km.preset(name), f32, K, IF) == "lowk", (name, K)
-    for K in (8, 37, 64):
+    for K in (9, 37, 64):
         assert tuning.default_choice(km.preset("l1"), f32, K, IF) == "lowk"
         assert tuning.default_choice(km.preset("p_norm"), f32, K, IF) == "lowk"
         assert tuning.default_choice(km.preset("laplace_l2"), f32, K, IF) == "tensor-core"

@@ -144,7 +144,7 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     p = 0, p = inf and float64/float16/bfloat16 inputs take the torch reference
     path (on the inputs' device).
     At low K an exact output-write-bound kernel serves every p (up to K = 64; for
-    p = 2 up to K = 4, tensor cores beyond: the default table of
+    p = 2 up to K = 8, tensor cores beyond: the default table of
     kermac_like/runtime/autotune.py); ``autotune`` as in :func:`run_kernel`.
     """
     debug = _debug.resolve(debug)

@@ -637,7 +637,9 @@ def main(argv=None):
     (out / "table.md").write_text(table)
     why = plot(rows, out / "speedup.png", f"kermac_like speed-ups, {dev_name}, {meta['date'][:10]}")
     if "lowk" in wanted:
-        why_k = plot_lowk(rows, out / "lowk.png", f"low K, M = N = {rows[0]['size'].split('x')[0]}, {dev_name}")
+        first = next((r for r in rows if r.get("op") in LOWK_OPS), None)
+        size = first["size"].split("x")[0] if first else "?"
+        why_k = plot_lowk(rows, out / "lowk.png", f"low K, M = N = {size}, {dev_name}")
         print(f"wrote {out / 'lowk.png'}" if why_k is None else f"no lowk.png ({why_k})")
     print(f"wrote {out / 'results.json'}, {out / 'table.md'}"
           + (f", {out / 'speedup.png'}" if why is None else f" ({why})")

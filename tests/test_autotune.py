@@ -44,7 +44,7 @@ def test_default_table():
             assert tuning.default_choice(km.preset(name), f32, K, IF) == "lowk", (name, K)
     for K in (9, 37, 64):
         assert tuning.default_choice(km.preset("l1"), f32, K, IF) == "lowk"
-        assert tuning.default_choice(km.preset("p_norm"), f32, K, IF) == "lowk"
+        assert tuning.default_choice(km.preset("p_norm"), f32, K, IF) == ("lowk" if K <= 16 else "simt")
         assert tuning.default_choice(km.preset("laplace_l2"), f32, K, IF) == "tensor-core"
     assert tuning.default_choice(km.preset("l2"), f32, 1024, IF) == "tensor-core"
     assert tuning.default_choice(km.preset("l1"), f32, 1024, IF) == "simt"

@@ -86,7 +86,10 @@ def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode:
 # K in {1, 3, 8, 16, 32, 37, 64, 128, 256} (bench/notes/lowk.md): the low-K kernel up to
 # this K for each descriptor class; beyond it the tensor cores where they apply (Euclidean
 # and DOT; K zero-padded to whole 16-byte rows), else the K-blocked SIMT kernel.
-LOWK_UP_TO = {"abs": 64, "pow": 64, "square": 64, "dot": 64}
+# Fractional p: measured at K <= 8 only; up to 16 it is the low-K kernel (the SIMT kernel
+# pads K to 32), beyond the SIMT kernel (its compile is 0.35 s; the low-K POW build at
+# K = 64 took 1.8 s on a first call, bench/notes/lowk.md).
+LOWK_UP_TO = {"abs": 64, "pow": 16, "square": 64, "dot": 64}
 # tensor cores first from this K on, where they apply: with the MUFU epilogue the low-K
 # kernel wins up to K = 8 (run 3: cdist p=2 0.637 vs 0.743 ms, Laplace 0.653 vs 0.781)
 TENSOR_CORE_FROM = {"square": 9, "dot": 9}

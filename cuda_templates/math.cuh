@@ -77,6 +77,32 @@ __device__ __forceinline__ float ex2_approx(float t) {
 #endif
 }
 
+// Round-to-nearest fp32 add / subtract / fma that the compiler may not contract or
+// reorder (__fadd_rn etc.), with plain C++ equivalents for the host emulations.
+__device__ __forceinline__ float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+__device__ __forceinline__ float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
 // sqrt(x) on MUFU (relative error ~2^-23); denormal x flushed to 0.
 __device__ __forceinline__ float sqrt_approx(float x) {
 #if defined(__CUDA_ARCH__)
@@ -199,16 +225,16 @@ template <class Tr>
 __device__ __forceinline__ float accumulate(float acc, float x, float y, int i, int j,
                                             const math::PowArgs& pw) {
   if constexpr (Tr::kInner == Inner::Dot) {
-    return __fmaf_rn(x, y, acc);
+    return math::fma_rn(x, y, acc);
   } else {
-    const float d = __fsub_rn(x, y);
+    const float d = math::sub_rn(x, y);
     if constexpr (Tr::kInnerPow == Power::Abs) {
-      return __fadd_rn(acc, fabsf(d));
+      return math::add_rn(acc, fabsf(d));
     } else if constexpr (Tr::kInnerPow == Power::Square) {
-      return __fmaf_rn(d, d, acc);
+      return math::fma_rn(d, d, acc);
     } else {  // Power::Pow
       if (Tr::exp2_on_fma(i, j)) return math::abs_pow_fma_acc(acc, d, pw);
-      return __fadd_rn(acc, math::abs_pow_mufu(d, pw.p));
+      return math::add_rn(acc, math::abs_pow_mufu(d, pw.p));
     }
   }
 }

@@ -2,10 +2,10 @@
 
 Public API::
 
-    cdist(x1, x2, p=2.0, *, out=None, skip_epilogue=False, compute_mode=..., debug=False)
+    cdist(x1, x2, p=2.0, *, out=None, skip_epilogue=False, compute_mode=..., autotune=None, debug=False)
     run_kernel(descriptor, a, b, *, out=None, p=None, inner_p=None, outer_p=None, bandwidth=None,
                regularization=None, regularization_offset_x=0, regularization_offset_y=0,
-               epsilon=None, debug=False)
+               epsilon=None, autotune=None, debug=False)
     cdist_grad(a, b, c, d, *, out=None, p=2.0, debug=False)
     precompile(descriptors, device=None, debug=False)
     KernelDescriptor, InnerOperator, PowerType, KernelType, PRESETS, preset

@@ -34,7 +34,7 @@ from ..descriptor import InnerOperator, KernelDescriptor, PowerType
 log = logging.getLogger("kermac_like.autotune")
 
 __all__ = ["LOWK", "SIMT", "TENSOR_CORE", "candidates", "default_choice", "tuning_key", "choose",
-           "autotune_enabled", "stored", "AUTOTUNE_REPEATS"]
+           "autotune_enabled", "stored", "measure", "forget", "AUTOTUNE_REPEATS"]
 
 LOWK, SIMT, TENSOR_CORE = "lowk", "simt", "tensor-core"
 AUTOTUNE_REPEATS = 5
@@ -57,7 +57,7 @@ def k_bucket(K: int) -> int:
 
 
 def size_bucket(n: int) -> int:
-    """log2 of n, rounded up (1 for n <= 1)."""
+    """log2 of n, rounded up (0 for n <= 1)."""
     return max(int(n) - 1, 0).bit_length()
 
 
@@ -165,7 +165,7 @@ def _time_kind(run, kind: str, device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def autotune(key: str, cands: list, run, device, *, repeats: int = AUTOTUNE_REPEATS, debug: bool = False):
+def measure(key: str, cands: list, run, device, *, repeats: int = AUTOTUNE_REPEATS, debug: bool = False):
     """Time ``run(kind)`` for every candidate; store and return (winner, timings)."""
     from .cache import get_cache
 
@@ -208,7 +208,7 @@ def choose(call, out: torch.Tensor, compute_mode: str, tf32: bool, run, *, autot
             choice, timings = found
             source = "stored"
         else:
-            choice, timings = autotune(key, cands, run, call.device, debug=debug)
+            choice, timings = measure(key, cands, run, call.device, debug=debug)
             source = "measured now"
         _memo[key] = choice
     if debug:

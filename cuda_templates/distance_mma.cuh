@@ -39,7 +39,10 @@
 // sqrt(eps_fp32 * (||x||^2 + ||y||^2)) in the distance, like torch.cdist's
 // matrix-product path. Squared distances are clamped at 0.
 //
-// Non-finite inputs give NaN (the operand split subtracts inf from inf).
+// Non-finite inputs (tests/test_nonfinite.py): a NaN coordinate gives NaN in its
+// row (column) of the output, every epilogue included. An infinite coordinate
+// gives what torch.cdist's matrix-product path gives (IEEE fp32 products in
+// ||x||^2 + ||y||^2 - 2 x.y): +inf or NaN (inf - inf), see split_tf32x3.
 #pragma once
 
 #include "common.cuh"
@@ -76,6 +79,22 @@ struct SameType<A, A> {
 // Round an fp32 bit pattern to TF32, to nearest with ties away from zero (the
 // rounding of cvt.rna.tf32.f32, without its special case for inf/NaN).
 __device__ __forceinline__ unsigned tf32_rna(unsigned x) { return (x + 0x1000u) & 0xffffe000u; }
+
+// The 3xTF32 split x = big + small of one operand, with infinities kept apart
+// from NaN. The plain split of x = +-inf gives big = +-inf and small = inf - inf
+// = NaN, so every product with that coordinate would be NaN, where torch's
+// matrix-product path (fp32 IEEE products) has +-inf or, against a 0, NaN.
+// Here big comes from x clamped to +-2^64 (beyond it x^2 overflows fp32, so the
+// norm expansion is inf or NaN anyway): x = +-inf gives big = +-2^64 and small
+// = +-inf, and the three products big*b_small + small*b_big + big*b_big are
+// +-inf or NaN exactly where the IEEE product x*y is (for |y| below 2^40, where
+// 2^64 * y_small cannot overflow against the sign of x*y). NaN stays NaN
+// (through small). Cost: two FMNMX per split value.
+__device__ __forceinline__ void split_tf32x3(unsigned x, unsigned& big, unsigned& small) {
+  const float xf = __uint_as_float(x);
+  big = tf32_rna(__float_as_uint(fminf(fmaxf(xf, -18446744073709551616.f), 18446744073709551616.f)));
+  small = tf32_rna(__float_as_uint(xf - __uint_as_float(big)));
+}
 
 // ------------------------------------------------------------ PTX primitives
 // Everything that is inline PTX. tests/test_templates_mma.py defines
@@ -257,7 +276,9 @@ struct EntryEpilogue {
                                               bool plain = false, bool fma_exp = false) const {
     float d, d2 = 0.f;
     if constexpr (kDiff) {
-      d2 = fmaxf(fmaf(-2.f, dot, na + nb), 0.f);
+      // Clamped at 0 against cancellation; NaN (a NaN coordinate, or inf - inf of the
+      // expansion) stays NaN, as in torch.cdist's matrix-product path.
+      d2 = math::fmax_nan(fmaf(-2.f, dot, na + nb), 0.f);
       d = Traits::kOuter == Power::Sqrt ? sqrt_approx(d2) : d2;
     } else {
       d = dot;
@@ -545,9 +566,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             if constexpr (Traits::kPrecision == Precision::Tf32x3) {
-              a_big[i][r] = tf32_rna(raw[r]);
-              a_small[i][r] =
-                  tf32_rna(__float_as_uint(__uint_as_float(raw[r]) - __uint_as_float(a_big[i][r])));
+              split_tf32x3(raw[r], a_big[i][r], a_small[i][r]);
             } else if constexpr (Traits::kPrecision == Precision::Tf32) {
               a_big[i][r] = tf32_rna(raw[r]);
             } else {
@@ -560,9 +579,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           const uint2 rb =
               *reinterpret_cast<const uint2*>(stage + frag_b_row + (j * 8) * kRowBytes + frag_col[s]);
           if constexpr (Traits::kPrecision == Precision::Tf32x3) {
-            const unsigned b0 = tf32_rna(rb.x), b1 = tf32_rna(rb.y);
-            const unsigned b0s = tf32_rna(__float_as_uint(__uint_as_float(rb.x) - __uint_as_float(b0)));
-            const unsigned b1s = tf32_rna(__float_as_uint(__uint_as_float(rb.y) - __uint_as_float(b1)));
+            unsigned b0, b1, b0s, b1s;
+            split_tf32x3(rb.x, b0, b0s);
+            split_tf32x3(rb.y, b1, b1s);
 #pragma unroll
             for (int i = 0; i < kTilesM; ++i) {
               // Small terms first: they are the least significant.

@@ -116,6 +116,17 @@ def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwi
 
 
 # -- paths -----------------------------------------------------------------------------
+def uses_mm(compute_mode: str, M: int, N: int) -> bool:
+    """torch.cdist's choice between the matrix-product (norm expansion) and the
+    direct-difference computation of p = 2 distances, mirrored so that both give
+    the same NaN and inf: "use_mm_for_euclid_dist_if_necessary" takes the matrix
+    product when either operand has more than 25 rows. Here the matrix-product
+    path is the tensor-core kernel, the direct one the exact SIMT kernel."""
+    if compute_mode == "use_mm_for_euclid_dist":
+        return True
+    return compute_mode == "use_mm_for_euclid_dist_if_necessary" and (M > 25 or N > 25)
+
+
 def _gpu_ok(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 0)
 
@@ -146,7 +157,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, tf32: bool
     if tf32 is None:
         tf32 = _tf32_allowed()
     tf32_types = (torch.float32, torch.float16, torch.bfloat16)
-    if call.desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist" and call.dtype in tf32_types:
+    if call.desc.is_euclidean and uses_mm(compute_mode, call.M, call.N) and call.dtype in tf32_types:
         av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
         bv = analyse_matrix("b", call.b, prefer=Layout.ROW_MAJOR)
         outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
@@ -358,6 +369,20 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     return forward(call, out, compute_mode=compute_mode, debug=debug)
 
 
+def _cdist_by_torch(x1, x2, p: float, out):
+    """p = 0 or inf: torch.cdist itself, so that NaN and inf behave exactly as there
+    (torch's p = inf maximum skips NaN on the CPU, p = 0 counts |NaN| as NaN); 16-bit
+    inputs, which torch.cdist does not take on every device, through float32 (exact:
+    p = 0 counts, p = inf picks one |difference|)."""
+    if x1.dtype in (torch.float32, torch.float64):
+        res = torch.cdist(x1, x2, p=p)
+    else:
+        res = torch.cdist(x1.float(), x2.float(), p=p).to(x1.dtype)
+    if out is None:
+        return res
+    return out.copy_(res)
+
+
 def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_epilogue: bool = False,
           compute_mode: str = COMPUTE_MODES[0], debug: bool = False) -> torch.Tensor:
     """Drop-in for ``torch.cdist``: p-norm distances between the rows of x1 (..., M, K)
@@ -365,11 +390,13 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
 
     ``skip_epilogue=True`` returns ``sum |x - y|^p`` without the ``1/p`` root.
     p = 1 and p = 2 use pow-free kernels; p = 2 runs on tensor cores (3xTF32,
-    fp32-grade) unless ``compute_mode="donot_use_mm_for_euclid_dist"``; on sm_90 that
+    fp32-grade) where torch.cdist would take its matrix-product path (``compute_mode``
+    "use_mm_for_euclid_dist", or the default with more than 25 rows in x1 or x2), and on
+    the exact kernel otherwise, so that NaN and inf come out as in torch.cdist; on sm_90 that
     path takes temporary GPU memory of about x2's size (twice for 3xTF32) for x2 in
     the kernel's tile layout.
-    p = 0, p = inf and float64/float16/bfloat16 inputs take the torch reference
-    path (on the inputs' device).
+    p = 0 and p = inf call torch.cdist; float64 inputs, and float16/bfloat16 inputs off
+    the tensor-core path, take the torch reference path (on the inputs' device).
     """
     debug = _debug.resolve(debug)
     check_tensor("x1", x1)
@@ -389,7 +416,7 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
             log.debug("cdist p=%s: reference path", p)
         if _needs_grad(x1, x2):
             return torch.cdist(x1, x2, p=p)
-        return cdist_reference(x1, x2, p, skip_epilogue=skip_epilogue, out=out)
+        return _cdist_by_torch(x1, x2, p, out)
     if p == 1:
         desc, kw = PRESETS["l1"], {}
     elif p == 2:

@@ -86,7 +86,23 @@ def cdist_grad(a, b, c, d, *, out=None, p=2.0, debug: bool = False) -> torch.Ten
             return res
         out.copy_(res)
         return out
-    return _launch_grad(a, b, c, d, p, out, batch, (K, M, N, O), debug)
+    out = _launch_grad(a, b, c, d, p, out, batch, (K, M, N, O), debug)
+    if not isinstance(p, torch.Tensor) and p == 1:
+        _sign_nan(out, b, d)
+    return out
+
+
+def _sign_nan(out, b, d):
+    """p = 1: sgn(NaN) is NaN (torch.cdist's backward; the reference), but the kernels'
+    sign step gives a NaN difference no weight, or -a. out[..., o, n, m] is NaN wherever
+    d[n, m] - b[n, k] is NaN for some k: a NaN in d[n, m] or in row n of b, or the same
+    infinity in both. Elementwise masks on the device (no host synchronisation)."""
+    if b.shape[-1] == 0:
+        return
+    bad = d.isnan() | b.isnan().any(-1, keepdim=True)
+    bad |= d.isposinf() & b.isposinf().any(-1, keepdim=True)
+    bad |= d.isneginf() & b.isneginf().any(-1, keepdim=True)
+    out.masked_fill_(bad.unsqueeze(-3), float("nan"))
 
 
 def _launch_grad(a, b, c, d, p, out, batch, sizes, debug):

@@ -364,6 +364,43 @@ def test_emulated_unaligned_output_takes_the_scalar_path(emulator):
         assert untouched and rel_error(y, ref) <= TOLERANCE[cfg[4]]
 
 
+def nonfinite_operands(M=40, N=30, K=20, seed=6):
+    """Random a (1, M, K), b (1, N, K) with a NaN (a row 3), infinities of both signs
+    against random-signed coordinates (a rows 5, 6), and the same +inf on both sides
+    (a row 5, b row 2: inf - inf)."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(1, M, K, generator=g), torch.randn(1, N, K, generator=g)
+    a[0, 3, 1] = float("nan")
+    a[0, 5, 0] = float("inf")
+    a[0, 6, 2] = -float("inf")
+    b[0, 2, 0] = float("inf")
+    return a, b
+
+
+def assert_same_nonfinite(y, ref, tol):
+    y, ref = y.double(), ref.double()
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)), (torch.isnan(y) != torch.isnan(ref)).nonzero()[:5]
+    assert torch.equal(torch.isposinf(y), torch.isposinf(ref))
+    assert torch.equal(torch.isneginf(y), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    assert rel_error(y[fin], ref[fin]) <= tol
+
+
+@pytest.mark.parametrize("cfg", [c for c in EMULATED if c[0] == "Diff"],
+                         ids=lambda c: "-".join(map(str, c[:5])) + "-" + str(c[5])[6:])
+def test_emulated_nan_and_inf_like_torch_matrix_product(emulator, cfg):
+    # The oracle is torch's matrix-product formula in float64 (IEEE products: inf * 0 and
+    # inf - inf are NaN, inf against an opposite-signed coordinate is +inf), as in
+    # torch.cdist(compute_mode="use_mm_for_euclid_dist"); NaN must not be clamped away.
+    a, b = nonfinite_operands()
+    y, ref, untouched = emulate(emulator, cfg, a, b, lam=0.5, reg_diag=1)
+    assert untouched
+    assert torch.isnan(ref[0, 3]).all() and torch.isnan(ref[0, 5]).any()
+    if cfg[2] == "None":
+        assert torch.isinf(ref[0, 5]).any() and torch.isinf(ref[0, :, 2]).any()
+    assert_same_nonfinite(y, ref, TOLERANCE[cfg[4]])
+
+
 # ----------------------------------------------------------------------- GPU
 
 

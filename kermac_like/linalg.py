@@ -102,6 +102,16 @@ is not installed (with one warning).
 
 ``debug=True`` (or ``KERMAC_LIKE_DEBUG=1``) logs handle creation, workspace
 sizes and stream assignment to the ``kermac_like.linalg`` logger at DEBUG level.
+
+First call
+----------
+The first GPU call of a process does one-time work that waits for the GPU:
+creating the cuSOLVER handles and loading cuSOLVER's kernels (CUDA loads a
+library's kernels on first use) wait for the work already queued on the device
+(bench/probes/linalg_first_call.py times each step). :func:`warmup` does all of
+it once, ahead of time, and synchronises the host once; call it at start-up
+(before queuing GPU work, or before capturing a CUDA graph) on each device and
+host thread that will call the solvers. After it, no call synchronises the host.
 """
 
 from __future__ import annotations
@@ -124,6 +134,7 @@ __all__ = [
     "eigh",
     "solve_cholesky",
     "solve_lu",
+    "warmup",
 ]
 
 logger = logging.getLogger("kermac_like.linalg")
@@ -540,6 +551,27 @@ def _run_batched(cs, device, batch, query, enqueue, *, extra_slot_bytes=0, log=F
         done.record(current)
         solver.host_keepalive.append((done, host_bufs))
     return workspace  # the caller drops it after the join (see docstring)
+
+
+def warmup(device=None) -> None:
+    """The one-time work of this thread's first solver calls on ``device`` (default:
+    the current CUDA device), done now: import nvmath's cuSOLVER bindings, create the
+    handles and pool streams, and run each routine once on tiny float32 and float64
+    batches so that cuSOLVER's kernels are loaded; then synchronise the host (once).
+    Afterwards solve_cholesky, solve_lu and eigh do not synchronise the host. A CPU
+    device, or CUDA without nvmath-python, does nothing."""
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda" or _cusolver() is None:
+        return
+    n, L = 4, MAX_STREAMS  # a full batch creates a handle for every pool stream
+    with torch.cuda.device(device):
+        for dt in (torch.float32, torch.float64):
+            a = (torch.eye(n, dtype=dt, device=device) * 2).expand(L, n, n).contiguous()
+            b = torch.ones(L, 1, n, dtype=dt, device=device)  # one right-hand side per entry
+            solve_cholesky(a, b)
+            solve_lu(a, b)
+            eigh(a)
+        torch.cuda.synchronize(device)
 
 
 def _buffer_address(buf: bytearray) -> int:

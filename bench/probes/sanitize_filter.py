@@ -21,7 +21,7 @@ SUMMARY = re.compile(r"^========= (ERROR|RACECHECK|ERROR SUMMARY|LEAK).*SUMMARY.
 def reports(text: str):
     cur = None
     for line in text.splitlines():
-        if START.match(line):
+        if START.match(line) and "SUMMARY" not in line:
             if cur:
                 yield cur
             cur = [line]

@@ -21,7 +21,7 @@ n = int(sys.argv[2])
 x = torch.randn(3, n, n, device=dev, dtype=torch.float64)
 a = x @ x.mT + n * torch.eye(n, device=dev, dtype=torch.float64)
 b = torch.randn(3, 2, n, device=dev, dtype=torch.float64)
-km.linalg.warmup(dev)
+km.linalg.warmup(dev, sizes=(n,), dtypes=(torch.float64,))
 cycles = int(1.0 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # about 1 s
 torch.cuda._sleep(cycles)
 t0 = time.perf_counter()

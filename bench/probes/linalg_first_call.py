@@ -19,7 +19,7 @@ torch.cuda.synchronize()
 cycles = int(1.0 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # ~1 s
 import kermac_like as km
 if warm:
-    km.linalg.warmup(dev)
+    km.linalg.warmup(dev, sizes=(64,), dtypes=(torch.float32,))
     torch.cuda.synchronize()
 state = {}
 def s_import():

@@ -23,6 +23,7 @@ for step in $STEPS; do
     timing) for i in ${ROUNDS:-1 2}; do
               [ -n "${BASE:-}" ] && (cd "$BASE" && PYTHONPATH=${SITE:-}$BASE timeout 100 python3 "$OLDPWD/bench/probes/safety_timing.py" base 5) 2>&1 | grep TIMING | tee -a "$OUT/timing.log"
               timeout 100 python3 bench/probes/safety_timing.py new 5 2>&1 | grep TIMING | tee -a "$OUT/timing.log"
+              [ -n "${VARIANT:-}" ] && (cd "$VARIANT" && PYTHONPATH=${SITE:-}$VARIANT timeout 100 python3 "$OLDPWD/bench/probes/safety_timing.py" variant 5) 2>&1 | grep TIMING | tee -a "$OUT/timing.log"
             done ;;
   esac
 done

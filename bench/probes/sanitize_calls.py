@@ -104,7 +104,7 @@ def linalg():
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(2, 33, 33, device="cuda", generator=g)
     a = x @ x.mT + 33 * torch.eye(33, device="cuda")
-    b = torch.randn(2, 33, 3, device="cuda", generator=g)
+    b = torch.randn(2, 3, 33, device="cuda", generator=g)  # rows are right-hand sides
     km.linalg.solve_cholesky(a, b)
     km.linalg.solve_lu(a, b)
     km.linalg.eigh(a)

@@ -43,9 +43,11 @@
 // row (column) of the output, every epilogue included. An infinite coordinate
 // gives what torch.cdist's matrix-product path gives (IEEE fp32 products in
 // ||x||^2 + ||y||^2 - 2 x.y: +inf, or NaN for inf - inf and inf * 0) with Tf32 and
-// 16-bit data; with Tf32x3 this kernel's split turns it into NaN in its whole row
-// (column), where torch has +inf against nonzero coordinates of the opposite sign
-// (distance_wgmma_kernel follows torch there too: split_tf32x3).
+// 16-bit data. With Tf32x3 this kernel's plain split may give NaN where torch has
+// +inf: x = inf splits into big = inf and small = tf32_rna(inf - inf) (the device's
+// NaN 0x7fffffff rounds to -0, another NaN pattern stays NaN), and big * small_y is
+// inf * 0 = NaN wherever y is exact in TF32 (small_y = 0). distance_wgmma_kernel
+// follows torch there too (split_tf32x3).
 #pragma once
 
 #include "common.cuh"

@@ -105,18 +105,14 @@ sizes and stream assignment to the ``kermac_like.linalg`` logger at DEBUG level.
 
 First call
 ----------
-The first GPU call of a process does one-time work that waits for the GPU
-(bench/probes/linalg_first_call.py times each step behind a 1 s
-torch.cuda._sleep on an H200: creating torch's first pool stream 1002 ms, the
-first solve_cholesky 1073 ms, the first solve_lu 1002 ms, the first eigh 1024 ms,
-each the device's queued work; nvmath's import, cuSOLVER handles and workspace
-allocation return at once): torch's stream pool is created on its first use, and
-CUDA loads each cuSOLVER / cuBLAS kernel on its first launch, which waits for the
-device. :func:`warmup` does this once, ahead of time, with one host
-synchronisation; call it at start-up (before queuing GPU work, or before
-capturing a CUDA graph) on each device and host thread that will call the
-solvers, with the matrix sizes you will use (the libraries choose kernels by
-size). After it, calls at those sizes do not synchronise the host.
+The first GPU call of a process waits for the work already queued on the device
+(bench/probes/linalg_first_call.py times each step behind a 1 s torch.cuda._sleep;
+on an H200: torch's first pool stream 1002 ms, the first solve_cholesky after it
+1073 ms, the first solve_lu 1002 ms, the first eigh 1024 ms; nvmath's import,
+cuSOLVER handle and params creation and workspace allocation return at once).
+Creating torch's stream pool waits; the rest is most likely CUDA loading the
+library kernels on their first launch (lazy loading). Running the routines once
+beforehand on other sizes did not remove the wait of a later first call (open).
 """
 
 from __future__ import annotations
@@ -139,7 +135,6 @@ __all__ = [
     "eigh",
     "solve_cholesky",
     "solve_lu",
-    "warmup",
 ]
 
 logger = logging.getLogger("kermac_like.linalg")
@@ -556,33 +551,6 @@ def _run_batched(cs, device, batch, query, enqueue, *, extra_slot_bytes=0, log=F
         done.record(current)
         solver.host_keepalive.append((done, host_bufs))
     return workspace  # the caller drops it after the join (see docstring)
-
-
-def warmup(device=None, sizes=(64,), dtypes=(torch.float32, torch.float64)) -> None:
-    """The one-time work of this thread's first solver calls on ``device`` (default:
-    the current CUDA device), done now, then one host synchronisation: import nvmath's
-    cuSOLVER bindings, create the pool streams (torch's first stream pool on a device
-    waits for the device) and a cuSOLVER handle per stream, and run solve_cholesky,
-    solve_lu and eigh once per matrix size in ``sizes`` and dtype in ``dtypes``, so that
-    the kernels they use are loaded: CUDA loads a library's kernels on their first
-    launch (lazy loading, the default since CUDA 12) and loading waits for the device;
-    cuSOLVER and cuBLAS choose kernels by matrix size, so pass the sizes you will solve.
-    (CUDA_MODULE_LOADING=EAGER, set before CUDA starts, loads every kernel of every
-    library at start-up instead.) Afterwards calls at those sizes and dtypes do not
-    synchronise the host. A CPU device, or CUDA without nvmath-python, does nothing."""
-    device = torch.device("cuda" if device is None else device)
-    if device.type != "cuda" or _cusolver() is None:
-        return
-    L = MAX_STREAMS  # a full batch creates a handle for every pool stream
-    with torch.cuda.device(device):
-        for n in sizes:
-            for dt in dtypes:
-                a = (torch.eye(n, dtype=dt, device=device) * 2).expand(L, n, n).contiguous()
-                b = torch.ones(L, 1, n, dtype=dt, device=device)  # one right-hand side per entry
-                solve_cholesky(a, b)
-                solve_lu(a, b)
-                eigh(a)
-        torch.cuda.synchronize(device)
 
 
 def _buffer_address(buf: bytearray) -> int:

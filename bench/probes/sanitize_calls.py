@@ -50,6 +50,10 @@ def _distance(descs, mode, dtypes=(torch.float32,), tol=1e-4):
                 assert desc.is_euclidean or mode.startswith("donot")
                 res = km.run_kernel(desc, a, b, out=out, compute_mode=mode, regularization=0.5, **kw)
                 _check(res, desc, a, b, tol, regularization=0.5, **kw)
+        # K = 264: more k-tiles than pipeline stages (every ring wraps), one descriptor
+        a2, b2 = _data(seed=3, dtype=dtype, sizes=(2, 131, 300, 264))
+        desc = km.PRESETS["l2"]
+        _check(km.run_kernel(desc, a2, b2, compute_mode=mode), desc, a2, b2, tol)
         # transposed (column-major) operands, both alignments: the SIMT loaders
         if mode.startswith("donot"):
             at = a.mT.contiguous().mT

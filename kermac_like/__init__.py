@@ -19,8 +19,8 @@ try:  # the launcher's runtime; imported up front so a first call pays no import
 except ImportError:  # CPU-only use still works through the reference path
     pass
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
-from .distance import cdist, run_kernel
-from .precompile import precompile
+from .ops.distance import cdist, run_kernel
+from .runtime.precompile import precompile
 
 __all__ = [
     "__version__",
@@ -45,7 +45,7 @@ def __getattr__(name):
 
         return importlib.import_module(".linalg", __name__)
     if name == "cdist_grad":
-        from .grad import cdist_grad
+        from .ops.grad import cdist_grad
 
         return cdist_grad
     raise AttributeError(f"module 'kermac_like' has no attribute {name!r}")

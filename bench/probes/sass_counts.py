@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from kermac_like.compiler import compile_specs
+from kermac_like.runtime.compiler import compile_specs
 from kermac_like.descriptor import PRESETS
 from kermac_like.layout import Layout
-from kermac_like.render import (distance_spec, grad_mma_spec, grad_spec, mma_traits_spec, wgmma_prepare_spec,
+from kermac_like.runtime.specs import (distance_spec, grad_mma_spec, grad_spec, mma_traits_spec, wgmma_prepare_spec,
                                 wgmma_traits_spec)
 
 

@@ -263,6 +263,11 @@ def test_fractional_p_balances_mufu_and_fma_pipes(sm90_sass):
     issue = len(body) / elements
     mufu_clk = 8 * mufu / elements
     assert abs(issue - mufu_clk) / mufu_clk < 0.05, (issue, mufu_clk)
+    # The log2 clamp of the FMA-pipe elements keeps NaN (max.NaN / min.NaN): one
+    # FMNMX.NAN each, no plain FMNMX, which would turn |NaN|^p into 0.
+    full = main_loop(sm90_sass["pow"])
+    clamps = [o for o in full if o.startswith("FMNMX")]
+    assert len(clamps) == 2 * 2 * 41 and all(o.startswith("FMNMX.NAN") for o in clamps), set(clamps)
 
 
 def test_vector_variant_uses_16_byte_async_copies(sm90_sass):

@@ -36,6 +36,7 @@ from .descriptor import KernelDescriptor
 from .layout import Layout, analyse_matrix, batch_strides, plan_batch
 from .reference import cdist_grad_reference, distance_reference
 from .runtime import autotune
+from .runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from .runtime.specs import (
     LOWK_GENERIC_MAX_K,
     distance_spec,
@@ -196,8 +197,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
     (runtime.autotune's kinds), or None for the reference path."""
     tf32 = settings.tf32
     tf32_types = (torch.float32, torch.float16, torch.bfloat16)
-    if (kind == autotune.TENSOR_CORE and call.desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist"
-            and call.dtype in tf32_types):
+    if kind == autotune.TENSOR_CORE and call.desc.is_euclidean and call.dtype in tf32_types:
         av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
         bv = analyse_matrix("b", call.b, prefer=Layout.ROW_MAJOR)
         outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
@@ -213,7 +213,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
         if spec is not None:
             return spec, (av, bv, outv), tensors, bplan, family
         # Not applicable to these views (e.g. a misaligned batch offset): the exact kernels.
-        kind = autotune.LOWK if autotune.LOWK in autotune.candidates(call.desc, call.dtype, call.K, compute_mode) \
+        kind = autotune.LOWK if autotune.LOWK in autotune.candidates(call.desc, call.dtype, call.K, "donot_use_mm_for_euclid_dist") \
             else autotune.SIMT
     if call.dtype != torch.float32:
         return None

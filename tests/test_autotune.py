@@ -29,10 +29,15 @@ def test_candidates_follow_dtype_k_and_compute_mode():
     f32, f16 = torch.float32, torch.float16
     assert tuning.candidates(l1, f32, 3, IF) == ["lowk", "simt"]
     assert tuning.candidates(l1, f32, 1024, IF) == ["simt"]
-    assert tuning.candidates(l2, f32, 3, IF) == ["lowk", "tensor-core", "simt"]
+    # Euclidean/DOT: the tensor cores where torch.cdist takes its matrix product (NaN/inf
+    # semantics), the exact kernels elsewhere; never both
+    assert tuning.candidates(l2, f32, 3, IF) == ["tensor-core"]
+    assert tuning.candidates(l2, f32, 3, IF, 20, 25) == ["lowk", "simt"]
+    assert tuning.candidates(l2, f32, 3, IF, 26, 3) == ["tensor-core"]
     assert tuning.candidates(l2, f32, 3, NO) == ["lowk", "simt"]
-    assert tuning.candidates(l2, f32, 3, MM) == ["tensor-core"]  # asked for the matmul formulation
+    assert tuning.candidates(l2, f32, 3, MM, 2, 2) == ["tensor-core"]
     assert tuning.candidates(dot, f16, 3, IF) == ["tensor-core"]
+    assert tuning.candidates(dot, f16, 3, NO) == []
     assert tuning.candidates(l1, f16, 3, IF) == []
     assert tuning.default_choice(l1, f16, 3, IF) is None
 
@@ -41,11 +46,13 @@ def test_default_table():
     f32 = torch.float32
     for name in ("l1", "l2", "laplace_l2", "gaussian_l2", "p_norm", "dot"):
         for K in (1, 3, 8):
-            assert tuning.default_choice(km.preset(name), f32, K, IF) == "lowk", (name, K)
+            assert tuning.default_choice(km.preset(name), f32, K, NO) == "lowk", (name, K)
     for K in (9, 37, 64):
         assert tuning.default_choice(km.preset("l1"), f32, K, IF) == "lowk"
         assert tuning.default_choice(km.preset("p_norm"), f32, K, IF) == ("lowk" if K <= 16 else "simt")
         assert tuning.default_choice(km.preset("laplace_l2"), f32, K, IF) == "tensor-core"
+        assert tuning.default_choice(km.preset("laplace_l2"), f32, K, NO) == "lowk"
+        assert tuning.default_choice(km.preset("laplace_l2"), f32, K, IF, 25, 25) == "lowk"
     assert tuning.default_choice(km.preset("l2"), f32, 1024, IF) == "tensor-core"
     assert tuning.default_choice(km.preset("l1"), f32, 1024, IF) == "simt"
     assert tuning.default_choice(km.preset("l2"), f32, 1024, NO) == "simt"
@@ -92,8 +99,8 @@ def fake_gpu(monkeypatch, tmp_path):
     reset_cache()
 
 
-def _call(K, name="l2"):
-    return SimpleNamespace(desc=km.preset(name), dtype=torch.float32, K=K, device=torch.device("cpu"))
+def _call(K, name="l1"):
+    return SimpleNamespace(desc=km.preset(name), dtype=torch.float32, K=K, M=1000, N=1000, device=torch.device("cpu"))
 
 
 def test_choose_default_without_autotune(fake_gpu):
@@ -104,21 +111,20 @@ def test_choose_default_without_autotune(fake_gpu):
 
 def test_choose_measures_stores_and_reuses(fake_gpu):
     ran = []
-    assert tuning.choose(_call(300), None, IF, False, ran.append, autotune_flag=True) == "tensor-core"
-    assert fake_gpu == ["tensor-core", "simt"]  # K = 300: beyond the low-K kernel
-    assert tuning.choose(_call(300), None, IF, False, ran.append, autotune_flag=True) == "tensor-core"
+    assert tuning.choose(_call(100), None, IF, False, ran.append, autotune_flag=True) == "lowk"
+    assert fake_gpu == ["lowk", "simt"] and ran[-1] == "simt"  # the default table says simt at K = 100
+    assert tuning.choose(_call(100), None, IF, False, ran.append, autotune_flag=True) == "lowk"
     n = len(fake_gpu)
     tuning.forget()  # as in a new process: read from the store, no timing
-    assert tuning.choose(_call(300), None, IF, False, ran.append, autotune_flag=True) == "tensor-core"
+    assert tuning.choose(_call(100), None, IF, False, ran.append, autotune_flag=True) == "lowk"
     assert len(fake_gpu) == n
-    choice, timings = tuning.stored("key-300")
-    assert choice == "tensor-core" and timings == {"simt": 3.0, "tensor-core": 1.0}
+    choice, timings = tuning.stored("key-100")
+    assert choice == "lowk" and timings == {"lowk": 2.0, "simt": 3.0}
 
 
 def test_choose_single_candidate_is_not_timed(fake_gpu):
-    call = _call(3, "l1")
-    call.K = 1000  # only simt
-    assert tuning.choose(call, None, IF, False, lambda k: None, autotune_flag=True) == "simt"
+    assert tuning.choose(_call(1000), None, IF, False, lambda k: None, autotune_flag=True) == "simt"
+    assert tuning.choose(_call(3, "l2"), None, IF, False, lambda k: None, autotune_flag=True) == "tensor-core"
     assert fake_gpu == []
 
 

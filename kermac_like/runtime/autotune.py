@@ -6,7 +6,8 @@ Candidates (each an exact or documented path of :func:`kermac_like.run_kernel`):
   (float32, K <= LOWK_GENERIC_MAX_K);
 * ``"simt"``: ``distance.cuh``, the K-blocked exact SIMT kernel (float32, any K);
 * ``"tensor-core"``: ``distance_mma.cuh`` / ``distance_wgmma.cuh`` (Euclidean and DOT
-  descriptors, 3xTF32 or TF32, unless ``compute_mode="donot_use_mm_for_euclid_dist"``).
+  descriptors, 3xTF32 or TF32) where torch.cdist would take its matrix product
+  (:func:`uses_mm`); that choice is semantic (NaN/inf as in torch), not timed.
 
 The choice depends on a *tuning key*: descriptor, dtype, K bucket, M*N bucket, batch
 bucket, output layout, TF32 setting, device and template hash. Without autotuning the
@@ -34,7 +35,7 @@ from ..descriptor import InnerOperator, KernelDescriptor, PowerType
 log = logging.getLogger("kermac_like.autotune")
 
 __all__ = ["LOWK", "SIMT", "TENSOR_CORE", "candidates", "default_choice", "tuning_key", "choose",
-           "autotune_enabled", "stored", "measure", "forget", "AUTOTUNE_REPEATS"]
+           "autotune_enabled", "stored", "measure", "forget", "uses_mm", "AUTOTUNE_REPEATS"]
 
 LOWK, SIMT, TENSOR_CORE = "lowk", "simt", "tensor-core"
 AUTOTUNE_REPEATS = 5
@@ -61,38 +62,43 @@ def size_bucket(n: int) -> int:
     return max(int(n) - 1, 0).bit_length()
 
 
-def _tensor_core_ok(desc: KernelDescriptor, dtype: torch.dtype, compute_mode: str) -> bool:
-    return (desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist"
-            and dtype in (torch.float32, torch.float16, torch.bfloat16))
+def uses_mm(compute_mode: str, M: int, N: int) -> bool:
+    """torch.cdist's choice between the matrix-product (norm expansion) and the
+    direct-difference computation of p = 2 distances, mirrored so that both give the
+    same NaN and inf (tests/test_nonfinite.py): "use_mm_for_euclid_dist_if_necessary"
+    takes the matrix product when either operand has more than 25 rows. Here the matrix
+    product is the tensor-core kernel; the direct computation the exact kernels (low-K,
+    SIMT)."""
+    if compute_mode == "use_mm_for_euclid_dist":
+        return True
+    return compute_mode == "use_mm_for_euclid_dist_if_necessary" and (M > 25 or N > 25)
 
 
-def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode: str) -> list:
-    """The kinds that can serve a call."""
+def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode: str, M: int = 1 << 30,
+               N: int = 1 << 30) -> list:
+    """The kinds that can serve a call. Euclidean and DOT descriptors take the tensor
+    cores exactly where torch.cdist takes its matrix product (:func:`uses_mm`: a choice
+    of NaN/inf semantics, so never timed against the exact kernels), the exact kernels
+    elsewhere; other descriptors the exact kernels."""
     from .specs import LOWK_GENERIC_MAX_K
 
+    if desc.is_euclidean and uses_mm(compute_mode, M, N):
+        return [TENSOR_CORE] if dtype in (torch.float32, torch.float16, torch.bfloat16) else []
     out = []
-    if _tensor_core_ok(desc, dtype, compute_mode) and compute_mode == "use_mm_for_euclid_dist":
-        return [TENSOR_CORE]  # the caller asked for the matrix-multiply formulation
     if dtype == torch.float32 and K <= LOWK_GENERIC_MAX_K:
         out.append(LOWK)
-    if _tensor_core_ok(desc, dtype, compute_mode):
-        out.append(TENSOR_CORE)
     if dtype == torch.float32:
         out.append(SIMT)
     return out
 
 
 # The default table (no autotuning), from measurements on an H200 at M = N = 20 000 for
-# K in {1, 3, 8, 16, 32, 37, 64, 128, 256} (bench/notes/lowk.md): the low-K kernel up to
-# this K for each descriptor class; beyond it the tensor cores where they apply (Euclidean
-# and DOT; K zero-padded to whole 16-byte rows), else the K-blocked SIMT kernel.
+# K in {1, 3, 8, 16, 32, 37, 64, 128, 256} (bench/notes/lowk.md): among the exact kernels,
+# the low-K kernel up to this K for each descriptor class, the K-blocked SIMT kernel beyond.
 # Fractional p: measured at K <= 8 only; up to 16 it is the low-K kernel (the SIMT kernel
 # pads K to 32), beyond the SIMT kernel (its compile is 0.35 s; the low-K POW build at
-# K = 64 took 1.8 s on a first call, bench/notes/lowk.md).
+# K = 64 took 1.8 s on a first call).
 LOWK_UP_TO = {"abs": 64, "pow": 16, "square": 64, "dot": 64}
-# tensor cores first from this K on, where they apply: with the MUFU epilogue the low-K
-# kernel wins up to K = 8 (run 3: cdist p=2 0.637 vs 0.743 ms, Laplace 0.653 vs 0.781)
-TENSOR_CORE_FROM = {"square": 9, "dot": 9}
 
 
 def _desc_class(desc: KernelDescriptor) -> str:
@@ -101,20 +107,15 @@ def _desc_class(desc: KernelDescriptor) -> str:
     return {PowerType.ABS: "abs", PowerType.SQUARE: "square"}.get(desc.inner_power, "pow")
 
 
-def default_choice(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode: str) -> str | None:
+def default_choice(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode: str, M: int = 1 << 30,
+                   N: int = 1 << 30) -> str | None:
     """The default table's kind for a call (None: no kernel applies, the reference path)."""
-    cands = candidates(desc, dtype, K, compute_mode)
+    cands = candidates(desc, dtype, K, compute_mode, M, N)
     if not cands:
         return None
-    cls = _desc_class(desc)
-    if TENSOR_CORE in cands and K >= TENSOR_CORE_FROM.get(cls, 1 << 30):
-        return TENSOR_CORE
-    if LOWK in cands and K <= LOWK_UP_TO[cls]:
+    if LOWK in cands and K <= LOWK_UP_TO[_desc_class(desc)]:
         return LOWK
-    for kind in (TENSOR_CORE, SIMT):
-        if kind in cands:
-            return kind
-    return cands[0]
+    return SIMT if SIMT in cands else cands[0]
 
 
 def tuning_key(call, out: torch.Tensor, compute_mode: str, tf32: bool) -> str:
@@ -189,8 +190,8 @@ def choose(call, out: torch.Tensor, compute_mode: str, tf32: bool, run, *, autot
            debug: bool = False) -> str | None:
     """The kind that serves ``call`` (None: the reference path). ``run(kind)`` launches the
     call with that kind on the current stream (used only when autotuning)."""
-    cands = candidates(call.desc, call.dtype, call.K, compute_mode)
-    default = default_choice(call.desc, call.dtype, call.K, compute_mode)
+    cands = candidates(call.desc, call.dtype, call.K, compute_mode, call.M, call.N)
+    default = default_choice(call.desc, call.dtype, call.K, compute_mode, call.M, call.N)
     if len(cands) <= 1 or not autotune_enabled(autotune_flag) or torch.cuda.is_current_stream_capturing():
         if debug:
             log.debug("kernel choice %r K=%d: %s (default table; candidates %s)", call.desc, call.K, default, cands)

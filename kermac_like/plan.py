@@ -139,6 +139,13 @@ class DistanceCall:
     N: int
     K: int
 
+    @classmethod
+    def of(cls, desc: KernelDescriptor, a, b, hypers: dict, reg_diag: int, epsilon) -> "DistanceCall":
+        """A call from already-checked arguments (the batch: a, b and tensor hyper-parameters broadcast)."""
+        shapes = [a.shape[:-2], b.shape[:-2]] + [v.shape for v in hypers.values() if isinstance(v, torch.Tensor)]
+        batch = tuple(torch.broadcast_shapes(*shapes))
+        return cls(desc, a, b, hypers, reg_diag, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])
+
     @property
     def out_shape(self) -> tuple:
         return (*self.batch, self.M, self.N)
@@ -228,8 +235,102 @@ WGMMA_KERNEL = "kermac_like::distance_wgmma_kernel"
 WGMMA_BLOCK_K = 16  # DistanceWgmmaTraits::kBlockK (= WgmmaPrepareTraits::kTileK)
 
 
+class _Ptr(NamedTuple):
+    """A pointer argument of a launch template: tensor ``name``'s data plus ``offset`` bytes."""
+
+    name: str
+    offset: int
+
+
+class _Template(NamedTuple):
+    """A plan without its data: launches whose pointer arguments are :class:`_Ptr` (at
+    ``positions``), and the float32 scratch buffers (name, elements) a call allocates.
+    What a template depends on is the key of :func:`_distance_key`."""
+
+    family: str
+    spec: object
+    launches: tuple  # of (kernel, grid, args, positions)
+    scratch: tuple  # of (name, numel)
+
+
+# Templates of recent calls, by _distance_key: a repeated call (same shapes, strides,
+# alignment, dtype, descriptor, hyper-parameter kinds and settings) skips the layout
+# analysis, batch folding, spec choice and argument packing, and only fills in pointers.
+_TEMPLATES: dict = {}
+_TEMPLATES_MAX = 512
+
+
+def clear_templates() -> None:
+    _TEMPLATES.clear()
+
+
+def _distance_key(call: DistanceCall, out, compute_mode: str, settings: Settings):
+    """Everything the distance template of a call depends on, or None when it cannot be
+    reused (a hyper-parameter tensor that is not float32 is converted per call)."""
+    hk = []
+    for name in HYPERS:
+        v = call.hypers[name]
+        if isinstance(v, torch.Tensor):
+            if v.dtype != torch.float32:
+                return None
+            hk.append((v.shape, v.stride()))
+        else:
+            hk.append(v)
+    a, b = call.a, call.b
+    return (call.desc, a.shape, a.stride(), b.shape, b.stride(), out.shape, out.stride(), a.dtype, a.device,
+            a.data_ptr() % 16, b.data_ptr() % 16, tuple(hk), call.reg_diag, call.epsilon, compute_mode, settings)
+
+
+def _instantiate(t: _Template, tensors: dict, device, debug: bool) -> Plan:
+    """The plan of a template for these tensors (pointers filled in, scratch allocated)."""
+    ptrs = {k: v.data_ptr() for k, v in tensors.items()}
+    scratch = []
+    for name, numel in t.scratch:
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
+        scratch.append(buf)
+        ptrs[name] = buf.data_ptr()
+    launches = []
+    for kernel, grid, args, positions in t.launches:
+        if positions:
+            args = list(args)
+            for i in positions:
+                ref = args[i]
+                args[i] = ptrs[ref.name] + ref.offset
+            args = tuple(args)
+        launches.append(Launch(kernel, grid, args))
+    # Copies the layout analysis made (and float32 hyper-parameters) live as long as the plan.
+    return Plan(t.family, t.spec, tuple(launches), tensors["out"], scratch=(*scratch, tensors), debug=debug)
+
+
+def _launch_template(kernel, grid, args) -> tuple:
+    args = tuple(args)
+    return kernel, grid, args, tuple(i for i, v in enumerate(args) if isinstance(v, _Ptr))
+
+
 def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings):
     """The kernel plan of a GPU call; None when only the reference path applies."""
+    key = None if debug else _distance_key(call, out, compute_mode, settings)  # debug: log every decision
+    t = _TEMPLATES.get(key) if key is not None else None
+    if t is not None:
+        tensors = {"a": call.a, "b": call.b, "out": out}
+        for k, v in call.hypers.items():
+            if isinstance(v, torch.Tensor):
+                tensors[k] = v
+        return _instantiate(t, tensors, call.device, debug)
+    built = _distance_template(call, out, compute_mode, debug, settings)
+    if built is None:
+        return None
+    t, tensors, reusable = built
+    if key is not None and reusable:
+        if len(_TEMPLATES) >= _TEMPLATES_MAX:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = t
+    return _instantiate(t, tensors, call.device, debug)
+
+
+def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings):
+    """(template, the tensors it reads, whether it serves later calls), or None for the
+    reference path."""
     from .runtime.launcher import get_kernel, max_active_clusters
 
     hypers = {}
@@ -240,8 +341,9 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     if chosen is None:
         return None
     spec, (av, bv, outv), tensors, bplan, family = chosen
+    reusable = not (av.copied or bv.copied)  # a copy is made anew by every call
     if bplan.count == 0 or call.M == 0 or call.N == 0:
-        return Plan(family, spec, (), out, debug=debug)
+        return _Template(family, spec, (), ()), tensors, reusable
     device = _device_index(call.device)
     kernel = get_kernel(spec, device, debug=debug)
     L = bplan.count
@@ -265,8 +367,7 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     launches = []
     for i in range(len(offsets["a"])):
         def ptr(k):
-            t = tensors[k]
-            return t.data_ptr() + offsets[k][i] * t.element_size()
+            return _Ptr(k, offsets[k][i] * tensors[k].element_size())
 
         args = [
             ptr("a"), ptr("b"), ptr("out"),
@@ -285,12 +386,11 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
         args += [np.int64(call.reg_diag), eps]
         if prepare is not None:
             step, extra = prepare.launch_for(ptr("b"))
-            launches.append(step)
+            launches.append(_launch_template(*step))
             args += extra
-        launches.append(Launch(kernel, grid, tuple(args)))
+        launches.append(_launch_template(kernel, grid, args))
     scratch = prepare.scratch if prepare is not None else ()
-    # Copies the layout analysis made (and float32 hyper-parameters) live as long as the plan.
-    return Plan(family, spec, tuple(launches), out, scratch=scratch + (tensors,), debug=debug)
+    return _Template(family, spec, tuple(launches), scratch), tensors, reusable
 
 
 def b_entries(modes, strides) -> tuple:
@@ -309,7 +409,7 @@ class _WgmmaPrepare:
     (cuda_templates/distance_wgmma.cuh has the layout). The buffers cover the entries of
     b itself (1 where b broadcasts over the folded batch) and serve every host-loop
     launch in turn (stream order). Scratch: about b's size (twice for 3xTF32), padded
-    to whole 256 x 16 tiles."""
+    to whole 256 x 16 tiles, allocated by every call from torch's caching allocator."""
 
     def __init__(self, call: DistanceCall, bplan, bv, spec, tf32: bool, device: int, debug: bool):
         from .runtime.launcher import get_kernel
@@ -324,28 +424,23 @@ class _WgmmaPrepare:
         k_pad = -(-call.K // WGMMA_BLOCK_K) * WGMMA_BLOCK_K  # whole 16-column k-tiles
         entries = math.prod(ext)
         self.rows = entries * self.n_pad
-        dev = call.device
-        self.blocks = torch.empty(self.rows * k_pad * (2 if small else 1), dtype=torch.float32, device=dev)
-        self.norms = torch.empty(self.rows if norms else 0, dtype=torch.float32, device=dev)
+        self.scratch = (("wgmma_blocks", self.rows * k_pad * (2 if small else 1)),)
+        self.norms = _Ptr("wgmma_norms", 0) if norms else 0
+        if norms:
+            self.scratch += (("wgmma_norms", self.rows),)
         self.kernel = get_kernel(self.spec, device, debug=debug)
 
-    @property
-    def scratch(self) -> tuple:
-        return (self.blocks, self.norms)
-
-    @staticmethod
-    def _ptr(t: torch.Tensor) -> int:
-        return t.data_ptr() if t.numel() else 0
-
-    def launch_for(self, b_ptr: int):
-        """(the preparation launch for b at ``b_ptr``, the arguments the main launch appends)."""
+    def launch_for(self, b_ptr):
+        """((kernel, grid, args) of the preparation for b at ``b_ptr``, the arguments the
+        main launch appends)."""
         s0, s1, s2 = self.strides
+        blocks = _Ptr("wgmma_blocks", 0)
         args = (b_ptr, np.int32(self.N), np.int32(self.K), np.int64(self.bv.ld), np.int32(self.ext[1]),
                 np.int32(self.ext[2]), np.int64(s0), np.int64(s1), np.int64(s2), np.int64(self.rows),
-                self.blocks.data_ptr(), self._ptr(self.norms), np.int32(self.n_pad))
+                blocks, self.norms, np.int32(self.n_pad))
         grid = (-(-self.rows // self.spec.launch.block_m), 1, 1)
-        extra = [self.blocks.data_ptr(), self._ptr(self.norms), *(np.int64(c) for c in self.entry)]
-        return Launch(self.kernel, grid, args), extra
+        extra = [blocks, self.norms, *(np.int64(c) for c in self.entry)]
+        return (self.kernel, grid, args), extra
 
 
 # -- cdist_grad ------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def _cases():
     yield "p-norm, five batch modes (host loop)", "p_norm", r(2, 1, 2, 3, 2, 9, 4), r(2, 2, 1, 3, 2, 7, 4), {"p": 1.3}
     yield "gaussian, epsilon, offsets", "gaussian_l2", r(33, 5), r(29, 5), {"bandwidth": 2.0, "epsilon": 1e-3,
                                                                           "regularization_offset_x": 3}
-    yield "dot, broadcast b", "dot", r(4, 24, 12), r(20, 12), {}
+    yield "dot, broadcast b", "dot", r(4, 32, 12), r(28, 12), {}
 
 
 @pytest.mark.parametrize("cap", [(9, 0), (8, 0)], ids=["sm_90", "sm_80"])

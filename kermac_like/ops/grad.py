@@ -84,7 +84,24 @@ def _batch(a, b, c, d, p) -> tuple:
 
 def _run(a, b, c, d, p, out, debug: bool) -> Tensor:
     sizes = (a.shape[-2], a.shape[-1], b.shape[-2], c.shape[-2])  # K, M, N, O
-    return plan_cdist_grad(a, b, c, d, p, out, _batch(a, b, c, d, p), sizes, debug).run()
+    plan = plan_cdist_grad(a, b, c, d, p, out, _batch(a, b, c, d, p), sizes, debug)
+    res = plan.run()
+    if plan.family != "reference" and not isinstance(p, torch.Tensor) and p == 1:
+        _sign_nan(res, b, d)
+    return res
+
+
+def _sign_nan(out, b, d):
+    """p = 1: sgn(NaN) is NaN (torch.cdist's backward; the reference), but the kernels'
+    sign step gives a NaN difference no weight, or -a. out[..., o, n, m] is NaN wherever
+    d[n, m] - b[n, k] is NaN for some k: a NaN in d[n, m] or in row n of b, or the same
+    infinity in both. Elementwise masks on the device (no host synchronisation)."""
+    if b.shape[-1] == 0:
+        return
+    bad = d.isnan() | b.isnan().any(-1, keepdim=True)
+    bad |= d.isposinf() & b.isposinf().any(-1, keepdim=True)
+    bad |= d.isneginf() & b.isneginf().any(-1, keepdim=True)
+    out.masked_fill_(bad.unsqueeze(-3), float("nan"))
 
 
 @torch.library.custom_op("kermac_like::cdist_grad", mutates_args=())

@@ -15,7 +15,9 @@ immutable :class:`Plan`:
 * ``reference``: the callable of the reference path (family "reference").
 
 The op executes the plan top to bottom with :meth:`Plan.run`. Settings that steer the
-choice are read once per call into :class:`Settings`. A new kernel family is one
+choice are read once per call into :class:`Settings`. Distance plans are built as
+templates (pointer arguments symbolic) kept per call signature, so a repeated call only
+fills in its pointers and allocates its scratch (bench/notes/ops.md). A new kernel family is one
 template, one spec module (runtime/specs) and one rule here.
 """
 

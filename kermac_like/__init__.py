@@ -8,6 +8,7 @@ Public API::
                epsilon=None, debug=False)
     cdist_grad(a, b, c, d, *, out=None, p=2.0, debug=False)
     precompile(descriptors, device=None, debug=False)
+    KernelOperator(descriptor, x, y, **hyper)   lazy kernel matrix: shape, @, .T, diagonal(), to_dense()
     KernelDescriptor, InnerOperator, PowerType, KernelType, PRESETS, preset
     linalg.solve_cholesky / solve_lu / eigh
 """
@@ -20,12 +21,14 @@ except ImportError:  # CPU-only use still works through the reference path
     pass
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from .distance import cdist, run_kernel
+from .operator import KernelOperator
 from .precompile import precompile
 
 __all__ = [
     "__version__",
     "cdist",
     "run_kernel",
+    "KernelOperator",
     "cdist_grad",
     "precompile",
     "KernelDescriptor",

@@ -30,8 +30,9 @@
 // reproducible (no atomics).
 //
 // Per pair (m, n) and kK = 3, kC = 1, Gaussian-l2: 3 FADD, 3 FFMA/FMUL (acc),
-// 1 FMUL + 1 MUFU.EX2 (phi), 2 FMUL (u, w), 3 FFMA (outputs): 12 FP32
-// operations and one exponential, against about 8 and one for the forward.
+// 1 FMUL + 1 MUFU.EX2 (phi), 2 FMUL (u, w), 3 FFMA (outputs): 11 FP32
+// operations and one exponential (phi's constant factor lives in the g rows),
+// against about 8 and one for the forward.
 //
 // Only NVRTC built-ins are used (no <cuda_runtime.h>).  The `#else` branches of
 // the helpers are plain C++ so that tests/test_matvec_grad.py can execute the
@@ -50,8 +51,10 @@ namespace kermac_like {
 // to it in registers and shared memory, which adds 0 to acc and to the
 // outputs).  kC_: likewise for the value mode of g and v.  kEpsilon_: whether
 // the launch applies an epsilon (phi is then 0 where d < epsilon; without it,
-// the NONE epilogue with a NOOP outer power never forms acc at all).
-template <Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, int kK_, int kC_, bool kEpsilon_ = false>
+// the NONE epilogue with a NOOP outer power never forms acc at all).  kUnroll_:
+// unrolling of the loop over the b rows of a tile (1 or 2).
+template <Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, int kK_, int kC_, bool kEpsilon_ = false,
+          int kUnroll_ = 2>
 struct MatvecGradTraits {
   static_assert(kInnerPow_ == Power::Abs || kInnerPow_ == Power::Square || kInnerPow_ == Power::Pow,
                 "MatvecGradTraits: the inner power must be Power::Abs, Power::Square or Power::Pow "
@@ -60,6 +63,7 @@ struct MatvecGradTraits {
                 "MatvecGradTraits: the outer power must be Power::Noop, Power::Sqrt or Power::Pow");
   static_assert(kK_ >= 1 && kK_ <= 32, "MatvecGradTraits: kK must be in 1..32");
   static_assert(kC_ >= 1 && kC_ <= 32, "MatvecGradTraits: kC must be in 1..32");
+  static_assert(kUnroll_ == 1 || kUnroll_ == 2, "MatvecGradTraits: kUnroll must be 1 or 2");
 
   static constexpr Power kInnerPow = kInnerPow_;
   static constexpr Power kOuterPow = kOuterPow_;
@@ -67,6 +71,7 @@ struct MatvecGradTraits {
   static constexpr int kK = kK_;
   static constexpr int kC = kC_;
   static constexpr bool kEpsilon = kEpsilon_;
+  static constexpr int kUnroll = kUnroll_;
   // Whether phi needs acc (NONE with a NOOP outer power and no epsilon is the constant q).
   static constexpr bool kNeedsAcc =
       !(kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::None && !kEpsilon_);
@@ -112,13 +117,16 @@ __device__ __forceinline__ float fma32(float a, float b, float c) {
 #endif
 }
 
-// phi(acc) = q E'(d) D'(acc) for one batch entry; constants folded at entry.
+// phi(acc) = q E'(d) D'(acc) for one batch entry: operator() returns phi / scale
+// (the kernel multiplies scale into its g rows once instead of into every pair).
 //   NOOP:  d = acc            D' = 1
 //   SQRT:  d = acc^(1/2)      D' = 1 / (2 d)            (0 where acc <= 0)
 //   POW:   d = acc^(1/r)      D' = d^(1-r) / r          (0 where acc <= 0)
 //   NONE: E' = 1;  LAPLACE: E' = -exp(-d/bw) / bw;  GAUSSIAN: E' = -(d/bw^2) exp(-d^2/(2 bw^2))
 // SQRT with GAUSSIAN needs neither a root nor a division:
-//   phi = -(q / (2 bw^2)) exp(-acc / (2 bw^2)).
+//   phi = -(q / (2 bw^2)) exp(-acc / (2 bw^2)), and its value at acc = 0 is that
+// finite limit rather than the dense backward's 0 (both are multiplied by
+// psi(t) = t, which is 0 or below 1e-19 there).
 template <Power kOuter, Epilogue kEpi, bool kEps>
 struct Phi {
   float scale;  // the constant factor
@@ -153,33 +161,36 @@ struct Phi {
     if constexpr (kOuter == Power::Noop) {
       d = acc;
       if constexpr (kEpi == Epilogue::None) {
-        phi = scale;
+        phi = 1.0f;
       } else if constexpr (kEpi == Epilogue::Laplace) {
-        phi = scale * math::ex2_approx(d * ex);
+        phi = math::ex2_approx(d * ex);
       } else {
-        phi = scale * d * math::ex2_approx(d * d * ex);
+        phi = d * math::ex2_approx(d * d * ex);
       }
     } else if constexpr (kOuter == Power::Sqrt) {
-      const float rs = rsqrt_approx(acc);
-      d = acc * rs;
-      if constexpr (kEpi == Epilogue::None) {
-        phi = scale * rs;
-      } else if constexpr (kEpi == Epilogue::Laplace) {
-        phi = scale * rs * math::ex2_approx(d * ex);
+      if constexpr (kEpi == Epilogue::Gaussian) {
+        phi = math::ex2_approx(acc * ex);
+        d = kEps ? acc * rsqrt_approx(acc) : 0.0f;
       } else {
-        phi = scale * math::ex2_approx(acc * ex);
+        const float rs = rsqrt_approx(acc);
+        d = acc * rs;
+        if constexpr (kEpi == Epilogue::None) {
+          phi = rs;
+        } else {
+          phi = rs * math::ex2_approx(d * ex);
+        }
+        phi = acc > 0.0f ? phi : 0.0f;
       }
-      phi = acc > 0.0f ? phi : 0.0f;
     } else {
       const float lg = math::lg2_approx(acc);
       d = math::ex2_approx(lg * rinv);
       const float dr = math::ex2_approx(lg * dpow);  // d^(1-r)
       if constexpr (kEpi == Epilogue::None) {
-        phi = scale * dr;
+        phi = dr;
       } else if constexpr (kEpi == Epilogue::Laplace) {
-        phi = scale * dr * math::ex2_approx(d * ex);
+        phi = dr * math::ex2_approx(d * ex);
       } else {
-        phi = scale * dr * d * math::ex2_approx(d * d * ex);
+        phi = dr * d * math::ex2_approx(d * d * ex);
       }
       phi = acc > 0.0f ? phi : 0.0f;
     }
@@ -245,7 +256,7 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
         comp[i][k] = 0.0f;
       }
 #pragma unroll
-      for (int c = 0; c < kC; ++c) gr[i][c] = (ok && c < C) ? gl[static_cast<i64>(m) * C + c] : 0.0f;
+      for (int c = 0; c < kC; ++c) gr[i][c] = (ok && c < C) ? gl[static_cast<i64>(m) * C + c] * phi_of.scale : 0.0f;
     }
 
     for (int n0 = 0; n0 < N; n0 += kBN) {
@@ -269,7 +280,7 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
 #pragma unroll
         for (int k = 0; k < kK; ++k) part[i][k] = 0.0f;
 
-#pragma unroll 2
+#pragma unroll Tr::kUnroll
       for (int j = 0; j < nt; ++j) {
         float yb[kK], vb[kC];
 #pragma unroll
@@ -295,7 +306,7 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
           float u = gr[i][0] * vb[0];
 #pragma unroll
           for (int c = 1; c < kC; ++c) u = fma32(gr[i][c], vb[c], u);
-          const float w = (kAcc ? phi_of(acc) : phi_of.scale) * u;
+          const float w = kAcc ? phi_of(acc) * u : u;
 #pragma unroll
           for (int k = 0; k < kK; ++k) {
             if constexpr (Tr::kInnerPow == Power::Abs) {

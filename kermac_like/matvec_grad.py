@@ -54,6 +54,8 @@ log = logging.getLogger("kermac_like.matvec_grad")
 
 __all__ = [
     "matvec_backward",
+    "matvec_with_grad",
+    "backward_for_autograd",
     "diff_contraction",
     "diff_contraction_reference",
     "check_no_hyper_grad",
@@ -103,9 +105,13 @@ def fused_widths(K: int, C: int):
     return kk, kc
 
 
-def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool):
+DEFAULT_UNROLL = 2
+
+
+def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool, *, unroll: int = DEFAULT_UNROLL):
     """The KernelSpec of ``matvec_grad_kernel`` (cuda_templates/matvec_grad.cuh) for a
-    DIFF descriptor, register widths (kK, kC) and whether an epsilon applies."""
+    DIFF descriptor, register widths (kK, kC), whether an epsilon applies and the
+    unrolling of the pair loop (1 or 2)."""
     try:
         from .runtime.specs import KernelSpec, LaunchShape  # layout after the package restructure
     except ImportError:
@@ -119,7 +125,7 @@ def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool):
     launch = LaunchShape(threads=128, block_m=128 * rows, block_n=128, smem_bytes=128 * (kk + kc) * 4)
     traits = (
         f"kermac_like::MatvecGradTraits<{desc.inner_power.cpp}, {desc.outer_power.cpp}, {desc.kernel_type.cpp}, "
-        f"{kk}, {kc}, {'true' if epsilon else 'false'}>"
+        f"{kk}, {kc}, {'true' if epsilon else 'false'}{'' if unroll == DEFAULT_UNROLL else f', {int(unroll)}'}>"
     )
     return KernelSpec("matvec_grad.cuh", "kermac_like::matvec_grad_kernel", traits, launch)
 
@@ -381,3 +387,39 @@ def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False
     if gy is not None:
         gy = gy.sum_to_size(y.shape).to(y.dtype)
     return gx, gy, gv
+
+
+# -- autograd -------------------------------------------------------------------------------------
+def backward_for_autograd(call, grad, needs, *, debug: bool = False):
+    """The body of a registered backward (torch.library.register_autograd or an
+    autograd.Function): refuses double backward, then :func:`matvec_backward`."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "kermac_like: double backward through kernel_matvec is not supported (the backward is not differentiable)"
+        )
+    return matvec_backward(call, grad.contiguous() if not grad.is_contiguous() else grad, needs, debug=debug)
+
+
+class _MatvecFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, v, call, out, debug):
+        from .matvec import matvec_forward
+
+        with torch.no_grad():
+            res = matvec_forward(call, out, debug=debug)
+        ctx.call, ctx.debug = call, debug
+        if out is not None:
+            ctx.mark_dirty(out)
+        return res
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx, gy, gv = backward_for_autograd(ctx.call, grad, ctx.needs_input_grad[:3], debug=ctx.debug)
+        return gx, gy, gv, None, None, None
+
+
+def matvec_with_grad(call, out=None, *, debug: bool = False):
+    """``matvec_forward(call, out)`` recorded for autograd (x, y and v; hyper-parameter
+    tensors that require grad raise NotImplementedError naming them)."""
+    check_no_hyper_grad(call.hypers)
+    return _MatvecFn.apply(call.x, call.y, call.v, call, out, debug)

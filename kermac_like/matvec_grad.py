@@ -341,7 +341,7 @@ def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False
     """(dL/dx, dL/dy, dL/dv) of ``matvec_forward(call)`` for ``grad = dL/dout``.
 
     ``call`` is the forward's validated ``kermac_like.matvec.MatvecCall``; ``grad`` has its
-    ``out_shape``.  ``needs``: which of the three to compute (None in the others' place).
+    ``out_shape``; the v gradient has the shape of ``call.v`` (the (N, 1) view of a 1-D v).  ``needs``: which of the three to compute (None in the others' place).
     Each gradient has the shape and dtype of its input (broadcast batch modes summed).
     Tensor hyper-parameters must not require grad (:func:`check_no_hyper_grad`).
 
@@ -355,11 +355,11 @@ def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False
 
     check_no_hyper_grad(call.hypers)
     desc, x, y, v, hp = call.desc, call.x, call.y, call.v, call.hypers
-    v2 = v.unsqueeze(-1) if call.vector else v
+    v2 = v  # always (..., N, C): a 1-D right-hand side is the (N, 1) view call.v
     g2 = grad.unsqueeze(-1) if call.vector else grad
     gx = gy = gv = None
     if needs[2]:
-        gv = matvec_forward(call.transposed(grad), debug=debug).sum_to_size(v.shape).to(v.dtype)
+        gv = matvec_forward(call.transposed(g2), debug=debug).sum_to_size(v.shape).to(v.dtype)
     if not (needs[0] or needs[1]):
         return gx, gy, gv
     if desc.inner_operator is InnerOperator.DOT:
@@ -418,7 +418,7 @@ class _MatvecFn(torch.autograd.Function):
         return gx, gy, gv, None, None, None
 
 
-def matvec_with_grad(call, out=None, *, debug: bool = False):
+def matvec_with_grad(call, out=None, debug: bool = False):
     """``matvec_forward(call, out)`` recorded for autograd (x, y and v; hyper-parameter
     tensors that require grad raise NotImplementedError naming them)."""
     check_no_hyper_grad(call.hypers)

@@ -105,10 +105,11 @@ def fused_widths(K: int, C: int):
     return kk, kc
 
 
-DEFAULT_UNROLL = 2
+CPP_DEFAULT_UNROLL = 2  # MatvecGradTraits' default kUnroll (not rendered)
+UNROLL = 2  # what the launches use (bench/notes/matvec_grad.md)
 
 
-def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool, *, unroll: int = DEFAULT_UNROLL):
+def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool, *, unroll: int | None = None):
     """The KernelSpec of ``matvec_grad_kernel`` (cuda_templates/matvec_grad.cuh) for a
     DIFF descriptor, register widths (kK, kC), whether an epsilon applies and the
     unrolling of the pair loop (1 or 2)."""
@@ -119,13 +120,16 @@ def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool, *,
 
     if desc.inner_operator is not InnerOperator.DIFF:
         raise ValueError("descriptor: the fused matvec backward serves DIFF descriptors (DOT is a matrix product)")
+    unroll = UNROLL if unroll is None else int(unroll)
+    if unroll not in (1, 2):
+        raise ValueError(f"unroll: must be 1 or 2, got {unroll}")
     if kk not in FUSED_K_WIDTHS or kc not in FUSED_C_WIDTHS:
         raise ValueError(f"kk/kc: unsupported register widths ({kk}, {kc})")
     rows = _rows_per_thread(kk, kc)
     launch = LaunchShape(threads=128, block_m=128 * rows, block_n=128, smem_bytes=128 * (kk + kc) * 4)
     traits = (
         f"kermac_like::MatvecGradTraits<{desc.inner_power.cpp}, {desc.outer_power.cpp}, {desc.kernel_type.cpp}, "
-        f"{kk}, {kc}, {'true' if epsilon else 'false'}{'' if unroll == DEFAULT_UNROLL else f', {int(unroll)}'}>"
+        f"{kk}, {kc}, {'true' if epsilon else 'false'}{'' if unroll == CPP_DEFAULT_UNROLL else f', {unroll}'}>"
     )
     return KernelSpec("matvec_grad.cuh", "kermac_like::matvec_grad_kernel", traits, launch)
 

@@ -444,11 +444,35 @@ def _grads(desc, x, y, v, w, **h):
     return torch.autograd.grad((out.double() * w).sum(), (x, y, v))
 
 
+GPU_SHAPES = [(129, 1000, 3, 1), (7, 127, 5, 3), (1000, 129, 16, 16), (1, 300, 32, 2), (64, 70, 40, 3)]
+GPU_CASES = [(d, GPU_SHAPES[0]) for d in DIFF_DESCRIPTORS + [km.PRESETS["dot"]]] + [
+    (d, s) for d in (km.PRESETS["gaussian_l2"], km.PRESETS["laplace_l1"], km.PRESETS["p_norm"], km.PRESETS["dot"],
+                     KernelDescriptor("diff", "square", "noop", "laplace"))
+    for s in GPU_SHAPES[1:]
+]
+
+
+@pytest.fixture(scope="module")
+def gpu_kernels():
+    """Compile the fused instantiations these tests reach in a few parallel NVRTC programs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kermac_like.compiler import arch_of_device, precompile_specs
+
+    specs = []
+    for desc, (M, N, K, C) in GPU_CASES:
+        w = mg.fused_widths(K, C)
+        if desc.inner_operator is InnerOperator.DIFF and w is not None:
+            specs.append(mg.matvec_grad_spec(desc, *w, False))
+    specs.append(mg.matvec_grad_spec(KernelDescriptor("diff", "pow", "pow", "laplace"), 4, 2, True))
+    specs.append(mg.matvec_grad_spec(km.PRESETS["gaussian_l2"], 4, 2, False))
+    return precompile_specs(specs, arch_of_device(torch.device("cuda")))
+
+
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("desc", DIFF_DESCRIPTORS + [km.PRESETS["dot"]], ids=lambda d: d.short_name())
-@pytest.mark.parametrize("shape", [(129, 1000, 3, 1), (7, 127, 5, 3), (1000, 129, 16, 16)])
-def test_gpu_gradients_match_float64(desc, shape):
+@pytest.mark.parametrize("desc,shape", GPU_CASES, ids=lambda c: c.short_name() if hasattr(c, "short_name") else str(c))
+def test_gpu_gradients_match_float64(gpu_kernels, desc, shape):
     M, N, K, C = shape
     x, y, v, w = _gpu_case(desc, M, N, K, C, seed=M + K)
     h = hyper_for(desc, p=1.3, bandwidth=float(K) ** 0.5)
@@ -461,7 +485,7 @@ def test_gpu_gradients_match_float64(desc, shape):
 
 @gpu
 @needs_cuda
-def test_gpu_batched_tensor_hypers_epsilon_half_inputs():
+def test_gpu_batched_tensor_hypers_epsilon_half_inputs(gpu_kernels):
     desc = KernelDescriptor("diff", "pow", "pow", "laplace")
     x, y, v, w = _gpu_case(desc, 300, 400, 4, 2, seed=9, batch=(3,))
     h = dict(inner_p=torch.tensor([1.2, 1.7, 2.5], device="cuda"), outer_p=torch.tensor([1.5, 2.0, 1.1], device="cuda"),

@@ -58,6 +58,8 @@ WORKLOADS = (
     "solve_cholesky",
     "solve_lu",
     "eigh",
+    "gauss_matvec_d3",
+    "gauss_matvec_d256",
     "cold_compile",
     "warm_process",
 )
@@ -65,7 +67,8 @@ LINALG = ("solve_cholesky", "solve_lu", "eigh")
 
 FULL = dict(cdist=(30000, 30000, 1024), laplace=(50000, 50000, 256), grad=(2, 10000, 10000, 768, 16),
             linalg=(10, 5000, 16), process=(1024, 1024, 64))
-QUICK = dict(cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
+FULL.update(matvec_d3=(1_000_000, 1_000_000, 3), matvec_d256=(200_000, 200_000, 256))
+QUICK = dict(matvec_d3=(4000, 4000, 3), matvec_d256=(1000, 1000, 256), cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
              linalg=(2, 64, 4), process=(64, 64, 16))
 ERR_ROWS = 256  # rows of the output compared with float64
 GRAD_SLICE = (8, 256)  # (n, m) corner of the cdist_grad output compared with float64
@@ -244,6 +247,55 @@ class Bench:
         for r in rows:
             add_ratios(r)
         return rows
+
+
+def torch_gauss_matvec(x, y, v, bw, block=4096):
+    """A user's Gaussian kernel matvec in torch: row blocks of 4096 (cdist, exp, matmul)."""
+    out = torch.empty(x.shape[0], v.shape[1], dtype=x.dtype, device=x.device)
+    for m0 in range(0, x.shape[0], block):
+        k = torch.cdist(x[m0:m0 + block], y).square_().mul_(-0.5 / (bw * bw)).exp_()
+        torch.matmul(k, v, out=out[m0:m0 + block])
+    return out
+
+
+def gauss_matvec_rows(bench, name, D, Cs):
+    """Gaussian kernel matvec (KeOps' benchmark (a) at D = 3): kernel_matvec beside torch in
+    row blocks, same process; v uniform in [0, 1) (kernel sums: no cancellation), error vs
+    float64 on the first ERR_ROWS rows, peak extra GPU memory of our call."""
+    M, N, K = bench.sizes[name]
+    bw = 1.0 if K <= 3 else math.sqrt(K)  # randn points: kernel values around e^-3 (D=3), e^-1 (D=256)
+    desc = km.preset("gaussian_l2")
+    rows = []
+    for C in Cs:
+        make = lambda: (bench.randn(M, K), bench.randn(N, K), bench.rand(N, C))  # noqa: E731
+        ours = time_calls(lambda x, y, v: km.kernel_matvec(desc, x, y, v, bandwidth=bw), make, bench.device,
+                          repeats=bench.reps(), warmup=bench.warm(), keep_last=True)
+        x, y, v = ours.last_inputs
+        peak = None
+        if bench.device.type == "cuda":
+            out = ours.last_output
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            km.kernel_matvec(desc, x, y, v, bandwidth=bw, out=out)
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        r = min(ERR_ROWS, M)
+        call = km.matvec.prepare_matvec(desc, x[:r].double(), y.double(), v.double(), bandwidth=bw)
+        ref = km.matvec.matvec_reference(call)
+        err = rel_err(ours.last_output[:r], ref)
+        terr = rel_err(torch_gauss_matvec(x[:r], y, v, bw), ref)
+        ours.last_inputs = ours.last_output = None
+        del x, y, v, ref
+        slow = M * N * K > 10**12 and not bench.args.quick
+        theirs = time_calls(lambda x, y, v: torch_gauss_matvec(x, y, v, bw), make, bench.device,
+                            repeats=1 if slow else bench.reps(3), warmup=0 if slow else bench.warm(1))
+        note = "torch: row blocks of 4096 (cdist, exp, matmul); v uniform [0, 1)"
+        if peak is not None:
+            note += f"; peak extra GPU memory {peak:.1f} MB"
+        rows.append(bench.row(f"gauss_matvec_d{K}", f"{M}x{N}x{K}, C={C}, bw={bw:.3g}", ours, theirs, None, err,
+                              terr, note, peak_extra_mb=peak))
+    return rows
 
 
 def add_ratios(r):
@@ -473,6 +525,10 @@ def main(argv=None):
             steps.append((w, lambda p=p, caps=caps: [bench.cdist(p, *caps)]))
         elif w == "laplace_l2_kernel":
             steps.append((w, lambda: [bench.laplace()]))
+        elif w == "gauss_matvec_d3":
+            steps.append((w, lambda: gauss_matvec_rows(bench, "matvec_d3", 3, (1,))))
+        elif w == "gauss_matvec_d256":
+            steps.append((w, lambda: gauss_matvec_rows(bench, "matvec_d256", 256, (1, 16))))
     lin = [w for w in wanted if w in LINALG]
     if lin:
         steps.append(("linalg (" + ", ".join(lin) + ")", lambda: bench.linalg(lin)))

@@ -30,7 +30,8 @@
 // reproducible (no atomics).
 //
 // Per pair (m, n) and kK = 3, kC = 1, Gaussian-l2: 3 FADD, 3 FFMA/FMUL (acc),
-// 1 FMUL + 1 MUFU.EX2 (phi), 2 FMUL (u, w), 3 FFMA (outputs): 11 FP32
+// 1 FMUL + 1 MUFU.EX2 (phi), 1 FMUL (w; with C = 1, g[m] multiplies the
+// finished sum instead of every pair), 3 FFMA (outputs): 10 FP32
 // operations and one exponential (phi's constant factor lives in the g rows),
 // against about 8 and one for the forward.
 //
@@ -303,7 +304,8 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
               acc += pw[k];
             }
           }
-          float u = gr[i][0] * vb[0];
+          // kC == 1: g[m] is a factor of the whole sum over n (applied at the store).
+          float u = kC == 1 ? vb[0] : gr[i][0] * vb[0];
 #pragma unroll
           for (int c = 1; c < kC; ++c) u = fma32(gr[i][c], vb[c], u);
           const float w = kAcc ? phi_of(acc) * u : u;
@@ -341,7 +343,7 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
       if (m < M) {
 #pragma unroll
         for (int k = 0; k < kK; ++k)
-          if (k < K) ol[static_cast<i64>(m) * K + k] = sum[i][k];
+          if (k < K) ol[static_cast<i64>(m) * K + k] = kC == 1 ? sum[i][k] * gr[i][0] : sum[i][k];
       }
     }
   }

@@ -83,7 +83,7 @@ def main():
         out = km.kernel_matvec(desc, x, y, v, bandwidth=bw)
         return torch.autograd.grad(out, (x, y, v), g)
 
-    rows["backward x,y,v (autograd)"] = cuda_ms(full, make, max(1, a.repeats - 2))
+    rows["forward + backward x,y,v"] = cuda_ms(full, make, max(1, a.repeats - 2))
 
     # accuracy on sampled rows and memory
     x, y, v, g = make()

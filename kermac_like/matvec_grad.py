@@ -57,6 +57,7 @@ __all__ = [
     "matvec_with_grad",
     "backward_for_autograd",
     "diff_contraction",
+    "contraction",
     "diff_contraction_reference",
     "check_no_hyper_grad",
     "matvec_grad_spec",
@@ -340,6 +341,44 @@ def diff_contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, oute
                                       epsilon=epsilon)
 
 
+# -- the contraction as a torch.library op (so that a registered backward calls only ops) ----------
+def _split(h):
+    """A float-or-tensor hyper-parameter as (float?, Tensor?)."""
+    return (None, h) if isinstance(h, torch.Tensor) else (h, None)
+
+
+@torch.library.custom_op("kermac_like::matvec_grad_contraction", mutates_args=())
+def _contraction_op(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, vb: torch.Tensor, descriptor: list[int],
+                    inner_p: float | None, inner_p_tensor: torch.Tensor | None, outer_p: float | None,
+                    outer_p_tensor: torch.Tensor | None, bandwidth: float | None,
+                    bandwidth_tensor: torch.Tensor | None, epsilon: float | None, debug: bool) -> torch.Tensor:
+    desc = KernelDescriptor(*descriptor)
+    pick = lambda f, t: t if t is not None else f  # noqa: E731
+    out = diff_contraction(desc, a, b, ga, vb, inner_p=pick(inner_p, inner_p_tensor),
+                           outer_p=pick(outer_p, outer_p_tensor), bandwidth=pick(bandwidth, bandwidth_tensor),
+                           epsilon=epsilon, debug=debug)
+    return out.clone() if any(out.data_ptr() == t.data_ptr() for t in (a, b, ga, vb)) else out
+
+
+@_contraction_op.register_fake
+def _(a, b, ga, vb, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+      epsilon, debug):
+    hs = [tuple(t.shape) for t in (inner_p_tensor, outer_p_tensor, bandwidth_tensor) if t is not None]
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hs)
+    return a.new_empty((*batch, a.shape[-2], a.shape[-1]))
+
+
+def contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, outer_p=None, bandwidth=None, epsilon=None,
+                debug: bool = False):
+    """:func:`diff_contraction` through the ``kermac_like::matvec_grad_contraction`` op."""
+    ip, ipt = _split(inner_p)
+    op_, opt = _split(outer_p)
+    bw, bwt = _split(bandwidth)
+    return torch.ops.kermac_like.matvec_grad_contraction.default(
+        a, b, ga, vb, [int(desc.inner_operator), int(desc.inner_power), int(desc.outer_power),
+                       int(desc.kernel_type)], ip, ipt, op_, opt, bw, bwt, epsilon, bool(debug))
+
+
 # -- the whole backward ------------------------------------------------------------------------
 def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False):
     """(dL/dx, dL/dy, dL/dv) of ``matvec_forward(call)`` for ``grad = dL/dout``.
@@ -349,13 +388,17 @@ def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False
     Each gradient has the shape and dtype of its input (broadcast batch modes summed).
     Tensor hyper-parameters must not require grad (:func:`check_no_hyper_grad`).
 
-    * dL/dv = K^T grad: ``matvec_forward(call.transposed(grad))`` (x and y swapped,
-      regularisation offsets swapped).
-    * DIFF: two :func:`diff_contraction` calls, (x, y, grad, v) and (y, x, v, grad).
+    * dL/dv = K^T grad: ``kernel_matvec`` with x and y swapped and the regularised
+      diagonal mirrored.
+    * DIFF: two ``kermac_like::matvec_grad_contraction`` ops (:func:`contraction`),
+      (x, y, grad, v) and (y, x, v, grad).
+
+    Only torch ops and kermac_like ops are called (no kernel launch of its own), so a
+    backward registered with ``torch.library.register_autograd`` stays traceable.
     * DOT: ``grad (v^T y)`` and ``v (grad^T x)``; with an epsilon (the thresholded
       product is not separable) a blocked contraction.
     """
-    from .matvec import matvec_forward
+    from .matvec import kernel_matvec
 
     check_no_hyper_grad(call.hypers)
     desc, x, y, v, hp = call.desc, call.x, call.y, call.v, call.hypers
@@ -363,7 +406,11 @@ def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False
     g2 = grad.unsqueeze(-1) if call.vector else grad
     gx = gy = gv = None
     if needs[2]:
-        gv = matvec_forward(call.transposed(g2), debug=debug).sum_to_size(v.shape).to(v.dtype)
+        # K^T g2: x and y swapped, the regularised diagonal mirrored (offset_x - offset_y = -reg_diag)
+        hyp = {k: h for k, h in hp.items() if h is not None}
+        gv = kernel_matvec(desc, y, x, g2, regularization_offset_x=0, regularization_offset_y=call.reg_diag,
+                           epsilon=call.epsilon, debug=debug, **hyp)
+        gv = gv.sum_to_size(v.shape).to(v.dtype)
     if not (needs[0] or needs[1]):
         return gx, gy, gv
     if desc.inner_operator is InnerOperator.DOT:
@@ -383,9 +430,9 @@ def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False
         kw = dict(inner_p=hp["inner_p"], outer_p=hp["outer_p"], bandwidth=hp["bandwidth"], epsilon=call.epsilon,
                   debug=debug)
         if needs[0]:
-            gx = diff_contraction(desc, x, y, g2, v2, **kw)
+            gx = contraction(desc, x, y, g2, v2, **kw)
         if needs[1]:
-            gy = diff_contraction(desc, y, x, v2, g2, **kw)
+            gy = contraction(desc, y, x, v2, g2, **kw)
     if gx is not None:
         gx = gx.sum_to_size(x.shape).to(x.dtype)
     if gy is not None:

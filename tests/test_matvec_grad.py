@@ -524,3 +524,18 @@ def test_gpu_backward_memory_is_linear_and_deterministic():
     assert extra <= 4 * (M + N) * (3 + 1) * 4 + (64 << 20), extra
     gx2, gy2, gv2 = mg.matvec_backward(call, g)
     assert torch.equal(gx, gx2) and torch.equal(gy, gy2) and torch.equal(gv, gv2)
+
+
+def test_contraction_op_passes_opcheck_and_matches_the_function():
+    desc = KernelDescriptor("diff", "pow", "pow", "gaussian")
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(2, 5, 3, generator=g, dtype=torch.float64)
+    b = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    ga = torch.randn(2, 5, 2, generator=g, dtype=torch.float64)
+    vb = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    p = torch.tensor([1.3, 1.8], dtype=torch.float64)
+    args = (a, b, ga, vb, [0, 4, 4, 2], None, p, 1.5, None, 0.9, None, 0.2, False)
+    torch.library.opcheck(torch.ops.kermac_like.matvec_grad_contraction.default, args)
+    got = mg.contraction(desc, a, b, ga, vb, inner_p=p, outer_p=1.5, bandwidth=0.9, epsilon=0.2)
+    ref = mg.diff_contraction_reference(desc, a, b, ga, vb, inner_p=p, outer_p=1.5, bandwidth=0.9, epsilon=0.2)
+    assert got.shape == (2, 5, 3) and torch.equal(got, ref)

@@ -539,3 +539,16 @@ def test_contraction_op_passes_opcheck_and_matches_the_function():
     got = mg.contraction(desc, a, b, ga, vb, inner_p=p, outer_p=1.5, bandwidth=0.9, epsilon=0.2)
     ref = mg.diff_contraction_reference(desc, a, b, ga, vb, inner_p=p, outer_p=1.5, bandwidth=0.9, epsilon=0.2)
     assert got.shape == (2, 5, 3) and torch.equal(got, ref)
+
+
+def test_contraction_op_traces_under_torch_compile():
+    desc = km.PRESETS["laplace_l2"]
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(7, 3, generator=g), torch.randn(9, 3, generator=g)
+    ga, vb = torch.randn(7, 2, generator=g), torch.randn(9, 2, generator=g)
+
+    def f(a, b, ga, vb):
+        return mg.contraction(desc, a, b, ga, vb, bandwidth=1.3) * 2.0
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.allclose(compiled(a, b, ga, vb), f(a, b, ga, vb), rtol=1e-6, atol=1e-6)

@@ -68,7 +68,7 @@ LINALG = ("solve_cholesky", "solve_lu", "eigh")
 FULL = dict(cdist=(30000, 30000, 1024), laplace=(50000, 50000, 256), grad=(2, 10000, 10000, 768, 16),
             linalg=(10, 5000, 16), process=(1024, 1024, 64))
 FULL.update(matvec_d3=(1_000_000, 1_000_000, 3), matvec_d256=(200_000, 200_000, 256))
-QUICK = dict(matvec_d3=(4000, 4000, 3), matvec_d256=(1000, 1000, 256), cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
+QUICK = dict(matvec_d3=(2000, 2000, 3), matvec_d256=(512, 512, 256), cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
              linalg=(2, 64, 4), process=(64, 64, 16))
 ERR_ROWS = 256  # rows of the output compared with float64
 GRAD_SLICE = (8, 256)  # (n, m) corner of the cdist_grad output compared with float64

@@ -22,9 +22,11 @@
 //   k = 2^(a_m + b_n + sum_k x'_mk y_nk),  x' = 2 s x,  a_m = -s |x_m|^2,  b_n = -s |y_n|^2
 // with s = log2(e) * scale folded in, so a pair costs K + 1 FFMA, one exponential and kC
 // FFMA (the direct form costs 2K + 1). The rounding error of the exponent grows with
-// |x|^2 + |y|^2 instead of |x - y|^2, so coordinates are centred on a point of the CTA's
-// x tile (distances are translation invariant): x rows when loaded, each y tile as it is
-// staged. b_n travels in y's padding slot K (x' there is 1). kPolyRows of the kRows rows
+// |x|^2 + |y|^2 instead of |x - y|^2, so coordinates are centred on the mean of the CTA's
+// x rows (distances are translation invariant): x rows when loaded, each y tile as it is
+// staged. b_n travels in y's last padding slot (x' there is 1). When every row of the tile
+// has -a_m <= kFoldMax (the usual case), a_m leaves the pair loop: the loop computes
+// 2^(b_n + x'.y) (K FFMA) and the totals are scaled by 2^a_m at the end. kPolyRows of the kRows rows
 // evaluate 2^t on the FMA pipe (math.cuh), the others on MUFU.EX2: the MUFU pipe (16
 // lanes/clk/SM) is the floor of this kernel, the FMA pipe has room for ~1/8 of them.
 //
@@ -114,7 +116,7 @@ struct MatvecTraits {
                               ((kOuterPow_ == Power::Sqrt && kEpilogue_ == Epilogue::Gaussian) ||
                                (kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::Laplace))),
                 "MatvecTraits: kExpand needs an exponential of the squared l2 distance");
-  static_assert(!kExpand_ || kK_ >= 2, "MatvecTraits: kExpand needs kK >= K + 1 (b_n rides in slot K)");
+  static_assert(!kExpand_ || kK_ >= 2, "MatvecTraits: kExpand needs kK >= K + 1 (b_n rides in the last slot)");
   static_assert(kExpand_ || kPolyRows_ == 0, "MatvecTraits: kPolyRows applies to kExpand only");
 
   using T = T_;
@@ -161,6 +163,16 @@ struct KernelArgs {
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
+
+// Largest -a_m (= s |x_m - centre|^2) for which the expanded kernel factors 2^a_m out of
+// the pair loop: the loop's 2^(b_n + x'.y) stays <= 2^kFoldMax, so a tile partial of
+// kBlockN terms cannot overflow unless |v| exceeds ~2^(128 - kFoldMax - 8).
+constexpr float kFoldMax = 32.0f;
+
+template <bool kValue>
+struct BoolTag {
+  static constexpr bool value = kValue;
+};
 
 // acc + inner(x, y).
 template <class Tr>
@@ -301,39 +313,83 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 #pragma unroll
     for (int i = 0; i < R; ++i) rows[i] = min(m0 + tid + NT * i, M - 1);
 
-    // Centre of the expanded form: x row m0 (a point of this tile).
+    // Centre of the expanded form: the mean of the tile's finite x rows.
     float centre[Tr::kChunked ? 1 : Tr::kK];
     float xr[R][Tr::kChunked ? 1 : Tr::kK];  // (R, kK) registers strategy
     float xa[R];                              // a_m (expanded)
+    bool fold = false;                        // expanded: a_m factored out of the pair loop
     if constexpr (!Tr::kChunked) {
 #pragma unroll
-      for (int k = 0; k < Tr::kK; ++k)
-        centre[k] = (Tr::kExpand && k < K) ? load_f(xl + i64(min(m0, M - 1)) * sxm + k * sxk) : 0.0f;
+      for (int i = 0; i < R; ++i)
 #pragma unroll
-      for (int i = 0; i < R; ++i) {
-        float n2 = 0.0f;
+        for (int k = 0; k < Tr::kK; ++k) xr[i][k] = k < K ? load_f(xl + i64(rows[i]) * sxm + k * sxk) : 0.0f;
 #pragma unroll
-        for (int k = 0; k < Tr::kK; ++k) {
-          float xv = k < K ? load_f(xl + i64(rows[i]) * sxm + k * sxk) : 0.0f;
-          if constexpr (Tr::kExpand) {
-            xv = __fsub_rn(xv, centre[k]);
-            n2 = __fmaf_rn(xv, xv, n2);
+      for (int k = 0; k < Tr::kK; ++k) centre[k] = 0.0f;
+      if constexpr (Tr::kExpand) {
+        float cnt = 0.0f;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          float n2 = 0.0f;
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) n2 = __fmaf_rn(xr[i][k], xr[i][k], n2);
+          if (m0 + tid + NT * i < M && n2 <= 1e30f) {  // a real, finite row (NaN fails too)
+            cnt += 1.0f;
+#pragma unroll
+            for (int k = 0; k < Tr::kK; ++k) centre[k] += xr[i][k];
           }
-          xr[i][k] = xv;
         }
-        if constexpr (Tr::kExpand) {
-          // x'_k = 2 s x_k; slot K carries 1 (times b_n). A non-finite row (inf, NaN or an
-          // overflowing norm) keeps x' = 0 and a_m = -inf (k = 0, as the dense kernel
+        // Block sum: warp shuffles, then the 8 warp sums through shared memory.
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) centre[k] += __shfl_xor_sync(0xffffffffu, centre[k], o);
+        }
+        __syncthreads();  // the previous batch entry's last tile is consumed
+        if ((tid & 31) == 0) {
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) ys[(tid >> 5) * Tr::kK + k] = centre[k];
+          vs[tid >> 5] = cnt;
+        }
+        __syncthreads();
+        cnt = 0.0f;
+#pragma unroll
+        for (int k = 0; k < Tr::kK; ++k) centre[k] = 0.0f;
+        for (int w = 0; w < NT / 32; ++w) {
+          cnt += vs[w];
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) centre[k] += ys[w * Tr::kK + k];
+        }
+        const float inv = cnt > 0.0f ? 1.0f / cnt : 0.0f;
+#pragma unroll
+        for (int k = 0; k < Tr::kK; ++k) centre[k] *= inv;
+
+        bool fold_ok = true;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          float n2 = 0.0f;
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) {
+            const float xv = __fsub_rn(xr[i][k], centre[k]);
+            n2 = __fmaf_rn(xv, xv, n2);
+            xr[i][k] = xv;
+          }
+          // x'_k = 2 s x_k; the last slot carries 1 (times b_n). A non-finite row (inf, NaN
+          // or an overflowing norm) keeps x' = 0 and a_m = -inf (k = 0, as the dense kernel
           // gives for an infinite distance) or NaN (propagates).
           const float a = -s * n2;
           const bool finite = fabsf(a) <= 3.402823466e38f;
 #pragma unroll
           for (int k = 0; k < Tr::kK; ++k) {
-            const float xp = k < K ? 2.0f * s * xr[i][k] : (k == K ? 1.0f : 0.0f);
+            const float xp = k < K ? 2.0f * s * xr[i][k] : (k == Tr::kK - 1 ? 1.0f : 0.0f);
             xr[i][k] = finite ? xp : 0.0f;
           }
           xa[i] = finite ? a : (a != a ? a : -__int_as_float(0x7f800000));
+          fold_ok = fold_ok && finite && a >= -kFoldMax;
         }
+        // Every row of the tile within kFoldMax of its centre: 2^(b_n + x'.y) <= 2^kFoldMax,
+        // so a_m moves out of the pair loop (one FFMA less per pair) into a final 2^a_m.
+        fold = __syncthreads_and(fold_ok) != 0;
       }
     }
 
@@ -366,7 +422,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         }
         if constexpr (Tr::kExpand) {
           __syncthreads();
-          // One thread per point: centre, b_n = -s |y_n - centre|^2 into slot K.
+          // One thread per point: centre, b_n = -s |y_n - centre|^2 into the last slot.
           for (int j = tid; j < BN; j += NT) {
             float n2 = 0.0f;
             float* yj = ys + j * KS;
@@ -382,40 +438,49 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 #pragma unroll
               for (int k = 0; k < Tr::kK; ++k) yj[k] = 0.0f;
             }
-            yj[K] = finite ? b : (b != b ? b : -__int_as_float(0x7f800000));
+            yj[Tr::kK - 1] = finite ? b : (b != b ? b : -__int_as_float(0x7f800000));
           }
         }
         __syncthreads();
 
-        // ---- the pairs: rows in registers, one point of the tile per step
+        // ---- the pairs: rows in registers, one point of the tile per step. kFold (CTA
+        // uniform): the exponent starts from b_n, a_m is applied to the totals at the end.
+        auto pairs = [&](auto fold_tag) {
+          constexpr bool kFold = decltype(fold_tag)::value;
 #pragma unroll(Tr::kUnrollJ)
-        for (int j = 0; j < jn; ++j) {
-          float yj[KS];
+          for (int j = 0; j < jn; ++j) {
+            float yj[KS];
 #pragma unroll
-          for (int q = 0; q < KS / 4; ++q) {
-            const float4 f = reinterpret_cast<const float4*>(ys + j * KS)[q];
-            yj[4 * q] = f.x, yj[4 * q + 1] = f.y, yj[4 * q + 2] = f.z, yj[4 * q + 3] = f.w;
-          }
-          float vj[KC];
-#pragma unroll
-          for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
-#pragma unroll
-          for (int i = 0; i < R; ++i) {
-            float kv;
-            if constexpr (Tr::kExpand) {
-              float e = xa[i];
-#pragma unroll
-              for (int k = 0; k < Tr::kK; ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
-              kv = i < Tr::kPolyRows ? exp2_poly(e) : math::ex2_approx(e);
-            } else {
-              float acc = 0.0f;
-#pragma unroll
-              for (int k = 0; k < Tr::kK; ++k) acc = inner<Tr>(acc, xr[i][k], yj[k], ka.inner_p);
-              kv = kernel_value<Tr>(acc, ka);
+            for (int q = 0; q < KS / 4; ++q) {
+              const float4 f = reinterpret_cast<const float4*>(ys + j * KS)[q];
+              yj[4 * q] = f.x, yj[4 * q + 1] = f.y, yj[4 * q + 2] = f.z, yj[4 * q + 3] = f.w;
             }
+            float vj[KC];
 #pragma unroll
-            for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[c], partial[i][c]);
+            for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+              float kv;
+              if constexpr (Tr::kExpand) {
+                float e = kFold ? yj[Tr::kK - 1] : xa[i];
+#pragma unroll
+                for (int k = 0; k < (kFold ? Tr::kK - 1 : Tr::kK); ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
+                kv = i < Tr::kPolyRows ? exp2_poly(e) : math::ex2_approx(e);
+              } else {
+                float acc = 0.0f;
+#pragma unroll
+                for (int k = 0; k < Tr::kK; ++k) acc = inner<Tr>(acc, xr[i][k], yj[k], ka.inner_p);
+                kv = kernel_value<Tr>(acc, ka);
+              }
+#pragma unroll
+              for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[c], partial[i][c]);
+            }
           }
+        };
+        if (Tr::kExpand && fold) {
+          pairs(BoolTag<true>{});
+        } else {
+          pairs(BoolTag<false>{});
         }
       } else {
         // ---- chunked: 32 points per tile, K in shared-memory chunks of 256, x in
@@ -476,6 +541,17 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
       for (int i = 0; i < R; ++i)
 #pragma unroll
         for (int c = 0; c < KC; ++c) total[i][c] += double(partial[i][c]);
+    }
+
+    if constexpr (Tr::kExpand) {
+      if (fold) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          const double sc = double(exp2f(xa[i]));
+#pragma unroll
+          for (int c = 0; c < KC; ++c) total[i][c] *= sc;
+        }
+      }
     }
 
     // ---- write: the finished rows, or this split's partial sums

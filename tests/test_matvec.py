@@ -329,6 +329,18 @@ def _poisoned(shape, dtype=torch.float32):
     return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
 
 
+def _tol(desc, K=5, epsilon=None):
+    """Scaled-error bound of a GPU result: fp32-grade sums (2e-6) for the direct form; the
+    Gaussian's expanded exponent rounds with s (|x - c|^2 + |y - c|^2) instead of s |x - y|^2
+    (~1e-5 on unsorted randn data); powers and long l1 sums under an exponential amplify the
+    fp32 rounding of the distance by the exponent's size."""
+    if ms.expandable(desc) and not (epsilon or 0) > 0 and K + 1 <= 32:
+        return 3e-5
+    if desc.inner_power is P.POW or desc.outer_power is P.POW or K > 32:
+        return 2e-5
+    return 2e-6
+
+
 def _check(desc, x, y, v, out, tol, **h):
     hh = dict(h)
     ox, oy = hh.pop("regularization_offset_x", 0), hh.pop("regularization_offset_y", 0)
@@ -351,13 +363,12 @@ def test_gpu_every_descriptor(gpu_warm, desc):
     out = _poisoned((2, 127, 3))
     res = km.kernel_matvec(desc, x, y, v, out=out, **h)
     assert res is out
-    tol = 1e-5 if desc.inner_power is P.POW or desc.outer_power is P.POW else 2e-6
-    _check(desc, x, y, v, out, tol, **h)
+    _check(desc, x, y, v, out, _tol(desc, 5), **h)
     # the chunked strategy (K = 40), a scalar hyper-parameter, no regularisation
     x, y, v = _gpu_data((33, 40), (1000, 40), (1000, 1))
     hs = _hypers(desc, 1, "cuda", tensor=False)
     out = km.kernel_matvec(desc, x * 0.3, y * 0.3, v, **hs)
-    _check(desc, x * 0.3, y * 0.3, v, out, tol, **hs)
+    _check(desc, x * 0.3, y * 0.3, v, out, _tol(desc, 40), **hs)
 
 
 @pytest.mark.gpu
@@ -369,8 +380,7 @@ def test_gpu_epsilon_cut(gpu_warm, desc):
     v, = _gpu_data((100, 3))
     hs = _hypers(desc, 1, "cuda", tensor=False)
     out = km.kernel_matvec(desc, x, y, v, epsilon=0.1, **hs)
-    tol = 1e-5 if desc.inner_power is P.POW or desc.outer_power is P.POW else 2e-6
-    _check(desc, x, y, v, out, tol, epsilon=0.1, **hs)
+    _check(desc, x, y, v, out, _tol(desc, 5, 0.1), epsilon=0.1, **hs)
 
 
 @pytest.mark.gpu
@@ -381,16 +391,17 @@ def test_gpu_odd_sizes_k_and_columns(gpu_warm, name):
     for M, N, K, C in [(1, 1, 1, 1), (7, 1000, 3, 5), (127, 129, 17, 16), (129, 127, 300, 1), (1000, 7, 3, 20),
                        (1000, 1000, 3, 1), (5, 3000, 1, 5)]:
         x, y = _gpu_data((M, K), (N, K))
-        scale = 1.0 / math.sqrt(K) if name == "dot" else 1.0
+        scale = 1.0 / math.sqrt(K)  # distances of order 1 (no underflowing exponentials)
+        x, y = x * scale, y * scale
         v, = _gpu_data((N, C))
         out = _poisoned((M, C))
-        km.kernel_matvec(desc, x * scale, y, v, out=out, **hs)
-        _check(desc, x * scale, y, v, out, 2e-6, **hs)
+        km.kernel_matvec(desc, x, y, v, out=out, **hs)
+        _check(desc, x, y, v, out, _tol(desc, K), **hs)
     vv, = _gpu_data((1000,))
     x, y = _gpu_data((129, 3), (1000, 3))
     out = km.kernel_matvec(desc, x, y, vv, **hs)
     assert out.shape == (129,)
-    _check(desc, x, y, vv, out, 2e-6, **hs)
+    _check(desc, x, y, vv, out, _tol(desc, 3), **hs)
 
 
 @pytest.mark.gpu
@@ -407,16 +418,16 @@ def test_gpu_views_broadcast_and_host_loop(gpu_warm):
     out = _poisoned((3, 4, 129)).transpose(-1, -2)
     bw = torch.tensor([[0.7], [1.3], [2.0]], device="cuda").reshape(3)
     km.kernel_matvec(desc, x, y, v, out=out, bandwidth=bw, regularization=1.5, regularization_offset_y=2)
-    _check(desc, x, y, v, out, 2e-6, bandwidth=bw, regularization=1.5, regularization_offset_y=2)
+    _check(desc, x, y, v, out, _tol(desc, 3), bandwidth=bw, regularization=1.5, regularization_offset_y=2)
     # four batch modes that do not merge: a host loop over the outermost
     x, y, v = _gpu_data((2, 1, 3, 1, 9, 3), (1, 2, 1, 2, 11, 3), (2, 2, 3, 2, 11, 2))
     out = km.kernel_matvec(desc, x, y, v, bandwidth=0.9)
     assert out.shape == (2, 2, 3, 2, 9, 2)
-    _check(desc, x, y, v, out, 2e-6, bandwidth=0.9)
+    _check(desc, x, y, v, out, _tol(desc, 3), bandwidth=0.9)
     # more batch entries than grid.z holds
     x, y, v = _gpu_data((70000, 2, 3), (70000, 3, 3), (3, 1))
     out = km.kernel_matvec(desc, x, y, v, bandwidth=0.9)
-    _check(desc, x, y, v, out, 2e-6, bandwidth=0.9)
+    _check(desc, x, y, v, out, _tol(desc, 3), bandwidth=0.9)
 
 
 @pytest.mark.gpu
@@ -446,12 +457,12 @@ def test_gpu_split_is_deterministic_and_regularised(gpu_warm):
     a = km.kernel_matvec(desc, x, y, v, **h)
     b = km.kernel_matvec(desc, x, y, v, **h)
     assert torch.equal(a, b)
-    _check(desc, x, y, v, a, 2e-6, **h)
+    _check(desc, x, y, v, a, _tol(desc, 3), **h)
     l2 = km.preset("laplace_l2")
     a = km.kernel_matvec(l2, x, y, v, bandwidth=0.5)
     b = km.kernel_matvec(l2, x, y, v, bandwidth=0.5)
     assert torch.equal(a, b)
-    _check(l2, x, y, v, a, 2e-6, bandwidth=0.5)
+    _check(l2, x, y, v, a, _tol(l2, 3), bandwidth=0.5)
 
 
 @pytest.mark.gpu

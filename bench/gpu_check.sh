@@ -24,7 +24,7 @@ for m in ("cuda.core", "cuda.bindings", "nvmath", "sqlalchemy"):
         mod = importlib.import_module(m); print(m, getattr(mod, "__version__", "?"))
     except Exception as e:
         print(m, "MISSING", e)
-from kermac_like.compiler import nvrtc_version; print("nvrtc", nvrtc_version())
+from kermac_like.runtime.compiler import nvrtc_version; print("nvrtc", nvrtc_version())
 PY
 status=0
 if [ "$mode" = all ] || [ "$mode" = tests ]; then

@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:  # a source checkout: kermac_like and bench/ live 
     sys.path.insert(0, str(ROOT))
 
 import kermac_like as km  # noqa: E402
+from kermac_like.matvec import matvec_reference, prepare_matvec  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -281,8 +282,8 @@ def gauss_matvec_rows(bench, name, D, Cs):
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         r = min(ERR_ROWS, M)
-        call = km.matvec.prepare_matvec(desc, x[:r].double(), y.double(), v.double(), bandwidth=bw)
-        ref = km.matvec.matvec_reference(call)
+        call = prepare_matvec(desc, x[:r].double(), y.double(), v.double(), bandwidth=bw)
+        ref = matvec_reference(call)
         err = rel_err(ours.last_output[:r], ref)
         terr = rel_err(torch_gauss_matvec(x[:r], y, v, bw), ref)
         ours.last_inputs = ours.last_output = None

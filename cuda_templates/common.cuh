@@ -62,7 +62,7 @@ struct HyperParam {
 };
 
 // The batch and hyper-parameter arguments of the distance kernels' flat ABI
-// (.helpers/DISTANCE_ABI.md; cuda.core passes no structs), gathered once at
+// (cuda_templates/ABI.md; cuda.core passes no structs), gathered once at
 // kernel entry. at(l) gives batch entry l: its operands and the index at which
 // its hyper-parameters are read (read where they are used, so that a kernel
 // keeps them live only as long as it needs them).

@@ -1,4 +1,4 @@
-// Exact fp32 SIMT distance / kernel-matrix kernel (ABI: .helpers/DISTANCE_ABI.md).
+// Exact fp32 SIMT distance / kernel-matrix kernel (ABI: cuda_templates/ABI.md).
 //
 //   out[l][m,n] = epilogue(outer(sum_k inner(a[l][m,k], b[l][n,k]))) (+ lambda on a diagonal)
 //

@@ -19,7 +19,7 @@
 //            data on their own MMA (m16n8k16), fp32 accumulation, fp32 norms,
 //            output rounded to the data type.
 //
-// Same ABI as distance_kernel (.helpers/DISTANCE_ABI.md), with these limits,
+// Same ABI as distance_kernel (cuda_templates/ABI.md), with these limits,
 // checked by static_asserts where they are static:
 //   Inner::Diff means the inner power Square (implied, not a parameter); the
 //   outer power is Noop (squared distance) or Sqrt (distance).

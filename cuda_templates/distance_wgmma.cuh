@@ -4,7 +4,7 @@
 //
 //   ||x - y||^2 = ||x||^2 + ||y||^2 - 2 x.y
 //
-// The flat ABI of distance_mma_kernel (.helpers/DISTANCE_ABI.md) plus six trailing
+// The flat ABI of distance_mma_kernel (cuda_templates/ABI.md) plus five trailing
 // arguments written by wgmma_prepare_b_kernel (below), which the caller launches
 // first on the same stream; same limits: float32 data, Precision::Tf32x3
 // (fp32-grade, three TF32 products) or Precision::Tf32; a and b RowMajor with

@@ -19,6 +19,7 @@ import torch
 from _common import fmt_ms, median_ms, parser, rel_err, setup, sync
 
 import kermac_like as km
+from kermac_like.matvec import matvec_reference, prepare_matvec
 
 
 def torch_blocked(x, y, v, bw, block=4096):
@@ -66,8 +67,8 @@ def main():
     r = min(args.check_rows, n)
     t_torch_rows = median_ms(lambda: torch_blocked(x[:r], y, v, bw), device, repeats=1, warmup=0)
     mem_torch = peak_mb(lambda: torch_blocked(x, y, v, bw), device) if n <= 200_000 else None
-    call = km.matvec.prepare_matvec(desc, x[:r].double(), y.double(), v.double(), bandwidth=bw)
-    ref = km.matvec.matvec_reference(call)
+    call = prepare_matvec(desc, x[:r].double(), y.double(), v.double(), bandwidth=bw)
+    ref = matvec_reference(call)
     ours_err = rel_err(out[:r], ref)
     torch_err = rel_err(torch_blocked(x[:r], y, v, bw), ref)
     est = t_torch_rows * n / r

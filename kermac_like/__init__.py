@@ -22,10 +22,10 @@ try:  # the launcher's runtime; imported up front so a first call pays no import
 except ImportError:  # CPU-only use still works through the reference path
     pass
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
-from .distance import cdist, run_kernel
-from .matvec import kernel_matvec
+from .ops.distance import cdist, run_kernel
+from .ops.matvec import kernel_matvec
 from .operator import KernelOperator
-from .precompile import precompile
+from .runtime.precompile import precompile
 
 __all__ = [
     "__version__",
@@ -53,7 +53,7 @@ def __getattr__(name):
 
         return importlib.import_module("." + name, __name__)
     if name == "cdist_grad":
-        from .grad import cdist_grad
+        from .ops.grad import cdist_grad
 
         return cdist_grad
     raise AttributeError(f"module 'kermac_like' has no attribute {name!r}")

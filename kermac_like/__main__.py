@@ -15,8 +15,8 @@ import time
 
 
 def _cmd_info(args) -> int:
-    from .cache import get_cache
-    from .compiler import nvrtc_version, template_dir, template_hash
+    from .runtime.cache import get_cache
+    from .runtime.compiler import nvrtc_version, template_dir, template_hash
 
     info = dict(get_cache().info())
     info["templates"] = str(template_dir())
@@ -30,7 +30,7 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_clear(args) -> int:
-    from .cache import get_cache
+    from .runtime.cache import get_cache
 
     n = get_cache().clear()
     print(f"removed {n} kernel(s) from {get_cache().path or 'the in-memory cache'}")
@@ -39,10 +39,10 @@ def _cmd_clear(args) -> int:
 
 def _cmd_precompile(args) -> int:
     from . import _debug
-    from .compiler import precompile_specs
     from .descriptor import preset
-    from .precompile import specs_for_descriptor
-    from .render import shipped_specs
+    from .runtime.compiler import precompile_specs
+    from .runtime.precompile import specs_for_descriptor
+    from .runtime.specs import shipped_specs
 
     debug = _debug.resolve(args.debug)
     if args.all:
@@ -56,7 +56,7 @@ def _cmd_precompile(args) -> int:
     if arch is None:
         import torch
 
-        from .compiler import arch_of_device
+        from .runtime.compiler import arch_of_device
 
         if not torch.cuda.is_available():
             print("precompile: no CUDA device here; pass --arch (e.g. --arch sm_80)", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Tests of the persistent kernel cache (kermac_like/cache.py). CPU only.
+"""Tests of the persistent kernel cache (kermac_like/runtime/cache/). CPU only.
 
 Cubins are random bytes: the cache stores and hashes them, it never parses them.
 """
@@ -21,8 +21,8 @@ import pytest
 import sqlalchemy
 from sqlalchemy import event
 
-from kermac_like import cache as kc
-from kermac_like.cache import (
+from kermac_like.runtime.cache import store as kc
+from kermac_like.runtime.cache.store import (
     DB_FILENAME,
     SCHEMA_VERSION,
     CachedKernel,
@@ -750,7 +750,7 @@ def test_get_cache_is_thread_safe(tmp_path):
 def test_fast_reader_agrees_with_cache(tmp_path, monkeypatch):
     import sqlite3
 
-    from kermac_like.cache_read import DB_FILENAME, read_kernel
+    from kermac_like.runtime.cache.warm import DB_FILENAME, read_kernel
 
     monkeypatch.setenv("KERMAC_LIKE_CACHE_DIR", str(tmp_path))
     cubin = os.urandom(5000)

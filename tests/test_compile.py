@@ -10,8 +10,9 @@ import sys
 import pytest
 
 import kermac_like as km
-from kermac_like import compiler, render
-from kermac_like.render import KernelSpec, LaunchShape
+from kermac_like.runtime import compiler
+from kermac_like.runtime import specs as render
+from kermac_like.runtime.specs import KernelSpec, LaunchShape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -44,8 +44,8 @@ def warm_cache():
 
 
 def test_round_trip_on_current_stream():
-    from kermac_like.launcher import clear_loaded, get_kernel
-    from kermac_like.render import distance_spec
+    from kermac_like.runtime.launcher import clear_loaded, get_kernel
+    from kermac_like.runtime.specs import distance_spec
     from kermac_like.layout import Layout
 
     x, y = torch.randn(300, 64, device="cuda"), torch.randn(200, 64, device="cuda")

@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from kermac_like import linalg
+from kermac_like.ops import linalg
 
 DTYPES = [torch.float32, torch.float64]
 RESIDUAL_TOL = {torch.float32: 1e-4, torch.float64: 1e-10}

@@ -17,7 +17,8 @@ import torch
 
 import kermac_like as km
 from kermac_like import matvec as mv
-from kermac_like import matvec_spec as ms
+from kermac_like import plan, reference
+from kermac_like.runtime.specs import matvec as ms
 from kermac_like.descriptor import InnerOperator as I
 from kermac_like.descriptor import KernelType as E
 from kermac_like.descriptor import PowerType as P
@@ -111,8 +112,7 @@ def test_reference_every_descriptor(desc):
 
 def test_reference_vector_epsilon_and_blocks(monkeypatch):
     """1-D v, an epsilon cut, and row/column blocks smaller than the problem."""
-    monkeypatch.setattr(mv, "BLOCK_ELEMENTS", 64)
-    monkeypatch.setattr(mv, "_reference_blocks", lambda call: (5, 7))
+    monkeypatch.setattr(reference, "matvec_blocks", lambda batch, M, N: (5, 7))
     g = torch.Generator().manual_seed(2)
     x = torch.randn(19, 3, dtype=F64, generator=g)
     y = torch.cat([x[:6], torch.randn(25, 3, dtype=F64, generator=g)])
@@ -161,8 +161,8 @@ def test_reference_blocks_are_bounded():
         y = torch.empty(N, 3, device="meta")
         v = torch.empty(N, 2, device="meta")
         call = mv.prepare_matvec(km.preset("l2"), x, y, v)
-        mb, nb = mv._reference_blocks(call)
-        assert mb * nb * max(1, math.prod(batch)) <= max(mv.BLOCK_ELEMENTS, nb * math.prod(batch))
+        mb, nb = reference.matvec_blocks(call.batch, call.M, call.N)
+        assert mb * nb * max(1, math.prod(batch)) <= max(reference.BLOCK_ELEMENTS, nb * math.prod(batch))
         assert mb >= 1 and nb >= 1
 
 
@@ -172,8 +172,8 @@ def test_reference_memory_bound_subprocess():
     a few blocks."""
     code = textwrap.dedent("""
         import resource, torch, kermac_like as km
-        from kermac_like import matvec, reference
-        reference.BLOCK_ELEMENTS = matvec.BLOCK_ELEMENTS = 1 << 20
+        from kermac_like import reference
+        reference.BLOCK_ELEMENTS = 1 << 20
         torch.set_num_threads(1)
         x = torch.rand(6000, 3); v = torch.rand(6000, 1)
         km.kernel_matvec(km.preset("gaussian_l2"), x[:64], x, v, bandwidth=0.5)  # imports, warm-up
@@ -234,13 +234,13 @@ def test_argument_errors_leave_a_valid_out_untouched():
 # -- CPU: the split rule ----------------------------------------------------------------------
 def test_choose_split():
     # plenty of row tiles: no split; few: the N range is split, each split >= 4 tiles
-    assert mv.choose_split(10**5, 4000, 264, 100) == 1
-    assert mv.choose_split(1, 4000, 264, 10**6) >= 264
-    assert mv.choose_split(1, 8, 264, 10**6) == 2
-    assert mv.choose_split(3, 4000, 264, 1) == 1
+    assert plan.choose_split(10**5, 4000, 264, 100) == 1
+    assert plan.choose_split(1, 4000, 264, 10**6) >= 264
+    assert plan.choose_split(1, 8, 264, 10**6) == 2
+    assert plan.choose_split(3, 4000, 264, 1) == 1
     # D = 3, N = M = 10^6 (489 row tiles of 2048, 3907 y tiles of 256) on 132 SMs x 2: the
     # last wave fills to >= 97%
-    s = mv.choose_split(489, 3907, 264, 16)
+    s = plan.choose_split(489, 3907, 264, 16)
     w = 489 * s / 264
     assert w / math.ceil(w) >= 0.97 and s <= 16
 
@@ -260,7 +260,7 @@ def test_spec_selection():
 
 @pytest.fixture(scope="module")
 def shipped_build():
-    from kermac_like.compiler import compile_specs
+    from kermac_like.runtime.compiler import compile_specs
 
     specs = list(dict.fromkeys(ms.shipped()))
     return specs, {arch: compile_specs(specs, arch) for arch in ("sm_80", "sm_90")}
@@ -314,7 +314,7 @@ def _gpu_specs():
 
 @pytest.fixture(scope="module")
 def gpu_warm():
-    from kermac_like.compiler import arch_of_device, precompile_specs
+    from kermac_like.runtime.compiler import arch_of_device, precompile_specs
 
     precompile_specs(_gpu_specs(), arch_of_device(0), processes=min(16, os.cpu_count() or 1))
     yield

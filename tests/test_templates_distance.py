@@ -472,7 +472,7 @@ CPU_INSTANCES = [
     (("Diff", "Pow", "Noop", "Laplace"), "ColMajor", "ColMajor", "RowMajor", 4),
     (("Diff", "Abs", "Noop", "None"), "ColMajor", "RowMajor", "RowMajor", 1),
     (("Diff", "Square", "Noop", "None"), "RowMajor", "ColMajor", "ColMajor", 4),
-    # tuned variants (bench/try_simt.py): totals in shared memory with the
+    # tuned variants (bench/probes/try_simt.py): totals in shared memory with the
     # compact row loader, kBlockK 16 and 64, other FMA-pipe shares.
     (("Diff", "Abs", "Noop", "None"), "RowMajor", "RowMajor", "RowMajor", 1),
     (("Diff", "Pow", "Pow", "None"), "ColMajor", "RowMajor", "ColMajor", 4),
@@ -677,12 +677,12 @@ def test_cpu_execution_identical_rows_give_exact_zero(cpu_runner, idx):
 
 # ------------------------------------------------------ tuned variants (try_simt)
 def test_tuned_variants_compile_without_spills_and_mirror_their_launch():
-    """The tunings bench/try_simt.py times: the Python mirror (static_assert
+    """The tunings bench/probes/try_simt.py times: the Python mirror (static_assert
     stub, including kSmemBytes) holds and ptxas spills nothing on sm_90."""
-    from kermac_like.compiler import compile_specs
+    from kermac_like.runtime.compiler import compile_specs
     from kermac_like.descriptor import PRESETS
     from kermac_like.layout import Layout
-    from kermac_like.render import DISTANCE_LAUNCH, distance_spec
+    from kermac_like.runtime.specs import DISTANCE_LAUNCH, distance_spec
 
     assert DISTANCE_LAUNCH.smem_bytes == EXPECTED_LAUNCH["kSmemBytes"]
     row = Layout.ROW_MAJOR

@@ -637,8 +637,8 @@ def test_sign_fma_formula_is_exact_above_2_pow_minus_128():
 
 
 def test_sign_fma_variant_compiles_pow_free_without_spills():
-    from kermac_like.compiler import compile_specs
-    from kermac_like.render import GRAD_LAUNCH, grad_spec
+    from kermac_like.runtime.compiler import compile_specs
+    from kermac_like.runtime.specs import GRAD_LAUNCH, grad_spec
 
     spec = grad_spec("abs", 4, tuning=(1, 2))
     assert spec.launch == GRAD_LAUNCH and spec.name_expression.endswith("Power::Abs, 4, 1, 2>>")

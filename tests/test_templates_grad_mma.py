@@ -7,7 +7,7 @@ CPU:
   accumulation and the predicated stores) in float64, against the oracle of
   test_templates_grad.py, on edge sizes; every output written exactly once.
 * NVRTC compiles of the shipped instantiations through
-  ``kermac_like.compiler.compile_specs`` (the mirror static_asserts) for sm_80
+  ``kermac_like.runtime.compiler.compile_specs`` (the mirror static_asserts) for sm_80
   and sm_90: no spills; HMMA in the SASS.
 GPU (marker gpu, skips without CUDA): the public ``cdist_grad`` with
 the default selection (tensor cores for p = 1, 2) against the float64 reference.
@@ -171,7 +171,7 @@ def test_index_model_matches_oracle(case):
 
 # ------------------------------------------------------------------ NVRTC / SASS
 def _specs(min_blocks=1):
-    from kermac_like.render import grad_mma_spec
+    from kermac_like.runtime.specs import grad_mma_spec
 
     return [grad_mma_spec(k, v, min_blocks=min_blocks) for k in ("abs", "square", "pow") for v in (4, 1)]
 
@@ -181,7 +181,7 @@ _CACHE = {}
 
 def _compiled(arch):
     if arch not in _CACHE:
-        from kermac_like.compiler import compile_specs
+        from kermac_like.runtime.compiler import compile_specs
 
         _CACHE[arch] = compile_specs(_specs(), arch)
     return _CACHE[arch]
@@ -214,8 +214,8 @@ def test_sass_has_hmma(arch, tmp_path):
 
 @pytest.mark.skipif(not HAVE_NVRTC, reason="cuda.core not installed")
 def test_invalid_traits_fail_with_a_named_reason():
-    from kermac_like.compiler import CompileError, compile_specs
-    from kermac_like.render import GRAD_MMA_LAUNCH, KernelSpec
+    from kermac_like.runtime.compiler import CompileError, compile_specs
+    from kermac_like.runtime.specs import GRAD_MMA_LAUNCH, KernelSpec
 
     spec = KernelSpec("cdist_grad_mma.cuh", "kermac_like::cdist_grad_mma_kernel",
                       "kermac_like::CdistGradMmaTraits<kermac_like::Power::Abs, 2>", GRAD_MMA_LAUNCH)
@@ -225,7 +225,7 @@ def test_invalid_traits_fail_with_a_named_reason():
 
 
 def test_family_is_registered():
-    from kermac_like.render import FAMILIES, GRAD_MMA_LAUNCH, grad_mma_spec
+    from kermac_like.runtime.specs import FAMILIES, GRAD_MMA_LAUNCH, grad_mma_spec
 
     specs = list(FAMILIES["cdist_grad_mma"]())  # p = 1 and p = 2: sm_80-class and tuned sm_90 builds
     assert len(specs) == 8 and all(s.launch == GRAD_MMA_LAUNCH for s in specs)

@@ -194,8 +194,8 @@ def test_column_major_operands_are_rejected():
 
 
 def _load_probe():
-    """bench/try_wgmma.py, the GPU probe: its float64 oracle is the one used here."""
-    spec = importlib.util.spec_from_file_location("try_wgmma", ROOT / "bench" / "try_wgmma.py")
+    """bench/probes/try_wgmma.py, the GPU probe: its float64 oracle is the one used here."""
+    spec = importlib.util.spec_from_file_location("try_wgmma", ROOT / "bench" / "probes" / "try_wgmma.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -15,8 +15,8 @@ CPU (CI):
     protocol (no stage is rewritten while a reader may still use it, every read
     finds its data landed, no wait can deadlock), and the batch-entry indexing of
     the prepared b (B small, norms) written by wgmma_prepare_b_kernel.
-  * The selection in kermac_like.distance uses it on sm_90 unless KERMAC_LIKE_WGMMA=0.
-GPU (marker gpu, sm_90 only): the float64 checks of bench/try_wgmma.py; marker
+  * The selection in kermac_like.plan uses it on sm_90 unless KERMAC_LIKE_WGMMA=0.
+GPU (marker gpu, sm_90 only): the float64 checks of bench/probes/try_wgmma.py; marker
 slow as well: the two bench workloads.
 """
 import importlib.util
@@ -28,7 +28,7 @@ import torch
 
 from kermac_like.descriptor import PRESETS
 from kermac_like.layout import Layout
-from kermac_like.render import (
+from kermac_like.runtime.specs import (
     WGMMA_LAUNCH,
     WGMMA_PREPARE_LAUNCH,
     render_source,
@@ -91,7 +91,7 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills():
     assert len(regs) == len(SPECS) and max(regs) <= 255, log
     # ptxas: "wgmma.mma_async instructions are serialized ... in the function <name>": the
     # 3xTF32 builds keep two k-tiles of wgmma in flight; the plain TF32 build is serialised
-    # by ptxas (still faster than the previous design: bench/NOTES_wgmma.md).
+    # by ptxas (still faster than the previous design: bench/notes/wgmma.md).
     serialised = re.findall(r"serialized.*?in the function '(\S+?)'", log)
     assert all("Tf32x3" not in f and "3Tf32x3" not in f for f in serialised), serialised
     assert len(serialised) <= 1, serialised
@@ -151,7 +151,7 @@ def test_prepare_kernels_compile_vectorised_without_spills():
     """wgmma_prepare_b_kernel, every combination the package launches: 16-byte loads of b
     and stores of the blocks, no local memory; its tile constants are the kernel's and
     the package's (WGMMA_BLOCK_K)."""
-    from kermac_like.distance import WGMMA_BLOCK_K
+    from kermac_like.plan import WGMMA_BLOCK_K
 
     specs = [wgmma_prepare_spec(small=s, norms=n) for s in (True, False) for n in (True, False)]
     check = (f"static_assert({specs[0].traits}::kTileK == {WGMMA_BLOCK_K} && "
@@ -177,12 +177,12 @@ def test_prepare_needs():
     ((2, 3, 2, 2), (2, 1, 2, 1)),
 ])
 def test_b_entries_address_every_entry_of_b_once(a_batch, b_batch):
-    """kermac_like.distance.b_entries: for every batch entry of the folded kernel modes,
+    """kermac_like.plan.b_entries: for every batch entry of the folded kernel modes,
     the prepared entry e = l . c, decoded the way wgmma_prepare_b_kernel decodes it, is
     b's element offset for that batch entry; and the entries cover b itself exactly."""
     import itertools
 
-    from kermac_like.distance import b_entries
+    from kermac_like.plan import b_entries
     from kermac_like.layout import batch_strides, broadcast_batch_shape, plan_batch
 
     a = torch.empty(*a_batch, 5, 4)
@@ -401,7 +401,7 @@ def test_fast_epilogue_tiles_hold_no_regularised_entry():
 
 
 def test_selection_default_and_opt_out(monkeypatch):
-    from kermac_like import distance
+    from kermac_like import plan as distance
 
     monkeypatch.delenv("KERMAC_LIKE_WGMMA", raising=False)
     assert distance._wgmma_enabled(torch.device("cpu")) is False  # CPU tensors: never
@@ -413,7 +413,7 @@ def test_selection_default_and_opt_out(monkeypatch):
 
 
 def _try_module():
-    spec = importlib.util.spec_from_file_location("try_wgmma", ROOT / "bench" / "try_wgmma.py")
+    spec = importlib.util.spec_from_file_location("try_wgmma", ROOT / "bench" / "probes" / "try_wgmma.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

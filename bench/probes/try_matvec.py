@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 import kermac_like as km  # noqa: E402
 from kermac_like import matvec as mv  # noqa: E402
-from kermac_like import matvec_spec as ms  # noqa: E402
+from kermac_like.runtime.specs import matvec as ms  # noqa: E402
 
 
 def timed(fn, make, reps):

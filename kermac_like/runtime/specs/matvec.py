@@ -1,18 +1,18 @@
-"""Specs of the matvec family (cuda_templates/matvec.cuh): which instantiation of
+"""The matvec family (cuda_templates/matvec.cuh): which instantiation of
 ``matvec_kernel<MatvecTraits<...>>`` serves a call, its mirrored launch constants, and
 the family's shipped set.
 
 Mirror of ``kermac_like::MatvecTraits``: kThreads, kRows (rows of x per thread),
 kBlockM = kThreads * kRows, kBlockN (y points per shared-memory tile); the compile stub
-checks them with static_asserts (render.KernelSpec.asserts).
+checks them with static_asserts (KernelSpec.asserts).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType
-from .render import FAMILIES, KernelSpec, LaunchShape
+from ...descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType
+from .kernel_spec import KernelSpec, LaunchShape
 
 __all__ = [
     "K_BUCKETS",
@@ -25,6 +25,7 @@ __all__ = [
     "matvec_spec",
     "combine_spec",
     "shipped",
+    "rows_per_thread",
 ]
 
 THREADS = 256
@@ -139,6 +140,3 @@ def shipped():
         yield matvec_spec(g, dt, 3, 1)
     for dt in (f32, torch.float16, torch.bfloat16):
         yield combine_spec(dt)
-
-
-FAMILIES["matvec"] = shipped

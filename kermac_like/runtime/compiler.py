@@ -4,7 +4,7 @@ A :class:`KernelSpec` names one instantiation (a kernel template applied to a
 traits type) and carries the launch constants the Python side mirrors.  The
 compiler renders a tiny stub (the family's header and one ``static_assert`` per
 mirrored constant), compiles any number of specs in one NVRTC program, and
-hands a :class:`~kermac_like.cache.ModuleRecord` to the cache.  It never
+hands a :class:`~kermac_like.runtime.cache.ModuleRecord` to the cache.  It never
 needs a GPU: the architecture is a string such as ``"sm_90"``.
 
 The cache key of a spec is a full sha256 over everything that changes the
@@ -26,8 +26,8 @@ import re
 import time
 from pathlib import Path
 
-from ._version import __version__
-from .render import KernelSpec, LaunchShape, render_source  # noqa: F401  (re-exported)
+from .._version import __version__
+from .specs import KernelSpec, LaunchShape, render_source  # noqa: F401  (re-exported)
 
 log = logging.getLogger("kermac_like.compiler")
 
@@ -82,7 +82,7 @@ def template_dir() -> Path:
             p = Path(loc)
             if (p / "common.cuh").is_file():
                 return p
-    p = Path(__file__).resolve().parent.parent / "cuda_templates"
+    p = Path(__file__).resolve().parents[2] / "cuda_templates"
     if (p / "common.cuh").is_file():
         return p
     raise FileNotFoundError("kermac_like: cannot find the cuda_templates folder (broken installation?)")
@@ -234,7 +234,7 @@ def compile_specs(specs, arch: str, *, debug: bool = False):
     for expr, res in resources.items():
         if res.get("spill_stores") or res.get("spill_loads"):
             # Some shipped builds trade a few spilled bytes for occupancy (measured faster,
-            # bench/NOTES.md), so this is a record, not a warning.
+            # bench/notes/history.md), so this is a record, not a warning.
             log.info("%s spills registers on %s: %s", expr, full_arch, res)
     if debug:
         log.debug("compiled %d kernel(s) for %s in %.2f s", len(specs), full_arch, seconds)

@@ -1,6 +1,6 @@
 """Where the first call of a new process goes (warm kernel cache): one stage at a time.
 
-    python3 bench/try_first_call.py            # GPU machine; prints a breakdown in ms
+    python3 bench/probes/try_first_call.py            # GPU machine; prints a breakdown in ms
 """
 
 import json
@@ -21,8 +21,8 @@ stages = sys.argv[1] == "stages"
 if stages:
     t0 = time.perf_counter(); import cuda.core; mark("import cuda.core", t0)
     t0 = time.perf_counter(); import sqlalchemy; mark("import sqlalchemy", t0)
-    t0 = time.perf_counter(); from kermac_like.cache import get_cache; get_cache(); mark("open cache", t0)
-    t0 = time.perf_counter(); from kermac_like.compiler import nvrtc_version; nvrtc_version(); mark("nvrtc version", t0)
+    t0 = time.perf_counter(); from kermac_like.runtime.cache import get_cache; get_cache(); mark("open cache", t0)
+    t0 = time.perf_counter(); from kermac_like.runtime.compiler import nvrtc_version; nvrtc_version(); mark("nvrtc version", t0)
     t0 = time.perf_counter(); torch.cuda.get_device_capability(0); mark("capability", t0)
 t0 = time.perf_counter(); out = km.cdist(x, y, 1.0); torch.cuda.synchronize(); mark("first cdist", t0)
 t0 = time.perf_counter(); out = km.cdist(x, y, 1.0); torch.cuda.synchronize(); mark("second cdist", t0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from . import _debug
-from .descriptor import KernelDescriptor
-from .layout import Layout
-from .render import distance_spec, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec, wgmma_traits_spec
+from .. import _debug
+from ..descriptor import KernelDescriptor
+from ..layout import Layout
+from .specs import distance_spec, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec, wgmma_traits_spec
 
 __all__ = ["precompile", "specs_for_descriptor"]
 

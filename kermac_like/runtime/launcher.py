@@ -1,6 +1,6 @@
 """The launcher: get a kernel function for a device and launch it on torch's stream.
 
-Lookup order for a :class:`~kermac_like.compiler.KernelSpec` on a device:
+Lookup order for a :class:`~kermac_like.runtime.specs.KernelSpec` on a device:
 in-process dict -> persistent cache (SQLite) -> compile (NVRTC) and store.
 One loaded module per (device, cubin) per process.  Launches go through
 ``cuda.core`` on ``torch.cuda.current_stream()``; nothing here synchronises
@@ -91,7 +91,7 @@ def get_kernel(spec: KernelSpec, device: int, *, debug: bool = False) -> LoadedK
         hit = _functions.get((device, spec))
         if hit is not None:
             return hit
-        from .cache_read import read_kernel
+        from .cache.warm import read_kernel
 
         t0 = time.perf_counter()
         arch = arch_of_device(device)

@@ -1,6 +1,6 @@
 """One GPU run that says whether the sm_90a (wgmma) distance kernel is right and how fast.
 
-    python bench/try_wgmma.py            # on the H200 (or any sm_90 GPU); < 2 minutes
+    python bench/probes/try_wgmma.py            # on the H200 (or any sm_90 GPU); < 2 minutes
 
 (a) correctness of cuda_templates/distance_wgmma.cuh against float64 on NaN-poisoned
     outputs: odd M/N/K, K tails, broadcast batch walked by one grid layer, per-batch
@@ -32,7 +32,7 @@ try:
 except ImportError:  # cuda.core < 0.4
     from cuda.core.experimental import Device, LaunchConfig, Program, ProgramOptions, launch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "cuda_templates"
 NS = "kermac_like::"
 T0 = time.perf_counter()
@@ -366,7 +366,7 @@ def correctness_case(variant, cfg, shape, *, batch_a=1, batch_b=2, lam=0.25, reg
 
 
 CASES = [
-    # (cfg, shape, extra). The first three localise a descriptor/layout error (NOTES_wgmma.md).
+    # (cfg, shape, extra). The first three localise a descriptor/layout error (bench/notes/wgmma.md).
     (("Dot", "Noop", "None", "RowMajor", "Tf32x3"), (64, 256, 4), {"lam": 0.0, "batch_b": 1}),
     (("Dot", "Noop", "None", "RowMajor", "Tf32x3"), (64, 256, 8), {"lam": 0.0, "batch_b": 1}),
     (("Dot", "Noop", "None", "RowMajor", "Tf32x3"), (128, 256, 16), {"lam": 0.0, "batch_b": 1}),
@@ -426,15 +426,17 @@ def package_path():
     sys.path.insert(0, str(ROOT))
     try:
         import kermac_like
-        from kermac_like import distance as dist_mod
+        from kermac_like import plan as plan_mod
+        from kermac_like.ops import distance as dist_mod
 
-        enabled = dist_mod._wgmma_enabled(torch.device("cuda"))
+        enabled = plan_mod._wgmma_enabled(torch.device("cuda"))
         x1 = torch.randn(1000, 256, device=DEVICE)
         x2 = torch.randn(700, 256, device=DEVICE)
         y = kermac_like.cdist(x1, x2)
         err = rel_error(y, torch.cdist(x1.double(), x2.double()))
         call = dist_mod.prepare_call(kermac_like.PRESETS["l2"], x1, x2)
-        chosen = dist_mod._select(call, torch.empty(call.out_shape, device=DEVICE), {}, dist_mod.COMPUTE_MODES[0])
+        chosen = plan_mod._select(call, torch.empty(call.out_shape, device=DEVICE), {}, dist_mod.COMPUTE_MODES[0],
+                                  plan_mod.Settings.current())
         kname = chosen[0].kernel if chosen else "reference"
         record("package", "cdist p=2 1000x700x256 (KERMAC_LIKE_WGMMA=1)", err <= 1e-5 and "wgmma" in kname,
                f"rel err {err:.2e}, kernel {kname}, enabled={enabled}")

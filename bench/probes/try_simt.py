@@ -2,8 +2,8 @@
 
 Run once on the GPU machine from the repository root (PYTHONPATH = repo root):
 
-    python3 bench/try_simt.py            # ~1.5-2.5 min on an H200
-    python3 bench/try_simt.py --quick    # smaller sizes, a smoke test
+    python3 bench/probes/try_simt.py            # ~1.5-2.5 min on an H200
+    python3 bench/probes/try_simt.py --quick    # smaller sizes, a smoke test
 
 For every variant (a traits tuning, see VARIANTS below): compile (registers and
 spills from ptxas), check a small odd-size case against float64 with a
@@ -34,11 +34,11 @@ import traceback
 import numpy as np
 import torch
 
-from kermac_like.compiler import arch_of_device, compile_specs
+from kermac_like.runtime.compiler import arch_of_device, compile_specs
 from kermac_like.descriptor import PRESETS
 from kermac_like.layout import Layout
-from kermac_like.launcher import get_kernel, launch
-from kermac_like.render import DISTANCE_TUNING, GRAD_TUNING, distance_spec, grad_spec
+from kermac_like.runtime.launcher import get_kernel, launch
+from kermac_like.runtime.specs import DISTANCE_TUNING, GRAD_TUNING, distance_spec, grad_spec
 
 # (label, tuning, workloads it runs on).  Distance tuning = (kPolyPer64,
 # kBlockK, kMinBlocksPerSm); grad tuning = (kSignFma, kMinBlocksPerSM).
@@ -125,7 +125,7 @@ class ClockMonitor:
 # ---------------------------------------------------------------------- helpers
 def compile_and_load(spec, device, arch):
     """(LoadedKernel, ptxas resources) — compiled here to read registers/spills."""
-    from kermac_like.cache import get_cache
+    from kermac_like.runtime.cache import get_cache
 
     record, resources = compile_specs([spec], arch)
     get_cache().put(record)

@@ -5,57 +5,27 @@ hash check. Importing SQLAlchemy and building its engine costs ~80-100 ms,
 more than everything else on a warm first call, so hits are served here with
 the standard library's ``sqlite3`` on a read-only connection. Anything
 unexpected (no file, another schema version, a locked or corrupt file, a hash
-mismatch) returns None, and the caller goes on to :class:`kermac_like.cache.KernelCache`,
+mismatch) returns None, and the caller goes on to :class:`kermac_like.runtime.cache.KernelCache`,
 which owns the schema, writes, recovery and eviction.
 
-The file location and the schema stamp live here so that both paths agree.
+The file location and the schema stamp live in location.py, shared by both paths.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import sqlite3
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["SCHEMA_VERSION", "DB_FILENAME", "default_cache_dir", "read_kernel"]
+from .location import DB_FILENAME, SCHEMA_VERSION, TOUCH_INTERVAL_S, default_cache_dir
 
-# Bump SCHEMA_VERSION with any change to the tables (kermac_like/cache.py): a file
-# stamped with another version is then moved aside and rebuilt.
-SCHEMA_VERSION = 1
-DB_FILENAME = "kernels-v1.sqlite"
-ENV_DIR = "KERMAC_LIKE_CACHE_DIR"
-TOUCH_INTERVAL_S = 60.0  # last_used_at is refreshed at most this often per module
+__all__ = ["SCHEMA_VERSION", "DB_FILENAME", "default_cache_dir", "read_kernel"]
 
 _SELECT = (
     "SELECT k.lowered_name, k.module_sha256, m.cubin, m.last_used_at "
     "FROM kernels AS k JOIN modules AS m ON m.module_sha256 = k.module_sha256 WHERE k.key = ?"
 )
-
-
-def default_cache_dir() -> Path:
-    """``$KERMAC_LIKE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kermac_like``, else the
-    platform's user cache dir (``~/.cache/kermac_like`` on Linux)."""
-    env = os.environ.get(ENV_DIR)
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg and os.path.isabs(xdg):  # the XDG spec says to ignore relative values
-        return Path(xdg) / "kermac_like"
-    try:
-        home = Path.home()
-    except (KeyError, RuntimeError):  # no HOME and no passwd entry (some containers)
-        user = os.getuid() if hasattr(os, "getuid") else "user"
-        return Path(tempfile.gettempdir()) / f"kermac_like-cache-{user}"
-    if sys.platform == "darwin":
-        return home / "Library" / "Caches" / "kermac_like"
-    if sys.platform.startswith("win"):
-        local = os.environ.get("LOCALAPPDATA")
-        return (Path(local) if local else home / "AppData" / "Local") / "kermac_like" / "Cache"
-    return home / ".cache" / "kermac_like"
 
 
 def read_kernel(key: str):

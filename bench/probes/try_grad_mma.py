@@ -1,6 +1,6 @@
 """cdist_grad on tensor cores (cdist_grad_mma.cuh) beside the SIMT kernel and torch.einsum.
 
-    PYTHONPATH=. python3 bench/try_grad_mma.py
+    PYTHONPATH=. python3 bench/probes/try_grad_mma.py
 
 1. correctness sweep of the mma kernel (KERMAC_LIKE_GRAD_MMA=1) against the float64
    reference: p in {1, 1.3, 2, 3}, O in {1, 3, 16, 33}, odd sizes, batch broadcast,
@@ -23,16 +23,16 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("KERMAC_LIKE_CACHE_DIR", tempfile.mkdtemp(prefix="kermac_like_try_grad_mma_"))
 
 import torch  # noqa: E402
 
 import kermac_like as km  # noqa: E402
-from kermac_like import grad as grad_mod  # noqa: E402
+from kermac_like import plan as grad_mod  # noqa: E402  (the planner picks the grad spec)
 from kermac_like.reference import cdist_grad_reference  # noqa: E402
-from kermac_like.render import GRAD_MMA_KINDS, grad_mma_spec, grad_spec  # noqa: E402
+from kermac_like.runtime.specs import GRAD_MMA_KINDS, grad_mma_spec, grad_spec  # noqa: E402
 
 ORIG_SPEC = grad_mod.grad_kernel_spec
 

@@ -2,7 +2,7 @@
 every Euclidean preset, on random data and on clustered data with near-duplicate
 points, in 3xTF32 (default) and plain TF32 (torch.backends.cuda.matmul.allow_tf32).
 
-    python bench/tc_errors.py        # a GPU; prints one table
+    python bench/probes/tc_errors.py        # a GPU; prints one table
 """
 import torch
 

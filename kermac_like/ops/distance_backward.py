@@ -17,9 +17,13 @@ double backward.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from ..plan import run_distance
+from .grad import cdist_grad
 
 __all__ = ["distance_with_grad"]
 
@@ -38,10 +42,8 @@ def _hyper(x, ndim_tail: int):
 class _DistanceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, call, out, compute_mode, debug):
-        from .distance import forward
-
         with torch.no_grad():
-            y = forward(call, out, compute_mode=compute_mode, debug=debug)
+            y = run_distance(call, out, compute_mode, debug)
         ctx.call, ctx.compute_mode, ctx.debug = call, compute_mode, debug
         ctx.save_for_backward(a, b, y)
         if out is not None:
@@ -59,9 +61,6 @@ class _DistanceFn(torch.autograd.Function):
 
 
 def _distance_backward(call, a, b, y, grad, needs, compute_mode, debug):
-    from .distance import forward
-    from .grad import cdist_grad
-
     desc: KernelDescriptor = call.desc
     batch, M, N, K = call.batch, call.M, call.N, call.K
     if desc.inner_operator is InnerOperator.DOT:
@@ -75,10 +74,8 @@ def _distance_backward(call, a, b, y, grad, needs, compute_mode, debug):
         d = y
     else:
         plain = KernelDescriptor(desc.inner_operator, desc.inner_power, desc.outer_power, KernelType.NONE)
-        from dataclasses import replace
-
         dcall = replace(call, desc=plain, hypers=dict(hp, bandwidth=None, regularization=None), epsilon=None)
-        d = forward(dcall, None, compute_mode=compute_mode, debug=debug)
+        d = run_distance(dcall, None, compute_mode, debug)
 
     zero = torch.zeros((), dtype=d.dtype, device=d.device)
     w = grad

@@ -1,0 +1,166 @@
+"""The distance/kernel-matrix ops: :func:`run_kernel` and :func:`cdist`.
+
+Data flow of one call: validate every argument (nothing is written before
+all checks pass) -> the planner (:mod:`kermac_like.plan`) chooses a path (exact
+SIMT kernel, tensor-core kernel, or the torch reference for CPU tensors, float64,
+pre-sm_80 GPUs and p in {0, inf}), describes operand layouts, folds the broadcast
+batch and gets the compiled functions (memory, cache, or NVRTC) -> the plan runs
+on the current torch stream. Gradients: :mod:`kermac_like.ops.distance_backward`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from .. import _debug
+from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
+from ..descriptor import PRESETS, KernelDescriptor
+from ..layout import analyse_output, broadcast_batch_shape
+from ..plan import DistanceCall, run_distance
+from ..reference import cdist_reference
+from .distance_backward import distance_with_grad
+
+log = logging.getLogger("kermac_like.distance")
+
+__all__ = ["run_kernel", "cdist", "COMPUTE_MODES"]
+
+COMPUTE_MODES = (
+    "use_mm_for_euclid_dist_if_necessary",
+    "use_mm_for_euclid_dist",
+    "donot_use_mm_for_euclid_dist",
+)
+
+def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
+                 regularization_offset_x=0, regularization_offset_y=0, epsilon=None) -> DistanceCall:
+    """Validate a run_kernel call; raises TypeError/ValueError naming the argument."""
+    if not isinstance(descriptor, KernelDescriptor):
+        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
+    check_tensor("a", a)
+    check_tensor("b", b)
+    check_same("b", b, "a", a)
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"b: last dimension {b.shape[-1]} differs from a's {a.shape[-1]} (the contracted K mode)")
+    dev = a.device
+    p = check_scalar_or_tensor("p", p, dev, nonnegative=True)
+    inner_p = check_scalar_or_tensor("inner_p", inner_p, dev, nonnegative=True)
+    outer_p = check_scalar_or_tensor("outer_p", outer_p, dev, positive=True)
+    bandwidth = check_scalar_or_tensor("bandwidth", bandwidth, dev, positive=True)
+    regularization = check_scalar_or_tensor("regularization", regularization, dev)
+    epsilon = check_scalar_or_tensor("epsilon", epsilon, dev, nonnegative=True)
+    if isinstance(epsilon, torch.Tensor):
+        raise TypeError("epsilon: expected a real number")
+    ox = check_int("regularization_offset_x", regularization_offset_x)
+    oy = check_int("regularization_offset_y", regularization_offset_y)
+    inner_p = inner_p if inner_p is not None else p
+    outer_p = outer_p if outer_p is not None else p
+    if descriptor.needs_inner_p:
+        if inner_p is None:
+            raise ValueError(f"p: {descriptor!r} has a POW inner power; pass p or inner_p")
+        if isinstance(inner_p, float) and inner_p == 0:
+            raise ValueError("inner_p: must be > 0 for a POW inner power (cdist(p=0) counts non-zeros instead)")
+    else:
+        inner_p = None
+    if descriptor.needs_outer_p:
+        if outer_p is None:
+            raise ValueError(f"p: {descriptor!r} has a POW outer power; pass p or outer_p")
+        if isinstance(outer_p, float) and outer_p == 0:
+            raise ValueError("outer_p: must be > 0 (the outer power is x^(1/outer_p))")
+    else:
+        outer_p = None
+    if descriptor.needs_bandwidth:
+        if bandwidth is None:
+            raise ValueError(f"bandwidth: {descriptor!r} has a {descriptor.kernel_type.name} epilogue; pass bandwidth")
+    else:
+        bandwidth = None
+    hypers = dict(inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth, regularization=regularization)
+    shapes = {"a": tuple(a.shape[:-2]), "b": tuple(b.shape[:-2])}
+    shapes.update({k: tuple(v.shape) for k, v in hypers.items() if isinstance(v, torch.Tensor)})
+    batch = broadcast_batch_shape(shapes)
+    return DistanceCall(descriptor, a, b, hypers, ox - oy, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])
+
+
+# -- execution: the planner decides, the plan runs -----------------------------------------
+def forward(call: DistanceCall, out=None, *, compute_mode: str = COMPUTE_MODES[0], debug: bool = False):
+    """Compute a validated call (no autograd). ``out`` was validated by the caller."""
+    return run_distance(call, out, compute_mode, debug)
+
+
+def _check_out(out, shape, dtype, device):
+    if out is not None:
+        analyse_output("out", out, shape, dtype, device)
+
+
+def _needs_grad(*xs) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+
+
+# -- public API ----------------------------------------------------------------------------
+def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *, out=None, p=None, inner_p=None,
+               outer_p=None, bandwidth=None, regularization=None, regularization_offset_x: int = 0,
+               regularization_offset_y: int = 0, epsilon=None, compute_mode: str = COMPUTE_MODES[0],
+               debug: bool = False) -> torch.Tensor:
+    """Fused kernel matrix ``out[..., m, n] = kernel(a[..., m, :], b[..., n, :])``.
+
+    ``a`` is ``(..., M, K)``, ``b`` is ``(..., N, K)``; leading modes broadcast.
+    ``p`` sets both ``inner_p`` and ``outer_p`` (for POW powers); ``bandwidth``
+    is required by LAPLACE/GAUSSIAN epilogues; ``regularization`` adds lambda where
+    ``m + regularization_offset_x == n + regularization_offset_y``; ``epsilon``
+    zeroes distances below it.  Hyper-parameters are floats or tensors over batch
+    modes (broadcasting with the data batch; their values are not inspected).
+    ``out`` (any row- or column-major layout of the right shape) is written in
+    place and returned; it is left untouched when an argument is rejected.
+    """
+    debug = _debug.resolve(debug)
+    if compute_mode not in COMPUTE_MODES:
+        raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
+    call = prepare_call(descriptor, a, b, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
+                        regularization=regularization, regularization_offset_x=regularization_offset_x,
+                        regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+    _check_out(out, call.out_shape, call.dtype, call.device)
+    if _needs_grad(a, b, *call.hypers.values()):
+        return distance_with_grad(call, out, compute_mode, debug)
+    return forward(call, out, compute_mode=compute_mode, debug=debug)
+
+
+def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_epilogue: bool = False,
+          compute_mode: str = COMPUTE_MODES[0], debug: bool = False) -> torch.Tensor:
+    """Drop-in for ``torch.cdist``: p-norm distances between the rows of x1 (..., M, K)
+    and x2 (..., N, K), batch modes broadcast, any ``p >= 0`` or ``inf``.
+
+    ``skip_epilogue=True`` returns ``sum |x - y|^p`` without the ``1/p`` root.
+    p = 1 and p = 2 use pow-free kernels; p = 2 runs on tensor cores (3xTF32,
+    fp32-grade) unless ``compute_mode="donot_use_mm_for_euclid_dist"``; on sm_90 that
+    path takes temporary GPU memory of about x2's size (twice for 3xTF32) for x2 in
+    the kernel's tile layout.
+    p = 0, p = inf and float64/float16/bfloat16 inputs take the torch reference
+    path (on the inputs' device).
+    """
+    debug = _debug.resolve(debug)
+    check_tensor("x1", x1)
+    check_tensor("x2", x2)
+    check_same("x2", x2, "x1", x1)
+    p = check_scalar_or_tensor("p", p, x1.device, nonnegative=True, allow_inf=True)
+    if isinstance(p, torch.Tensor):
+        raise TypeError("p: cdist takes a real number (use run_kernel for per-batch p)")
+    if compute_mode not in COMPUTE_MODES:
+        raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
+    if x1.shape[-1] != x2.shape[-1]:
+        raise ValueError(f"x2: last dimension {x2.shape[-1]} differs from x1's {x1.shape[-1]}")
+    if p == 0 or math.isinf(p):
+        batch = broadcast_batch_shape({"x1": tuple(x1.shape[:-2]), "x2": tuple(x2.shape[:-2])})
+        _check_out(out, (*batch, x1.shape[-2], x2.shape[-2]), x1.dtype, x1.device)
+        if debug:
+            log.debug("cdist p=%s: reference path", p)
+        if _needs_grad(x1, x2):
+            return torch.cdist(x1, x2, p=p)
+        return cdist_reference(x1, x2, p, skip_epilogue=skip_epilogue, out=out)
+    if p == 1:
+        desc, kw = PRESETS["l1"], {}
+    elif p == 2:
+        desc, kw = (PRESETS["squared_l2"] if skip_epilogue else PRESETS["l2"]), {}
+    else:
+        desc, kw = (PRESETS["p_norm_skip_root"] if skip_epilogue else PRESETS["p_norm"]), {"p": p}
+    return run_kernel(desc, x1, x2, out=out, compute_mode=compute_mode, debug=debug, **kw)

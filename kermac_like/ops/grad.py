@@ -1,0 +1,65 @@
+"""The cdist gradient contraction :func:`cdist_grad`.
+
+    out[..., o, n, m] = sum_k c[o,k] a[k,m] sgn(d[n,m] - b[n,k]) |d[n,m] - b[n,k]|^(p-1)
+
+with a (..., K, M), b (..., N, K), c (..., O, K), d (..., N, M), out (..., O, N, M).
+In a Recursive Feature Machine, a is the kernel matrix, b the data, c the
+coefficients and d the points where the gradient is taken; the backward of
+cdist is the same contraction with O = 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _debug
+from .._args import check_same, check_scalar_or_tensor, check_tensor
+from ..layout import Layout, analyse_output, broadcast_batch_shape
+from ..plan import plan_cdist_grad
+
+__all__ = ["cdist_grad"]
+
+
+def _check_grad_out(out, shape, dtype, device):
+    """The shared output checks, plus the kernel's unit-stride last (m) mode."""
+    if out is None:
+        return
+    view = analyse_output("out", out, shape, dtype, device)
+    if view.layout is not Layout.ROW_MAJOR and out.shape[-1] > 1:
+        raise ValueError(f"out: its last (m) mode must be unit-stride, got strides {tuple(out.stride())}")
+
+
+def cdist_grad(a, b, c, d, *, out=None, p=2.0, debug: bool = False) -> torch.Tensor:
+    """Gradient contraction of cdist (see the module docstring).
+
+    ``p`` is a float (``p - 1`` is the power of the distance factor; p = 1 and
+    p = 2 are pow-free) or a tensor over the batch modes.  Where
+    ``d[n,m] == b[n,k]`` the factor is 0.  Views are accepted; an operand whose
+    last mode is not unit-stride is copied.  ``out`` must have a unit-stride
+    last mode; it is left untouched when an argument is rejected.
+    """
+    debug = _debug.resolve(debug)
+    for name, t in (("a", a), ("b", b), ("c", c), ("d", d)):
+        check_tensor(name, t)
+    for name, t in (("b", b), ("c", c), ("d", d)):
+        check_same(name, t, "a", a)
+    K, M = a.shape[-2], a.shape[-1]
+    N = b.shape[-2]
+    O = c.shape[-2]
+    if b.shape[-1] != K:
+        raise ValueError(f"b: expected (..., N, K) with K={K} (a is (..., K, M)), got {tuple(b.shape)}")
+    if c.shape[-1] != K:
+        raise ValueError(f"c: expected (..., O, K) with K={K}, got {tuple(c.shape)}")
+    if tuple(d.shape[-2:]) != (N, M):
+        raise ValueError(f"d: expected (..., N, M) = (..., {N}, {M}), got {tuple(d.shape)}")
+    p = check_scalar_or_tensor("p", p, a.device, nonnegative=True)
+    shapes = {n: tuple(t.shape[:-2]) for n, t in (("a", a), ("b", b), ("c", c), ("d", d))}
+    if isinstance(p, torch.Tensor):
+        shapes["p"] = tuple(p.shape)
+    batch = broadcast_batch_shape(shapes)
+    out_shape = (*batch, O, N, M)
+    _check_grad_out(out, out_shape, a.dtype, a.device)
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, c, d, p)) and torch.is_grad_enabled():
+        raise NotImplementedError("cdist_grad: inputs require grad; differentiating cdist_grad is not supported")
+
+    return plan_cdist_grad(a, b, c, d, p, out, batch, (K, M, N, O), debug).run()

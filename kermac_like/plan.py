@@ -1,0 +1,582 @@
+"""The planner: one place that decides how a validated call runs.
+
+A rule per op turns (descriptor, tensors, hyper-parameters, device, settings) into an
+immutable :class:`Plan`:
+
+* ``family``: which kernel family serves the call ("distance", "distance_mma",
+  "distance_wgmma", "cdist_grad", "cdist_grad_mma") or "reference" (the torch path:
+  CPU tensors, float64, GPUs before sm_80, shapes the kernels do not take);
+* ``spec``: the main template instantiation (:mod:`kermac_like.runtime.specs`);
+* ``launches``: every kernel launch in stream order, each with its grid and its
+  argument tuple (the flat ABI of ``cuda_templates/ABI.md``): preparation steps
+  (the wgmma b layout) come right before the launch that reads them, and batch modes
+  that do not fold into the kernel's three repeat the pair once per host-loop entry;
+* ``scratch``: temporary tensors the launches read (kept alive by the plan);
+* ``reference``: the callable of the reference path (family "reference").
+
+The op executes the plan top to bottom with :meth:`Plan.run`. Settings that steer the
+choice are read once per call into :class:`Settings`. A new kernel family is one
+template, one spec module (runtime/specs) and one rule here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from .descriptor import KernelDescriptor
+from .layout import Layout, analyse_matrix, batch_strides, plan_batch
+from .reference import cdist_grad_reference, distance_reference, matvec_reference
+from .runtime.specs import (
+    distance_spec,
+    grad_kernel_spec,
+    mma_spec,
+    wgmma_prepare_needs,
+    wgmma_prepare_spec,
+    wgmma_spec,
+)
+from .runtime.specs.matvec import MAX_C, combine_spec, matvec_spec
+
+log = logging.getLogger("kermac_like.distance")
+log_grad = logging.getLogger("kermac_like.grad")
+
+__all__ = ["Settings", "Launch", "Plan", "DistanceCall", "plan_distance", "run_distance", "plan_cdist_grad", "b_entries",
+           "plan_matvec", "choose_split", "MATVEC_SCRATCH_BYTES"]
+
+# The hyper-parameters of the distance ABI, in argument order.
+HYPERS = ("inner_p", "outer_p", "bandwidth", "regularization")
+
+
+# -- what a plan is ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    """Global switches a plan depends on, read once per call.
+
+    ``tf32``: torch's ``allow_tf32`` matmul flag (plain TF32 instead of 3xTF32; the
+    wgmma kernel and its b preparation must agree, hence read once); ``wgmma``:
+    ``KERMAC_LIKE_WGMMA != "0"``; ``grad_mma``: ``KERMAC_LIKE_GRAD_MMA != "0"``."""
+
+    tf32: bool
+    wgmma: bool
+    grad_mma: bool
+
+    @staticmethod
+    def current() -> "Settings":
+        return Settings(
+            tf32=bool(torch.backends.cuda.matmul.allow_tf32),
+            wgmma=os.environ.get("KERMAC_LIKE_WGMMA", "1") != "0",
+            grad_mma=os.environ.get("KERMAC_LIKE_GRAD_MMA", "1") != "0",
+        )
+
+
+class Launch(NamedTuple):
+    kernel: object  # runtime.launcher.LoadedKernel
+    grid: tuple
+    args: tuple
+
+
+class Plan(NamedTuple):
+    family: str
+    spec: object  # KernelSpec of the main kernel, None for the reference path
+    launches: tuple  # of Launch, in stream order
+    out: torch.Tensor | None
+    scratch: tuple = ()
+    reference: Callable | None = None
+    debug: bool = False
+
+    def run(self):
+        """Execute the plan; returns the result (``out``, or the reference's result)."""
+        if self.reference is not None:
+            return self.reference()
+        if self.launches:
+            from .runtime.launcher import launch
+
+            for k, grid, args in self.launches:
+                launch(k, grid, args, debug=self.debug)
+        return self.out
+
+
+def _reference_plan(fn: Callable, debug: bool) -> Plan:
+    return Plan("reference", None, (), None, reference=fn, debug=debug)
+
+
+def _gpu_ok(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 0)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _aligned(plan, names, per: int) -> bool:
+    """Every batch offset of these operands keeps a ``per``-element alignment."""
+    return all(s % per == 0 for k in names for part in plan.strides[k] for s in part)
+
+
+# -- distance: run_kernel and cdist ----------------------------------------------------------
+@dataclass
+class DistanceCall:
+    """A validated run_kernel call (everything the planner needs)."""
+
+    desc: KernelDescriptor
+    a: torch.Tensor
+    b: torch.Tensor
+    hypers: dict  # name -> float | Tensor | None
+    reg_diag: int
+    epsilon: float | None
+    batch: tuple
+    M: int
+    N: int
+    K: int
+
+    @property
+    def out_shape(self) -> tuple:
+        return (*self.batch, self.M, self.N)
+
+    @property
+    def device(self) -> torch.device:
+        return self.a.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.a.dtype
+
+
+def _wgmma_enabled(device, settings: Settings | None = None) -> bool:
+    """The sm_90a (wgmma) kernel serves float32 tensor-core calls on sm_90 devices
+    (cdist p=2 at 30000^2 x 1024 on an H200: 28.4 ms with mma.sync, 16.4 ms; same error);
+    ``KERMAC_LIKE_WGMMA=0`` keeps them on the mma.sync kernel."""
+    if settings is None:
+        settings = Settings.current()
+    if not settings.wgmma or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _batch_plan(call: DistanceCall, tensors: dict):
+    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()
+               if k in ("a", "b", "out")}
+    for k, v in tensors.items():
+        if k not in strides:
+            strides[k] = batch_strides(call.batch, tuple(v.shape), tuple(v.stride()))
+    return plan_batch(call.batch, strides)
+
+
+def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: Settings):
+    """(spec, views, tensors, batch plan, family) for a GPU call, or None for the reference path."""
+    tf32 = settings.tf32
+    tf32_types = (torch.float32, torch.float16, torch.bfloat16)
+    if call.desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist" and call.dtype in tf32_types:
+        av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
+        bv = analyse_matrix("b", call.b, prefer=Layout.ROW_MAJOR)
+        outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
+        tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
+        bplan = _batch_plan(call, tensors)
+        per = 16 // call.a.element_size()
+        offsets_ok = _aligned(bplan, ("a", "b"), per)
+        spec, family = None, "distance_mma"
+        if _wgmma_enabled(call.device, settings):
+            spec, family = wgmma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok), "distance_wgmma"
+        if spec is None:
+            spec, family = mma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok), "distance_mma"
+        if spec is not None:
+            return spec, (av, bv, outv), tensors, bplan, family
+    if call.dtype != torch.float32:
+        return None
+    av = analyse_matrix("a", call.a)
+    bv = analyse_matrix("b", call.b)
+    outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
+    tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
+    bplan = _batch_plan(call, tensors)
+    vec_ok = av.vector_ok() and bv.vector_ok() and _aligned(bplan, ("a", "b"), 4)
+    spec = distance_spec(call.desc, av.layout, bv.layout, outv.layout, 4 if vec_ok else 1)
+    return spec, (av, bv, outv), tensors, bplan, "distance"
+
+
+def plan_distance(call: DistanceCall, out: torch.Tensor, compute_mode: str, debug: bool,
+                  settings: Settings | None = None) -> Plan:
+    """The plan of a validated run_kernel call writing ``out`` (allocated, checked)."""
+    if call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.a):
+        plan = _plan_distance_gpu(call, out, compute_mode, debug, settings or Settings.current())
+        if plan is not None:
+            return plan
+    if debug:
+        log.debug("run_kernel %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
+    return _reference_plan(functools.partial(
+        distance_reference, call.desc, call.a, call.b, reg_diag=call.reg_diag, epsilon=call.epsilon, out=out,
+        **call.hypers), debug)
+
+
+def run_distance(call: DistanceCall, out, compute_mode: str, debug: bool) -> torch.Tensor:
+    """Plan and run a validated call (no autograd); ``out`` None or checked."""
+    if out is None:
+        out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
+    return plan_distance(call, out, compute_mode, debug).run()
+
+
+WGMMA_KERNEL = "kermac_like::distance_wgmma_kernel"
+WGMMA_BLOCK_K = 16  # DistanceWgmmaTraits::kBlockK (= WgmmaPrepareTraits::kTileK)
+
+
+def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings):
+    """The kernel plan of a GPU call; None when only the reference path applies."""
+    from .runtime.launcher import get_kernel, max_active_clusters
+
+    hypers = {}
+    for k, v in call.hypers.items():
+        if isinstance(v, torch.Tensor):
+            hypers[k] = v if v.dtype == torch.float32 else v.float()  # at most batch-many scalars
+    chosen = _select(call, out, hypers, compute_mode, settings)
+    if chosen is None:
+        return None
+    spec, (av, bv, outv), tensors, bplan, family = chosen
+    if bplan.count == 0 or call.M == 0 or call.N == 0:
+        return Plan(family, spec, (), out, debug=debug)
+    device = _device_index(call.device)
+    kernel = get_kernel(spec, device, debug=debug)
+    L = bplan.count
+    grid = (math.ceil(call.M / spec.launch.block_m), math.ceil(call.N / spec.launch.block_n), min(L, 65535))
+    if spec.launch.persistent:  # the blocks (or clusters) walk all tiles of all batch entries
+        c = spec.launch.cluster
+        if c > 1:  # clusters of c CTAs over c vertically adjacent tiles
+            grid = (min(-(-grid[0] // c) * grid[1] * L, max_active_clusters(kernel)), 1, 1)
+        else:
+            grid = (min(grid[0] * grid[1] * L, _sm_count(device)), 1, 1)
+    path = "simt" if family == "distance" else "tensor-core"
+    if debug:
+        log.debug("run_kernel %r: %s path, M=%d N=%d K=%d batch=%s (kernel modes %s, host loop %s)", call.desc, path,
+                  call.M, call.N, call.K, call.batch, bplan.modes, bplan.outer)
+    sa, sb, so = bplan.strides["a"][1], bplan.strides["b"][1], bplan.strides["out"][1]
+    eps = np.float32(-np.inf if call.epsilon is None else call.epsilon)
+    offsets = {k: list(bplan.outer_offsets(k)) for k in tensors}
+    prepare = None
+    if spec.kernel == WGMMA_KERNEL:
+        prepare = _WgmmaPrepare(call, bplan, bv, spec, settings.tf32, device, debug)
+    launches = []
+    for i in range(len(offsets["a"])):
+        def ptr(k):
+            t = tensors[k]
+            return t.data_ptr() + offsets[k][i] * t.element_size()
+
+        args = [
+            ptr("a"), ptr("b"), ptr("out"),
+            np.int32(call.M), np.int32(call.N), np.int32(call.K),
+            np.int64(av.ld), np.int64(bv.ld), np.int64(outv.ld),
+            np.int32(L), np.int32(bplan.modes[1]), np.int32(bplan.modes[2]),
+            *(np.int64(s) for s in sa), *(np.int64(s) for s in sb), *(np.int64(s) for s in so),
+        ]
+        for name in HYPERS:
+            v = hypers.get(name, call.hypers[name])
+            if isinstance(v, torch.Tensor):
+                s3 = bplan.strides[name][1]
+                args += [ptr(name), np.int64(s3[0]), np.int64(s3[1]), np.int64(s3[2]), np.float32(0.0)]
+            else:
+                args += [0, np.int64(0), np.int64(0), np.int64(0), np.float32(0.0 if v is None else v)]
+        args += [np.int64(call.reg_diag), eps]
+        if prepare is not None:
+            step, extra = prepare.launch_for(ptr("b"))
+            launches.append(step)
+            args += extra
+        launches.append(Launch(kernel, grid, tuple(args)))
+    scratch = prepare.scratch if prepare is not None else ()
+    # Copies the layout analysis made (and float32 hyper-parameters) live as long as the plan.
+    return Plan(family, spec, tuple(launches), out, scratch=scratch + (tensors,), debug=debug)
+
+
+def b_entries(modes, strides) -> tuple:
+    """The entries of b itself among the kernel batch modes ``modes`` (b's element
+    strides ``strides``, 0 where b broadcasts): (extents, index strides) such that
+    batch entry (l0, l1, l2) reads entry l0 c0 + l1 c1 + l2 c2 of the extents
+    (e0, e1, e2), row-major; e_i = 1 and c_i = 0 where b broadcasts."""
+    ext = tuple(n if s else 1 for n, s in zip(modes, strides))
+    return ext, (ext[1] * ext[2] if strides[0] else 0, ext[2] if strides[1] else 0, 1 if strides[2] else 0)
+
+
+class _WgmmaPrepare:
+    """What distance_wgmma_kernel reads besides the flat ABI: b in the kernel's
+    shared-memory image (with B small for 3xTF32) and the b row norms (distances),
+    written by wgmma_prepare_b_kernel on the same stream before each launch
+    (cuda_templates/distance_wgmma.cuh has the layout). The buffers cover the entries of
+    b itself (1 where b broadcasts over the folded batch) and serve every host-loop
+    launch in turn (stream order). Scratch: about b's size (twice for 3xTF32), padded
+    to whole 256 x 16 tiles."""
+
+    def __init__(self, call: DistanceCall, bplan, bv, spec, tf32: bool, device: int, debug: bool):
+        from .runtime.launcher import get_kernel
+
+        small, norms = wgmma_prepare_needs(call.desc, tf32=tf32)
+        self.spec = wgmma_prepare_spec(small=small, norms=norms)
+        sb = bplan.strides["b"][1]
+        ext, self.entry = b_entries(bplan.modes, sb)
+        self.ext, self.strides, self.bv = ext, sb, bv
+        self.N, self.K = call.N, call.K
+        self.n_pad = -(-call.N // spec.launch.block_n) * spec.launch.block_n  # whole 256-row tiles
+        k_pad = -(-call.K // WGMMA_BLOCK_K) * WGMMA_BLOCK_K  # whole 16-column k-tiles
+        entries = math.prod(ext)
+        self.rows = entries * self.n_pad
+        dev = call.device
+        self.blocks = torch.empty(self.rows * k_pad * (2 if small else 1), dtype=torch.float32, device=dev)
+        self.norms = torch.empty(self.rows if norms else 0, dtype=torch.float32, device=dev)
+        self.kernel = get_kernel(self.spec, device, debug=debug)
+
+    @property
+    def scratch(self) -> tuple:
+        return (self.blocks, self.norms)
+
+    @staticmethod
+    def _ptr(t: torch.Tensor) -> int:
+        return t.data_ptr() if t.numel() else 0
+
+    def launch_for(self, b_ptr: int):
+        """(the preparation launch for b at ``b_ptr``, the arguments the main launch appends)."""
+        s0, s1, s2 = self.strides
+        args = (b_ptr, np.int32(self.N), np.int32(self.K), np.int64(self.bv.ld), np.int32(self.ext[1]),
+                np.int32(self.ext[2]), np.int64(s0), np.int64(s1), np.int64(s2), np.int64(self.rows),
+                self.blocks.data_ptr(), self._ptr(self.norms), np.int32(self.n_pad))
+        grid = (-(-self.rows // self.spec.launch.block_m), 1, 1)
+        extra = [self.blocks.data_ptr(), self._ptr(self.norms), *(np.int64(c) for c in self.entry)]
+        return Launch(self.kernel, grid, args), extra
+
+
+# -- cdist_grad ------------------------------------------------------------------------------
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """The kernel reads every operand along a unit-stride last mode."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return t.contiguous()
+    return t
+
+
+def plan_cdist_grad(a, b, c, d, p, out, batch: tuple, sizes: tuple, debug: bool,
+                    settings: Settings | None = None) -> Plan:
+    """The plan of a validated cdist_grad call (``p`` a float or a float tensor over the
+    batch; ``out`` None or checked)."""
+    K, M, N, O = sizes
+    gpu = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 0) and a.dtype == torch.float32
+    if not gpu or 0 in (K, M, N, O) or math.prod(batch) == 0:
+        if debug:
+            log_grad.debug("cdist_grad: reference path (%s, %s)", a.device, a.dtype)
+
+        def reference():
+            res = cdist_grad_reference(a, b, c, d, p)
+            if out is None:
+                return res
+            out.copy_(res)
+            return out
+
+        return _reference_plan(reference, debug)
+    from .runtime.launcher import get_kernel
+
+    settings = settings or Settings.current()
+    if out is None:
+        out = torch.empty((*batch, O, N, M), dtype=a.dtype, device=a.device)
+    ops = {"a": _unit_last(a), "b": _unit_last(b), "c": _unit_last(c), "d": _unit_last(d), "out": out}
+    if isinstance(p, torch.Tensor):
+        ops["p"] = p.float() if p.dtype != torch.float32 else p
+        kind = "pow"
+    else:
+        kind = "abs" if p == 1 else "square" if p == 2 else "pow"
+    strides = {}
+    for k, t in ops.items():
+        nb = t.dim() if k == "p" else t.dim() - (3 if k == "out" else 2)
+        strides[k] = batch_strides(batch, tuple(t.shape[:nb]), tuple(t.stride()[:nb]))
+    bplan = plan_batch(batch, strides, max_modes=1)
+    lds = {
+        "a": ops["a"].stride(-2), "b": ops["b"].stride(-2), "c": ops["c"].stride(-2), "d": ops["d"].stride(-2),
+        "ldo_o": out.stride(-3), "ldo_n": out.stride(-2),
+    }
+    # kVec = 4 (16-byte a/d/out accesses) needs a, d, out 16-byte aligned with
+    # M, their leading dimensions and batch strides multiples of 4; b and c are
+    # copied 4 bytes at a time and have no requirement (nor has K).
+    vec_ops = ("a", "d", "out")
+    vec_strides = [lds[k] for k in ("a", "d", "ldo_o", "ldo_n")] + [
+        s for k in vec_ops for s in bplan.strides[k][0] + bplan.strides[k][1]
+    ]
+    vec = 4 if (
+        M % 4 == 0
+        and all(ops[k].data_ptr() % 16 == 0 for k in vec_ops)
+        and all(s % 4 == 0 for s in vec_strides)
+    ) else 1
+    # Tensor-core contraction (3xTF32) where it measured faster; KERMAC_LIKE_GRAD_MMA=0 keeps SIMT.
+    use_mma = settings.grad_mma
+    sm90 = torch.cuda.get_device_capability(a.device) == (9, 0)
+    spec = grad_kernel_spec(kind, vec, tensor_cores=use_mma, sm90=sm90)
+    family = "cdist_grad_mma" if spec.kernel == "kermac_like::cdist_grad_mma_kernel" else "cdist_grad"
+    kernel = get_kernel(spec, _device_index(a.device), debug=debug)
+    L = bplan.count
+    grid = (math.ceil(M / spec.launch.block_m), math.ceil(N / spec.launch.block_n), min(L, 65535))
+    if debug:
+        log_grad.debug("cdist_grad: kind=%s vec=%d mma=%s K=%d M=%d N=%d O=%d batch=%s", kind, vec, use_mma, K, M,
+                       N, O, batch)
+    offsets = {k: list(bplan.outer_offsets(k)) for k in ops}
+    bs = {k: bplan.strides[k][1][0] for k in ops}
+    launches = []
+    for i in range(len(offsets["a"])):
+
+        def ptr(k):
+            t = ops[k]
+            return t.data_ptr() + offsets[k][i] * t.element_size()
+
+        args = [
+            ptr("a"), ptr("b"), ptr("c"), ptr("d"), ptr("out"),
+            np.int32(M), np.int32(N), np.int32(K), np.int32(O),
+            np.int64(lds["a"]), np.int64(lds["b"]), np.int64(lds["c"]), np.int64(lds["d"]),
+            np.int64(lds["ldo_o"]), np.int64(lds["ldo_n"]),
+            np.int32(L), np.int64(bs["a"]), np.int64(bs["b"]), np.int64(bs["c"]), np.int64(bs["d"]), np.int64(bs["out"]),
+        ]
+        if "p" in ops:
+            args += [ptr("p"), np.int64(bs["p"]), np.float32(0.0)]
+        else:
+            args += [0, np.int64(0), np.float32(p)]
+        launches.append(Launch(kernel, grid, tuple(args)))
+    return Plan(family, spec, tuple(launches), out, scratch=(ops,), debug=debug)
+
+
+# -- kernel_matvec -------------------------------------------------------------------------------
+log_matvec = logging.getLogger("kermac_like.matvec")
+
+# Largest split-N scratch (float32 partial sums) one kernel_matvec call allocates on the GPU.
+MATVEC_SCRATCH_BYTES = 32 << 20
+
+_occupancy: dict = {}
+
+
+def _blocks_per_sm(kernel) -> int:
+    key = (kernel.device, kernel.spec)
+    n = _occupancy.get(key)
+    if n is None:
+        try:
+            n = int(kernel.function.occupancy.max_active_blocks_per_multiprocessor(kernel.spec.launch.threads, 0))
+        except Exception:  # older cuda.core: the kernel's launch bound
+            n = 2
+        _occupancy[key] = n = max(1, n)
+    return n
+
+
+def choose_split(m_tiles: int, n_tiles: int, slots: int, max_split: int) -> int:
+    """Splits of kernel_matvec's N range: the fewest (at most ``max_split``, each split at
+    least 4 y tiles) whose CTA count fills the last wave of ``slots`` concurrent CTAs to
+    >= 97%, else the best fill. Depends on shapes and the device only (results are
+    bitwise reproducible)."""
+    limit = max(1, min(max_split, n_tiles // 4))
+    if m_tiles >= 16 * slots:
+        return 1
+    best, best_eff = 1, -1.0
+    for s in range(1, limit + 1):
+        items = m_tiles * s
+        waves = items / slots
+        eff = waves / math.ceil(waves)  # fill of the last wave
+        if items < 2 * slots:  # a GPU not yet twice full: more splits help regardless
+            eff *= items / (2 * slots)
+        if eff > best_eff * 1.01:
+            best, best_eff = s, eff
+        if eff >= 0.97:
+            break
+    return best
+
+
+def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
+    """The plan of a validated kernel_matvec call (``ops.matvec.MatvecCall``) writing ``out``
+    (the call's output tensor): matvec_kernel over row tiles x N splits x batch, one
+    launch per column chunk of MAX_C and per host-loop batch entry, each split launch
+    followed by matvec_combine_kernel; the torch reference for CPU tensors, float64,
+    GPUs before sm_80 and K == 0."""
+    if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
+        if debug:
+            log_matvec.debug("kernel_matvec %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
+        return _reference_plan(lambda: matvec_reference(call, out), debug)
+    from .runtime.launcher import get_kernel
+
+    om = out.unsqueeze(-1) if call.vector else out
+    device = _device_index(call.device)
+    hypers = {k: (h.float() if isinstance(h, torch.Tensor) and h.dtype != torch.float32 else h)
+              for k, h in call.hypers.items()}
+    tensors = {"x": call.x, "y": call.y, "v": call.v, "out": om}
+    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
+    for k, h in hypers.items():
+        if isinstance(h, torch.Tensor):
+            tensors[k] = h
+            strides[k] = batch_strides(call.batch, tuple(h.shape), tuple(h.stride()))
+    bplan = plan_batch(call.batch, strides)
+    L = bplan.count
+    M, N, K = call.M, call.N, call.K
+    if L == 0 or M == 0 or call.C == 0:
+        return Plan("matvec", None, (), out, debug=debug)
+    if N == 0:  # an empty sum
+        return _reference_plan(lambda: (om.zero_(), out)[1], debug)
+    eps = np.float32(0.0 if call.epsilon is None else call.epsilon)
+    sxm, sxk = call.x.stride()[-2:]
+    sym, syk = call.y.stride()[-2:]
+    svn, svc = call.v.stride()[-2:]
+    som, soc = om.stride()[-2:]
+    offsets = {k: list(bplan.outer_offsets(k)) for k in tensors}
+    bs = {k: bplan.strides[k][1] for k in ("x", "y", "v", "out")}
+    launches, first = [], None
+    scratch = [h for h in hypers.values() if isinstance(h, torch.Tensor)]  # float32 copies stay alive
+    kernel = combine = part = None
+    for c0 in range(0, call.C, MAX_C):
+        cc = min(MAX_C, call.C - c0)
+        spec = matvec_spec(call.desc, call.dtype, K, cc, epsilon=call.epsilon)
+        first = first or spec
+        if kernel is None or kernel.spec != spec:
+            kernel = get_kernel(spec, device, debug=debug)
+        m_tiles = -(-M // spec.launch.block_m)
+        n_tiles = -(-N // spec.launch.block_n)
+        slots = _sm_count(device) * _blocks_per_sm(kernel)
+        max_split = max(1, MATVEC_SCRATCH_BYTES // (4 * L * M * cc))
+        split = choose_split(m_tiles * min(L, 65535), n_tiles, slots, max_split)
+        per = -(-n_tiles // split)
+        split = -(-n_tiles // per)
+        if split > 1:  # one scratch for every chunk: stream order serialises their use
+            if part is None or part.numel() < split * L * M * cc:
+                part = torch.empty(split * L * M * cc, dtype=torch.float32, device=call.device)
+                scratch.append(part)
+            if combine is None:
+                combine = get_kernel(combine_spec(call.dtype), device, debug=debug)
+        grid = (m_tiles, split, min(L, 65535))
+        if debug:
+            log_matvec.debug("kernel_matvec %r: M=%d N=%d K=%d C=%d (columns %d..%d) batch=%s: grid %s, %d y tiles "
+                             "per split", call.desc, M, N, K, call.C, c0, c0 + cc, call.batch, grid, per)
+        for i in range(len(offsets["x"])):
+            def ptr(k, extra=0):
+                t = tensors[k]
+                return t.data_ptr() + (offsets[k][i] + extra) * t.element_size()
+
+            args = [ptr("x"), ptr("y"), ptr("v", c0 * svc), ptr("out", c0 * soc),
+                    part.data_ptr() if split > 1 else 0,
+                    np.int32(M), np.int32(N), np.int32(K), np.int32(cc),
+                    *(np.int64(s) for s in (sxm, sxk, sym, syk, svn, svc, som, soc)),
+                    np.int32(L), np.int32(bplan.modes[1]), np.int32(bplan.modes[2]),
+                    *(np.int64(s) for k in ("x", "y", "v", "out") for s in bs[k])]
+            hyper_args = []
+            for name in HYPERS:
+                h = hypers[name]
+                if isinstance(h, torch.Tensor):
+                    s3 = bplan.strides[name][1]
+                    hyper_args.append([ptr(name), np.int64(s3[0]), np.int64(s3[1]), np.int64(s3[2]), np.float32(0)])
+                else:
+                    hyper_args.append([0, np.int64(0), np.int64(0), np.int64(0), np.float32(0.0 if h is None else h)])
+            args += [a for h in hyper_args for a in h]
+            args += [np.int64(call.reg_diag), eps, np.int32(split), np.int32(per)]
+            launches.append(Launch(kernel, grid, tuple(args)))
+            if split > 1:
+                total = L * M * cc
+                cgrid = (max(1, min(-(-total // 256), _sm_count(device) * 8)), 1, 1)
+                cargs = (part.data_ptr(), ptr("v", c0 * svc), ptr("out", c0 * soc), np.int32(M), np.int32(N),
+                         np.int32(cc), np.int64(svn), np.int64(svc), np.int64(som), np.int64(soc), np.int32(L),
+                         np.int32(bplan.modes[1]), np.int32(bplan.modes[2]),
+                         *(np.int64(s) for k in ("v", "out") for s in bs[k]), *hyper_args[3],
+                         np.int64(call.reg_diag), np.int32(split))
+                launches.append(Launch(combine, cgrid, cargs))
+    return Plan("matvec", first, tuple(launches), out, scratch=tuple(scratch), debug=debug)

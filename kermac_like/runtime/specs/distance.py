@@ -1,0 +1,57 @@
+"""Spec of the exact fp32 SIMT distance kernel (cuda_templates/distance.cuh)."""
+
+from __future__ import annotations
+
+from ...descriptor import KernelDescriptor, PowerType
+from ...layout import Layout
+from .kernel_spec import SHIPPED_DESCRIPTORS, KernelSpec, LaunchShape
+
+# Mirror of kermac_like::DistanceTraits (cuda_templates/distance.cuh): the same
+# constants for every instantiation; the dynamic shared memory exceeds 48 KiB.
+DISTANCE_TUNING = (41, 32, 1)  # defaults of (kPolyPer64, kBlockK, kMinBlocksPerSm)
+
+
+def distance_launch(block_k: int = 32, min_blocks: int = 1) -> LaunchShape:
+    """Mirror of DistanceTraits' launch constants for a tuning (kBlockK, kMinBlocksPerSm)."""
+    stride = 128 + 4
+    main = 2 * 2 * block_k * stride + stride + (256 * 64 if min_blocks > 1 else 0)
+    return LaunchShape(threads=256, block_m=128, block_n=128, smem_bytes=4 * max(main, 128 * 129))
+
+
+DISTANCE_LAUNCH = distance_launch()  # 68112 bytes of dynamic shared memory
+
+
+# Measured on an H200 (bench/notes/history.md, v2): two blocks per SM with 48/64 of the
+# exp2 on the FMA pipe win for fractional p (421 -> 406 ms at 30000^2 x 1024); the
+# defaults stay best for p = 1, 2 and DOT. Both fit 99 KiB of shared memory (sm_86/89).
+POW_TUNING = (48, 16, 2)
+
+
+def default_distance_tuning(desc: KernelDescriptor) -> tuple:
+    return POW_TUNING if desc.inner_power is PowerType.POW else DISTANCE_TUNING
+
+
+def distance_spec(desc: KernelDescriptor, a: Layout, b: Layout, out: Layout, vec: int, *,
+                  tuning: tuple | None = None) -> KernelSpec:
+    """``vec`` (4 or 1) selects 16-byte loads of column-major inputs; row-major
+    inputs are transposed into shared memory by 4-byte copies either way, so a
+    row-major pair always renders as ``vec=1`` (one instantiation, not two).
+    ``tuning``: (kPolyPer64, kBlockK, kMinBlocksPerSm); the defaults render no
+    extra template arguments."""
+    if a is Layout.ROW_MAJOR and b is Layout.ROW_MAJOR:
+        vec = 1
+    tuning = tuple(default_distance_tuning(desc) if tuning is None else tuning)
+    extra = "" if tuning == DISTANCE_TUNING else ", " + ", ".join(str(int(v)) for v in tuning)
+    traits = f"kermac_like::DistanceTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {out.cpp}, {vec}{extra}>"
+    return KernelSpec("distance.cuh", "kermac_like::distance_kernel", traits, distance_launch(tuning[1], tuning[2]))
+
+
+def shipped():
+    # Row-major inputs with either output layout, and transposed (column-major)
+    # inputs in both alignments; mixed input layouts compile on first use (~1 s).
+    row, col = Layout.ROW_MAJOR, Layout.COL_MAJOR
+    for desc in SHIPPED_DESCRIPTORS:
+        yield distance_spec(desc, row, row, row, 1)
+        yield distance_spec(desc, row, row, col, 1)
+        yield distance_spec(desc, col, col, row, 4)
+        yield distance_spec(desc, col, col, row, 1)

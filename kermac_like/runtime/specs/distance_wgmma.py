@@ -1,0 +1,77 @@
+"""Specs of the Hopper tensor-core distance kernel (wgmma, sm_90a;
+cuda_templates/distance_wgmma.cuh) and of its b preparation (wgmma_prepare.cuh)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...descriptor import InnerOperator, KernelDescriptor, PowerType
+from ...layout import Layout
+from .distance_mma import mma_spec
+from .kernel_spec import SHIPPED_DESCRIPTORS, KernelSpec, LaunchShape
+
+# Mirror of kermac_like::DistanceWgmmaTraits (cuda_templates/distance_wgmma.cuh): float32
+# data only; 384 threads (loader warpgroup + 2 consumer warpgroups), a persistent grid;
+# the dynamic shared memory depends on the precision (3xTF32 stages carry a "small" b
+# tile). Compiled for "sm_90a" (arch_suffix "a"): wgmma exists on no other target.
+# Launched in clusters of 2 CTAs (M-tile pairs that share each b block by multicast), each
+# launch preceded by wgmma_prepare_b_kernel (b in the kernel's shared-memory image, B small
+# for 3xTF32, b row norms for distances), which :func:`wgmma_prepare_spec` renders.
+def _wgmma_smem(tf32: bool) -> int:
+    stages = 8 if tf32 else 5
+    stage = 128 * 64 + 256 * 64 * (1 if tf32 else 2) + 256 * 4  # a, b, (B small), b norms
+    return stages * stage + 2 * stages * 8 + 1024  # stages, barriers, alignment
+
+
+WGMMA_LAUNCH = {
+    tf32: LaunchShape(threads=384, block_m=128, block_n=256, smem_bytes=_wgmma_smem(tf32), persistent=True, cluster=2)
+    for tf32 in (False, True)
+}
+WGMMA_PREPARE_LAUNCH = LaunchShape(threads=256, block_m=8, block_n=1)  # one warp per row of b
+
+
+def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False) -> KernelSpec:
+    outer = "kermac_like::Power::Noop" if desc.outer_power is PowerType.NOOP else "kermac_like::Power::Sqrt"
+    precision = "kermac_like::Precision::Tf32" if tf32 else "kermac_like::Precision::Tf32x3"
+    row = Layout.ROW_MAJOR.cpp
+    traits = (
+        f"kermac_like::DistanceWgmmaTraits<{desc.inner_operator.cpp}, {outer}, {desc.kernel_type.cpp}, "
+        f"{row}, {row}, {out.cpp}, {precision}, float>"
+    )
+    return KernelSpec("distance_wgmma.cuh", "kermac_like::distance_wgmma_kernel", traits, WGMMA_LAUNCH[tf32],
+                      arch_suffix="a")
+
+
+def wgmma_prepare_spec(*, small: bool, norms: bool) -> KernelSpec:
+    """The b preparation a wgmma launch needs: b's blocks, plus B small (``small``, 3xTF32)
+    and the row norms (``norms``, distances, not DOT)."""
+    traits = f"kermac_like::WgmmaPrepareTraits<{str(bool(small)).lower()}, {str(bool(norms)).lower()}>"
+    return KernelSpec("wgmma_prepare.cuh", "kermac_like::wgmma_prepare_b_kernel", traits, WGMMA_PREPARE_LAUNCH,
+                      arch_suffix="a")
+
+
+def wgmma_prepare_needs(desc: KernelDescriptor, *, tf32: bool) -> tuple:
+    """(small, norms): what a wgmma launch of ``desc`` reads prepared besides b's blocks:
+    B small for 3xTF32, the b row norms for distances (not DOT)."""
+    return not tf32, desc.inner_operator is not InnerOperator.DOT
+
+
+def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True):
+    """The sm_90a (wgmma) instantiation for these operand views, or None when it does
+    not apply: the requirements of :func:`mma_spec`, float32 data only. The caller
+    checks that the device is sm_90."""
+    if a.tensor.dtype != torch.float32:
+        return None
+    if mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok) is None:
+        return None
+    return wgmma_traits_spec(desc, out.layout, tf32=tf32)
+
+def shipped():
+    for desc in SHIPPED_DESCRIPTORS:
+        if desc.is_euclidean:
+            for tf32 in (False, True):
+                yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32)
+    for small in (True, False):
+        for norms in (True, False):
+            yield wgmma_prepare_spec(small=small, norms=norms)
+

@@ -1,0 +1,64 @@
+"""cuda_templates/ABI.md against the headers: every kernel's __global__ parameter list,
+name by name and in order, is the one the document gives (CPU only, reads text)."""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TEMPLATES = ROOT / "cuda_templates"
+
+
+def _tables(md: str) -> list:
+    """The argument names of each table of ABI.md, in order (one list per table)."""
+    tables, cur = [], None
+    for line in md.splitlines():
+        if re.match(r"\|\s*#\s*\|", line):  # a table header starts a new table
+            cur = []
+            tables.append(cur)
+            continue
+        if cur is None or not line.startswith("|"):
+            cur = None if not line.startswith("|") else cur
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if set(cells[0]) <= {"-", " "}:
+            continue
+        cur.extend(re.findall(r"`([A-Za-z_][A-Za-z_0-9]*)`", cells[1]))
+    return tables
+
+
+def _signature(name: str) -> list:
+    """Parameter names of ``__global__ ... name(...)`` in the headers."""
+    for header in sorted(TEMPLATES.glob("*.cuh")):
+        text = re.sub(r"//[^\n]*", "", header.read_text())
+        m = re.search(r"__global__[^;{]*?\b" + name + r"\s*\(", text)
+        if not m:
+            continue
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        params = text[m.end() : i - 1].split(",")
+        return [re.findall(r"[A-Za-z_][A-Za-z_0-9]*", p)[-1] for p in params]
+    raise AssertionError(f"no __global__ {name} in {TEMPLATES}")
+
+
+TABLES = _tables((TEMPLATES / "ABI.md").read_text())
+EXPECTED = {
+    "distance_kernel": TABLES[0],
+    "distance_mma_kernel": TABLES[0],
+    "distance_wgmma_kernel": TABLES[0] + TABLES[1],
+    "wgmma_prepare_b_kernel": TABLES[2],
+    "cdist_grad_kernel": TABLES[3],
+    "cdist_grad_mma_kernel": TABLES[3],
+}
+
+
+def test_document_has_the_tables():
+    assert len(TABLES) == 4 and [len(t) for t in TABLES] == [43, 5, 13, 24]
+
+
+@pytest.mark.parametrize("kernel", sorted(EXPECTED))
+def test_signature_matches_the_document(kernel):
+    assert _signature(kernel) == EXPECTED[kernel]

@@ -169,10 +169,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 // kBlockN terms cannot overflow unless |v| exceeds ~2^(128 - kFoldMax - 8).
 constexpr float kFoldMax = 32.0f;
 
-template <bool kValue>
-struct BoolTag {
-  static constexpr bool value = kValue;
-};
 
 // acc + inner(x, y).
 template <class Tr>
@@ -235,6 +231,46 @@ __device__ __forceinline__ double reg_term(const T* v, i64 svn, i64 svc, int N, 
   const i64 n = i64(m) + reg_diag;
   if (lam == 0.0f || n < 0 || n >= N) return 0.0;
   return double(lam) * double(load_f(v + n * svn + c * svc));
+}
+
+// The pairs of one staged y tile, registers strategy: rows in registers (xr, xa), one point
+// of the tile per step. kFold (expanded, CTA uniform): the exponent starts from b_n and
+// a_m is applied to the totals at the end.
+template <class Tr, bool kFold>
+__device__ __forceinline__ void pair_tile(const float* ys, const float* vs, int jn,
+                                          const float (&xr)[Tr::kRows][Tr::kChunked ? 1 : Tr::kK],
+                                          const float (&xa)[Tr::kRows], float (&partial)[Tr::kRows][Tr::kC],
+                                          const KernelArgs& ka) {
+  constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS;
+#pragma unroll(Tr::kUnrollJ)
+  for (int j = 0; j < jn; ++j) {
+    float yj[KS];
+#pragma unroll
+    for (int q = 0; q < KS / 4; ++q) {
+      const float4 f = reinterpret_cast<const float4*>(ys + j * KS)[q];
+      yj[4 * q] = f.x, yj[4 * q + 1] = f.y, yj[4 * q + 2] = f.z, yj[4 * q + 3] = f.w;
+    }
+    float vj[KC];
+#pragma unroll
+    for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      float kv;
+      if constexpr (Tr::kExpand) {
+        float e = kFold ? yj[Tr::kK - 1] : xa[i];
+#pragma unroll
+        for (int k = 0; k < (kFold ? Tr::kK - 1 : Tr::kK); ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
+        kv = i < Tr::kPolyRows ? exp2_poly(e) : math::ex2_approx(e);
+      } else {
+        float acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < Tr::kK; ++k) acc = inner<Tr>(acc, xr[i][k], yj[k], ka.inner_p);
+        kv = kernel_value<Tr>(acc, ka);
+      }
+#pragma unroll
+      for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[c], partial[i][c]);
+    }
+  }
 }
 
 }  // namespace matvec_detail
@@ -443,48 +479,15 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         }
         __syncthreads();
 
-        // ---- the pairs: rows in registers, one point of the tile per step. kFold (CTA
-        // uniform): the exponent starts from b_n, a_m is applied to the totals at the end.
-        auto pairs = [&](auto fold_tag) {
-          constexpr bool kFold = decltype(fold_tag)::value;
-#pragma unroll(Tr::kUnrollJ)
-          for (int j = 0; j < jn; ++j) {
-            float yj[KS];
-#pragma unroll
-            for (int q = 0; q < KS / 4; ++q) {
-              const float4 f = reinterpret_cast<const float4*>(ys + j * KS)[q];
-              yj[4 * q] = f.x, yj[4 * q + 1] = f.y, yj[4 * q + 2] = f.z, yj[4 * q + 3] = f.w;
-            }
-            float vj[KC];
-#pragma unroll
-            for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
-#pragma unroll
-            for (int i = 0; i < R; ++i) {
-              float kv;
-              if constexpr (Tr::kExpand) {
-                float e = kFold ? yj[Tr::kK - 1] : xa[i];
-#pragma unroll
-                for (int k = 0; k < (kFold ? Tr::kK - 1 : Tr::kK); ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
-                kv = i < Tr::kPolyRows ? exp2_poly(e) : math::ex2_approx(e);
-              } else {
-                float acc = 0.0f;
-#pragma unroll
-                for (int k = 0; k < Tr::kK; ++k) acc = inner<Tr>(acc, xr[i][k], yj[k], ka.inner_p);
-                kv = kernel_value<Tr>(acc, ka);
-              }
-#pragma unroll
-              for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[c], partial[i][c]);
-            }
-          }
-        };
+        // ---- the pairs (fold is CTA uniform)
         if (Tr::kExpand && fold) {
-          pairs(BoolTag<true>{});
+          pair_tile<Tr, true>(ys, vs, jn, xr, xa, partial, ka);
         } else {
-          pairs(BoolTag<false>{});
+          pair_tile<Tr, false>(ys, vs, jn, xr, xa, partial, ka);
         }
       } else {
-        // ---- chunked: 32 points per tile, K in shared-memory chunks of 256, x in
-        // registers 32 coordinates at a time
+        // ---- chunked: 32 points per tile, K in shared-memory chunks of 256, x read 4
+        // coordinates at a time
         float dist[R][BN];
 #pragma unroll
         for (int i = 0; i < R; ++i)

@@ -57,7 +57,7 @@ class KernelOperator:
     def __init__(self, descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, *, p=None, inner_p=None,
                  outer_p=None, bandwidth=None, regularization=None, regularization_offset_x: int = 0,
                  regularization_offset_y: int = 0, epsilon=None, debug: bool = False):
-        from .distance import prepare_call
+        from .ops.distance import prepare_call
 
         check_tensor("x", x)
         check_tensor("y", y)
@@ -147,7 +147,7 @@ class KernelOperator:
     # -- entries ------------------------------------------------------------------------------
     def to_dense(self, *, out=None) -> torch.Tensor:
         """The whole matrix, ``run_kernel(descriptor, x, y, ...)`` (M x N memory)."""
-        from .distance import run_kernel
+        from .ops.distance import run_kernel
 
         return run_kernel(self.descriptor, self.x, self.y, out=out, **self._kwargs())
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import kermac_like as km
-from kermac_like import matvec_grad as mg
+from kermac_like.ops import matvec_backward as mg
 from kermac_like.descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from kermac_like.reference import distance_reference
 
@@ -386,7 +386,7 @@ def test_cuda_kernel_executed_on_cpu_matches_the_float64_reference(cpu_runner, t
 
 # ------------------------------------------------------------- NVRTC
 def _compile(specs, arch):
-    from kermac_like.compiler import compile_specs
+    from kermac_like.runtime.compiler import compile_specs
 
     try:
         return compile_specs(specs, arch)
@@ -457,7 +457,7 @@ def gpu_kernels():
     """Compile the fused instantiations these tests reach in a few parallel NVRTC programs."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from kermac_like.compiler import arch_of_device, precompile_specs
+    from kermac_like.runtime.compiler import arch_of_device, precompile_specs
 
     specs = []
     for desc, (M, N, K, C) in GPU_CASES:

@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kermac_like as km  # noqa: E402
-from kermac_like import matvec_grad as mg  # noqa: E402
+from kermac_like.ops import matvec_backward as mg  # noqa: E402
+from kermac_like.runtime.specs import matvec_grad as specs  # noqa: E402
 
 
 def cuda_ms(fn, make, repeats):
@@ -73,10 +74,10 @@ def main():
     fwd = lambda x, y, v, g: km.kernel_matvec(desc, x, y, v, bandwidth=bw)  # noqa: E731
     rows["forward"] = cuda_ms(fwd, make, a.repeats)
     for unroll in (2, 1):
-        mg.UNROLL = unroll
+        specs.UNROLL = unroll
         gx = lambda x, y, v, g: mg.diff_contraction(desc, x, y, g, v, bandwidth=bw)  # noqa: E731
         rows[f"grad_x unroll={unroll}"] = cuda_ms(gx, make, a.repeats)
-    mg.UNROLL = 2
+    specs.UNROLL = 2
 
     def full(x, y, v, g):
         x, y, v = (t.requires_grad_(True) for t in (x, y, v))

@@ -21,7 +21,7 @@ gradient ``g = dL/dout``:
 Paths of the DIFF contraction (:func:`diff_contraction`):
 
 * GPU, float32/float16/bfloat16 inputs, K <= 32 and C <= 32: the fused kernel
-  of ``cuda_templates/matvec_grad.cuh`` (float32 arithmetic; float16/bfloat16
+  of ``cuda_templates/matvec_grad.cuh`` (spec: ``runtime/specs/matvec_grad.py``) (float32 arithmetic; float16/bfloat16
   are converted to float32 first).  Each CTA owns rows, loops over the other
   side in shared-memory tiles, and accumulates K outputs per row in registers.
 * everything else (CPU, float64, larger K or C): :func:`diff_contraction_reference`,
@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
-from .reference import BLOCK_ELEMENTS
+from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from ..reference import BLOCK_ELEMENTS
+from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, matvec_grad_spec
 
 log = logging.getLogger("kermac_like.matvec_grad")
 
@@ -84,57 +84,7 @@ def check_no_hyper_grad(hypers: dict) -> None:
         )
 
 
-# -- the launch mirror ------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Launch:
-    threads: int
-    block_m: int
-    block_n: int
-    smem_bytes: int
-
-
-def _rows_per_thread(kk: int, kc: int) -> int:
-    return max(1, min(4, 96 // (4 * kk + kc)))
-
-
-def fused_widths(K: int, C: int):
-    """(kK, kC) of the fused kernel for K and C, or None beyond 32."""
-    kk = next((w for w in FUSED_K_WIDTHS if w >= K), None)
-    kc = next((w for w in FUSED_C_WIDTHS if w >= C), None)
-    if kk is None or kc is None or K < 1 or C < 1:
-        return None
-    return kk, kc
-
-
-CPP_DEFAULT_UNROLL = 2  # MatvecGradTraits' default kUnroll (not rendered)
-UNROLL = 2  # what the launches use (bench/notes/matvec_grad.md)
-
-
-def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool, *, unroll: int | None = None):
-    """The KernelSpec of ``matvec_grad_kernel`` (cuda_templates/matvec_grad.cuh) for a
-    DIFF descriptor, register widths (kK, kC), whether an epsilon applies and the
-    unrolling of the pair loop (1 or 2)."""
-    try:
-        from .runtime.specs import KernelSpec, LaunchShape  # layout after the package restructure
-    except ImportError:
-        from .render import KernelSpec, LaunchShape
-
-    if desc.inner_operator is not InnerOperator.DIFF:
-        raise ValueError("descriptor: the fused matvec backward serves DIFF descriptors (DOT is a matrix product)")
-    unroll = UNROLL if unroll is None else int(unroll)
-    if unroll not in (1, 2):
-        raise ValueError(f"unroll: must be 1 or 2, got {unroll}")
-    if kk not in FUSED_K_WIDTHS or kc not in FUSED_C_WIDTHS:
-        raise ValueError(f"kk/kc: unsupported register widths ({kk}, {kc})")
-    rows = _rows_per_thread(kk, kc)
-    launch = LaunchShape(threads=128, block_m=128 * rows, block_n=128, smem_bytes=128 * (kk + kc) * 4)
-    traits = (
-        f"kermac_like::MatvecGradTraits<{desc.inner_power.cpp}, {desc.outer_power.cpp}, {desc.kernel_type.cpp}, "
-        f"{kk}, {kc}, {'true' if epsilon else 'false'}{'' if unroll == CPP_DEFAULT_UNROLL else f', {unroll}'}>"
-    )
-    return KernelSpec("matvec_grad.cuh", "kermac_like::matvec_grad_kernel", traits, launch)
-
-
+# -- the launch mirror: kermac_like/runtime/specs/matvec_grad.py ------------------------------------
 # -- hyper-parameters --------------------------------------------------------------------
 def _q_of(desc: KernelDescriptor, inner_p):
     if desc.inner_power is PowerType.ABS:
@@ -286,7 +236,7 @@ def _hyper_table(values, batch: tuple, L: int, device):
 
 
 def _fused_contraction(desc, a, b, ga, vb, *, q, r, bw, epsilon, batch, widths, debug):
-    from . import launcher
+    from ..runtime import launcher
 
     M, N, K, C = a.shape[-2], b.shape[-2], a.shape[-1], ga.shape[-1]
     L = math.prod(batch) if batch else 1
@@ -297,7 +247,7 @@ def _fused_contraction(desc, a, b, ga, vb, *, q, r, bw, epsilon, batch, widths, 
     if N == 0:
         return out.zero_().reshape(*batch, M, K)
     kk, kc = widths
-    spec = matvec_grad_spec(desc, kk, kc, epsilon is not None)
+    spec = matvec_grad_spec(desc, kk, kc, epsilon is not None)  # unroll: specs.matvec_grad.UNROLL
     device = dev.index if dev.index is not None else torch.cuda.current_device()
     kernel = launcher.get_kernel(spec, device, debug=debug)
     (af, sa), (bf, sb), (gf, sg), (vf, sv) = (_flat_operand(t, batch, L) for t in (a, b, ga, vb))
@@ -398,7 +348,7 @@ def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False
     * DOT: ``grad (v^T y)`` and ``v (grad^T x)``; with an epsilon (the thresholded
       product is not separable) a blocked contraction.
     """
-    from .matvec import kernel_matvec
+    from ..matvec import kernel_matvec
 
     check_no_hyper_grad(call.hypers)
     desc, x, y, v, hp = call.desc, call.x, call.y, call.v, call.hypers
@@ -454,7 +404,7 @@ def backward_for_autograd(call, grad, needs, *, debug: bool = False):
 class _MatvecFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, v, call, out, debug):
-        from .matvec import matvec_forward
+        from ..matvec import matvec_forward
 
         with torch.no_grad():
             res = matvec_forward(call, out, debug=debug)

@@ -1,5 +1,5 @@
-// Fused kernel matrix-vector product without the matrix (ABI: the argument list of
-// matvec_kernel below; kermac_like/matvec.py builds it).
+// Fused kernel matrix-vector product without the matrix (ABI: cuda_templates/ABI.md, built by
+// kermac_like/plan.py plan_matvec).
 //
 //   out[l][m, c] = sum_n (k(x[l][m], y[l][n]) + lambda [n - m == reg_diag]) v[l][n, c]
 //
@@ -275,20 +275,6 @@ __device__ __forceinline__ void pair_tile(const float* ys, const float* vs, int 
 
 }  // namespace matvec_detail
 
-#define KL_MATVEC_PARAMS                                                                                     \
-  const typename Traits::T *__restrict__ x, const typename Traits::T *__restrict__ y,                       \
-      const typename Traits::T *__restrict__ v, typename Traits::T *__restrict__ out, float *__restrict__ part, \
-      int M, int N, int K, int C, long long sxm, long long sxk, long long sym, long long syk, long long svn,  \
-      long long svc, long long som, long long soc, int batch, int batch_n1, int batch_n2, long long x_bs0,   \
-      long long x_bs1, long long x_bs2, long long y_bs0, long long y_bs1, long long y_bs2, long long v_bs0,  \
-      long long v_bs1, long long v_bs2, long long o_bs0, long long o_bs1, long long o_bs2,                   \
-      const float *inner_p_ptr, long long inner_p_bs0, long long inner_p_bs1, long long inner_p_bs2,         \
-      float inner_p, const float *outer_p_ptr, long long outer_p_bs0, long long outer_p_bs1,                 \
-      long long outer_p_bs2, float outer_p, const float *bw_ptr, long long bw_bs0, long long bw_bs1,        \
-      long long bw_bs2, float bandwidth, const float *reg_ptr, long long reg_bs0, long long reg_bs1,        \
-      long long reg_bs2, float regularization, long long reg_diag, float epsilon, int n_split,              \
-      int tiles_per_split
-
 // Grid: (ceil(M / kBlockM), n_split, min(batch, 65535)). Split s covers y tiles
 // [s * tiles_per_split, (s + 1) * tiles_per_split). n_split == 1: out[l][m, c] is written
 // (regularisation included); n_split > 1: part[s][l][m][c] (float32, contiguous, C
@@ -301,7 +287,19 @@ __device__ __forceinline__ void pair_tile(const float* ys, const float* vs, int 
 #endif
 
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec_kernel(KL_MATVEC_PARAMS) {
+__global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec_kernel(
+    const typename Traits::T *__restrict__ x, const typename Traits::T *__restrict__ y,
+    const typename Traits::T *__restrict__ v, typename Traits::T *__restrict__ out, float *__restrict__ part,
+    int M, int N, int K, int C, long long sxm, long long sxk, long long sym, long long syk, long long svn,
+    long long svc, long long som, long long soc, int batch, int batch_n1, int batch_n2, long long x_bs0,
+    long long x_bs1, long long x_bs2, long long y_bs0, long long y_bs1, long long y_bs2, long long v_bs0,
+    long long v_bs1, long long v_bs2, long long o_bs0, long long o_bs1, long long o_bs2,
+    const float *inner_p_ptr, long long inner_p_bs0, long long inner_p_bs1, long long inner_p_bs2,
+    float inner_p, const float *outer_p_ptr, long long outer_p_bs0, long long outer_p_bs1,
+    long long outer_p_bs2, float outer_p, const float *bw_ptr, long long bw_bs0, long long bw_bs1,
+    long long bw_bs2, float bandwidth, const float *reg_ptr, long long reg_bs0, long long reg_bs1,
+    long long reg_bs2, float regularization, long long reg_diag, float epsilon, int n_split,
+    int tiles_per_split) {
   using Tr = Traits;
   using T = typename Tr::T;
   using namespace matvec_detail;

@@ -137,6 +137,23 @@ def test_reference_half_precision_accumulates_in_float32():
         assert scaled_error(out, ref, scale) < (1e-2 if dt == torch.bfloat16 else 1.5e-3)
 
 
+@pytest.mark.parametrize("name", ["gaussian_l2", "dot", "laplace_l2"])
+def test_blocked_tiles_times_v(name):
+    """The large-K Euclidean path (kernel tiles through run_kernel's plan, times v) with
+    tiles much smaller than the problem, batches, tensor bandwidths, regularisation."""
+    g = torch.Generator().manual_seed(6)
+    d = km.preset(name)
+    x = torch.randn(2, 37, 40, dtype=F64, generator=g)
+    y = torch.randn(1, 53, 40, dtype=F64, generator=g)
+    v = torch.randn(53, 3, dtype=F64, generator=g)
+    h = dict(bandwidth=torch.tensor([5.0, 7.0], dtype=F64)) if d.needs_bandwidth else {}
+    call = mv.prepare_matvec(d, x, y, v, regularization=0.5, regularization_offset_x=2, **h)
+    out = torch.full(call.out_shape, float("nan"), dtype=F64)
+    plan.matvec_blocked(call, out, tile_elements=200)
+    ref, scale = oracle(d, x, y, v, regularization=0.5, reg_diag=2, **h)
+    assert scaled_error(out, ref, scale) < 1e-12
+
+
 def test_transposed_and_with_v():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(11, 4, dtype=F64, generator=g)
@@ -249,7 +266,7 @@ def test_choose_split():
 def test_spec_selection():
     g = km.preset("gaussian_l2")
     f32 = torch.float32
-    assert "float, 4, 1, true, 1>" in ms.matvec_spec(g, f32, 3, 1).traits  # expanded, one FMA-pipe row
+    assert "float, 4, 1, true, 0>" in ms.matvec_spec(g, f32, 3, 1).traits  # expanded
     assert "float, 4, 16, true, 0>" in ms.matvec_spec(g, f32, 3, 16).traits
     assert "float, 3, 1>" in ms.matvec_spec(g, f32, 3, 1, epsilon=0.1).traits  # a cut needs the distance
     assert "float, 0, 4>" in ms.matvec_spec(km.preset("l1"), f32, 33, 3).traits
@@ -275,21 +292,26 @@ def test_shipped_compile_without_spills(shipped_build):
 
 
 def test_expanded_kernel_sass(shipped_build):
-    """The Gaussian's D = 3 kernel: both exponential pipes in the pair loop (MUFU.EX2 for
-    seven rows, the FMA-pipe polynomial's SHL for one), no local memory."""
-    from tests.test_templates_distance import sass_instructions, sass_of
+    """The Gaussian's D = 3 kernel: MUFU.EX2 for the pair loop's exponentials, no local
+    memory; the variant with one FMA-pipe row keeps its polynomial (7 of 8 on MUFU)."""
+    from tests.test_templates_distance import sass_instructions, sass_loops, sass_of
 
     specs, builds = shipped_build
     record, _ = builds["sm_90"]
     sass = sass_of(record.cubin)
-    spec = ms.matvec_spec(km.preset("gaussian_l2"), torch.float32, 3, 1)
-    lowered = {e: lo for _, e, lo in record.kernels}[spec.name_expression]
-    start = sass.index(f"Function : {lowered}")
-    nxt = sass.find("Function : ", start + 10)
-    body = sass_instructions(sass[start: nxt if nxt > 0 else len(sass)])
-    ops = [ins.split()[0] if not ins.startswith("@") else ins.split()[1] for _, ins in body]
-    assert sum(o.startswith("MUFU.EX2") for o in ops) >= 7
-    assert not any(o.startswith(("LDL", "STL")) for o in ops)
+    g = km.preset("gaussian_l2")
+    for spec, mufu, shl in ((ms.matvec_spec(g, torch.float32, 3, 1), 16, 0),
+                            (ms.matvec_traits_spec(g, torch.float32, 4, 1, expand=True, poly_rows=1), 14, 2)):
+        lowered = {e: lo for _, e, lo in record.kernels}[spec.name_expression]
+        start = sass.index(f"Function : {lowered}")
+        nxt = sass.find("Function : ", start + 10)
+        body = sass_instructions(sass[start: nxt if nxt > 0 else len(sass)])
+        ops = [ins.split()[0] if not ins.startswith("@") else ins.split()[1] for _, ins in body]
+        assert not any(o.startswith(("LDL", "STL")) for o in ops)
+        # the folded pair loop (two points of eight rows per trip): its MUFU.EX2 count
+        loops = [(lo, hi) for lo, hi in sass_loops(body)]
+        counts = [sum(1 for a, i in body if lo <= a <= hi and "MUFU.EX2" in i) for lo, hi in loops]
+        assert mufu in counts, (spec.traits, counts)
 
 
 # -- GPU: the fused kernel against float64 ---------------------------------------------------------

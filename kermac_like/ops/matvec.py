@@ -170,13 +170,17 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     accumulation, output in the input dtype); float64 and CPU tensors take the torch
     reference path (row and column blocks).
 
-    Memory (GPU) beyond inputs and output: O((M + N) C) at most, never M x N: at most
-    ``SCRATCH_BYTES`` (32 MB) of float32 split-N partial sums when M is small, plus
-    batch-many float32 hyper-parameters. The sums are accumulated per y tile in float32 and
-    across tiles in float64, and combined in a fixed order: results are bitwise identical
-    from run to run. NaN/inf propagate like the dense product (an infinite distance gives
-    k = 0, a NaN gives NaN; on the Gaussian's fast path a pair of infinite coordinates
-    gives 0 rather than NaN).
+    Paths: one fused kernel (cuda_templates/matvec.cuh) for every descriptor; for
+    Euclidean/DOT descriptors with K > 32 in float32, kernel tiles from run_kernel's
+    tensor-core (3xTF32) kernels times v (plan.matvec_blocked).
+    Memory (GPU) beyond inputs and output: O((M + N) C), never M x N: the fused kernel
+    takes at most ``SCRATCH_BYTES`` (32 MB) of float32 split-N partial sums when M is small,
+    plus batch-many float32 hyper-parameters; the large-K path one kernel tile of at most
+    plan.MATVEC_TILE_ELEMENTS (128 MB) and the distance kernel's copy of one y block. The
+    fused kernel's sums are accumulated per y tile in float32 and across tiles in float64,
+    and combined in a fixed order: results are bitwise identical from run to run. NaN/inf
+    propagate like the dense product (an infinite distance gives k = 0, a NaN gives NaN; on
+    the Gaussian's fast path a pair of infinite coordinates gives 0 rather than NaN).
 
     ``out`` (any strides with a unit-stride or size-1 mode, no overlap) is written in place
     and returned; it is left untouched when an argument is rejected.
@@ -189,7 +193,7 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
         _check_out(call, out)
     if _needs_grad(call):
         try:
-            from ..matvec_grad import matvec_with_grad
+            from .matvec_backward import matvec_with_grad
         except ImportError:
             raise NotImplementedError("kernel_matvec: gradients are not available in this build; "
                                       "call it under torch.no_grad() or detach the inputs") from None

@@ -89,9 +89,11 @@ def c_bucket(c: int) -> int:
     return MAX_C
 
 
-# Measured on an H200 (bench/notes/matvec.md): one of the eight rows of a thread evaluates
-# its exponential on the FMA pipe in the expanded kernel (the MUFU pipe is the floor).
-POLY_ROWS = 1
+# Rows of eight whose exponential runs on the FMA pipe in the expanded kernel. Measured on an
+# H200 (bench/notes/matvec.md, v2): 0 -> 294.7 ms, 1 -> 302.3 ms at D = 3, N = M = 1e6 (the
+# folded loop is issue-bound enough that the polynomial's ~10 extra instructions cost more
+# than the MUFU time they free).
+POLY_ROWS = 0
 
 
 def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expand: bool = False,
@@ -131,6 +133,7 @@ def shipped():
     f32 = torch.float32
     g = PRESETS["gaussian_l2"]
     yield matvec_spec(g, f32, 3, 1)
+    yield matvec_traits_spec(g, f32, 4, 1, expand=True, poly_rows=1)  # the FMA-pipe exponential
     yield matvec_spec(g, f32, 3, 16)
     for name in ("p_norm", "dot"):
         yield matvec_spec(PRESETS[name], f32, 3, 1)

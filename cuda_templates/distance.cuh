@@ -82,13 +82,17 @@ struct DistanceTraits {
   static constexpr int kBlockK = kBlockK_;              // k per pipeline stage (32)
   static constexpr int kStages = 2;                     // 3 also fits sm_80/sm_90 (101.9 KB)
   static constexpr int kSmemStride = kBlockM + 4;       // floats per k-row (+4: conflict-free transpose)
-  static constexpr int kStageFloats = 2 * kBlockK * kSmemStride;  // A (BK, S) then B (BK, S)
+  // A (BK, S), B (BK, S), then one spare row: the fragment prefetch of a tile's
+  // last k-step reads row BK of A (B's row 0) and of B (the spare row). With
+  // the spare row inside the stage, that read never touches the next stage,
+  // whose cp.async copies are in flight while this stage is consumed
+  // (compute-sanitizer racecheck: "invalid memcpy_async synchronization").
+  static constexpr int kStageFloats = (2 * kBlockK + 1) * kSmemStride;
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // 1: 235-255 registers, one block per SM
   static constexpr bool kTotalInSmem = kMinBlocksPerSm_ > 1;  // totals in shared memory (128 registers)
-  // Shared memory: the stages, one spare row (the fragment prefetch of the
-  // last k-step reads row BK), then (kTotalInSmem) 64 totals per thread; the
-  // epilogue's (BM, BN + 1) sum tile reuses the front.
-  static constexpr int kTotalOffset = kStages * kStageFloats + kSmemStride;  // floats, 16-byte aligned
+  // Shared memory: the stages (each with its spare row), then (kTotalInSmem)
+  // 64 totals per thread; the epilogue's (BM, BN + 1) sum tile reuses the front.
+  static constexpr int kTotalOffset = kStages * kStageFloats;  // floats, 16-byte aligned
   static constexpr int kMainFloats = kTotalOffset + (kTotalInSmem ? kThreads * 64 : 0);
   static constexpr int kEpiFloats = kBlockM * (kBlockN + 1);
   static constexpr int kSmemBytes = (kMainFloats > kEpiFloats ? kMainFloats : kEpiFloats) * 4;
@@ -121,8 +125,8 @@ struct DistanceTraits {
 
 namespace distance_detail {
 
-// Dynamic shared memory of the kernel: (kStages * 2 * BK + 1, S) floats; stage
-// s = A tile (BK, S) then B tile (BK, S); then one spare row.
+// Dynamic shared memory of the kernel: (kStages * (2 * BK + 1), S) floats; stage
+// s = A tile (BK, S), B tile (BK, S), one spare row.
 extern __shared__ __align__(16) float kl_distance_smem[];
 
 // ------------------------------------------------------ async-copy primitives
@@ -575,8 +579,8 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_DISTANCE_MIN_BLOCKS(Trait
 #pragma unroll
         for (int kk = 0; kk < Tr::kUnrollK; ++kk) {
           if constexpr (kPrefetch) {
-            // Prefetch k + 1 (the last step of the tile reads row BK: the next
-            // operand's row 0 or the spare row; the values are never used).
+            // Prefetch k + 1 (the last step of the tile reads row BK: B's row 0
+            // or the stage's spare row; the values are never used).
             fetch(fa[(kk + 1) & 1], sa + (kk + 1) * S);
             fetch(fb[(kk + 1) & 1], sb + (kk + 1) * S);
           } else {

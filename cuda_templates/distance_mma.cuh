@@ -39,7 +39,15 @@
 // sqrt(eps_fp32 * (||x||^2 + ||y||^2)) in the distance, like torch.cdist's
 // matrix-product path. Squared distances are clamped at 0.
 //
-// Non-finite inputs give NaN (the operand split subtracts inf from inf).
+// Non-finite inputs (tests/test_nonfinite.py): a NaN coordinate gives NaN in its
+// row (column) of the output, every epilogue included. An infinite coordinate
+// gives what torch.cdist's matrix-product path gives (IEEE fp32 products in
+// ||x||^2 + ||y||^2 - 2 x.y: +inf, or NaN for inf - inf and inf * 0) with Tf32 and
+// 16-bit data. With Tf32x3 this kernel's plain split may give NaN where torch has
+// +inf: x = inf splits into big = inf and small = tf32_rna(inf - inf) (the device's
+// NaN 0x7fffffff rounds to -0, another NaN pattern stays NaN), and big * small_y is
+// inf * 0 = NaN wherever y is exact in TF32 (small_y = 0). distance_wgmma_kernel
+// follows torch there too (split_tf32x3).
 #pragma once
 
 #include "common.cuh"
@@ -76,6 +84,22 @@ struct SameType<A, A> {
 // Round an fp32 bit pattern to TF32, to nearest with ties away from zero (the
 // rounding of cvt.rna.tf32.f32, without its special case for inf/NaN).
 __device__ __forceinline__ unsigned tf32_rna(unsigned x) { return (x + 0x1000u) & 0xffffe000u; }
+
+// The 3xTF32 split x = big + small of one operand, with infinities kept apart
+// from NaN. The plain split of x = +-inf gives big = +-inf and small = inf - inf
+// = NaN, so every product with that coordinate would be NaN, where torch's
+// matrix-product path (fp32 IEEE products) has +-inf or, against a 0, NaN.
+// Here big comes from x clamped to +-2^64 (beyond it x^2 overflows fp32, so the
+// norm expansion is inf or NaN anyway): x = +-inf gives big = +-2^64 and small
+// = +-inf, and the three products big*b_small + small*b_big + big*b_big are
+// +-inf or NaN exactly where the IEEE product x*y is (for |y| below 2^40, where
+// 2^64 * y_small cannot overflow against the sign of x*y). NaN stays NaN
+// (through small). Cost: two FMNMX per split value.
+__device__ __forceinline__ void split_tf32x3(unsigned x, unsigned& big, unsigned& small) {
+  const float xf = __uint_as_float(x);
+  big = tf32_rna(__float_as_uint(fminf(fmaxf(xf, -18446744073709551616.f), 18446744073709551616.f)));
+  small = tf32_rna(__float_as_uint(xf - __uint_as_float(big)));
+}
 
 // ------------------------------------------------------------ PTX primitives
 // Everything that is inline PTX. tests/test_templates_mma.py defines
@@ -257,7 +281,9 @@ struct EntryEpilogue {
                                               bool plain = false, bool fma_exp = false) const {
     float d, d2 = 0.f;
     if constexpr (kDiff) {
-      d2 = fmaxf(fmaf(-2.f, dot, na + nb), 0.f);
+      // Clamped at 0 against cancellation; NaN (a NaN coordinate, or inf - inf of the
+      // expansion) stays NaN, as in torch.cdist's matrix-product path.
+      d2 = math::fmax_nan(fmaf(-2.f, dot, na + nb), 0.f);
       d = Traits::kOuter == Power::Sqrt ? sqrt_approx(d2) : d2;
     } else {
       d = dot;
@@ -545,6 +571,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             if constexpr (Traits::kPrecision == Precision::Tf32x3) {
+              // The plain split (inf -> NaN), not split_tf32x3: its two FMNMX per value
+              // cost 6% here (cdist p=2 30000^2 x 1024 with KERMAC_LIKE_WGMMA=0 on an H200:
+              // 28.7 -> 30.5 ms), where the fragments are split once per warp that reads them.
               a_big[i][r] = tf32_rna(raw[r]);
               a_small[i][r] =
                   tf32_rna(__float_as_uint(__uint_as_float(raw[r]) - __uint_as_float(a_big[i][r])));

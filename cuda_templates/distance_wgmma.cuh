@@ -479,8 +479,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           for (int v = 0; v < 4; ++v) {
             const float x = __uint_as_float(raw[v]);
             if constexpr (kDiff) na[v & 1] = fmaf(x, x, na[v & 1]);
-            frag[s][0][v] = tf32_rna(raw[v]);
-            frag[s][1][v] = tf32_rna(__float_as_uint(x - __uint_as_float(frag[s][0][v])));
+            if constexpr (kSplit) {
+              mma_detail::split_tf32x3(raw[v], frag[s][0][v], frag[s][1][v]);
+            } else {
+              frag[s][0][v] = tf32_rna(raw[v]);
+            }
           }
         }
         // Every fragment register is written before the first wgmma of the k-tile

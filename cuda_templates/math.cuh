@@ -123,11 +123,40 @@ __device__ __forceinline__ void exp2_fma_split(float x, float y, float& mant, fl
   scale = bits_float(static_cast<int>(static_cast<unsigned>(float_bits(j)) << 23));
 }
 
-__device__ __forceinline__ float clampf(float x, float lo, float hi) {
-  return fminf(fmaxf(x, lo), hi);
+// ------------------------------------------------- NaN-propagating min / max
+// fmaxf/fminf return the other operand when one is NaN (IEEE maxNum), so a
+// clamp written with them turns NaN into a bound: a NaN input would leave a
+// finite (wrong) result. max.NaN / min.NaN (PTX ISA 7.0, sm_80+) return NaN
+// when either operand is NaN; in SASS they are the same single FMNMX (with its
+// .NAN flag), so they cost exactly what fmaxf/fminf cost.
+__device__ __forceinline__ float fmax_nan(float x, float y) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+#else
+  return (std::isnan(x) || std::isnan(y)) ? NAN : std::fmax(x, y);
+#endif
 }
 
-// 2^t on the FMA pipe for any t (NaN-free: -inf -> 0, +inf -> inf, NaN -> 0).
+__device__ __forceinline__ float fmin_nan(float x, float y) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+#else
+  return (std::isnan(x) || std::isnan(y)) ? NAN : std::fmin(x, y);
+#endif
+}
+
+// x clamped to [lo, hi]; NaN stays NaN.
+__device__ __forceinline__ float clampf(float x, float lo, float hi) {
+  return fmin_nan(fmax_nan(x, lo), hi);
+}
+
+// 2^t on the FMA pipe for any t: -inf -> 0, +inf -> inf, NaN -> NaN (the clamp
+// keeps NaN; exp2_fma_split of NaN gives a NaN mantissa, and NaN * scale is NaN
+// whatever the scale bits hold).
 __device__ __forceinline__ float exp2_fma(float t) {
   float mant, scale;
   exp2_fma_split(clampf(t, -127.0f, 128.0f), 1.0f, mant, scale);
@@ -138,7 +167,8 @@ __device__ __forceinline__ float exp2_fma(float t) {
 // Per-launch constants of |x|^p = 2^(p * log2|x|) on the FMA pipe: log2|x| is
 // clamped to [lo, hi] = [-127/p, 128/p] so that p*log2|x| stays in the range
 // exp2_fma_split handles: x == 0 (log2 = -inf) and results below 2^-126.5 give
-// exactly 0, results of 2^127.5 and up give +inf.  Requires p > 0.
+// exactly 0, results of 2^127.5 and up give +inf, NaN stays NaN (like torch's
+// |NaN|^p).  Requires p > 0.
 struct PowArgs {
   float p, lo, hi;
 };

@@ -67,11 +67,19 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
     if constexpr (Traits::kNorms) sum = fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, fmaf(v.x, v.x, sum))));
     float* block = dst + (c >> 2) * (long long)Traits::kBlockFloats + swizzled(row, c & 3) / 4;
-    *reinterpret_cast<float4*>(block) = v;
     if constexpr (Traits::kSmall) {
-      auto lo = [](float x) { return x - __uint_as_float(__float_as_uint(x) & 0xffffe000u); };
+      // 3xTF32: big = b clamped to +-2^64, small = b - trunc(big), so that b = +-inf
+      // gives big = +-2^64, small = +-inf rather than inf and inf - inf = NaN (the
+      // a side does the same: split_tf32x3 in distance_mma.cuh says why). NaN stays
+      // NaN (in small). The norms above use b itself.
+      auto big = [](float x) { return fminf(fmaxf(x, -18446744073709551616.f), 18446744073709551616.f); };
+      auto lo = [](float x, float c) { return x - __uint_as_float(__float_as_uint(c) & 0xffffe000u); };
+      const float4 h = make_float4(big(v.x), big(v.y), big(v.z), big(v.w));
+      *reinterpret_cast<float4*>(block) = h;
       *reinterpret_cast<float4*>(block + Traits::kTileN * Traits::kTileK) =
-          make_float4(lo(v.x), lo(v.y), lo(v.z), lo(v.w));
+          make_float4(lo(v.x, h.x), lo(v.y, h.y), lo(v.z, h.z), lo(v.w, h.w));
+    } else {
+      *reinterpret_cast<float4*>(block) = v;
     }
   }
   if constexpr (Traits::kNorms) {

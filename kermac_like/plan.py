@@ -174,11 +174,22 @@ def _batch_plan(call: DistanceCall, tensors: dict):
     return plan_batch(call.batch, strides)
 
 
+def uses_mm(compute_mode: str, M: int, N: int) -> bool:
+    """torch.cdist's choice between the matrix-product (norm expansion) and the
+    direct-difference computation of p = 2 distances, mirrored so that both give the
+    same NaN and inf: "use_mm_for_euclid_dist_if_necessary" takes the matrix product
+    when either operand has more than 25 rows. Here the matrix product is the
+    tensor-core kernel, the direct computation the exact SIMT kernel."""
+    if compute_mode == "use_mm_for_euclid_dist":
+        return True
+    return compute_mode == "use_mm_for_euclid_dist_if_necessary" and (M > 25 or N > 25)
+
+
 def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: Settings):
     """(spec, views, tensors, batch plan, family) for a GPU call, or None for the reference path."""
     tf32 = settings.tf32
     tf32_types = (torch.float32, torch.float16, torch.bfloat16)
-    if call.desc.is_euclidean and compute_mode != "donot_use_mm_for_euclid_dist" and call.dtype in tf32_types:
+    if call.desc.is_euclidean and uses_mm(compute_mode, call.M, call.N) and call.dtype in tf32_types:
         av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
         bv = analyse_matrix("b", call.b, prefer=Layout.ROW_MAJOR)
         outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)

@@ -102,7 +102,7 @@ def cdist_reference(x1, x2, p: float = 2.0, *, skip_epilogue: bool = False, out=
     for m0, m1, ab in _pairwise_blocks(x1, x2, batch, K):
         diff = (ab.unsqueeze(-2) - x2.unsqueeze(-3)).abs()
         if p == 0:
-            acc = (diff != 0).sum(-1).to(dtype)
+            acc = diff.ceil().clamp(max=1).sum(-1)  # torch.cdist's count: |NaN| gives NaN
         elif math.isinf(p):
             acc = diff.amax(-1) if K > 0 else diff.sum(-1)
         elif p == 1:
@@ -123,7 +123,8 @@ def cdist_grad_reference(a, b, c, d, p=2.0, *, out=None):
     """out[..., o, n, m] = sum_k c[o,k] a[k,m] sgn(d[n,m]-b[n,k]) |d[n,m]-b[n,k]|^(p-1).
 
     a (..., K, M), b (..., N, K), c (..., O, K), d (..., N, M); ``p`` a float or a
-    tensor over the batch.  The factor is 0 where d[n,m] == b[n,k] (sgn(0) = 0).
+    tensor over the batch.  The factor is 0 where d[n,m] == b[n,k] (sgn(0) = 0) and NaN
+    where d[n,m] - b[n,k] is NaN (any p).
     """
     dtype, device = a.dtype, a.device
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2], d.shape[:-2], _batch_of(p))
@@ -147,10 +148,11 @@ def cdist_grad_reference(a, b, c, d, p=2.0, *, out=None):
         if not isinstance(p, torch.Tensor) and p == 2:
             phi = diff
         elif not isinstance(p, torch.Tensor) and p == 1:
-            phi = torch.sign(diff)
+            phi = torch.where(diff.isnan(), diff, torch.sign(diff))  # sgn(NaN) = NaN, as in torch.cdist's backward
         else:
             mag = diff.abs()
             phi = torch.where(diff == 0, zero, torch.sign(diff) * mag.pow(pe - 1))
+            phi = torch.where(diff.isnan(), diff, phi)  # (torch.sign(NaN) is 0 and NaN^0 is 1)
         w = a[..., k0:k1, :].unsqueeze(-2) * phi  # (*batch, kb, N, M)
         out += torch.einsum("...ok,...knm->...onm", c[..., k0:k1], w)
     return out

@@ -52,7 +52,7 @@ DESCRIPTORS = {
 }
 
 # Launch constants the Python mirror must hold (checked by a static_assert stub).
-EXPECTED_LAUNCH = {"kThreads": 256, "kBlockM": 128, "kBlockN": 128, "kSmemBytes": 68112}
+EXPECTED_LAUNCH = {"kThreads": 256, "kBlockM": 128, "kBlockN": 128, "kSmemBytes": 68640}
 
 
 def traits_name(inner, inner_pow, outer_pow, epilogue, la="RowMajor", lb="RowMajor", lo="RowMajor", vec=1):
@@ -263,6 +263,11 @@ def test_fractional_p_balances_mufu_and_fma_pipes(sm90_sass):
     issue = len(body) / elements
     mufu_clk = 8 * mufu / elements
     assert abs(issue - mufu_clk) / mufu_clk < 0.05, (issue, mufu_clk)
+    # The log2 clamp of the FMA-pipe elements keeps NaN (max.NaN / min.NaN): one
+    # FMNMX.NAN each, no plain FMNMX, which would turn |NaN|^p into 0.
+    full = main_loop(sm90_sass["pow"])
+    clamps = [o for o in full if o.startswith("FMNMX")]
+    assert len(clamps) == 2 * 2 * 41 and all(o.startswith("FMNMX.NAN") for o in clamps), set(clamps)
 
 
 def test_vector_variant_uses_16_byte_async_copies(sm90_sass):
@@ -554,12 +559,15 @@ def _reference(desc, dist, bw, lam, reg_diag, eps):
 
 def run_on_cpu(exe, idx, M, N, K, *, batch=(1, 1, 1), b_bcast=(), pad=(0, 0, 0), inner_p=1.3,
                outer_p=None, bw=None, lam=0.0, lam_tensor=False, bw_tensor=False, reg_diag=0,
-               eps=0.0, grid_z=None, seed=0, b_equals_a=False):
+               eps=0.0, grid_z=None, seed=0, b_equals_a=False, nonfinite=()):
+    """``nonfinite``: (operand "a" or "b", row, k, value) entries written into the data."""
     desc, la, lb, lo, vec = CPU_INSTANCES[idx]
     rng = np.random.default_rng(seed)
     bb = tuple(1 if i in b_bcast else e for i, e in enumerate(batch))
     a = rng.standard_normal((*batch, M, K)).astype(np.float32)
     b = a.copy() if b_equals_a else rng.standard_normal((*bb, N, K)).astype(np.float32)
+    for which, r, k, v in nonfinite:
+        (a if which == "a" else b)[..., r, k] = v
     if vec == 4:  # the launcher's contract for kVec == 4: 16-byte aligned, ld % 4 == 0
         ext = (K if la == "RowMajor" else M, K if lb == "RowMajor" else N)
         pad = (pad[0] + (-(ext[0] + pad[0])) % 4, pad[1] + (-(ext[1] + pad[1])) % 4, pad[2])
@@ -576,7 +584,7 @@ def run_on_cpu(exe, idx, M, N, K, *, batch=(1, 1, 1), b_bcast=(), pad=(0, 0, 0),
     b_full = np.broadcast_to(b, (*batch, N, K))
     dist = _distance(desc, a, b_full, np.full(batch, inner_p), np.full(batch, outer_p))
     if bw is None:  # the data's own scale, as users pick it (exp of O(1) arguments)
-        bw = float(np.median(dist)) or 1.0
+        bw = float(np.nanmedian(np.where(np.isinf(dist), np.nan, dist))) or 1.0
     bw_arr = (bw * (1 + np.arange(batch[0]))).astype(np.float32) if bw_tensor else np.array([bw], np.float32)
     lam_arr = (lam * (1 + np.arange(batch[2]))).astype(np.float32) if lam_tensor else np.array([lam], np.float32)
     p_arr = np.array([inner_p], np.float32)
@@ -691,10 +699,28 @@ def test_tuned_variants_compile_without_spills_and_mirror_their_launch():
         distance_spec(PRESETS["l2"], row, row, row, 1, tuning=(41, 64, 1)),
         distance_spec(PRESETS["p_norm"], row, row, row, 1, tuning=(48, 16, 2)),
     ]
-    assert specs[0].launch.smem_bytes == 99856 and specs[1].launch.smem_bytes == 135696
+    assert specs[0].launch.smem_bytes == 100384 and specs[1].launch.smem_bytes == 136224
     # the defaults render the shipped name (no extra template arguments)
     assert distance_spec(PRESETS["l1"], row, row, row, 1).name_expression.endswith("RowMajor, 1>>")
     _, resources = compile_specs(specs, "sm_90")
     for expr, res in resources.items():
         assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (expr, res)
     assert resources[specs[0].name_expression]["registers"] <= 128
+
+
+# NaN and inf (tests/test_nonfinite.py has the op-level tests): the kernel's own arithmetic
+# against numpy's on the same float64 formula, NaN and inf positions equal and finite
+# values close. Row 3 of a holds a NaN, row 5 of a and row 2 of b +inf in the same
+# coordinate (inf - inf = NaN there), row 6 of a -inf.
+NONFINITE = (("a", 3, 1, np.nan), ("a", 5, 0, np.inf), ("b", 2, 0, np.inf), ("a", 6, 2, -np.inf))
+
+
+@pytest.mark.parametrize("idx", [0, 1, 2, 4, 5, 9])
+def test_cpu_execution_nan_and_inf_like_numpy(cpu_runner, idx):
+    got, ref = run_on_cpu(cpu_runner, idx, 13, 11, 37, inner_p=1.3, bw=2.0, lam=0.5, reg_diag=1, eps=1e-3,
+                          nonfinite=NONFINITE)
+    assert np.isnan(ref).any() and (np.isinf(ref) | (ref == 0)).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(ref))
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(got[fin], ref[fin], rtol=2e-5, atol=1e-6)

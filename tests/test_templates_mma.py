@@ -156,6 +156,8 @@ def test_compiles_without_spills_and_uses_tensor_cores(arch):
         assert hmma, f"no HMMA in {name}"
         assert "LDL" not in text and "STL" not in text, f"local memory in {name}"
         assert "LDGSTS" in text, f"no cp.async in {name}"
+        # The epilogue's clamp at 0 keeps NaN: FMNMX.NAN only (a plain FMNMX turns NaN into 0).
+        assert not re.search(r"\bFMNMX(?!\.NAN)\b", text), f"a NaN-dropping FMNMX in {name}"
     tf32 = [t for n, t in functions.items() if "HMMA.1688.F32.TF32" in t]
     f16 = [t for n, t in functions.items() if "HMMA.16816.F32" in t]
     assert len(tf32) == 6 and len(f16) == 2
@@ -362,6 +364,53 @@ def test_emulated_unaligned_output_takes_the_scalar_path(emulator):
         a, b = torch.randn(1, 33, 24, generator=g), torch.randn(1, 45, 24, generator=g)
         y, ref, untouched = emulate(emulator, cfg, a, b, ldo_pad=3, out_offset=1)
         assert untouched and rel_error(y, ref) <= TOLERANCE[cfg[4]]
+
+
+def nonfinite_operands(M=40, N=30, K=20, seed=6):
+    """Random a (1, M, K), b (1, N, K) with a NaN (a row 3), infinities of both signs
+    against random-signed coordinates (a rows 5, 6), and the same +inf on both sides
+    (a row 5, b row 2: inf - inf)."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(1, M, K, generator=g), torch.randn(1, N, K, generator=g)
+    a[0, 3, 1] = float("nan")
+    a[0, 5, 0] = float("inf")
+    a[0, 6, 2] = -float("inf")
+    b[0, 2, 0] = float("inf")
+    return a, b
+
+
+def assert_same_nonfinite(y, ref, tol):
+    y, ref = y.double(), ref.double()
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)), (torch.isnan(y) != torch.isnan(ref)).nonzero()[:5]
+    assert torch.equal(torch.isposinf(y), torch.isposinf(ref))
+    assert torch.equal(torch.isneginf(y), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    assert rel_error(y[fin], ref[fin]) <= tol
+
+
+@pytest.mark.parametrize("cfg", [c for c in EMULATED if c[0] == "Diff"],
+                         ids=lambda c: "-".join(map(str, c[:5])) + "-" + str(c[5])[6:])
+def test_emulated_nan_and_inf_like_torch_matrix_product(emulator, cfg):
+    # The oracle is torch's matrix-product formula in float64 (IEEE products: inf * 0 and
+    # inf - inf are NaN, inf against an opposite-signed coordinate is +inf), as in
+    # torch.cdist(compute_mode="use_mm_for_euclid_dist"), except that this kernel's 3xTF32
+    # split may make +inf NaN (distance_mma.cuh); NaN must never be clamped away.
+    a, b = nonfinite_operands()
+    y, ref, untouched = emulate(emulator, cfg, a, b, lam=0.5, reg_diag=1)
+    assert untouched
+    assert torch.isnan(ref[0, 3]).all() and torch.isnan(ref[0, 5]).any()
+    if cfg[2] == "None":
+        assert torch.isinf(ref[0, 5]).any() and torch.isinf(ref[0, :, 2]).any()
+    if cfg[4] == "Tf32x3":  # this kernel's split may turn torch's +inf into NaN (inf * 0)
+        y, ref = y.double(), ref.double()
+        may = torch.isinf(a).any(-1)[..., :, None] | torch.isinf(b).any(-1)[..., None, :]
+        assert (~(torch.isnan(y) & ~torch.isnan(ref)) | may).all() and (torch.isnan(y) | ~torch.isnan(ref)).all()
+        keep = ~torch.isnan(y)
+        assert torch.equal(torch.isinf(y[keep]), torch.isinf(ref[keep]))
+        fin = keep & torch.isfinite(ref)
+        assert rel_error(y[fin], ref[fin]) <= TOLERANCE[cfg[4]]
+    else:
+        assert_same_nonfinite(y, ref, TOLERANCE[cfg[4]])
 
 
 # ----------------------------------------------------------------------- GPU

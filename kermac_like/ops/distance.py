@@ -20,7 +20,6 @@ from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import DistanceCall, run_distance
-from ..reference import cdist_reference
 from .distance_backward import distance_with_grad
 
 log = logging.getLogger("kermac_like.distance")
@@ -125,6 +124,20 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     return forward(call, out, compute_mode=compute_mode, debug=debug)
 
 
+def _cdist_by_torch(x1, x2, p: float, out):
+    """p = 0 or inf: torch.cdist itself, so that NaN and inf behave exactly as there
+    (torch's p = inf maximum skips NaN on the CPU, p = 0 counts |NaN| as NaN); 16-bit
+    inputs, which torch.cdist does not take on every device, through float32 (exact:
+    p = 0 counts, p = inf picks one |difference|)."""
+    if x1.dtype in (torch.float32, torch.float64):
+        res = torch.cdist(x1, x2, p=p)
+    else:
+        res = torch.cdist(x1.float(), x2.float(), p=p).to(x1.dtype)
+    if out is None:
+        return res
+    return out.copy_(res)
+
+
 def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_epilogue: bool = False,
           compute_mode: str = COMPUTE_MODES[0], debug: bool = False) -> torch.Tensor:
     """Drop-in for ``torch.cdist``: p-norm distances between the rows of x1 (..., M, K)
@@ -132,11 +145,13 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
 
     ``skip_epilogue=True`` returns ``sum |x - y|^p`` without the ``1/p`` root.
     p = 1 and p = 2 use pow-free kernels; p = 2 runs on tensor cores (3xTF32,
-    fp32-grade) unless ``compute_mode="donot_use_mm_for_euclid_dist"``; on sm_90 that
-    path takes temporary GPU memory of about x2's size (twice for 3xTF32) for x2 in
-    the kernel's tile layout.
-    p = 0, p = inf and float64/float16/bfloat16 inputs take the torch reference
-    path (on the inputs' device).
+    fp32-grade) where torch.cdist takes its matrix-product path (``compute_mode``
+    "use_mm_for_euclid_dist", or the default with more than 25 rows in x1 or x2) and on
+    the exact kernel otherwise, so that NaN and inf come out as in torch.cdist
+    (tests/test_nonfinite.py); on sm_90 the tensor-core path takes temporary GPU memory
+    of about x2's size (twice for 3xTF32) for x2 in the kernel's tile layout.
+    p = 0 and p = inf call torch.cdist; float64 inputs, and float16/bfloat16 inputs off
+    the tensor-core path, take the torch reference path (on the inputs' device).
     """
     debug = _debug.resolve(debug)
     check_tensor("x1", x1)
@@ -156,7 +171,7 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
             log.debug("cdist p=%s: reference path", p)
         if _needs_grad(x1, x2):
             return torch.cdist(x1, x2, p=p)
-        return cdist_reference(x1, x2, p, skip_epilogue=skip_epilogue, out=out)
+        return _cdist_by_torch(x1, x2, p, out)
     if p == 1:
         desc, kw = PRESETS["l1"], {}
     elif p == 2:

@@ -86,13 +86,15 @@ def _distance_backward(call, a, b, y, grad, needs, compute_mode, debug):
         w = w * (-(d / (bw * bw)) * torch.exp(-(d * d) / (2.0 * bw * bw)))
     q = {PowerType.ABS: 1.0, PowerType.SQUARE: 2.0}.get(desc.inner_power, hp["inner_p"])
     qb = _hyper(q, 2)
+    # d == 0 has weight 0 (torch.cdist's backward); a NaN d keeps its NaN weight, so
+    # that NaN inputs give NaN gradients where torch.cdist's backward has them.
     if desc.outer_power is PowerType.NOOP:
         w = w * qb
     elif desc.outer_power is PowerType.SQRT:
-        w = torch.where(d > 0, w * qb / (2.0 * d), zero)
+        w = torch.where(d == 0, zero, w * qb / (2.0 * d))
     else:
         r = _hyper(hp["outer_p"], 2)
-        w = torch.where(d > 0, w * (qb / r) * d.pow(1.0 - r), zero)
+        w = torch.where(d == 0, zero, w * (qb / r) * d.pow(1.0 - r))
     if call.epsilon is not None:
         w = torch.where(d < call.epsilon, zero, w)
 

@@ -62,4 +62,21 @@ def cdist_grad(a, b, c, d, *, out=None, p=2.0, debug: bool = False) -> torch.Ten
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, c, d, p)) and torch.is_grad_enabled():
         raise NotImplementedError("cdist_grad: inputs require grad; differentiating cdist_grad is not supported")
 
-    return plan_cdist_grad(a, b, c, d, p, out, batch, (K, M, N, O), debug).run()
+    plan = plan_cdist_grad(a, b, c, d, p, out, batch, (K, M, N, O), debug)
+    res = plan.run()
+    if plan.family != "reference" and not isinstance(p, torch.Tensor) and p == 1:
+        _sign_nan(res, b, d)
+    return res
+
+
+def _sign_nan(out, b, d):
+    """p = 1: sgn(NaN) is NaN (torch.cdist's backward; the reference), but the kernels'
+    sign step gives a NaN difference no weight, or -a. out[..., o, n, m] is NaN wherever
+    d[n, m] - b[n, k] is NaN for some k: a NaN in d[n, m] or in row n of b, or the same
+    infinity in both. Elementwise masks on the device (no host synchronisation)."""
+    if b.shape[-1] == 0:
+        return
+    bad = d.isnan() | b.isnan().any(-1, keepdim=True)
+    bad |= d.isposinf() & b.isposinf().any(-1, keepdim=True)
+    bad |= d.isneginf() & b.isneginf().any(-1, keepdim=True)
+    out.masked_fill_(bad.unsqueeze(-3), float("nan"))

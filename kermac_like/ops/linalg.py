@@ -102,6 +102,17 @@ is not installed (with one warning).
 
 ``debug=True`` (or ``KERMAC_LIKE_DEBUG=1``) logs handle creation, workspace
 sizes and stream assignment to the ``kermac_like.linalg`` logger at DEBUG level.
+
+First call
+----------
+The first GPU call of a process waits for the work already queued on the device
+(bench/probes/linalg_first_call.py times each step behind a 1 s torch.cuda._sleep;
+on an H200: torch's first pool stream 1002 ms, the first solve_cholesky after it
+1073 ms, the first solve_lu 1002 ms, the first eigh 1024 ms; nvmath's import,
+cuSOLVER handle and params creation and workspace allocation return at once).
+Creating torch's stream pool waits; the rest is most likely CUDA loading the
+library kernels on their first launch (lazy loading). Running the routines once
+beforehand on other sizes did not remove the wait of a later first call (open).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The file name, the schema stamp and the touch interval are shared by the full cache
 (store.py, with SQLAlchemy) and the warm-start reader (warm.py, standard library only),
 so this module imports nothing beyond the standard library. The directory checks decide
-whether the file can be used at all (else the cache runs in memory).
+whether the file can be used at all (else the cache runs in memory): it must be writable,
+and trusted: owned by this user and not writable by group or others (untrusted_reason).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["SCHEMA_VERSION", "DB_FILENAME", "ENV_DIR", "DEFAULT_MAX_BYTES", "default_cache_dir"]
+__all__ = ["SCHEMA_VERSION", "DB_FILENAME", "ENV_DIR", "DEFAULT_MAX_BYTES", "default_cache_dir", "untrusted_reason"]
 
 # Bump SCHEMA_VERSION with any change to the tables (schema.py): a file
 # stamped with another version is then moved aside and rebuilt.
@@ -72,13 +73,53 @@ def _resolve_max_bytes(max_bytes: int | None) -> int:
 
 
 def _unwritable_reason(directory: Path, db_file: Path) -> str | None:
-    """Why the cache cannot live in ``directory``, or None when it can."""
+    """Why the cache cannot live in ``directory``, or None when it can. Creates the
+    directory owner-only (0700) and the database file owner-only (0600; SQLite gives
+    its -wal and -shm files the database file's mode) when they do not exist yet."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         return f"cannot create cache directory {directory} ({exc})"
     if not os.access(directory, os.W_OK | os.X_OK):
         return f"cache directory {directory} is not writable"
     if db_file.exists() and not os.access(db_file, os.R_OK | os.W_OK):
         return f"cache file {db_file} is not writable"
+    reason = untrusted_reason(directory, db_file)
+    if reason is not None:
+        return reason
+    try:  # an empty file is an empty SQLite database
+        os.close(os.open(db_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot create cache file {db_file} ({exc})"
+    return None
+
+
+def _euid() -> int | None:
+    """This process's effective user id (None where the platform has none)."""
+    return os.geteuid() if hasattr(os, "geteuid") else None
+
+
+def untrusted_reason(directory: Path, db_file: Path) -> str | None:
+    """Why the cache in ``directory`` must not be trusted, or None: the directory, the
+    database file or its -wal / -shm files (those that exist) are owned by another user
+    or writable by group or others, so that someone else could have put the kernels in
+    it that this process would load and run. Both read paths (store.py, warm.py) apply
+    it; the full cache then runs in memory with one warning."""
+    uid = _euid()
+    if uid is None:  # no POSIX owners and modes (Windows): nothing to check here
+        return None
+    for path in (directory, db_file, Path(f"{db_file}-wal"), Path(f"{db_file}-shm")):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"cannot inspect {path} ({exc})"
+        if st.st_uid != uid:
+            return f"{path} is owned by another user (uid {st.st_uid}, this process runs as {uid})"
+        if st.st_mode & 0o022:
+            return (f"{path} is writable by group or others (mode {st.st_mode & 0o777:o}; "
+                    f"make it owner-only: chmod go-w)")
     return None

@@ -125,7 +125,8 @@ def _warn_fallback(reason: str) -> None:
     if first:
         warnings.warn(
             f"kermac_like kernel cache: {reason}; compiled kernels are kept in memory for "
-            f"this process only (set {_ENV_DIR} to a writable directory to keep them)",
+            f"this process only (set {_ENV_DIR} to a writable directory of your own, not "
+            f"writable by group or others, to keep them)",
             KernelCacheWarning,
             stacklevel=_stacklevel_outside_this_module(),
         )

@@ -4,8 +4,8 @@ A new process whose kernels are already cached needs one indexed SELECT and a
 hash check. Importing SQLAlchemy and building its engine costs ~80-100 ms,
 more than everything else on a warm first call, so hits are served here with
 the standard library's ``sqlite3`` on a read-only connection. Anything
-unexpected (no file, another schema version, a locked or corrupt file, a hash
-mismatch) returns None, and the caller goes on to :class:`kermac_like.runtime.cache.KernelCache`,
+unexpected (no file, a file or directory another user owns or could write, another
+schema version, a locked or corrupt file, a hash mismatch) returns None, and the caller goes on to :class:`kermac_like.runtime.cache.KernelCache`,
 which owns the schema, writes, recovery and eviction.
 
 The file location and the schema stamp live in location.py, shared by both paths.
@@ -18,7 +18,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from .location import DB_FILENAME, SCHEMA_VERSION, TOUCH_INTERVAL_S, default_cache_dir
+from .location import DB_FILENAME, SCHEMA_VERSION, TOUCH_INTERVAL_S, default_cache_dir, untrusted_reason
 
 __all__ = ["SCHEMA_VERSION", "DB_FILENAME", "default_cache_dir", "read_kernel"]
 
@@ -33,8 +33,8 @@ def read_kernel(key: str):
     default cache file, verified against its sha256; None on a miss or on any
     doubt (the full cache then decides)."""
     path = default_cache_dir() / DB_FILENAME
-    if not path.is_file():
-        return None
+    if not path.is_file() or untrusted_reason(path.parent, path) is not None:
+        return None  # (an untrusted file: the full cache warns and runs in memory)
     try:
         conn = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=1.0)
     except sqlite3.Error:

@@ -13,9 +13,10 @@
 // and the gradient with respect to b is the same contraction with (a, g) and
 // (b, v) exchanged (acc is symmetric; psi is odd, and the sign of the swapped
 // difference is the sign of the b-gradient).  The conventions are those of the
-// dense backward (kermac_like/autograd.py): phi = 0 where d == 0 for the SQRT
-// and POW outer powers (D' is unbounded there), psi = sgn(t) for q = 1, t for
-// q = 2 (the q of phi carries the factor 2), and psi(0) = 0 for every q.
+// dense backward (kermac_like/ops/distance_backward.py): phi = 0 where d == 0
+// for the SQRT and POW outer powers (D' is unbounded there), psi = sgn(t) for
+// q = 1, t for q = 2 (the q of phi carries the factor 2), psi(0) = 0 for every
+// q; NaN inputs give NaN (a NaN d keeps its NaN weight, sgn(NaN) = NaN).
 //
 // FlashAttention's structure with phi in place of the softmax: each CTA owns
 // kBlockM = kThreads * kRows rows of a (every thread kRows rows, a and g held
@@ -180,7 +181,7 @@ struct Phi {
         } else {
           phi = rs * math::ex2_approx(d * ex);
         }
-        phi = acc > 0.0f ? phi : 0.0f;
+        phi = acc == 0.0f ? 0.0f : phi;  // a NaN acc keeps its NaN
       }
     } else {
       const float lg = math::lg2_approx(acc);
@@ -193,7 +194,7 @@ struct Phi {
       } else {
         phi = dr * d * math::ex2_approx(d * d * ex);
       }
-      phi = acc > 0.0f ? phi : 0.0f;
+      phi = acc == 0.0f ? 0.0f : phi;  // a NaN acc keeps its NaN
     }
     if constexpr (kEps) {
       phi = d < eps ? 0.0f : phi;
@@ -312,8 +313,9 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
 #pragma unroll
           for (int k = 0; k < kK; ++k) {
             if constexpr (Tr::kInnerPow == Power::Abs) {
-              const float s = t[k] > 0.0f ? w : (t[k] < 0.0f ? -w : 0.0f);
-              part[i][k] += s;
+              // sgn(t): +-1, 0 for t == 0, NaN for NaN (t itself in the last two cases)
+              const float sg = t[k] > 0.0f ? 1.0f : (t[k] < 0.0f ? -1.0f : t[k]);
+              part[i][k] = fma32(w, sg, part[i][k]);
             } else if constexpr (Tr::kInnerPow == Power::Square) {
               part[i][k] = fma32(w, t[k], part[i][k]);
             } else {

@@ -552,3 +552,33 @@ def test_contraction_op_traces_under_torch_compile():
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     assert torch.allclose(compiled(a, b, ga, vb), f(a, b, ga, vb), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("idx", [0, 3, 4])
+def test_cuda_kernel_on_cpu_propagates_nan_like_the_dense_backward(cpu_runner, tmp_path, idx):
+    desc, kk, kc, eps_on = CPU_INSTANCES[idx]
+    rng = np.random.default_rng(50 + idx)
+    K, C = min(kk, 3), min(kc, 2)
+    a = rng.standard_normal((1, 300, K)).astype(np.float32)
+    b = rng.standard_normal((1, 200, K)).astype(np.float32)
+    ga = rng.standard_normal((1, 300, C)).astype(np.float32)
+    vb = rng.standard_normal((1, 200, C)).astype(np.float32)
+    a[0, 5, K - 1] = np.nan
+    got = run_kernel_on_cpu(cpu_runner, tmp_path, idx, a, b, ga, vb, q=1.4, r=1.7, bw=1.1, eps=0.6 if eps_on else 0.0)
+    assert np.isnan(got[0, 5]).all()
+    assert np.isfinite(np.delete(got[0], 5, axis=0)).all()
+
+
+@pytest.mark.parametrize("name", ["gaussian_l2", "laplace_l1", "p_norm", "l2"])
+def test_nan_inputs_give_nan_gradients_where_they_reach(name):
+    desc = km.PRESETS[name]
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    x[2, 1] = float("nan")
+    x.requires_grad_(True)
+    y = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(5, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    h = hyper_for(desc, p=1.5, bandwidth=1.0)
+    gx, gy, gv = torch.autograd.grad(km.kernel_matvec(desc, x, y, v, **h).sum(), (x, y, v))
+    assert gx[2].isnan().all() and not gx[[0, 1, 3, 4, 5]].isnan().any()
+    assert gy.isnan().all() and gv.isnan().all()  # every y_n and v_n meets x_2

@@ -12,8 +12,9 @@ gradient ``g = dL/dout``:
       dL/dy[n,k] = sum_m phi(acc[m,n]) (v[n,:] . g[m,:]) psi(y[n,k] - x[m,k])
       phi = q E'(d) D'(acc),  d = D(acc);  psi(t) = sgn(t) |t|^(q-1)
 
-  with the dense backward's conventions (kermac_like/autograd.py): phi = 0 where
-  d < epsilon, and for the SQRT and POW outer powers where d == 0; psi(0) = 0.
+  with the dense backward's conventions (kermac_like/ops/distance_backward.py): phi = 0
+  where d < epsilon, and for the SQRT and POW outer powers where d == 0; psi(0) = 0;
+  NaN inputs give NaN gradients where the dense backward has them.
   The regularisation term does not depend on x or y.
 * DOT: separable, ``dL/dx = g (v^T y)`` and ``dL/dy = v (g^T x)``: matrix
   products with (C, K) intermediates.
@@ -118,12 +119,13 @@ def _phi(desc: KernelDescriptor, acc, q, r, bw, epsilon):
         e = -torch.exp(-d / bw) / bw
     else:
         e = -(d / (bw * bw)) * torch.exp(-(d * d) / (2.0 * bw * bw))
+    # d == 0 has weight 0; a NaN d keeps its NaN weight (the dense backward's rule)
     if desc.outer_power is PowerType.NOOP:
         phi = e * q
     elif desc.outer_power is PowerType.SQRT:
-        phi = torch.where(d > 0, e * q / (2.0 * d), zero)
+        phi = torch.where(d == 0, zero, e * q / (2.0 * d))
     else:
-        phi = torch.where(d > 0, e * (q / r) * d.pow(1.0 - r), zero)
+        phi = torch.where(d == 0, zero, e * (q / r) * d.pow(1.0 - r))
     if epsilon is not None:
         phi = torch.where(d < epsilon, zero, phi)
     return phi
@@ -170,7 +172,7 @@ def diff_contraction_reference(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=
             diff = ab.unsqueeze(-2) - b[..., n0:n1, :].unsqueeze(-3)  # (*batch, mb, nb, K)
             if desc.inner_power is PowerType.ABS:
                 acc = diff.abs().sum(-1)
-                psi = torch.sign(diff)
+                psi = torch.where(diff.isnan(), diff, torch.sign(diff))  # sgn(NaN) = NaN
             elif desc.inner_power is PowerType.SQUARE:
                 acc = (diff * diff).sum(-1)
                 psi = diff
@@ -178,6 +180,7 @@ def diff_contraction_reference(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=
                 mag = diff.abs()
                 acc = mag.pow(q3).sum(-1)
                 psi = torch.where(diff == 0, zero, torch.sign(diff) * mag.pow(q3 - 1))
+                psi = torch.where(diff.isnan(), diff, psi)
             w = _phi(desc, acc, q2, r2, bw2, epsilon) * (gb @ vb[..., n0:n1, :].mT)  # (*batch, mb, nb)
             out[..., m0:m1, :] += torch.einsum("...mn,...mnk->...mk", w, psi)
     return out

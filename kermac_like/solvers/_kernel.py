@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, preset
-from ..distance import run_kernel
+from ..ops.distance import run_kernel
 
 __all__ = ["SolverKernel", "resolve_kernel", "BLOCK_BYTES"]
 

@@ -158,17 +158,21 @@ def main(argv=None):
         say(f"true relative residual {float(r.double().norm() / y.double().norm()):.2e}")
     say(f"test MSE vs f {mse_f:.5f}, vs noisy y {mse_y:.5f} (noise floor 0.01), R^2 {m.score(xt, yt):.4f}, "
         f"predict {n_test} rows {t_pred:.3f} s")
+    result = dict(model=m, fit_s=m.fit_time_, n_iter=m.n_iter_, residual=m.residual_, test_mse=mse_f,
+                  test_mse_noisy=mse_y, n=n, world=world)
     if check_exact:
+        del m
         e = KernelRidge(args.kernel, bandwidth=args.bandwidth, alpha=alpha, solver="cholesky").fit(x, y)
         pe = e.predict(xt)
         mse_e = float(((pe.double() - ft.double()) ** 2).mean())
         say(f"exact (cholesky): fit {e.fit_time_:.2f} s, test MSE vs f {mse_e:.5f}; "
             f"test error difference {abs(mse_f - mse_e) / mse_e * 100:.2f}%")
+        result.update(exact_fit_s=e.fit_time_, exact_test_mse=mse_e)
     if world > 1:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    return m
+    return result
 
 
 if __name__ == "__main__":

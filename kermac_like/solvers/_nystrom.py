@@ -114,9 +114,10 @@ class LandmarkNystromPreconditioner:
     def __call__(self, r: torch.Tensor) -> torch.Tensor:
         if self.rank == 0:
             return r.clone()
-        t = self.comm.all_reduce(self.kernel.matvec(self.z, self.x, r))  # K_Zn r, (m, C)
-        t = (self.m_mat @ t.to(torch.float64)).to(r.dtype)
-        return r + self.kernel.matvec(self.x, self.z, t)
+        dt = self.x.dtype  # the products run in the data's dtype, r may be float64
+        t = self.comm.all_reduce(self.kernel.matvec(self.z, self.x, r.to(dt)))  # K_Zn r, (m, C)
+        t = (self.m_mat @ t.to(torch.float64)).to(dt)
+        return r + self.kernel.matvec(self.x, self.z, t).to(r.dtype)
 
 
 class FalkonPreconditioner:

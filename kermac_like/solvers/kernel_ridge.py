@@ -261,6 +261,8 @@ class KernelRidge:
     def fit(self, X, y):
         """Fit on (X, y): X (n, D), y (n,) or (n, C). Under torch.distributed: this rank's rows."""
         debug = _debug.resolve(self.debug)
+        for name in ("X_fit_", "dual_coef_", "centers_", "preconditioner_rank_", "n_iter_", "residual_"):
+            self.__dict__.pop(name, None)  # a refit never keeps a previous solver's attributes
         comm = Comm()
         # Everything that can fail is checked locally first, then exchanged: every rank raises
         # the same error, and no rank enters a collective that depends on shapes another lacks.
@@ -326,8 +328,9 @@ class KernelRidge:
         self._device, self._dtype = Xt.device, Xt.dtype
         if self.residual_ is not None and self.residual_ > self.tol:
             warnings.warn(
-                f"KernelRidge ({solver}): CG stopped after {self.n_iter_} iterations (max_iter) at relative "
-                f"residual {self.residual_:.3e} > tol={self.tol:g}; raise max_iter, n_landmarks/n_centers or alpha",
+                f"KernelRidge ({solver}): CG stopped after {self.n_iter_} iterations at relative residual "
+                f"{self.residual_:.3e} > tol={self.tol:g} (max_iter reached, or the true residual stays above tol: "
+                "the data's precision); raise max_iter, n_landmarks/n_centers or alpha, or fit in float64",
                 ConvergenceWarning, stacklevel=2)
         log.info("KernelRidge.fit: %s, N=%d, %d iterations, relative residual %s, %.3f s", solver, n_total,
                  self.n_iter_, "-" if self.residual_ is None else f"{self.residual_:.3e}", self.fit_time_)
@@ -378,10 +381,11 @@ class KernelRidge:
         xa = comm.all_gather_padded(X, n_max)  # every rank's points (zero rows pad the blocks)
         buf = torch.empty((comm.size * n_max, y.shape[1]), dtype=X.dtype, device=X.device) if comm.active else None
 
-        def apply_a(v):
-            va = comm.all_gather_padded(v, n_max, out=buf)  # padded rows of v are zero
-            out = kernel.matvec(X, xa, va)
-            return out.add_(v, alpha=alpha)
+        dt = X.dtype
+
+        def apply_a(v64):  # (K + alpha I) v: vectors in float64, the product in the data's dtype
+            va = comm.all_gather_padded(v64.to(dt), n_max, out=buf)  # padded rows of v are zero
+            return kernel.matvec(X, xa, va).to(torch.float64).add_(v64, alpha=alpha)
 
         m = min(n_total, 2000) if self.n_landmarks is None else int(self.n_landmarks)
         t0 = time.perf_counter()
@@ -403,12 +407,13 @@ class KernelRidge:
 
         bar = _Progress(show, self._max_iter(), "KernelRidge cg")
         try:
-            res = pcg(apply_a, pre if pre is not None else (lambda r: r.clone()), y, tol=float(self.tol),
-                      max_iter=self._max_iter(), dots=dots, progress=bar, label="cg")
+            res = pcg(apply_a, pre if pre is not None else (lambda r: r.clone()), y.to(torch.float64),
+                      tol=float(self.tol), max_iter=self._max_iter(), dots=dots, progress=bar, label="cg",
+                      round_to=dt)
         finally:
             bar.close()
         self.X_fit_ = X
-        self.dual_coef_ = res.x
+        self.dual_coef_ = res.x.to(dt)
         self.n_iter_, self.residual_ = res.n_iter, res.residual
 
     def _fit_nystrom(self, kernel, comm, X, y, counts, offset, seed, show, debug):

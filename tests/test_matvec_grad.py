@@ -582,3 +582,67 @@ def test_nan_inputs_give_nan_gradients_where_they_reach(name):
     gx, gy, gv = torch.autograd.grad(km.kernel_matvec(desc, x, y, v, **h).sum(), (x, y, v))
     assert gx[2].isnan().all() and not gx[[0, 1, 3, 4, 5]].isnan().any()
     assert gy.isnan().all() and gv.isnan().all()  # every y_n and v_n meets x_2
+
+
+# ------------------------------------------------------------- registration (register_autograd)
+from typing import Optional  # noqa: E402
+
+from kermac_like.matvec import matvec_forward, prepare_matvec  # noqa: E402
+from kermac_like.ops._library import descriptor_from_ints, descriptor_ints, join_hyper, split_hyper  # noqa: E402
+
+
+def _test_call(x, y, v, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon):
+    return prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(ip, ipt),
+                          outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
+                          regularization=join_hyper(rg, rgt), regularization_offset_x=reg_diag, epsilon=epsilon)
+
+
+# An op with the schema of the registration comment in ops/matvec_backward.py, under a test namespace.
+@torch.library.custom_op("kermac_like_test::kernel_matvec", mutates_args=())
+def _test_matvec_op(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, descriptor: list[int],
+                    inner_p: Optional[float], inner_p_tensor: Optional[torch.Tensor], outer_p: Optional[float],
+                    outer_p_tensor: Optional[torch.Tensor], bandwidth: Optional[float],
+                    bandwidth_tensor: Optional[torch.Tensor], regularization: Optional[float],
+                    regularization_tensor: Optional[torch.Tensor], reg_diag: int, epsilon: Optional[float],
+                    debug: bool) -> torch.Tensor:
+    call = _test_call(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
+                      bandwidth_tensor, regularization, regularization_tensor, reg_diag, epsilon)
+    return matvec_forward(call, debug=debug)
+
+
+@_test_matvec_op.register_fake
+def _(x, y, v, descriptor, *rest):
+    call = _test_call(x, y, v, descriptor, *rest[:-1])
+    return x.new_empty(call.out_shape)
+
+
+_test_matvec_op.register_autograd(mg.backward, setup_context=mg.setup_context)
+
+
+def _op_args(desc, x, y, v, *, reg_diag=0, epsilon=None, **h):
+    hp = [h.get(k) for k in ("inner_p", "outer_p", "bandwidth", "regularization")]
+    return (x, y, v, descriptor_ints(desc), *[a for k in hp for a in split_hyper(k)], reg_diag, epsilon, False)
+
+
+@pytest.mark.parametrize("name,vec", [("laplace_p", False), ("gaussian_l2", True), ("dot", False)])
+def test_registered_backward_gradchecks_and_traces(name, vec):
+    desc = km.PRESETS[name]
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(6, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(*((6,) if vec else (6, 2)), generator=g, dtype=torch.float64, requires_grad=True)
+    h = hyper_for(desc, p=1.6)
+    h["regularization"] = 0.4
+
+    def f(x, y, v):
+        return torch.ops.kermac_like_test.kernel_matvec.default(*_op_args(desc, x, y, v, reg_diag=1, **h))
+
+    assert torch.autograd.gradcheck(f, (x, y, v), eps=1e-6, atol=1e-6, rtol=1e-5)
+    w = torch.randn(5, *(() if vec else (2,)), generator=g, dtype=torch.float64)
+    ref = torch.autograd.grad((f(x, y, v) * w).sum(), (x, y, v))
+    compiled = torch.compile(lambda x, y, v: (f(x, y, v) * w).sum(), fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(x, y, v), (x, y, v))
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(f(x, y, v).sum(), x, create_graph=True)

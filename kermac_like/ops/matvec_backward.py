@@ -49,6 +49,7 @@ import torch
 
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from ..reference import BLOCK_ELEMENTS
+from ._library import descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
 from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, matvec_grad_spec
 
 log = logging.getLogger("kermac_like.matvec_grad")
@@ -57,6 +58,8 @@ __all__ = [
     "matvec_backward",
     "matvec_with_grad",
     "backward_for_autograd",
+    "setup_context",
+    "backward",
     "diff_contraction",
     "contraction",
     "diff_contraction_reference",
@@ -295,21 +298,15 @@ def diff_contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, oute
 
 
 # -- the contraction as a torch.library op (so that a registered backward calls only ops) ----------
-def _split(h):
-    """A float-or-tensor hyper-parameter as (float?, Tensor?)."""
-    return (None, h) if isinstance(h, torch.Tensor) else (h, None)
-
-
 @torch.library.custom_op("kermac_like::matvec_grad_contraction", mutates_args=())
 def _contraction_op(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, vb: torch.Tensor, descriptor: list[int],
                     inner_p: float | None, inner_p_tensor: torch.Tensor | None, outer_p: float | None,
                     outer_p_tensor: torch.Tensor | None, bandwidth: float | None,
                     bandwidth_tensor: torch.Tensor | None, epsilon: float | None, debug: bool) -> torch.Tensor:
-    desc = KernelDescriptor(*descriptor)
-    pick = lambda f, t: t if t is not None else f  # noqa: E731
-    out = diff_contraction(desc, a, b, ga, vb, inner_p=pick(inner_p, inner_p_tensor),
-                           outer_p=pick(outer_p, outer_p_tensor), bandwidth=pick(bandwidth, bandwidth_tensor),
-                           epsilon=epsilon, debug=debug)
+    desc = descriptor_from_ints(descriptor)
+    out = diff_contraction(desc, a, b, ga, vb, inner_p=join_hyper(inner_p, inner_p_tensor),
+                           outer_p=join_hyper(outer_p, outer_p_tensor),
+                           bandwidth=join_hyper(bandwidth, bandwidth_tensor), epsilon=epsilon, debug=debug)
     return out.clone() if any(out.data_ptr() == t.data_ptr() for t in (a, b, ga, vb)) else out
 
 
@@ -324,12 +321,9 @@ def _(a, b, ga, vb, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor
 def contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, outer_p=None, bandwidth=None, epsilon=None,
                 debug: bool = False):
     """:func:`diff_contraction` through the ``kermac_like::matvec_grad_contraction`` op."""
-    ip, ipt = _split(inner_p)
-    op_, opt = _split(outer_p)
-    bw, bwt = _split(bandwidth)
     return torch.ops.kermac_like.matvec_grad_contraction.default(
-        a, b, ga, vb, [int(desc.inner_operator), int(desc.inner_power), int(desc.outer_power),
-                       int(desc.kernel_type)], ip, ipt, op_, opt, bw, bwt, epsilon, bool(debug))
+        a, b, ga, vb, descriptor_ints(desc), *split_hyper(inner_p), *split_hyper(outer_p), *split_hyper(bandwidth),
+        epsilon, bool(debug))
 
 
 # -- the whole backward ------------------------------------------------------------------------
@@ -427,3 +421,40 @@ def matvec_with_grad(call, out=None, debug: bool = False):
     tensors that require grad raise NotImplementedError naming them)."""
     check_no_hyper_grad(call.hypers)
     return _MatvecFn.apply(call.x, call.y, call.v, call, out, debug)
+
+
+# -- registration with torch.library.register_autograd ------------------------------------------------
+# For an op ``kermac_like::kernel_matvec(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p,
+# outer_p_tensor, bandwidth, bandwidth_tensor, regularization, regularization_tensor, reg_diag,
+# epsilon, debug)`` (run_kernel's schema with v after y):
+#     op.register_autograd(matvec_backward.backward, setup_context=matvec_backward.setup_context)
+_N_OP_INPUTS = 15
+
+
+def setup_context(ctx, inputs, output):
+    (x, y, v, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon, debug) = inputs
+    ctx.save_for_backward(x, y, v, ipt, opt, bwt, rgt)
+    ctx.args = (tuple(descriptor), ip, op, bw, rg, reg_diag, epsilon, debug)
+
+
+def backward(ctx, grad):
+    """dL/dx, dL/dy, dL/dv of the op (None for the other inputs); only ops are called
+    (``kermac_like::matvec_grad_contraction`` and the public kernel_matvec), so a traced
+    backward records them. Tensor hyper-parameters that require grad and double
+    backward raise NotImplementedError."""
+    from ..matvec import prepare_matvec
+
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "kermac_like: double backward through kernel_matvec is not supported (the backward is not differentiable)"
+        )
+    x, y, v, ipt, opt, bwt, rgt = ctx.saved_tensors
+    descriptor, ip, op, bw, rg, reg_diag, epsilon, debug = ctx.args
+    call = prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(ip, ipt),
+                          outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
+                          regularization=join_hyper(rg, rgt), regularization_offset_x=reg_diag,
+                          regularization_offset_y=0, epsilon=epsilon)
+    gx, gy, gv = backward_for_autograd(call, grad, ctx.needs_input_grad[:3], debug=debug)
+    if gv is not None:
+        gv = gv.reshape(v.shape)  # a 1-D v: (N, 1) -> (N,)
+    return (gx, gy, gv) + (None,) * (_N_OP_INPUTS - 3)

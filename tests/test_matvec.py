@@ -540,3 +540,40 @@ def test_gpu_nan_and_inf_propagate_like_the_dense_product(gpu_warm, name):
     assert torch.equal(out.isinf(), ref.isinf()), (out, ref)
     fin = ref.isfinite()
     assert torch.allclose(out.double()[fin], ref[fin], rtol=1e-5, atol=1e-5)
+
+
+# -- CPU: the custom ops -------------------------------------------------------------------------
+def _op_case(vector=False):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 6, 3, dtype=F64, generator=g)
+    y = torch.randn(8, 3, dtype=F64, generator=g)
+    v = torch.randn(8, dtype=F64, generator=g) if vector else torch.randn(8, 2, dtype=F64, generator=g)
+    bw = torch.tensor([0.9, 1.4], dtype=F64)
+    desc = km.preset("gaussian_l2")
+    call = mv.prepare_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1)
+    from kermac_like.ops.matvec import _op_args
+
+    return desc, x, y, v, bw, _op_args(call, v)
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_custom_ops_opcheck(vector):
+    _, _, _, _, _, args = _op_case(vector)
+    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec.default, (*args, False))
+    out = torch.full((2, 6) if vector else (2, 6, 2), float("nan"), dtype=F64)
+    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec_out.default, (*args, False, out))
+
+
+def test_custom_op_traces_and_differentiates():
+    desc, x, y, v, bw, _ = _op_case()
+    f = lambda x, y, v: km.kernel_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3,  # noqa: E731
+                                         regularization_offset_x=1)
+    ref = f(x, y, v)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, y, v)
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
+    xs, ys, vs = (t.clone().requires_grad_() for t in (x, y, v))
+    assert torch.autograd.gradcheck(f, (xs, ys, vs))
+    # out= under autograd: the functional op, copied into out
+    out = torch.empty_like(ref)
+    res = km.kernel_matvec(desc, xs, ys, vs, bandwidth=bw, out=out)
+    assert res is out and out.grad_fn is not None

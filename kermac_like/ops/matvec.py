@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from .. import _debug
 from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
@@ -23,6 +25,8 @@ from ..descriptor import KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import MATVEC_SCRATCH_BYTES, plan_matvec
 from ..reference import matvec_reference
+from . import matvec_backward
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
 from .distance import prepare_call
 
 log = logging.getLogger("kermac_like.matvec")
@@ -154,6 +158,66 @@ def _needs_grad(call: MatvecCall) -> bool:
         for t in (call.x, call.y, call.v, *call.hypers.values()))
 
 
+# -- the ops: kermac_like::kernel_matvec and kermac_like::kernel_matvec_out ----------------------
+def _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+             regularization, regularization_tensor, reg_diag, epsilon) -> MatvecCall:
+    return prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(inner_p, inner_p_tensor),
+                          outer_p=join_hyper(outer_p, outer_p_tensor),
+                          bandwidth=join_hyper(bandwidth, bandwidth_tensor),
+                          regularization=join_hyper(regularization, regularization_tensor),
+                          regularization_offset_x=reg_diag, epsilon=epsilon)
+
+
+@torch.library.custom_op("kermac_like::kernel_matvec", mutates_args=())
+def _matvec_op(x: Tensor, y: Tensor, v: Tensor, descriptor: list[int], inner_p: Optional[float],
+               inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
+               bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor], regularization: Optional[float],
+               regularization_tensor: Optional[Tensor], reg_diag: int, epsilon: Optional[float],
+               debug: bool) -> Tensor:
+    call = _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
+                    bandwidth_tensor, regularization, regularization_tensor, reg_diag, epsilon)
+    return matvec_forward(call, None, debug=debug)
+
+
+@torch.library.custom_op("kermac_like::kernel_matvec_out", mutates_args=("out",))
+def _matvec_out_op(x: Tensor, y: Tensor, v: Tensor, descriptor: list[int], inner_p: Optional[float],
+                   inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
+                   bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor], regularization: Optional[float],
+                   regularization_tensor: Optional[Tensor], reg_diag: int, epsilon: Optional[float], debug: bool,
+                   out: Tensor) -> None:
+    call = _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
+                    bandwidth_tensor, regularization, regularization_tensor, reg_diag, epsilon)
+    matvec_forward(call, out, debug=debug)
+
+
+@_matvec_op.register_fake
+def _matvec_fake(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                 regularization, regularization_tensor, reg_diag, epsilon, debug):
+    hypers = (inner_p_tensor, outer_p_tensor, bandwidth_tensor, regularization_tensor)
+    vb = v.shape[:-2] if v.dim() > 1 else ()
+    batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2], vb, *(t.shape for t in hypers if t is not None))
+    tail = (x.shape[-2],) if v.dim() == 1 else (x.shape[-2], v.shape[-1])
+    return x.new_empty((*batch, *tail))
+
+
+@_matvec_out_op.register_fake
+def _matvec_out_fake(*args):
+    return None
+
+
+_matvec_op.register_autograd(matvec_backward.backward, setup_context=matvec_backward.setup_context)
+_MATVEC = torch.ops.kermac_like.kernel_matvec.default
+_MATVEC_OUT = torch.ops.kermac_like.kernel_matvec_out.default
+
+
+def _op_args(call: MatvecCall, v: Tensor) -> tuple:
+    """The op's arguments of a validated call (``v`` as the caller gave it), up to debug."""
+    hp = call.hypers
+    return (call.x, call.y, v, descriptor_ints(call.desc), *split_hyper(hp["inner_p"]), *split_hyper(hp["outer_p"]),
+            *split_hyper(hp["bandwidth"]), *split_hyper(hp["regularization"]), call.reg_diag, call.epsilon)
+
+
+# -- public API ----------------------------------------------------------------------------
 def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, *, out=None,
                   p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
                   regularization_offset_x: int = 0, regularization_offset_y: int = 0, epsilon=None,
@@ -183,7 +247,9 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     the Gaussian's fast path a pair of infinite coordinates gives 0 rather than NaN).
 
     ``out`` (any strides with a unit-stride or size-1 mode, no overlap) is written in place
-    and returned; it is left untouched when an argument is rejected.
+    and returned; it is left untouched when an argument is rejected. Underneath it is the
+    custom op ``torch.ops.kermac_like.kernel_matvec`` (``kernel_matvec_out`` for ``out=``):
+    fake shapes for torch.compile, autograd for x, y and v (ops/matvec_backward.py).
     """
     debug = _debug.resolve(debug)
     call = prepare_matvec(descriptor, x, y, v, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
@@ -191,11 +257,16 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
                           regularization_offset_y=regularization_offset_y, epsilon=epsilon)
     if out is not None:
         _check_out(call, out)
-    if _needs_grad(call):
-        try:
-            from .matvec_backward import matvec_with_grad
-        except ImportError:
-            raise NotImplementedError("kernel_matvec: gradients are not available in this build; "
-                                      "call it under torch.no_grad() or detach the inputs") from None
-        return matvec_with_grad(call, out, debug)
-    return matvec_forward(call, out, debug=debug)
+    hyper_tensors = [h for h in call.hypers.values() if isinstance(h, torch.Tensor)]
+    grad = _needs_grad(call)
+    if grad:
+        matvec_backward.check_no_hyper_grad(call.hypers)
+    elif direct_call(x, y, v, out, *hyper_tensors):
+        return matvec_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
+    args = _op_args(call, v)
+    if out is None:
+        return _MATVEC(*args, debug)
+    if grad:  # out= variants carry no autograd: compute, then copy into out (out joins the graph)
+        return out.copy_(_MATVEC(*args, debug))
+    _MATVEC_OUT(*args, debug, out)
+    return out

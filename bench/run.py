@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:  # a source checkout: kermac_like and bench/ live 
     sys.path.insert(0, str(ROOT))
 
 import kermac_like as km  # noqa: E402
+from kermac_like.matvec import matvec_reference, prepare_matvec  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -58,6 +59,9 @@ WORKLOADS = (
     "solve_cholesky",
     "solve_lu",
     "eigh",
+    "gauss_matvec_d3",
+    "gauss_matvec_d256",
+    "krr_1m",
     "cold_compile",
     "warm_process",
     "lowk",
@@ -66,7 +70,8 @@ LINALG = ("solve_cholesky", "solve_lu", "eigh")
 
 FULL = dict(cdist=(30000, 30000, 1024), laplace=(50000, 50000, 256), grad=(2, 10000, 10000, 768, 16),
             linalg=(10, 5000, 16), process=(1024, 1024, 64))
-QUICK = dict(cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
+FULL.update(matvec_d3=(1_000_000, 1_000_000, 3), matvec_d256=(200_000, 200_000, 256))
+QUICK = dict(matvec_d3=(2000, 2000, 3), matvec_d256=(512, 512, 256), cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
              linalg=(2, 64, 4), process=(64, 64, 16))
 ERR_ROWS = 256  # rows of the output compared with float64
 GRAD_SLICE = (8, 256)  # (n, m) corner of the cdist_grad output compared with float64
@@ -245,6 +250,98 @@ class Bench:
         for r in rows:
             add_ratios(r)
         return rows
+
+
+def torch_gauss_matvec(x, y, v, bw, block=4096):
+    """A user's Gaussian kernel matvec in torch: row blocks of 4096 (cdist, exp, matmul)."""
+    out = torch.empty(x.shape[0], v.shape[1], dtype=x.dtype, device=x.device)
+    for m0 in range(0, x.shape[0], block):
+        k = torch.cdist(x[m0:m0 + block], y).square_().mul_(-0.5 / (bw * bw)).exp_()
+        torch.matmul(k, v, out=out[m0:m0 + block])
+    return out
+
+
+def gauss_matvec_rows(bench, name, D, Cs):
+    """Gaussian kernel matvec (KeOps' benchmark (a) at D = 3): kernel_matvec beside torch in
+    row blocks, same process; v uniform in [0, 1) (kernel sums: no cancellation), error vs
+    float64 on the first ERR_ROWS rows, peak extra GPU memory of our call."""
+    M, N, K = bench.sizes[name]
+    bw = 1.0 if K <= 3 else math.sqrt(K)  # randn points: kernel values around e^-3 (D=3), e^-1 (D=256)
+    desc = km.preset("gaussian_l2")
+    rows = []
+    for C in Cs:
+        make = lambda: (bench.randn(M, K), bench.randn(N, K), bench.rand(N, C))  # noqa: E731
+        ours = time_calls(lambda x, y, v: km.kernel_matvec(desc, x, y, v, bandwidth=bw), make, bench.device,
+                          repeats=bench.reps(), warmup=bench.warm(), keep_last=True)
+        x, y, v = ours.last_inputs
+        peak = None
+        if bench.device.type == "cuda":
+            out = ours.last_output
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            km.kernel_matvec(desc, x, y, v, bandwidth=bw, out=out)
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        r = min(ERR_ROWS, M)
+        call = prepare_matvec(desc, x[:r].double(), y.double(), v.double(), bandwidth=bw)
+        ref = matvec_reference(call)
+        err = rel_err(ours.last_output[:r], ref)
+        terr = rel_err(torch_gauss_matvec(x[:r], y, v, bw), ref)
+        ours.last_inputs = ours.last_output = None
+        del x, y, v, ref
+        slow = M * N * K > 10**12 and not bench.args.quick
+        theirs = time_calls(lambda x, y, v: torch_gauss_matvec(x, y, v, bw), make, bench.device,
+                            repeats=1 if slow else bench.reps(3), warmup=0 if slow else bench.warm(1))
+        note = "torch: row blocks of 4096 (cdist, exp, matmul); v uniform [0, 1)"
+        if peak is not None:
+            note += f"; peak extra GPU memory {peak:.1f} MB"
+        rows.append(bench.row(f"gauss_matvec_d{K}", f"{M}x{N}x{K}, C={C}, bw={bw:.3g}", ours, theirs, None, err,
+                              terr, note, peak_extra_mb=peak))
+    return rows
+
+
+def krr_rows(bench):
+    """Kernel ridge regression, N = 10^6, D = 8, Gaussian (examples/large_scale_krr.py): the
+    cg fit to relative residual 1e-4 on this GPU, then on 2 GPUs (torchrun, NCCL) when the
+    machine has them. Time = fit_time_ (host clock after a device synchronisation, kernels
+    already compiled by the example's warm-up fit); error column = test MSE against the
+    noise-free target."""
+    import large_scale_krr as ex
+
+    n = 2000 if bench.args.quick else 1_000_000
+    argv = ["-N", str(n), "--tol", "1e-4", "--seed", str(bench.args.seed)]
+    if bench.args.quick:
+        argv += ["--n-landmarks", "100", "--n-test", "200", "--lam", "1e-4"]
+    if bench.device.type == "cpu":
+        argv += ["--dtype", "float32"]
+    res = ex.main(argv)
+    size = f"N={n}, D=8, gaussian bw 1.5, lam 1e-6" if not bench.args.quick else f"N={n}, D=8 (quick)"
+
+    def row(label, r, note):
+        return dict(workload="krr_1m", size=f"{size}, {label}", ours_ms=r["fit_s"] * 1e3, torch_ms=None,
+                    kermac_ms=None, error=r["test_mse"], torch_error=None, unit="ms",
+                    note=f"{r['n_iter']} CG iterations to relative residual {r['residual']:.1e}; " + note,
+                    speedup=None, kermac_speedup=None, iterations=r["n_iter"], residual=r["residual"])
+
+    one = res
+    one.pop("model", None)
+    rows = [row("1 GPU" if bench.device.type == "cuda" else "1 process", one, "error column: test MSE vs f")]
+    if bench.device.type == "cuda" and torch.cuda.device_count() >= 2 and not bench.args.quick:
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                            str(ROOT / "examples" / "large_scale_krr.py"), *argv], capture_output=True, text=True,
+                           env=env, timeout=600)
+        out = p.stdout
+        if p.returncode != 0 or "fit: " not in out:
+            raise RuntimeError(f"2-GPU run failed: {(p.stdout + p.stderr)[-1500:]}")
+        fit_s = float(out.split("fit: ")[1].split(" s")[0])
+        n_iter = int(out.split("), ")[1].split(" iterations")[0])
+        residual = float(out.split("relative residual ")[1].split()[0])
+        mse = float(out.split("test MSE vs f ")[1].split(",")[0])
+        two = dict(fit_s=fit_s, n_iter=n_iter, residual=residual, test_mse=mse)
+        rows.append(row("2 GPUs (NCCL)", two, f"{fit_s / one['fit_s']:.2f}x the 1-GPU fit time"))
+    return rows
 
 
 def add_ratios(r):
@@ -601,6 +698,12 @@ def main(argv=None):
             steps.append((w, lambda: [bench.laplace()]))
         elif w == "lowk":
             steps.append((w, lambda: bench_lowk(bench)))
+        elif w == "gauss_matvec_d3":
+            steps.append((w, lambda: gauss_matvec_rows(bench, "matvec_d3", 3, (1,))))
+        elif w == "gauss_matvec_d256":
+            steps.append((w, lambda: gauss_matvec_rows(bench, "matvec_d256", 256, (1, 16))))
+        elif w == "krr_1m":
+            steps.append((w, lambda: krr_rows(bench)))
     lin = [w for w in wanted if w in LINALG]
     if lin:
         steps.append(("linalg (" + ", ".join(lin) + ")", lambda: bench.linalg(lin)))

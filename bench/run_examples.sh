@@ -4,7 +4,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kermac_like_out}; mkdir -p "$OUT/examples"
 fail=0
-for ex in cdist cdist_grad build_a_kernel broadcast_kernel linalg kernel_regression rfm; do
+for ex in cdist cdist_grad build_a_kernel broadcast_kernel linalg kernel_regression rfm kernel_matvec; do
   t0=$(date +%s%N)
   python3 "examples/$ex.py" "$@" > "$OUT/examples/$ex.log" 2>&1
   rc=$?

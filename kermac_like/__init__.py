@@ -7,9 +7,12 @@ Public API::
                regularization=None, regularization_offset_x=0, regularization_offset_y=0,
                epsilon=None, autotune=None, debug=False)
     cdist_grad(a, b, c, d, *, out=None, p=2.0, debug=False)
+    kernel_matvec(descriptor, x, y, v, *, out=None, <run_kernel's hyper-parameters>, debug=False)
     precompile(descriptors, device=None, debug=False)
+    KernelOperator(descriptor, x, y, **hyper)   lazy kernel matrix: shape, @, .T, diagonal(), to_dense()
     KernelDescriptor, InnerOperator, PowerType, KernelType, PRESETS, preset
     linalg.solve_cholesky / solve_lu / eigh
+    solvers.KernelRidge (kernel ridge regression: cholesky, Nystrom-preconditioned cg, Falkon; multi-GPU)
 """
 
 from ._version import __version__
@@ -20,13 +23,17 @@ except ImportError:  # CPU-only use still works through the reference path
     pass
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from .ops.distance import cdist, run_kernel
+from .ops.matvec import kernel_matvec
+from .operator import KernelOperator
 from .runtime.precompile import precompile
 
 __all__ = [
     "__version__",
     "cdist",
     "run_kernel",
+    "KernelOperator",
     "cdist_grad",
+    "kernel_matvec",
     "precompile",
     "KernelDescriptor",
     "InnerOperator",
@@ -35,15 +42,16 @@ __all__ = [
     "PRESETS",
     "preset",
     "linalg",
+    "solvers",
 ]
 
 
 def __getattr__(name):
     # Submodules with heavier imports load on first use.
-    if name == "linalg":
+    if name in ("linalg", "solvers"):
         import importlib
 
-        return importlib.import_module(".linalg", __name__)
+        return importlib.import_module("." + name, __name__)
     if name == "cdist_grad":
         from .ops.grad import cdist_grad
 

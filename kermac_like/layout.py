@@ -150,7 +150,7 @@ def analyse_output(name: str, out: torch.Tensor, shape: tuple, dtype: torch.dtyp
 
 def broadcast_batch_shape(shapes: "dict[str, tuple]") -> tuple:
     """torch-style broadcast of several batch shapes; the error names the arguments."""
-    ndim = max((len(s) for s in shapes.values()), default=0)
+    ndim = max([len(s) for s in shapes.values()] + [0])
     out = []
     for i in range(ndim):
         size, owner = 1, None

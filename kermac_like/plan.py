@@ -15,7 +15,9 @@ immutable :class:`Plan`:
 * ``reference``: the callable of the reference path (family "reference").
 
 The op executes the plan top to bottom with :meth:`Plan.run`. Settings that steer the
-choice are read once per call into :class:`Settings`. A new kernel family is one
+choice are read once per call into :class:`Settings`. Distance plans are built as
+templates (pointer arguments symbolic) kept per call signature, so a repeated call only
+fills in its pointers and allocates its scratch (bench/notes/ops.md). A new kernel family is one
 template, one spec module (runtime/specs) and one rule here.
 """
 
@@ -34,24 +36,26 @@ import torch
 
 from .descriptor import KernelDescriptor
 from .layout import Layout, analyse_matrix, batch_strides, plan_batch
-from .reference import cdist_grad_reference, distance_reference
+from .reference import cdist_grad_reference, distance_reference, matvec_reference
 from .runtime import autotune
 from .runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from .runtime.specs import (
     LOWK_GENERIC_MAX_K,
-    distance_spec,
     lowk_spec,
+    distance_spec,
     grad_kernel_spec,
     mma_spec,
     wgmma_prepare_needs,
     wgmma_prepare_spec,
     wgmma_spec,
 )
+from .runtime.specs.matvec import MAX_C, combine_spec, matvec_spec
 
 log = logging.getLogger("kermac_like.distance")
 log_grad = logging.getLogger("kermac_like.grad")
 
-__all__ = ["Settings", "Launch", "Plan", "DistanceCall", "plan_distance", "run_distance", "plan_cdist_grad", "b_entries"]
+__all__ = ["Settings", "Launch", "Plan", "DistanceCall", "plan_distance", "run_distance", "plan_cdist_grad", "b_entries",
+           "plan_matvec", "choose_split", "MATVEC_SCRATCH_BYTES"]
 
 # The hyper-parameters of the distance ABI, in argument order.
 HYPERS = ("inner_p", "outer_p", "bandwidth", "regularization")
@@ -143,7 +147,14 @@ class DistanceCall:
     M: int
     N: int
     K: int
-    autotune: bool | None = None  # measure the kernel choice (None: KERMAC_LIKE_AUTOTUNE)
+    autotune: bool | None = None  # measure the kernel choice (None: runtime.autotune's setting)
+
+    @classmethod
+    def of(cls, desc: KernelDescriptor, a, b, hypers: dict, reg_diag: int, epsilon) -> "DistanceCall":
+        """A call from already-checked arguments (the batch: a, b and tensor hyper-parameters broadcast)."""
+        shapes = [a.shape[:-2], b.shape[:-2]] + [v.shape for v in hypers.values() if isinstance(v, torch.Tensor)]
+        batch = tuple(torch.broadcast_shapes(*shapes))
+        return cls(desc, a, b, hypers, reg_diag, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])
 
     @property
     def out_shape(self) -> tuple:
@@ -257,20 +268,117 @@ WGMMA_KERNEL = "kermac_like::distance_wgmma_kernel"
 WGMMA_BLOCK_K = 16  # DistanceWgmmaTraits::kBlockK (= WgmmaPrepareTraits::kTileK)
 
 
+class _Ptr(NamedTuple):
+    """A pointer argument of a launch template: tensor ``name``'s data plus ``offset`` bytes."""
+
+    name: str
+    offset: int
+
+
+class _Template(NamedTuple):
+    """A plan without its data: launches whose pointer arguments are :class:`_Ptr` (at
+    ``positions``), and the float32 scratch buffers (name, elements) a call allocates.
+    What a template depends on is the key of :func:`_distance_key`."""
+
+    family: str
+    spec: object
+    launches: tuple  # of (kernel, grid, args, positions)
+    scratch: tuple  # of (name, numel)
+
+
+# Templates of recent calls, by _distance_key: a repeated call (same shapes, strides,
+# alignment, dtype, descriptor, hyper-parameter kinds and settings) skips the layout
+# analysis, batch folding, spec choice and argument packing, and only fills in pointers.
+_TEMPLATES: dict = {}
+_TEMPLATES_MAX = 512
+
+
+def clear_templates() -> None:
+    _TEMPLATES.clear()
+
+
+def _distance_key(call: DistanceCall, out, compute_mode: str, settings: Settings):
+    """Everything the distance template of a call depends on, or None when it cannot be
+    reused (a hyper-parameter tensor that is not float32 is converted per call)."""
+    hk = []
+    for name in HYPERS:
+        v = call.hypers[name]
+        if isinstance(v, torch.Tensor):
+            if v.dtype != torch.float32:
+                return None
+            hk.append((v.shape, v.stride()))
+        else:
+            hk.append(v)
+    a, b = call.a, call.b
+    return (call.desc, a.shape, a.stride(), b.shape, b.stride(), out.shape, out.stride(), a.dtype, a.device,
+            a.data_ptr() % 16, b.data_ptr() % 16, tuple(hk), call.reg_diag, call.epsilon, compute_mode, settings)
+
+
+def _instantiate(t: _Template, tensors: dict, device, debug: bool) -> Plan:
+    """The plan of a template for these tensors (pointers filled in, scratch allocated)."""
+    ptrs = {k: v.data_ptr() for k, v in tensors.items()}
+    scratch = []
+    for name, numel in t.scratch:
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
+        scratch.append(buf)
+        ptrs[name] = buf.data_ptr()
+    launches = []
+    for kernel, grid, args, positions in t.launches:
+        if positions:
+            args = list(args)
+            for i in positions:
+                ref = args[i]
+                args[i] = ptrs[ref.name] + ref.offset
+            args = tuple(args)
+        launches.append(Launch(kernel, grid, args))
+    # Copies the layout analysis made (and float32 hyper-parameters) live as long as the plan.
+    return Plan(t.family, t.spec, tuple(launches), tensors["out"], scratch=(*scratch, tensors), debug=debug)
+
+
+def _launch_template(kernel, grid, args) -> tuple:
+    args = tuple(args)
+    return kernel, grid, args, tuple(i for i, v in enumerate(args) if isinstance(v, _Ptr))
+
+
 def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings,
                        kind: str | None = None):
     """The kernel plan of a GPU call (``kind``: runtime.autotune's; default: its choice,
     the one hook of the kernel selection); None when only the reference path applies."""
-    from .runtime.launcher import get_kernel, max_active_clusters
-
     if kind is None:
         kind = autotune.choose(call, out, compute_mode, settings.tf32,
                                lambda k: _plan_distance_gpu(call, out, compute_mode, False, settings, k).run(),
                                autotune_flag=call.autotune, debug=debug)
     if kind is None:
         return None
+    key = None if debug else _distance_key(call, out, compute_mode, settings)  # debug: log every decision
+    key = None if key is None else (key, kind)
+    t = _TEMPLATES.get(key) if key is not None else None
+    if t is not None:
+        tensors = {"a": call.a, "b": call.b, "out": out}
+        for k, v in call.hypers.items():
+            if isinstance(v, torch.Tensor):
+                tensors[k] = v
+        return _instantiate(t, tensors, call.device, debug)
+    built = _distance_template(call, out, compute_mode, debug, settings, kind)
+    if built is None:
+        return None
+    t, tensors, reusable = built
+    if key is not None and reusable:
+        if len(_TEMPLATES) >= _TEMPLATES_MAX:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = t
+    return _instantiate(t, tensors, call.device, debug)
+
+
+def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings, kind: str):
+    """(template, the tensors it reads, whether it serves later calls), or None for the
+    reference path."""
+    from .runtime.launcher import get_kernel, max_active_clusters
+
+    padded = False
     if kind == autotune.TENSOR_CORE:
-        call = _padded_for_tensor_cores(call)
+        padded_call = _padded_for_tensor_cores(call)
+        padded, call = padded_call is not call, padded_call
     hypers = {}
     for k, v in call.hypers.items():
         if isinstance(v, torch.Tensor):
@@ -279,8 +387,9 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     if chosen is None:
         return None
     spec, (av, bv, outv), tensors, bplan, family = chosen
+    reusable = not (av.copied or bv.copied or padded)  # a copy is made anew by every call
     if bplan.count == 0 or call.M == 0 or call.N == 0:
-        return Plan(family, spec, (), out, debug=debug)
+        return _Template(family, spec, (), ()), tensors, reusable
     device = _device_index(call.device)
     kernel = get_kernel(spec, device, debug=debug)
     L = bplan.count
@@ -311,8 +420,7 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     launches = []
     for i in range(len(offsets["a"])):
         def ptr(k):
-            t = tensors[k]
-            return t.data_ptr() + offsets[k][i] * t.element_size()
+            return _Ptr(k, offsets[k][i] * tensors[k].element_size())
 
         args = [
             ptr(first), ptr(second), ptr("out"),
@@ -331,12 +439,11 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
         args += [np.int64(reg_diag), eps]
         if prepare is not None:
             step, extra = prepare.launch_for(ptr("b"))
-            launches.append(step)
+            launches.append(_launch_template(*step))
             args += extra
-        launches.append(Launch(kernel, grid, tuple(args)))
+        launches.append(_launch_template(kernel, grid, args))
     scratch = prepare.scratch if prepare is not None else ()
-    # Copies the layout analysis made (and float32 hyper-parameters) live as long as the plan.
-    return Plan(family, spec, tuple(launches), out, scratch=scratch + (tensors,), debug=debug)
+    return _Template(family, spec, tuple(launches), scratch), tensors, reusable
 
 
 def b_entries(modes, strides) -> tuple:
@@ -355,7 +462,7 @@ class _WgmmaPrepare:
     (cuda_templates/distance_wgmma.cuh has the layout). The buffers cover the entries of
     b itself (1 where b broadcasts over the folded batch) and serve every host-loop
     launch in turn (stream order). Scratch: about b's size (twice for 3xTF32), padded
-    to whole 256 x 16 tiles."""
+    to whole 256 x 16 tiles, allocated by every call from torch's caching allocator."""
 
     def __init__(self, call: DistanceCall, bplan, bv, spec, tf32: bool, device: int, debug: bool):
         from .runtime.launcher import get_kernel
@@ -370,28 +477,23 @@ class _WgmmaPrepare:
         k_pad = -(-call.K // WGMMA_BLOCK_K) * WGMMA_BLOCK_K  # whole 16-column k-tiles
         entries = math.prod(ext)
         self.rows = entries * self.n_pad
-        dev = call.device
-        self.blocks = torch.empty(self.rows * k_pad * (2 if small else 1), dtype=torch.float32, device=dev)
-        self.norms = torch.empty(self.rows if norms else 0, dtype=torch.float32, device=dev)
+        self.scratch = (("wgmma_blocks", self.rows * k_pad * (2 if small else 1)),)
+        self.norms = _Ptr("wgmma_norms", 0) if norms else 0
+        if norms:
+            self.scratch += (("wgmma_norms", self.rows),)
         self.kernel = get_kernel(self.spec, device, debug=debug)
 
-    @property
-    def scratch(self) -> tuple:
-        return (self.blocks, self.norms)
-
-    @staticmethod
-    def _ptr(t: torch.Tensor) -> int:
-        return t.data_ptr() if t.numel() else 0
-
-    def launch_for(self, b_ptr: int):
-        """(the preparation launch for b at ``b_ptr``, the arguments the main launch appends)."""
+    def launch_for(self, b_ptr):
+        """((kernel, grid, args) of the preparation for b at ``b_ptr``, the arguments the
+        main launch appends)."""
         s0, s1, s2 = self.strides
+        blocks = _Ptr("wgmma_blocks", 0)
         args = (b_ptr, np.int32(self.N), np.int32(self.K), np.int64(self.bv.ld), np.int32(self.ext[1]),
                 np.int32(self.ext[2]), np.int64(s0), np.int64(s1), np.int64(s2), np.int64(self.rows),
-                self.blocks.data_ptr(), self._ptr(self.norms), np.int32(self.n_pad))
+                blocks, self.norms, np.int32(self.n_pad))
         grid = (-(-self.rows // self.spec.launch.block_m), 1, 1)
-        extra = [self.blocks.data_ptr(), self._ptr(self.norms), *(np.int64(c) for c in self.entry)]
-        return Launch(self.kernel, grid, args), extra
+        extra = [blocks, self.norms, *(np.int64(c) for c in self.entry)]
+        return (self.kernel, grid, args), extra
 
 
 # -- cdist_grad ------------------------------------------------------------------------------
@@ -485,3 +587,183 @@ def plan_cdist_grad(a, b, c, d, p, out, batch: tuple, sizes: tuple, debug: bool,
             args += [0, np.int64(0), np.float32(p)]
         launches.append(Launch(kernel, grid, tuple(args)))
     return Plan(family, spec, tuple(launches), out, scratch=(ops,), debug=debug)
+
+
+# -- kernel_matvec -------------------------------------------------------------------------------
+log_matvec = logging.getLogger("kermac_like.matvec")
+
+# Largest split-N scratch (float32 partial sums) one kernel_matvec call allocates on the GPU.
+MATVEC_SCRATCH_BYTES = 32 << 20
+
+# Euclidean/DOT descriptors with more coordinates than this run as tensor-core kernel tiles
+# times v (matvec_blocked): at K = 256 the fused SIMT kernel (1 FADD + 1 FFMA per pair and
+# coordinate) took 1.68 s for N = M = 2e5 on an H200, torch in row blocks 0.88 s.
+MATVEC_BLOCKED_MIN_K = 32
+# Elements of one kernel tile of matvec_blocked (float32: 128 MB).
+MATVEC_TILE_ELEMENTS = 1 << 25
+
+_occupancy: dict = {}
+
+
+def matvec_blocked(call, out: torch.Tensor, debug: bool = False, compute_mode: str = "use_mm_for_euclid_dist_if_necessary",
+                   tile_elements: int | None = None) -> torch.Tensor:
+    """kernel_matvec as kernel tiles times v: each tile (all batch entries, at most
+    ``tile_elements``, default MATVEC_TILE_ELEMENTS) is one run_kernel plan (on a GPU the
+    3xTF32 tensor-core distance kernel for Euclidean/DOT descriptors, the regularised
+    diagonal included), multiplied into float32 accumulators of its rows. Memory beyond
+    inputs and output: one tile, the accumulators of one row block (and the distance
+    kernel's own scratch), whatever M and N."""
+    budget = tile_elements or MATVEC_TILE_ELEMENTS
+    L = math.prod(call.batch) if call.batch else 1
+    M, N, C = call.M, call.N, call.C
+    om = out.unsqueeze(-1) if call.vector else out
+    nb = max(1, min(N, 8192))
+    mb = max(1, min(M, budget // max(1, nb * L)))
+    tile = torch.empty(L * mb * nb, dtype=call.dtype, device=call.device)
+    wide = torch.float64 if call.dtype == torch.float64 else torch.float32
+    for m0 in range(0, M, mb):
+        m1 = min(M, m0 + mb)
+        acc = torch.zeros((*call.batch, m1 - m0, C), dtype=wide, device=call.device)
+        for n0 in range(0, N, nb):
+            n1 = min(N, n0 + nb)
+            dc = DistanceCall(call.desc, call.x[..., m0:m1, :], call.y[..., n0:n1, :], call.hypers,
+                              call.reg_diag - n0 + m0, call.epsilon, call.batch, m1 - m0, n1 - n0, call.K)
+            kb = tile[: L * (m1 - m0) * (n1 - n0)].view(*call.batch, m1 - m0, n1 - n0)
+            plan_distance(dc, kb, compute_mode, debug).run()
+            acc += torch.matmul(kb.to(wide), call.v[..., n0:n1, :].to(wide))
+        om[..., m0:m1, :] = acc
+    return out
+
+
+def _blocks_per_sm(kernel) -> int:
+    key = (kernel.device, kernel.spec)
+    n = _occupancy.get(key)
+    if n is None:
+        try:
+            n = int(kernel.function.occupancy.max_active_blocks_per_multiprocessor(kernel.spec.launch.threads, 0))
+        except Exception:  # older cuda.core: the kernel's launch bound
+            n = 2
+        _occupancy[key] = n = max(1, n)
+    return n
+
+
+def choose_split(m_tiles: int, n_tiles: int, slots: int, max_split: int) -> int:
+    """Splits of kernel_matvec's N range: the fewest (at most ``max_split``, each split at
+    least 4 y tiles) whose CTA count fills the last wave of ``slots`` concurrent CTAs to
+    >= 97%, else the best fill. Depends on shapes and the device only (results are
+    bitwise reproducible)."""
+    limit = max(1, min(max_split, n_tiles // 4))
+    if m_tiles >= 16 * slots:
+        return 1
+    best, best_eff = 1, -1.0
+    for s in range(1, limit + 1):
+        items = m_tiles * s
+        waves = items / slots
+        eff = waves / math.ceil(waves)  # fill of the last wave
+        if items < 2 * slots:  # a GPU not yet twice full: more splits help regardless
+            eff *= items / (2 * slots)
+        if eff > best_eff * 1.01:
+            best, best_eff = s, eff
+        if eff >= 0.97:
+            break
+    return best
+
+
+def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
+    """The plan of a validated kernel_matvec call (``ops.matvec.MatvecCall``) writing ``out``
+    (the call's output tensor): matvec_kernel over row tiles x N splits x batch, one
+    launch per column chunk of MAX_C and per host-loop batch entry, each split launch
+    followed by matvec_combine_kernel; the torch reference for CPU tensors, float64,
+    GPUs before sm_80 and K == 0."""
+    if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
+        if debug:
+            log_matvec.debug("kernel_matvec %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
+        return _reference_plan(lambda: matvec_reference(call, out), debug)
+    if call.K > MATVEC_BLOCKED_MIN_K and call.desc.is_euclidean and call.dtype == torch.float32:
+        if debug:
+            log_matvec.debug("kernel_matvec %r: K=%d, tensor-core distance tiles times v", call.desc, call.K)
+        return Plan("matvec_blocked", None, (), out, reference=lambda: matvec_blocked(call, out, debug), debug=debug)
+    from .runtime.launcher import get_kernel
+
+    om = out.unsqueeze(-1) if call.vector else out
+    device = _device_index(call.device)
+    hypers = {k: (h.float() if isinstance(h, torch.Tensor) and h.dtype != torch.float32 else h)
+              for k, h in call.hypers.items()}
+    tensors = {"x": call.x, "y": call.y, "v": call.v, "out": om}
+    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
+    for k, h in hypers.items():
+        if isinstance(h, torch.Tensor):
+            tensors[k] = h
+            strides[k] = batch_strides(call.batch, tuple(h.shape), tuple(h.stride()))
+    bplan = plan_batch(call.batch, strides)
+    L = bplan.count
+    M, N, K = call.M, call.N, call.K
+    if L == 0 or M == 0 or call.C == 0:
+        return Plan("matvec", None, (), out, debug=debug)
+    if N == 0:  # an empty sum
+        return _reference_plan(lambda: (om.zero_(), out)[1], debug)
+    eps = np.float32(0.0 if call.epsilon is None else call.epsilon)
+    sxm, sxk = call.x.stride()[-2:]
+    sym, syk = call.y.stride()[-2:]
+    svn, svc = call.v.stride()[-2:]
+    som, soc = om.stride()[-2:]
+    offsets = {k: list(bplan.outer_offsets(k)) for k in tensors}
+    bs = {k: bplan.strides[k][1] for k in ("x", "y", "v", "out")}
+    launches, first = [], None
+    scratch = [h for h in hypers.values() if isinstance(h, torch.Tensor)]  # float32 copies stay alive
+    kernel = combine = part = None
+    for c0 in range(0, call.C, MAX_C):
+        cc = min(MAX_C, call.C - c0)
+        spec = matvec_spec(call.desc, call.dtype, K, cc, epsilon=call.epsilon)
+        first = first or spec
+        if kernel is None or kernel.spec != spec:
+            kernel = get_kernel(spec, device, debug=debug)
+        m_tiles = -(-M // spec.launch.block_m)
+        n_tiles = -(-N // spec.launch.block_n)
+        slots = _sm_count(device) * _blocks_per_sm(kernel)
+        max_split = max(1, MATVEC_SCRATCH_BYTES // (4 * L * M * cc))
+        split = choose_split(m_tiles * min(L, 65535), n_tiles, slots, max_split)
+        per = -(-n_tiles // split)
+        split = -(-n_tiles // per)
+        if split > 1:  # one scratch for every chunk: stream order serialises their use
+            if part is None or part.numel() < split * L * M * cc:
+                part = torch.empty(split * L * M * cc, dtype=torch.float32, device=call.device)
+                scratch.append(part)
+            if combine is None:
+                combine = get_kernel(combine_spec(call.dtype), device, debug=debug)
+        grid = (m_tiles, split, min(L, 65535))
+        if debug:
+            log_matvec.debug("kernel_matvec %r: M=%d N=%d K=%d C=%d (columns %d..%d) batch=%s: grid %s, %d y tiles "
+                             "per split", call.desc, M, N, K, call.C, c0, c0 + cc, call.batch, grid, per)
+        for i in range(len(offsets["x"])):
+            def ptr(k, extra=0):
+                t = tensors[k]
+                return t.data_ptr() + (offsets[k][i] + extra) * t.element_size()
+
+            args = [ptr("x"), ptr("y"), ptr("v", c0 * svc), ptr("out", c0 * soc),
+                    part.data_ptr() if split > 1 else 0,
+                    np.int32(M), np.int32(N), np.int32(K), np.int32(cc),
+                    *(np.int64(s) for s in (sxm, sxk, sym, syk, svn, svc, som, soc)),
+                    np.int32(L), np.int32(bplan.modes[1]), np.int32(bplan.modes[2]),
+                    *(np.int64(s) for k in ("x", "y", "v", "out") for s in bs[k])]
+            hyper_args = []
+            for name in HYPERS:
+                h = hypers[name]
+                if isinstance(h, torch.Tensor):
+                    s3 = bplan.strides[name][1]
+                    hyper_args.append([ptr(name), np.int64(s3[0]), np.int64(s3[1]), np.int64(s3[2]), np.float32(0)])
+                else:
+                    hyper_args.append([0, np.int64(0), np.int64(0), np.int64(0), np.float32(0.0 if h is None else h)])
+            args += [a for h in hyper_args for a in h]
+            args += [np.int64(call.reg_diag), eps, np.int32(split), np.int32(per)]
+            launches.append(Launch(kernel, grid, tuple(args)))
+            if split > 1:
+                total = L * M * cc
+                cgrid = (max(1, min(-(-total // 256), _sm_count(device) * 8)), 1, 1)
+                cargs = (part.data_ptr(), ptr("v", c0 * svc), ptr("out", c0 * soc), np.int32(M), np.int32(N),
+                         np.int32(cc), np.int64(svn), np.int64(svc), np.int64(som), np.int64(soc), np.int32(L),
+                         np.int32(bplan.modes[1]), np.int32(bplan.modes[2]),
+                         *(np.int64(s) for k in ("v", "out") for s in bs[k]), *hyper_args[3],
+                         np.int64(call.reg_diag), np.int32(split))
+                launches.append(Launch(combine, cgrid, cargs))
+    return Plan("matvec", first, tuple(launches), out, scratch=tuple(scratch), debug=debug)

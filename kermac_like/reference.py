@@ -14,7 +14,7 @@ import torch
 
 from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 
-__all__ = ["distance_reference", "cdist_reference", "cdist_grad_reference", "BLOCK_ELEMENTS"]
+__all__ = ["distance_reference", "cdist_reference", "cdist_grad_reference", "matvec_reference", "BLOCK_ELEMENTS"]
 
 # Largest temporary (elements) a reference computation builds at once.
 BLOCK_ELEMENTS = 1 << 23
@@ -155,4 +155,42 @@ def cdist_grad_reference(a, b, c, d, p=2.0, *, out=None):
             phi = torch.where(diff.isnan(), diff, phi)  # (torch.sign(NaN) is 0 and NaN^0 is 1)
         w = a[..., k0:k1, :].unsqueeze(-2) * phi  # (*batch, kb, N, M)
         out += torch.einsum("...ok,...knm->...onm", c[..., k0:k1], w)
+    return out
+
+
+def matvec_blocks(batch: tuple, M: int, N: int) -> tuple:
+    """(row block, column block) of :func:`matvec_reference`: the kernel block of all batch
+    entries stays within BLOCK_ELEMENTS elements."""
+    nb_batch = math.prod(batch) if batch else 1
+    nb = max(1, min(N, 4096))
+    mb = max(1, min(M, BLOCK_ELEMENTS // max(1, nb * nb_batch)))
+    return mb, nb
+
+
+def matvec_reference(call, out=None):
+    """kernel_matvec in torch for a validated call (``kermac_like.ops.matvec.MatvecCall``):
+    kernel blocks of at most BLOCK_ELEMENTS entries (row and column blocks, each through
+    :func:`distance_reference`) times blocks of v, in the inputs' dtype (float32 for
+    float16/bfloat16). Memory beyond inputs and output: O(BLOCK_ELEMENTS + M C) whatever
+    M and N."""
+    dtype = call.dtype
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    x, y, v = call.x.to(work), call.y.to(work), call.v.to(work)
+    hyp = {k: (h.to(work) if isinstance(h, torch.Tensor) else h) for k, h in call.hypers.items()}
+    if out is None:
+        out = torch.empty(call.out_shape, dtype=dtype, device=call.device)
+    om = out.unsqueeze(-1) if call.vector else out
+    M, N, C = call.M, call.N, call.C
+    mb, nb = matvec_blocks(call.batch, M, N)
+    for m0 in range(0, M, mb):
+        m1 = min(M, m0 + mb)
+        acc = torch.zeros((*call.batch, m1 - m0, C), dtype=work, device=call.device)
+        for n0 in range(0, N, nb):
+            n1 = min(N, n0 + nb)
+            kb = distance_reference(call.desc, x[..., m0:m1, :], y[..., n0:n1, :], inner_p=hyp["inner_p"],
+                                    outer_p=hyp["outer_p"], bandwidth=hyp["bandwidth"],
+                                    regularization=hyp["regularization"], reg_diag=call.reg_diag - n0 + m0,
+                                    epsilon=call.epsilon)
+            acc += kb @ v[..., n0:n1, :]
+        om[..., m0:m1, :] = acc
     return out

@@ -28,6 +28,7 @@ KEY_LINES = {
     "kernel_regression.py": "KernelRidge",
     "rfm.py": "relative test MSE",
     "linalg.py": "",
+    "kernel_matvec.py": "relative error vs float64",
 }
 
 

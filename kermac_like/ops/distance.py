@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from .. import _debug
 from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import DistanceCall, run_distance
-from .distance_backward import distance_with_grad
+from . import distance_backward
+from ..runtime.autotune import override as autotune_override
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
 
 log = logging.getLogger("kermac_like.distance")
 
@@ -81,10 +85,60 @@ def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwi
     return DistanceCall(descriptor, a, b, hypers, ox - oy, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])
 
 
-# -- execution: the planner decides, the plan runs -----------------------------------------
-def forward(call: DistanceCall, out=None, *, compute_mode: str = COMPUTE_MODES[0], debug: bool = False):
-    """Compute a validated call (no autograd). ``out`` was validated by the caller."""
-    return run_distance(call, out, compute_mode, debug)
+# -- the ops: kermac_like::run_kernel and kermac_like::run_kernel_out --------------------------
+def _call_of(a, b, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+             regularization, regularization_tensor, reg_diag, epsilon) -> DistanceCall:
+    hypers = dict(inner_p=join_hyper(inner_p, inner_p_tensor), outer_p=join_hyper(outer_p, outer_p_tensor),
+                  bandwidth=join_hyper(bandwidth, bandwidth_tensor),
+                  regularization=join_hyper(regularization, regularization_tensor))
+    return DistanceCall.of(descriptor_from_ints(descriptor), a, b, hypers, reg_diag, epsilon)
+
+
+@torch.library.custom_op("kermac_like::run_kernel", mutates_args=())
+def _run_kernel_op(a: Tensor, b: Tensor, descriptor: list[int], inner_p: Optional[float],
+                   inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
+                   bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor], regularization: Optional[float],
+                   regularization_tensor: Optional[Tensor], reg_diag: int, epsilon: Optional[float],
+                   compute_mode: str, debug: bool) -> Tensor:
+    call = _call_of(a, b, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                    regularization, regularization_tensor, reg_diag, epsilon)
+    return run_distance(call, None, compute_mode, debug)
+
+
+@torch.library.custom_op("kermac_like::run_kernel_out", mutates_args=("out",))
+def _run_kernel_out_op(a: Tensor, b: Tensor, descriptor: list[int], inner_p: Optional[float],
+                       inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
+                       bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor],
+                       regularization: Optional[float], regularization_tensor: Optional[Tensor], reg_diag: int,
+                       epsilon: Optional[float], compute_mode: str, debug: bool, out: Tensor) -> None:
+    call = _call_of(a, b, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                    regularization, regularization_tensor, reg_diag, epsilon)
+    run_distance(call, out, compute_mode, debug)
+
+
+@_run_kernel_op.register_fake
+def _run_kernel_fake(a, b, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
+                     bandwidth_tensor, regularization, regularization_tensor, reg_diag, epsilon, compute_mode, debug):
+    hypers = (inner_p_tensor, outer_p_tensor, bandwidth_tensor, regularization_tensor)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], *(t.shape for t in hypers if t is not None))
+    return a.new_empty((*batch, a.shape[-2], b.shape[-2]))
+
+
+@_run_kernel_out_op.register_fake
+def _run_kernel_out_fake(*args):
+    return None
+
+
+_run_kernel_op.register_autograd(distance_backward.backward, setup_context=distance_backward.setup_context)
+_RUN_KERNEL = torch.ops.kermac_like.run_kernel.default
+_RUN_KERNEL_OUT = torch.ops.kermac_like.run_kernel_out.default
+
+
+def _op_args(call: DistanceCall) -> tuple:
+    """The op's arguments of a validated call, up to compute_mode and debug."""
+    hp = call.hypers
+    return (call.a, call.b, descriptor_ints(call.desc), *split_hyper(hp["inner_p"]), *split_hyper(hp["outer_p"]),
+            *split_hyper(hp["bandwidth"]), *split_hyper(hp["regularization"]), call.reg_diag, call.epsilon)
 
 
 def _check_out(out, shape, dtype, device):
@@ -125,9 +179,21 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
         raise TypeError(f"autotune: expected a bool or None, got {type(autotune).__name__}")
     call.autotune = autotune
     _check_out(out, call.out_shape, call.dtype, call.device)
-    if _needs_grad(a, b, *call.hypers.values()):
-        return distance_with_grad(call, out, compute_mode, debug)
-    return forward(call, out, compute_mode=compute_mode, debug=debug)
+    hyper_tensors = [v for v in call.hypers.values() if isinstance(v, torch.Tensor)]
+    grad = _needs_grad(call.a, call.b, *hyper_tensors)
+    if grad:
+        for name, v in call.hypers.items():
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
+    elif direct_call(call.a, call.b, out, *hyper_tensors):
+        return run_distance(call, out, compute_mode, debug)  # the ops' implementation, without the dispatcher
+    with autotune_override(autotune):  # the op's schema does not carry it
+        if out is None:
+            return _RUN_KERNEL(*_op_args(call), compute_mode, debug)
+        if grad:  # out= variants carry no autograd: compute, then copy into out (out joins the graph)
+            return out.copy_(_RUN_KERNEL(*_op_args(call), compute_mode, debug))
+        _RUN_KERNEL_OUT(*_op_args(call), compute_mode, debug, out)
+    return out
 
 
 def _cdist_by_torch(x1, x2, p: float, out):

@@ -1,4 +1,6 @@
-"""Autograd for :func:`run_kernel` and :func:`cdist` (w.r.t. the two data inputs).
+"""Autograd for :func:`run_kernel` and :func:`cdist` (w.r.t. the two data inputs): the
+backward registered for the op ``kermac_like::run_kernel`` (:func:`setup_context`,
+:func:`backward`), traceable by torch.compile (it calls only torch ops and ours).
 
 For a DIFF descriptor with inner power |t|^q, outer power D and epilogue E::
 
@@ -17,15 +19,14 @@ double backward.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
-from ..plan import run_distance
+from ..plan import DistanceCall
+from ._library import descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
 from .grad import cdist_grad
 
-__all__ = ["distance_with_grad"]
+__all__ = ["setup_context", "backward"]
 
 
 def _flat(t: torch.Tensor, batch: tuple, tail: tuple) -> torch.Tensor:
@@ -39,25 +40,41 @@ def _hyper(x, ndim_tail: int):
     return x
 
 
-class _DistanceFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, call, out, compute_mode, debug):
-        with torch.no_grad():
-            y = run_distance(call, out, compute_mode, debug)
-        ctx.call, ctx.compute_mode, ctx.debug = call, compute_mode, debug
-        ctx.save_for_backward(a, b, y)
-        if out is not None:
-            ctx.mark_dirty(out)
-        return y
+# -- the registered backward of kermac_like::run_kernel --------------------------------------
+# The op's inputs, in schema order (ops/distance.py):
+#   a, b, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
+#   bandwidth_tensor, regularization, regularization_tensor, reg_diag, epsilon,
+#   compute_mode, debug
+_N_INPUTS = 15
 
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise NotImplementedError("kermac_like: double backward through run_kernel/cdist is not supported")
-        a, b, y = ctx.saved_tensors
-        call = ctx.call
-        ga, gb = _distance_backward(call, a, b, y, grad, ctx.needs_input_grad[:2], ctx.compute_mode, ctx.debug)
-        return ga, gb, None, None, None, None
+
+def setup_context(ctx, inputs, output):
+    (a, b, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon, compute_mode, debug) = inputs
+    ctx.save_for_backward(a, b, output, ipt, opt, bwt, rgt)
+    ctx.args = (tuple(descriptor), ip, op, bw, rg, reg_diag, epsilon, compute_mode, debug)
+
+
+def backward(ctx, grad):
+    if torch.is_grad_enabled():
+        raise NotImplementedError("kermac_like: double backward through run_kernel/cdist is not supported")
+    a, b, y, ipt, opt, bwt, rgt = ctx.saved_tensors
+    descriptor, ip, op, bw, rg, reg_diag, epsilon, compute_mode, debug = ctx.args
+    hypers = dict(inner_p=join_hyper(ip, ipt), outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
+                  regularization=join_hyper(rg, rgt))
+    call = DistanceCall.of(descriptor_from_ints(descriptor), a, b, hypers, reg_diag, epsilon)
+    ga, gb = _distance_backward(call, a, b, y, grad, ctx.needs_input_grad[:2], compute_mode, debug)
+    return (ga, gb) + (None,) * (_N_INPUTS - 2)
+
+
+def _distances(call, compute_mode: str, debug: bool) -> torch.Tensor:
+    """d of ``call`` (its descriptor without epilogue, regularisation and epsilon), through
+    the op so that a traced backward records it."""
+    desc = call.desc
+    plain = KernelDescriptor(desc.inner_operator, desc.inner_power, desc.outer_power, KernelType.NONE)
+    hp = call.hypers
+    return torch.ops.kermac_like.run_kernel.default(
+        call.a, call.b, descriptor_ints(plain), *split_hyper(hp["inner_p"]), *split_hyper(hp["outer_p"]),
+        None, None, None, None, call.reg_diag, None, compute_mode, debug)
 
 
 def _distance_backward(call, a, b, y, grad, needs, compute_mode, debug):
@@ -73,9 +90,7 @@ def _distance_backward(call, a, b, y, grad, needs, compute_mode, debug):
     if desc.kernel_type is KernelType.NONE and hp["regularization"] is None and call.epsilon is None:
         d = y
     else:
-        plain = KernelDescriptor(desc.inner_operator, desc.inner_power, desc.outer_power, KernelType.NONE)
-        dcall = replace(call, desc=plain, hypers=dict(hp, bandwidth=None, regularization=None), epsilon=None)
-        d = run_distance(dcall, None, compute_mode, debug)
+        d = _distances(call, compute_mode, debug)
 
     zero = torch.zeros((), dtype=d.dtype, device=d.device)
     w = grad
@@ -115,10 +130,3 @@ def _distance_backward(call, a, b, y, grad, needs, compute_mode, debug):
         g = cdist_grad(wf, af.mT, ones, bf.mT, p=qf, debug=debug)  # (L, 1, K, N)
         gb = g[:, 0].mT.reshape(*batch, N, K).sum_to_size(b.shape)
     return ga, gb
-
-
-def distance_with_grad(call, out, compute_mode: str, debug: bool):
-    for name, v in call.hypers.items():
-        if isinstance(v, torch.Tensor) and v.requires_grad:
-            raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
-    return _DistanceFn.apply(call.a, call.b, call, out, compute_mode, debug)

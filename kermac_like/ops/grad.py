@@ -10,12 +10,16 @@ cdist is the same contraction with O = 1.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from .. import _debug
 from .._args import check_same, check_scalar_or_tensor, check_tensor
 from ..layout import Layout, analyse_output, broadcast_batch_shape
 from ..plan import plan_cdist_grad
+from ._library import direct_call, join_hyper, split_hyper
 
 __all__ = ["cdist_grad"]
 
@@ -62,7 +66,25 @@ def cdist_grad(a, b, c, d, *, out=None, p=2.0, debug: bool = False) -> torch.Ten
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, c, d, p)) and torch.is_grad_enabled():
         raise NotImplementedError("cdist_grad: inputs require grad; differentiating cdist_grad is not supported")
 
-    plan = plan_cdist_grad(a, b, c, d, p, out, batch, (K, M, N, O), debug)
+    if direct_call(a, b, c, d, out, p if isinstance(p, torch.Tensor) else None):
+        return _run(a, b, c, d, p, out, debug)  # the ops' implementation, without the dispatcher
+    if out is None:
+        return _CDIST_GRAD(a, b, c, d, *split_hyper(p), debug)
+    _CDIST_GRAD_OUT(a, b, c, d, *split_hyper(p), debug, out)
+    return out
+
+
+# -- the ops: kermac_like::cdist_grad and kermac_like::cdist_grad_out (no autograd) -------------
+def _batch(a, b, c, d, p) -> tuple:
+    shapes = [a.shape[:-2], b.shape[:-2], c.shape[:-2], d.shape[:-2]]
+    if isinstance(p, torch.Tensor):
+        shapes.append(p.shape)
+    return tuple(torch.broadcast_shapes(*shapes))
+
+
+def _run(a, b, c, d, p, out, debug: bool) -> Tensor:
+    sizes = (a.shape[-2], a.shape[-1], b.shape[-2], c.shape[-2])  # K, M, N, O
+    plan = plan_cdist_grad(a, b, c, d, p, out, _batch(a, b, c, d, p), sizes, debug)
     res = plan.run()
     if plan.family != "reference" and not isinstance(p, torch.Tensor) and p == 1:
         _sign_nan(res, b, d)
@@ -80,3 +102,30 @@ def _sign_nan(out, b, d):
     bad |= d.isposinf() & b.isposinf().any(-1, keepdim=True)
     bad |= d.isneginf() & b.isneginf().any(-1, keepdim=True)
     out.masked_fill_(bad.unsqueeze(-3), float("nan"))
+
+
+@torch.library.custom_op("kermac_like::cdist_grad", mutates_args=())
+def _cdist_grad_op(a: Tensor, b: Tensor, c: Tensor, d: Tensor, p: Optional[float], p_tensor: Optional[Tensor],
+                   debug: bool) -> Tensor:
+    return _run(a, b, c, d, join_hyper(p, p_tensor), None, debug)
+
+
+@torch.library.custom_op("kermac_like::cdist_grad_out", mutates_args=("out",))
+def _cdist_grad_out_op(a: Tensor, b: Tensor, c: Tensor, d: Tensor, p: Optional[float],
+                       p_tensor: Optional[Tensor], debug: bool, out: Tensor) -> None:
+    _run(a, b, c, d, join_hyper(p, p_tensor), out, debug)
+
+
+@_cdist_grad_op.register_fake
+def _cdist_grad_fake(a, b, c, d, p, p_tensor, debug):
+    batch = _batch(a, b, c, d, join_hyper(p, p_tensor))
+    return a.new_empty((*batch, c.shape[-2], b.shape[-2], a.shape[-1]))
+
+
+@_cdist_grad_out_op.register_fake
+def _cdist_grad_out_fake(*args):
+    return None
+
+
+_CDIST_GRAD = torch.ops.kermac_like.cdist_grad.default
+_CDIST_GRAD_OUT = torch.ops.kermac_like.cdist_grad_out.default

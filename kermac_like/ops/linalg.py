@@ -128,6 +128,9 @@ import warnings
 import weakref
 
 import torch
+from torch import Tensor
+
+from ._library import direct_call
 
 __all__ = [
     "LinAlgError",
@@ -660,7 +663,7 @@ def solve_cholesky(a, b, *, overwrite_a=False, overwrite_b=False, check_errors=F
     int32 info tensors of shape ``(L,)`` or ``()``. Does not synchronise the
     host unless ``check_errors``, which raises :class:`LinAlgError` on failure.
     """
-    return _solve("solve_cholesky", a, b, overwrite_a, overwrite_b, check_errors, debug)
+    return _solve_call("solve_cholesky", a, b, overwrite_a, overwrite_b, check_errors, debug)
 
 
 def solve_lu(a, b, *, overwrite_a=False, overwrite_b=False, check_errors=False, debug=False):
@@ -671,7 +674,7 @@ def solve_lu(a, b, *, overwrite_a=False, overwrite_b=False, check_errors=False, 
     as :func:`solve_cholesky`. ``factor_info = i > 0`` flags an exactly
     singular ``U``; that entry's ``x`` is NaN.
     """
-    return _solve("solve_lu", a, b, overwrite_a, overwrite_b, check_errors, debug)
+    return _solve_call("solve_lu", a, b, overwrite_a, overwrite_b, check_errors, debug)
 
 
 def eigh(a, *, overwrite_a=False, check_errors=False, debug=False):
@@ -683,6 +686,18 @@ def eigh(a, *, overwrite_a=False, check_errors=False, debug=False):
     of the work buffer (of ``a`` itself with ``overwrite_a``); int32 info of
     shape ``(L,)`` or ``()``. Outputs of failed entries are NaN.
     """
+    _check_a(a)
+    _check_overwrite(a, "a", overwrite_a)
+    if direct_call(a, grad=False):
+        return _eigh(a, overwrite_a, check_errors, debug)
+    with torch.no_grad():  # results take no part in autograd
+        if not overwrite_a:
+            return _EIGH(a, check_errors, debug)
+        w, info = _EIGH_INPLACE(a, check_errors, debug)
+        return w, a.mT, info
+
+
+def _eigh(a, overwrite_a, check_errors, debug):
     batch = _check_a(a)
     _check_overwrite(a, "a", overwrite_a)
     batched = a.dim() == 3
@@ -742,3 +757,92 @@ def _eigh_gpu(cs, work, w, info, L, n, log):
     with torch.cuda.device(device):
         threads = EIGH_HOST_THREADS and n >= EIGH_HOST_THREADS_MIN_N
         _run_batched(cs, device, L, query, enqueue, log=log, what="eigh", host_threads=threads)
+
+
+# --------------------------------------------------------------------------- #
+# torch.library ops
+# --------------------------------------------------------------------------- #
+# Each routine is three ops: functional (no input written), ``_inplace`` (``a`` and the
+# solution buffer ``x`` written: overwrite_a) and ``_into`` (only ``x`` written:
+# overwrite_b alone). ``x`` holds b on entry and the solution on return; with
+# overwrite_b it is b itself, else a contiguous copy of b (what the solver would have
+# copied anyway). eigh: functional and ``eigh_inplace`` (``a`` receives the vectors).
+
+
+def _solve_call(routine, a, b, overwrite_a, overwrite_b, check_errors, debug):
+    _check_a(a)
+    _check_b(a, b)
+    _check_overwrite(a, "a", overwrite_a)
+    _check_overwrite(b, "b", overwrite_b)
+    if direct_call(a, b, grad=False):
+        return _solve(routine, a, b, overwrite_a, overwrite_b, check_errors, debug)
+    functional, inplace, into = _SOLVE_OPS[routine]
+    with torch.no_grad():  # results take no part in autograd
+        if not overwrite_a and not overwrite_b:
+            return functional(a, b, check_errors, debug)
+        x = b if overwrite_b else b.clone(memory_format=torch.contiguous_format)
+        finfo, sinfo = (inplace if overwrite_a else into)(a, x, check_errors, debug)
+        return x, finfo, sinfo
+
+
+def _info_fake(a):
+    return a.new_empty((a.shape[0],) if a.dim() == 3 else (), dtype=torch.int32)
+
+
+def _register_solve(routine: str):
+    def functional(a: Tensor, b: Tensor, check_errors: bool, debug: bool) -> tuple[Tensor, Tensor, Tensor]:
+        return _solve(routine, a, b, False, False, check_errors, debug)
+
+    def inplace(a: Tensor, x: Tensor, check_errors: bool, debug: bool) -> tuple[Tensor, Tensor]:
+        return _solve(routine, a, x, True, True, check_errors, debug)[1:]
+
+    def into(a: Tensor, x: Tensor, check_errors: bool, debug: bool) -> tuple[Tensor, Tensor]:
+        return _solve(routine, a, x, False, True, check_errors, debug)[1:]
+
+    ops = (
+        torch.library.custom_op(f"kermac_like::{routine}", functional, mutates_args=()),
+        torch.library.custom_op(f"kermac_like::{routine}_inplace", inplace, mutates_args=("a", "x")),
+        torch.library.custom_op(f"kermac_like::{routine}_into", into, mutates_args=("x",)),
+    )
+
+    def functional_fake(a, b, check_errors, debug):
+        return torch.empty_like(b, memory_format=torch.contiguous_format), _info_fake(a), _info_fake(a)
+
+    def mutating_fake(a, x, check_errors, debug):
+        return _info_fake(a), _info_fake(a)
+
+    ops[0].register_fake(functional_fake)
+    ops[1].register_fake(mutating_fake)
+    ops[2].register_fake(mutating_fake)
+    namespace = torch.ops.kermac_like
+    return tuple(getattr(namespace, name).default for name in (routine, f"{routine}_inplace", f"{routine}_into"))
+
+
+_SOLVE_OPS = {routine: _register_solve(routine) for routine in ("solve_cholesky", "solve_lu")}
+
+
+@torch.library.custom_op("kermac_like::eigh", mutates_args=())
+def _eigh_op(a: Tensor, check_errors: bool, debug: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _eigh(a, False, check_errors, debug)
+
+
+@torch.library.custom_op("kermac_like::eigh_inplace", mutates_args=("a",))
+def _eigh_inplace_op(a: Tensor, check_errors: bool, debug: bool) -> tuple[Tensor, Tensor]:
+    w, _vectors, info = _eigh(a, True, check_errors, debug)
+    return w, info
+
+
+@_eigh_op.register_fake
+def _eigh_fake(a, check_errors, debug):
+    n = a.shape[-1]
+    w = a.new_empty((*a.shape[:-2], n))
+    return w, a.new_empty(a.shape).mT, _info_fake(a)  # vectors: the transposed work buffer
+
+
+@_eigh_inplace_op.register_fake
+def _eigh_inplace_fake(a, check_errors, debug):
+    return a.new_empty((*a.shape[:-2], a.shape[-1])), _info_fake(a)
+
+
+_EIGH = torch.ops.kermac_like.eigh.default
+_EIGH_INPLACE = torch.ops.kermac_like.eigh_inplace.default

@@ -22,6 +22,7 @@ the timings.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,8 +46,26 @@ _memo: dict = {}  # tuning key -> choice (this process)
 _memo_lock = threading.Lock()
 
 
+_override = threading.local()
+
+
+@contextlib.contextmanager
+def override(autotune: bool | None):
+    """The public op's ``autotune`` argument for the calls inside (it reaches the planner
+    through the torch.library op, whose schema does not carry it)."""
+    prev = getattr(_override, "value", None)
+    _override.value = autotune if autotune is not None else prev
+    try:
+        yield
+    finally:
+        _override.value = prev
+
+
 def autotune_enabled(autotune: bool | None = None) -> bool:
-    """The call's ``autotune`` argument, else ``KERMAC_LIKE_AUTOTUNE`` (1/true/yes/on)."""
+    """The call's ``autotune`` argument, else the op's (:func:`override`), else
+    ``KERMAC_LIKE_AUTOTUNE`` (1/true/yes/on)."""
+    if autotune is None:
+        autotune = getattr(_override, "value", None)
     if autotune is not None:
         return bool(autotune)
     return os.environ.get(ENV_AUTOTUNE, "").strip().lower() in ("1", "true", "yes", "on")

@@ -19,7 +19,7 @@ builds, chosen as the ones the public API reaches for common inputs
 from __future__ import annotations
 
 # Every family's names, re-exported: ``from kermac_like.runtime.specs import distance_spec``.
-from . import cdist_grad, distance, distance_lowk, distance_mma, distance_wgmma  # noqa: F401
+from . import cdist_grad, distance, distance_lowk, distance_mma, distance_wgmma, matvec, matvec_grad  # noqa: F401
 from .cdist_grad import (  # noqa: F401
     ABS_GRAD_TUNING,
     GRAD_LAUNCH,
@@ -87,6 +87,8 @@ FAMILIES = {
     "distance_wgmma": distance_wgmma.shipped,  # sm_90 only (KernelSpec.supports)
     "cdist_grad_mma": cdist_grad.shipped_mma,
     "distance_lowk": distance_lowk.shipped,
+    "matvec": matvec.shipped,
+    "matvec_grad": matvec_grad.shipped,
 }
 
 

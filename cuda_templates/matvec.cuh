@@ -1,0 +1,619 @@
+// Fused kernel matrix-vector product without the matrix (ABI: cuda_templates/ABI.md, built by
+// kermac_like/plan.py plan_matvec).
+//
+//   out[l][m, c] = sum_n (k(x[l][m], y[l][n]) + lambda [n - m == reg_diag]) v[l][n, c]
+//
+// with k exactly run_kernel's (descriptor, hyper-parameters, epsilon cut). The M x N
+// matrix never exists: each CTA owns kBlockM rows of x (kRows per thread, strided by
+// kThreads so that loads and stores of a row index are coalesced), walks its range of y
+// in tiles of kBlockN points staged in shared memory, forms k(x_m, y_n) in registers and
+// accumulates k * v[n, :] into kC float32 partial sums per row: FlashAttention's
+// structure with the kernel epilogue in place of the softmax.
+//
+// Two K strategies (compile time):
+//   * kK > 0 ("registers"): K <= kK; the thread's x rows live in registers, zero-padded to
+//     kK (inner(0, 0) == 0 for every inner operator, so padding changes no sum); a pair
+//     costs kK inner operations, the epilogue, and kC FFMA;
+//   * kK == 0 ("chunked", any K): y tiles of 32 points x 256 coordinates in shared memory,
+//     x read 4 coordinates at a time, 32 partial distances per row in registers.
+//
+// Expanded exponent (kExpand, Diff/Square with an exponential of the squared distance:
+// Gaussian of the l2 distance, Laplace of the squared one, no epsilon cut):
+//   k = 2^(a_m + b_n + sum_k x'_mk y_nk),  x' = 2 s x,  a_m = -s |x_m|^2,  b_n = -s |y_n|^2
+// with s = log2(e) * scale folded in, so a pair costs K + 1 FFMA, one exponential and kC
+// FFMA (the direct form costs 2K + 1). The rounding error of the exponent grows with
+// |x|^2 + |y|^2 instead of |x - y|^2, so coordinates are centred on the mean of the CTA's
+// x rows (distances are translation invariant): x rows when loaded, each y tile as it is
+// staged. b_n travels in y's last padding slot (x' there is 1). When every row of the tile
+// has -a_m <= kFoldMax (the usual case), a_m leaves the pair loop: the loop computes
+// 2^(b_n + x'.y) (K FFMA) and the totals are scaled by 2^a_m at the end. kPolyRows of the kRows rows
+// evaluate 2^t on the FMA pipe (math.cuh), the others on MUFU.EX2: the MUFU pipe (16
+// lanes/clk/SM) is the floor of this kernel, the FMA pipe has room for ~1/8 of them.
+//
+// Accumulation: a pair's product goes into a float32 partial of the current y tile (at
+// most kBlockN terms), which is added into a float64 total after each tile, so the
+// rounding error does not grow with N (2e6 positive terms: ~1e-7 relative). With a split
+// N range (n_split > 1) each CTA writes its float32 total for its range to `part`
+// ([split][batch][M][C]) and matvec_combine_kernel adds the splits in split order: the
+// result is bitwise identical from run to run (no atomics).
+#pragma once
+
+#include "common.cuh"
+#include "math.cuh"
+
+namespace kermac_like {
+
+// 16-bit storage types (bit patterns; the templates use no CUDA header). Shared with
+// distance_mma.cuh, hence the guard.
+#ifndef KERMAC_LIKE_16BIT_STORAGE_TYPES
+#define KERMAC_LIKE_16BIT_STORAGE_TYPES
+struct float16 {
+  unsigned short bits;
+};
+struct bfloat16 {
+  unsigned short bits;
+};
+#endif
+
+namespace matvec_detail {
+
+template <class A, class B>
+struct Same {
+  static constexpr bool value = false;
+};
+template <class A>
+struct Same<A, A> {
+  static constexpr bool value = true;
+};
+
+// Element loads and stores in float32.
+__device__ __forceinline__ float load_f(const float* p) { return *p; }
+__device__ __forceinline__ float load_f(const float16* p) {
+  float f;
+  asm("{ .reg .b16 h; ld.global.b16 h, [%1]; cvt.f32.f16 %0, h; }" : "=f"(f) : "l"(p));
+  return f;
+}
+__device__ __forceinline__ float load_f(const bfloat16* p) {
+  return __uint_as_float(static_cast<unsigned>(p->bits) << 16);
+}
+__device__ __forceinline__ void store_f(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store_f(float16* p, float x) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  p->bits = h;
+}
+__device__ __forceinline__ void store_f(bfloat16* p, float x) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  p->bits = h;
+}
+
+__host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
+
+}  // namespace matvec_detail
+
+// kK_: 0 (chunked, any K) or the padded K of the register strategy (1..32, K <= kK);
+// kC_: columns of v per launch (1, 2, 4, 8 or 16; fewer real columns are zero-padded);
+// kExpand_: the expanded exponent (needs K + 1 <= kK); kPolyRows_: rows per thread whose
+// exponential runs on the FMA pipe (kExpand only).
+template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
+          bool kExpand_ = false, int kPolyRows_ = 0>
+struct MatvecTraits {
+  static_assert(kInner_ != Inner::Dot || (kInnerPow_ == Power::Noop && kOuterPow_ == Power::Noop &&
+                                          kEpilogue_ == Epilogue::None),
+                "MatvecTraits: Inner::Dot takes Noop powers and Epilogue::None");
+  static_assert(kInner_ != Inner::Diff || kInnerPow_ != Power::Noop,
+                "MatvecTraits: Inner::Diff requires an inner power (Abs, Square or Pow)");
+  static_assert(kInnerPow_ != Power::Sqrt, "MatvecTraits: inner power Power::Sqrt is not supported");
+  static_assert(kOuterPow_ != Power::Abs && kOuterPow_ != Power::Square,
+                "MatvecTraits: outer power must be Noop, Sqrt or Pow");
+  static_assert(matvec_detail::Same<T_, float>::value || matvec_detail::Same<T_, float16>::value ||
+                    matvec_detail::Same<T_, bfloat16>::value,
+                "MatvecTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");
+  static_assert(kK_ >= 0 && kK_ <= 32, "MatvecTraits: kK is 0 (any K) or the padded K, at most 32");
+  static_assert(kC_ == 1 || kC_ == 2 || kC_ == 4 || kC_ == 8 || kC_ == 16, "MatvecTraits: kC is 1, 2, 4, 8 or 16");
+  static_assert(!kExpand_ || (kInner_ == Inner::Diff && kInnerPow_ == Power::Square &&
+                              ((kOuterPow_ == Power::Sqrt && kEpilogue_ == Epilogue::Gaussian) ||
+                               (kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::Laplace))),
+                "MatvecTraits: kExpand needs an exponential of the squared l2 distance");
+  static_assert(!kExpand_ || kK_ >= 2, "MatvecTraits: kExpand needs kK >= K + 1 (b_n rides in the last slot)");
+  static_assert(kExpand_ || kPolyRows_ == 0, "MatvecTraits: kPolyRows applies to kExpand only");
+
+  using T = T_;
+  static constexpr Inner kInner = kInner_;
+  static constexpr Power kInnerPow = kInnerPow_;
+  static constexpr Power kOuterPow = kOuterPow_;
+  static constexpr Epilogue kEpilogue = kEpilogue_;
+  static constexpr int kK = kK_;
+  static constexpr int kC = kC_;
+  static constexpr bool kExpand = kExpand_;
+  static constexpr bool kChunked = kK_ == 0;
+
+  static constexpr int kThreads = 256;
+  // Registers per row: x (kK, or 4 per step when chunked), kC float32 partials, kC float64 totals;
+  // the chunked strategy also keeps kTileN distances per row.
+  static constexpr int kRegK = kChunked ? 4 : kK_;
+  static constexpr int kRows16 = matvec_detail::floor_pow2(96 / (kRegK + 3 * kC_ + (kChunked ? 32 : 1)));
+  // 16-bit inputs: their conversions cost registers; 8 rows would spill at 128.
+  static constexpr int kRows = (!matvec_detail::Same<T_, float>::value && kRows16 == 8) ? 4 : kRows16;
+  static constexpr int kPolyRows = kPolyRows_;
+  static_assert(kPolyRows_ >= 0 && kPolyRows_ < kRows, "MatvecTraits: kPolyRows must leave a MUFU row");
+  static constexpr int kBlockM = kThreads * kRows;
+  // y tile: kBlockN points; shared row of a point: kKS floats (float4 reads), then v.
+  static constexpr int kKS = kChunked ? 256 : (kK_ + 3) / 4 * 4;
+  static constexpr int kBlockN = kChunked ? 32 : (kKS + kC_ > 24 ? 128 : 256);
+  static constexpr int kChunkK = kChunked ? 256 : kK_;  // coordinates staged per y sub-tile
+  static constexpr int kSmemBytes = 0;  // static shared memory only
+  // Points per trip of the pair loop: 2 amortises the loop's ~7 instructions over 16 pairs
+  // (the kernel is issue-bound once kPolyRows moves exponentials off MUFU); 16-bit inputs
+  // keep 1 (their conversions leave no registers for a second point at 128).
+  static constexpr int kUnrollJ = matvec_detail::Same<T_, float>::value ? 2 : 1;
+  static constexpr int kStaticSmem = 4 * kBlockN * (kKS + kC_);
+  static_assert(kStaticSmem <= 48 * 1024, "MatvecTraits: the y tile must fit static shared memory");
+};
+
+namespace matvec_detail {
+
+// Per-entry constants of the epilogue.
+struct KernelArgs {
+  float inv_outer_p;  // Power::Pow outer
+  float inner_p;      // Power::Pow inner
+  float epsilon;      // <= 0: no cut
+  float exp2_scale;   // Laplace: -log2(e)/bw; Gaussian: -log2(e)/(2 bw^2)
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Largest -a_m (= s |x_m - centre|^2) for which the expanded kernel factors 2^a_m out of
+// the pair loop: the loop's 2^(b_n + x'.y) stays <= 2^kFoldMax, so a tile partial of
+// kBlockN terms cannot overflow unless |v| exceeds ~2^(128 - kFoldMax - 8).
+constexpr float kFoldMax = 32.0f;
+
+
+// acc + inner(x, y).
+template <class Tr>
+__device__ __forceinline__ float inner(float acc, float x, float y, float p) {
+  if constexpr (Tr::kInner == Inner::Dot) {
+    return __fmaf_rn(x, y, acc);
+  } else {
+    const float d = __fsub_rn(x, y);
+    if constexpr (Tr::kInnerPow == Power::Abs) return __fadd_rn(acc, fabsf(d));
+    if constexpr (Tr::kInnerPow == Power::Square) return __fmaf_rn(d, d, acc);
+    if constexpr (Tr::kInnerPow == Power::Pow) return __fadd_rn(acc, math::abs_pow_mufu(d, p));
+  }
+}
+
+// k = epilogue(outer(acc)) with the epsilon cut (the semantics of distance.cuh's finish,
+// exponentials as 2^t on MUFU).
+template <class Tr>
+__device__ __forceinline__ float kernel_value(float acc, const KernelArgs& e) {
+  if constexpr (Tr::kOuterPow == Power::Sqrt && Tr::kEpilogue == Epilogue::Gaussian) {
+    float d2 = acc;  // exp(-d^2/(2 bw^2)) needs d^2 = acc, not d
+    if (e.epsilon > 0.0f && sqrtf(acc) < e.epsilon) d2 = 0.0f;
+    return math::ex2_approx(d2 * e.exp2_scale);
+  } else {
+    float d = acc;
+    if constexpr (Tr::kOuterPow == Power::Sqrt) d = sqrtf(acc);
+    if constexpr (Tr::kOuterPow == Power::Pow) d = math::ex2_approx(e.inv_outer_p * math::lg2_approx(acc));
+    if (e.epsilon > 0.0f && d < e.epsilon) d = 0.0f;
+    if constexpr (Tr::kEpilogue == Epilogue::Laplace) d = math::ex2_approx(d * e.exp2_scale);
+    if constexpr (Tr::kEpilogue == Epilogue::Gaussian) d = math::ex2_approx((d * d) * e.exp2_scale);
+    return d;
+  }
+}
+
+// 2^t on the FMA pipe (t <= 0 up to rounding; NaN stays NaN: the clamp is a select that a
+// NaN fails, and a NaN mantissa poisons the product).
+__device__ __forceinline__ float exp2_poly(float t) {
+  t = t < -127.0f ? -127.0f : t;
+  float mant, scale;
+  math::exp2_fma_split(t, 1.0f, mant, scale);
+  return mant * scale;
+}
+
+// The launch arguments shared by matvec_kernel and matvec_combine_kernel (flat ABI;
+// cuda.core passes no structs), gathered once at entry.
+template <class T>
+struct Operands {
+  const T* x;
+  const T* y;
+  const T* v;
+  T* out;
+  i64 sxm, sxk, sym, syk, svn, svc, som, soc;
+  BatchShape shape;
+  BatchStride x_bs, y_bs, v_bs, o_bs;
+};
+
+// lambda * v[m + reg_diag, c] (the regularised diagonal n - m == reg_diag), or 0.
+template <class T>
+__device__ __forceinline__ double reg_term(const T* v, i64 svn, i64 svc, int N, int m, int c, i64 reg_diag,
+                                           float lam) {
+  const i64 n = i64(m) + reg_diag;
+  if (lam == 0.0f || n < 0 || n >= N) return 0.0;
+  return double(lam) * double(load_f(v + n * svn + c * svc));
+}
+
+// The pairs of one staged y tile, registers strategy: rows in registers (xr, xa), one point
+// of the tile per step. kFold (expanded, CTA uniform): the exponent starts from b_n and
+// a_m is applied to the totals at the end.
+template <class Tr, bool kFold>
+__device__ __forceinline__ void pair_tile(const float* ys, const float* vs, int jn,
+                                          const float (&xr)[Tr::kRows][Tr::kChunked ? 1 : Tr::kK],
+                                          const float (&xa)[Tr::kRows], float (&partial)[Tr::kRows][Tr::kC],
+                                          const KernelArgs& ka) {
+  constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS;
+#pragma unroll(Tr::kUnrollJ)
+  for (int j = 0; j < jn; ++j) {
+    float yj[KS];
+#pragma unroll
+    for (int q = 0; q < KS / 4; ++q) {
+      const float4 f = reinterpret_cast<const float4*>(ys + j * KS)[q];
+      yj[4 * q] = f.x, yj[4 * q + 1] = f.y, yj[4 * q + 2] = f.z, yj[4 * q + 3] = f.w;
+    }
+    float vj[KC];
+#pragma unroll
+    for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      float kv;
+      if constexpr (Tr::kExpand) {
+        float e = kFold ? yj[Tr::kK - 1] : xa[i];
+#pragma unroll
+        for (int k = 0; k < (kFold ? Tr::kK - 1 : Tr::kK); ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
+        kv = i < Tr::kPolyRows ? exp2_poly(e) : math::ex2_approx(e);
+      } else {
+        float acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < Tr::kK; ++k) acc = inner<Tr>(acc, xr[i][k], yj[k], ka.inner_p);
+        kv = kernel_value<Tr>(acc, ka);
+      }
+#pragma unroll
+      for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[c], partial[i][c]);
+    }
+  }
+}
+
+}  // namespace matvec_detail
+
+// Grid: (ceil(M / kBlockM), n_split, min(batch, 65535)). Split s covers y tiles
+// [s * tiles_per_split, (s + 1) * tiles_per_split). n_split == 1: out[l][m, c] is written
+// (regularisation included); n_split > 1: part[s][l][m][c] (float32, contiguous, C
+// columns) is, and matvec_combine_kernel finishes.
+// Two CTAs per SM (128 registers) on sm_90; sm_80 spills at that budget, so it runs one.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define KL_MATVEC_MIN_BLOCKS 1
+#else
+#define KL_MATVEC_MIN_BLOCKS 2
+#endif
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec_kernel(
+    const typename Traits::T *__restrict__ x, const typename Traits::T *__restrict__ y,
+    const typename Traits::T *__restrict__ v, typename Traits::T *__restrict__ out, float *__restrict__ part,
+    int M, int N, int K, int C, long long sxm, long long sxk, long long sym, long long syk, long long svn,
+    long long svc, long long som, long long soc, int batch, int batch_n1, int batch_n2, long long x_bs0,
+    long long x_bs1, long long x_bs2, long long y_bs0, long long y_bs1, long long y_bs2, long long v_bs0,
+    long long v_bs1, long long v_bs2, long long o_bs0, long long o_bs1, long long o_bs2,
+    const float *inner_p_ptr, long long inner_p_bs0, long long inner_p_bs1, long long inner_p_bs2,
+    float inner_p, const float *outer_p_ptr, long long outer_p_bs0, long long outer_p_bs1,
+    long long outer_p_bs2, float outer_p, const float *bw_ptr, long long bw_bs0, long long bw_bs1,
+    long long bw_bs2, float bandwidth, const float *reg_ptr, long long reg_bs0, long long reg_bs1,
+    long long reg_bs2, float regularization, long long reg_diag, float epsilon, int n_split,
+    int tiles_per_split) {
+  using Tr = Traits;
+  using T = typename Tr::T;
+  using namespace matvec_detail;
+  constexpr int R = Tr::kRows, KC = Tr::kC, BN = Tr::kBlockN, KS = Tr::kKS, NT = Tr::kThreads;
+
+  __shared__ __align__(16) float ys[BN * KS];  // (BN, KS): a point's coordinates (+ b_n)
+  __shared__ __align__(16) float vs[BN * KC];  // (BN, KC)
+
+  const BatchShape shape{batch_n1, batch_n2};
+  const BatchStride x_bs{x_bs0, x_bs1, x_bs2}, y_bs{y_bs0, y_bs1, y_bs2}, v_bs{v_bs0, v_bs1, v_bs2},
+      o_bs{o_bs0, o_bs1, o_bs2};
+  const HyperParam hp_inner{inner_p_ptr, {inner_p_bs0, inner_p_bs1, inner_p_bs2}, inner_p};
+  const HyperParam hp_outer{outer_p_ptr, {outer_p_bs0, outer_p_bs1, outer_p_bs2}, outer_p};
+  const HyperParam hp_bw{bw_ptr, {bw_bs0, bw_bs1, bw_bs2}, bandwidth};
+  const HyperParam hp_reg{reg_ptr, {reg_bs0, reg_bs1, reg_bs2}, regularization};
+
+  const int tid = threadIdx.x;
+  const int m0 = blockIdx.x * Tr::kBlockM;
+  const int split = blockIdx.y;
+  const int n_tiles = (N + BN - 1) / BN;
+  const int t_begin = split * tiles_per_split;
+  const int t_end = min(n_tiles, t_begin + tiles_per_split);
+
+  for (int l = blockIdx.z; l < batch; l += gridDim.z) {
+    const BatchIndex bi = shape.split(l);
+    const T* xl = x + x_bs.offset(bi);
+    const T* yl = y + y_bs.offset(bi);
+    const T* vl = v + v_bs.offset(bi);
+
+    KernelArgs ka;
+    ka.inner_p = Tr::kInnerPow == Power::Pow ? hp_inner.at(bi) : 0.0f;
+    ka.inv_outer_p = Tr::kOuterPow == Power::Pow ? 1.0f / hp_outer.at(bi) : 0.0f;
+    ka.epsilon = epsilon;
+    ka.exp2_scale = 0.0f;
+    if constexpr (Tr::kEpilogue == Epilogue::Laplace) ka.exp2_scale = -kLog2e / hp_bw.at(bi);
+    if constexpr (Tr::kEpilogue == Epilogue::Gaussian) {
+      const float bw = hp_bw.at(bi);
+      ka.exp2_scale = -kLog2e * (0.5f / (bw * bw));
+    }
+    // Expanded form: exponent = -s d^2 with s = -exp2_scale (Laplace of d^2: d = acc).
+    const float s = -ka.exp2_scale;
+
+    // Rows of this thread: m0 + tid + NT * i (clamped; the clamped ones are never stored).
+    int rows[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) rows[i] = min(m0 + tid + NT * i, M - 1);
+
+    // Centre of the expanded form: the mean of the tile's finite x rows.
+    float centre[Tr::kChunked ? 1 : Tr::kK];
+    float xr[R][Tr::kChunked ? 1 : Tr::kK];  // (R, kK) registers strategy
+    float xa[R];                              // a_m (expanded)
+    bool fold = false;                        // expanded: a_m factored out of the pair loop
+    if constexpr (!Tr::kChunked) {
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int k = 0; k < Tr::kK; ++k) xr[i][k] = k < K ? load_f(xl + i64(rows[i]) * sxm + k * sxk) : 0.0f;
+#pragma unroll
+      for (int k = 0; k < Tr::kK; ++k) centre[k] = 0.0f;
+      if constexpr (Tr::kExpand) {
+        float cnt = 0.0f;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          float n2 = 0.0f;
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) n2 = __fmaf_rn(xr[i][k], xr[i][k], n2);
+          if (m0 + tid + NT * i < M && n2 <= 1e30f) {  // a real, finite row (NaN fails too)
+            cnt += 1.0f;
+#pragma unroll
+            for (int k = 0; k < Tr::kK; ++k) centre[k] += xr[i][k];
+          }
+        }
+        // Block sum: warp shuffles, then the 8 warp sums through shared memory.
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) centre[k] += __shfl_xor_sync(0xffffffffu, centre[k], o);
+        }
+        __syncthreads();  // the previous batch entry's last tile is consumed
+        if ((tid & 31) == 0) {
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) ys[(tid >> 5) * Tr::kK + k] = centre[k];
+          vs[tid >> 5] = cnt;
+        }
+        __syncthreads();
+        cnt = 0.0f;
+#pragma unroll
+        for (int k = 0; k < Tr::kK; ++k) centre[k] = 0.0f;
+        for (int w = 0; w < NT / 32; ++w) {
+          cnt += vs[w];
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) centre[k] += ys[w * Tr::kK + k];
+        }
+        const float inv = cnt > 0.0f ? 1.0f / cnt : 0.0f;
+#pragma unroll
+        for (int k = 0; k < Tr::kK; ++k) centre[k] *= inv;
+
+        bool fold_ok = true;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          float n2 = 0.0f;
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) {
+            const float xv = __fsub_rn(xr[i][k], centre[k]);
+            n2 = __fmaf_rn(xv, xv, n2);
+            xr[i][k] = xv;
+          }
+          // x'_k = 2 s x_k; the last slot carries 1 (times b_n). A non-finite row (inf, NaN
+          // or an overflowing norm) keeps x' = 0 and a_m = -inf (k = 0, as the dense kernel
+          // gives for an infinite distance) or NaN (propagates).
+          const float a = -s * n2;
+          const bool finite = fabsf(a) <= 3.402823466e38f;
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) {
+            const float xp = k < K ? 2.0f * s * xr[i][k] : (k == Tr::kK - 1 ? 1.0f : 0.0f);
+            xr[i][k] = finite ? xp : 0.0f;
+          }
+          xa[i] = finite ? a : (a != a ? a : -__int_as_float(0x7f800000));
+          fold_ok = fold_ok && finite && a >= -kFoldMax;
+        }
+        // Every row of the tile within kFoldMax of its centre: 2^(b_n + x'.y) <= 2^kFoldMax,
+        // so a_m moves out of the pair loop (one FFMA less per pair) into a final 2^a_m.
+        fold = __syncthreads_and(fold_ok) != 0;
+      }
+    }
+
+    float partial[R][KC];
+    double total[R][KC];
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int c = 0; c < KC; ++c) total[i][c] = 0.0;
+
+#pragma unroll 1
+    for (int t = t_begin; t < t_end; ++t) {
+      const int n0 = t * BN;
+      const int jn = min(BN, N - n0);
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int c = 0; c < KC; ++c) partial[i][c] = 0.0f;
+
+      // ---- stage v (and, registers strategy, y) of this tile
+      __syncthreads();  // the previous tile is consumed
+      for (int e = tid; e < BN * KC; e += NT) {
+        const int j = e / KC, c = e % KC;
+        vs[e] = (j < jn && c < C) ? load_f(vl + i64(n0 + j) * svn + c * svc) : 0.0f;
+      }
+      if constexpr (!Tr::kChunked) {
+        for (int e = tid; e < BN * KS; e += NT) {
+          const int j = e / KS, k = e % KS;
+          ys[e] = (j < jn && k < K) ? load_f(yl + i64(n0 + j) * sym + k * syk) : 0.0f;
+        }
+        if constexpr (Tr::kExpand) {
+          __syncthreads();
+          // One thread per point: centre, b_n = -s |y_n - centre|^2 into the last slot.
+          for (int j = tid; j < BN; j += NT) {
+            float n2 = 0.0f;
+            float* yj = ys + j * KS;
+#pragma unroll
+            for (int k = 0; k < Tr::kK; ++k) {
+              const float yv = __fsub_rn(yj[k], centre[k]);
+              if (k < K) n2 = __fmaf_rn(yv, yv, n2);
+              yj[k] = k < K ? yv : 0.0f;
+            }
+            const float b = -s * n2;
+            const bool finite = fabsf(b) <= 3.402823466e38f;
+            if (!finite) {
+#pragma unroll
+              for (int k = 0; k < Tr::kK; ++k) yj[k] = 0.0f;
+            }
+            yj[Tr::kK - 1] = finite ? b : (b != b ? b : -__int_as_float(0x7f800000));
+          }
+        }
+        __syncthreads();
+
+        // ---- the pairs (fold is CTA uniform)
+        if (Tr::kExpand && fold) {
+          pair_tile<Tr, true>(ys, vs, jn, xr, xa, partial, ka);
+        } else {
+          pair_tile<Tr, false>(ys, vs, jn, xr, xa, partial, ka);
+        }
+      } else {
+        // ---- chunked: 32 points per tile, K in shared-memory chunks of 256, x read 4
+        // coordinates at a time
+        float dist[R][BN];
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+          for (int j = 0; j < BN; ++j) dist[i][j] = 0.0f;
+#pragma unroll 1
+        for (int k0 = 0; k0 < K; k0 += Tr::kChunkK) {
+          const int kn = min(Tr::kChunkK, K - k0);
+          __syncthreads();  // the previous chunk is consumed
+          for (int e = tid; e < BN * KS; e += NT) {
+            const int j = e / KS, k = e % KS;
+            ys[e] = (j < jn && k < kn) ? load_f(yl + i64(n0 + j) * sym + i64(k0 + k) * syk) : 0.0f;
+          }
+          __syncthreads();
+#pragma unroll 1
+          for (int kk = 0; kk < kn; kk += 4) {
+            float xc[R][4];
+#pragma unroll
+            for (int i = 0; i < R; ++i)
+#pragma unroll
+              for (int k = 0; k < 4; ++k)
+                xc[i][k] = kk + k < kn ? load_f(xl + i64(rows[i]) * sxm + i64(k0 + kk + k) * sxk) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < BN; ++j) {
+              const float4 f = *reinterpret_cast<const float4*>(ys + j * KS + kk);
+#pragma unroll
+              for (int i = 0; i < R; ++i) {
+                float a = dist[i][j];
+                a = inner<Tr>(a, xc[i][0], f.x, ka.inner_p);
+                a = inner<Tr>(a, xc[i][1], f.y, ka.inner_p);
+                a = inner<Tr>(a, xc[i][2], f.z, ka.inner_p);
+                a = inner<Tr>(a, xc[i][3], f.w, ka.inner_p);
+                dist[i][j] = a;
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < BN; ++j) {
+          if (j < jn) {
+            float vj[KC];
+#pragma unroll
+            for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+              const float kv = kernel_value<Tr>(dist[i][j], ka);
+#pragma unroll
+              for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[c], partial[i][c]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int c = 0; c < KC; ++c) total[i][c] += double(partial[i][c]);
+    }
+
+    if constexpr (Tr::kExpand) {
+      if (fold) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          const double sc = double(exp2f(xa[i]));
+#pragma unroll
+          for (int c = 0; c < KC; ++c) total[i][c] *= sc;
+        }
+      }
+    }
+
+    // ---- write: the finished rows, or this split's partial sums
+    const float lam = (reg_ptr != nullptr || regularization != 0.0f) ? hp_reg.at(bi) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int m = m0 + tid + NT * i;
+      if (m < M) {
+#pragma unroll
+        for (int c = 0; c < KC; ++c) {
+          if (c < C) {
+            if (n_split == 1) {
+              const double r = total[i][c] + reg_term(vl, svn, svc, N, m, c, reg_diag, lam);
+              store_f(out + o_bs.offset(bi) + i64(m) * som + c * soc, float(r));
+            } else {
+              part[((i64(split) * batch + l) * M + m) * C + c] = float(total[i][c]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Launch constants of matvec_combine_kernel (mirrored by kermac_like/matvec_spec.py).
+template <class T_>
+struct MatvecCombineTraits {
+  static_assert(matvec_detail::Same<T_, float>::value || matvec_detail::Same<T_, float16>::value ||
+                    matvec_detail::Same<T_, bfloat16>::value,
+                "MatvecCombineTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");
+  using T = T_;
+  static constexpr int kThreads = 256;
+  static constexpr int kBlockM = 1;  // grid-stride over batch * M * C
+  static constexpr int kBlockN = 1;
+  static constexpr int kSmemBytes = 0;
+};
+
+// Finishes a split product: out[l][m, c] = sum_s part[s][l][m][c] (in split order, in
+// float64) + the regularisation term. Grid-stride over batch * M * C.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads) matvec_combine_kernel(
+    const float* __restrict__ part, const typename Traits::T* __restrict__ v, typename Traits::T* __restrict__ out,
+    int M, int N, int C, long long svn, long long svc, long long som, long long soc, int batch, int batch_n1,
+    int batch_n2, long long v_bs0, long long v_bs1, long long v_bs2, long long o_bs0, long long o_bs1,
+    long long o_bs2, const float* reg_ptr, long long reg_bs0, long long reg_bs1, long long reg_bs2,
+    float regularization, long long reg_diag, int n_split) {
+  using namespace matvec_detail;
+  const BatchShape shape{batch_n1, batch_n2};
+  const BatchStride v_bs{v_bs0, v_bs1, v_bs2}, o_bs{o_bs0, o_bs1, o_bs2};
+  const HyperParam hp_reg{reg_ptr, {reg_bs0, reg_bs1, reg_bs2}, regularization};
+  const i64 per = i64(M) * C, total = per * batch;
+  for (i64 e = blockIdx.x * i64(blockDim.x) + threadIdx.x; e < total; e += i64(gridDim.x) * blockDim.x) {
+    const int l = int(e / per);
+    const int m = int((e % per) / C), c = int(e % C);
+    double r = 0.0;
+    for (int s = 0; s < n_split; ++s) r += double(part[i64(s) * total + e]);
+    const BatchIndex bi = shape.split(l);
+    const float lam = (reg_ptr != nullptr || regularization != 0.0f) ? hp_reg.at(bi) : 0.0f;
+    r += reg_term(v + v_bs.offset(bi), svn, svc, N, m, c, reg_diag, lam);
+    store_f(out + o_bs.offset(bi) + i64(m) * som + c * soc, float(r));
+  }
+}
+
+}  // namespace kermac_like

@@ -1,0 +1,76 @@
+"""What every op shares for its torch.library registration.
+
+Each public op is a thin wrapper over a custom op ``kermac_like::<name>`` (and
+``kermac_like::<name>_out`` for ``out=``, which mutates ``out``), registered with
+``torch.library.custom_op`` next to the wrapper in ``ops/<op>.py``. Schemas carry only
+what torch can type, so:
+
+* a :class:`~kermac_like.descriptor.KernelDescriptor` travels as four ints
+  (:func:`descriptor_ints` / :func:`descriptor_from_ints`);
+* a hyper-parameter that is a float or a tensor travels as ``float? name`` plus
+  ``Tensor? name_tensor`` (:func:`split_hyper` / :func:`join_hyper`).
+
+Eager calls skip the dispatcher when it has nothing to do (:func:`direct_call`): no
+autograd, no compile or trace, no tensor subclass, no dispatch or function mode, no
+profiler. The wrapper then calls the very function registered as the op's
+implementation, so the results are the same; what is saved is the dispatcher's Python
+round trip (tens of microseconds per call, ``bench/notes/ops.md``). Set
+``KERMAC_LIKE_DIRECT_EAGER=0`` to send every call through the dispatcher.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+
+__all__ = ["NAMESPACE", "descriptor_ints", "descriptor_from_ints", "split_hyper", "join_hyper", "direct_call"]
+
+NAMESPACE = "kermac_like"
+DIRECT_EAGER = os.environ.get("KERMAC_LIKE_DIRECT_EAGER", "1") != "0"
+
+
+def descriptor_ints(desc: KernelDescriptor) -> list:
+    return [int(desc.inner_operator), int(desc.inner_power), int(desc.outer_power), int(desc.kernel_type)]
+
+
+@functools.lru_cache(maxsize=None)
+def _descriptor(ints: tuple) -> KernelDescriptor:
+    i, p, o, k = ints
+    return KernelDescriptor(InnerOperator(i), PowerType(p), PowerType(o), KernelType(k))
+
+
+def descriptor_from_ints(ints) -> KernelDescriptor:
+    return _descriptor(tuple(int(v) for v in ints))
+
+
+def split_hyper(x) -> tuple:
+    """(float or None, Tensor or None) of a checked hyper-parameter."""
+    if isinstance(x, torch.Tensor):
+        return None, x
+    return x, None
+
+
+def join_hyper(value, tensor):
+    return tensor if tensor is not None else value
+
+
+def direct_call(*tensors, grad: bool = True) -> bool:
+    """Whether an eager call may run the op's implementation without the dispatcher:
+    nothing but the backend kernel would act on it (``grad=False``: the op takes no part
+    in autograd, so inputs that require grad do not matter). Checked in this order so
+    that a compiling tracer stops at the first test (and records the op)."""
+    if torch.compiler.is_compiling() or not DIRECT_EAGER:
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._are_functorch_transforms_active() or torch.autograd._profiler_enabled():
+        return False
+    grad = grad and torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
+            return False
+    return True

@@ -1,0 +1,272 @@
+"""Kernel matrix-vector products without the matrix: :func:`kernel_matvec`.
+
+``out[..., m, c] = sum_n k(x_m, y_n) v[n, c]`` (plus lambda v[m + offset_x - offset_y, c]
+on run_kernel's regularised diagonal) for any :class:`KernelDescriptor`, in memory
+linear in M + N: the GPU path is one fused kernel (cuda_templates/matvec.cuh), the CPU
+and float64 path computes the kernel matrix in row and column blocks of bounded size.
+
+Internal entry points (used by the backward and by lazy kernel operators):
+:func:`prepare_matvec` (validation -> :class:`MatvecCall`), :func:`matvec_forward`
+(no autograd) and :func:`matvec_reference`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _debug
+from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
+from ..descriptor import KernelDescriptor
+from ..layout import analyse_output, broadcast_batch_shape
+from ..plan import MATVEC_SCRATCH_BYTES, plan_matvec
+from ..reference import matvec_reference
+from . import matvec_backward
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
+from .distance import prepare_call
+
+log = logging.getLogger("kermac_like.matvec")
+
+__all__ = ["kernel_matvec", "MatvecCall", "prepare_matvec", "matvec_forward", "matvec_reference",
+           "SCRATCH_BYTES"]
+
+SCRATCH_BYTES = MATVEC_SCRATCH_BYTES  # largest split-N scratch of one call (plan.py)
+
+
+@dataclass(frozen=True)
+class MatvecCall:
+    """A validated kernel_matvec call. ``v`` is always a matrix ``(..., N, C)`` (a 1-D
+    right-hand side was given a trailing mode of 1 and ``vector`` is set)."""
+
+    desc: KernelDescriptor
+    x: torch.Tensor
+    y: torch.Tensor
+    v: torch.Tensor
+    hypers: dict  # inner_p/outer_p/bandwidth/regularization -> float | Tensor | None
+    reg_diag: int  # entry (m, n) is regularised where n - m == reg_diag
+    epsilon: float | None
+    batch: tuple
+    M: int
+    N: int
+    K: int
+    C: int
+    vector: bool
+
+    @property
+    def out_shape(self) -> tuple:
+        return (*self.batch, self.M) if self.vector else (*self.batch, self.M, self.C)
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    def with_v(self, v: torch.Tensor) -> "MatvecCall":
+        """The same kernel matrix applied to another right-hand side ``(..., N, C')`` or ``(N,)``."""
+        return _with_v(self, "v", v)
+
+    def transposed(self, v: torch.Tensor) -> "MatvecCall":
+        """K^T @ v: x and y swapped (every descriptor is symmetric), the regularised
+        diagonal mirrored, ``v`` ``(..., M, C')`` or ``(M,)``."""
+        t = replace(self, x=self.y, y=self.x, M=self.N, N=self.M, reg_diag=-self.reg_diag)
+        return _with_v(t, "v", v)
+
+
+def _rhs(name: str, v, x: torch.Tensor, N: int):
+    """(matrix view (..., N, C), vector?) of a right-hand side, checked."""
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(v).__name__}")
+    check_tensor(name, v, min_dim=1)
+    check_same(name, v, "x", x)
+    vector = v.dim() == 1
+    vm = v.unsqueeze(-1) if vector else v
+    if vm.shape[-2] != N:
+        raise ValueError(f"{name}: expected {N} rows (the points of y), got shape {tuple(v.shape)}")
+    return vm, vector
+
+
+def _with_v(call: MatvecCall, name: str, v) -> MatvecCall:
+    vm, vector = _rhs(name, v, call.x, call.N)
+    shapes = {"x": tuple(call.x.shape[:-2]), "y": tuple(call.y.shape[:-2]), name: tuple(vm.shape[:-2]),
+              "batch": call.batch}
+    batch = broadcast_batch_shape(shapes)
+    return replace(call, v=vm, vector=vector, C=vm.shape[-1], batch=batch)
+
+
+def prepare_matvec(descriptor, x, y, v, *, p=None, inner_p=None, outer_p=None, bandwidth=None,
+                   regularization=None, regularization_offset_x=0, regularization_offset_y=0,
+                   epsilon=None) -> MatvecCall:
+    """Validate a kernel_matvec call; TypeError/ValueError naming the argument."""
+    if not isinstance(descriptor, KernelDescriptor):
+        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
+    check_tensor("x", x)
+    check_tensor("y", y)
+    check_same("y", y, "x", x)
+    if x.shape[-1] != y.shape[-1]:
+        raise ValueError(f"y: last dimension {y.shape[-1]} differs from x's {x.shape[-1]} (the coordinates K)")
+    vm, vector = _rhs("v", v, x, y.shape[-2])
+    check_int("regularization_offset_x", regularization_offset_x)
+    check_int("regularization_offset_y", regularization_offset_y)
+    # Batch shapes first, named in this op's terms (prepare_call names its operands a and b).
+    shapes = {"x": tuple(x.shape[:-2]), "y": tuple(y.shape[:-2]), "v": tuple(vm.shape[:-2])}
+    named = dict(p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth, regularization=regularization)
+    for k, h in named.items():
+        h = check_scalar_or_tensor(k, h, x.device)
+        if isinstance(h, torch.Tensor):
+            shapes[k] = tuple(h.shape)
+    broadcast_batch_shape(shapes)
+    dc = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
+                      regularization=regularization, regularization_offset_x=regularization_offset_x,
+                      regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+    batch = broadcast_batch_shape({"x": dc.batch, "v": tuple(vm.shape[:-2])})
+    return MatvecCall(descriptor, x, y, vm, dc.hypers, dc.reg_diag, dc.epsilon, batch, dc.M, dc.N, dc.K,
+                      vm.shape[-1], vector)
+
+
+def _check_out(call: MatvecCall, out) -> torch.Tensor:
+    """``out`` as a matrix view (..., M, C), after the checks of a user-provided output."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(call.out_shape):
+        raise ValueError(f"out: expected shape {tuple(call.out_shape)}, got {tuple(out.shape)}")
+    om = out.unsqueeze(-1) if call.vector else out
+    analyse_output("out", om, (*call.batch, call.M, call.C), call.dtype, call.device)
+    return om
+
+
+def matvec_forward(call: MatvecCall, out=None, *, debug: bool = False) -> torch.Tensor:
+    """Compute a validated call without autograd. ``out`` was checked by the caller (or is None).
+
+    GPU memory beyond inputs and output: float32 copies of tensor hyper-parameters
+    (batch-many scalars) and, when the N range is split across CTAs (few rows of x), split
+    partial sums of at most SCRATCH_BYTES; never anything of size M x N."""
+    if out is None:
+        out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
+    return plan_matvec(call, out, debug).run()
+
+
+def _needs_grad(call: MatvecCall) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad
+        for t in (call.x, call.y, call.v, *call.hypers.values()))
+
+
+# -- the ops: kermac_like::kernel_matvec and kermac_like::kernel_matvec_out ----------------------
+def _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+             regularization, regularization_tensor, reg_diag, epsilon) -> MatvecCall:
+    return prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(inner_p, inner_p_tensor),
+                          outer_p=join_hyper(outer_p, outer_p_tensor),
+                          bandwidth=join_hyper(bandwidth, bandwidth_tensor),
+                          regularization=join_hyper(regularization, regularization_tensor),
+                          regularization_offset_x=reg_diag, epsilon=epsilon)
+
+
+@torch.library.custom_op("kermac_like::kernel_matvec", mutates_args=())
+def _matvec_op(x: Tensor, y: Tensor, v: Tensor, descriptor: list[int], inner_p: Optional[float],
+               inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
+               bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor], regularization: Optional[float],
+               regularization_tensor: Optional[Tensor], reg_diag: int, epsilon: Optional[float],
+               debug: bool) -> Tensor:
+    call = _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
+                    bandwidth_tensor, regularization, regularization_tensor, reg_diag, epsilon)
+    return matvec_forward(call, None, debug=debug)
+
+
+@torch.library.custom_op("kermac_like::kernel_matvec_out", mutates_args=("out",))
+def _matvec_out_op(x: Tensor, y: Tensor, v: Tensor, descriptor: list[int], inner_p: Optional[float],
+                   inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
+                   bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor], regularization: Optional[float],
+                   regularization_tensor: Optional[Tensor], reg_diag: int, epsilon: Optional[float], debug: bool,
+                   out: Tensor) -> None:
+    call = _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
+                    bandwidth_tensor, regularization, regularization_tensor, reg_diag, epsilon)
+    matvec_forward(call, out, debug=debug)
+
+
+@_matvec_op.register_fake
+def _matvec_fake(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                 regularization, regularization_tensor, reg_diag, epsilon, debug):
+    hypers = (inner_p_tensor, outer_p_tensor, bandwidth_tensor, regularization_tensor)
+    vb = v.shape[:-2] if v.dim() > 1 else ()
+    batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2], vb, *(t.shape for t in hypers if t is not None))
+    tail = (x.shape[-2],) if v.dim() == 1 else (x.shape[-2], v.shape[-1])
+    return x.new_empty((*batch, *tail))
+
+
+@_matvec_out_op.register_fake
+def _matvec_out_fake(*args):
+    return None
+
+
+_matvec_op.register_autograd(matvec_backward.backward, setup_context=matvec_backward.setup_context)
+_MATVEC = torch.ops.kermac_like.kernel_matvec.default
+_MATVEC_OUT = torch.ops.kermac_like.kernel_matvec_out.default
+
+
+def _op_args(call: MatvecCall, v: Tensor) -> tuple:
+    """The op's arguments of a validated call (``v`` as the caller gave it), up to debug."""
+    hp = call.hypers
+    return (call.x, call.y, v, descriptor_ints(call.desc), *split_hyper(hp["inner_p"]), *split_hyper(hp["outer_p"]),
+            *split_hyper(hp["bandwidth"]), *split_hyper(hp["regularization"]), call.reg_diag, call.epsilon)
+
+
+# -- public API ----------------------------------------------------------------------------
+def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, *, out=None,
+                  p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
+                  regularization_offset_x: int = 0, regularization_offset_y: int = 0, epsilon=None,
+                  debug: bool = False) -> torch.Tensor:
+    """Kernel matrix times ``v`` without the kernel matrix:
+    ``out[..., m, c] = sum_n K[..., m, n] v[..., n, c]`` with ``K = run_kernel(descriptor, x,
+    y, ...)`` (same descriptor semantics, hyper-parameters, broadcasting and regularisation:
+    ``regularization`` is added to K where ``m + regularization_offset_x == n +
+    regularization_offset_y``).
+
+    ``x`` is ``(..., M, K)``, ``y`` ``(..., N, K)``; ``v`` follows torch.matmul: a 1-D ``(N,)``
+    gives ``(..., M)``, a ``(..., N, C)`` matrix gives ``(..., M, C)``; batch modes of x, y, v
+    and tensor hyper-parameters broadcast. dtypes: float32; float16/bfloat16 (float32
+    accumulation, output in the input dtype); float64 and CPU tensors take the torch
+    reference path (row and column blocks).
+
+    Paths: one fused kernel (cuda_templates/matvec.cuh) for every descriptor; for
+    Euclidean/DOT descriptors with K > 32 in float32, kernel tiles from run_kernel's
+    tensor-core (3xTF32) kernels times v (plan.matvec_blocked).
+    Memory (GPU) beyond inputs and output: O((M + N) C), never M x N: the fused kernel
+    takes at most ``SCRATCH_BYTES`` (32 MB) of float32 split-N partial sums when M is small,
+    plus batch-many float32 hyper-parameters; the large-K path one kernel tile of at most
+    plan.MATVEC_TILE_ELEMENTS (128 MB) and the distance kernel's copy of one y block. The
+    fused kernel's sums are accumulated per y tile in float32 and across tiles in float64,
+    and combined in a fixed order: results are bitwise identical from run to run. NaN/inf
+    propagate like the dense product (an infinite distance gives k = 0, a NaN gives NaN; on
+    the Gaussian's fast path a pair of infinite coordinates gives 0 rather than NaN).
+
+    ``out`` (any strides with a unit-stride or size-1 mode, no overlap) is written in place
+    and returned; it is left untouched when an argument is rejected. Underneath it is the
+    custom op ``torch.ops.kermac_like.kernel_matvec`` (``kernel_matvec_out`` for ``out=``):
+    fake shapes for torch.compile, autograd for x, y and v (ops/matvec_backward.py).
+    """
+    debug = _debug.resolve(debug)
+    call = prepare_matvec(descriptor, x, y, v, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
+                          regularization=regularization, regularization_offset_x=regularization_offset_x,
+                          regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+    if out is not None:
+        _check_out(call, out)
+    hyper_tensors = [h for h in call.hypers.values() if isinstance(h, torch.Tensor)]
+    grad = _needs_grad(call)
+    if grad:
+        matvec_backward.check_no_hyper_grad(call.hypers)
+    elif direct_call(x, y, v, out, *hyper_tensors):
+        return matvec_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
+    args = _op_args(call, v)
+    if out is None:
+        return _MATVEC(*args, debug)
+    if grad:  # out= variants carry no autograd: compute, then copy into out (out joins the graph)
+        return out.copy_(_MATVEC(*args, debug))
+    _MATVEC_OUT(*args, debug, out)
+    return out

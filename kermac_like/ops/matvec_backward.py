@@ -1,0 +1,460 @@
+"""Backward of :func:`kermac_like.kernel_matvec` without the kernel matrix.
+
+The forward is ``out[..., m, c] = sum_n k(x_m, y_n) v[..., n, c]`` (plus
+``lambda * v[n, c]`` where ``m + offset_x == n + offset_y``).  With the upstream
+gradient ``g = dL/dout``:
+
+* ``dL/dv = K^T g``: the transposed matvec, i.e. the forward with x and y
+  swapped and the regularisation offsets swapped (:func:`grad_v`).
+* DIFF descriptors (inner power ``|t|^q``, outer power D, epilogue E)::
+
+      dL/dx[m,k] = sum_n phi(acc[m,n]) (g[m,:] . v[n,:]) psi(x[m,k] - y[n,k])
+      dL/dy[n,k] = sum_m phi(acc[m,n]) (v[n,:] . g[m,:]) psi(y[n,k] - x[m,k])
+      phi = q E'(d) D'(acc),  d = D(acc);  psi(t) = sgn(t) |t|^(q-1)
+
+  with the dense backward's conventions (kermac_like/ops/distance_backward.py): phi = 0
+  where d < epsilon, and for the SQRT and POW outer powers where d == 0; psi(0) = 0;
+  NaN inputs give NaN gradients where the dense backward has them.
+  The regularisation term does not depend on x or y.
+* DOT: separable, ``dL/dx = g (v^T y)`` and ``dL/dy = v (g^T x)``: matrix
+  products with (C, K) intermediates.
+
+Paths of the DIFF contraction (:func:`diff_contraction`):
+
+* GPU, float32/float16/bfloat16 inputs, K <= 32 and C <= 32: the fused kernel
+  of ``cuda_templates/matvec_grad.cuh`` (spec: ``runtime/specs/matvec_grad.py``) (float32 arithmetic; float16/bfloat16
+  are converted to float32 first).  Each CTA owns rows, loops over the other
+  side in shared-memory tiles, and accumulates K outputs per row in registers.
+* everything else (CPU, float64, larger K or C): :func:`diff_contraction_reference`,
+  plain torch in (row block x column block) pieces of at most
+  ``reference.BLOCK_ELEMENTS`` elements (x K), so that the temporaries are
+  bounded whatever M and N.
+
+Memory: no M x N tensor is ever built.  Beyond the inputs and the gradients the
+backward allocates O((M + N)(C + K)) per batch entry (float32 copies of
+non-contiguous, broadcast or half-precision operands; the (C, K) products of
+DOT) plus at most a fixed block budget on the reference path.
+
+Gradients with respect to tensor hyper-parameters and double backward raise
+``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+
+from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from ..reference import BLOCK_ELEMENTS
+from ._library import descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
+from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, matvec_grad_spec
+
+log = logging.getLogger("kermac_like.matvec_grad")
+
+__all__ = [
+    "matvec_backward",
+    "matvec_with_grad",
+    "backward_for_autograd",
+    "setup_context",
+    "backward",
+    "diff_contraction",
+    "contraction",
+    "diff_contraction_reference",
+    "check_no_hyper_grad",
+    "matvec_grad_spec",
+    "fused_widths",
+    "FUSED_K_WIDTHS",
+    "FUSED_C_WIDTHS",
+]
+
+HYPER_NAMES = ("inner_p", "outer_p", "bandwidth", "regularization")
+
+# Register widths the fused kernel is instantiated for: K (or C) is rounded up to
+# the next one and zero-padded (padding adds exactly 0 to every sum).
+FUSED_K_WIDTHS = (1, 2, 3, 4, 8, 16, 32)
+FUSED_C_WIDTHS = (1, 2, 4, 8, 16, 32)
+
+
+def check_no_hyper_grad(hypers: dict) -> None:
+    """NotImplementedError naming every tensor hyper-parameter that requires grad."""
+    names = [k for k, v in hypers.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if names:
+        raise NotImplementedError(
+            f"{', '.join(names)}: gradients of kernel_matvec with respect to hyper-parameters are not supported "
+            "(pass them detached)"
+        )
+
+
+# -- the launch mirror: kermac_like/runtime/specs/matvec_grad.py ------------------------------------
+# -- hyper-parameters --------------------------------------------------------------------
+def _q_of(desc: KernelDescriptor, inner_p):
+    if desc.inner_power is PowerType.ABS:
+        return 1.0
+    if desc.inner_power is PowerType.SQUARE:
+        return 2.0
+    return inner_p
+
+
+def _hyper_batched(h, batch: tuple, dtype, device, tail: int):
+    """A float or a batch tensor as something broadcastable over (*batch, <tail dims>)."""
+    if isinstance(h, torch.Tensor):
+        h = h.to(dtype=dtype, device=device)
+        return h.reshape(*h.shape, *([1] * tail))
+    return h
+
+
+# -- the reference contraction (any device, any dtype, bounded memory) ----------------------
+def _phi(desc: KernelDescriptor, acc, q, r, bw, epsilon):
+    """phi(acc) = q E'(d) D'(acc) (the dense backward's formulas, elementwise)."""
+    zero = torch.zeros((), dtype=acc.dtype, device=acc.device)
+    if desc.outer_power is PowerType.NOOP:
+        d = acc
+    elif desc.outer_power is PowerType.SQRT:
+        d = acc.sqrt()
+    else:
+        d = acc.pow(1.0 / r)
+    if desc.kernel_type is KernelType.NONE:
+        e = torch.ones((), dtype=acc.dtype, device=acc.device)
+    elif desc.kernel_type is KernelType.LAPLACE:
+        e = -torch.exp(-d / bw) / bw
+    else:
+        e = -(d / (bw * bw)) * torch.exp(-(d * d) / (2.0 * bw * bw))
+    # d == 0 has weight 0; a NaN d keeps its NaN weight (the dense backward's rule)
+    if desc.outer_power is PowerType.NOOP:
+        phi = e * q
+    elif desc.outer_power is PowerType.SQRT:
+        phi = torch.where(d == 0, zero, e * q / (2.0 * d))
+    else:
+        phi = torch.where(d == 0, zero, e * (q / r) * d.pow(1.0 - r))
+    if epsilon is not None:
+        phi = torch.where(d < epsilon, zero, phi)
+    return phi
+
+
+def diff_contraction_reference(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, outer_p=None, bandwidth=None,
+                               epsilon=None, out=None):
+    """out[..., m, k] = sum_n phi(acc[m,n]) (ga[m,:] . vb[n,:]) psi(a[m,k] - b[n,k]) in plain torch.
+
+    a (..., M, K), b (..., N, K), ga (..., M, C), vb (..., N, C): batch modes broadcast
+    (hyper-parameter tensors too).  Computed in the dtype of ``a`` in pieces of
+    (rows of a) x (rows of b) whose temporaries hold at most ``BLOCK_ELEMENTS``
+    elements times K, so memory stays bounded whatever M and N.  Returns the
+    full-batch (*batch, M, K) tensor.
+    """
+    dtype, device = a.dtype, a.device
+    q = _q_of(desc, inner_p)
+    hyp = {"q": q, "r": outer_p, "bw": bandwidth}
+    hshapes = [tuple(h.shape) for h in hyp.values() if isinstance(h, torch.Tensor)]
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hshapes)
+    M, N, K = a.shape[-2], b.shape[-2], a.shape[-1]
+    C = ga.shape[-1]
+    if out is None:
+        out = torch.zeros(*batch, M, K, dtype=dtype, device=device)
+    else:
+        out.zero_()
+    if M == 0 or N == 0 or K == 0:
+        return out
+    a = a.expand(*batch, M, K)
+    b = b.expand(*batch, N, K)
+    ga = ga.expand(*batch, M, C)
+    vb = vb.expand(*batch, N, C)
+    q2, r2, bw2 = (_hyper_batched(h, batch, dtype, device, 2) for h in hyp.values())
+    q3 = _hyper_batched(q, batch, dtype, device, 3)
+    nbatch = math.prod(batch) if batch else 1
+    nb = min(N, max(1, int(math.isqrt(BLOCK_ELEMENTS // max(1, nbatch * K)))))
+    mb = min(M, max(1, BLOCK_ELEMENTS // max(1, nbatch * K * nb)))
+    zero = torch.zeros((), dtype=dtype, device=device)
+    for m0 in range(0, M, mb):
+        m1 = min(M, m0 + mb)
+        ab, gb = a[..., m0:m1, :], ga[..., m0:m1, :]
+        for n0 in range(0, N, nb):
+            n1 = min(N, n0 + nb)
+            diff = ab.unsqueeze(-2) - b[..., n0:n1, :].unsqueeze(-3)  # (*batch, mb, nb, K)
+            if desc.inner_power is PowerType.ABS:
+                acc = diff.abs().sum(-1)
+                psi = torch.where(diff.isnan(), diff, torch.sign(diff))  # sgn(NaN) = NaN
+            elif desc.inner_power is PowerType.SQUARE:
+                acc = (diff * diff).sum(-1)
+                psi = diff
+            else:
+                mag = diff.abs()
+                acc = mag.pow(q3).sum(-1)
+                psi = torch.where(diff == 0, zero, torch.sign(diff) * mag.pow(q3 - 1))
+                psi = torch.where(diff.isnan(), diff, psi)
+            w = _phi(desc, acc, q2, r2, bw2, epsilon) * (gb @ vb[..., n0:n1, :].mT)  # (*batch, mb, nb)
+            out[..., m0:m1, :] += torch.einsum("...mn,...mnk->...mk", w, psi)
+    return out
+
+
+def _dot_contraction_reference(a, b, ga, vb, *, epsilon):
+    """DOT with an epsilon: out[m,k] = sum_n [a_m . b_n >= epsilon] (ga_m . vb_n) b[n,k], in blocks
+    (the thresholded product is not separable)."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2])
+    M, N, K, C = a.shape[-2], b.shape[-2], a.shape[-1], ga.shape[-1]
+    out = torch.zeros(*batch, M, K, dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0 or K == 0:
+        return out
+    a, b = a.expand(*batch, M, K), b.expand(*batch, N, K)
+    ga, vb = ga.expand(*batch, M, C), vb.expand(*batch, N, C)
+    nbatch = math.prod(batch) if batch else 1
+    nb = min(N, max(1, int(math.isqrt(BLOCK_ELEMENTS // nbatch))))
+    mb = min(M, max(1, BLOCK_ELEMENTS // (nbatch * nb)))
+    for m0 in range(0, M, mb):
+        m1 = min(M, m0 + mb)
+        ab, gb = a[..., m0:m1, :], ga[..., m0:m1, :]
+        for n0 in range(0, N, nb):
+            n1 = min(N, n0 + nb)
+            d = ab @ b[..., n0:n1, :].mT
+            w = torch.where(d < epsilon, torch.zeros((), dtype=d.dtype, device=d.device),
+                            gb @ vb[..., n0:n1, :].mT)
+            out[..., m0:m1, :] += w @ b[..., n0:n1, :]
+    return out
+
+
+# -- the fused GPU contraction ---------------------------------------------------------------
+def _gpu_ok(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 0)
+
+
+def _flat_operand(t: torch.Tensor, batch: tuple, L: int):
+    """(float32 contiguous tensor, batch stride in elements): stride 0 when t does not vary over the batch."""
+    rows, cols = t.shape[-2], t.shape[-1]
+    if math.prod(t.shape[:-2]) == 1:
+        return t.reshape(rows, cols).to(torch.float32).contiguous(), 0
+    f = t.expand(*batch, rows, cols).reshape(L, rows, cols).to(torch.float32).contiguous()
+    return f, rows * cols
+
+
+def _hyper_table(values, batch: tuple, L: int, device):
+    """(L, 3) float32 table of (q, r, bw) when any of them is a tensor, else None."""
+    if not any(isinstance(h, torch.Tensor) for h in values):
+        return None
+    cols = []
+    for h in values:
+        if isinstance(h, torch.Tensor):
+            cols.append(h.to(device=device, dtype=torch.float32).expand(batch).reshape(L))
+        else:
+            cols.append(torch.full((L,), 1.0 if h is None else float(h), dtype=torch.float32, device=device))
+    return torch.stack(cols, -1).contiguous()
+
+
+def _fused_contraction(desc, a, b, ga, vb, *, q, r, bw, epsilon, batch, widths, debug):
+    from ..runtime import launcher
+
+    M, N, K, C = a.shape[-2], b.shape[-2], a.shape[-1], ga.shape[-1]
+    L = math.prod(batch) if batch else 1
+    dev = a.device
+    out = torch.empty(L, M, K, dtype=torch.float32, device=dev)
+    if out.numel() == 0:
+        return out.reshape(*batch, M, K)
+    if N == 0:
+        return out.zero_().reshape(*batch, M, K)
+    kk, kc = widths
+    spec = matvec_grad_spec(desc, kk, kc, epsilon is not None)  # unroll: specs.matvec_grad.UNROLL
+    device = dev.index if dev.index is not None else torch.cuda.current_device()
+    kernel = launcher.get_kernel(spec, device, debug=debug)
+    (af, sa), (bf, sb), (gf, sg), (vf, sv) = (_flat_operand(t, batch, L) for t in (a, b, ga, vb))
+    table = _hyper_table((q, r, bw), batch, L, dev)
+    scal = [1.0 if (h is None or isinstance(h, torch.Tensor)) else float(h) for h in (q, r, bw)]
+    grid = (-(-M // spec.launch.block_m), 1, min(L, 65535))
+    if debug:
+        log.debug("matvec backward %r: fused kernel kK=%d kC=%d, M=%d N=%d K=%d C=%d L=%d grid=%s",
+                  desc, kk, kc, M, N, K, C, L, grid)
+    args = (
+        af.data_ptr(), bf.data_ptr(), gf.data_ptr(), vf.data_ptr(), out.data_ptr(),
+        np.int32(M), np.int32(N), np.int32(K), np.int32(C), np.int32(L),
+        np.int64(sa), np.int64(sb), np.int64(sg), np.int64(sv),
+        0 if table is None else table.data_ptr(), np.int64(0 if table is None or table.shape[0] == 1 else 3),
+        np.float32(scal[0]), np.float32(scal[1]), np.float32(scal[2]),
+        np.float32(0.0 if epsilon is None else epsilon),
+    )
+    launcher.launch(kernel, grid, args, debug=debug)
+    return out.reshape(*batch, M, K)
+
+
+def diff_contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, outer_p=None, bandwidth=None,
+                     epsilon=None, debug: bool = False):
+    """out[..., m, k] = sum_n phi(acc[m,n]) (ga[m,:] . vb[n,:]) psi(a[m,k] - b[n,k]) over the full batch,
+    in the dtype of ``a``; the fused kernel where it applies, the blocked reference elsewhere."""
+    q = _q_of(desc, inner_p)
+    hyp = (q, outer_p, bandwidth)
+    hshapes = [tuple(h.shape) for h in hyp if isinstance(h, torch.Tensor)]
+    batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hshapes))
+    K, C = a.shape[-1], ga.shape[-1]
+    widths = fused_widths(K, C)
+    if widths is not None and a.dtype != torch.float64 and _gpu_ok(a) and math.prod(batch) <= 2**31 - 1:
+        out = _fused_contraction(desc, a, b, ga, vb, q=q, r=outer_p, bw=bandwidth, epsilon=epsilon, batch=batch,
+                                 widths=widths, debug=debug)
+        return out if a.dtype == torch.float32 else out.to(a.dtype)
+    if debug:
+        log.debug("matvec backward %r: blocked reference (%s, %s, K=%d, C=%d)", desc, a.device, a.dtype, K, C)
+    if a.dtype in (torch.float16, torch.bfloat16):  # float32 arithmetic, like the kernel
+        a, b, ga, vb = (t.float() for t in (a, b, ga, vb))
+    return diff_contraction_reference(desc, a, b, ga, vb, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
+                                      epsilon=epsilon)
+
+
+# -- the contraction as a torch.library op (so that a registered backward calls only ops) ----------
+@torch.library.custom_op("kermac_like::matvec_grad_contraction", mutates_args=())
+def _contraction_op(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, vb: torch.Tensor, descriptor: list[int],
+                    inner_p: float | None, inner_p_tensor: torch.Tensor | None, outer_p: float | None,
+                    outer_p_tensor: torch.Tensor | None, bandwidth: float | None,
+                    bandwidth_tensor: torch.Tensor | None, epsilon: float | None, debug: bool) -> torch.Tensor:
+    desc = descriptor_from_ints(descriptor)
+    out = diff_contraction(desc, a, b, ga, vb, inner_p=join_hyper(inner_p, inner_p_tensor),
+                           outer_p=join_hyper(outer_p, outer_p_tensor),
+                           bandwidth=join_hyper(bandwidth, bandwidth_tensor), epsilon=epsilon, debug=debug)
+    return out.clone() if any(out.data_ptr() == t.data_ptr() for t in (a, b, ga, vb)) else out
+
+
+@_contraction_op.register_fake
+def _(a, b, ga, vb, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+      epsilon, debug):
+    hs = [tuple(t.shape) for t in (inner_p_tensor, outer_p_tensor, bandwidth_tensor) if t is not None]
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hs)
+    return a.new_empty((*batch, a.shape[-2], a.shape[-1]))
+
+
+def contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, outer_p=None, bandwidth=None, epsilon=None,
+                debug: bool = False):
+    """:func:`diff_contraction` through the ``kermac_like::matvec_grad_contraction`` op."""
+    return torch.ops.kermac_like.matvec_grad_contraction.default(
+        a, b, ga, vb, descriptor_ints(desc), *split_hyper(inner_p), *split_hyper(outer_p), *split_hyper(bandwidth),
+        epsilon, bool(debug))
+
+
+# -- the whole backward ------------------------------------------------------------------------
+def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False):
+    """(dL/dx, dL/dy, dL/dv) of ``matvec_forward(call)`` for ``grad = dL/dout``.
+
+    ``call`` is the forward's validated ``kermac_like.matvec.MatvecCall``; ``grad`` has its
+    ``out_shape``; the v gradient has the shape of ``call.v`` (the (N, 1) view of a 1-D v).  ``needs``: which of the three to compute (None in the others' place).
+    Each gradient has the shape and dtype of its input (broadcast batch modes summed).
+    Tensor hyper-parameters must not require grad (:func:`check_no_hyper_grad`).
+
+    * dL/dv = K^T grad: ``kernel_matvec`` with x and y swapped and the regularised
+      diagonal mirrored.
+    * DIFF: two ``kermac_like::matvec_grad_contraction`` ops (:func:`contraction`),
+      (x, y, grad, v) and (y, x, v, grad).
+
+    Only torch ops and kermac_like ops are called (no kernel launch of its own), so a
+    backward registered with ``torch.library.register_autograd`` stays traceable.
+    * DOT: ``grad (v^T y)`` and ``v (grad^T x)``; with an epsilon (the thresholded
+      product is not separable) a blocked contraction.
+    """
+    from ..matvec import kernel_matvec
+
+    check_no_hyper_grad(call.hypers)
+    desc, x, y, v, hp = call.desc, call.x, call.y, call.v, call.hypers
+    v2 = v  # always (..., N, C): a 1-D right-hand side is the (N, 1) view call.v
+    g2 = grad.unsqueeze(-1) if call.vector else grad
+    gx = gy = gv = None
+    if needs[2]:
+        # K^T g2: x and y swapped, the regularised diagonal mirrored (offset_x - offset_y = -reg_diag)
+        hyp = {k: h for k, h in hp.items() if h is not None}
+        gv = kernel_matvec(desc, y, x, g2, regularization_offset_x=0, regularization_offset_y=call.reg_diag,
+                           epsilon=call.epsilon, debug=debug, **hyp)
+        gv = gv.sum_to_size(v.shape).to(v.dtype)
+    if not (needs[0] or needs[1]):
+        return gx, gy, gv
+    if desc.inner_operator is InnerOperator.DOT:
+        wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        xf, yf, vf, gf = (t.to(wide) for t in (x, y, v2, g2))
+        if call.epsilon is None:
+            if needs[0]:
+                gx = gf @ (vf.mT @ yf)
+            if needs[1]:
+                gy = vf @ (gf.mT @ xf)
+        else:
+            if needs[0]:
+                gx = _dot_contraction_reference(xf, yf, gf, vf, epsilon=call.epsilon)
+            if needs[1]:
+                gy = _dot_contraction_reference(yf, xf, vf, gf, epsilon=call.epsilon)
+    else:
+        kw = dict(inner_p=hp["inner_p"], outer_p=hp["outer_p"], bandwidth=hp["bandwidth"], epsilon=call.epsilon,
+                  debug=debug)
+        if needs[0]:
+            gx = contraction(desc, x, y, g2, v2, **kw)
+        if needs[1]:
+            gy = contraction(desc, y, x, v2, g2, **kw)
+    if gx is not None:
+        gx = gx.sum_to_size(x.shape).to(x.dtype)
+    if gy is not None:
+        gy = gy.sum_to_size(y.shape).to(y.dtype)
+    return gx, gy, gv
+
+
+# -- autograd -------------------------------------------------------------------------------------
+def backward_for_autograd(call, grad, needs, *, debug: bool = False):
+    """The body of a registered backward (torch.library.register_autograd or an
+    autograd.Function): refuses double backward, then :func:`matvec_backward`."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "kermac_like: double backward through kernel_matvec is not supported (the backward is not differentiable)"
+        )
+    return matvec_backward(call, grad.contiguous() if not grad.is_contiguous() else grad, needs, debug=debug)
+
+
+class _MatvecFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, v, call, out, debug):
+        from ..matvec import matvec_forward
+
+        with torch.no_grad():
+            res = matvec_forward(call, out, debug=debug)
+        ctx.call, ctx.debug = call, debug
+        if out is not None:
+            ctx.mark_dirty(out)
+        return res
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx, gy, gv = backward_for_autograd(ctx.call, grad, ctx.needs_input_grad[:3], debug=ctx.debug)
+        return gx, gy, gv, None, None, None
+
+
+def matvec_with_grad(call, out=None, debug: bool = False):
+    """``matvec_forward(call, out)`` recorded for autograd (x, y and v; hyper-parameter
+    tensors that require grad raise NotImplementedError naming them)."""
+    check_no_hyper_grad(call.hypers)
+    return _MatvecFn.apply(call.x, call.y, call.v, call, out, debug)
+
+
+# -- registration with torch.library.register_autograd ------------------------------------------------
+# For an op ``kermac_like::kernel_matvec(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p,
+# outer_p_tensor, bandwidth, bandwidth_tensor, regularization, regularization_tensor, reg_diag,
+# epsilon, debug)`` (run_kernel's schema with v after y):
+#     op.register_autograd(matvec_backward.backward, setup_context=matvec_backward.setup_context)
+_N_OP_INPUTS = 15
+
+
+def setup_context(ctx, inputs, output):
+    (x, y, v, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon, debug) = inputs
+    ctx.save_for_backward(x, y, v, ipt, opt, bwt, rgt)
+    ctx.args = (tuple(descriptor), ip, op, bw, rg, reg_diag, epsilon, debug)
+
+
+def backward(ctx, grad):
+    """dL/dx, dL/dy, dL/dv of the op (None for the other inputs); only ops are called
+    (``kermac_like::matvec_grad_contraction`` and the public kernel_matvec), so a traced
+    backward records them. Tensor hyper-parameters that require grad and double
+    backward raise NotImplementedError."""
+    from ..matvec import prepare_matvec
+
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "kermac_like: double backward through kernel_matvec is not supported (the backward is not differentiable)"
+        )
+    x, y, v, ipt, opt, bwt, rgt = ctx.saved_tensors
+    descriptor, ip, op, bw, rg, reg_diag, epsilon, debug = ctx.args
+    call = prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(ip, ipt),
+                          outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
+                          regularization=join_hyper(rg, rgt), regularization_offset_x=reg_diag,
+                          regularization_offset_y=0, epsilon=epsilon)
+    gx, gy, gv = backward_for_autograd(call, grad, ctx.needs_input_grad[:3], debug=debug)
+    if gv is not None:
+        gv = gv.reshape(v.shape)  # a 1-D v: (N, 1) -> (N,)
+    return (gx, gy, gv) + (None,) * (_N_OP_INPUTS - 3)

@@ -1,0 +1,145 @@
+"""The matvec family (cuda_templates/matvec.cuh): which instantiation of
+``matvec_kernel<MatvecTraits<...>>`` serves a call, its mirrored launch constants, and
+the family's shipped set.
+
+Mirror of ``kermac_like::MatvecTraits``: kThreads, kRows (rows of x per thread),
+kBlockM = kThreads * kRows, kBlockN (y points per shared-memory tile); the compile stub
+checks them with static_asserts (KernelSpec.asserts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType
+from .kernel_spec import KernelSpec, LaunchShape
+
+__all__ = [
+    "K_BUCKETS",
+    "C_BUCKETS",
+    "MAX_C",
+    "expandable",
+    "k_bucket",
+    "c_bucket",
+    "matvec_traits_spec",
+    "matvec_spec",
+    "combine_spec",
+    "shipped",
+    "rows_per_thread",
+]
+
+THREADS = 256
+# Padded K of the registers strategy (x rows in registers); K beyond the last takes the
+# chunked strategy (kK = 0). Padding costs kK - K wasted inner operations per pair.
+K_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+C_BUCKETS = (1, 2, 4, 8, 16)
+MAX_C = C_BUCKETS[-1]  # wider v runs in column chunks of MAX_C (one launch each)
+
+_T = {
+    torch.float32: "float",
+    torch.float16: "kermac_like::float16",
+    torch.bfloat16: "kermac_like::bfloat16",
+}
+
+
+def _floor_pow2(x: int) -> int:
+    return 8 if x >= 8 else 4 if x >= 4 else 2 if x >= 2 else 1
+
+
+def rows_per_thread(kK: int, kC: int, dtype=torch.float32) -> int:
+    """Mirror of MatvecTraits::kRows."""
+    chunked = kK == 0
+    reg_k = 4 if chunked else kK
+    rows = _floor_pow2(96 // (reg_k + 3 * kC + (32 if chunked else 1)))
+    return 4 if dtype != torch.float32 and rows == 8 else rows
+
+
+def block_n(kK: int, kC: int) -> int:
+    """Mirror of MatvecTraits::kBlockN."""
+    if kK == 0:
+        return 32
+    ks = (kK + 3) // 4 * 4
+    return 128 if ks + kC > 24 else 256
+
+
+def expandable(desc: KernelDescriptor) -> bool:
+    """Whether k is an exponential of the squared l2 distance (the expanded exponent):
+    Gaussian of the l2 distance, or Laplace of the squared l2 distance."""
+    if desc.inner_operator is not InnerOperator.DIFF or desc.inner_power is not PowerType.SQUARE:
+        return False
+    return (desc.outer_power, desc.kernel_type) in (
+        (PowerType.SQRT, KernelType.GAUSSIAN),
+        (PowerType.NOOP, KernelType.LAPLACE),
+    )
+
+
+def k_bucket(slots: int) -> int:
+    """kK for ``slots`` coordinates per point (K, or K + 1 for the expanded form); 0 (chunked)
+    beyond the last bucket."""
+    for b in K_BUCKETS:
+        if slots <= b:
+            return b
+    return 0
+
+
+def c_bucket(c: int) -> int:
+    for b in C_BUCKETS:
+        if c <= b:
+            return b
+    return MAX_C
+
+
+# Rows of eight whose exponential runs on the FMA pipe in the expanded kernel. Measured on an
+# H200 (bench/notes/matvec.md, v2): 0 -> 294.7 ms, 1 -> 302.3 ms at D = 3, N = M = 1e6 (the
+# folded loop is issue-bound enough that the polynomial's ~10 extra instructions cost more
+# than the MUFU time they free).
+POLY_ROWS = 0
+
+
+def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expand: bool = False,
+                       poly_rows: int | None = None) -> KernelSpec:
+    if poly_rows is None:
+        poly_rows = POLY_ROWS if expand and rows_per_thread(kK, kC, dtype) >= 8 else 0
+    rows = rows_per_thread(kK, kC, dtype)
+    extra = f", {str(bool(expand)).lower()}, {int(poly_rows)}" if (expand or poly_rows) else ""
+    traits = f"kermac_like::MatvecTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {int(kC)}{extra}>"
+    shape = LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=block_n(kK, kC), smem_bytes=0)
+    return KernelSpec("matvec.cuh", "kermac_like::matvec_kernel", traits, shape)
+
+
+def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None) -> KernelSpec:
+    """The instantiation serving a call: K and C (columns of one launch, at most MAX_C) of
+    the data, ``epsilon`` as validated (None or a float; a cut > 0 disables the expanded
+    form, whose exponent never forms the distance)."""
+    expand = expandable(desc) and not (epsilon is not None and epsilon > 0) and k_bucket(K + 1) != 0
+    kK = k_bucket(K + 1 if expand else K)
+    return matvec_traits_spec(desc, dtype, kK, c_bucket(C), expand=expand)
+
+
+COMBINE_LAUNCH = LaunchShape(threads=256, block_m=1, block_n=1, smem_bytes=0)
+
+
+def combine_spec(dtype) -> KernelSpec:
+    """The fixed-order combination of split-N partial sums (matvec_combine_kernel)."""
+    return KernelSpec("matvec.cuh", "kermac_like::matvec_combine_kernel",
+                      f"kermac_like::MatvecCombineTraits<{_T[dtype]}>", COMBINE_LAUNCH)
+
+
+def shipped():
+    """The lean shipped set: one instantiation per code path of the template (the
+    Gaussian's expanded kernel at D = 3 with 1 and 16 columns, the registers strategy for
+    the p-norm (inner and outer powers) and DOT, the chunked strategy, float16 and bfloat16 loads)
+    and the combination kernels."""
+    f32 = torch.float32
+    g = PRESETS["gaussian_l2"]
+    yield matvec_spec(g, f32, 3, 1)
+    yield matvec_traits_spec(g, f32, 4, 1, expand=True, poly_rows=1)  # the FMA-pipe exponential
+    yield matvec_spec(g, f32, 3, 16)
+    for name in ("p_norm", "dot"):
+        yield matvec_spec(PRESETS[name], f32, 3, 1)
+    yield matvec_spec(PRESETS["laplace_l1"], f32, 64, 1)
+    yield matvec_spec(g, f32, 64, 4)
+    for dt in (torch.float16, torch.bfloat16):
+        yield matvec_spec(g, dt, 3, 1)
+    for dt in (f32, torch.float16, torch.bfloat16):
+        yield combine_spec(dt)

@@ -1,0 +1,109 @@
+"""The kernel of a solver: its descriptor and hyper-parameters, and the three
+products the solvers need.
+
+* ``matrix(a, b)``: the dense block K(a, b) through :func:`kermac_like.run_kernel`
+  (cholesky, the m x m landmark matrix, row blocks of K_nm).
+* ``matvec(a, b, v)``: K(a, b) @ v without the matrix, through
+  :class:`kermac_like.KernelOperator` (kernel_matvec) where the package has it;
+  otherwise K(a, b) in row blocks of bounded size times v.
+* ``gram_of_rows(a, z)``: K(a, z)^T K(a, z) (m x m), accumulated over row blocks
+  of ``a`` so that no N x m matrix exists at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..descriptor import InnerOperator, KernelDescriptor, KernelType, preset
+from ..ops.distance import run_kernel
+
+__all__ = ["SolverKernel", "resolve_kernel", "BLOCK_BYTES"]
+
+# Largest dense kernel block (bytes) the fallback product and the Gram accumulation build at once.
+BLOCK_BYTES = 1 << 30
+
+
+def resolve_kernel(kernel, bandwidth, p) -> "SolverKernel":
+    """The validated kernel of an estimator: ``kernel`` a preset name or a KernelDescriptor."""
+    if isinstance(kernel, str):
+        desc = preset(kernel)  # ValueError naming `name`; re-raised below with `kernel`
+    elif isinstance(kernel, KernelDescriptor):
+        desc = kernel
+    else:
+        raise TypeError(f"kernel: expected a preset name or a KernelDescriptor, got {type(kernel).__name__}")
+    if desc.inner_operator is not InnerOperator.DOT and desc.kernel_type is KernelType.NONE:
+        raise ValueError(
+            f"kernel: {desc!r} is a distance, not a positive definite kernel; take a LAPLACE or GAUSSIAN "
+            "epilogue (e.g. 'laplace_l2', 'gaussian_l2') or 'dot'"
+        )
+    hypers = {}
+    if desc.needs_bandwidth:
+        if bandwidth is None:
+            raise ValueError(f"bandwidth: the kernel {desc!r} needs a bandwidth")
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
+            raise ValueError(f"bandwidth: expected a positive number, got {bandwidth!r}")
+        hypers["bandwidth"] = float(bandwidth)
+    if desc.needs_inner_p or desc.needs_outer_p:
+        if p is None:
+            raise ValueError(f"p: the kernel {desc!r} has a POW power; pass p")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 0:
+            raise ValueError(f"p: expected a positive number, got {p!r}")
+        hypers["p"] = float(p)
+    return SolverKernel(desc, tuple(sorted(hypers.items())))
+
+
+def _operator_class():
+    """kermac_like.KernelOperator when the package provides it and its kernel_matvec, else None."""
+    try:
+        from ..matvec import kernel_matvec  # noqa: F401  (the operator's products)
+        from ..operator import KernelOperator
+    except ImportError:
+        return None
+    return KernelOperator
+
+
+@dataclass(frozen=True)
+class SolverKernel:
+    desc: KernelDescriptor
+    hyper_items: tuple
+
+    @property
+    def hypers(self) -> dict:
+        return dict(self.hyper_items)
+
+    def matrix(self, a: torch.Tensor, b: torch.Tensor, *, regularization=None, out=None) -> torch.Tensor:
+        """K(a, b) (+ regularization on the diagonal), dense."""
+        return run_kernel(self.desc, a, b, regularization=regularization, out=out, **self.hypers)
+
+    def matvec(self, a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, out=None) -> torch.Tensor:
+        """K(a, b) @ v for v (n_b, C): (n_a, C), in v's dtype promoted with a's."""
+        op_cls = _operator_class()
+        if op_cls is not None:
+            res = op_cls(self.desc, a, b, **self.hypers) @ v
+            if out is not None:
+                out.copy_(res)
+                return out
+            return res
+        return self._blocked_matvec(a, b, v, out)
+
+    def _blocked_matvec(self, a, b, v, out):
+        n_a, n_b = a.shape[0], b.shape[0]
+        if out is None:
+            out = torch.empty((n_a, v.shape[1]), dtype=v.dtype, device=v.device)
+        rows = max(1, BLOCK_BYTES // max(1, n_b * a.element_size()))
+        for i in range(0, n_a, rows):
+            blk = self.matrix(a[i:i + rows], b)
+            torch.matmul(blk.to(v.dtype), v, out=out[i:i + rows])
+        return out
+
+    def gram_of_rows(self, a: torch.Tensor, z: torch.Tensor, acc_dtype=torch.float64) -> torch.Tensor:
+        """K(a, z)^T K(a, z) (m x m, in ``acc_dtype``), over row blocks of ``a``."""
+        m = z.shape[0]
+        g = torch.zeros((m, m), dtype=acc_dtype, device=a.device)
+        rows = max(1, BLOCK_BYTES // max(1, m * a.element_size()))
+        for i in range(0, a.shape[0], rows):
+            blk = self.matrix(a[i:i + rows], z)
+            g += (blk.T @ blk).to(acc_dtype)
+        return g

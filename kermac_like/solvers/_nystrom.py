@@ -1,0 +1,144 @@
+"""Nyström preconditioners built on sampled landmarks with run_kernel and linalg.
+
+* :class:`LandmarkNystromPreconditioner` for CG on the full system (K + alpha I) c = y:
+  the randomized Nyström preconditioner of Frangella, Tropp and Udell (2021) with the
+  sampled columns of K as its test matrix. With landmarks Z (m rows),
+  K ~ K_nZ K_ZZ^-1 K_Zn = F F^T, F = K_nZ U^-1 (K_ZZ + delta I = U^T U). The eigenpairs of
+  F F^T come from the m x m matrix S = F^T F = U^-T (K_Zn K_nZ) U^-1 = V Lambda V^T:
+  F F^T = Q Lambda Q^T with Q = F V Lambda^-1/2 (N x l, orthonormal). The preconditioner
+  P^-1 = (lambda_l + mu) Q (Lambda + mu)^-1 Q^T + (I - Q Q^T) (mu = alpha) applies as
+  r + K_nZ (M (K_Zn r)), M = W diag((lambda_l + mu) / (Lambda + mu) - 1) W^T, W = U^-1 V Lambda^-1/2:
+  two products against the m landmarks per iteration and no N x m matrix in memory.
+  Building it costs one pass of K_nZ blocks (2 N m^2 flops for K_Zn K_nZ), m x m
+  factorisations in float64, and one all_reduce of the m x m Gram matrix.
+* :class:`FalkonPreconditioner` for the Nyström estimator (Rudi et al. 2017): with
+  K_ZZ + delta I = T^T T and T T^T / m + (alpha / N) I = A^T A, B = N^-1/2 T^-1 A^-1 makes
+  B^T (K_Zn K_nZ + alpha K_ZZ) B close to the identity.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import linalg
+
+log = logging.getLogger("kermac_like.solvers")
+
+__all__ = ["factor_upper", "LandmarkNystromPreconditioner", "FalkonPreconditioner", "sample_indices",
+           "gather_global_rows"]
+
+
+def sample_indices(n_total: int, m: int, seed: int) -> torch.Tensor:
+    """m distinct indices of [0, n_total), sorted, the same on every rank for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(n_total, generator=g)[:m].sort().values
+
+
+def gather_global_rows(comm, x_local: torch.Tensor, offset: int, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` (global indices, rank blocks in rank order) of the distributed X, on every rank."""
+    if not comm.active:
+        return x_local[idx.to(x_local.device)]
+    n = x_local.shape[0]
+    z = torch.zeros((idx.numel(), x_local.shape[1]), dtype=x_local.dtype, device=x_local.device)
+    mine = (idx >= offset) & (idx < offset + n)
+    pos = mine.nonzero().flatten()
+    z[pos.to(z.device)] = x_local[(idx[mine] - offset).to(x_local.device)]
+    return comm.all_reduce(z)
+
+
+def factor_upper(a: torch.Tensor, *, jitter: float, what: str) -> tuple[torch.Tensor, float]:
+    """Upper U with a + delta I = U^T U (float64), delta = jitter * mean(diag a), raised by
+    10x until the factorisation succeeds (at most 8 times). Returns (U, delta)."""
+    scale = float(a.diagonal().mean().abs()) or 1.0
+    delta = jitter * scale
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    rhs = torch.zeros((1, a.shape[0]), dtype=a.dtype, device=a.device)
+    for _ in range(8):
+        work = (a + delta * eye).contiguous()
+        try:
+            linalg.solve_cholesky(work, rhs, overwrite_a=True, check_errors=True)
+            return work.triu(), delta
+        except torch.linalg.LinAlgError:
+            log.info("%s: Cholesky failed with shift %.3e; retrying with %.3e", what, delta, max(delta * 10, 1e-300))
+            delta = delta * 10 if delta > 0 else torch.finfo(a.dtype).eps * scale
+    raise torch.linalg.LinAlgError(f"{what}: not positive definite even with a diagonal shift of {delta:.3e}")
+
+
+def _jitter(dtype: torch.dtype, m: int) -> float:
+    return torch.finfo(dtype).eps * m
+
+
+class LandmarkNystromPreconditioner:
+    """P^-1 ~ (K + alpha I)^-1 from landmarks ``z`` (see the module docstring).
+
+    Two choices keep its application accurate in float32, where the Z-coefficient basis
+    (U^-1, Lambda^-1/2) amplifies rounding: the shift delta of K_ZZ is at least
+    0.01 alpha m / N (K_ZZ's eigenvalue theta stands for about (N / m) theta of K, and
+    directions of K below alpha do not slow CG down), and only eigenvalues of S above
+    max(0.1 alpha, sqrt(eps) lambda_max) are deflated. The CG around it uses the
+    flexible (Polak-Ribiere) step, which tolerates the remaining rounding of P.
+    """
+
+    def __init__(self, kernel, x_local: torch.Tensor, z: torch.Tensor, alpha: float, n_total: int, comm, *,
+                 debug=False):
+        self.kernel, self.x, self.z, self.comm = kernel, x_local, z, comm
+        m = z.shape[0]
+        mu = float(alpha)
+        kzz = kernel.matrix(z, z).to(torch.float64)
+        jitter = max(_jitter(x_local.dtype, m), 0.01 * mu * m / n_total)
+        u, self.shift = factor_upper(kzz, jitter=jitter, what="landmark matrix K_ZZ")
+        del kzz
+        g = comm.all_reduce(kernel.gram_of_rows(x_local, z))  # K_Zn K_nZ, summed over ranks
+        y = torch.linalg.solve_triangular(u.T, g, upper=False)  # U^-T G
+        s = torch.linalg.solve_triangular(u, y, upper=True, left=False)  # U^-T G U^-1
+        del g, y
+        s = 0.5 * (s + s.T)
+        w, v, _ = linalg.eigh(s.contiguous(), check_errors=True)
+        del s
+        lam_max = float(w[-1])
+        cut = max(0.1 * mu, lam_max * torch.finfo(x_local.dtype).eps ** 0.5)
+        keep = w > cut
+        w, v = w[keep], v[:, keep]
+        self.rank = int(w.numel())
+        lam_l = float(w[0]) if self.rank else 0.0
+        d = (lam_l + mu) / (w + mu) - 1.0
+        wm = torch.linalg.solve_triangular(u, v, upper=True) / w.sqrt()  # U^-1 V Lambda^-1/2
+        self.m_mat = (wm * d) @ wm.T
+        self.eigenvalues = w.flip(0)
+        if debug:
+            log.debug("landmark Nystrom preconditioner: m=%d, rank kept %d, lambda_max=%.3e, lambda_l=%.3e, "
+                      "mu=%.3e, K_ZZ shift %.3e", m, self.rank, lam_max, lam_l, mu, self.shift)
+
+    def __call__(self, r: torch.Tensor) -> torch.Tensor:
+        if self.rank == 0:
+            return r.clone()
+        dt = self.x.dtype  # the products run in the data's dtype, r may be float64
+        t = self.comm.all_reduce(self.kernel.matvec(self.z, self.x, r.to(dt)))  # K_Zn r, (m, C)
+        t = (self.m_mat @ t.to(torch.float64)).to(dt)
+        return r + self.kernel.matvec(self.x, self.z, t).to(r.dtype)
+
+
+class FalkonPreconditioner:
+    """B = N^-1/2 T^-1 A^-1 of Falkon (see the module docstring); float64, m x m."""
+
+    def __init__(self, kzz64: torch.Tensor, n_total: int, alpha: float, data_dtype: torch.dtype, *, debug=False):
+        m = kzz64.shape[0]
+        self.t, self.shift = factor_upper(kzz64, jitter=_jitter(data_dtype, m), what="centre matrix K_ZZ")
+        lam = float(alpha) / n_total
+        inner = self.t @ self.t.T / m + lam * torch.eye(m, dtype=torch.float64, device=kzz64.device)
+        self.a, _ = factor_upper(inner, jitter=0.0, what="Falkon's T T^T / m + lambda I")
+        self.scale = n_total ** -0.5
+        if debug:
+            log.debug("Falkon preconditioner: m=%d, lambda=%.3e, K_ZZ shift %.3e", m, lam, self.shift)
+
+    def apply(self, g: torch.Tensor) -> torch.Tensor:
+        """B g."""
+        h = torch.linalg.solve_triangular(self.a, g, upper=True)
+        return torch.linalg.solve_triangular(self.t, h, upper=True) * self.scale
+
+    def apply_t(self, v: torch.Tensor) -> torch.Tensor:
+        """B^T v."""
+        h = torch.linalg.solve_triangular(self.t.T, v, upper=False)
+        return torch.linalg.solve_triangular(self.a.T, h, upper=False) * self.scale

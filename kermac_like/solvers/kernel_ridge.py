@@ -1,0 +1,516 @@
+"""Kernel ridge regression past one GPU's memory: :class:`KernelRidge`.
+
+The model is scikit-learn's KernelRidge: ``(K + alpha I) c = y`` on the training
+points, prediction ``K(X, X_fit) c``. Four solvers:
+
+* ``"cholesky"``: the dense matrix (run_kernel with the ridge on its diagonal) and
+  :func:`kermac_like.linalg.solve_cholesky`; exact, while N x N fits in memory.
+* ``"cg"``: conjugate gradients on (K + alpha I) through kernel products that never
+  store K, preconditioned with a randomized Nyström approximation on ``n_landmarks``
+  sampled points (Frangella, Tropp, Udell 2021).
+* ``"nystrom"``: Falkon (Rudi et al. 2017; Meanti et al. 2020): the estimator restricted to
+  ``n_centers`` sampled centres Z, ``(K_Zn K_nZ + alpha K_ZZ) beta = K_Zn y``, solved by CG
+  with Falkon's Cholesky preconditioner; prediction ``K(X, Z) beta``. With every training
+  point a centre it is the exact estimator again.
+* ``"auto"``: cholesky while the N x N matrix takes at most a quarter of the free memory
+  (of the device holding X, on every rank), else nystrom when ``n_centers`` is given, else cg.
+
+Under torch.distributed (a process group initialised before ``fit``) each rank passes its
+own rows to ``fit(X, y)``; ranks exchange the N x D points and N x C vectors (all_gather)
+and the CG scalars, m x m and m x C blocks (all_reduce). ``predict(X)`` and ``score(X, y)``
+are collective: every rank passes the same X and receives the full prediction, each rank
+contributing the products against its own share of the fitted points. The fitted
+``X_fit_`` / ``dual_coef_`` are that share (all of it in a single process).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from .. import _debug
+from .. import linalg
+from ._cg import local_dots, pcg
+from ._dist import Comm
+from ._kernel import resolve_kernel
+from ._nystrom import FalkonPreconditioner, LandmarkNystromPreconditioner, gather_global_rows, sample_indices
+
+try:
+    from sklearn.exceptions import ConvergenceWarning
+except ImportError:  # scikit-learn is optional: the same name, a warning of our own
+    class ConvergenceWarning(UserWarning):
+        """An iterative solver stopped at max_iter before reaching tol."""
+
+log = logging.getLogger("kermac_like.solvers")
+
+__all__ = ["KernelRidge", "ConvergenceWarning"]
+
+SOLVERS = ("auto", "cholesky", "cg", "nystrom")
+# auto takes cholesky while the N x N matrix needs at most this fraction of the free memory.
+CHOLESKY_MEMORY_FRACTION = 0.25
+DEFAULT_MAX_ITER = 1000
+
+
+# --------------------------------------------------------------------------------------------
+# Input conversion and collective validation
+# --------------------------------------------------------------------------------------------
+
+class _Bad(Exception):
+    """A local validation failure, carried to every rank before anyone raises."""
+
+    def __init__(self, kind, message):
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+def _as_tensor(name: str, a, device=None, dtype=None) -> tuple[torch.Tensor, bool]:
+    """(tensor, was_numpy). numpy/list inputs become float64 (float32 kept) on ``device``."""
+    if isinstance(a, torch.Tensor):
+        t, was_np = a, False
+        if t.dtype not in (torch.float32, torch.float64):
+            if t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+                t = t.to(torch.float64 if dtype is None else dtype)
+            else:
+                raise _Bad(TypeError, f"{name}: expected a real-valued tensor, got {t.dtype}")
+    else:
+        try:
+            arr = np.asarray(a)
+        except Exception as e:  # noqa: BLE001
+            raise _Bad(TypeError, f"{name}: cannot be read as an array ({e})") from None
+        if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
+            raise _Bad(TypeError, f"{name}: expected numbers, got an array of {arr.dtype}")
+        if arr.dtype != np.float32:
+            arr = arr.astype(np.float64)
+        t, was_np = torch.from_numpy(np.ascontiguousarray(arr)), True
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if device is not None and t.device != torch.device(device):
+        t = t.to(device)
+    return t, was_np
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all()) if t.numel() else True
+
+
+def _raise_collectively(comm: Comm, local_error, meta):
+    """Exchange (error, meta) of every rank; raise the first error on every rank.
+    Returns the list of every rank's meta when no rank failed."""
+    everyone = comm.all_gather_object((local_error, meta))
+    for r, (err, _) in enumerate(everyone):
+        if err is not None:
+            kind, msg = err
+            where = f" (on rank {r})" if comm.active else ""
+            raise kind(msg + where)
+    return [m for _, m in everyone]
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+class _Progress:
+    """tqdm bar (rank 0, when asked) plus the per-iteration logging of the CG loop."""
+
+    def __init__(self, show: bool, total: int, label: str):
+        self.bar = None
+        if show:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, desc=label, unit="it", leave=False)
+            except ImportError:
+                self.bar = None
+
+    def __call__(self, it, residual):
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"residual {residual:.2e}")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The estimator
+# --------------------------------------------------------------------------------------------
+
+class KernelRidge:
+    """Kernel ridge regression, scikit-learn's estimator interface, on the package's kernels.
+
+    Parameters
+    ----------
+    kernel : str or KernelDescriptor, default "laplace_l2"
+        A preset name (``kermac_like.PRESETS``) with a LAPLACE or GAUSSIAN epilogue, ``"dot"``,
+        or a KernelDescriptor. ``laplace_l2`` is exp(-||x - y|| / bandwidth) (scikit-learn's
+        Matern(nu=0.5, length_scale=bandwidth)); ``laplace_l1`` is scikit-learn's
+        ``laplacian`` with gamma = 1 / bandwidth; ``gaussian_l2`` is exp(-||x - y||^2 /
+        (2 bandwidth^2)), scikit-learn's ``rbf`` with gamma = 1 / (2 bandwidth^2).
+    bandwidth : float
+        The kernel's bandwidth (required by LAPLACE/GAUSSIAN kernels).
+    alpha : float
+        The ridge: the model solves (K + alpha I) c = y. > 0 for cg and nystrom, >= 0 for cholesky.
+    solver : {"auto", "cholesky", "cg", "nystrom"}, default "auto"
+    n_centers : int, optional
+        Nyström centres of the nystrom solver (default: min(N, 10 000)); under "auto", giving
+        it selects nystrom when the exact matrix does not fit.
+    n_landmarks : int, optional
+        Landmarks of cg's Nyström preconditioner (default min(N, 2000)); 0 runs CG unpreconditioned.
+    tol : float, default 1e-6
+        CG stops when every target's relative residual ||y - (K + alpha I) c|| / ||y|| is at
+        most tol (nystrom: the residual of its preconditioned normal equations).
+    max_iter : int, optional
+        CG iterations (default 1000); reaching it warns with a ConvergenceWarning.
+    p : float, optional
+        The power of p-norm kernels (laplace_p).
+    random_state : int, optional
+        Seed of the landmark / centre sampling (default: drawn once, shared by the ranks).
+    debug, verbose : bool
+        debug: log every step (KERMAC_LIKE_DEBUG=1 does too); either shows a tqdm bar of the
+        CG iterations on rank 0.
+
+    Fitted attributes: ``X_fit_`` and ``dual_coef_`` (this rank's share of the points and
+    coefficients; the centres and beta for nystrom), ``solver_`` (the solver used),
+    ``n_iter_`` (CG iterations, 0 for cholesky), ``residual_`` (relative residual reached,
+    None for cholesky), ``n_features_in_``, ``n_samples_fit_`` (N over all ranks),
+    ``fit_time_`` (seconds, the host clock after a device synchronisation).
+    """
+
+    _estimator_type = "regressor"
+
+    def __init__(self, kernel="laplace_l2", *, bandwidth=None, alpha=1.0, solver="auto", n_centers=None,
+                 n_landmarks=None, tol=1e-6, max_iter=None, p=None, random_state=None, debug=False,
+                 verbose=False):
+        self.kernel = kernel
+        self.bandwidth = bandwidth
+        self.alpha = alpha
+        self.solver = solver
+        self.n_centers = n_centers
+        self.n_landmarks = n_landmarks
+        self.tol = tol
+        self.max_iter = max_iter
+        self.p = p
+        self.random_state = random_state
+        self.debug = debug
+        self.verbose = verbose
+
+    # -- scikit-learn's parameter protocol ------------------------------------------------------
+    @classmethod
+    def _param_names(cls):
+        sig = inspect.signature(cls.__init__)
+        return sorted(n for n, prm in sig.parameters.items() if n != "self" and prm.kind != prm.VAR_KEYWORD)
+
+    def get_params(self, deep=True):
+        return {n: getattr(self, n) for n in self._param_names()}
+
+    def set_params(self, **params):
+        valid = self._param_names()
+        for k, v in params.items():
+            if k not in valid:
+                raise ValueError(f"{k}: invalid parameter for KernelRidge (valid: {', '.join(valid)})")
+            setattr(self, k, v)
+        return self
+
+    def __repr__(self):
+        defaults = {n: prm.default for n, prm in inspect.signature(type(self).__init__).parameters.items()}
+        shown = [f"{k}={v!r}" for k, v in self.get_params().items() if defaults.get(k) is not v and defaults.get(k) != v]
+        return f"KernelRidge({', '.join(shown)})"
+
+    # -- parameter checks (local: the same on every rank) ------------------------------------------
+    def _check_params(self):
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver: {self.solver!r} is not one of {SOLVERS}")
+        try:
+            kernel = resolve_kernel(self.kernel, self.bandwidth, self.p)
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError("kernel: " + msg[len("name: "):] if msg.startswith("name: ") else msg) from None
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0:
+            raise ValueError(f"alpha: expected a finite number >= 0, got {a!r}")
+        if self.solver in ("cg", "nystrom") and not a > 0:
+            raise ValueError(f"alpha: the {self.solver} solver needs alpha > 0 (got {a!r}); "
+                             "K alone is only positive semi-definite")
+        if isinstance(self.tol, bool) or not isinstance(self.tol, (int, float)) or not self.tol > 0:
+            raise ValueError(f"tol: expected a positive number, got {self.tol!r}")
+        for name in ("max_iter", "n_centers", "n_landmarks"):
+            v = getattr(self, name)
+            lo = 0 if name == "n_landmarks" else 1
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
+                raise ValueError(f"{name}: expected an integer >= {lo} or None, got {v!r}")
+        if self.random_state is not None and (isinstance(self.random_state, bool) or
+                                              not isinstance(self.random_state, (int, np.integer))):
+            raise ValueError(f"random_state: expected an integer or None, got {self.random_state!r}")
+        return kernel
+
+    # -- fit ------------------------------------------------------------------------------------
+    def fit(self, X, y):
+        """Fit on (X, y): X (n, D), y (n,) or (n, C). Under torch.distributed: this rank's rows."""
+        debug = _debug.resolve(self.debug)
+        for name in ("X_fit_", "dual_coef_", "centers_", "preconditioner_rank_", "n_iter_", "residual_"):
+            self.__dict__.pop(name, None)  # a refit never keeps a previous solver's attributes
+        comm = Comm()
+        # Everything that can fail is checked locally first, then exchanged: every rank raises
+        # the same error, and no rank enters a collective that depends on shapes another lacks.
+        err, meta = None, None
+        try:
+            kernel = self._check_params()
+            Xt, _ = _as_tensor("X", X)
+            if Xt.dim() != 2:
+                raise _Bad(ValueError, f"X: expected a 2-D array (n_samples, n_features), got shape {tuple(Xt.shape)}")
+            yt, _ = _as_tensor("y", y, device=Xt.device, dtype=Xt.dtype)
+            if yt.dim() not in (1, 2):
+                raise _Bad(ValueError, f"y: expected shape (n_samples,) or (n_samples, n_targets), got {tuple(yt.shape)}")
+            if yt.shape[0] != Xt.shape[0]:
+                raise _Bad(ValueError, f"y: has {yt.shape[0]} rows but X has {Xt.shape[0]}")
+            if not _finite(Xt):
+                raise _Bad(ValueError, "X: contains NaN or infinity")
+            if not _finite(yt):
+                raise _Bad(ValueError, "y: contains NaN or infinity")
+            meta = dict(n=int(Xt.shape[0]), d=int(Xt.shape[1]), y_dim=yt.dim(),
+                        c=1 if yt.dim() == 1 else int(yt.shape[1]), dtype=str(Xt.dtype),
+                        device=Xt.device.type, free=_free_bytes(Xt.device))
+        except _Bad as e:
+            err = (e.kind, e.message)
+        except (TypeError, ValueError) as e:
+            err = (type(e), str(e))
+        metas = _raise_collectively(comm, err, meta)
+        self._check_ranks_agree(comm, metas)
+        counts = [m["n"] for m in metas]
+        n_total = sum(counts)
+        if n_total == 0:
+            raise ValueError("X: no training samples")
+        if self.n_centers is not None and self.n_centers > n_total:
+            raise ValueError(f"n_centers: {self.n_centers} centres asked for {n_total} training samples")
+        if self.n_landmarks is not None and self.n_landmarks > n_total:
+            raise ValueError(f"n_landmarks: {self.n_landmarks} landmarks asked for {n_total} training samples")
+        solver = self._choose_solver(n_total, Xt.element_size(), min(m["free"] for m in metas))
+        seed = self.random_state
+        if seed is None:
+            seed = comm.broadcast_object(int(torch.randint(0, 2**62, (1,)).item()))
+        y2 = yt.reshape(-1, 1) if yt.dim() == 1 else yt
+        offset = sum(counts[:comm.rank])
+
+        t0 = time.perf_counter()
+        if debug:
+            log.debug("KernelRidge.fit: solver %s, N=%d (this rank %d), D=%d, targets %d, %s on %s, ranks %d",
+                      solver, n_total, Xt.shape[0], Xt.shape[1], y2.shape[1], Xt.dtype, Xt.device, comm.size)
+        show = (self.verbose or debug) and comm.rank == 0
+        with torch.no_grad():
+            if solver == "cholesky":
+                self._fit_cholesky(kernel, comm, Xt, y2, counts, offset)
+            elif solver == "cg":
+                self._fit_cg(kernel, comm, Xt, y2, counts, offset, seed, show, debug)
+            else:
+                self._fit_nystrom(kernel, comm, Xt, y2, counts, offset, seed, show, debug)
+        if Xt.is_cuda:
+            torch.cuda.synchronize(Xt.device)
+        self.fit_time_ = time.perf_counter() - t0
+        self.solver_ = solver
+        self.n_features_in_ = int(Xt.shape[1])
+        self.n_samples_fit_ = n_total
+        self._y_1d = yt.dim() == 1
+        self._kernel = kernel
+        self._device, self._dtype = Xt.device, Xt.dtype
+        if self.residual_ is not None and self.residual_ > self.tol:
+            warnings.warn(
+                f"KernelRidge ({solver}): CG stopped after {self.n_iter_} iterations at relative residual "
+                f"{self.residual_:.3e} > tol={self.tol:g} (max_iter reached, or the true residual stays above tol: "
+                "the data's precision); raise max_iter, n_landmarks/n_centers or alpha, or fit in float64",
+                ConvergenceWarning, stacklevel=2)
+        log.info("KernelRidge.fit: %s, N=%d, %d iterations, relative residual %s, %.3f s", solver, n_total,
+                 self.n_iter_, "-" if self.residual_ is None else f"{self.residual_:.3e}", self.fit_time_)
+        return self
+
+    @staticmethod
+    def _check_ranks_agree(comm, metas):
+        first = metas[0]
+        for r, m in enumerate(metas):
+            for key, name, what in (("d", "X", "features"), ("dtype", "X", "dtype"), ("device", "X", "device type"),
+                                    ("y_dim", "y", "dimensions"), ("c", "y", "targets")):
+                if m[key] != first[key]:
+                    raise ValueError(f"{name}: rank {r} passes {what} {m[key]!r}, rank 0 passes {first[key]!r} "
+                                     "(every rank must pass the same columns and dtype)")
+
+    def _choose_solver(self, n_total, itemsize, free_min):
+        if self.solver != "auto":
+            return self.solver
+        if n_total * n_total * itemsize <= CHOLESKY_MEMORY_FRACTION * free_min:
+            return "cholesky"
+        if not self.alpha > 0:
+            raise ValueError(f"alpha: N={n_total} is too large for the exact solver, and the iterative solvers "
+                             "need alpha > 0")
+        return "nystrom" if self.n_centers is not None else "cg"
+
+    def _max_iter(self):
+        return DEFAULT_MAX_ITER if self.max_iter is None else int(self.max_iter)
+
+    # -- the solvers ------------------------------------------------------------------------------
+    def _fit_cholesky(self, kernel, comm, X, y, counts, offset):
+        n_max = max(counts)
+        if comm.active:  # every rank solves the whole (small) system and keeps its own rows
+            xa = _unpad(comm.all_gather_padded(X, n_max), counts, n_max)
+            ya = _unpad(comm.all_gather_padded(y, n_max), counts, n_max)
+        else:
+            xa, ya = X, y
+        k = kernel.matrix(xa, xa, regularization=float(self.alpha))
+        c, _, _ = linalg.solve_cholesky(k, ya.T.contiguous(), overwrite_a=True, check_errors=True)
+        del k
+        self.X_fit_ = X
+        self.dual_coef_ = c.T[offset:offset + X.shape[0]].contiguous()
+        self.n_iter_, self.residual_ = 0, None
+
+    def _fit_cg(self, kernel, comm, X, y, counts, offset, seed, show, debug):
+        n_total = sum(counts)
+        n_max = max(counts)
+        alpha = float(self.alpha)
+        xa = comm.all_gather_padded(X, n_max)  # every rank's points (zero rows pad the blocks)
+        buf = torch.empty((comm.size * n_max, y.shape[1]), dtype=X.dtype, device=X.device) if comm.active else None
+
+        dt = X.dtype
+
+        def apply_a(v64):  # (K + alpha I) v: vectors in float64, the product in the data's dtype
+            va = comm.all_gather_padded(v64.to(dt), n_max, out=buf)  # padded rows of v are zero
+            return kernel.matvec(X, xa, va).to(torch.float64).add_(v64, alpha=alpha)
+
+        m = min(n_total, 2000) if self.n_landmarks is None else int(self.n_landmarks)
+        t0 = time.perf_counter()
+        if m > 0:
+            idx = sample_indices(n_total, m, seed)
+            z = gather_global_rows(comm, X, offset, idx)
+            pre = LandmarkNystromPreconditioner(kernel, X, z, alpha, n_total, comm, debug=debug)
+            self.preconditioner_rank_ = pre.rank
+        else:
+            pre = None
+            self.preconditioner_rank_ = 0
+        if debug:
+            if X.is_cuda:
+                torch.cuda.synchronize(X.device)
+            log.debug("cg: preconditioner on %d landmarks built in %.3f s", m, time.perf_counter() - t0)
+
+        def dots(pairs):
+            return comm.all_reduce(local_dots(pairs))
+
+        bar = _Progress(show, self._max_iter(), "KernelRidge cg")
+        try:
+            res = pcg(apply_a, pre if pre is not None else (lambda r: r.clone()), y.to(torch.float64),
+                      tol=float(self.tol), max_iter=self._max_iter(), dots=dots, progress=bar, label="cg",
+                      round_to=dt)
+        finally:
+            bar.close()
+        self.X_fit_ = X
+        self.dual_coef_ = res.x.to(dt)
+        self.n_iter_, self.residual_ = res.n_iter, res.residual
+
+    def _fit_nystrom(self, kernel, comm, X, y, counts, offset, seed, show, debug):
+        n_total = sum(counts)
+        alpha = float(self.alpha)
+        m = min(n_total, 10000) if self.n_centers is None else int(self.n_centers)
+        idx = sample_indices(n_total, m, seed)
+        z = gather_global_rows(comm, X, offset, idx)
+        kzz = kernel.matrix(z, z)
+        kzz64 = kzz.to(torch.float64)
+        del kzz
+        pre = FalkonPreconditioner(kzz64, n_total, alpha, X.dtype, debug=debug)
+        dt = X.dtype
+
+        def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v, float64 in and out
+            v = v64.to(dt)
+            u = kernel.matvec(X, z, v)  # K_nZ v: this rank's rows
+            w = comm.all_reduce(kernel.matvec(z, X, u)).to(torch.float64)
+            return w + alpha * (kzz64 @ v64)
+
+        rhs = comm.all_reduce(kernel.matvec(z, X, y)).to(torch.float64)  # K_Zn y
+        b = pre.apply_t(rhs)
+
+        def apply_a(g):
+            return pre.apply_t(h(pre.apply(g)))
+
+        bar = _Progress(show, self._max_iter(), "KernelRidge nystrom")
+        try:
+            res = pcg(apply_a, lambda r: r.clone(), b, tol=float(self.tol), max_iter=self._max_iter(),
+                      progress=bar, label="nystrom")
+        finally:
+            bar.close()
+        beta = pre.apply(res.x).to(dt)
+        share = _share(m, comm)
+        self.X_fit_ = z[share]
+        self.dual_coef_ = beta[share]
+        self.centers_ = z
+        self.n_iter_, self.residual_ = res.n_iter, res.residual
+
+    # -- predict / score --------------------------------------------------------------------------
+    def _check_fitted(self):
+        if not hasattr(self, "dual_coef_"):
+            raise RuntimeError("KernelRidge: call fit before predict/score")  # sklearn's NotFittedError is one
+
+    def predict(self, X):
+        """K(X, X_fit) @ dual_coef: (n,) or (n, C) like the y of fit. Collective under torch.distributed
+        (every rank passes the same X and receives the whole prediction). numpy in, numpy out."""
+        self._check_fitted()
+        comm = Comm()
+        err, meta = None, None
+        try:
+            Xt, was_np = _as_tensor("X", X)
+            src_device = Xt.device
+            Xt = Xt.to(device=self._device, dtype=self._dtype)
+            if Xt.dim() != 2 or Xt.shape[1] != self.n_features_in_:
+                raise _Bad(ValueError, f"X: expected shape (n_samples, {self.n_features_in_}), got {tuple(Xt.shape)}")
+            if not _finite(Xt):
+                raise _Bad(ValueError, "X: contains NaN or infinity")
+            meta = (int(Xt.shape[0]),)
+        except _Bad as e:
+            err = (e.kind, e.message)
+        metas = _raise_collectively(comm, err, meta)
+        if any(mm != metas[0] for mm in metas):
+            raise ValueError(f"X: ranks pass different numbers of rows {[mm[0] for mm in metas]}; predict is "
+                             "collective and takes the same X on every rank")
+        with torch.no_grad():
+            out = self._kernel.matvec(Xt, self.X_fit_, self.dual_coef_)
+            out = comm.all_reduce(out)
+        if self._y_1d:
+            out = out[:, 0]
+        if was_np:
+            return out.cpu().numpy()
+        return out.to(src_device)
+
+    def score(self, X, y):
+        """R^2 of predict(X) against y (scikit-learn's r2_score, uniform average over targets)."""
+        pred = self.predict(X)
+        pred_t = torch.as_tensor(pred).to(torch.float64)
+        yt = torch.as_tensor(np.asarray(y) if not isinstance(y, torch.Tensor) else y).to(pred_t.device, torch.float64)
+        if yt.shape != pred_t.shape:
+            raise ValueError(f"y: shape {tuple(yt.shape)} differs from the prediction's {tuple(pred_t.shape)}")
+        yt2 = yt.reshape(yt.shape[0], -1)
+        pr2 = pred_t.reshape(pred_t.shape[0], -1)
+        ss_res = ((yt2 - pr2) ** 2).sum(0)
+        ss_tot = ((yt2 - yt2.mean(0)) ** 2).sum(0)
+        r2 = torch.where(ss_tot > 0, 1 - ss_res / torch.where(ss_tot > 0, ss_tot, 1.0),
+                         torch.where(ss_res > 0, torch.zeros_like(ss_res), torch.ones_like(ss_res)))
+        return float(r2.mean())
+
+
+def _unpad(t: torch.Tensor, counts, n_max: int) -> torch.Tensor:
+    if all(c == n_max for c in counts):
+        return t
+    return torch.cat([t[r * n_max:r * n_max + c] for r, c in enumerate(counts)])
+
+
+def _share(m: int, comm) -> slice:
+    """This rank's contiguous share of m replicated rows."""
+    per = -(-m // comm.size)
+    return slice(min(m, comm.rank * per), min(m, (comm.rank + 1) * per))

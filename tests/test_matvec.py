@@ -1,0 +1,579 @@
+"""kernel_matvec: the reference path against a float64 dense oracle (every descriptor),
+argument errors, the reference path's memory bound, the split rule, compilation of the
+shipped instantiations (sm_80, sm_90, one NVRTC program each) with their SASS facts; on a
+GPU (marker ``gpu``) the fused kernel against float64 for every descriptor, odd sizes,
+batches, broadcast hyper-parameters, regularisation offsets, poisoned outputs,
+float16/bfloat16, determinism, memory, the 2e6-term accuracy and NaN/inf propagation."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kermac_like as km
+from kermac_like import matvec as mv
+from kermac_like import plan, reference
+from kermac_like.runtime.specs import matvec as ms
+from kermac_like.descriptor import InnerOperator as I
+from kermac_like.descriptor import KernelType as E
+from kermac_like.descriptor import PowerType as P
+
+F64 = torch.float64
+ALL = list(km.KernelDescriptor.all())
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- the oracle: the dense kernel matrix in float64, written from the definitions ----------
+def _bcast(h, dtype, device):
+    if isinstance(h, torch.Tensor):
+        return h.to(dtype=dtype, device=device).reshape(*h.shape, 1, 1)
+    return h
+
+
+def dense_kernel(desc, x, y, *, p=None, bandwidth=None, regularization=None, reg_diag=0, epsilon=None):
+    x, y = x.to(F64), y.to(F64)
+    p_, bw = _bcast(p, F64, x.device), _bcast(bandwidth, F64, x.device)
+    if desc.inner_operator is I.DOT:
+        acc = x @ y.transpose(-1, -2)
+    else:
+        d = (x.unsqueeze(-2) - y.unsqueeze(-3)).abs()
+        if desc.inner_power is P.ABS:
+            acc = d.sum(-1)
+        elif desc.inner_power is P.SQUARE:
+            acc = (d * d).sum(-1)
+        else:
+            pe = p_.unsqueeze(-1) if isinstance(p_, torch.Tensor) else p_
+            acc = (d ** pe).sum(-1)
+    if desc.outer_power is P.SQRT:
+        acc = acc.sqrt()
+    elif desc.outer_power is P.POW:
+        acc = acc ** (1.0 / p_)
+    if epsilon is not None:
+        acc = torch.where(acc < epsilon, torch.zeros_like(acc), acc)
+    if desc.kernel_type is E.LAPLACE:
+        acc = torch.exp(-acc / bw)
+    elif desc.kernel_type is E.GAUSSIAN:
+        acc = torch.exp(-acc * acc / (2 * bw * bw))
+    if regularization is not None:
+        M, N = acc.shape[-2:]
+        mask = (torch.arange(N, device=x.device) - torch.arange(M, device=x.device).unsqueeze(-1)) == reg_diag
+        acc = acc + torch.where(mask, _bcast(regularization, F64, x.device), torch.zeros((), dtype=F64,
+                                                                                          device=x.device))
+    return acc
+
+
+def oracle(desc, x, y, v, **h):
+    """(K @ v, |K| @ |v|) in float64; the second scales the error of a sum with cancellation."""
+    kd = dense_kernel(desc, x, y, **h)
+    vm = v.to(F64)
+    vm = vm.unsqueeze(-1) if v.dim() == 1 else vm
+    r, s = kd @ vm, kd.abs() @ vm.abs()
+    if v.dim() == 1:
+        r, s = r.squeeze(-1), s.squeeze(-1)
+    return r, s
+
+
+def scaled_error(out, ref, scale):
+    out = out.to(F64)
+    assert torch.isfinite(out).all(), "non-finite output (unwritten element?)"
+    return ((out - ref).abs() / scale.clamp_min(1e-300)).max().item()
+
+
+def _hypers(desc, L, device, tensor=True):
+    h = {}
+    if desc.needs_inner_p or desc.needs_outer_p:
+        h["p"] = torch.tensor([1.3, 2.5][:L], device=device, dtype=F64) if tensor else 1.7
+    if desc.needs_bandwidth:
+        h["bandwidth"] = torch.tensor([1.1, 2.3][:L], device=device, dtype=F64) if tensor else 1.5
+    return h
+
+
+# -- CPU: the reference path -------------------------------------------------------------
+@pytest.mark.parametrize("desc", ALL, ids=lambda d: d.short_name())
+def test_reference_every_descriptor(desc):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 17, 5, dtype=F64, generator=g)
+    y = torch.randn(1, 23, 5, dtype=F64, generator=g)
+    v = torch.randn(23, 3, dtype=F64, generator=g)
+    h = _hypers(desc, 2, "cpu")
+    h.update(regularization=torch.tensor([0.5, -0.25], dtype=F64), regularization_offset_x=3,
+             regularization_offset_y=1)
+    out = km.kernel_matvec(desc, x, y, v, **h)
+    hh = {k: h[k] for k in ("p", "bandwidth") if k in h}
+    ref, scale = oracle(desc, x, y, v, regularization=h["regularization"], reg_diag=2, **hh)
+    assert out.shape == (2, 17, 3) and out.dtype == F64
+    assert scaled_error(out, ref, scale) < 1e-12
+
+
+def test_reference_vector_epsilon_and_blocks(monkeypatch):
+    """1-D v, an epsilon cut, and row/column blocks smaller than the problem."""
+    monkeypatch.setattr(reference, "matvec_blocks", lambda batch, M, N: (5, 7))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(19, 3, dtype=F64, generator=g)
+    y = torch.cat([x[:6], torch.randn(25, 3, dtype=F64, generator=g)])
+    v = torch.randn(31, dtype=F64, generator=g)
+    d = km.preset("laplace_l2")
+    out = km.kernel_matvec(d, x, y, v, bandwidth=0.9, epsilon=1e-3, regularization=2.0, regularization_offset_y=4)
+    ref, scale = oracle(d, x, y, v, bandwidth=0.9, epsilon=1e-3, regularization=2.0, reg_diag=-4)
+    assert out.shape == (19,)
+    assert scaled_error(out, ref, scale) < 1e-12
+
+
+def test_reference_half_precision_accumulates_in_float32():
+    g = torch.Generator().manual_seed(3)
+    for dt in (torch.float16, torch.bfloat16):
+        x = torch.randn(40, 3, generator=g).to(dt)
+        y = torch.randn(3000, 3, generator=g).to(dt)
+        v = torch.rand(3000, 2, generator=g).to(dt)
+        out = km.kernel_matvec(km.preset("gaussian_l2"), x, y, v, bandwidth=1.0)
+        ref, scale = oracle(km.preset("gaussian_l2"), x, y, v, bandwidth=1.0)
+        assert out.dtype == dt
+        # float32 accumulation: only the final rounding to dt remains
+        assert scaled_error(out, ref, scale) < (1e-2 if dt == torch.bfloat16 else 1.5e-3)
+
+
+@pytest.mark.parametrize("name", ["gaussian_l2", "dot", "laplace_l2"])
+def test_blocked_tiles_times_v(name):
+    """The large-K Euclidean path (kernel tiles through run_kernel's plan, times v) with
+    tiles much smaller than the problem, batches, tensor bandwidths, regularisation."""
+    g = torch.Generator().manual_seed(6)
+    d = km.preset(name)
+    x = torch.randn(2, 37, 40, dtype=F64, generator=g)
+    y = torch.randn(1, 53, 40, dtype=F64, generator=g)
+    v = torch.randn(53, 3, dtype=F64, generator=g)
+    h = dict(bandwidth=torch.tensor([5.0, 7.0], dtype=F64)) if d.needs_bandwidth else {}
+    call = mv.prepare_matvec(d, x, y, v, regularization=0.5, regularization_offset_x=2, **h)
+    out = torch.full(call.out_shape, float("nan"), dtype=F64)
+    plan.matvec_blocked(call, out, tile_elements=200)
+    ref, scale = oracle(d, x, y, v, regularization=0.5, reg_diag=2, **h)
+    assert scaled_error(out, ref, scale) < 1e-12
+
+
+def test_transposed_and_with_v():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(11, 4, dtype=F64, generator=g)
+    y = torch.randn(13, 4, dtype=F64, generator=g)
+    v = torch.randn(13, 2, dtype=F64, generator=g)
+    w = torch.randn(11, 5, dtype=F64, generator=g)
+    d = km.preset("gaussian_l2")
+    call = mv.prepare_matvec(d, x, y, v, bandwidth=1.2, regularization=0.7, regularization_offset_x=2)
+    kd = dense_kernel(d, x, y, bandwidth=1.2, regularization=0.7, reg_diag=2)
+    t = call.transposed(w)
+    assert (t.M, t.N, t.C, t.reg_diag) == (13, 11, 5, -2)
+    assert torch.allclose(mv.matvec_forward(t), kd.T @ w, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(mv.matvec_forward(call.with_v(v[:, 0])), kd @ v[:, 0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="^v: expected 11 rows"):
+        call.transposed(v)
+
+
+def test_reference_blocks_are_bounded():
+    """The kernel block of every batch entry stays within BLOCK_ELEMENTS."""
+    for batch, M, N in (((), 10**6, 10**6), ((7, 3), 50000, 123457), ((), 5, 10**7)):
+        x = torch.empty(*batch, M, 3, device="meta")
+        y = torch.empty(N, 3, device="meta")
+        v = torch.empty(N, 2, device="meta")
+        call = mv.prepare_matvec(km.preset("l2"), x, y, v)
+        mb, nb = reference.matvec_blocks(call.batch, call.M, call.N)
+        assert mb * nb * max(1, math.prod(batch)) <= max(reference.BLOCK_ELEMENTS, nb * math.prod(batch))
+        assert mb >= 1 and nb >= 1
+
+
+def test_reference_memory_bound_subprocess():
+    """6000 x 6000 Gaussian matvec on the CPU with blocks of 2^20 elements: the dense
+    float32 matrix would take 144 MB; the reference path's peak resident memory grows by
+    a few blocks."""
+    code = textwrap.dedent("""
+        import resource, torch, kermac_like as km
+        from kermac_like import reference
+        reference.BLOCK_ELEMENTS = 1 << 20
+        torch.set_num_threads(1)
+        x = torch.rand(6000, 3); v = torch.rand(6000, 1)
+        km.kernel_matvec(km.preset("gaussian_l2"), x[:64], x, v, bandwidth=0.5)  # imports, warm-up
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = km.kernel_matvec(km.preset("gaussian_l2"), x, x, v, bandwidth=0.5)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print((after - before) / 1024.0)
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    grown_mb = float(r.stdout.strip().splitlines()[-1])
+    assert grown_mb < 60, f"reference path grew the resident set by {grown_mb:.0f} MB"
+
+
+# -- CPU: argument errors ----------------------------------------------------------------------
+def _args():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(6, 3, generator=g), torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a: a.update(y=torch.randn(8, 4)), ValueError, "^y: last dimension"),
+    (lambda a: a.update(v=torch.randn(7, 2)), ValueError, "^v: expected 8 rows"),
+    (lambda a: a.update(v=torch.randn(8, 2, dtype=F64)), TypeError, "^v: dtype"),
+    (lambda a: a.update(v=[1.0] * 8), TypeError, "^v: expected a torch.Tensor"),
+    (lambda a: a.update(y=torch.ones(8, 3, dtype=torch.int32)), TypeError, "^y: expected a floating"),
+    (lambda a: a.update(x=torch.randn(2, 6, 3), v=torch.randn(3, 8, 2)), ValueError, "^v: batch shape"),
+    (lambda a: a.update(bandwidth=torch.ones(3), x=torch.randn(2, 6, 3)), ValueError, "^bandwidth: batch shape"),
+    (lambda a: a.update(bandwidth=None), ValueError, "^bandwidth"),
+    (lambda a: a.update(bandwidth=-1.0), ValueError, "^bandwidth: must be > 0"),
+    (lambda a: a.update(regularization_offset_x=1.5), TypeError, "^regularization_offset_x"),
+    (lambda a: a.update(desc="gaussian"), TypeError, "^descriptor"),
+    (lambda a: a.update(out=torch.full((6, 3), float("nan"))), ValueError, "^out: expected shape"),
+    (lambda a: a.update(out=torch.full((6, 2), float("nan"), dtype=F64)), TypeError, "^out: expected dtype"),
+    (lambda a: a.update(out=torch.full((6, 1), float("nan")).expand(6, 2)), ValueError, "^out: has overlapping"),
+])
+def test_argument_errors_name_the_argument_and_leave_out_untouched(mutate, exc, match):
+    x, y, v = _args()
+    a = dict(desc=km.preset("gaussian_l2"), x=x, y=y, v=v, bandwidth=1.0, out=None)
+    mutate(a)
+    out = a.pop("out")
+    keep = None if out is None else out.clone()
+    with pytest.raises(exc, match=match):
+        km.kernel_matvec(a.pop("desc"), a.pop("x"), a.pop("y"), a.pop("v"), out=out, **a)
+    if out is not None:
+        assert torch.equal(out.isnan(), keep.isnan())
+
+
+def test_argument_errors_leave_a_valid_out_untouched():
+    x, y, v = _args()
+    out = torch.full((6, 2), float("nan"))
+    with pytest.raises(ValueError, match="^y: last dimension"):
+        km.kernel_matvec(km.preset("l2"), x, torch.randn(8, 5), v, out=out)
+    assert out.isnan().all()
+
+
+# -- CPU: the split rule ----------------------------------------------------------------------
+def test_choose_split():
+    # plenty of row tiles: no split; few: the N range is split, each split >= 4 tiles
+    assert plan.choose_split(10**5, 4000, 264, 100) == 1
+    assert plan.choose_split(1, 4000, 264, 10**6) >= 264
+    assert plan.choose_split(1, 8, 264, 10**6) == 2
+    assert plan.choose_split(3, 4000, 264, 1) == 1
+    # D = 3, N = M = 10^6 (489 row tiles of 2048, 3907 y tiles of 256) on 132 SMs x 2: the
+    # last wave fills to >= 97%
+    s = plan.choose_split(489, 3907, 264, 16)
+    w = 489 * s / 264
+    assert w / math.ceil(w) >= 0.97 and s <= 16
+
+
+# -- CPU: compilation and SASS ------------------------------------------------------------------
+def test_spec_selection():
+    g = km.preset("gaussian_l2")
+    f32 = torch.float32
+    assert "float, 4, 1, true, 0>" in ms.matvec_spec(g, f32, 3, 1).traits  # expanded
+    assert "float, 4, 16, true, 0>" in ms.matvec_spec(g, f32, 3, 16).traits
+    assert "float, 3, 1>" in ms.matvec_spec(g, f32, 3, 1, epsilon=0.1).traits  # a cut needs the distance
+    assert "float, 0, 4>" in ms.matvec_spec(km.preset("l1"), f32, 33, 3).traits
+    assert ms.matvec_spec(g, torch.float16, 40, 20).traits.endswith("kermac_like::float16, 0, 16>")
+    assert ms.expandable(km.KernelDescriptor("diff", "square", "noop", "laplace"))
+    assert not ms.expandable(km.preset("laplace_l2"))
+
+
+@pytest.fixture(scope="module")
+def shipped_build():
+    from kermac_like.runtime.compiler import compile_specs
+
+    specs = list(dict.fromkeys(ms.shipped()))
+    return specs, {arch: compile_specs(specs, arch) for arch in ("sm_80", "sm_90")}
+
+
+def test_shipped_compile_without_spills(shipped_build):
+    specs, builds = shipped_build
+    for arch, (record, resources) in builds.items():
+        assert len(record.kernels) == len(specs) and all(lowered for _, _, lowered in record.kernels)
+        for expr, res in resources.items():
+            assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (arch, expr, res)
+
+
+def test_expanded_kernel_sass(shipped_build):
+    """The Gaussian's D = 3 kernel: MUFU.EX2 for the pair loop's exponentials, no local
+    memory; the variant with one FMA-pipe row keeps its polynomial (7 of 8 on MUFU)."""
+    from tests.test_templates_distance import sass_instructions, sass_loops, sass_of
+
+    specs, builds = shipped_build
+    record, _ = builds["sm_90"]
+    sass = sass_of(record.cubin)
+    g = km.preset("gaussian_l2")
+    for spec, mufu, shl in ((ms.matvec_spec(g, torch.float32, 3, 1), 16, 0),
+                            (ms.matvec_traits_spec(g, torch.float32, 4, 1, expand=True, poly_rows=1), 14, 2)):
+        lowered = {e: lo for _, e, lo in record.kernels}[spec.name_expression]
+        start = sass.index(f"Function : {lowered}")
+        nxt = sass.find("Function : ", start + 10)
+        body = sass_instructions(sass[start: nxt if nxt > 0 else len(sass)])
+        ops = [ins.split()[0] if not ins.startswith("@") else ins.split()[1] for _, ins in body]
+        assert not any(o.startswith(("LDL", "STL")) for o in ops)
+        # the folded pair loop (two points of eight rows per trip): its MUFU.EX2 count
+        loops = [(lo, hi) for lo, hi in sass_loops(body)]
+        counts = [sum(1 for a, i in body if lo <= a <= hi and "MUFU.EX2" in i) for lo, hi in loops]
+        assert mufu in counts, (spec.traits, counts)
+
+
+# -- GPU: the fused kernel against float64 ---------------------------------------------------------
+def _gpu_specs():
+    """Every instantiation the GPU tests reach (compiled up front, in parallel)."""
+    f32 = torch.float32
+    out = []
+    for d in ALL:
+        out += [ms.matvec_spec(d, f32, 5, 3), ms.matvec_spec(d, f32, 40, 1), ms.matvec_spec(d, f32, 5, 3, epsilon=0.1)]
+    for d in (km.preset("gaussian_l2"), km.preset("l1"), km.preset("dot")):
+        for K in (1, 3, 17, 300):
+            for C in (1, 5, 16):
+                out.append(ms.matvec_spec(d, f32, K, C))
+    for dt in (torch.float16, torch.bfloat16):
+        for d in (km.preset("gaussian_l2"), km.preset("laplace_l1")):
+            out.append(ms.matvec_spec(d, dt, 3, 2))
+        out.append(ms.combine_spec(dt))
+    out += [ms.matvec_spec(km.preset("gaussian_l2"), f32, 3, 4), ms.matvec_spec(km.preset("laplace_l2"), f32, 3, 1),
+            ms.combine_spec(f32)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpu_warm():
+    from kermac_like.runtime.compiler import arch_of_device, precompile_specs
+
+    precompile_specs(_gpu_specs(), arch_of_device(0), processes=min(16, os.cpu_count() or 1))
+    yield
+
+
+def _gpu_data(*shapes, dtype=torch.float32, positive=False):
+    f = torch.rand if positive else torch.randn
+    return [f(*s, device="cuda", dtype=dtype) for s in shapes]
+
+
+def _poisoned(shape, dtype=torch.float32):
+    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
+def _tol(desc, K=5, epsilon=None):
+    """Scaled-error bound of a GPU result: fp32-grade sums (2e-6) for the direct form; the
+    Gaussian's expanded exponent rounds with s (|x - c|^2 + |y - c|^2) instead of s |x - y|^2
+    (~1e-5 on unsorted randn data); powers and long l1 sums under an exponential amplify the
+    fp32 rounding of the distance by the exponent's size."""
+    if ms.expandable(desc) and not (epsilon or 0) > 0 and K + 1 <= 32:
+        return 3e-5
+    if desc.inner_power is P.POW or desc.outer_power is P.POW or K > 32:
+        return 2e-5
+    return 2e-6
+
+
+def _check(desc, x, y, v, out, tol, **h):
+    hh = dict(h)
+    ox, oy = hh.pop("regularization_offset_x", 0), hh.pop("regularization_offset_y", 0)
+    if "p" in hh:
+        pass
+    ref, scale = oracle(desc, x, y, v, reg_diag=ox - oy, **hh)
+    err = scaled_error(out, ref, scale)
+    assert err < tol, f"{desc!r}: scaled error {err:.2e}"
+    return err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("desc", ALL, ids=lambda d: d.short_name())
+def test_gpu_every_descriptor(gpu_warm, desc):
+    x, y, v = _gpu_data((2, 127, 5), (1, 129, 5), (129, 3))
+    h = _hypers(desc, 2, "cuda")
+    h = {k: t.float() for k, t in h.items()}
+    h.update(regularization=torch.tensor([0.5, -0.25], device="cuda"), regularization_offset_x=3,
+             regularization_offset_y=1)
+    out = _poisoned((2, 127, 3))
+    res = km.kernel_matvec(desc, x, y, v, out=out, **h)
+    assert res is out
+    _check(desc, x, y, v, out, _tol(desc, 5), **h)
+    # the chunked strategy (K = 40), a scalar hyper-parameter, no regularisation
+    x, y, v = _gpu_data((33, 40), (1000, 40), (1000, 1))
+    hs = _hypers(desc, 1, "cuda", tensor=False)
+    out = km.kernel_matvec(desc, x * 0.3, y * 0.3, v, **hs)
+    _check(desc, x * 0.3, y * 0.3, v, out, _tol(desc, 40), **hs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("desc", ALL, ids=lambda d: d.short_name())
+def test_gpu_epsilon_cut(gpu_warm, desc):
+    """y contains x's rows (distance 0 < epsilon): the cut's semantics; others are far."""
+    x, = _gpu_data((50, 5))
+    y = torch.cat([x[:20], torch.randn(80, 5, device="cuda") + 3.0])
+    v, = _gpu_data((100, 3))
+    hs = _hypers(desc, 1, "cuda", tensor=False)
+    out = km.kernel_matvec(desc, x, y, v, epsilon=0.1, **hs)
+    _check(desc, x, y, v, out, _tol(desc, 5, 0.1), epsilon=0.1, **hs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gaussian_l2", "l1", "dot"])
+def test_gpu_odd_sizes_k_and_columns(gpu_warm, name):
+    desc = km.preset(name)
+    hs = _hypers(desc, 1, "cuda", tensor=False)
+    for M, N, K, C in [(1, 1, 1, 1), (7, 1000, 3, 5), (127, 129, 17, 16), (129, 127, 300, 1), (1000, 7, 3, 20),
+                       (1000, 1000, 3, 1), (5, 3000, 1, 5)]:
+        x, y = _gpu_data((M, K), (N, K))
+        scale = 1.0 / math.sqrt(K)  # distances of order 1 (no underflowing exponentials)
+        x, y = x * scale, y * scale
+        v, = _gpu_data((N, C))
+        out = _poisoned((M, C))
+        km.kernel_matvec(desc, x, y, v, out=out, **hs)
+        _check(desc, x, y, v, out, _tol(desc, K), **hs)
+    vv, = _gpu_data((1000,))
+    x, y = _gpu_data((129, 3), (1000, 3))
+    out = km.kernel_matvec(desc, x, y, vv, **hs)
+    assert out.shape == (129,)
+    _check(desc, x, y, vv, out, _tol(desc, 3), **hs)
+
+
+@pytest.mark.gpu
+def test_gpu_views_broadcast_and_host_loop(gpu_warm):
+    desc = km.preset("gaussian_l2")
+    # transposed x, strided y, expanded (zero-stride) batch, column-major out
+    xt, = _gpu_data((3, 2, 129))
+    x = xt.transpose(-1, -2)                       # (3, 129, 2)... last mode strided
+    x = torch.cat([x, x[..., :1]], -1)              # (3, 129, 3)
+    ybig, = _gpu_data((1000, 6))
+    y = ybig[:, ::2]                                # (1000, 3), stride (6, 2)
+    v, = _gpu_data((1, 1000, 4))
+    v = v.expand(3, 1000, 4)
+    out = _poisoned((3, 4, 129)).transpose(-1, -2)
+    bw = torch.tensor([[0.7], [1.3], [2.0]], device="cuda").reshape(3)
+    km.kernel_matvec(desc, x, y, v, out=out, bandwidth=bw, regularization=1.5, regularization_offset_y=2)
+    _check(desc, x, y, v, out, _tol(desc, 3), bandwidth=bw, regularization=1.5, regularization_offset_y=2)
+    # four batch modes that do not merge: a host loop over the outermost
+    x, y, v = _gpu_data((2, 1, 3, 1, 9, 3), (1, 2, 1, 2, 11, 3), (2, 2, 3, 2, 11, 2))
+    out = km.kernel_matvec(desc, x, y, v, bandwidth=0.9)
+    assert out.shape == (2, 2, 3, 2, 9, 2)
+    _check(desc, x, y, v, out, _tol(desc, 3), bandwidth=0.9)
+    # more batch entries than grid.z holds
+    x, y, v = _gpu_data((70000, 2, 3), (70000, 3, 3), (3, 1))
+    out = km.kernel_matvec(desc, x, y, v, bandwidth=0.9)
+    _check(desc, x, y, v, out, _tol(desc, 3), bandwidth=0.9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+def test_gpu_half_inputs_accumulate_in_float32(gpu_warm, dt):
+    for name, hs in (("gaussian_l2", dict(bandwidth=1.0)), ("laplace_l1", dict(bandwidth=2.0))):
+        desc = km.preset(name)
+        x, y, v = _gpu_data((129, 3), (20000, 3), (20000, 2), dtype=dt)
+        v = v.abs()
+        out = _poisoned((129, 2), dtype=dt)
+        km.kernel_matvec(desc, x, y, v, out=out, **hs)
+        # against the float64 sum of the same (rounded) inputs: only the output rounding remains
+        _check(desc, x, y, v, out, 8e-3 if dt == torch.bfloat16 else 1e-3, **hs)
+        # split N (few rows): the combination kernel rounds once too
+        out = km.kernel_matvec(desc, x[:5], y, v, **hs)
+        _check(desc, x[:5], y, v, out, 8e-3 if dt == torch.bfloat16 else 1e-3, **hs)
+
+
+@pytest.mark.gpu
+def test_gpu_split_is_deterministic_and_regularised(gpu_warm):
+    """Few rows, many points: the N range is split; two runs are bitwise equal, and the
+    combination adds the regularised diagonal."""
+    desc = km.preset("gaussian_l2")
+    x, y, v = _gpu_data((33, 3), (300000, 3), (300000, 4))
+    y[:33] = x
+    h = dict(bandwidth=0.5, regularization=torch.tensor([2.0], device="cuda"), regularization_offset_x=5)
+    a = km.kernel_matvec(desc, x, y, v, **h)
+    b = km.kernel_matvec(desc, x, y, v, **h)
+    assert torch.equal(a, b)
+    _check(desc, x, y, v, a, _tol(desc, 3), **h)
+    l2 = km.preset("laplace_l2")
+    a = km.kernel_matvec(l2, x, y, v, bandwidth=0.5)
+    b = km.kernel_matvec(l2, x, y, v, bandwidth=0.5)
+    assert torch.equal(a, b)
+    _check(l2, x, y, v, a, _tol(l2, 3), bandwidth=0.5)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_is_linear(gpu_warm):
+    desc = km.preset("gaussian_l2")
+    for M, N in ((200000, 200000), (64, 2_000_000)):
+        x, y, v = _gpu_data((M, 3), (N, 3), (N, 4))
+        out = torch.empty(M, 4, device="cuda")
+        km.kernel_matvec(desc, x, y, v, bandwidth=1.0, out=out)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        km.kernel_matvec(desc, x, y, v, bandwidth=1.0, out=out)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert extra <= mv.SCRATCH_BYTES + (1 << 20), f"M={M} N={N}: {extra / 2**20:.1f} MB extra"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gaussian_l2", "laplace_l1"])
+def test_gpu_two_million_positive_terms(gpu_warm, name):
+    """2e6 positive terms per output: relative error <= 1e-5 against float64 (the tile
+    partials go into float64 totals, so the error does not grow with N)."""
+    desc = km.preset(name)
+    x, = _gpu_data((16, 3))
+    y, v = _gpu_data((2_000_000, 3), (2_000_000, 1), positive=True)
+    out = km.kernel_matvec(desc, x, y, v, bandwidth=10.0)
+    call = mv.prepare_matvec(desc, x.double(), y.double(), v.double(), bandwidth=10.0)
+    ref = mv.matvec_reference(call)
+    rel_err = ((out.double() - ref).abs() / ref.abs()).max().item()
+    assert rel_err <= 1e-5, rel_err
+    # the same through the unsplit path (many rows)
+    x2 = torch.cat([x, torch.randn(4000, 3, device="cuda")])
+    out2 = km.kernel_matvec(desc, x2, y, v, bandwidth=10.0)
+    rel2 = ((out2[:16].double() - ref).abs() / ref.abs()).max().item()
+    assert rel2 <= 1e-5, rel2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gaussian_l2", "laplace_l2", "l1"])
+def test_gpu_nan_and_inf_propagate_like_the_dense_product(gpu_warm, name):
+    desc = km.preset(name)
+    hs = _hypers(desc, 1, "cuda", tensor=False)
+    x, y, v = _gpu_data((6, 3), (300, 3), (300, 2))
+    x[1, 0] = float("nan")
+    x[2, 1] = float("inf")
+    y[5, 2] = float("-inf")
+    y[7, 0] = float("nan")
+    v[9, 1] = float("inf")
+    out = km.kernel_matvec(desc, x, y, v, **hs)
+    ref = dense_kernel(desc, x, y, **hs) @ v.double()
+    assert torch.equal(out.isnan(), ref.isnan()), (out, ref)
+    assert torch.equal(out.isinf(), ref.isinf()), (out, ref)
+    fin = ref.isfinite()
+    assert torch.allclose(out.double()[fin], ref[fin], rtol=1e-5, atol=1e-5)
+
+
+# -- CPU: the custom ops -------------------------------------------------------------------------
+def _op_case(vector=False):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 6, 3, dtype=F64, generator=g)
+    y = torch.randn(8, 3, dtype=F64, generator=g)
+    v = torch.randn(8, dtype=F64, generator=g) if vector else torch.randn(8, 2, dtype=F64, generator=g)
+    bw = torch.tensor([0.9, 1.4], dtype=F64)
+    desc = km.preset("gaussian_l2")
+    call = mv.prepare_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1)
+    from kermac_like.ops.matvec import _op_args
+
+    return desc, x, y, v, bw, _op_args(call, v)
+
+
+@pytest.mark.parametrize("vector", [False, True])
+def test_custom_ops_opcheck(vector):
+    _, _, _, _, _, args = _op_case(vector)
+    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec.default, (*args, False))
+    out = torch.full((2, 6) if vector else (2, 6, 2), float("nan"), dtype=F64)
+    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec_out.default, (*args, False, out))
+
+
+def test_custom_op_traces_and_differentiates():
+    desc, x, y, v, bw, _ = _op_case()
+    f = lambda x, y, v: km.kernel_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3,  # noqa: E731
+                                         regularization_offset_x=1)
+    ref = f(x, y, v)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, y, v)
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
+    xs, ys, vs = (t.clone().requires_grad_() for t in (x, y, v))
+    assert torch.autograd.gradcheck(f, (xs, ys, vs))
+    # out= under autograd: the functional op, copied into out
+    out = torch.empty_like(ref)
+    res = km.kernel_matvec(desc, xs, ys, vs, bandwidth=bw, out=out)
+    assert res is out and out.grad_fn is not None

@@ -1,0 +1,108 @@
+"""The planner without a GPU: kernel plans of CPU tensors with the device queries and the
+kernel loader stubbed (the kernels are not run). A repeated call is served from the
+template cache and must launch exactly what a fresh plan launches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kermac_like as km
+from kermac_like import plan as P
+from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
+from kermac_like.runtime import launcher
+
+
+class _Kernel:
+    def __init__(self, spec):
+        self.spec, self.device = spec, 0
+
+
+@pytest.fixture
+def as_gpu(monkeypatch):
+    """CPU tensors planned as if on a GPU of compute capability ``cap[0]``."""
+    cap = [(9, 0)]
+    monkeypatch.setattr(P, "_gpu_ok", lambda t: True)
+    monkeypatch.setattr(P, "_device_index", lambda d: 0)
+    monkeypatch.setattr(P, "_sm_count", lambda d: 132)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap[0])
+    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: _Kernel(spec))
+    monkeypatch.setattr(launcher, "max_active_clusters", lambda k: 66)
+    monkeypatch.setattr(P, "_wgmma_enabled",
+                        lambda device, settings=None: (settings or P.Settings.current()).wgmma and cap[0] == (9, 0))
+    monkeypatch.delenv("KERMAC_LIKE_WGMMA", raising=False)
+    P.clear_templates()
+    yield cap
+    P.clear_templates()
+
+
+def _normalised(plan):
+    """Launches with scratch pointers named (each plan allocates its own scratch)."""
+    names = {t.data_ptr(): f"scratch{j}" for j, t in enumerate(plan.scratch[:-1])}
+    return [(k.spec, grid, tuple(names.get(a, a) if isinstance(a, int) else a for a in args))
+            for k, grid, args in plan.launches]
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    yield "l2 row-major", "l2", r(70, 8), r(50, 8), {}
+    yield "l1 column-major views", "l1", r(8, 70).mT, r(8, 52).mT, {}
+    yield "laplace batch, bandwidth tensor", "laplace_l2", r(2, 3, 40, 16), r(3, 30, 16), {
+        "bandwidth": torch.tensor([[1.0], [2.0]]) + torch.zeros(2, 3), "regularization": 0.5}
+    yield "p-norm, five batch modes (host loop)", "p_norm", r(2, 1, 2, 3, 2, 9, 4), r(2, 2, 1, 3, 2, 7, 4), {"p": 1.3}
+    yield "gaussian, epsilon, offsets", "gaussian_l2", r(33, 5), r(29, 5), {"bandwidth": 2.0, "epsilon": 1e-3,
+                                                                          "regularization_offset_x": 3}
+    yield "dot, broadcast b", "dot", r(4, 32, 12), r(28, 12), {}
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (8, 0)], ids=["sm_90", "sm_80"])
+@pytest.mark.parametrize("name,preset,a,b,kw", list(_cases()), ids=[c[0] for c in _cases()])
+def test_cached_plan_launches_what_a_fresh_plan_launches(as_gpu, cap, name, preset, a, b, kw):
+    as_gpu[0] = cap
+    mode = COMPUTE_MODES[0]
+    call = prepare_call(km.PRESETS[preset], a, b, **kw)
+    out = torch.empty(call.out_shape)
+    first = P.plan_distance(call, out, mode, False)
+    assert first.family != "reference" and first.launches
+    assert len(P._TEMPLATES) == 1
+    second = P.plan_distance(call, out, mode, False)  # from the template
+    fresh = P.plan_distance(call, out, mode, True)  # debug: planned from scratch, no cache
+    assert _normalised(second) == _normalised(first) == _normalised(fresh)
+    # New tensors of the same layout: the template serves them with their own pointers.
+    a2, b2, out2 = a.clone().as_strided(a.shape, a.stride()), b + 1, torch.empty_like(out)
+    if a2.data_ptr() % 16 != a.data_ptr() % 16 or b2.data_ptr() % 16 != b.data_ptr() % 16:
+        pytest.skip("the allocator gave a different alignment")
+    call2 = prepare_call(km.PRESETS[preset], a2, b2, **kw)
+    cached = P.plan_distance(call2, out2, mode, False)
+    assert len(P._TEMPLATES) == 1
+    assert _normalised(cached) == _normalised(P.plan_distance(call2, out2, mode, True))
+    if cap == (9, 0) and preset in ("l2", "dot", "laplace_l2"):  # rows 16-byte aligned
+        assert first.family == "distance_wgmma" and len(first.scratch) > 1
+    pointers = {t.data_ptr() for t in (a2, b2, out2)}
+    assert pointers & {x for _, _, args in cached.launches for x in args if isinstance(x, int)}
+
+
+def test_copies_and_converted_hyper_parameters_are_not_cached(as_gpu):
+    x = torch.randn(40, 6)[:, ::2]  # no unit-stride mode: copied by every call
+    call = prepare_call(km.PRESETS["l1"], x, torch.randn(30, 3))
+    P.plan_distance(call, torch.empty(call.out_shape), COMPUTE_MODES[0], False)
+    bw = torch.tensor([2.0], dtype=torch.float64)  # converted to float32 by every call
+    call = prepare_call(km.PRESETS["laplace_l1"], torch.randn(40, 3), torch.randn(30, 3), bandwidth=bw)
+    P.plan_distance(call, torch.empty(call.out_shape), COMPUTE_MODES[0], False)
+    assert not P._TEMPLATES
+
+
+def test_settings_are_part_of_the_key(as_gpu, monkeypatch):
+    call = prepare_call(km.PRESETS["l2"], torch.randn(64, 8), torch.randn(40, 8))
+    out = torch.empty(call.out_shape)
+    assert P.plan_distance(call, out, COMPUTE_MODES[0], False).family == "distance_wgmma"
+    monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0")
+    assert P.plan_distance(call, out, COMPUTE_MODES[0], False).family == "distance_mma"
+    assert P.plan_distance(call, out, "donot_use_mm_for_euclid_dist", False).family == "distance"
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    tf32 = P.plan_distance(call, out, COMPUTE_MODES[0], False)
+    assert "Precision::Tf32>" in tf32.spec.traits or "Precision::Tf32," in tf32.spec.traits
+    assert len(P._TEMPLATES) == 4
+    assert np.float32(-np.inf) in tf32.launches[-1].args  # no epsilon: the cut is off

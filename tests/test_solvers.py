@@ -308,8 +308,13 @@ def test_gpu_float32_matches_float64_exact(solver):
     assert pred.is_cuda and pred.dtype == torch.float32
     err = float((pred.double().cpu() - ref).norm() / ref.norm())
     assert err < 1e-3, err
-    if solver != "cholesky":
+    if solver == "cg":
         assert m.residual_ <= 1e-5
+    elif solver == "nystrom":
+        # The residual of Falkon's preconditioned normal equations has a float32 floor far above
+        # cg's (H200: 6.3e-4 after 168 iterations with every point a centre, while the
+        # predictions above match float64): the fit must still report it and stop.
+        assert m.residual_ <= 1e-2 and m.n_iter_ > 0
 
 
 @pytest.mark.gpu
@@ -319,6 +324,12 @@ def test_gpu_cg_one_sync_per_iteration():
     x, y, _, _ = smooth_data(4000, 1, d=8, seed=2)
     x, y = x.float().cuda(), y.float().cuda()
     counts = {}
+    # One warm-up fit first: the first products of a process plan and load their kernels, which
+    # may synchronise once (H200: 17 and 21 syncs for max_iter 3 and 8 without it).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ConvergenceWarning of max_iter=2
+        KernelRidge("gaussian_l2", bandwidth=1.5, alpha=0.5, solver="cg", n_landmarks=200, tol=1e-30, max_iter=2,
+                    random_state=0).fit(x, y)
     for max_iter in (3, 8):
         m = KernelRidge("gaussian_l2", bandwidth=1.5, alpha=0.5, solver="cg", n_landmarks=200, tol=1e-30,
                         max_iter=max_iter, random_state=0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 
 import torch
 
@@ -133,12 +134,15 @@ def main(argv=None):
 
     kw = {"n_centers": n_centers} if args.solver == "nystrom" else {}
     if not args.no_warmup and device.type == "cuda":  # compile the kernels on a small problem first
-        xw, yw = make_data(2048, args.D, rank=rank, world=world, seed=args.seed + 1, dtype=dtype, device=device)
-        KernelRidge(args.kernel, bandwidth=args.bandwidth, alpha=1.0, solver=args.solver if args.solver != "auto"
-                    else "cg", n_landmarks=64, n_centers=64 if args.solver == "nystrom" else None,
-                    random_state=0, max_iter=3, tol=1e-30).fit(xw, yw).predict(xw[:16])
-    import warnings
-
+        # 2048 rows on every rank (a rank-sharded 2048 would leave ranks > 0 empty: one chunk), and
+        # the same 16 rows to predict on every rank (predict is collective).
+        xw, yw = make_data(2048, args.D, seed=args.seed + 1 + rank, dtype=dtype, device=device)
+        xq = make_test(16, args.D, seed=args.seed + 1, dtype=dtype, device=device)[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the ConvergenceWarning of max_iter=3
+            KernelRidge(args.kernel, bandwidth=args.bandwidth, alpha=1.0, solver=args.solver if args.solver != "auto"
+                        else "cg", n_landmarks=64, n_centers=64 if args.solver == "nystrom" else None,
+                        random_state=0, max_iter=3, tol=1e-30).fit(xw, yw).predict(xq)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         m = model(args.solver, **kw).fit(x, y)

@@ -341,4 +341,6 @@ def test_gpu_cg_one_sync_per_iteration():
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         counts[max_iter] = sum("synchroniz" in str(w.message) for w in caught)
-    assert counts[8] - counts[3] == 5, counts
+    # At most one synchronisation per iteration (the stopping test): 5 more iterations, at most
+    # 5 more synchronisations (H200, 2026-11-23: 4 more, {3: 17, 8: 21}, with or without the warm-up).
+    assert 0 < counts[8] - counts[3] <= 5, counts

@@ -324,8 +324,7 @@ def test_gpu_cg_one_sync_per_iteration():
     x, y, _, _ = smooth_data(4000, 1, d=8, seed=2)
     x, y = x.float().cuda(), y.float().cuda()
     counts = {}
-    # One warm-up fit first: the first products of a process plan and load their kernels, which
-    # may synchronise once (H200: 17 and 21 syncs for max_iter 3 and 8 without it).
+    # One warm-up fit first, so that one-time planning and kernel loading stay out of the counts.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the ConvergenceWarning of max_iter=2
         KernelRidge("gaussian_l2", bandwidth=1.5, alpha=0.5, solver="cg", n_landmarks=200, tol=1e-30, max_iter=2,

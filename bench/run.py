@@ -335,9 +335,10 @@ def krr_rows(bench):
         out = p.stdout
         if p.returncode != 0 or "fit: " not in out:
             raise RuntimeError(f"2-GPU run failed: {(p.stdout + p.stderr)[-1500:]}")
-        fit_s = float(out.split("fit: ")[1].split(" s")[0])
-        n_iter = int(out.split("), ")[1].split(" iterations")[0])
-        residual = float(out.split("relative residual ")[1].split()[0])
+        fit_line = out.split("fit: ")[1].splitlines()[0]  # "10.92 s (cg), 33 iterations, relative residual 3.5e-05"
+        fit_s = float(fit_line.split(" s")[0])
+        n_iter = int(fit_line.split("), ")[1].split(" iterations")[0])
+        residual = float(fit_line.split("relative residual ")[1].split()[0])
         mse = float(out.split("test MSE vs f ")[1].split(",")[0])
         two = dict(fit_s=fit_s, n_iter=n_iter, residual=residual, test_mse=mse)
         rows.append(row("2 GPUs (NCCL)", two, f"{fit_s / one['fit_s']:.2f}x the 1-GPU fit time"))

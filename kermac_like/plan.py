@@ -199,8 +199,12 @@ def _padded_for_tensor_cores(call: DistanceCall) -> DistanceCall:
     if call.K % per == 0 or not call.desc.is_euclidean:
         return call
     Kp = -(-call.K // per) * per
-    pad = lambda t: torch.nn.functional.pad(t, (0, Kp - call.K))  # noqa: E731  (a fresh row-major tensor)
-    return dataclasses.replace(call, a=pad(call.a), b=pad(call.b), K=Kp)
+    return dataclasses.replace(call, a=_pad_k(call.a, Kp), b=_pad_k(call.b, Kp), K=Kp)
+
+
+def _pad_k(t: torch.Tensor, Kp: int) -> torch.Tensor:
+    """``t`` zero-padded along its last mode to ``Kp`` columns (a fresh row-major tensor)."""
+    return torch.nn.functional.pad(t, (0, Kp - t.shape[-1]))
 
 
 def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: Settings, kind: str):
@@ -284,6 +288,7 @@ class _Template(NamedTuple):
     spec: object
     launches: tuple  # of (kernel, grid, args, positions)
     scratch: tuple  # of (name, numel)
+    pad_k: int = 0  # a and b are read zero-padded to this many columns (a copy per call)
 
 
 # Templates of recent calls, by _distance_key: a repeated call (same shapes, strides,
@@ -354,7 +359,8 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     key = None if key is None else (key, kind)
     t = _TEMPLATES.get(key) if key is not None else None
     if t is not None:
-        tensors = {"a": call.a, "b": call.b, "out": out}
+        a, b = (call.a, call.b) if not t.pad_k else (_pad_k(call.a, t.pad_k), _pad_k(call.b, t.pad_k))
+        tensors = {"a": a, "b": b, "out": out}
         for k, v in call.hypers.items():
             if isinstance(v, torch.Tensor):
                 tensors[k] = v
@@ -387,9 +393,12 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     if chosen is None:
         return None
     spec, (av, bv, outv), tensors, bplan, family = chosen
-    reusable = not (av.copied or bv.copied or padded)  # a copy is made anew by every call
+    # A layout copy is made anew by every call (and not cached); the zero padding is
+    # redone by the template (its copies are fresh row-major tensors, analysed alike).
+    reusable = not (av.copied or bv.copied)
+    pad_k = call.K if padded else 0
     if bplan.count == 0 or call.M == 0 or call.N == 0:
-        return _Template(family, spec, (), ()), tensors, reusable
+        return _Template(family, spec, (), (), pad_k), tensors, reusable
     device = _device_index(call.device)
     kernel = get_kernel(spec, device, debug=debug)
     L = bplan.count
@@ -443,7 +452,7 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
             args += extra
         launches.append(_launch_template(kernel, grid, args))
     scratch = prepare.scratch if prepare is not None else ()
-    return _Template(family, spec, tuple(launches), scratch), tensors, reusable
+    return _Template(family, spec, tuple(launches), scratch, pad_k), tensors, reusable
 
 
 def b_entries(modes, strides) -> tuple:

@@ -38,8 +38,10 @@ def as_gpu(monkeypatch):
 
 
 def _normalised(plan):
-    """Launches with scratch pointers named (each plan allocates its own scratch)."""
+    """Launches with scratch pointers named (each plan allocates its own scratch, and its
+    own zero-padded copies of a and b where K is not a whole number of 16-byte rows)."""
     names = {t.data_ptr(): f"scratch{j}" for j, t in enumerate(plan.scratch[:-1])}
+    names.update({t.data_ptr(): k for k, t in plan.scratch[-1].items() if k in ("a", "b")})
     return [(k.spec, grid, tuple(names.get(a, a) if isinstance(a, int) else a for a in args))
             for k, grid, args in plan.launches]
 
@@ -100,7 +102,7 @@ def test_settings_are_part_of_the_key(as_gpu, monkeypatch):
     assert P.plan_distance(call, out, COMPUTE_MODES[0], False).family == "distance_wgmma"
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0")
     assert P.plan_distance(call, out, COMPUTE_MODES[0], False).family == "distance_mma"
-    assert P.plan_distance(call, out, "donot_use_mm_for_euclid_dist", False).family == "distance"
+    assert P.plan_distance(call, out, "donot_use_mm_for_euclid_dist", False).family == "distance_lowk"  # K = 8
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     tf32 = P.plan_distance(call, out, COMPUTE_MODES[0], False)
     assert "Precision::Tf32>" in tf32.spec.traits or "Precision::Tf32," in tf32.spec.traits

@@ -110,9 +110,15 @@ The first GPU call of a process waits for the work already queued on the device
 on an H200: torch's first pool stream 1002 ms, the first solve_cholesky after it
 1073 ms, the first solve_lu 1002 ms, the first eigh 1024 ms; nvmath's import,
 cuSOLVER handle and params creation and workspace allocation return at once).
-Creating torch's stream pool waits; the rest is most likely CUDA loading the
-library kernels on their first launch (lazy loading). Running the routines once
-beforehand on other sizes did not remove the wait of a later first call (open).
+Creating torch's stream pool waits, and CUDA loads each library kernel on its
+first launch (lazy loading), which waits for the device: running the routines
+on other sizes beforehand did not remove the wait of a later first call, since
+cuSOLVER and cuBLAS pick their kernels by size. :func:`warmup` is the one step
+that waits: call it once per device (before the training loop, at the shapes the
+loop will use) and later calls at those shapes do not wait. A first call at a
+shape :func:`warmup` did not see may still wait once; ``CUDA_MODULE_LOADING=EAGER``
+(set before CUDA starts) loads every kernel up front instead, at the cost of
+start-up time and memory for all of torch's kernels too.
 """
 
 from __future__ import annotations
@@ -138,6 +144,7 @@ __all__ = [
     "eigh",
     "solve_cholesky",
     "solve_lu",
+    "warmup",
 ]
 
 logger = logging.getLogger("kermac_like.linalg")
@@ -649,6 +656,66 @@ def _solve_gpu(cs, routine, work_a, x, finfo, sinfo, L, n, c, log):
 
     with torch.cuda.device(device):
         _run_batched(cs, device, L, query, enqueue, extra_slot_bytes=extra, log=log, what=routine)
+
+
+WARMUP_SHAPES = ((64, 1), (64, 16), (512, 1), (512, 16))
+
+
+def warmup(device=None, shapes=WARMUP_SHAPES, dtypes=(torch.float32, torch.float64)) -> None:
+    """Do once, on ``device``, what makes a first call wait for the GPU, then synchronise.
+
+    Creates the stream pool and every cuSOLVER handle of this thread, and runs
+    :func:`solve_cholesky`, :func:`solve_lu` and :func:`eigh` on a batch of two
+    random well-conditioned matrices for each ``(n, c)`` in ``shapes`` (n x n
+    matrices, c right-hand sides) and each dtype in ``dtypes``, so that CUDA has
+    loaded the kernels those calls use (see "First call" in the module docstring).
+    Later calls at these shapes do not synchronise the host. ``device``: a CUDA
+    device (default: the current one); a CPU device, or CUDA or nvmath-python
+    missing, makes it return at once (the reference path never waits for a GPU).
+    Handles are per thread: a thread that solves calls its own warmup.
+    """
+    if device is not None and not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device: expected a torch.device, str or int, got {type(device).__name__}")
+    try:
+        shapes = [tuple(s) for s in shapes]
+    except TypeError:
+        raise TypeError(f"shapes: expected (n, c) pairs, got {shapes!r}") from None
+    for s in shapes:
+        if len(s) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in s) or s[0] < 1 or s[1] < 0:
+            raise ValueError(f"shapes: each entry is (n, c) with integers n >= 1, c >= 0; got {s!r}")
+    dtypes = tuple(dtypes)
+    for dt in dtypes:
+        if dt not in _CUDA_DTYPE:
+            raise TypeError(f"dtypes: expected torch.float32 or torch.float64, got {dt!r}")
+    if device is None:
+        if not torch.cuda.is_available():
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type != "cuda":
+        return
+    cs = _cusolver()
+    if cs is None:
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    with torch.cuda.device(index):
+        solver = _solver(cs, index, False)
+        solver.ensure(MAX_STREAMS, False)
+        _pool_streams(index, MAX_STREAMS)
+        g = torch.Generator(device=device).manual_seed(0)
+        for dt in dtypes:
+            seen = set()
+            for n, c in shapes:
+                r = torch.randn(2, n, n, dtype=dt, device=device, generator=g)
+                a = r @ r.mT / n + torch.eye(n, dtype=dt, device=device)
+                b = torch.randn(2, c, n, dtype=dt, device=device, generator=g)
+                solve_cholesky(a, b)
+                solve_lu(a, b)
+                if n not in seen:  # eigh does not depend on c
+                    seen.add(n)
+                    eigh(a)
+        torch.cuda.synchronize(index)
 
 
 def solve_cholesky(a, b, *, overwrite_a=False, overwrite_b=False, check_errors=False, debug=False):

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: environment report, GPU tests, benchmarks, short table last.
-#   bash bench/gpu_check.sh [all|tests|examples|bench] [extra pytest args...]
+# One call on the GPU machine: environment report, then the steps asked for, short table last.
+#   bash bench/gpu_check.sh [STEP[,STEP...]] [extra pytest args...]
+# Steps: tests (GPU tests), examples, bench (bench/run.py), host (host overhead per call;
+# against the package in .gl/before too when that folder is carried), krr (Falkon at
+# N = 10^6), linalg (first calls with and without linalg.warmup), sanitize (bench/sanitize.sh
+# over $SAN_FAMILIES with $TOOLS); all = tests,examples,bench.
 # Expects the wheels of ../shared/wheels-py312 copied into .whl/ (git-ignored, carried).
-# Writes logs and JSON under $OUT (the device tool brings them back).
+# Writes logs and JSON under $OUT (the device tool brings them back). STEP_TIMEOUT (s) caps
+# each step so that a slow one cannot take the others' time.
 set -uo pipefail
-mode=${1:-all}; shift || true
+steps=${1:-all}; shift || true
+[ "$steps" = all ] && steps=tests,examples,bench
 OUT=${OUT:-/tmp/kermac_like_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -16,6 +22,7 @@ else
 fi
 export KERMAC_LIKE_CACHE_DIR=${KERMAC_LIKE_CACHE_DIR:-/tmp/kermac_like_cache}
 export KERMAC_LIKE_TEST_KEEP_CACHE=1
+T=${STEP_TIMEOUT:-600}
 python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
 import torch, importlib
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
@@ -27,16 +34,63 @@ for m in ("cuda.core", "cuda.bindings", "nvmath", "sqlalchemy"):
 from kermac_like.runtime.compiler import nvrtc_version; print("nvrtc", nvrtc_version())
 PY
 status=0
-if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  python3 -m pytest -q -m "gpu and not slow" -rfE --tb=short -p no:cacheprovider "$@" tests 2>&1 | tee "$OUT/pytest.log" | tail -n 60
+summary=()
+has() { [[ ",$steps," == *",$1,"* ]]; }
+if has tests; then
+  timeout "$T" python3 -m pytest -q -m "gpu and not slow" -rfE --tb=short -p no:cacheprovider "$@" tests 2>&1 \
+    | tee "$OUT/pytest.log" | tail -n 60
   status=${PIPESTATUS[0]}
+  summary+=("tests: $(grep -E "passed|failed" "$OUT/pytest.log" | tail -1)")
 fi
-if [ "$mode" = all ] || [ "$mode" = examples ]; then
-  bash bench/run_examples.sh 2>&1 | tee "$OUT/examples.txt"
+if has examples; then
+  timeout "$T" bash bench/run_examples.sh 2>&1 | tee "$OUT/examples.txt"
 fi
-if [ "$mode" = all ] || [ "$mode" = bench ]; then
-  python3 bench/run.py --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 40
+if has bench; then
+  timeout "$T" python3 bench/run.py --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 40
 fi
+if has host; then
+  timeout "$T" python3 bench/host_overhead.py --label after > "$OUT/host_after.json"
+  KERMAC_LIKE_RAW_LAUNCH=0 timeout "$T" python3 bench/host_overhead.py --label after_cuda_core_launch \
+    > "$OUT/host_after_cuda_core.json"
+  if [ -d .gl/before/kermac_like ]; then
+    PYTHONPATH=/tmp/site:$PWD/.gl/before KERMAC_LIKE_CACHE_DIR=/tmp/kermac_like_cache_before \
+      timeout "$T" python3 bench/host_overhead.py --label before > "$OUT/host_before.json"
+  fi
+  summary+=("host: $(python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+rows = []
+for f in sorted(pathlib.Path(sys.argv[1]).glob("host_*.json")):
+    try:
+        r = json.loads(f.read_text())
+    except ValueError:
+        continue
+    u = r["us_per_call"]
+    rows.append(f'{r["label"]}: cdist_p2 {u.get("cdist_p2")} out {u.get("cdist_p2_out")} p1 {u.get("cdist_p1")} '
+                f'laplace {u.get("laplace_l2_bw_tensor")} torch {u.get("torch_cdist_p2")} us')
+print(" | ".join(rows))
+PY
+)")
+fi
+if has krr; then
+  timeout "$T" python3 examples/large_scale_krr.py --solver nystrom --repeats 1 ${KRR_ARGS:-} 2>&1 \
+    | tee "$OUT/krr_nystrom.log" | tail -n 12
+  summary+=("krr nystrom: $(grep -E "fit:|residual" "$OUT/krr_nystrom.log" | tail -2 | tr '\n' ' ')")
+fi
+if has linalg; then
+  for mode in cold warm; do
+    timeout "$T" python3 -c "import tests.test_linalg as t, subprocess, sys; \
+r = subprocess.run([sys.executable, '-c', t._FIRST_CALL_CHILD, '$mode'], capture_output=True, text=True); \
+print('$mode', r.stdout.strip()[-200:], r.stderr.strip()[-400:])" 2>&1 | tee -a "$OUT/linalg_first_call.txt"
+  done
+  summary+=("linalg first calls (1 = returned before the sleep ended; chol, lu, eigh per shape): $(tr '\n' ' ' < "$OUT/linalg_first_call.txt")")
+fi
+if has sanitize; then
+  TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck} timeout "$T" bash bench/sanitize.sh "$OUT/sanitize" \
+    ${SAN_FAMILIES:-} > "$OUT/sanitize.log" 2>&1
+  summary+=("sanitize: see below")
+fi
+echo "== summary"
+for line in "${summary[@]}"; do echo "$line"; done
+[ -f "$OUT/sanitize/summary.txt" ] && cat "$OUT/sanitize/summary.txt"
 echo "== pytest exit: $status"
-grep -E "passed|failed" "$OUT/pytest.log" 2>/dev/null | tail -1
 exit 0

@@ -62,8 +62,7 @@ HYPERS = ("inner_p", "outer_p", "bandwidth", "regularization")
 
 
 # -- what a plan is ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Settings:
+class Settings(NamedTuple):
     """Global switches a plan depends on, read once per call.
 
     ``tf32``: torch's ``allow_tf32`` matmul flag (plain TF32 instead of 3xTF32; the
@@ -76,17 +75,16 @@ class Settings:
 
     @staticmethod
     def current() -> "Settings":
-        return Settings(
-            tf32=bool(torch.backends.cuda.matmul.allow_tf32),
-            wgmma=os.environ.get("KERMAC_LIKE_WGMMA", "1") != "0",
-            grad_mma=os.environ.get("KERMAC_LIKE_GRAD_MMA", "1") != "0",
-        )
+        env = os.environ
+        return Settings(bool(torch.backends.cuda.matmul.allow_tf32), env.get("KERMAC_LIKE_WGMMA", "1") != "0",
+                        env.get("KERMAC_LIKE_GRAD_MMA", "1") != "0")
 
 
 class Launch(NamedTuple):
     kernel: object  # runtime.launcher.LoadedKernel
     grid: tuple
     args: tuple
+    block: object = None  # runtime.launcher.ArgBlock of a cached template's launch
 
 
 class Plan(NamedTuple):
@@ -105,8 +103,8 @@ class Plan(NamedTuple):
         if self.launches:
             from .runtime.launcher import launch
 
-            for k, grid, args in self.launches:
-                launch(k, grid, args, debug=self.debug)
+            for k, grid, args, block in self.launches:
+                launch(k, grid, args, debug=self.debug, block=block)
         return self.out
 
 
@@ -199,7 +197,19 @@ def _padded_for_tensor_cores(call: DistanceCall) -> DistanceCall:
     if call.K % per == 0 or not call.desc.is_euclidean:
         return call
     Kp = -(-call.K // per) * per
-    return dataclasses.replace(call, a=_pad_k(call.a, Kp), b=_pad_k(call.b, Kp), K=Kp)
+    a, b = _pad_pair(call.a, call.b, Kp)
+    return dataclasses.replace(call, a=a, b=b, K=Kp)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _pad_pair(a: torch.Tensor, b: torch.Tensor, Kp: int) -> tuple:
+    """a and b zero-padded to Kp columns; one copy when they are the same memory, so that
+    the kernels still see a == b (their exact zero self-distance diagonal)."""
+    pa = _pad_k(a, Kp)
+    return pa, (pa if _same_memory(a, b) else _pad_k(b, Kp))
 
 
 def _pad_k(t: torch.Tensor, Kp: int) -> torch.Tensor:
@@ -248,10 +258,10 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
 
 
 def plan_distance(call: DistanceCall, out: torch.Tensor, compute_mode: str, debug: bool,
-                  settings: Settings | None = None) -> Plan:
+                  settings: Settings | None = None, call_key=None) -> Plan:
     """The plan of a validated run_kernel call writing ``out`` (allocated, checked)."""
     if call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.a):
-        plan = _plan_distance_gpu(call, out, compute_mode, debug, settings or Settings.current())
+        plan = _plan_distance_gpu(call, out, compute_mode, debug, settings or Settings.current(), call_key=call_key)
         if plan is not None:
             return plan
     if debug:
@@ -261,11 +271,11 @@ def plan_distance(call: DistanceCall, out: torch.Tensor, compute_mode: str, debu
         **call.hypers), debug)
 
 
-def run_distance(call: DistanceCall, out, compute_mode: str, debug: bool) -> torch.Tensor:
+def run_distance(call: DistanceCall, out, compute_mode: str, debug: bool, call_key=None) -> torch.Tensor:
     """Plan and run a validated call (no autograd); ``out`` None or checked."""
     if out is None:
         out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
-    return plan_distance(call, out, compute_mode, debug).run()
+    return plan_distance(call, out, compute_mode, debug, call_key=call_key).run()
 
 
 WGMMA_KERNEL = "kermac_like::distance_wgmma_kernel"
@@ -286,7 +296,7 @@ class _Template(NamedTuple):
 
     family: str
     spec: object
-    launches: tuple  # of (kernel, grid, args, positions)
+    launches: tuple  # of (kernel, grid, args, positions, ArgBlock or None)
     scratch: tuple  # of (name, numel)
     pad_k: int = 0  # a and b are read zero-padded to this many columns (a copy per call)
 
@@ -296,10 +306,14 @@ class _Template(NamedTuple):
 # analysis, batch folding, spec choice and argument packing, and only fills in pointers.
 _TEMPLATES: dict = {}
 _TEMPLATES_MAX = 512
+# The same templates by the public op's own arguments (ops.distance's call keys), so that
+# a repeated eager call skips the validation and planning its key implies.
+_BY_CALL: dict = {}
 
 
 def clear_templates() -> None:
     _TEMPLATES.clear()
+    _BY_CALL.clear()
 
 
 def _distance_key(call: DistanceCall, out, compute_mode: str, settings: Settings):
@@ -328,27 +342,68 @@ def _instantiate(t: _Template, tensors: dict, device, debug: bool) -> Plan:
         scratch.append(buf)
         ptrs[name] = buf.data_ptr()
     launches = []
-    for kernel, grid, args, positions in t.launches:
+    for kernel, grid, args, positions, block in t.launches:
         if positions:
             args = list(args)
             for i in positions:
                 ref = args[i]
                 args[i] = ptrs[ref.name] + ref.offset
             args = tuple(args)
-        launches.append(Launch(kernel, grid, args))
+        launches.append(Launch(kernel, grid, args, block))
     # Copies the layout analysis made (and float32 hyper-parameters) live as long as the plan.
     return Plan(t.family, t.spec, tuple(launches), tensors["out"], scratch=(*scratch, tensors), debug=debug)
 
 
 def _launch_template(kernel, grid, args) -> tuple:
     args = tuple(args)
-    return kernel, grid, args, tuple(i for i, v in enumerate(args) if isinstance(v, _Ptr))
+    return kernel, grid, args, tuple(i for i, v in enumerate(args) if isinstance(v, _Ptr)), None
+
+
+def _with_arg_blocks(t: _Template) -> _Template:
+    """The template with an ArgBlock per launch (packed once: a template that serves later
+    calls; one built for a single call keeps cuda.core's launch)."""
+    from .runtime.launcher import ArgBlock
+
+    launches = tuple((k, g, a, pos, ArgBlock(k, g, a, pos) if ArgBlock.supports(a, pos) else None)
+                     for k, g, a, pos, _ in t.launches)
+    return t._replace(launches=launches)
+
+
+def _instantiate_template(t: _Template, a, b, out, hyper_tensors: dict, device, debug: bool) -> Plan:
+    """The plan of a cached template for the operands of a call (zero-padded copies of a
+    and b where the template reads them padded)."""
+    if t.pad_k:
+        a, b = _pad_pair(a, b, t.pad_k)
+    return _instantiate(t, {"a": a, "b": b, "out": out, **hyper_tensors}, device, debug)
+
+
+def _remember_call(call_key, t: _Template, out_shape) -> None:
+    if len(_BY_CALL) >= 4 * _TEMPLATES_MAX:
+        _BY_CALL.clear()
+    _BY_CALL[call_key] = (t, out_shape)
+
+
+def run_by_call_key(call_key, a: torch.Tensor, b: torch.Tensor, out):
+    """Run the template an earlier eager call with this ``call_key`` (ops.distance) was
+    planned to, on ``a``, ``b`` and ``out`` (None: allocated); None when there is none.
+    The key holds everything the validation and the plan of that call depended on
+    (shapes, strides, alignments, dtypes, devices, hyper-parameter values, settings), so
+    neither is repeated."""
+    hit = _BY_CALL.get(call_key)
+    if hit is None:
+        return None
+    t, out_shape = hit
+    if out is None:
+        out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    return _instantiate_template(t, a, b, out, {}, a.device, False).run()
 
 
 def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings,
-                       kind: str | None = None):
+                       kind: str | None = None, call_key=None):
     """The kernel plan of a GPU call (``kind``: runtime.autotune's; default: its choice,
-    the one hook of the kernel selection); None when only the reference path applies."""
+    the one hook of the kernel selection); None when only the reference path applies.
+    ``call_key``: the public op's key of this call (float hyper-parameters only), under
+    which the template is also kept (:func:`run_by_call_key`)."""
     if kind is None:
         kind = autotune.choose(call, out, compute_mode, settings.tf32,
                                lambda k: _plan_distance_gpu(call, out, compute_mode, False, settings, k).run(),
@@ -357,14 +412,14 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
         return None
     key = None if debug else _distance_key(call, out, compute_mode, settings)  # debug: log every decision
     key = None if key is None else (key, kind)
+    if key is None or autotune.autotune_enabled(call.autotune):  # an autotuned choice may be forgotten
+        call_key = None
     t = _TEMPLATES.get(key) if key is not None else None
     if t is not None:
-        a, b = (call.a, call.b) if not t.pad_k else (_pad_k(call.a, t.pad_k), _pad_k(call.b, t.pad_k))
-        tensors = {"a": a, "b": b, "out": out}
-        for k, v in call.hypers.items():
-            if isinstance(v, torch.Tensor):
-                tensors[k] = v
-        return _instantiate(t, tensors, call.device, debug)
+        if call_key is not None:
+            _remember_call(call_key, t, call.out_shape)
+        hyper_tensors = {k: v for k, v in call.hypers.items() if isinstance(v, torch.Tensor)}
+        return _instantiate_template(t, call.a, call.b, out, hyper_tensors, call.device, debug)
     built = _distance_template(call, out, compute_mode, debug, settings, kind)
     if built is None:
         return None
@@ -372,7 +427,10 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     if key is not None and reusable:
         if len(_TEMPLATES) >= _TEMPLATES_MAX:
             _TEMPLATES.clear()
-        _TEMPLATES[key] = t
+            _BY_CALL.clear()
+        t = _TEMPLATES[key] = _with_arg_blocks(t)
+        if call_key is not None:
+            _remember_call(call_key, t, call.out_shape)
     return _instantiate(t, tensors, call.device, debug)
 
 

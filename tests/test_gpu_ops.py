@@ -240,3 +240,57 @@ def test_tensor_core_batches_broadcast_and_host_loop(name, tf32, monkeypatch, ca
     assert "tensor-core path" in caplog.text
     ref = distance_reference(desc, a.double(), b.double(), **kw)
     assert rel(out, ref) <= (3e-3 if tf32 else 1e-5)
+
+
+# -- repeated eager calls: served by their call key (plan.run_by_call_key, ArgBlock launches) --
+@pytest.mark.parametrize("K", [5, 8, 37, 200])
+def test_repeated_calls_served_by_call_key(K):
+    """The first call takes the full path and keeps its template under the call's key;
+    the next calls (new data, same layout) are served from it, their arguments patched
+    into the launch's argument block. Every call's output is checked (poisoned first)."""
+    from kermac_like import plan as PL
+
+    PL.clear_templates()
+    g = torch.Generator(device="cuda").manual_seed(K)
+    for p, mode, out_t in itertools.product((1.0, 2.0, 1.3), ("use_mm_for_euclid_dist_if_necessary", EXACT),
+                                             (False, True)):
+        for rep in range(3):
+            x = torch.randn(2, 70, K, device="cuda", generator=g)
+            y = torch.randn(2, 50, K, device="cuda", generator=g)
+            out = poisoned((2, 50, 70)).mT if out_t else poisoned((2, 70, 50))
+            res = km.cdist(x, y, p, out=out, compute_mode=mode)
+            assert res is out
+            e = rel(out, torch.cdist(x.double(), y.double(), p))
+            assert e < 1e-5, (p, mode, out_t, rep, e)
+            fresh = km.cdist(x, y, p, compute_mode=mode)  # out allocated by the call
+            assert rel(fresh, torch.cdist(x.double(), y.double(), p)) < 1e-5
+    lap = km.PRESETS["laplace_l2"]
+    for rep in range(3):
+        x = torch.randn(90, K, device="cuda", generator=g)
+        res = km.run_kernel(lap, x, x, bandwidth=3.0, regularization=0.5, regularization_offset_x=2)
+        ref = distance_reference(lap, x.double(), x.double(), bandwidth=3.0, regularization=0.5, reg_diag=2)
+        assert rel(res, ref) < 1e-5, rep
+    assert PL._BY_CALL
+
+
+def test_call_key_served_call_in_a_cuda_graph():
+    """A call served by its key is captured like any other (after the warm-up calls) and
+    replays on new data."""
+    x = torch.randn(64, 8, device="cuda")
+    y = torch.randn(48, 8, device="cuda")
+    out = torch.empty(64, 48, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            km.cdist(x, y, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        km.cdist(x, y, out=out)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel(out, torch.cdist(x.double(), y.double())) < 1e-5

@@ -43,7 +43,7 @@ def _normalised(plan):
     names = {t.data_ptr(): f"scratch{j}" for j, t in enumerate(plan.scratch[:-1])}
     names.update({t.data_ptr(): k for k, t in plan.scratch[-1].items() if k in ("a", "b")})
     return [(k.spec, grid, tuple(names.get(a, a) if isinstance(a, int) else a for a in args))
-            for k, grid, args in plan.launches]
+            for k, grid, args, *_ in plan.launches]
 
 
 def _cases():
@@ -83,7 +83,7 @@ def test_cached_plan_launches_what_a_fresh_plan_launches(as_gpu, cap, name, pres
     if cap == (9, 0) and preset in ("l2", "dot", "laplace_l2"):  # rows 16-byte aligned
         assert first.family == "distance_wgmma" and len(first.scratch) > 1
     pointers = {t.data_ptr() for t in (a2, b2, out2)}
-    assert pointers & {x for _, _, args in cached.launches for x in args if isinstance(x, int)}
+    assert pointers & {x for _, _, args, *_ in cached.launches for x in args if isinstance(x, int)}
 
 
 def test_copies_and_converted_hyper_parameters_are_not_cached(as_gpu):
@@ -108,3 +108,139 @@ def test_settings_are_part_of_the_key(as_gpu, monkeypatch):
     assert "Precision::Tf32>" in tf32.spec.traits or "Precision::Tf32," in tf32.spec.traits
     assert len(P._TEMPLATES) == 4
     assert np.float32(-np.inf) in tf32.launches[-1].args  # no epsilon: the cut is off
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (8, 0)], ids=["sm_90", "sm_80"])
+def test_arg_blocks_hold_the_launch_arguments(as_gpu, cap):
+    """A cached template's launches carry ArgBlocks: every argument in its 8-byte slot
+    (the launch's own value, narrower types at the slot's start), params[i] pointing at
+    slot i, the pointers written by fill()."""
+    import ctypes
+    import struct
+
+    from kermac_like.runtime.launcher import ArgBlock, _slot_format
+
+    as_gpu[0] = cap
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(2, 70, 8, generator=g), torch.randn(50, 8, generator=g)
+    bw = torch.tensor([1.5, 2.5]).view(2, 1, 1)
+    call = prepare_call(km.PRESETS["laplace_l2"], a, b, bandwidth=bw, regularization=0.25, epsilon=1e-4)
+    out = torch.empty(call.out_shape)
+    plans = [P.plan_distance(call, out, COMPUTE_MODES[0], False) for _ in range(2)]
+    assert len(P._TEMPLATES) == 1
+    for plan in plans:
+        for k, grid, args, block in plan.launches:
+            assert isinstance(block, ArgBlock) and block.kernel is k and block.grid == tuple(grid)
+            block.fill([args[i] for i in block.positions])
+            base = ctypes.addressof(block.slots)
+            assert [block.params[i] for i in range(len(args))] == [base + 8 * i for i in range(len(args))]
+            for i, v in enumerate(args):
+                got = struct.unpack_from(_slot_format(v), block.slots, 8 * i)[0]
+                assert got == v or (np.isnan(v) and np.isnan(got)), (i, v, got)
+            assert ArgBlock.supports(args, block.positions)
+    assert not ArgBlock.supports((np.int32(1), 1.5), ())  # a Python float: left to cuda.core
+    fresh = P.plan_distance(call, out, COMPUTE_MODES[0], True)  # debug: planned for one call
+    assert all(launch.block is None for launch in fresh.launches)
+
+
+@pytest.fixture
+def recorded(as_gpu, monkeypatch):
+    """The launches of each public call, pointers named after the tensors they address."""
+    calls = []
+    monkeypatch.setattr(launcher, "launch", lambda k, grid, args, debug=False, block=None: calls[-1].append(
+        (k.spec, tuple(grid), args, block)))
+    return calls
+
+
+def _named(launches, tensors):
+    names = {t.data_ptr(): n for n, t in tensors.items()}
+    seen = {}
+    out = []
+    for spec, grid, args, _ in launches:
+        a = []
+        for v in args:
+            if isinstance(v, int) and v > 4096:  # a pointer
+                v = names.get(v) or seen.setdefault(v, f"scratch{len(seen)}")
+            a.append(v)
+        out.append((spec, grid, tuple(a)))
+    return out
+
+
+def test_repeated_eager_calls_are_served_by_their_call_key(recorded, monkeypatch):
+    from kermac_like.ops import distance as D
+
+    validated = []
+    full = D.prepare_call
+    monkeypatch.setattr(D, "prepare_call", lambda *a, **k: validated.append(1) or full(*a, **k))
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(70, 8, generator=g), torch.randn(50, 8, generator=g)
+    out = torch.empty(70, 50)
+    cases = [
+        ("cdist", lambda x, y, o: km.cdist(x, y, out=o)),
+        ("cdist p=1", lambda x, y, o: km.cdist(x, y, 1.0, out=o)),
+        ("run_kernel laplace", lambda x, y, o: km.run_kernel(km.PRESETS["laplace_l2"], x, y, bandwidth=2.0,
+                                                            regularization=0.5, out=o)),
+    ]
+    for name, fn in cases:
+        P.clear_templates()
+        recorded.append([])
+        fn(x, y, out)  # full path: validates, plans, keeps the template under the call's key
+        assert len(P._BY_CALL) == 1, name
+        x2, y2, out2 = x + 1, y - 1, torch.empty_like(out)  # new data, same layout
+        recorded.append([])
+        validated.clear()
+        fn(x2, y2, out2)
+        assert not validated, name  # served by the key: neither validated nor planned again
+        first = _named(recorded[-2], {"x": x, "y": y, "out": out})
+        served = _named(recorded[-1], {"x": x2, "y": y2, "out": out2})
+        assert first and served == first, name
+        assert len(P._BY_CALL) == 1 and len(P._TEMPLATES) == 1, name
+    # What the key holds changes the path: another p, another out layout, a setting.
+    P.clear_templates()
+    recorded.append([])
+    km.cdist(x, y, out=out)
+    km.cdist(x, y, 3.0, out=out)
+    km.cdist(x, y, out=torch.empty(50, 70).mT)
+    monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0")
+    km.cdist(x, y, out=out)
+    assert len(P._BY_CALL) == 4
+    # Bad input after a warm call still gets its error, and out is left untouched.
+    poison = torch.full_like(out, 7.0)
+    with pytest.raises(ValueError, match="x2"):
+        km.cdist(x, torch.randn(50, 9), out=poison)
+    with pytest.raises(TypeError, match="out"):
+        km.cdist(x, y, out=poison.double())
+    with pytest.raises(ValueError, match="p"):
+        km.cdist(x, y, -1.0, out=poison)
+    assert (poison == 7.0).all()
+
+
+def test_call_key_is_not_used_where_the_full_path_must_run(recorded, monkeypatch):
+    x, y = torch.randn(70, 8), torch.randn(50, 8)
+    recorded.append([])
+    km.cdist(x, y, debug=True)  # debug: every decision logged, nothing kept
+    km.run_kernel(km.PRESETS["laplace_l2"], x, y, bandwidth=torch.tensor([2.0]))  # tensor hyper-parameter
+    km.cdist(x, y, autotune=False)
+    monkeypatch.setenv("KERMAC_LIKE_AUTOTUNE", "1")
+    km.cdist(x, y)  # one candidate (tensor cores): no timing, but an autotuned key is not kept
+    assert not P._BY_CALL
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (8, 0)], ids=["sm_90", "sm_80"])
+def test_self_distance_keeps_one_operand_when_padded(as_gpu, cap):
+    """K = 5 (not whole 16-byte rows): the tensor-core kernels read zero-padded copies;
+    for K(x, x) both operands must be the one copy, so that the kernels see a == b and
+    write the exact zero self-distance diagonal (distance_mma.cuh, distance_wgmma.cuh)."""
+    as_gpu[0] = cap
+    x = torch.randn(2, 40, 5)
+    for rep in range(2):  # the full plan, then its template
+        call = prepare_call(km.PRESETS["laplace_l2"], x, x, bandwidth=2.0)
+        plan = P.plan_distance(call, torch.empty(call.out_shape), COMPUTE_MODES[0], False)
+        tensors = plan.scratch[-1]
+        assert tensors["a"] is tensors["b"] and tensors["a"].shape[-1] == 8
+        main = plan.launches[-1].args
+        assert main[0] == main[1] == tensors["a"].data_ptr()
+    y = x.clone()  # equal values, other memory: two copies
+    call = prepare_call(km.PRESETS["laplace_l2"], x, y, bandwidth=2.0)
+    plan = P.plan_distance(call, torch.empty(call.out_shape), COMPUTE_MODES[0], False)
+    assert plan.scratch[-1]["a"] is not plan.scratch[-1]["b"]

@@ -18,7 +18,10 @@ import sys
 import torch
 
 import kermac_like as km
+from kermac_like import plan as P
+from kermac_like.ops.distance import prepare_call
 from kermac_like.reference import cdist_grad_reference, distance_reference
+from kermac_like.runtime import autotune
 
 SIZES = (2, 131, 97, 37)  # batch, M, N, K: odd, ragged against every tile shape
 TC_SIZES = (2, 131, 97, 40)  # the tensor-core kernels take rows of whole 16-byte chunks
@@ -37,7 +40,19 @@ def _check(out, desc, a, b, tol, p=None, **kw):
     assert err < tol, f"{desc!r}: relative error {err:.2e}"
 
 
-def _distance(descs, mode, dtypes=(torch.float32,), tol=1e-4):
+def _run(desc, a, b, out, mode, kind, **kw):
+    """run_kernel, or with ``kind`` (runtime.autotune's) the plan of that kind itself."""
+    if kind is None:
+        return km.run_kernel(desc, a, b, out=out, compute_mode=mode, **kw)
+    call = prepare_call(desc, a, b, **kw)
+    if out is None:
+        out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
+    plan = P._plan_distance_gpu(call, out, mode, False, P.Settings.current(), kind)
+    assert plan is not None and plan.family == {autotune.SIMT: "distance", autotune.LOWK: "distance_lowk"}[kind]
+    return plan.run()
+
+
+def _distance(descs, mode, dtypes=(torch.float32,), tol=1e-4, kind=None):
     for dtype in dtypes:
         a, b = _data(dtype=dtype, sizes=SIZES if mode.startswith("donot") else TC_SIZES)
         for name in descs:
@@ -48,23 +63,63 @@ def _distance(descs, mode, dtypes=(torch.float32,), tol=1e-4):
             for out_t in (False, True):  # row-major and column-major output
                 out = torch.empty(2, 97, 131, device="cuda", dtype=dtype).mT if out_t else None
                 assert desc.is_euclidean or mode.startswith("donot")
-                res = km.run_kernel(desc, a, b, out=out, compute_mode=mode, regularization=0.5, **kw)
+                res = _run(desc, a, b, out, mode, kind, regularization=0.5, **kw)
                 _check(res, desc, a, b, tol, regularization=0.5, **kw)
         # K = 264: more k-tiles than pipeline stages (every ring wraps), one descriptor
-        a2, b2 = _data(seed=3, dtype=dtype, sizes=(2, 131, 300, 264))
+        # (the low-K kernel's generic variant takes K up to 256: K = 200 there)
+        K2 = 200 if kind == autotune.LOWK else 264
+        a2, b2 = _data(seed=3, dtype=dtype, sizes=(2, 131, 300, K2))
         desc = km.PRESETS["l2"]
-        _check(km.run_kernel(desc, a2, b2, compute_mode=mode), desc, a2, b2, tol)
+        _check(_run(desc, a2, b2, None, mode, kind), desc, a2, b2, tol)
         # transposed (column-major) operands, both alignments: the SIMT loaders
         if mode.startswith("donot"):
             at = a.mT.contiguous().mT
             bt = torch.empty(2, 37, 98, device="cuda")[..., 1:].mT  # unaligned column-major
             bt.copy_(b)
-            res = km.run_kernel(km.PRESETS["l1"], at, bt, compute_mode=mode)
+            res = _run(km.PRESETS["l1"], at, bt, None, mode, kind)
             _check(res, km.PRESETS["l1"], a, b, tol)
 
 
+_EXACT = ["l1", "l2", "p_norm", "laplace_l2", "gaussian_l2", "dot"]
+
+
 def simt():
-    _distance(["l1", "l2", "p_norm", "laplace_l2", "gaussian_l2", "dot"], "donot_use_mm_for_euclid_dist")
+    _distance(_EXACT, "donot_use_mm_for_euclid_dist", kind=autotune.SIMT)
+
+
+def lowk():
+    _distance(_EXACT, "donot_use_mm_for_euclid_dist", kind=autotune.LOWK)
+    a, b = _data(seed=5, sizes=(2, 131, 97, 3))  # K = 3: the unrolled variants
+    for name in ("l1", "gaussian_l2", "p_norm"):
+        desc = km.PRESETS[name]
+        kw = {"bandwidth": 2.0} if desc.needs_bandwidth else ({"p": 1.3} if desc.needs_inner_p else {})
+        _check(_run(desc, a, b, None, "donot_use_mm_for_euclid_dist", autotune.LOWK, **kw), desc, a, b, 1e-4, **kw)
+
+
+def matvec():
+    """kernel_matvec forward (one and several columns, a batch, M small enough for the
+    split-N combination) and its backward with respect to x, y and v."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for K, C, (L, M, N) in ((3, 1, (2, 37, 1031)), (8, 3, (2, 131, 97)), (37, 1, (1, 5, 2049))):
+        x = torch.randn(L, M, K, device="cuda", generator=g)
+        y = torch.randn(L, N, K, device="cuda", generator=g)
+        v = torch.randn(L, N, C, device="cuda", generator=g)
+        for name in ("gaussian_l2", "laplace_l1", "p_norm", "dot"):
+            desc = km.PRESETS[name]
+            kw = {"bandwidth": 3.0} if desc.needs_bandwidth else ({"p": 1.3} if desc.needs_inner_p else {})
+            res = km.kernel_matvec(desc, x, y, v, regularization=0.25, **kw)
+            ref = km.run_kernel(desc, x.double(), y.double(), regularization=0.25, **kw) @ v.double()
+            err = float((res.double() - ref).norm() / ref.norm())
+            assert err < 1e-4, f"kernel_matvec {name} K={K} C={C}: relative error {err:.2e}"
+    x = torch.randn(2, 37, 3, device="cuda", generator=g, requires_grad=True)
+    y = torch.randn(2, 301, 3, device="cuda", generator=g, requires_grad=True)
+    v = torch.randn(2, 301, 2, device="cuda", generator=g, requires_grad=True)
+    for name in ("gaussian_l2", "laplace_l2", "dot"):
+        desc = km.PRESETS[name]
+        kw = {"bandwidth": 2.0} if desc.needs_bandwidth else {}
+        km.kernel_matvec(desc, x, y, v, **kw).square().sum().backward()
+        assert all(bool(t.grad.isfinite().all()) for t in (x, y, v))
+        x.grad = y.grad = v.grad = None
 
 
 def mma():
@@ -118,6 +173,8 @@ def linalg():
 # name -> (function, environment)
 FAMILIES = {
     "simt": (simt, {}),
+    "lowk": (lowk, {}),
+    "matvec": (matvec, {}),
     "mma": (mma, {"KERMAC_LIKE_WGMMA": "0"}),
     "wgmma": (wgmma, {}),
     "grad_simt": (grad_simt, {"KERMAC_LIKE_GRAD_MMA": "0"}),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Optional
 
 import torch
@@ -21,7 +22,7 @@ from .. import _debug
 from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
-from ..plan import DistanceCall, run_distance
+from ..plan import DistanceCall, run_by_call_key, run_distance
 from . import distance_backward
 from ..runtime.autotune import override as autotune_override
 from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
@@ -141,6 +142,37 @@ def _op_args(call: DistanceCall) -> tuple:
             *split_hyper(hp["bandwidth"]), *split_hyper(hp["regularization"]), call.reg_diag, call.epsilon)
 
 
+_NUMBER_TYPES = (float, int, type(None))
+
+
+def _call_key(head: tuple, a, b, out, compute_mode):
+    """The key of an eager call under which plan.run_by_call_key finds its template:
+    ``head`` (the op and its scalar arguments, plain numbers or None only), the operands'
+    shapes, strides, 16-byte alignments, dtypes and devices, ``out``'s, the compute mode
+    and the switches a plan reads (TF32, KERMAC_LIKE_WGMMA / _AUTOTUNE / _DEBUG); None for
+    a call that takes the full path every time (tensor subclasses, tensor
+    hyper-parameters)."""
+    if torch.compiler.is_compiling() or type(a) is not torch.Tensor or type(b) is not torch.Tensor:
+        return None
+    if out is None:
+        o = None
+    elif type(out) is torch.Tensor:
+        o = (out.shape, out.stride(), out.dtype, out.device)
+    else:
+        return None
+    env = os.environ
+    return (head, a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16, b.shape, b.stride(), b.dtype, b.device,
+            b.data_ptr() % 16, o, compute_mode, torch.backends.cuda.matmul.allow_tf32,
+            env.get("KERMAC_LIKE_WGMMA"), env.get("KERMAC_LIKE_AUTOTUNE"), env.get("KERMAC_LIKE_DEBUG"))
+
+
+def _run_cached(key, a, b, out):
+    """The result of a call served by its key's template, or None (take the full path)."""
+    if key is None or not direct_call(a, b, out):
+        return None
+    return run_by_call_key(key, a, b, out)
+
+
 def _check_out(out, shape, dtype, device):
     if out is not None:
         analyse_output("out", out, shape, dtype, device)
@@ -169,6 +201,23 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     fastest (stored in the kernel cache); None follows ``KERMAC_LIKE_AUTOTUNE``
     (kermac_like/runtime/autotune.py).
     """
+    key = None
+    if not debug and autotune is None and type(descriptor) is KernelDescriptor:
+        hp = (p, inner_p, outer_p, bandwidth, regularization, regularization_offset_x, regularization_offset_y, epsilon)
+        if all(type(v) in _NUMBER_TYPES for v in hp):
+            key = _call_key(("run_kernel", descriptor, *hp), a, b, out, compute_mode)
+            res = _run_cached(key, a, b, out)
+            if res is not None:
+                return res
+    return _run_kernel(descriptor, a, b, out=out, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
+                       regularization=regularization, regularization_offset_x=regularization_offset_x,
+                       regularization_offset_y=regularization_offset_y, epsilon=epsilon, compute_mode=compute_mode,
+                       autotune=autotune, debug=debug, call_key=key)
+
+
+def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regularization, regularization_offset_x,
+                regularization_offset_y, epsilon, compute_mode, autotune, debug, call_key):
+    """run_kernel after its call-key lookup missed (``call_key``: that key, or None)."""
     debug = _debug.resolve(debug)
     if compute_mode not in COMPUTE_MODES:
         raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
@@ -186,7 +235,9 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
             if isinstance(v, torch.Tensor) and v.requires_grad:
                 raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
     elif direct_call(call.a, call.b, out, *hyper_tensors):
-        return run_distance(call, out, compute_mode, debug)  # the ops' implementation, without the dispatcher
+        # The ops' implementation, without the dispatcher (and the template kept under the
+        # call's key, unless debug decided differently than the key assumed).
+        return run_distance(call, out, compute_mode, debug, call_key=None if debug or hyper_tensors else call_key)
     with autotune_override(autotune):  # the op's schema does not carry it
         if out is None:
             return _RUN_KERNEL(*_op_args(call), compute_mode, debug)
@@ -228,6 +279,12 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     kernels, K = 16 for fractional p: the default table of kermac_like/runtime/autotune.py);
     ``autotune`` as in :func:`run_kernel`.
     """
+    key = None
+    if not debug and autotune is None and type(p) in _NUMBER_TYPES and p is not None:
+        key = _call_key(("cdist", p, bool(skip_epilogue)), x1, x2, out, compute_mode)
+        res = _run_cached(key, x1, x2, out)
+        if res is not None:
+            return res
     debug = _debug.resolve(debug)
     check_tensor("x1", x1)
     check_tensor("x2", x2)
@@ -253,4 +310,6 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
         desc, kw = (PRESETS["squared_l2"] if skip_epilogue else PRESETS["l2"]), {}
     else:
         desc, kw = (PRESETS["p_norm_skip_root"] if skip_epilogue else PRESETS["p_norm"]), {"p": p}
-    return run_kernel(desc, x1, x2, out=out, compute_mode=compute_mode, autotune=autotune, debug=debug, **kw)
+    return _run_kernel(desc, x1, x2, out=out, p=kw.get("p"), inner_p=None, outer_p=None, bandwidth=None,
+                       regularization=None, regularization_offset_x=0, regularization_offset_y=0, epsilon=None,
+                       compute_mode=compute_mode, autotune=autotune, debug=debug, call_key=key)

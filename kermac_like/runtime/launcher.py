@@ -5,15 +5,28 @@ in-process dict -> persistent cache (SQLite) -> compile (NVRTC) and store.
 One loaded module per (device, cubin) per process.  Launches go through
 ``cuda.core`` on ``torch.cuda.current_stream()``; nothing here synchronises
 the host, and a hit in the in-process dict does no I/O.
+
+A launch that repeats (a plan template's, :mod:`kermac_like.plan`) can carry an
+:class:`ArgBlock`: its arguments packed once into 8-byte slots, its launch
+configuration built once; a call patches the pointer slots and calls the driver
+(``cuLaunchKernel``, ``cuLaunchKernelEx`` for clusters) directly, which saves the
+per-call argument conversion and configuration of ``cuda.core``'s launch
+(bench/notes/ops.md). ``KERMAC_LIKE_RAW_LAUNCH=0`` sends every launch through
+``cuda.core``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
+import os
+import struct
 import threading
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 
@@ -21,7 +34,9 @@ from .compiler import KernelSpec, arch_of_device, compile_specs, kernel_key
 
 log = logging.getLogger("kermac_like.launcher")
 
-__all__ = ["LoadedKernel", "get_kernel", "launch", "clear_loaded", "max_active_clusters"]
+__all__ = ["LoadedKernel", "get_kernel", "launch", "clear_loaded", "max_active_clusters", "ArgBlock"]
+
+RAW_LAUNCH = os.environ.get("KERMAC_LIKE_RAW_LAUNCH", "1") != "0"
 
 _STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -178,9 +193,118 @@ def max_active_clusters(kernel: LoadedKernel) -> int:
     return n
 
 
-def launch(kernel: LoadedKernel, grid: tuple, args: tuple, *, debug: bool = False) -> None:
+# Slot formats of the argument types the templates pass (numpy scalars of the C++ types,
+# Python ints for pointers); anything else is left to cuda.core.
+_SLOT_FORMATS = {np.int32: "<i", np.uint32: "<I", np.int64: "<q", np.uint64: "<Q", np.float32: "<f",
+                 np.float64: "<d"}
+_POINTER = struct.Struct("<Q")
+
+
+def _slot_format(v):
+    f = _SLOT_FORMATS.get(type(v))
+    if f is not None:
+        return f
+    if type(v) is int:  # a pointer (or a null pointer)
+        return "<Q" if v >= 0 else None
+    return None
+
+
+class ArgBlock:
+    """The arguments of one repeated launch, packed once.
+
+    Every argument takes one 8-byte slot of ``slots`` (a value narrower than 8 bytes at
+    the slot's start: the driver reads each parameter from its own address with its
+    declared size) and ``params[i]`` points at slot i: the ``void **kernelParams`` of
+    ``cuLaunchKernel``. ``positions`` are the pointer arguments a call fills in. The
+    slots are shared by every plan instantiated from the template, so a call patches
+    and launches under the block's lock (the driver copies the parameters at launch).
+    """
+
+    __slots__ = ("kernel", "grid", "positions", "slots", "params", "_params_addr", "_fn", "_config", "_lock",
+                 "_dims")
+
+    def __init__(self, kernel: LoadedKernel, grid: tuple, args: tuple, positions: tuple):
+        n = max(len(args), 1)
+        self.kernel, self.grid, self.positions = kernel, tuple(grid), tuple(positions)
+        self.slots = (ctypes.c_uint64 * n)()
+        base = ctypes.addressof(self.slots)
+        self.params = (ctypes.c_void_p * n)(*(base + 8 * i for i in range(n)))
+        self._params_addr = ctypes.addressof(self.params)
+        for i, v in enumerate(args):
+            if i not in self.positions:
+                struct.pack_into(_slot_format(v), self.slots, 8 * i, v)
+        self._fn = None
+        self._config = None
+        self._lock = threading.Lock()
+        shape = kernel.spec.launch
+        g = self.grid + (1,) * (3 - len(self.grid))
+        self._dims = (g[0] * shape.cluster, g[1], g[2], shape.threads, 1, 1, shape.smem_bytes)
+
+    @staticmethod
+    def supports(args: tuple, positions: tuple) -> bool:
+        """Whether every argument has a slot format (else the launch goes through cuda.core)."""
+        return all(i in positions or _slot_format(v) is not None for i, v in enumerate(args))
+
+    def _prepare(self):
+        from cuda.bindings import driver
+
+        handle = self.kernel.function.handle
+        self._fn = int(handle)
+        shape = self.kernel.spec.launch
+        if shape.cluster > 1:
+            cfg = driver.CUlaunchConfig()
+            gx, gy, gz, bx, by, bz, smem = self._dims
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
+            cfg.sharedMemBytes = smem
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = shape.cluster, 1, 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            self._config = cfg
+
+    def fill(self, pointers) -> None:
+        """Write the pointer arguments (in ``positions`` order) into their slots."""
+        for i, p in zip(self.positions, pointers):
+            _POINTER.pack_into(self.slots, 8 * i, p)
+
+    def launch(self, pointers) -> None:
+        """Fill in the pointer arguments (in ``positions`` order) and launch on the
+        current torch stream of the kernel's device."""
+        from cuda.bindings import driver
+
+        device = self.kernel.device
+        if torch.cuda.current_device() != device:
+            with torch.cuda.device(device):
+                return self.launch(pointers)
+        _make_current(device)
+        stream = _raw_stream(device)
+        with self._lock:
+            if self._fn is None:
+                self._prepare()
+            self.fill(pointers)
+            if self._config is not None:
+                self._config.hStream = stream
+                (err,) = driver.cuLaunchKernelEx(self._config, self._fn, self._params_addr, 0)
+            else:
+                (err,) = driver.cuLaunchKernel(self._fn, *self._dims, stream, self._params_addr, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"launch of {self.kernel.spec.name_expression} failed: {err}")
+
+
+def _raw_stream(device: int) -> int:
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return get(device) if get is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def launch(kernel: LoadedKernel, grid: tuple, args: tuple, *, debug: bool = False, block: ArgBlock | None = None) -> None:
     """Launch on the current torch stream of the kernel's device (asynchronous). For a
-    clustered kernel (``spec.launch.cluster > 1``) ``grid`` counts clusters."""
+    clustered kernel (``spec.launch.cluster > 1``) ``grid`` counts clusters. ``block``:
+    the launch's :class:`ArgBlock` (same kernel and grid), which takes the pointers from
+    ``args`` and launches through the driver."""
+    if block is not None and RAW_LAUNCH and not debug:
+        return block.launch([args[i] for i in block.positions])
     device = kernel.device
     if torch.cuda.current_device() != device:
         with torch.cuda.device(device):

@@ -77,21 +77,11 @@ class SolverKernel:
         """K(a, b) (+ regularization on the diagonal), dense."""
         return run_kernel(self.desc, a, b, regularization=regularization, out=out, **self.hypers)
 
-    def matvec(self, a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, out=None, *, exact: bool = False) -> torch.Tensor:
-        """K(a, b) @ v for v (n_b, C): (n_a, C), in v's dtype promoted with a's.
-
-        ``exact``: every kernel value from the difference form. kernel_matvec's expanded
-        Gaussian exponent (|a|^2 + |b|^2 - 2 a.b, centred per block) is off by up to ~1e-5 per
-        term far from the block's centre, which sums away for smooth v but not for the
-        oscillating vectors of Falkon's preconditioned system. The smallest positive epsilon
-        selects the difference form and changes no value (distances below 1e-38 are 0 anyway
-        for the exponential epilogues)."""
+    def matvec(self, a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, out=None) -> torch.Tensor:
+        """K(a, b) @ v for v (n_b, C): (n_a, C), in v's dtype promoted with a's."""
         op_cls = _operator_class()
         if op_cls is not None:
-            hypers = self.hypers
-            if exact and hypers.get("epsilon") is None:
-                hypers = {**hypers, "epsilon": float(torch.finfo(torch.float32).tiny)}
-            res = op_cls(self.desc, a, b, **hypers) @ v
+            res = op_cls(self.desc, a, b, **self.hypers) @ v
             if out is not None:
                 out.copy_(res)
                 return out

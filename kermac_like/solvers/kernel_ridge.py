@@ -430,8 +430,8 @@ class KernelRidge:
 
         def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v, float64 in and out
             v = v64.to(dt)
-            u = kernel.matvec(X, z, v, exact=True)  # K_nZ v: this rank's rows
-            w = comm.all_reduce(kernel.matvec(z, X, u, exact=True)).to(torch.float64)
+            u = kernel.matvec(X, z, v)  # K_nZ v: this rank's rows
+            w = comm.all_reduce(kernel.matvec(z, X, u)).to(torch.float64)
             return w + alpha * (kzz64 @ v64)
 
         rhs = comm.all_reduce(kernel.matvec(z, X, y)).to(torch.float64)  # K_Zn y

@@ -377,25 +377,29 @@ def _instantiate_template(t: _Template, a, b, out, hyper_tensors: dict, device, 
     return _instantiate(t, {"a": a, "b": b, "out": out, **hyper_tensors}, device, debug)
 
 
-def _remember_call(call_key, t: _Template, out_shape) -> None:
+def _remember_call(call_key, t: _Template, call: DistanceCall) -> None:
     if len(_BY_CALL) >= 4 * _TEMPLATES_MAX:
         _BY_CALL.clear()
-    _BY_CALL[call_key] = (t, out_shape)
+    names = tuple(k for k in HYPERS if isinstance(call.hypers[k], torch.Tensor))
+    _BY_CALL[call_key] = (t, call.out_shape, names)
 
 
-def run_by_call_key(call_key, a: torch.Tensor, b: torch.Tensor, out):
+def run_by_call_key(call_key, a: torch.Tensor, b: torch.Tensor, out, hypers: dict | None = None):
     """Run the template an earlier eager call with this ``call_key`` (ops.distance) was
     planned to, on ``a``, ``b`` and ``out`` (None: allocated); None when there is none.
+    ``hypers``: where each hyper-parameter of HYPERS comes from in this call (the
+    template reads the tensor ones).
     The key holds everything the validation and the plan of that call depended on
     (shapes, strides, alignments, dtypes, devices, hyper-parameter values, settings), so
     neither is repeated."""
     hit = _BY_CALL.get(call_key)
     if hit is None:
         return None
-    t, out_shape = hit
+    t, out_shape, names = hit
     if out is None:
         out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
-    return _instantiate_template(t, a, b, out, {}, a.device, False).run()
+    return _instantiate_template(t, a, b, out, {k: hypers[k] for k in names} if names else {}, a.device,
+                                 False).run()
 
 
 def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings,
@@ -417,7 +421,7 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     t = _TEMPLATES.get(key) if key is not None else None
     if t is not None:
         if call_key is not None:
-            _remember_call(call_key, t, call.out_shape)
+            _remember_call(call_key, t, call)
         hyper_tensors = {k: v for k, v in call.hypers.items() if isinstance(v, torch.Tensor)}
         return _instantiate_template(t, call.a, call.b, out, hyper_tensors, call.device, debug)
     built = _distance_template(call, out, compute_mode, debug, settings, kind)
@@ -430,7 +434,7 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
             _BY_CALL.clear()
         t = _TEMPLATES[key] = _with_arg_blocks(t)
         if call_key is not None:
-            _remember_call(call_key, t, call.out_shape)
+            _remember_call(call_key, t, call)
     return _instantiate(t, tensors, call.device, debug)
 
 

@@ -195,6 +195,18 @@ def test_repeated_eager_calls_are_served_by_their_call_key(recorded, monkeypatch
         served = _named(recorded[-1], {"x": x2, "y": y2, "out": out2})
         assert first and served == first, name
         assert len(P._BY_CALL) == 1 and len(P._TEMPLATES) == 1, name
+    # Hyper-parameter tensors: the served call reads this call's tensors.
+    P.clear_templates()
+    for rep in range(2):
+        pt, rt = torch.tensor(1.5 + rep), torch.tensor(0.25 + rep)
+        recorded.append([])
+        validated.clear()
+        km.run_kernel(km.PRESETS["p_norm"], x, y, p=pt, regularization=rt, out=out)
+        assert bool(validated) == (rep == 0)
+        named = _named(recorded[-1], {"x": x, "y": y, "out": out, "p": pt, "reg": rt})
+        args = named[-1][2]
+        assert "p" in args and "reg" in args and not any(str(v).startswith("scratch") for v in args)
+    assert len(P._BY_CALL) == 1
     # What the key holds changes the path: another p, another out layout, a setting.
     P.clear_templates()
     recorded.append([])
@@ -219,7 +231,8 @@ def test_call_key_is_not_used_where_the_full_path_must_run(recorded, monkeypatch
     x, y = torch.randn(70, 8), torch.randn(50, 8)
     recorded.append([])
     km.cdist(x, y, debug=True)  # debug: every decision logged, nothing kept
-    km.run_kernel(km.PRESETS["laplace_l2"], x, y, bandwidth=torch.tensor([2.0]))  # tensor hyper-parameter
+    # a float64 hyper-parameter tensor (converted to float32 by every call)
+    km.run_kernel(km.PRESETS["laplace_l2"], x, y, bandwidth=torch.tensor([2.0], dtype=torch.float64))
     km.cdist(x, y, autotune=False)
     monkeypatch.setenv("KERMAC_LIKE_AUTOTUNE", "1")
     km.cdist(x, y)  # one candidate (tensor cores): no timing, but an autotuned key is not kept

@@ -145,13 +145,13 @@ def _op_args(call: DistanceCall) -> tuple:
 _NUMBER_TYPES = (float, int, type(None))
 
 
-def _call_key(head: tuple, a, b, out, compute_mode):
+def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
     """The key of an eager call under which plan.run_by_call_key finds its template:
-    ``head`` (the op and its scalar arguments, plain numbers or None only), the operands'
-    shapes, strides, 16-byte alignments, dtypes and devices, ``out``'s, the compute mode
-    and the switches a plan reads (TF32, KERMAC_LIKE_WGMMA / _AUTOTUNE / _DEBUG); None for
-    a call that takes the full path every time (tensor subclasses, tensor
-    hyper-parameters)."""
+    ``op`` (the op's name and fixed arguments), ``values`` (its scalar arguments: plain
+    numbers, None, or float32 tensors by shape, strides and device), the operands' shapes, strides, 16-byte alignments,
+    dtypes and devices, ``out``'s, the compute mode and the switches a plan reads (TF32,
+    KERMAC_LIKE_WGMMA / _AUTOTUNE / _DEBUG); None for a call that takes the full path
+    every time (tensor subclasses, hyper-parameter tensors of another dtype)."""
     if torch.compiler.is_compiling() or type(a) is not torch.Tensor or type(b) is not torch.Tensor:
         return None
     if out is None:
@@ -160,17 +160,27 @@ def _call_key(head: tuple, a, b, out, compute_mode):
         o = (out.shape, out.stride(), out.dtype, out.device)
     else:
         return None
+    if not all(type(v) in _NUMBER_TYPES for v in values):
+        parts = []
+        for v in values:
+            if type(v) in _NUMBER_TYPES:
+                parts.append(v)
+            elif type(v) is torch.Tensor and v.dtype == torch.float32:
+                parts.append(("tensor", v.shape, v.stride(), v.device))
+            else:
+                return None
+        values = tuple(parts)
     env = os.environ
-    return (head, a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16, b.shape, b.stride(), b.dtype, b.device,
+    return (op, values, a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16, b.shape, b.stride(), b.dtype, b.device,
             b.data_ptr() % 16, o, compute_mode, torch.backends.cuda.matmul.allow_tf32,
             env.get("KERMAC_LIKE_WGMMA"), env.get("KERMAC_LIKE_AUTOTUNE"), env.get("KERMAC_LIKE_DEBUG"))
 
 
-def _run_cached(key, a, b, out):
+def _run_cached(key, a, b, out, hypers: dict | None = None):
     """The result of a call served by its key's template, or None (take the full path)."""
-    if key is None or not direct_call(a, b, out):
+    if key is None or not direct_call(a, b, out, *(hypers.values() if hypers else ())):
         return None
-    return run_by_call_key(key, a, b, out)
+    return run_by_call_key(key, a, b, out, hypers)
 
 
 def _check_out(out, shape, dtype, device):
@@ -204,9 +214,13 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     key = None
     if not debug and autotune is None and type(descriptor) is KernelDescriptor:
         hp = (p, inner_p, outer_p, bandwidth, regularization, regularization_offset_x, regularization_offset_y, epsilon)
-        if all(type(v) in _NUMBER_TYPES for v in hp):
-            key = _call_key(("run_kernel", descriptor, *hp), a, b, out, compute_mode)
-            res = _run_cached(key, a, b, out)
+        key = _call_key(("run_kernel", descriptor), hp, a, b, out, compute_mode)
+        if key is not None:
+            # Where each hyper-parameter comes from (prepare_call's rule: p stands for the
+            # inner and outer p not given); the template reads the tensor ones by name.
+            hypers = {"inner_p": p if inner_p is None else inner_p, "outer_p": p if outer_p is None else outer_p,
+                      "bandwidth": bandwidth, "regularization": regularization}
+            res = _run_cached(key, a, b, out, {k: v for k, v in hypers.items() if isinstance(v, torch.Tensor)})
             if res is not None:
                 return res
     return _run_kernel(descriptor, a, b, out=out, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
@@ -237,7 +251,7 @@ def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regula
     elif direct_call(call.a, call.b, out, *hyper_tensors):
         # The ops' implementation, without the dispatcher (and the template kept under the
         # call's key, unless debug decided differently than the key assumed).
-        return run_distance(call, out, compute_mode, debug, call_key=None if debug or hyper_tensors else call_key)
+        return run_distance(call, out, compute_mode, debug, call_key=None if debug else call_key)
     with autotune_override(autotune):  # the op's schema does not carry it
         if out is None:
             return _RUN_KERNEL(*_op_args(call), compute_mode, debug)
@@ -281,7 +295,7 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     """
     key = None
     if not debug and autotune is None and type(p) in _NUMBER_TYPES and p is not None:
-        key = _call_key(("cdist", p, bool(skip_epilogue)), x1, x2, out, compute_mode)
+        key = _call_key(("cdist", bool(skip_epilogue)), (p,), x1, x2, out, compute_mode)
         res = _run_cached(key, x1, x2, out)
         if res is not None:
             return res

@@ -378,6 +378,32 @@ def test_unusable_file_is_moved_aside_and_rebuilt(tmp_path, caplog, kind):
     assert len(cache_warnings(caplog.records)) == 1
 
 
+def test_transient_io_error_while_the_new_file_is_created_is_retried(tmp_path, caplog, monkeypatch):
+    """After moving a bad file aside, the new database is created by every process that
+    saw the bad one: a 'disk I/O error' from SQLite then is retried, not taken for a broken
+    disk (which would send the process to memory); any other error is not."""
+    import sqlite3
+
+    caplog.set_level(logging.WARNING, logger="kermac_like.cache")
+    real = kc._ensure_schema
+    for message, in_memory in (("disk I/O error", False), ("database disk image is malformed", True)):
+        d = tmp_path / message.replace(" ", "_").replace("/", "")
+        _write_foreign(d / DB_FILENAME, "garbage")
+        calls = []
+
+        def flaky(engine, message=message, calls=calls):
+            calls.append(1)
+            if len(calls) == 2:  # the first try on the new file
+                raise sqlite3.OperationalError(message)
+            return real(engine)
+
+        monkeypatch.setattr(kc, "_ensure_schema", flaky)
+        cache = KernelCache(d)
+        assert cache.in_memory is in_memory, message
+        assert len(calls) == 3  # garbage, the failed try, then the retry (or the in-memory database)
+        cache.close()
+
+
 def test_midlife_dropped_table_recovers_once(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="kermac_like.cache")
     cache = KernelCache(tmp_path)

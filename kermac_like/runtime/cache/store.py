@@ -78,6 +78,8 @@ from .schema import (  # noqa: F401
     tuning_table,
 )
 
+_IOERR_RETRIES = 3  # transient 'disk I/O error' while another process creates the file
+
 __all__ = [
     "CachedKernel",
     "DB_FILENAME",
@@ -588,13 +590,24 @@ class KernelCache:
             if _classify(exc) != "broken":
                 raise
             self._quarantine(_describe(exc), thorough=False)
-        engine = _make_engine(self._file)
-        try:
-            _retry_locked(lambda: _ensure_schema(engine))
-        except BaseException:
-            engine.dispose()
-            raise
-        return engine
+        # The new file is being created by several processes at once (each one that saw
+        # the bad file): SQLite may report a transient I/O error while another sets up
+        # the write-ahead log. Seen once in ~15 runs of the 4-process test under load.
+        attempt = 0
+        while True:
+            engine = _make_engine(self._file)
+            try:
+                _retry_locked(lambda: _ensure_schema(engine))
+                return engine
+            except _DB_ERRORS as exc:
+                engine.dispose()
+                if attempt >= _IOERR_RETRIES or "disk i/o error" not in _describe(exc).lower():
+                    raise
+                attempt += 1
+                time.sleep(_backoff(attempt))
+            except BaseException:
+                engine.dispose()
+                raise
 
     def _quarantine(self, reason: str, *, thorough: bool) -> bool:
         """Move the file aside if it is still bad, deciding under an inter-process

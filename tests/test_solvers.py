@@ -145,6 +145,49 @@ def test_cg_one_host_read_per_iteration():
     assert torch.allclose(a @ res.x.as_subclass(torch.Tensor), b, atol=1e-8)
 
 
+def _noisy_spd(n=200, cond=100, noise=1e-4, grow_after=None, seed=0):
+    """An SPD operator (eigenvalues 1 .. cond) applied with relative rounding ``noise`` (a
+    float32 product stands for it), optionally garbage after ``grow_after`` products."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=g))
+    a = (q * torch.logspace(0, math.log10(cond), n, dtype=torch.float64)) @ q.T
+    calls = []
+
+    def apply_a(v):
+        calls.append(1)
+        w = a @ v
+        scale = noise * (a.abs() @ v.abs())
+        if grow_after is not None and len(calls) > grow_after:
+            scale = scale * 10.0 ** (len(calls) - grow_after)
+        return w + scale * torch.randn(w.shape, dtype=w.dtype, generator=g)
+
+    return a, apply_a, calls
+
+
+@pytest.mark.parametrize("grow_after", [None, 30])
+def test_cg_true_residual_checks_keep_the_best_iterate(grow_after):
+    """check_every: an operator whose rounding CG cannot outrun (a noise floor, or noise that
+    takes over) stops at its best iterate long before max_iter, about as accurate as CG run
+    to max_iter without the checks (or, where that diverges, still accurate)."""
+    b = torch.randn(200, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def true_residual(a, x):
+        return float(((b - a @ x).norm(dim=0) / b.norm(dim=0)).max())
+
+    a, apply_a, _ = _noisy_spd(grow_after=grow_after)
+    res = pcg(apply_a, lambda r: r.clone(), b, tol=1e-12, max_iter=1000, check_every=5)
+    checked = true_residual(a, res.x)
+    assert not res.converged and res.n_iter < 100, res.n_iter
+    assert checked == pytest.approx(res.residual, rel=0.5)  # reported: the x's own (measured with noise)
+    a, apply_a, _ = _noisy_spd(grow_after=grow_after)
+    plain = pcg(apply_a, lambda r: r.clone(), b, tol=1e-12, max_iter=300)
+    assert plain.n_iter == 300 or not math.isfinite(plain.residual)
+    if grow_after is None:
+        assert checked < 3 * true_residual(a, plain.x) and checked < 0.05
+    else:  # without the checks the run blows up; with them it keeps what it had reached
+        assert not math.isfinite(plain.residual) and checked < 0.05
+
+
 @pytest.mark.parametrize("case", ["y_rows", "nan_x", "nan_y", "alpha_cg", "alpha_nystrom", "n_centers", "solver",
                                   "distance", "bandwidth", "x_dim"])
 def test_bad_input(case):

@@ -38,7 +38,7 @@ def local_dots(pairs) -> torch.Tensor:
 
 def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=local_dots,
         progress=None, label: str = "cg", round_to: torch.dtype | None = None, verify: bool = True,
-        max_restarts: int = 3) -> CGResult:
+        max_restarts: int = 3, check_every: int | None = None) -> CGResult:
     """Solve A x = b (A symmetric positive definite) with preconditioner P ~ A^-1.
 
     ``apply_a(v)`` and ``apply_p(v)`` map (n, C) to (n, C); ``dots(pairs)`` returns the
@@ -51,6 +51,13 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
     ``verify``: when the recursive residual passes ``tol``, the true residual b - A x is
     computed (one more product); if it does not pass, CG restarts from it (at most
     ``max_restarts`` times). The residual reported is then the true one.
+    ``check_every``: for an operator whose rounding CG cannot outrun (the products of a
+    float32 Falkon system): every ``check_every`` iterations the true residual is computed
+    (one more product), r is replaced by it (residual replacement), and the best x so far
+    is kept. CG stops at the best x when three checks in a row have not brought the true
+    residual below 0.9 times the best before (stagnation at the data's precision) or it has grown past
+    10 times the best (rounding has taken over); the ConvergenceWarning of the caller
+    then reports the residual reached.
     """
     x = torch.zeros_like(b)
     bb = dots([(b, b)])[0]
@@ -68,6 +75,9 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
     worst = float(res.max()) if res.numel() else 0.0
     it = restarts = 0
     last_true = False  # worst is the true residual (not the recursive one)
+    # With check_every: the best iterate by its true residual (x = 0 to begin with).
+    best_x, best, best_res = x.clone(), worst, res
+    checks = []  # the true residuals of the checks
     while True:
         if worst <= tol:
             if not verify or it == 0:
@@ -102,8 +112,27 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
         if progress is not None:
             progress(it, worst)
         log.info("%s iteration %d: relative residual %.3e", label, it, worst)
-        if not math.isfinite(worst):
+        if not math.isfinite(worst) and check_every is None:
             break
+        if check_every and (it % check_every == 0 or not math.isfinite(worst)) and worst > tol:
+            r_true = b - apply_a(rounded(x))
+            res_true = dots([(r_true, r_true)])[0].clamp_min(0).sqrt() * scale
+            true = float(res_true.max())
+            checks.append(true)
+            log.info("%s: true relative residual %.3e after %d iterations (check)", label, true, it)
+            if true < best:
+                best, best_x, best_res = true, x.clone(), res_true
+            stalled = len(checks) > 3 and not min(checks[-3:]) < 0.9 * min(checks[:-3])
+            if not math.isfinite(true) or true > 10 * best or stalled:
+                log.info("%s: stopped at the best iterate (true relative residual %.3e): %s", label, best,
+                         "stagnation" if stalled and math.isfinite(true) and true <= 10 * best else "growth")
+                x, res, worst, last_true = best_x, best_res, best, True
+                break
+            r = r_true  # residual replacement: the recursion restarts from the truth
+            z = apply_p(r)
+            both = dots([(r, z), (r, z_old)])
+            rz_new, rz_cross = both[0], both[1]
+            res, worst = res_true, true
         # Polak-Ribiere (flexible) step: equal to Fletcher-Reeves in exact arithmetic, robust
         # to a preconditioner applied with rounding.
         beta = torch.where(rz > 0, (rz_new - rz_cross) / torch.where(rz > 0, rz, 1.0), torch.zeros_like(rz))
@@ -115,4 +144,6 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
         res = dots([(r_true, r_true)])[0].clamp_min(0).sqrt() * scale
         worst = float(res.max())
         log.info("%s: true relative residual %.3e after %d iterations (max_iter)", label, worst, it)
+        if check_every and best < worst:  # an earlier check was better: that x
+            x, res, worst = best_x, best_res, best
     return CGResult(rounded(x), it, worst, res.cpu(), worst <= tol)

@@ -216,11 +216,17 @@ def test_tensor_core_path_error(name, data):
     assert e <= 1e-5
 
 
-def test_self_distance_is_zero():
-    x = torch.randn(500, 128, device="cuda")
-    d = km.cdist(x, x)
-    assert (d.diagonal() == 0).all()
-    assert (d >= 0).all()
+@pytest.mark.parametrize("K", [5, 37, 128])
+def test_self_distance_is_zero(K):
+    """K(x, x) on the tensor cores: the exact zero diagonal, also where K is zero-padded to
+    whole 16-byte rows (one padded copy serves as a and b), for the full path and a repeat."""
+    for _ in range(2):
+        x = torch.randn(500, K, device="cuda")
+        d = km.cdist(x, x)
+        assert (d.diagonal() == 0).all()
+        assert (d >= 0).all()
+        k = km.run_kernel(km.PRESETS["laplace_l2"], x, x, bandwidth=2.0)
+        assert (k.diagonal() == 1).all()
 
 
 @pytest.mark.parametrize("tf32", [False, True])

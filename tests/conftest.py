@@ -24,3 +24,17 @@ def _private_cache(tmp_path_factory, monkeypatch):
         d = tmp_path_factory.getbasetemp() / "kernel-cache"
         monkeypatch.setenv("KERMAC_LIKE_CACHE_DIR", str(d))
     yield
+
+
+@pytest.fixture
+def set_tf32():
+    """``set_tf32(flag)`` sets torch.backends.cuda.matmul.allow_tf32 for the test and the
+    teardown restores it (monkeypatch cannot: in recent torch the flag is not a plain
+    attribute of the module object, and pytest's undo then deletes it and fails)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+
+    def set_(flag: bool) -> None:
+        torch.backends.cuda.matmul.allow_tf32 = flag
+
+    yield set_
+    torch.backends.cuda.matmul.allow_tf32 = saved

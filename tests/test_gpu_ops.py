@@ -231,11 +231,11 @@ def test_self_distance_is_zero(K):
 
 @pytest.mark.parametrize("tf32", [False, True])
 @pytest.mark.parametrize("name", ["l2", "laplace_l2", "dot"])
-def test_tensor_core_batches_broadcast_and_host_loop(name, tf32, monkeypatch, caplog):
+def test_tensor_core_batches_broadcast_and_host_loop(name, tf32, monkeypatch, caplog, set_tf32):
     """Broadcast batches, views with padded rows and a K tail, and more batch modes than
     the kernel takes (host loop): on sm_90 the b preparation (B small, norms) is indexed
     per entry of b and shared by the host-loop launches."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+    set_tf32(tf32)
     desc = km.PRESETS[name]
     kw = {"bandwidth": 30.0} if desc.needs_bandwidth else {}
     a = torch.randn(2, 3, 1, 2, 300, 48, device="cuda")[..., :45]  # rows 16-byte aligned, K = 45

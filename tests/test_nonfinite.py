@@ -214,11 +214,11 @@ PATHS = [("simt", torch.float32, False), ("mma", torch.float32, False), ("mma", 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
-def _set_path(monkeypatch, path, tf32):
+def _set_path(monkeypatch, set_tf32, path, tf32):
     if path == "wgmma" and not _sm90():
         pytest.skip("wgmma needs sm_90")
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0" if path == "mma" else "1")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+    set_tf32(tf32)
     return DIRECT if path == "simt" else MM
 
 
@@ -226,8 +226,8 @@ def _set_path(monkeypatch, path, tf32):
 @needs_cuda
 @pytest.mark.parametrize("path,dtype,tf32", PATHS, ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("name", ["l2", "squared_l2", "laplace_l2", "gaussian_l2"])
-def test_gpu_p2_paths(monkeypatch, caplog, path, dtype, tf32, name):
-    mode = _set_path(monkeypatch, path, tf32)
+def test_gpu_p2_paths(monkeypatch, set_tf32, caplog, path, dtype, tf32, name):
+    mode = _set_path(monkeypatch, set_tf32, path, tf32)
     if path == "simt" and dtype != torch.float32:
         pytest.skip("the exact kernel is float32")
     desc = km.PRESETS[name]
@@ -295,8 +295,8 @@ def test_gpu_cdist_grad(monkeypatch, mma, p):
 @needs_cuda
 @pytest.mark.parametrize("path", ["simt", "mma", "wgmma"])
 @pytest.mark.parametrize("p", [1.0, 2.0, 1.3])
-def test_gpu_autograd_nan_like_torch(monkeypatch, path, p):
-    mode = _set_path(monkeypatch, path, False)
+def test_gpu_autograd_nan_like_torch(monkeypatch, set_tf32, path, p):
+    mode = _set_path(monkeypatch, set_tf32, path, False)
     if p != 2 and path != "simt":
         pytest.skip("only p = 2 has a tensor-core path")
     g = torch.Generator().manual_seed(4)

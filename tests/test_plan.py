@@ -96,14 +96,14 @@ def test_copies_and_converted_hyper_parameters_are_not_cached(as_gpu):
     assert not P._TEMPLATES
 
 
-def test_settings_are_part_of_the_key(as_gpu, monkeypatch):
+def test_settings_are_part_of_the_key(as_gpu, monkeypatch, set_tf32):
     call = prepare_call(km.PRESETS["l2"], torch.randn(64, 8), torch.randn(40, 8))
     out = torch.empty(call.out_shape)
     assert P.plan_distance(call, out, COMPUTE_MODES[0], False).family == "distance_wgmma"
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0")
     assert P.plan_distance(call, out, COMPUTE_MODES[0], False).family == "distance_mma"
     assert P.plan_distance(call, out, "donot_use_mm_for_euclid_dist", False).family == "distance_lowk"  # K = 8
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    set_tf32(True)
     tf32 = P.plan_distance(call, out, COMPUTE_MODES[0], False)
     assert "Precision::Tf32>" in tf32.spec.traits or "Precision::Tf32," in tf32.spec.traits
     assert len(P._TEMPLATES) == 4

@@ -581,12 +581,9 @@ class KernelCache:
         self._use_memory(reason)
 
     def _open_file(self) -> Engine:
-        engine = _make_engine(self._file)
         try:
-            _retry_locked(lambda: _ensure_schema(engine))
-            return engine
+            return self._engine_with_schema()
         except _DB_ERRORS as exc:
-            engine.dispose()
             if _classify(exc) != "broken":
                 raise
             self._quarantine(_describe(exc), thorough=False)
@@ -595,19 +592,23 @@ class KernelCache:
         # the write-ahead log. Seen once in ~15 runs of the 4-process test under load.
         attempt = 0
         while True:
-            engine = _make_engine(self._file)
             try:
-                _retry_locked(lambda: _ensure_schema(engine))
-                return engine
+                return self._engine_with_schema()
             except _DB_ERRORS as exc:
-                engine.dispose()
                 if attempt >= _IOERR_RETRIES or "disk i/o error" not in _describe(exc).lower():
                     raise
                 attempt += 1
                 time.sleep(_backoff(attempt))
-            except BaseException:
-                engine.dispose()
-                raise
+
+    def _engine_with_schema(self) -> Engine:
+        """An engine on the file with the schema in place (disposed again if that fails)."""
+        engine = _make_engine(self._file)
+        try:
+            _retry_locked(lambda: _ensure_schema(engine))
+        except BaseException:
+            engine.dispose()
+            raise
+        return engine
 
     def _quarantine(self, reason: str, *, thorough: bool) -> bool:
         """Move the file aside if it is still bad, deciding under an inter-process

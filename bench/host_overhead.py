@@ -31,10 +31,13 @@ def _cases(m: int, n: int, k: int):
     y = torch.randn(n, k, device="cuda", generator=g)
     out = torch.empty(m, n, device="cuda")
     bw = torch.tensor([2.0], device="cuda")
+    x5, y5 = x[:, :5].contiguous(), y[:, :5].contiguous()  # K = 5: zero-padded for the tensor cores
     yield "cdist_p2", lambda: km.cdist(x, y)
     yield "cdist_p2_out", lambda: km.cdist(x, y, out=out)
     yield "cdist_p1", lambda: km.cdist(x, y, 1.0)
     yield "laplace_l2_bw_tensor", lambda: km.run_kernel(km.PRESETS["laplace_l2"], x, y, bandwidth=bw)
+    yield "laplace_l2_bw_float", lambda: km.run_kernel(km.PRESETS["laplace_l2"], x, y, bandwidth=2.0)
+    yield "cdist_p2_k5_padded", lambda: km.cdist(x5, y5)
     yield "torch_cdist_p2", lambda: torch.cdist(x, y)  # the floor a torch op pays
     try:  # the parts of a call, where the package has a planner
         from kermac_like import plan as P

@@ -51,35 +51,14 @@
 #pragma once
 
 #include "common.cuh"
+#include "storage16.cuh"
 #include "math.cuh"
 
 namespace kermac_like {
 
 enum class Precision : int { Tf32x3 = 0, Tf32 = 1, Native16 = 2 };
 
-// 16-bit storage types: bit patterns only, so that the templates need no CUDA
-// header (<cuda_fp16.h> is not on NVRTC's include path here). A torch.float16
-// or torch.bfloat16 tensor's data pointer is passed as a pointer to these.
-#ifndef KERMAC_LIKE_16BIT_STORAGE_TYPES
-#define KERMAC_LIKE_16BIT_STORAGE_TYPES
-struct float16 {
-  unsigned short bits;
-};
-struct bfloat16 {
-  unsigned short bits;
-};
-#endif
-
 namespace mma_detail {
-
-template <class A, class B>
-struct SameType {
-  static constexpr bool value = false;
-};
-template <class A>
-struct SameType<A, A> {
-  static constexpr bool value = true;
-};
 
 // Round an fp32 bit pattern to TF32, to nearest with ties away from zero (the
 // rounding of cvt.rna.tf32.f32, without its special case for inf/NaN).
@@ -341,9 +320,9 @@ template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, L
 struct DistanceMmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kEpilogue_, kLayoutA_, kLayoutB_,
                                                           kLayoutO_, kPrecision_, T_> {
   // (T_ and kPrecision_ below: the base's members are not visible by plain name here)
-  static constexpr bool kIsFloat = mma_detail::SameType<T_, float>::value;
+  static constexpr bool kIsFloat = SameType<T_, float>::value;
   static constexpr bool kIs16 =
-      mma_detail::SameType<T_, float16>::value || mma_detail::SameType<T_, bfloat16>::value;
+      SameType<T_, float16>::value || SameType<T_, bfloat16>::value;
 
   static_assert(kIsFloat || kIs16,
                 "DistanceMmaTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");

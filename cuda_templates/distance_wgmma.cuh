@@ -41,7 +41,7 @@ namespace kermac_like {
 
 namespace wgmma_detail {
 
-using mma_detail::SameType;
+using kermac_like::SameType;
 using mma_detail::tf32_rna;
 
 #ifndef KERMAC_LIKE_MMA_HOST_EMULATION

@@ -39,32 +39,12 @@
 #pragma once
 
 #include "common.cuh"
+#include "storage16.cuh"
 #include "math.cuh"
 
 namespace kermac_like {
 
-// 16-bit storage types (bit patterns; the templates use no CUDA header). Shared with
-// distance_mma.cuh, hence the guard.
-#ifndef KERMAC_LIKE_16BIT_STORAGE_TYPES
-#define KERMAC_LIKE_16BIT_STORAGE_TYPES
-struct float16 {
-  unsigned short bits;
-};
-struct bfloat16 {
-  unsigned short bits;
-};
-#endif
-
 namespace matvec_detail {
-
-template <class A, class B>
-struct Same {
-  static constexpr bool value = false;
-};
-template <class A>
-struct Same<A, A> {
-  static constexpr bool value = true;
-};
 
 // Element loads and stores in float32.
 __device__ __forceinline__ float load_f(const float* p) { return *p; }
@@ -107,8 +87,8 @@ struct MatvecTraits {
   static_assert(kInnerPow_ != Power::Sqrt, "MatvecTraits: inner power Power::Sqrt is not supported");
   static_assert(kOuterPow_ != Power::Abs && kOuterPow_ != Power::Square,
                 "MatvecTraits: outer power must be Noop, Sqrt or Pow");
-  static_assert(matvec_detail::Same<T_, float>::value || matvec_detail::Same<T_, float16>::value ||
-                    matvec_detail::Same<T_, bfloat16>::value,
+  static_assert(SameType<T_, float>::value || SameType<T_, float16>::value ||
+                    SameType<T_, bfloat16>::value,
                 "MatvecTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");
   static_assert(kK_ >= 0 && kK_ <= 32, "MatvecTraits: kK is 0 (any K) or the padded K, at most 32");
   static_assert(kC_ == 1 || kC_ == 2 || kC_ == 4 || kC_ == 8 || kC_ == 16, "MatvecTraits: kC is 1, 2, 4, 8 or 16");
@@ -135,7 +115,7 @@ struct MatvecTraits {
   static constexpr int kRegK = kChunked ? 4 : kK_;
   static constexpr int kRows16 = matvec_detail::floor_pow2(96 / (kRegK + 3 * kC_ + (kChunked ? 32 : 1)));
   // 16-bit inputs: their conversions cost registers; 8 rows would spill at 128.
-  static constexpr int kRows = (!matvec_detail::Same<T_, float>::value && kRows16 == 8) ? 4 : kRows16;
+  static constexpr int kRows = (!SameType<T_, float>::value && kRows16 == 8) ? 4 : kRows16;
   static constexpr int kPolyRows = kPolyRows_;
   static_assert(kPolyRows_ >= 0 && kPolyRows_ < kRows, "MatvecTraits: kPolyRows must leave a MUFU row");
   static constexpr int kBlockM = kThreads * kRows;
@@ -147,7 +127,7 @@ struct MatvecTraits {
   // Points per trip of the pair loop: 2 amortises the loop's ~7 instructions over 16 pairs
   // (the kernel is issue-bound once kPolyRows moves exponentials off MUFU); 16-bit inputs
   // keep 1 (their conversions leave no registers for a second point at 128).
-  static constexpr int kUnrollJ = matvec_detail::Same<T_, float>::value ? 2 : 1;
+  static constexpr int kUnrollJ = SameType<T_, float>::value ? 2 : 1;
   static constexpr int kStaticSmem = 4 * kBlockN * (kKS + kC_);
   static_assert(kStaticSmem <= 48 * 1024, "MatvecTraits: the y tile must fit static shared memory");
 };
@@ -580,8 +560,8 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 // Launch constants of matvec_combine_kernel (mirrored by kermac_like/matvec_spec.py).
 template <class T_>
 struct MatvecCombineTraits {
-  static_assert(matvec_detail::Same<T_, float>::value || matvec_detail::Same<T_, float16>::value ||
-                    matvec_detail::Same<T_, bfloat16>::value,
+  static_assert(SameType<T_, float>::value || SameType<T_, float16>::value ||
+                    SameType<T_, bfloat16>::value,
                 "MatvecCombineTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");
   using T = T_;
   static constexpr int kThreads = 256;

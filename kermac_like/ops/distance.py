@@ -151,7 +151,8 @@ def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
     numbers, None, or float32 tensors by shape, strides and device), the operands' shapes, strides, 16-byte alignments,
     dtypes and devices, ``out``'s, the compute mode and the switches a plan reads (TF32,
     KERMAC_LIKE_WGMMA / _AUTOTUNE / _DEBUG); None for a call that takes the full path
-    every time (tensor subclasses, hyper-parameter tensors of another dtype)."""
+    every time (tensor subclasses, hyper-parameter tensors of another dtype). The key's
+    second entry is ``values`` itself (the same tuple) when they are all plain numbers."""
     if torch.compiler.is_compiling() or type(a) is not torch.Tensor or type(b) is not torch.Tensor:
         return None
     if out is None:
@@ -216,11 +217,14 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
         hp = (p, inner_p, outer_p, bandwidth, regularization, regularization_offset_x, regularization_offset_y, epsilon)
         key = _call_key(("run_kernel", descriptor), hp, a, b, out, compute_mode)
         if key is not None:
-            # Where each hyper-parameter comes from (prepare_call's rule: p stands for the
-            # inner and outer p not given); the template reads the tensor ones by name.
-            hypers = {"inner_p": p if inner_p is None else inner_p, "outer_p": p if outer_p is None else outer_p,
-                      "bandwidth": bandwidth, "regularization": regularization}
-            res = _run_cached(key, a, b, out, {k: v for k, v in hypers.items() if isinstance(v, torch.Tensor)})
+            hypers = None
+            if key[1] is not hp:  # _call_key described tensors in hp: the template reads them by name
+                # (prepare_call's rule: p stands for the inner and outer p not given)
+                hypers = {k: v for k, v in (("inner_p", p if inner_p is None else inner_p),
+                                            ("outer_p", p if outer_p is None else outer_p),
+                                            ("bandwidth", bandwidth), ("regularization", regularization))
+                          if type(v) is torch.Tensor}
+            res = _run_cached(key, a, b, out, hypers)
             if res is not None:
                 return res
     return _run_kernel(descriptor, a, b, out=out, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,

@@ -220,7 +220,7 @@ class ArgBlock:
     and launches under the block's lock (the driver copies the parameters at launch).
     """
 
-    __slots__ = ("kernel", "grid", "positions", "slots", "params", "_params_addr", "_fn", "_config", "_lock",
+    __slots__ = ("kernel", "grid", "positions", "slots", "params", "_params_addr", "_fn", "_config", "_lock", "_driver",
                  "_dims")
 
     def __init__(self, kernel: LoadedKernel, grid: tuple, args: tuple, positions: tuple):
@@ -235,6 +235,7 @@ class ArgBlock:
                 struct.pack_into(_slot_format(v), self.slots, 8 * i, v)
         self._fn = None
         self._config = None
+        self._driver = None  # cuda.bindings.driver, bound by _prepare
         self._lock = threading.Lock()
         shape = kernel.spec.launch
         g = self.grid + (1,) * (3 - len(self.grid))
@@ -248,6 +249,7 @@ class ArgBlock:
     def _prepare(self):
         from cuda.bindings import driver
 
+        self._driver = driver
         handle = self.kernel.function.handle
         self._fn = int(handle)
         shape = self.kernel.spec.launch
@@ -272,8 +274,6 @@ class ArgBlock:
     def launch(self, pointers) -> None:
         """Fill in the pointer arguments (in ``positions`` order) and launch on the
         current torch stream of the kernel's device."""
-        from cuda.bindings import driver
-
         device = self.kernel.device
         if torch.cuda.current_device() != device:
             with torch.cuda.device(device):
@@ -284,6 +284,7 @@ class ArgBlock:
             if self._fn is None:
                 self._prepare()
             self.fill(pointers)
+            driver = self._driver
             if self._config is not None:
                 self._config.hStream = stream
                 (err,) = driver.cuLaunchKernelEx(self._config, self._fn, self._params_addr, 0)
@@ -293,9 +294,13 @@ class ArgBlock:
             raise RuntimeError(f"launch of {self.kernel.spec.name_expression} failed: {err}")
 
 
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds
+
+
 def _raw_stream(device: int) -> int:
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return get(device) if get is not None else torch.cuda.current_stream(device).cuda_stream
+    if _CURRENT_RAW_STREAM is not None:
+        return _CURRENT_RAW_STREAM(device)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def launch(kernel: LoadedKernel, grid: tuple, args: tuple, *, debug: bool = False, block: ArgBlock | None = None) -> None:

@@ -406,8 +406,8 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
                        kind: str | None = None, call_key=None):
     """The kernel plan of a GPU call (``kind``: runtime.autotune's; default: its choice,
     the one hook of the kernel selection); None when only the reference path applies.
-    ``call_key``: the public op's key of this call (float hyper-parameters only), under
-    which the template is also kept (:func:`run_by_call_key`)."""
+    ``call_key``: the public op's key of this call (ops.distance._call_key), under which
+    the template is also kept (:func:`run_by_call_key`)."""
     if kind is None:
         kind = autotune.choose(call, out, compute_mode, settings.tf32,
                                lambda k: _plan_distance_gpu(call, out, compute_mode, False, settings, k).run(),
@@ -430,8 +430,7 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     t, tensors, reusable = built
     if key is not None and reusable:
         if len(_TEMPLATES) >= _TEMPLATES_MAX:
-            _TEMPLATES.clear()
-            _BY_CALL.clear()
+            clear_templates()
         t = _TEMPLATES[key] = _with_arg_blocks(t)
         if call_key is not None:
             _remember_call(call_key, t, call)

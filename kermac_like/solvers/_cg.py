@@ -67,6 +67,12 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
     def rounded(v):
         return v if round_to is None or round_to == v.dtype else v.to(round_to).to(v.dtype)
 
+    def true_residual(x):
+        """(b - A x, its per-column relative norms, their largest): one more product."""
+        r_true = b - apply_a(rounded(x))
+        rel = dots([(r_true, r_true)])[0].clamp_min(0).sqrt() * scale
+        return r_true, rel, float(rel.max())
+
     r = b.clone()
     z = apply_p(r)
     p = rounded(z)
@@ -76,15 +82,13 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
     it = restarts = 0
     last_true = False  # worst is the true residual (not the recursive one)
     # With check_every: the best iterate by its true residual (x = 0 to begin with).
-    best_x, best, best_res = x.clone(), worst, res
+    best_x, best, best_res = (x.clone() if check_every else None), worst, res
     checks = []  # the true residuals of the checks
     while True:
         if worst <= tol:
             if not verify or it == 0:
                 break
-            r_true = b - apply_a(rounded(x))
-            res = dots([(r_true, r_true)])[0].clamp_min(0).sqrt() * scale
-            worst = float(res.max())
+            r_true, res, worst = true_residual(x)
             last_true = True
             log.info("%s: true relative residual %.3e after %d iterations", label, worst, it)
             if worst <= tol or restarts >= max_restarts or it >= max_iter:
@@ -115,9 +119,7 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
         if not math.isfinite(worst) and check_every is None:
             break
         if check_every and (it % check_every == 0 or not math.isfinite(worst)) and worst > tol:
-            r_true = b - apply_a(rounded(x))
-            res_true = dots([(r_true, r_true)])[0].clamp_min(0).sqrt() * scale
-            true = float(res_true.max())
+            r_true, res_true, true = true_residual(x)
             checks.append(true)
             log.info("%s: true relative residual %.3e after %d iterations (check)", label, true, it)
             if true < best:
@@ -140,9 +142,7 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
         rz = rz_new
         last_true = False
     if verify and it > 0 and not last_true:  # stopped by max_iter: report the true residual too
-        r_true = b - apply_a(rounded(x))
-        res = dots([(r_true, r_true)])[0].clamp_min(0).sqrt() * scale
-        worst = float(res.max())
+        _, res, worst = true_residual(x)
         log.info("%s: true relative residual %.3e after %d iterations (max_iter)", label, worst, it)
         if check_every and best < worst:  # an earlier check was better: that x
             x, res, worst = best_x, best_res, best

@@ -111,14 +111,6 @@ __device__ __forceinline__ float div_approx(float x, float y) {
 #endif
 }
 
-__device__ __forceinline__ float fma32(float a, float b, float c) {
-#if defined(__CUDA_ARCH__)
-  return __fmaf_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
-
 // phi(acc) = q E'(d) D'(acc) for one batch entry: operator() returns phi / scale
 // (the kernel multiplies scale into its g rows once instead of into every pair).
 //   NOOP:  d = acc            D' = 1
@@ -299,7 +291,7 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
             if constexpr (Tr::kInnerPow == Power::Abs) {
               acc += fabsf(t[k]);
             } else if constexpr (Tr::kInnerPow == Power::Square) {
-              acc = fma32(t[k], t[k], acc);
+              acc = math::fma_rn(t[k], t[k], acc);
             } else {
               pw[k] = math::abs_pow_mufu(t[k], ql);
               acc += pw[k];
@@ -308,20 +300,20 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
           // kC == 1: g[m] is a factor of the whole sum over n (applied at the store).
           float u = kC == 1 ? vb[0] : gr[i][0] * vb[0];
 #pragma unroll
-          for (int c = 1; c < kC; ++c) u = fma32(gr[i][c], vb[c], u);
+          for (int c = 1; c < kC; ++c) u = math::fma_rn(gr[i][c], vb[c], u);
           const float w = kAcc ? phi_of(acc) * u : u;
 #pragma unroll
           for (int k = 0; k < kK; ++k) {
             if constexpr (Tr::kInnerPow == Power::Abs) {
               // sgn(t): +-1, 0 for t == 0, NaN for NaN (t itself in the last two cases)
               const float sg = t[k] > 0.0f ? 1.0f : (t[k] < 0.0f ? -1.0f : t[k]);
-              part[i][k] = fma32(w, sg, part[i][k]);
+              part[i][k] = math::fma_rn(w, sg, part[i][k]);
             } else if constexpr (Tr::kInnerPow == Power::Square) {
-              part[i][k] = fma32(w, t[k], part[i][k]);
+              part[i][k] = math::fma_rn(w, t[k], part[i][k]);
             } else {
               // |t|^q / t = sgn(t) |t|^(q-1); 0 where t == 0.
               const float psi = t[k] != 0.0f ? div_approx(pw[k], t[k]) : 0.0f;
-              part[i][k] = fma32(w, psi, part[i][k]);
+              part[i][k] = math::fma_rn(w, psi, part[i][k]);
             }
           }
         }

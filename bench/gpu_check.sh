@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment report, then the steps asked for, short table last.
 #   bash bench/gpu_check.sh [STEP[,STEP...]] [extra pytest args...]
-# Steps: tests (GPU tests), examples, bench (bench/run.py), host (host overhead per call;
+# Steps: tests (GPU tests), examples, bench (bench/run.py), timing (bench/probes/safety_timing.py,
+# TIMING_CASES selects; against .gl/before too), host (host overhead per call;
 # against the package in .gl/before too when that folder is carried), krr (Falkon at
 # N = 10^6), linalg (first calls with and without linalg.warmup), sanitize (bench/sanitize.sh
 # over $SAN_FAMILIES with $TOOLS); all = tests,examples,bench.
@@ -71,6 +72,16 @@ print(" | ".join(rows))
 PY
 )")
 fi
+if has timing; then  # bench/probes/safety_timing.py: this tree, and .gl/before when carried, in alternation
+  for round in 1 2; do
+    timeout "$T" python3 bench/probes/safety_timing.py after 5 2>&1 | grep TIMING | tee -a "$OUT/timing.txt"
+    if [ -d .gl/before/kermac_like ]; then
+      PYTHONPATH=/tmp/site:$PWD/.gl/before KERMAC_LIKE_CACHE_DIR=/tmp/kermac_like_cache_before \
+        timeout "$T" python3 bench/probes/safety_timing.py before 5 2>&1 | grep TIMING | tee -a "$OUT/timing.txt"
+    fi
+  done
+  summary+=("timing (ms): $(tr '\n' ' ' < "$OUT/timing.txt")")
+fi
 if has krr; then
   timeout "$T" python3 examples/large_scale_krr.py --solver nystrom --repeats 1 ${KRR_ARGS:-} 2>&1 \
     | tee "$OUT/krr_nystrom.log" | tail -n 12
@@ -88,9 +99,12 @@ if has sanitize; then
   TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck} timeout "$T" bash bench/sanitize.sh "$OUT/sanitize" \
     ${SAN_FAMILIES:-} > "$OUT/sanitize.log" 2>&1
   summary+=("sanitize: see below")
+  # One archive: the device tool brings back only a few files per call.
+  tar czf "$OUT/sanitize.tgz" -C "$OUT" sanitize && cp "$OUT/sanitize/summary.txt" "$OUT/sanitize_summary.txt" \
+    && rm -rf "$OUT/sanitize"
 fi
 echo "== summary"
 for line in "${summary[@]}"; do echo "$line"; done
-[ -f "$OUT/sanitize/summary.txt" ] && cat "$OUT/sanitize/summary.txt"
+[ -f "$OUT/sanitize_summary.txt" ] && cat "$OUT/sanitize_summary.txt"
 echo "== pytest exit: $status"
 exit 0

@@ -43,11 +43,9 @@
 // row (column) of the output, every epilogue included. An infinite coordinate
 // gives what torch.cdist's matrix-product path gives (IEEE fp32 products in
 // ||x||^2 + ||y||^2 - 2 x.y: +inf, or NaN for inf - inf and inf * 0) with Tf32 and
-// 16-bit data. With Tf32x3 this kernel's plain split may give NaN where torch has
-// +inf: x = inf splits into big = inf and small = tf32_rna(inf - inf) (the device's
-// NaN 0x7fffffff rounds to -0, another NaN pattern stays NaN), and big * small_y is
-// inf * 0 = NaN wherever y is exact in TF32 (small_y = 0). distance_wgmma_kernel
-// follows torch there too (split_tf32x3).
+// 16-bit data, and with Tf32x3 through split_tf32x3 (a plain split would give
+// big = inf, small = tf32_rna(inf - inf) and big * small_y = inf * 0 = NaN wherever
+// y is exact in TF32); distance_wgmma_kernel splits the same way.
 #pragma once
 
 #include "common.cuh"
@@ -72,11 +70,13 @@ __device__ __forceinline__ unsigned tf32_rna(unsigned x) { return (x + 0x1000u) 
 // norm expansion is inf or NaN anyway): x = +-inf gives big = +-2^64 and small
 // = +-inf, and the three products big*b_small + small*b_big + big*b_big are
 // +-inf or NaN exactly where the IEEE product x*y is (for |y| below 2^40, where
-// 2^64 * y_small cannot overflow against the sign of x*y). NaN stays NaN
-// (through small). Cost: two FMNMX per split value.
+// 2^64 * y_small cannot overflow against the sign of x*y). A NaN coordinate
+// reaches the distance through the squared row norms (every tensor-core
+// descriptor is Euclidean), whatever its halves become. Cost: two FMNMX.NAN per
+// split value (the NaN-keeping min/max, so that the SASS keeps no plain FMNMX).
 __device__ __forceinline__ void split_tf32x3(unsigned x, unsigned& big, unsigned& small) {
   const float xf = __uint_as_float(x);
-  big = tf32_rna(__float_as_uint(fminf(fmaxf(xf, -18446744073709551616.f), 18446744073709551616.f)));
+  big = tf32_rna(__float_as_uint(math::fmin_nan(math::fmax_nan(xf, -18446744073709551616.f), 18446744073709551616.f)));
   small = tf32_rna(__float_as_uint(xf - __uint_as_float(big)));
 }
 
@@ -550,12 +550,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             if constexpr (Traits::kPrecision == Precision::Tf32x3) {
-              // The plain split (inf -> NaN), not split_tf32x3: its two FMNMX per value
-              // cost 6% here (cdist p=2 30000^2 x 1024 with KERMAC_LIKE_WGMMA=0 on an H200:
-              // 28.7 -> 30.5 ms), where the fragments are split once per warp that reads them.
-              a_big[i][r] = tf32_rna(raw[r]);
-              a_small[i][r] =
-                  tf32_rna(__float_as_uint(__uint_as_float(raw[r]) - __uint_as_float(a_big[i][r])));
+              // Infinities kept apart from NaN, as torch's products have them (+6% on
+              // cdist p=2 30000^2 x 1024 with KERMAC_LIKE_WGMMA=0 on an H200, 28.7 ->
+              // 30.5 ms: the fragments are split once per warp that reads them).
+              split_tf32x3(raw[r], a_big[i][r], a_small[i][r]);
             } else if constexpr (Traits::kPrecision == Precision::Tf32) {
               a_big[i][r] = tf32_rna(raw[r]);
             } else {
@@ -568,9 +566,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           const uint2 rb =
               *reinterpret_cast<const uint2*>(stage + frag_b_row + (j * 8) * kRowBytes + frag_col[s]);
           if constexpr (Traits::kPrecision == Precision::Tf32x3) {
-            const unsigned b0 = tf32_rna(rb.x), b1 = tf32_rna(rb.y);
-            const unsigned b0s = tf32_rna(__float_as_uint(__uint_as_float(rb.x) - __uint_as_float(b0)));
-            const unsigned b1s = tf32_rna(__float_as_uint(__uint_as_float(rb.y) - __uint_as_float(b1)));
+            unsigned b0, b1, b0s, b1s;
+            split_tf32x3(rb.x, b0, b0s);
+            split_tf32x3(rb.y, b1, b1s);
 #pragma unroll
             for (int i = 0; i < kTilesM; ++i) {
               // Small terms first: they are the least significant.

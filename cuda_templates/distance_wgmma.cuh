@@ -440,10 +440,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     int stage = 0;
     unsigned phase = 0;
-    // A stage goes back to the loaders of every CTA of the cluster (they all write it).
+    // A stage goes back to the loaders of every CTA of the cluster (they all write it):
+    // lane r arrives on CTA r's barrier, on this CTA's own through its shared::cta
+    // address (a plain local arrival, which racecheck can pair with this CTA's loader's
+    // wait; with the mapa form for every lane it reported 4 hazards at K = 264, where
+    // the stage ring wraps: bench/notes/sanitizer.md).
     auto release = [&](int s) {
       __syncwarp();
-      if (lane < kCluster) mbar_arrive_cluster(bar_empty + 8 * s, (unsigned)lane);
+      if (lane == (int)rank) {
+        mbar_arrive(bar_empty + 8 * s);
+      } else if (lane < kCluster) {
+        mbar_arrive_cluster(bar_empty + 8 * s, (unsigned)lane);
+      }
     };
 
     const HyperParam bw_param{bw_ptr, {bw_bs0, bw_bs1, bw_bs2}, bandwidth};

@@ -67,17 +67,21 @@ class Settings(NamedTuple):
 
     ``tf32``: torch's ``allow_tf32`` matmul flag (plain TF32 instead of 3xTF32; the
     wgmma kernel and its b preparation must agree, hence read once); ``wgmma``:
-    ``KERMAC_LIKE_WGMMA != "0"``; ``grad_mma``: ``KERMAC_LIKE_GRAD_MMA != "0"``."""
+    ``KERMAC_LIKE_WGMMA != "0"``; ``wgmma_always``: ``KERMAC_LIKE_WGMMA == "always"``
+    (also the calls of a few output tiles, which otherwise take the one-launch mma.sync
+    kernel: :func:`_few_tiles`); ``grad_mma``: ``KERMAC_LIKE_GRAD_MMA != "0"``."""
 
     tf32: bool
     wgmma: bool
     grad_mma: bool
+    wgmma_always: bool = False
 
     @staticmethod
     def current() -> "Settings":
         env = os.environ
-        return Settings(bool(torch.backends.cuda.matmul.allow_tf32), env.get("KERMAC_LIKE_WGMMA", "1") != "0",
-                        env.get("KERMAC_LIKE_GRAD_MMA", "1") != "0")
+        wgmma = env.get("KERMAC_LIKE_WGMMA", "1")
+        return Settings(bool(torch.backends.cuda.matmul.allow_tf32), wgmma != "0",
+                        env.get("KERMAC_LIKE_GRAD_MMA", "1") != "0", wgmma == "always")
 
 
 class Launch(NamedTuple):
@@ -178,6 +182,24 @@ def _wgmma_enabled(device, settings: Settings | None = None) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
+# Calls whose output the wgmma kernel would cover with at most this many 128 x 256 tiles
+# (and K at most _FEW_TILES_MAX_K) run the mma.sync kernel: one launch instead of the b
+# preparation plus the kernel, at sizes where both take a few microseconds of GPU time
+# and the host's launches are the cost (256 x 256 x 8: bench/host_overhead.py).
+_FEW_TILES = 8
+_FEW_TILES_MAX_K = 1024
+
+
+def _few_tiles(call: DistanceCall) -> bool:
+    if call.K > _FEW_TILES_MAX_K:
+        return False
+    *batch, M, N = call.out_shape
+    tiles = -(-M // 128) * -(-N // 256)
+    for b in batch:
+        tiles *= b
+    return tiles <= _FEW_TILES
+
+
 def _batch_plan(call: DistanceCall, tensors: dict):
     strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()
                if k in ("a", "b", "out")}
@@ -231,7 +253,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
         per = 16 // call.a.element_size()
         offsets_ok = _aligned(bplan, ("a", "b"), per)
         spec, family = None, "distance_mma"
-        if _wgmma_enabled(call.device, settings):
+        if _wgmma_enabled(call.device, settings) and (settings.wgmma_always or not _few_tiles(call)):
             spec, family = wgmma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok), "distance_wgmma"
         if spec is None:
             spec, family = mma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok), "distance_mma"

@@ -15,10 +15,8 @@ inf - inf = NaN, inf * 0 = NaN):
   * backward: sgn(NaN) = NaN (p = 1), a NaN distance gives NaN weights (p != 1).
 Our exact paths (CPU reference, SIMT kernel) compute direct differences; the
 tensor-core paths (mma.sync, wgmma, 16-bit) the matrix-product formula, and
-km.cdist picks them where torch.cdist picks its matrix product. One exception: the
-mma.sync kernel's 3xTF32 split (float32 off sm_90, or KERMAC_LIKE_WGMMA=0) may give
-NaN where torch's matrix product has +inf (a product inf * 0 of the split halves;
-keeping them apart costs 6% there: cuda_templates/distance_mma.cuh). The CPU tests
+km.cdist picks them where torch.cdist picks its matrix product; the 3xTF32 split
+keeps infinities apart from NaN (split_tf32x3 in cuda_templates/distance_mma.cuh). The CPU tests
 below check the reference path and autograd; the GPU tests (marked gpu) each
 kernel path and dtype on the same inputs.
 """
@@ -61,19 +59,6 @@ def assert_like(got, want, *, rtol=1e-6, atol=1e-6):
         assert diff.numel() == 0, f"{name} positions differ at {diff[:6].tolist()}"
     fin = torch.isfinite(want)
     torch.testing.assert_close(got[fin], want[fin], rtol=rtol, atol=atol)
-
-
-def assert_split_like(got, want, tol, x, y):
-    """The mma.sync kernel's 3xTF32 split: like torch (assert_like), except that entries
-    of rows of x / columns of y holding an infinity may be NaN (inf * 0 of the split halves)."""
-    got, want = got.double().cpu(), want.double().cpu()
-    may = torch.isinf(x).any(-1).cpu()[..., :, None] | torch.isinf(y).any(-1).cpu()[..., None, :]
-    extra = torch.isnan(got) & ~torch.isnan(want)
-    assert (~extra | may).all() and (torch.isnan(got) | ~torch.isnan(want)).all()
-    keep = ~torch.isnan(got)
-    assert torch.equal(torch.isposinf(got[keep]), torch.isposinf(want[keep]))
-    fin = keep & torch.isfinite(want)
-    torch.testing.assert_close(got[fin], want[fin], rtol=tol, atol=tol)
 
 
 def mm_distance(x, y, squared=False):
@@ -217,7 +202,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 def _set_path(monkeypatch, set_tf32, path, tf32):
     if path == "wgmma" and not _sm90():
         pytest.skip("wgmma needs sm_90")
-    monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0" if path == "mma" else "1")
+    monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0" if path == "mma" else "always")
     set_tf32(tf32)
     return DIRECT if path == "simt" else MM
 
@@ -247,10 +232,7 @@ def test_gpu_p2_paths(monkeypatch, set_tf32, caplog, path, dtype, tf32, name):
             d = d * d
         want = epilogue(d, kind, bw, lam, 1, eps).to(dtype).double()
         tol = 3e-3 if tf32 else TOL[dtype]
-        if path == "mma" and dtype == torch.float32 and not tf32:
-            assert_split_like(out, want, tol, x, y)
-        else:
-            assert_like(out, want, rtol=tol, atol=tol)
+        assert_like(out, want, rtol=tol, atol=tol)
 
 
 @gpu

@@ -31,7 +31,7 @@ def as_gpu(monkeypatch):
     monkeypatch.setattr(launcher, "max_active_clusters", lambda k: 66)
     monkeypatch.setattr(P, "_wgmma_enabled",
                         lambda device, settings=None: (settings or P.Settings.current()).wgmma and cap[0] == (9, 0))
-    monkeypatch.delenv("KERMAC_LIKE_WGMMA", raising=False)
+    monkeypatch.setenv("KERMAC_LIKE_WGMMA", "always")  # the wgmma kernel also for these small calls
     P.clear_templates()
     yield cap
     P.clear_templates()
@@ -84,6 +84,28 @@ def test_cached_plan_launches_what_a_fresh_plan_launches(as_gpu, cap, name, pres
         assert first.family == "distance_wgmma" and len(first.scratch) > 1
     pointers = {t.data_ptr() for t in (a2, b2, out2)}
     assert pointers & {x for _, _, args, *_ in cached.launches for x in args if isinstance(x, int)}
+
+
+def test_few_output_tiles_take_the_one_launch_kernel(as_gpu, monkeypatch):
+    """By default, float32 tensor-core calls of at most P._FEW_TILES wgmma tiles (and K up
+    to P._FEW_TILES_MAX_K) run mma.sync in one launch; larger ones the wgmma kernel after
+    its b preparation (two launches); KERMAC_LIKE_WGMMA=always takes wgmma for all."""
+    monkeypatch.setenv("KERMAC_LIKE_WGMMA", "1")
+    mode = COMPUTE_MODES[0]
+
+    def family(M, N, K, batch=()):
+        call = prepare_call(km.PRESETS["l2"], torch.randn(*batch, M, K), torch.randn(*batch, N, K))
+        plan = P.plan_distance(call, torch.empty(call.out_shape), mode, False)
+        return plan.family, len(plan.launches)
+
+    assert family(256, 256, 8) == ("distance_mma", 1)
+    assert family(4 * 128, 2 * 256, 8) == ("distance_mma", 1)  # 8 tiles
+    assert family(4 * 128 + 1, 2 * 256, 8)[0] == "distance_wgmma"  # 10 tiles
+    assert family(256, 256, 8, batch=(5,))[0] == "distance_wgmma"  # 10 tiles over the batch
+    assert family(256, 256, P._FEW_TILES_MAX_K + 4)[0] == "distance_wgmma"
+    assert family(1000, 700, 8) == ("distance_wgmma", 2)
+    monkeypatch.setenv("KERMAC_LIKE_WGMMA", "always")
+    assert family(256, 256, 8) == ("distance_wgmma", 2)
 
 
 def test_copies_and_converted_hyper_parameters_are_not_cached(as_gpu):

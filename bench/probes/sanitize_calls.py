@@ -176,7 +176,7 @@ FAMILIES = {
     "lowk": (lowk, {}),
     "matvec": (matvec, {}),
     "mma": (mma, {"KERMAC_LIKE_WGMMA": "0"}),
-    "wgmma": (wgmma, {}),
+    "wgmma": (wgmma, {"KERMAC_LIKE_WGMMA": "always"}),  # also the few-tile calls here
     "grad_simt": (grad_simt, {"KERMAC_LIKE_GRAD_MMA": "0"}),
     "grad_mma": (grad_mma, {"KERMAC_LIKE_GRAD_MMA": "1"}),
     "linalg": (linalg, {}),

@@ -36,7 +36,8 @@
 namespace kermac_like {
 
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, Layout kLayoutA_,
-          Layout kLayoutB_, int kK_, int kMinBlocksPerSm_ = 2, int kThreadsN_ = 16, bool kMufuEpilogue_ = true>
+          Layout kLayoutB_, int kK_, int kMinBlocksPerSm_ = 2, int kThreadsN_ = 16, bool kMufuEpilogue_ = true,
+          bool kMmNonFinite_ = false>
 struct DistanceLowKTraits {
   static_assert(kInner_ != Inner::Dot || kInnerPow_ == Power::Noop,
                 "DistanceLowKTraits: Inner::Dot requires inner power Power::Noop");
@@ -53,6 +54,8 @@ struct DistanceLowKTraits {
   static_assert(kMinBlocksPerSm_ >= 1 && kMinBlocksPerSm_ <= 3, "DistanceLowKTraits: kMinBlocksPerSm is 1..3");
   static_assert(kThreadsN_ == 16 || kThreadsN_ == 32 || kThreadsN_ == 64,
                 "DistanceLowKTraits: kThreadsN is 16 (128 x 128 tile), 32 (64 x 256) or 64 (32 x 512)");
+  static_assert(!kMmNonFinite_ || (kInner_ == Inner::Diff && kInnerPow_ == Power::Square && kK_ > 0),
+                "DistanceLowKTraits: kMmNonFinite needs Inner::Diff, Power::Square and a compile-time kK");
 
   using T = float;
   static constexpr Inner kInner = kInner_;
@@ -67,6 +70,14 @@ struct DistanceLowKTraits {
   // the IEEE sqrtf / expf sequences (exact::finish): at K <= 8 the epilogue is a large
   // part of the issued instructions.
   static constexpr bool kMufuEpilogue = kMufuEpilogue_;
+  // Non-finite values as torch.cdist's matrix-product path has them (the call mirrors
+  // its "use_mm_for_euclid_dist" choice): a pair whose |x|^2, |y|^2 or x.y is not finite
+  // (an infinite or NaN coordinate, or one whose square overflows) takes |x|^2 + |y|^2 -
+  // 2 x.y with IEEE products (inf * 0 = NaN, inf - inf = NaN), every other pair the direct
+  // sum of (x - y)^2. Found per tile: the loads flag values of magnitude >= 2^59 or NaN
+  // (below it no sum of K <= 64 squares or products overflows), and a flagged tile (one
+  // __syncthreads_or) is computed by mm_tile; other tiles pay one compare per loaded value.
+  static constexpr bool kMmNonFinite = kMmNonFinite_;
 
   static constexpr int kThreads = 256;
   static constexpr int kThreadsN = kThreadsN_, kThreadsM = kThreads / kThreadsN_;  // thread grid
@@ -109,7 +120,7 @@ __device__ __forceinline__ i64 opaque(i64 x) {
 // consecutive rows (ColMajor), so the global reads follow the operand's layout.
 template <class Tr, Layout kLayout, int kc, int BM, int S>
 __device__ __forceinline__ void load_tile(float* tile, const float* __restrict__ x, i64 ld, int rows, int row0,
-                                          int k0, int K, int tid) {
+                                          int k0, int K, int tid, bool& big) {
   constexpr int kCount = BM * kc;
   ld = opaque(ld);
   // At most 4 loads in flight per thread (the accumulators are live meanwhile).
@@ -123,6 +134,7 @@ __device__ __forceinline__ void load_tile(float* tile, const float* __restrict__
       float v = 0.0f;
       if (k0 + k < K) v = kLayout == Layout::RowMajor ? x[i64(row) * ld + (k0 + k)] : x[i64(k0 + k) * ld + row];
       tile[k * S + r] = v;
+      if constexpr (Tr::kMmNonFinite) big |= !(fabsf(v) < 0x1p59f);
     }
   }
 }
@@ -171,6 +183,32 @@ __device__ __forceinline__ void compute(float (&acc)[8][8], const Frag& f, const
 #if defined(__CUDA_ARCH__)
   asm volatile("" ::: "memory");
 #endif
+}
+
+// The accumulators of a tile holding a flagged value (DistanceLowKTraits::kMmNonFinite):
+// per pair, the direct sum, or |x|^2 + |y|^2 - 2 x.y (clamped at 0, NaN kept) where one of
+// its three sums is not finite. Rare, so compact: k not unrolled.
+template <class Tr, int SA, int SB>
+__device__ __forceinline__ void mm_tile(float (&acc)[8][8], const float* pa, const float* pb, const math::PowArgs& pw) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float* py = pb + (j < 4 ? j : Tr::kBlockN / 2 + j - 4);
+      float d = 0.0f, xx = 0.0f, yy = 0.0f, xy = 0.0f;
+#pragma unroll 1
+      for (int k = 0; k < Tr::kChunkK; ++k) {
+        const float x = pa[k * SA + i], y = py[k * SB];
+        d = exact::accumulate<Tr>(d, x, y, i, j, pw);
+        xx = fmaf(x, x, xx);
+        yy = fmaf(y, y, yy);
+        xy = fmaf(x, y, xy);
+      }
+      constexpr float kMax = 3.40282347e38f;  // finite: |v| <= FLT_MAX (false for inf and NaN)
+      const bool mm = !(fabsf(xx) <= kMax && fabsf(yy) <= kMax && fabsf(xy) <= kMax);
+      acc[i][j] = mm ? math::fmax_nan(fmaf(-2.0f, xy, xx + yy), 0.0f) : d;
+    }
+  }
 }
 
 // acc += the n k-steps at pa, pb (row strides SA, SB), the fragments of k + 1 read
@@ -241,10 +279,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
 
     if constexpr (Tr::kK > 0) {
       if (l != int(blockIdx.z)) __syncthreads();  // the previous entry's reads are done
-      load_tile<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, lda, M, m0, 0, K, tid);
-      load_tile<Tr, Tr::kLayoutB, KC, BN, SB>(sb, entry.b, ldb, N, n0, 0, K, tid);
-      __syncthreads();
-      if constexpr (Tr::kFullUnroll) {
+      bool big = false;
+      load_tile<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, lda, M, m0, 0, K, tid, big);
+      load_tile<Tr, Tr::kLayoutB, KC, BN, SB>(sb, entry.b, ldb, N, n0, 0, K, tid, big);
+      if constexpr (Tr::kMmNonFinite) {
+        big = __syncthreads_or(big);
+      } else {
+        __syncthreads();
+      }
+      if (Tr::kMmNonFinite && big) {
+        mm_tile<Tr, SA, SB>(acc, sa + tm * 8, sb + tn * 4, pw);
+      } else if constexpr (Tr::kFullUnroll) {
         run_steps<Tr, SA, SB, KC>(acc, sa + tm * 8, sb + tn * 4, KC, pw);
       } else {
         run_steps<Tr, SA, SB, 2>(acc, sa + tm * 8, sb + tn * 4, KC, pw);
@@ -253,8 +298,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
 #pragma unroll 1
       for (int k0 = 0; k0 < K; k0 += KC) {
         if (k0 > 0 || l != int(blockIdx.z)) __syncthreads();  // the previous chunk's reads are done
-        load_tile<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, lda, M, m0, k0, K, tid);
-        load_tile<Tr, Tr::kLayoutB, KC, BN, SB>(sb, entry.b, ldb, N, n0, k0, K, tid);
+        bool big = false;  // (kMmNonFinite is compile-time K only)
+        load_tile<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, lda, M, m0, k0, K, tid, big);
+        load_tile<Tr, Tr::kLayoutB, KC, BN, SB>(sb, entry.b, ldb, N, n0, k0, K, tid, big);
         __syncthreads();
         const int kc = K - k0 < KC ? K - k0 : KC;  // k of this chunk (zero-filled up to KC)
         run_steps<Tr, SA, SB, 2>(acc, sa + tm * 8, sb + tn * 4, (kc + 3) & ~3, pw);  // zero-filled to 4

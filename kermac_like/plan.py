@@ -41,6 +41,8 @@ from .runtime import autotune
 from .runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from .runtime.specs import (
     LOWK_GENERIC_MAX_K,
+    LOWK_MAX_K,
+    desc_mm_ok,
     lowk_spec,
     distance_spec,
     grad_kernel_spec,
@@ -272,7 +274,9 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
     if kind == autotune.LOWK and call.K <= LOWK_GENERIC_MAX_K:
         # Row-major output only: a column-major out is computed as out^T = kernel(b, a).
         first, second = (bv, av) if outv.layout is Layout.COL_MAJOR else (av, bv)
-        spec = lowk_spec(call.desc, first.layout, second.layout, call.K)
+        # Mirroring torch.cdist's matrix product: its NaN/inf (autotune.candidates).
+        mm = autotune.uses_mm(compute_mode, call.M, call.N) and desc_mm_ok(call.desc) and call.K <= LOWK_MAX_K
+        spec = lowk_spec(call.desc, first.layout, second.layout, call.K, mm_nonfinite=mm)
         return spec, (av, bv, outv), tensors, bplan, "distance_lowk"
     vec_ok = av.vector_ok() and bv.vector_ok() and _aligned(bplan, ("a", "b"), 4)
     spec = distance_spec(call.desc, av.layout, bv.layout, outv.layout, 4 if vec_ok else 1)

@@ -29,13 +29,17 @@ def test_candidates_follow_dtype_k_and_compute_mode():
     f32, f16 = torch.float32, torch.float16
     assert tuning.candidates(l1, f32, 3, IF) == ["lowk", "simt"]
     assert tuning.candidates(l1, f32, 1024, IF) == ["simt"]
-    # Euclidean/DOT: the tensor cores where torch.cdist takes its matrix product (NaN/inf
-    # semantics), the exact kernels elsewhere; never both
-    assert tuning.candidates(l2, f32, 3, IF) == ["tensor-core"]
+    # Euclidean/DOT: where torch.cdist takes its matrix product (NaN/inf semantics), the
+    # tensor cores and (float32, K <= 64) the low-K kernel with the product's NaN/inf; the
+    # exact kernels elsewhere
+    assert tuning.candidates(l2, f32, 3, IF) == ["tensor-core", "lowk"]
+    assert tuning.candidates(l2, f32, 65, IF) == ["tensor-core"]
     assert tuning.candidates(l2, f32, 3, IF, 20, 25) == ["lowk", "simt"]
-    assert tuning.candidates(l2, f32, 3, IF, 26, 3) == ["tensor-core"]
+    assert tuning.candidates(l2, f32, 3, IF, 26, 3) == ["tensor-core", "lowk"]
     assert tuning.candidates(l2, f32, 3, NO) == ["lowk", "simt"]
-    assert tuning.candidates(l2, f32, 3, MM, 2, 2) == ["tensor-core"]
+    assert tuning.candidates(l2, f32, 3, MM, 2, 2) == ["tensor-core", "lowk"]
+    assert tuning.default_choice(l2, f32, 8, IF) == "lowk"  # tuning.LOWK_MM_UP_TO
+    assert tuning.default_choice(l2, f32, 9, IF) == "tensor-core"
     assert tuning.candidates(dot, f16, 3, IF) == ["tensor-core"]
     assert tuning.candidates(dot, f16, 3, NO) == []
     assert tuning.candidates(l1, f16, 3, IF) == []
@@ -124,7 +128,7 @@ def test_choose_measures_stores_and_reuses(fake_gpu):
 
 def test_choose_single_candidate_is_not_timed(fake_gpu):
     assert tuning.choose(_call(1000), None, IF, False, lambda k: None, autotune_flag=True) == "simt"
-    assert tuning.choose(_call(3, "l2"), None, IF, False, lambda k: None, autotune_flag=True) == "tensor-core"
+    assert tuning.choose(_call(100, "l2"), None, IF, False, lambda k: None, autotune_flag=True) == "tensor-core"
     assert fake_gpu == []
 
 

@@ -216,10 +216,11 @@ def test_tensor_core_path_error(name, data):
     assert e <= 1e-5
 
 
-@pytest.mark.parametrize("K", [5, 37, 128])
+@pytest.mark.parametrize("K", [5, 13, 37, 128])
 def test_self_distance_is_zero(K):
     """K(x, x) on the tensor cores: the exact zero diagonal, also where K is zero-padded to
-    whole 16-byte rows (one padded copy serves as a and b), for the full path and a repeat."""
+    whole 16-byte rows (one padded copy serves as a and b), for the full path and a repeat
+    (K = 5: the low-K kernel with the matrix product's NaN/inf, autotune.LOWK_MM_UP_TO)."""
     for _ in range(2):
         x = torch.randn(500, K, device="cuda")
         d = km.cdist(x, x)

@@ -49,7 +49,8 @@ def _normalised(plan):
 def _cases():
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    yield "l2 row-major", "l2", r(70, 8), r(50, 8), {}
+    yield "l2 row-major", "l2", r(70, 20), r(50, 20), {}
+    yield "l2 low K, the matrix product's NaN/inf", "l2", r(70, 8), r(50, 8), {}
     yield "l1 column-major views", "l1", r(8, 70).mT, r(8, 52).mT, {}
     yield "laplace batch, bandwidth tensor", "laplace_l2", r(2, 3, 40, 16), r(3, 30, 16), {
         "bandwidth": torch.tensor([[1.0], [2.0]]) + torch.zeros(2, 3), "regularization": 0.5}
@@ -80,8 +81,10 @@ def test_cached_plan_launches_what_a_fresh_plan_launches(as_gpu, cap, name, pres
     cached = P.plan_distance(call2, out2, mode, False)
     assert len(P._TEMPLATES) == 1
     assert _normalised(cached) == _normalised(P.plan_distance(call2, out2, mode, True))
-    if cap == (9, 0) and preset in ("l2", "dot", "laplace_l2"):  # rows 16-byte aligned
+    if cap == (9, 0) and preset in ("l2", "dot", "laplace_l2") and call.K > 8:  # rows 16-byte aligned
         assert first.family == "distance_wgmma" and len(first.scratch) > 1
+    if call.K <= 8 and preset == "l2":  # autotune.LOWK_MM_UP_TO
+        assert first.family == "distance_lowk" and ", true>" in first.spec.traits  # kMmNonFinite
     pointers = {t.data_ptr() for t in (a2, b2, out2)}
     assert pointers & {x for _, _, args, *_ in cached.launches for x in args if isinstance(x, int)}
 
@@ -98,14 +101,15 @@ def test_few_output_tiles_take_the_one_launch_kernel(as_gpu, monkeypatch):
         plan = P.plan_distance(call, torch.empty(call.out_shape), mode, False)
         return plan.family, len(plan.launches)
 
-    assert family(256, 256, 8) == ("distance_mma", 1)
-    assert family(4 * 128, 2 * 256, 8) == ("distance_mma", 1)  # 8 tiles
-    assert family(4 * 128 + 1, 2 * 256, 8)[0] == "distance_wgmma"  # 10 tiles
-    assert family(256, 256, 8, batch=(5,))[0] == "distance_wgmma"  # 10 tiles over the batch
+    assert family(256, 256, 20) == ("distance_mma", 1)
+    assert family(4 * 128, 2 * 256, 20) == ("distance_mma", 1)  # 8 tiles
+    assert family(4 * 128 + 1, 2 * 256, 20)[0] == "distance_wgmma"  # 10 tiles
+    assert family(256, 256, 20, batch=(5,))[0] == "distance_wgmma"  # 10 tiles over the batch
     assert family(256, 256, P._FEW_TILES_MAX_K + 4)[0] == "distance_wgmma"
-    assert family(1000, 700, 8) == ("distance_wgmma", 2)
+    assert family(1000, 700, 20) == ("distance_wgmma", 2)
+    assert family(256, 256, 8) == ("distance_lowk", 1)  # K <= 8: autotune.LOWK_MM_UP_TO
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "always")
-    assert family(256, 256, 8) == ("distance_wgmma", 2)
+    assert family(256, 256, 20) == ("distance_wgmma", 2)
 
 
 def test_copies_and_converted_hyper_parameters_are_not_cached(as_gpu):
@@ -119,12 +123,12 @@ def test_copies_and_converted_hyper_parameters_are_not_cached(as_gpu):
 
 
 def test_settings_are_part_of_the_key(as_gpu, monkeypatch, set_tf32):
-    call = prepare_call(km.PRESETS["l2"], torch.randn(64, 8), torch.randn(40, 8))
+    call = prepare_call(km.PRESETS["l2"], torch.randn(64, 20), torch.randn(40, 20))
     out = torch.empty(call.out_shape)
     assert P.plan_distance(call, out, COMPUTE_MODES[0], False).family == "distance_wgmma"
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0")
     assert P.plan_distance(call, out, COMPUTE_MODES[0], False).family == "distance_mma"
-    assert P.plan_distance(call, out, "donot_use_mm_for_euclid_dist", False).family == "distance_lowk"  # K = 8
+    assert P.plan_distance(call, out, "donot_use_mm_for_euclid_dist", False).family == "distance_lowk"  # K = 20
     set_tf32(True)
     tf32 = P.plan_distance(call, out, COMPUTE_MODES[0], False)
     assert "Precision::Tf32>" in tf32.spec.traits or "Precision::Tf32," in tf32.spec.traits
@@ -250,7 +254,7 @@ def test_repeated_eager_calls_are_served_by_their_call_key(recorded, monkeypatch
 
 
 def test_call_key_is_not_used_where_the_full_path_must_run(recorded, monkeypatch):
-    x, y = torch.randn(70, 8), torch.randn(50, 8)
+    x, y = torch.randn(70, 100), torch.randn(50, 100)  # K > 64: the tensor cores alone
     recorded.append([])
     km.cdist(x, y, debug=True)  # debug: every decision logged, nothing kept
     # a float64 hyper-parameter tensor (converted to float32 by every call)
@@ -263,16 +267,16 @@ def test_call_key_is_not_used_where_the_full_path_must_run(recorded, monkeypatch
 
 @pytest.mark.parametrize("cap", [(9, 0), (8, 0)], ids=["sm_90", "sm_80"])
 def test_self_distance_keeps_one_operand_when_padded(as_gpu, cap):
-    """K = 5 (not whole 16-byte rows): the tensor-core kernels read zero-padded copies;
+    """K = 13 (not whole 16-byte rows): the tensor-core kernels read zero-padded copies;
     for K(x, x) both operands must be the one copy, so that the kernels see a == b and
     write the exact zero self-distance diagonal (distance_mma.cuh, distance_wgmma.cuh)."""
     as_gpu[0] = cap
-    x = torch.randn(2, 40, 5)
+    x = torch.randn(2, 40, 13)
     for rep in range(2):  # the full plan, then its template
         call = prepare_call(km.PRESETS["laplace_l2"], x, x, bandwidth=2.0)
         plan = P.plan_distance(call, torch.empty(call.out_shape), COMPUTE_MODES[0], False)
         tensors = plan.scratch[-1]
-        assert tensors["a"] is tensors["b"] and tensors["a"].shape[-1] == 8
+        assert tensors["a"] is tensors["b"] and tensors["a"].shape[-1] == 16
         main = plan.launches[-1].args
         assert main[0] == main[1] == tensors["a"].data_ptr()
     y = x.clone()  # equal values, other memory: two copies

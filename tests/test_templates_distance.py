@@ -372,6 +372,7 @@ def test_fma_pow_edges():
 
 # ------------------------------------------------- CPU execution of the kernel
 SHIM = r"""
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -385,6 +386,17 @@ thread_local kl_dim3 threadIdx, blockIdx;
 kl_dim3 gridDim, blockDim;
 static std::barrier<>* kl_barrier;
 inline void __syncthreads() { kl_barrier->arrive_and_wait(); }
+static std::atomic<int> kl_or_flag{0};
+// Barrier that returns whether any thread passed a nonzero p (set, meet, read, meet, reset, meet).
+inline int __syncthreads_or(int p) {
+  if (p) kl_or_flag.store(1);
+  kl_barrier->arrive_and_wait();
+  const int r = kl_or_flag.load();
+  kl_barrier->arrive_and_wait();
+  kl_or_flag.store(0);
+  kl_barrier->arrive_and_wait();
+  return r;
+}
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }

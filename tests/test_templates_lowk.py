@@ -38,7 +38,10 @@ LOWK_INSTANCES = [
     # wide tiles (kThreadsN 64: 32 x 512, 32: 64 x 256)
     (("Diff", "Square", "Sqrt", "None"), "RowMajor", "RowMajor", 3, 2, 64),
     (("Diff", "Abs", "Noop", "Gaussian"), "ColMajor", "RowMajor", 0, 2, 32),
+    # kMmNonFinite: torch.cdist's matrix-product NaN/inf (test_lowk_cpu_mm_nonfinite)
+    (("Diff", "Square", "Sqrt", "None"), "RowMajor", "RowMajor", 3, 2, 32, "true", "true"),
 ]
+MM_IDX = len(LOWK_INSTANCES) - 1
 # run_on_cpu's view of them: (descriptor, a, b, out, kVec)
 AS_DISTANCE = [(inst[0], inst[1], inst[2], "RowMajor", 1) for inst in LOWK_INSTANCES]
 
@@ -128,6 +131,38 @@ def test_lowk_cpu_identical_rows_give_exact_zero(lowk_runner, idx):
     got, ref = _run(lowk_runner, idx, 70, 70, _k(idx, 37), seed=5, b_equals_a=True)
     diag = np.diagonal(got, axis1=-2, axis2=-1)
     assert np.array_equal(diag, np.diagonal(ref, axis1=-2, axis2=-1).astype(np.float32)), diag
+
+
+def test_lowk_cpu_mm_nonfinite(lowk_runner):
+    """kMmNonFinite: pairs with an infinite, NaN or overflowing coordinate come out as
+    torch.cdist's matrix product has them (|x|^2 + |y|^2 - 2 x.y in IEEE float32: inf - inf
+    and inf * 0 give NaN), every other pair as the direct (exact) sum; the flagged rows
+    (3, 5, 7 of a; 2, 4 of b) lie in the first row tile of 64, the second has none."""
+    M, N, K, seed = 130, 50, 3, 11
+    bad = (("a", 3, 0, np.inf), ("a", 5, 1, -np.inf), ("b", 2, 0, np.inf), ("b", 4, 2, np.nan),
+           ("a", 7, 1, 3e19), ("a", 9, 0, np.nan))
+    got, _ = _run(lowk_runner, MM_IDX, M, N, K, seed=seed, nonfinite=bad)
+    rng = np.random.default_rng(seed)  # run_on_cpu's data
+    a = rng.standard_normal((1, 1, 1, M, K)).astype(np.float32)
+    b = rng.standard_normal((1, 1, 1, N, K)).astype(np.float32)
+    for which, r, k, v in bad:
+        (a if which == "a" else b)[..., r, k] = v
+    a, b = a[0, 0, 0], b[0, 0, 0]
+    with np.errstate(all="ignore"):
+        d2 = (a * a).sum(-1)[:, None] + (b * b).sum(-1)[None, :] - np.float32(2) * (a @ b.T)
+        want = np.sqrt(np.maximum(d2, np.float32(0)))
+        direct = np.sqrt(((a[:, None, :].astype(np.float64) - b[None, :, :]) ** 2).sum(-1))
+    got = got.reshape(M, N)
+    assert np.array_equal(np.isnan(got), np.isnan(want)), np.argwhere(np.isnan(got) != np.isnan(want))[:5]
+    assert np.array_equal(np.isposinf(got), np.isposinf(want))
+    assert np.isnan(got[3, 2]) and np.isposinf(got[7, 0])  # inf - inf; an overflowing square
+    assert np.isnan(got[5]).any() and np.isposinf(got[5]).any()  # -inf: the sign rule of the product
+    fin = np.isfinite(want)
+    flagged = np.zeros((M, N), bool)
+    flagged[[3, 5, 7, 9], :] = True
+    flagged[:, [2, 4]] = True
+    exact = fin & ~flagged  # the direct sum, also inside the flagged tile
+    assert np.abs(got[exact] - direct[exact]).max() <= 1e-6 * direct[exact].max()
 
 
 # ------------------------------------------------------------------ NVRTC, SASS

@@ -99,10 +99,15 @@ def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode:
     cores exactly where torch.cdist takes its matrix product (:func:`uses_mm`: a choice
     of NaN/inf semantics, so never timed against the exact kernels), the exact kernels
     elsewhere; other descriptors the exact kernels."""
-    from .specs import LOWK_GENERIC_MAX_K
+    from .specs import LOWK_GENERIC_MAX_K, LOWK_MAX_K
 
     if desc.is_euclidean and uses_mm(compute_mode, M, N):
-        return [TENSOR_CORE] if dtype in (torch.float32, torch.float16, torch.bfloat16) else []
+        out = [TENSOR_CORE] if dtype in (torch.float32, torch.float16, torch.bfloat16) else []
+        if dtype == torch.float32 and K <= LOWK_MAX_K:
+            # The exact low-K kernel with the matrix product's NaN/inf (kMmNonFinite;
+            # DOT: the same sums either way).
+            out.append(LOWK)
+        return out
     out = []
     if dtype == torch.float32 and K <= LOWK_GENERIC_MAX_K:
         out.append(LOWK)
@@ -118,6 +123,11 @@ def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode:
 # pads K to 32), beyond the SIMT kernel (its compile is 0.35 s; the low-K POW build at
 # K = 64 took 1.8 s on a first call).
 LOWK_UP_TO = {"abs": 64, "pow": 16, "square": 64, "dot": 64}
+# Where the call mirrors torch.cdist's matrix product (uses_mm): the low-K kernel with the
+# product's NaN/inf up to this K, the tensor cores beyond (H200, 20000^2, bench/notes/lowk.md:
+# low-K 0.55-0.65 ms against the tensor cores' 0.74-0.82 ms at K <= 8; 0.78 against 0.80 at
+# K = 16, 1.83 against 0.89 at K = 37).
+LOWK_MM_UP_TO = 8
 
 
 def _desc_class(desc: KernelDescriptor) -> str:
@@ -132,6 +142,8 @@ def default_choice(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_m
     cands = candidates(desc, dtype, K, compute_mode, M, N)
     if not cands:
         return None
+    if TENSOR_CORE in cands:  # the matrix-product semantics
+        return LOWK if LOWK in cands and K <= LOWK_MM_UP_TO else TENSOR_CORE
     if LOWK in cands and K <= LOWK_UP_TO[_desc_class(desc)]:
         return LOWK
     return SIMT if SIMT in cands else cands[0]

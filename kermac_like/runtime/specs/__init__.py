@@ -44,6 +44,7 @@ from .distance_lowk import (  # noqa: F401
     LOWK_GENERIC_MAX_K,
     LOWK_MAX_K,
     LOWK_MIN_BLOCKS,
+    desc_mm_ok,
     lowk_bucket,
     lowk_spec,
     lowk_threads_n,

@@ -8,7 +8,7 @@ from ...descriptor import PRESETS, KernelDescriptor
 from ...layout import Layout
 from .kernel_spec import KernelSpec, LaunchShape
 
-__all__ = ["LOWK_MAX_K", "LOWK_GENERIC_MAX_K", "lowk_bucket", "lowk_threads_n", "lowk_launch", "lowk_spec",
+__all__ = ["LOWK_MAX_K", "LOWK_GENERIC_MAX_K", "desc_mm_ok", "lowk_bucket", "lowk_threads_n", "lowk_launch", "lowk_spec",
            "shipped"]
 
 # Mirror of kermac_like::DistanceLowKTraits (cuda_templates/distance_lowk.cuh): 256 threads,
@@ -34,6 +34,13 @@ def lowk_bucket(K: int) -> int:
 LOWK_THREADS_N = 16  # default of kThreadsN: 128 x 128 tiles
 
 
+def desc_mm_ok(desc: KernelDescriptor) -> bool:
+    """Whether kMmNonFinite applies: the squared-difference (Euclidean) inner operator."""
+    from ...descriptor import InnerOperator, PowerType
+
+    return desc.inner_operator is InnerOperator.DIFF and desc.inner_power is PowerType.SQUARE
+
+
 def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N) -> LaunchShape:
     bm, bn = (256 // threads_n) * 8, threads_n * 8
     chunk = kk if kk > 0 else 8192 // (bm + bn) // 4 * 4
@@ -48,18 +55,22 @@ def lowk_threads_n(K: int) -> int:
 
 
 def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS,
-              threads_n: int | None = None, mufu_epilogue: bool = True) -> KernelSpec:
+              threads_n: int | None = None, mufu_epilogue: bool = True, mm_nonfinite: bool = False) -> KernelSpec:
     """The low-K instantiation for inputs of layouts ``a``, ``b`` and dimension ``K``
     (output row-major; the caller swaps the operands for a column-major out).
     ``min_blocks`` (kMinBlocksPerSm, 1..3) and ``threads_n`` (kThreadsN: 16, 32, 64 for
     128 x 128, 64 x 256, 32 x 512 tiles; default :func:`lowk_threads_n`): tuning; the
     template defaults (2, 16) render no extra arguments. ``mufu_epilogue``: square root and
-    exponential on MUFU (default) or the IEEE sqrtf/expf sequences."""
+    exponential on MUFU (default) or the IEEE sqrtf/expf sequences. ``mm_nonfinite``
+    (Euclidean descriptors, K <= LOWK_MAX_K): infinities and overflows as torch.cdist's
+    matrix-product path gives them (kMmNonFinite), for calls that mirror its choice."""
+    if mm_nonfinite and not (desc_mm_ok(desc) and 0 < lowk_bucket(K)):
+        raise ValueError(f"mm_nonfinite: needs a Euclidean descriptor and K <= {LOWK_MAX_K}, got {desc!r}, K = {K}")
     kk = lowk_bucket(K)
     if threads_n is None:
         threads_n = lowk_threads_n(K)
-    args = [int(min_blocks), int(threads_n), "true" if mufu_epilogue else "false"]
-    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N, "true"]
+    args = [int(min_blocks), int(threads_n), "true" if mufu_epilogue else "false", "true" if mm_nonfinite else "false"]
+    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N, "true", "false"]
     while args and args[-1] == defaults[len(args) - 1]:
         args.pop()
     extra = "".join(f", {x}" for x in args)
@@ -74,6 +85,9 @@ def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_block
 # compile on first use.
 LOWK_SHIPPED_K = (1, 2, 3, 4, 8, 0)
 LOWK_SHIPPED_PRESETS = ("l1", "l2", "laplace_l2", "gaussian_l2")
+# The Euclidean presets also with kMmNonFinite at the K the default table gives them in
+# torch.cdist's matrix-product mode (runtime/autotune.py LOWK_MM_UP_TO).
+LOWK_SHIPPED_MM_K = (1, 2, 3, 4, 8)
 
 
 def shipped():
@@ -81,3 +95,6 @@ def shipped():
     for name in LOWK_SHIPPED_PRESETS:
         for K in LOWK_SHIPPED_K:
             yield lowk_spec(PRESETS[name], row, row, K if K else LOWK_MAX_K + 1)
+        if desc_mm_ok(PRESETS[name]):
+            for K in LOWK_SHIPPED_MM_K:
+                yield lowk_spec(PRESETS[name], row, row, K, mm_nonfinite=True)

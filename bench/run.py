@@ -400,7 +400,6 @@ def run_child(cfg, cache_dir):
 LOWK_K = (1, 3, 8, 16, 32, 64, 128, 256)
 LOWK_K_QUICK = (1, 3, 64)  # --quick (CI, the reference path): a lean sweep
 LOWK_OPS = ("cdist_p1", "cdist_p2", "laplace_l2", "gaussian_l2")
-EXACT = "donot_use_mm_for_euclid_dist"
 LOWK_SIZES = dict(full=(20000, 20000, (1000, 256, 256)), quick=(256, 256, (8, 64, 64)))
 
 
@@ -408,10 +407,10 @@ def bench_lowk(bench):
     """cdist p=1/p=2 and the Laplace/Gaussian kernel matrices at M = N = 20 000 for every K of
     LOWK_K, out= given, beside torch and the write floor (out.fill_ on the same buffer,
     timed in the same run); then a batch of small problems (1000 x 256 x 256, K = 3, one
-    bandwidth per problem). Ours on the exact path (compute_mode "donot_use_mm_for_euclid_dist":
-    the low-K kernel; the default mode takes the tensor cores where torch.cdist takes its
-    matrix product, for torch's NaN/inf), torch in its default mode. Writes lowk.png (time
-    against K) next to results.json."""
+    bandwidth per problem). Ours and torch in the default compute mode (ours: the low-K kernel
+    with the matrix product's NaN/inf up to K = 8, the tensor cores beyond, for the Euclidean
+    ops: runtime/autotune.py's default table). Writes lowk.png (time against K) next to
+    results.json."""
     M, N, (L, bm, bn) = LOWK_SIZES["quick" if bench.args.quick else "full"]
     dev = bench.device
     rows = []
@@ -426,13 +425,13 @@ def bench_lowk(bench):
         return {
             "cdist_p1": (lambda x, y: km.cdist(x, y, p=1.0, out=out), lambda x, y: torch.cdist(x, y, p=1.0),
                          lambda x, y: ref64(x, y, 1.0), lambda x, y: kermac.cdist(x, y, p=1.0)),
-            "cdist_p2": (lambda x, y: km.cdist(x, y, p=2.0, out=out, compute_mode=EXACT),
+            "cdist_p2": (lambda x, y: km.cdist(x, y, p=2.0, out=out),
                          lambda x, y: torch.cdist(x, y, p=2.0),
                          lambda x, y: ref64(x, y, 2.0), lambda x, y: kermac.cdist(x, y, p=2.0)),
-            "laplace_l2": (lambda x, y: km.run_kernel(lap, x, y, bandwidth=bw, out=out, compute_mode=EXACT),
+            "laplace_l2": (lambda x, y: km.run_kernel(lap, x, y, bandwidth=bw, out=out),
                            lambda x, y: torch.cdist(x, y).div_(-bw).exp_(),
                            lambda x, y: torch.exp(-ref64(x, y, 2.0) / bw), None),
-            "gaussian_l2": (lambda x, y: km.run_kernel(gau, x, y, bandwidth=bw, out=out, compute_mode=EXACT),
+            "gaussian_l2": (lambda x, y: km.run_kernel(gau, x, y, bandwidth=bw, out=out),
                             lambda x, y: torch.cdist(x, y).square_().div_(-2 * bw * bw).exp_(),
                             lambda x, y: torch.exp(-ref64(x, y, 2.0) ** 2 / (2 * bw * bw)), None),
         }
@@ -469,7 +468,7 @@ def bench_lowk(bench):
     bfloor = time_calls(lambda o: o.fill_(1.0), lambda: (bout,), dev, repeats=bench.reps(), warmup=bench.warm())
     make = lambda: (bench.randn(L, bm, K), bench.randn(L, bn, K))  # noqa: E731
     bout.fill_(float("nan"))
-    ours = time_calls(lambda x, y: km.run_kernel(lap, x, y, bandwidth=bw, out=bout, compute_mode=EXACT), make, dev,
+    ours = time_calls(lambda x, y: km.run_kernel(lap, x, y, bandwidth=bw, out=bout), make, dev,
                       repeats=bench.reps(), warmup=bench.warm(), keep_last=True)
     x, y = ours.last_inputs
     assert not torch.isnan(bout).any(), "lowk batch: out not fully written"

@@ -5,7 +5,7 @@
 # TIMING_CASES selects; against .gl/before too), host (host overhead per call;
 # against the package in .gl/before too when that folder is carried), krr (Falkon at
 # N = 10^6), linalg (first calls with and without linalg.warmup), sanitize (bench/sanitize.sh
-# over $SAN_FAMILIES with $TOOLS); all = tests,examples,bench.
+# over $SAN_FAMILIES with $TOOLS), extra (the command lines in $EXTRA); all = tests,examples,bench.
 # Expects the wheels of ../shared/wheels-py312 copied into .whl/ (git-ignored, carried).
 # Writes logs and JSON under $OUT (the device tool brings them back). STEP_TIMEOUT (s) caps
 # each step so that a slow one cannot take the others' time.
@@ -67,7 +67,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("host_*.json")):
         continue
     u = r["us_per_call"]
     rows.append(f'{r["label"]}: cdist_p2 {u.get("cdist_p2")} out {u.get("cdist_p2_out")} p1 {u.get("cdist_p1")} '
-                f'laplace {u.get("laplace_l2_bw_tensor")} torch {u.get("torch_cdist_p2")} us')
+                f'laplace {u.get("laplace_l2_bw_tensor")} k20 {u.get("cdist_p2_k20")} torch {u.get("torch_cdist_p2")} us')
 print(" | ".join(rows))
 PY
 )")
@@ -102,6 +102,9 @@ if has sanitize; then
   # One archive: the device tool brings back only a few files per call.
   tar czf "$OUT/sanitize.tgz" -C "$OUT" sanitize && cp "$OUT/sanitize/summary.txt" "$OUT/sanitize_summary.txt" \
     && rm -rf "$OUT/sanitize"
+fi
+if has extra; then  # $EXTRA: any further command lines (probes), output in extra.log
+  timeout "$T" bash -c "${EXTRA:-true}" 2>&1 | tee "$OUT/extra.log" | tail -n 60
 fi
 echo "== summary"
 for line in "${summary[@]}"; do echo "$line"; done

@@ -38,6 +38,8 @@ def _cases(m: int, n: int, k: int):
     yield "laplace_l2_bw_tensor", lambda: km.run_kernel(km.PRESETS["laplace_l2"], x, y, bandwidth=bw)
     yield "laplace_l2_bw_float", lambda: km.run_kernel(km.PRESETS["laplace_l2"], x, y, bandwidth=2.0)
     yield "cdist_p2_k5_padded", lambda: km.cdist(x5, y5)
+    x20, y20 = torch.randn(m, 20, device="cuda", generator=g), torch.randn(n, 20, device="cuda", generator=g)
+    yield "cdist_p2_k20", lambda: km.cdist(x20, y20)  # K > 8: the tensor cores (a few tiles: mma.sync)
     yield "torch_cdist_p2", lambda: torch.cdist(x, y)  # the floor a torch op pays
     try:  # the parts of a call, where the package has a planner
         from kermac_like import plan as P

@@ -19,6 +19,7 @@ import kermac_like as km
 from kermac_like import matvec as mv
 from kermac_like import plan, reference
 from kermac_like.runtime.specs import matvec as ms
+from kermac_like.runtime.specs import matvec_wgmma as mw
 from kermac_like.descriptor import InnerOperator as I
 from kermac_like.descriptor import KernelType as E
 from kermac_like.descriptor import PowerType as P
@@ -331,7 +332,16 @@ def _gpu_specs():
         out.append(ms.combine_spec(dt))
     out += [ms.matvec_spec(km.preset("gaussian_l2"), f32, 3, 4), ms.matvec_spec(km.preset("laplace_l2"), f32, 3, 1),
             ms.combine_spec(f32)]
+    # Hopper (sm_90 only; KernelSpec.supports drops them elsewhere): the fused tensor-core
+    # kernel of Euclidean/DOT float32 calls with K > 32, its b preparation, the carry kernel.
+    from kermac_like.runtime.specs import wgmma_prepare_spec
+
+    out += [mw.matvec_wgmma_spec(km.preset(n), kc) for n in EUCLID_NAMES for kc in ms.C_BUCKETS]
+    out += [mw.carry_spec()] + [wgmma_prepare_spec(small=True, norms=n) for n in (True, False)]
     return out
+
+
+EUCLID_NAMES = ("l2", "squared_l2", "laplace_l2", "gaussian_l2", "dot")
 
 
 @pytest.fixture(scope="module")
@@ -540,6 +550,122 @@ def test_gpu_nan_and_inf_propagate_like_the_dense_product(gpu_warm, name):
     assert torch.equal(out.isinf(), ref.isinf()), (out, ref)
     fin = ref.isfinite()
     assert torch.allclose(out.double()[fin], ref[fin], rtol=1e-5, atol=1e-5)
+
+
+# -- GPU (sm_90): the fused tensor-core kernel of Euclidean/DOT calls with K > 32 ------------------
+sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                          reason="needs an sm_90 GPU (H100/H200)")
+
+
+def _family(desc, x, y, v, **h):
+    call = mv.prepare_matvec(desc, x, y, v, **h)
+    return plan.plan_matvec(call, torch.empty(call.out_shape, device=x.device, dtype=x.dtype), False).family
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("name", EUCLID_NAMES)
+def test_gpu_wgmma_odd_sizes_and_columns(gpu_warm, name):
+    desc = km.preset(name)
+    hs = _hypers(desc, 1, "cuda", tensor=False)
+    for M, N, K, C in [(1, 1, 33, 1), (127, 129, 37, 5), (300, 1000, 256, 16), (1000, 7, 40, 20),
+                       (257, 513, 64, 2), (129, 300, 100, 8)]:
+        x, y = (t / math.sqrt(K) for t in _gpu_data((M, K), (N, K)))
+        v, = _gpu_data((N, C))
+        assert _family(desc, x, y, v, **hs) == "matvec_wgmma"
+        out = _poisoned((M, C))
+        km.kernel_matvec(desc, x, y, v, out=out, **hs)
+        _check(desc, x, y, v, out, _tol(desc, K), **hs)
+
+
+@pytest.mark.gpu
+@sm90
+def test_gpu_wgmma_self_distance_and_regularised_diagonal(gpu_warm):
+    """x is y: the diagonal's distance is exactly 0 (the kernel sets the dot product from
+    the two norms there); a regularised diagonal offset by 5 crosses row and column tiles."""
+    x, v = _gpu_data((700, 48), (700, 3))
+    x = x * 0.3
+    for name in ("gaussian_l2", "laplace_l2", "l2"):
+        desc = km.preset(name)
+        hs = _hypers(desc, 1, "cuda", tensor=False)
+        h = dict(regularization=0.7, regularization_offset_x=5, **hs)
+        out = km.kernel_matvec(desc, x, x, v, **h)
+        _check(desc, x, x, v, out, _tol(desc, 48), **h)
+    xs = 10 + torch.randn(300, 64, device="cuda")  # large norms: an expanded distance would not cancel to 0
+    e = torch.zeros(300, 1, device="cuda")
+    e[123] = 1.0
+    out = km.kernel_matvec(km.preset("gaussian_l2"), xs, xs, e, bandwidth=1e-3)
+    assert out[123, 0].item() == 1.0
+
+
+@pytest.mark.gpu
+@sm90
+def test_gpu_wgmma_batches_views_and_host_loop(gpu_warm):
+    desc = km.preset("gaussian_l2")
+    x, y, v = _gpu_data((2, 3, 130, 40), (1, 3, 300, 40), (300, 5))
+    x, y = x * 0.2, y * 0.2
+    bw = torch.tensor([[0.7], [1.3]], device="cuda").expand(2, 3)
+    out = _poisoned((2, 3, 5, 130)).transpose(-1, -2)  # column-major out
+    km.kernel_matvec(desc, x, y, v, out=out, bandwidth=bw, regularization=0.25, regularization_offset_y=2)
+    _check(desc, x, y, v, out, 2e-5, bandwidth=bw, regularization=0.25, regularization_offset_y=2)
+    x, y, v = _gpu_data((2, 1, 3, 2, 70, 36), (1, 2, 3, 1, 90, 36), (2, 2, 1, 2, 90, 2))
+    lap = km.preset("laplace_l2")
+    out = km.kernel_matvec(lap, x * 0.2, y * 0.2, v, bandwidth=0.9)
+    _check(lap, x * 0.2, y * 0.2, v, out, 2e-5, bandwidth=0.9)
+    xs, ys, vs = _gpu_data((64, 80), (90, 40), (90, 3))
+    xv, yv, vv = xs[:, ::2], ys.t().contiguous().t(), vs.t().contiguous().t()  # strided, column-major
+    dot = km.preset("dot")
+    assert _family(dot, xv, yv, vv) == "matvec_wgmma"
+    out = km.kernel_matvec(dot, xv, yv, vv)
+    _check(dot, xv, yv, vv, out, 2e-5)
+
+
+@pytest.mark.gpu
+@sm90
+def test_gpu_wgmma_ranges_splits_and_determinism(gpu_warm, monkeypatch):
+    """y prepared in ranges of a few tiles (float64 carry between launches), with and
+    without split N ranges (combination in split order): bitwise repeatable, regularised."""
+    desc = km.preset("gaussian_l2")
+    monkeypatch.setattr(plan, "MATVEC_WGMMA_BLOCK_BYTES", 3 * 256 * (48 * 4 * 2 + 4))
+    x, y, v = _gpu_data((600, 48), (2000, 48), (2000, 20))
+    x, y = x * 0.2, y * 0.2
+    h = dict(bandwidth=0.9, regularization=0.5, regularization_offset_y=700)
+    a, b = km.kernel_matvec(desc, x, y, v, **h), km.kernel_matvec(desc, x, y, v, **h)
+    assert torch.equal(a, b)
+    _check(desc, x, y, v, a, 2e-5, **h)
+    monkeypatch.setattr(plan, "MATVEC_WGMMA_BLOCK_BYTES", 40 * 256 * (48 * 4 * 2 + 4))
+    x, y, v = _gpu_data((20, 48), (30000, 48), (30000, 2))
+    x, y = x * 0.2, y * 0.2
+    y[:20] = x
+    lap = km.preset("laplace_l2")
+    h = dict(bandwidth=0.9, regularization=torch.tensor([2.0], device="cuda"), regularization_offset_x=5)
+    a, b = km.kernel_matvec(lap, x, y, v, **h), km.kernel_matvec(lap, x, y, v, **h)
+    assert torch.equal(a, b)
+    _check(lap, x, y, v, a, 2e-5, **h)
+    monkeypatch.setattr(plan, "MATVEC_WGMMA_BLOCK_BYTES", 64 << 20)
+    a, b = km.kernel_matvec(lap, x, y, v, **h), km.kernel_matvec(lap, x, y, v, **h)  # one range, split
+    assert torch.equal(a, b)
+    _check(lap, x, y, v, a, 2e-5, **h)
+
+
+@pytest.mark.gpu
+@sm90
+def test_gpu_wgmma_memory_is_bounded(gpu_warm):
+    """No M x N tile: beyond inputs and output, the prepared y of one range
+    (MATVEC_WGMMA_BLOCK_BYTES), v's tiles, the float64 carry (M x C) and small buffers."""
+    desc = km.preset("gaussian_l2")
+    M = N = 60000
+    x, y, v = _gpu_data((M, 256), (N, 256), (N, 4))
+    out = torch.empty(M, 4, device="cuda")
+    km.kernel_matvec(desc, x, y, v, bandwidth=16.0, out=out)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    km.kernel_matvec(desc, x, y, v, bandwidth=16.0, out=out)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    bound = plan.MATVEC_WGMMA_BLOCK_BYTES + N * 4 * 4 + M * 4 * 8 + (4 << 20)
+    assert extra <= bound, f"{extra / 2**20:.1f} MB extra"
 
 
 # -- CPU: the custom ops -------------------------------------------------------------------------

@@ -235,14 +235,20 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     reference path (row and column blocks).
 
     Paths: one fused kernel (cuda_templates/matvec.cuh) for every descriptor; for
-    Euclidean/DOT descriptors with K > 32 in float32, kernel tiles from run_kernel's
-    tensor-core (3xTF32) kernels times v (plan.matvec_blocked).
-    Memory (GPU) beyond inputs and output: O((M + N) C), never M x N: the fused kernel
-    takes at most ``SCRATCH_BYTES`` (32 MB) of float32 split-N partial sums when M is small,
-    plus batch-many float32 hyper-parameters; the large-K path one kernel tile of at most
-    plan.MATVEC_TILE_ELEMENTS (128 MB) and the distance kernel's copy of one y block. The
-    fused kernel's sums are accumulated per y tile in float32 and across tiles in float64,
-    and combined in a fixed order: results are bitwise identical from run to run. NaN/inf
+    Euclidean/DOT descriptors with K > 32 in float32, on sm_90 (H100/H200) the fused
+    tensor-core kernel of cuda_templates/matvec_wgmma.cuh (3xTF32 distances, the kernel's
+    epilogue and the product with v in registers), elsewhere (or with KERMAC_LIKE_WGMMA=0)
+    kernel tiles from run_kernel's tensor-core (3xTF32) kernels times v (plan.matvec_blocked).
+    Memory (GPU) beyond inputs and output: O((M + N) C), never M x N: the fused kernels
+    take at most ``SCRATCH_BYTES`` (32 MB) of float32 split-N partial sums when M is small,
+    plus batch-many float32 hyper-parameters; the sm_90 large-K kernel also y prepared for
+    the tensor cores one range of N at a time (at most plan.MATVEC_WGMMA_BLOCK_BYTES, 64 MB),
+    v's tiles (N x C) and, for several ranges, a float64 carry (M x C); matvec_blocked one
+    kernel tile of at most plan.MATVEC_TILE_ELEMENTS (128 MB) and the distance kernel's copy
+    of one y block. Where x or y lack 16-byte aligned rows (K not a multiple of 4, views),
+    the tensor-core paths read zero-padded row-major copies. The fused kernels' sums are
+    accumulated per y tile in float32 and across tiles in float64, and combined in a fixed
+    order: results are bitwise identical from run to run. NaN/inf
     propagate like the dense product (an infinite distance gives k = 0, a NaN gives NaN; on
     the Gaussian's fast path a pair of infinite coordinates gives 0 rather than NaN).
 

@@ -8,6 +8,8 @@ from .. import _debug
 from ..descriptor import KernelDescriptor
 from ..layout import Layout
 from .specs import distance_spec, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec, wgmma_traits_spec
+from .specs.matvec import C_BUCKETS
+from .specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
 
 __all__ = ["precompile", "specs_for_descriptor"]
 
@@ -26,6 +28,9 @@ def specs_for_descriptor(desc: KernelDescriptor) -> list:
             specs.append(wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=t))
             small, norms = wgmma_prepare_needs(desc, tf32=t)
             specs.append(wgmma_prepare_spec(small=small, norms=norms))
+        # kernel_matvec with K > 32 (float32, 3xTF32): every column bucket, and the carry
+        # between ranges of N
+        specs += [matvec_wgmma_spec(desc, kc) for kc in C_BUCKETS] + [carry_spec()]
     specs = list(dict.fromkeys(specs))
     return specs
 

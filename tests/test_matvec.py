@@ -370,6 +370,10 @@ def _tol(desc, K=5, epsilon=None):
         return 3e-5
     if desc.inner_power is P.POW or desc.outer_power is P.POW or K > 32:
         return 2e-5
+    if desc.kernel_type.name == "GAUSSIAN" and desc.inner_power is P.SQUARE and desc.outer_power is P.NOOP:
+        # the Gaussian of a squared distance: exponent ~ d^2, so the relative error of the
+        # result is ~2 x exponent x the distance's rounding (2.4e-6 seen on an H200)
+        return 2e-5
     return 2e-6
 
 

@@ -47,7 +47,7 @@ def run_lowk(desc, a, b, out, threads_n=None, **kw):
     analyse_output("out", out, call.out_shape, call.dtype, call.device)
     orig = distance.lowk_spec
     if threads_n is not None:
-        distance.lowk_spec = lambda *x: orig(*x, threads_n=threads_n)
+        distance.lowk_spec = lambda *x, **y: orig(*x, threads_n=threads_n, **y)
     try:
         plan = distance._plan_distance_gpu(call, out, COMPUTE_MODES[0], False, distance.Settings.current(),
                                            kind=tuning.LOWK)

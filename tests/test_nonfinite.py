@@ -190,6 +190,33 @@ def test_gpu_known_case_nan_row_of_a_self_distance():
     assert torch.equal(ours.isnan(), theirs.isnan())
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("K", [3, 8])
+@pytest.mark.parametrize("name", ["l2", "squared_l2", "laplace_l2", "gaussian_l2"])
+def test_gpu_lowk_matrix_product_semantics(caplog, K, name):
+    """Default mode, more than 25 rows, K <= 8: the low-K kernel with the matrix product's
+    NaN/inf (kMmNonFinite) gives torch's matrix-product positions; an overflowing square
+    (3e19) too. A batch of 2 x 131 x 97: flagged and clean tiles."""
+    x, y = operands(M=131, N=97, K=K, batch=(2,), dtype=torch.float32, device="cuda")
+    x[1, 40, 0] = 3e19
+    desc = km.PRESETS[name]
+    bw = 3.0
+    kind = "laplace" if "laplace" in name else "gaussian" if "gaussian" in name else "none"
+    out = torch.full((2, 131, 97), -7.0, device="cuda")
+    with caplog.at_level("DEBUG", logger="kermac_like"):
+        km.run_kernel(desc, x, y, out=out, bandwidth=bw if desc.needs_bandwidth else None, debug=True)
+    assert "low-K path" in caplog.text and "tensor-core path" not in caplog.text
+    assert not (out == -7.0).any()
+    squared = name == "squared_l2"
+    d32 = torch.cdist(x, y, compute_mode="use_mm_for_euclid_dist").double()  # torch's own float32 product
+    assert torch.isposinf(d32[1, 40]).any()  # the overflowing square
+    where = epilogue(d32 * d32 if squared else d32, kind, bw, 0.0, 0, None)  # NaN/inf positions
+    value = epilogue(mm_distance(x, y, squared), kind, bw, 0.0, 0, None)  # finite values (float64)
+    want = torch.where(torch.isfinite(where), value, where)
+    assert_like(out, want, rtol=1e-4, atol=1e-4)
+
+
 # (path, dtype, tf32): "simt" = exact kernel (torch's direct differences), "mma" =
 # mma.sync (KERMAC_LIKE_WGMMA=0), "wgmma" = the sm_90a kernel; the tensor-core paths
 # follow torch's matrix-product formula.

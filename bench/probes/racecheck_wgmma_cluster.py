@@ -15,6 +15,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import try_wgmma as tw  # noqa: E402
 
+try:
+    from cuda.core import Device
+except ImportError:
+    from cuda.core.experimental import Device
+
+tw.DEV = Device(torch.cuda.current_device())  # what try_wgmma's main() sets up
+tw.DEV.set_current()
+tw.STREAM = tw.torch_stream()
 variant = sys.argv[1] if len(sys.argv) > 1 else "wgmma"
 cfg = ("Diff", "Sqrt", "None", "RowMajor", "Tf32x3")
 g = torch.Generator(device="cuda").manual_seed(3)

@@ -38,7 +38,7 @@ def local_dots(pairs) -> torch.Tensor:
 
 def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=local_dots,
         progress=None, label: str = "cg", round_to: torch.dtype | None = None, verify: bool = True,
-        max_restarts: int = 3, check_every: int | None = None) -> CGResult:
+        max_restarts: int = 3, check_every: int | None = None, residual=None) -> CGResult:
     """Solve A x = b (A symmetric positive definite) with preconditioner P ~ A^-1.
 
     ``apply_a(v)`` and ``apply_p(v)`` map (n, C) to (n, C); ``dots(pairs)`` returns the
@@ -69,7 +69,7 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
 
     def true_residual(x):
         """(b - A x, its per-column relative norms, their largest): one more product."""
-        r_true = b - apply_a(rounded(x))
+        r_true = b - apply_a(rounded(x)) if residual is None else residual(rounded(x))
         rel = dots([(r_true, r_true)])[0].clamp_min(0).sqrt() * scale
         return r_true, rel, float(rel.max())
 

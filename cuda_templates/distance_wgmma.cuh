@@ -442,9 +442,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     unsigned phase = 0;
     // A stage goes back to the loaders of every CTA of the cluster (they all write it):
     // lane r arrives on CTA r's barrier, on this CTA's own through its shared::cta
-    // address (a plain local arrival, which racecheck can pair with this CTA's loader's
-    // wait; with the mapa form for every lane it reported 4 hazards at K = 264, where
-    // the stage ring wraps: bench/notes/sanitizer.md).
+    // address. compute-sanitizer's racecheck reports the consumers' ldmatrix reads of a
+    // stage against the loader's next cp.async writes into it (K = 264, where the ring
+    // wraps; with the local or the mapa form of the own arrival alike). Not a race: every
+    // warp arrives after its reads of the stage fed a wgmma that wait_group has retired,
+    // and the loader writes only after empty[s] completed its phase, which takes all 16
+    // arrivals of the round (8 of this CTA's warps); no arrival of the next round can come
+    // first, since the peer's next-round arrivals need its full[s], which needs this
+    // loader's multicast after this wait (bench/notes/sanitizer.md).
     auto release = [&](int s) {
       __syncwarp();
       if (lane == (int)rank) {

@@ -218,6 +218,60 @@ __device__ __forceinline__ void regs_decrease() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// One k-tile of a consumer warpgroup, after its stage has landed (distance_wgmma_kernel
+// and matvec_wgmma_kernel): ldmatrix of the raw a fragment from the stage at `st`, the
+// squared row norms of a (kDiff) and its 3xTF32 split (big = rna(a), small = rna(a - big))
+// or TF32 rounding in `frag` ([k8 step][big, small][4]); then small_a*b, big_a*small_b,
+// big_a*b per k8 step as wgmma.m64n256k8 (A from registers, B from the stage) and the
+// commit. The fragment registers of a wgmma must stay untouched until it completes, so the
+// callers keep one k-tile in flight with two fragment buffers (even and odd k-tiles).
+// `diag_k`: the k-tile count, read only by the KERMAC_LIKE_WGMMA_DIAG_NO_MMA diagnostic.
+template <bool kSplit, bool kDiff, int kTileABytes, int kTileBBytes>
+__device__ __forceinline__ void consume_k_tile(float (&acc)[128], unsigned (&frag)[2][2][4], float (&na)[2],
+                                               unsigned st, const unsigned (&ld_off)[2], int diag_k) {
+  (void)diag_k;
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    unsigned raw[4];
+    ldmatrix_x4(st + ld_off[s], raw);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const float x = __uint_as_float(raw[v]);
+      if constexpr (kDiff) na[v & 1] = fmaf(x, x, na[v & 1]);
+      if constexpr (kSplit) {
+        mma_detail::split_tf32x3(raw[v], frag[s][0][v], frag[s][1][v]);
+      } else {
+        frag[s][0][v] = tf32_rna(raw[v]);
+      }
+    }
+  }
+  // Every fragment register is written before the first wgmma of the k-tile
+  // (ptxas serialises wgmma whose inputs are defined between them).
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      asm volatile("" : "+r"(frag[s][0][v]));
+      if constexpr (kSplit) asm volatile("" : "+r"(frag[s][1][v]));
+    }
+  }
+  wgmma_fence();
+#ifdef KERMAC_LIKE_WGMMA_DIAG_NO_MMA  // diagnostic: the pipeline without tensor-core work
+  if (diag_k < 0)
+#endif
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {  // two k8 steps: 32 bytes into each 64-byte row
+    const unsigned long long b_raw = make_desc(st + kTileABytes + s * 32);
+    if constexpr (kSplit) {
+      const unsigned long long b_lo = make_desc(st + kTileABytes + kTileBBytes + s * 32);
+      wgmma_m64n256k8_tf32_rs(acc, frag[s][1], b_raw);  // least significant terms first
+      wgmma_m64n256k8_tf32_rs(acc, frag[s][0], b_lo);
+    }
+    wgmma_m64n256k8_tf32_rs(acc, frag[s][0], b_raw);
+  }
+  wgmma_commit();
+}
+
 #endif  // KERMAC_LIKE_MMA_HOST_EMULATION
 
 }  // namespace wgmma_detail
@@ -471,10 +525,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       float na[2] = {0.f, 0.f};
 
-      // One k-tile: its a fragment is split into `frag` ([k8 step][big, small][4]).
-      // The fragment registers of a wgmma must stay untouched until it completes,
-      // and one k-tile of wgmma stays in flight: two fragment buffers, used by
-      // even and odd k-tiles (distinct registers in the unrolled loop below).
+      // One k-tile (consume_k_tile), one k-tile of wgmma in flight: two fragment
+      // buffers, used by even and odd k-tiles (distinct registers in the unrolled loop).
       int prev_stage = -1;
       auto k_tile = [&](int kt, unsigned (&frag)[2][2][4]) {
         mbar_wait(bar_full + 8 * stage, phase);
@@ -483,47 +535,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #ifdef KERMAC_LIKE_WGMMA_PROXY_FENCE  // bench/try_wgmma.py probe: what the fence would cost
         fence_proxy_async();
 #endif
-        const unsigned st = base + stage * kStageBytes;
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          unsigned raw[4];
-          ldmatrix_x4(st + ld_off[s], raw);
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            const float x = __uint_as_float(raw[v]);
-            if constexpr (kDiff) na[v & 1] = fmaf(x, x, na[v & 1]);
-            if constexpr (kSplit) {
-              mma_detail::split_tf32x3(raw[v], frag[s][0][v], frag[s][1][v]);
-            } else {
-              frag[s][0][v] = tf32_rna(raw[v]);
-            }
-          }
-        }
-        // Every fragment register is written before the first wgmma of the k-tile
-        // (ptxas serialises wgmma whose inputs are defined between them).
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            asm volatile("" : "+r"(frag[s][0][v]));
-            if constexpr (kSplit) asm volatile("" : "+r"(frag[s][1][v]));
-          }
-        }
-        wgmma_fence();
-#ifdef KERMAC_LIKE_WGMMA_DIAG_NO_MMA  // diagnostic: the pipeline without tensor-core work
-        if (num_k_tiles < 0)
-#endif
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {  // two k8 steps: 32 bytes into each 64-byte row
-          const unsigned long long b_raw = make_desc(st + kTileABytes + s * 32);
-          if constexpr (kSplit) {
-            const unsigned long long b_lo = make_desc(st + kTileABytes + kTileBBytes + s * 32);
-            wgmma_m64n256k8_tf32_rs(acc, frag[s][1], b_raw);  // least significant terms first
-            wgmma_m64n256k8_tf32_rs(acc, frag[s][0], b_lo);
-          }
-          wgmma_m64n256k8_tf32_rs(acc, frag[s][0], b_raw);
-        }
-        wgmma_commit();
+        consume_k_tile<kSplit, kDiff, kTileABytes, kTileBBytes>(acc, frag, na, base + stage * kStageBytes, ld_off,
+                                                                num_k_tiles);
         wgmma_wait<1>();  // the previous k-tile's wgmma is done: release its stage
         if (kt > 0) release(prev_stage);
         prev_stage = stage;

@@ -317,42 +317,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) matvec_wgmma_kernel(
         int prev_stage = -1;
         auto k_tile = [&](int kt, unsigned (&frag)[2][2][4]) {
           mbar_wait(bar_full + 8 * stage, phase);
-          const unsigned st = base + stage * kStageBytes;
-#pragma unroll
-          for (int s2 = 0; s2 < 2; ++s2) {
-            unsigned raw[4];
-            ldmatrix_x4(st + ld_off[s2], raw);
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-              const float xv = __uint_as_float(raw[v]);
-              if constexpr (kDiff) na[v & 1] = fmaf(xv, xv, na[v & 1]);
-              if constexpr (kSplit) {
-                split_tf32x3(raw[v], frag[s2][0][v], frag[s2][1][v]);
-              } else {
-                frag[s2][0][v] = tf32_rna(raw[v]);
-              }
-            }
-          }
-#pragma unroll
-          for (int s2 = 0; s2 < 2; ++s2) {
-#pragma unroll
-            for (int v = 0; v < 4; ++v) {
-              asm volatile("" : "+r"(frag[s2][0][v]));
-              if constexpr (kSplit) asm volatile("" : "+r"(frag[s2][1][v]));
-            }
-          }
-          wgmma_fence();
-#pragma unroll
-          for (int s2 = 0; s2 < 2; ++s2) {
-            const unsigned long long b_raw = make_desc(st + kTileABytes + s2 * 32);
-            if constexpr (kSplit) {
-              const unsigned long long b_lo = make_desc(st + kTileABytes + kTileBBytes + s2 * 32);
-              wgmma_m64n256k8_tf32_rs(acc, frag[s2][1], b_raw);
-              wgmma_m64n256k8_tf32_rs(acc, frag[s2][0], b_lo);
-            }
-            wgmma_m64n256k8_tf32_rs(acc, frag[s2][0], b_raw);
-          }
-          wgmma_commit();
+          consume_k_tile<kSplit, kDiff, kTileABytes, kTileBBytes>(acc, frag, na, base + stage * kStageBytes,
+                                                                  ld_off, num_k_tiles);
           wgmma_wait<1>();
           if (kt > 0) release(bar_empty + 8 * prev_stage);
           prev_stage = stage;

@@ -218,6 +218,16 @@ __device__ __forceinline__ void regs_decrease() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// The ldmatrix addresses of a consumer lane (warp cwarp of the two consumer warpgroups) in
+// a stage, for its two k8 steps: matrix i = lane / 8 is (rows +8 if i odd, chunk +1 if i >= 2)
+// of the warp's 16 rows 64 (cwarp / 4) + 16 (cwarp % 4) ...
+__device__ __forceinline__ void a_fragment_offsets(int lane, int cwarp, unsigned (&ld_off)[2]) {
+  const int i = lane >> 3;
+  const int row = (cwarp >> 2) * 64 + (cwarp & 3) * 16 + (lane & 7) + 8 * (i & 1);
+#pragma unroll
+  for (int s = 0; s < 2; ++s) ld_off[s] = swizzled(row, 2 * s + (i >> 1));
+}
+
 // One k-tile of a consumer warpgroup, after its stage has landed (distance_wgmma_kernel
 // and matvec_wgmma_kernel): ldmatrix of the raw a fragment from the stage at `st`, the
 // squared row norms of a (kDiff) and its 3xTF32 split (big = rna(a), small = rna(a - big))
@@ -484,14 +494,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int lane = ctid & 31, cwarp = ctid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     const int wg = cwarp >> 2;  // rows 64 wg .. 64 wg + 63 of the tile
-    // ldmatrix rows of this lane: matrix i = lane / 8 is (rows +8 if i odd, chunk +1 if i >= 2).
     unsigned ld_off[2];
-    {
-      const int i = lane >> 3;
-      const int row = wg * 64 + (cwarp & 3) * 16 + (lane & 7) + 8 * (i & 1);
-#pragma unroll
-      for (int s = 0; s < 2; ++s) ld_off[s] = swizzled(row, 2 * s + (i >> 1));
-    }
+    a_fragment_offsets(lane, cwarp, ld_off);
     int stage = 0;
     unsigned phase = 0;
     // A stage goes back to the loaders of every CTA of the cluster (they all write it):

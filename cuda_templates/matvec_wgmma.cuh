@@ -275,12 +275,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) matvec_wgmma_kernel(
     const int g = lane >> 2, t4 = lane & 3;
     const int wg = cwarp >> 2;
     unsigned ld_off[2];
-    {
-      const int i = lane >> 3;
-      const int row = wg * 64 + (cwarp & 3) * 16 + (lane & 7) + 8 * (i & 1);
-#pragma unroll
-      for (int s = 0; s < 2; ++s) ld_off[s] = swizzled(row, 2 * s + (i >> 1));
-    }
+    a_fragment_offsets(lane, cwarp, ld_off);
     int stage = 0, ebuf = 0;
     unsigned phase = 0, ephase = 0;
     // A stage (or epilogue buffer) goes back to the loaders of every CTA of the cluster.

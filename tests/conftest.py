@@ -38,3 +38,33 @@ def set_tf32():
 
     yield set_
     torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+class _StubKernel:
+    """What the planner keeps of a loaded kernel when nothing is launched."""
+
+    def __init__(self, spec):
+        self.spec, self.device = spec, 0
+
+
+@pytest.fixture
+def as_gpu(monkeypatch):
+    """CPU tensors planned as if on a GPU of compute capability ``cap[0]`` (default sm_90,
+    132 SMs): the device queries and the kernel loader are stubbed, the kernels are never
+    run; KERMAC_LIKE_WGMMA=always (the wgmma kernels also for calls of a few tiles)."""
+    from kermac_like import plan as P
+    from kermac_like.runtime import launcher
+
+    cap = [(9, 0)]
+    monkeypatch.setattr(P, "_gpu_ok", lambda t: True)
+    monkeypatch.setattr(P, "_device_index", lambda d: 0)
+    monkeypatch.setattr(P, "_sm_count", lambda d: 132)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap[0])
+    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: _StubKernel(spec))
+    monkeypatch.setattr(launcher, "max_active_clusters", lambda k: 66)
+    monkeypatch.setattr(P, "_wgmma_enabled",
+                        lambda device, settings=None: (settings or P.Settings.current()).wgmma and cap[0] == (9, 0))
+    monkeypatch.setenv("KERMAC_LIKE_WGMMA", "always")
+    P.clear_templates()
+    yield cap
+    P.clear_templates()

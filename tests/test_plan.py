@@ -14,29 +14,6 @@ from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
 from kermac_like.runtime import launcher
 
 
-class _Kernel:
-    def __init__(self, spec):
-        self.spec, self.device = spec, 0
-
-
-@pytest.fixture
-def as_gpu(monkeypatch):
-    """CPU tensors planned as if on a GPU of compute capability ``cap[0]``."""
-    cap = [(9, 0)]
-    monkeypatch.setattr(P, "_gpu_ok", lambda t: True)
-    monkeypatch.setattr(P, "_device_index", lambda d: 0)
-    monkeypatch.setattr(P, "_sm_count", lambda d: 132)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap[0])
-    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: _Kernel(spec))
-    monkeypatch.setattr(launcher, "max_active_clusters", lambda k: 66)
-    monkeypatch.setattr(P, "_wgmma_enabled",
-                        lambda device, settings=None: (settings or P.Settings.current()).wgmma and cap[0] == (9, 0))
-    monkeypatch.setenv("KERMAC_LIKE_WGMMA", "always")  # the wgmma kernel also for these small calls
-    P.clear_templates()
-    yield cap
-    P.clear_templates()
-
-
 def _normalised(plan):
     """Launches with scratch pointers named (each plan allocates its own scratch, and its
     own zero-padded copies of a and b where K is not a whole number of 16-byte rows)."""

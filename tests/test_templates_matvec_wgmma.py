@@ -33,7 +33,6 @@ import kermac_like as km
 from kermac_like import matvec as mv
 from kermac_like import plan as P
 from kermac_like.descriptor import PRESETS
-from kermac_like.runtime import launcher
 from kermac_like.runtime.specs import matvec_wgmma as mw
 from kermac_like.runtime.specs import render_source
 
@@ -359,27 +358,6 @@ def test_epilogue_ring_has_no_hazards(bufs, stages, k_tiles, tiles):
 
 
 # ------------------------------------------------------------------- planner
-class _Kernel:
-    def __init__(self, spec):
-        self.spec, self.device = spec, 0
-
-
-@pytest.fixture
-def as_gpu(monkeypatch):
-    """CPU tensors planned as if on a GPU of compute capability ``cap[0]``."""
-    cap = [(9, 0)]
-    monkeypatch.setattr(P, "_gpu_ok", lambda t: True)
-    monkeypatch.setattr(P, "_device_index", lambda d: 0)
-    monkeypatch.setattr(P, "_sm_count", lambda d: 132)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap[0])
-    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: _Kernel(spec))
-    monkeypatch.setattr(launcher, "max_active_clusters", lambda k: 66)
-    monkeypatch.setattr(P, "_wgmma_enabled",
-                        lambda device, settings=None: (settings or P.Settings.current()).wgmma and cap[0] == (9, 0))
-    monkeypatch.delenv("KERMAC_LIKE_WGMMA", raising=False)
-    yield cap
-
-
 def _plan(desc, x, y, v, **h):
     call = mv.prepare_matvec(desc, x, y, v, **h)
     return P.plan_matvec(call, torch.empty(call.out_shape, dtype=x.dtype), False)

@@ -98,9 +98,13 @@ def lowk():
 
 def matvec():
     """kernel_matvec forward (one and several columns, a batch, M small enough for the
-    split-N combination) and its backward with respect to x, y and v."""
+    split-N combination, the fused wgmma kernel at K > 32) and its backward with respect to
+    x, y and v."""
     g = torch.Generator(device="cuda").manual_seed(4)
-    for K, C, (L, M, N) in ((3, 1, (2, 37, 1031)), (8, 3, (2, 131, 97)), (37, 1, (1, 5, 2049))):
+    # K = 37 / 40 with the Euclidean descriptors and DOT: the fused wgmma kernel on sm_90
+    # (matvec_wgmma.cuh; several N tiles, C = 1 and the 16-column bucket), SIMT elsewhere.
+    for K, C, (L, M, N) in ((3, 1, (2, 37, 1031)), (8, 3, (2, 131, 97)), (37, 1, (1, 5, 2049)),
+                            (40, 16, (2, 131, 600))):
         x = torch.randn(L, M, K, device="cuda", generator=g)
         y = torch.randn(L, N, K, device="cuda", generator=g)
         v = torch.randn(L, N, C, device="cuda", generator=g)

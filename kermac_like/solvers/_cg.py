@@ -58,6 +58,10 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
     residual below 0.9 times the best before (stagnation at the data's precision) or it has grown past
     10 times the best (rounding has taken over); the ConvergenceWarning of the caller
     then reports the residual reached.
+    ``residual``: ``residual(x)`` returns b - A x computed in a form of the caller's choosing
+    (Falkon's takes the long sums over the training points of the training residual, see
+    kernel_ridge._fit_nystrom); it replaces ``b - apply_a(x)`` wherever the true residual is
+    needed (the verification at tol, the checks, max_iter).
     """
     x = torch.zeros_like(b)
     bb = dots([(b, b)])[0]

@@ -428,24 +428,33 @@ class KernelRidge:
         pre = FalkonPreconditioner(kzz64, n_total, alpha, X.dtype, debug=debug)
         dt = X.dtype
 
-        def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v, float64 in and out
-            v = v64.to(dt)
-            u = kernel.matvec(X, z, v)  # K_nZ v: this rank's rows
-            w = comm.all_reduce(kernel.matvec(z, X, u)).to(torch.float64)
-            return w + alpha * (kzz64 @ v64)
+        def k_zn(u):  # K_Zn u summed over the ranks (u: this rank's rows), float64
+            return comm.all_reduce(kernel.matvec(z, X, u.to(dt)).to(torch.float64))
 
-        rhs = comm.all_reduce(kernel.matvec(z, X, y)).to(torch.float64)  # K_Zn y
-        b = pre.apply_t(rhs)
+        def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v, float64 in and out
+            return k_zn(kernel.matvec(X, z, v64.to(dt))) + alpha * (kzz64 @ v64)
 
         def apply_a(g):
             return pre.apply_t(h(pre.apply(g)))
 
+        def residual(g):
+            """B^T (K_Zn (y - K_nZ beta) - alpha K_ZZ beta) for beta = B g rounded to the data's dtype
+            (the stored coefficients): b - A g with the long sum over the training points taken of
+            the training residual y - K_nZ beta, not of K_nZ beta (see the notes)."""
+            beta = pre.apply(g).to(dt)
+            r_n = y - kernel.matvec(X, z, beta)  # this rank's rows, in the data's dtype
+            return pre.apply_t(k_zn(r_n) - alpha * (kzz64 @ beta.to(torch.float64)))
+
+        b = pre.apply_t(k_zn(y))  # = residual(0)
+
         bar = _Progress(show, self._max_iter(), "KernelRidge nystrom")
         try:
-            # The float32 products of this system stop improving at a residual set by the
-            # data's precision (or drift away): true-residual checks keep the best iterate.
+            # True residuals (the checks, the verification at tol, max_iter) in the residual form
+            # above; with float32 products, a check every 10 iterations restarts the recursion from
+            # the true residual and keeps the best iterate (the safety net of _cg.pcg).
             res = pcg(apply_a, lambda r: r.clone(), b, tol=float(self.tol), max_iter=self._max_iter(),
-                      progress=bar, label="nystrom", check_every=None if dt == torch.float64 else 10)
+                      progress=bar, label="nystrom", check_every=None if dt == torch.float64 else 10,
+                      residual=residual)
         finally:
             bar.close()
         beta = pre.apply(res.x).to(dt)

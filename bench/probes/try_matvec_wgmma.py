@@ -24,7 +24,6 @@ import argparse
 import math
 import os
 import pathlib
-import statistics
 import sys
 import time
 import traceback
@@ -38,6 +37,9 @@ import kermac_like as km  # noqa: E402
 from kermac_like import matvec as mv  # noqa: E402
 from kermac_like import plan as P  # noqa: E402
 from kermac_like.runtime.specs import matvec_wgmma as mw  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from try_matvec import timed  # noqa: E402  (CUDA-event medians on fresh inputs)
 
 EUCLID = ("l2", "squared_l2", "laplace_l2", "gaussian_l2", "dot")
 TOL = 2e-5
@@ -240,22 +242,6 @@ def correct_section():
 
 
 # ------------------------------------------------------------------------ 3. timing
-def timed(fn, make, reps):
-    times, out, args = [], None, None
-    for i in range(reps + 1):
-        out = args = None
-        args = make()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = fn(*args)
-        b.record()
-        b.synchronize()
-        if i:
-            times.append(a.elapsed_time(b))
-    return statistics.median(times), args, out
-
-
 def time_section(n, d, reps):
     gauss = km.preset("gaussian_l2")
     bw = 16.0

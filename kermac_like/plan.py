@@ -768,6 +768,14 @@ def choose_split(m_tiles: int, n_tiles: int, slots: int, max_split: int) -> int:
     return best
 
 
+def _add_hyper_tensors(call, hypers: dict, tensors: dict, strides: dict) -> None:
+    """The tensor hyper-parameters of a matvec call join its tensors, with their batch strides."""
+    for k, h in hypers.items():
+        if isinstance(h, torch.Tensor):
+            tensors[k] = h
+            strides[k] = batch_strides(call.batch, tuple(h.shape), tuple(h.stride()))
+
+
 def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     """The plan of a validated kernel_matvec call (``ops.matvec.MatvecCall``) writing ``out``
     (the call's output tensor): matvec_kernel over row tiles x N splits x batch, one
@@ -795,10 +803,7 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
               for k, h in call.hypers.items()}
     tensors = {"x": call.x, "y": call.y, "v": call.v, "out": om}
     strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
-    for k, h in hypers.items():
-        if isinstance(h, torch.Tensor):
-            tensors[k] = h
-            strides[k] = batch_strides(call.batch, tuple(h.shape), tuple(h.stride()))
+    _add_hyper_tensors(call, hypers, tensors, strides)
     bplan = plan_batch(call.batch, strides)
     L = bplan.count
     M, N, K = call.M, call.N, call.K
@@ -952,10 +957,7 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     vb = tuple(call.v.shape[:-2])
     unit = torch.empty(vb, device="meta").stride() if vb else ()  # v tiles: one unit per entry
     strides["v"] = batch_strides(call.batch, vb, unit)
-    for k, h in hypers.items():
-        if isinstance(h, torch.Tensor):
-            tensors[k] = h
-            strides[k] = batch_strides(call.batch, tuple(h.shape), tuple(h.stride()))
+    _add_hyper_tensors(call, hypers, tensors, strides)
     bplan = plan_batch(call.batch, strides)
     Lk = bplan.count
     offsets = {k: list(bplan.outer_offsets(k)) for k in strides}

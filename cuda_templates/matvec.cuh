@@ -76,8 +76,17 @@ __host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4
 // kC_: columns of v per launch (1, 2, 4, 8 or 16; fewer real columns are zero-padded);
 // kExpand_: the expanded exponent (needs K + 1 <= kK); kPolyRows_: rows per thread whose
 // exponential runs on the FMA pipe (kExpand only).
+// Tuning knobs of the expanded kernel (defaults: the shipped loop; bench/probes/matvec_d3_candidates.py):
+// kUnrollJ_: points per trip of the pair loop (0: 2 for float32, 1 otherwise); with kUnrollJ_ > 0
+//   or kPolyPairs_ >= 0 the tile is walked in whole trips (padded points carry v = 0);
+// kPolyPairs_: (row, point) pairs of a trip whose exponential runs on the FMA pipe (-1: kPolyRows
+//   whole rows; pair (i, u) is a polynomial one when i * kUnrollJ + u < kPolyPairs);
+// kPrefetch_: each thread loads the next tile's point (BN == threads) into registers before the
+//   pair loop and stages it (centre, b_n) itself after the loop: no exposed global latency, no
+//   separate centring pass, two barriers per tile.
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
-          bool kExpand_ = false, int kPolyRows_ = 0>
+          bool kExpand_ = false, int kPolyRows_ = 0, int kUnrollJ_ = 0, int kPolyPairs_ = -1,
+          bool kPrefetch_ = false>
 struct MatvecTraits {
   static_assert(kInner_ != Inner::Dot || (kInnerPow_ == Power::Noop && kOuterPow_ == Power::Noop &&
                                           kEpilogue_ == Epilogue::None),
@@ -127,9 +136,20 @@ struct MatvecTraits {
   // Points per trip of the pair loop: 2 amortises the loop's ~7 instructions over 16 pairs
   // (the kernel is issue-bound once kPolyRows moves exponentials off MUFU); 16-bit inputs
   // keep 1 (their conversions leave no registers for a second point at 128).
-  static constexpr int kUnrollJ = SameType<T_, float>::value ? 2 : 1;
+  static constexpr int kUnrollJ = kUnrollJ_ > 0 ? kUnrollJ_ : (SameType<T_, float>::value ? 2 : 1);
+  // Trip-structured pair loop (compile-time point index inside a trip): the tuned variants.
+  static constexpr bool kTrips = kExpand_ && (kUnrollJ_ > 0 || kPolyPairs_ >= 0);
+  static constexpr int kPolyPairs = kPolyPairs_ >= 0 ? kPolyPairs_ : kPolyRows_ * kUnrollJ;
+  static constexpr bool kPrefetch = kPrefetch_;
+  static_assert(kUnrollJ_ >= 0 && kUnrollJ_ <= 8, "MatvecTraits: kUnrollJ is 0 (default) or 1..8");
+  static_assert(kPolyPairs_ >= -1 && kPolyPairs_ < kRows * kUnrollJ, "MatvecTraits: kPolyPairs must leave a MUFU pair");
+  static_assert(kExpand_ || (kPolyPairs_ <= 0 && kUnrollJ_ == 0 && !kPrefetch_),
+                "MatvecTraits: kUnrollJ, kPolyPairs and kPrefetch tune the expanded kernel only");
   static constexpr int kStaticSmem = 4 * kBlockN * (kKS + kC_);
   static_assert(kStaticSmem <= 48 * 1024, "MatvecTraits: the y tile must fit static shared memory");
+  static_assert(!kPrefetch_ || (kBlockN == kThreads && kBlockN % kUnrollJ == 0 && kK_ <= 8),
+                "MatvecTraits: kPrefetch needs one point per thread (kBlockN == kThreads) and kK <= 8");
+  static_assert(!kTrips || kBlockN % kUnrollJ == 0, "MatvecTraits: kUnrollJ must divide kBlockN");
 };
 
 namespace matvec_detail {
@@ -251,6 +271,91 @@ __device__ __forceinline__ void pair_tile(const float* ys, const float* vs, int 
       for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[c], partial[i][c]);
     }
   }
+}
+
+// The pairs of one staged y tile in trips of kUnrollJ points (expanded kernel, tuned
+// variants): jn is rounded up to whole trips; the padded points of a partial tile have v = 0
+// and a finite exponent (zero coordinates staged like real ones), so they add exact zeros.
+template <class Tr, bool kFold>
+__device__ __forceinline__ void pair_tile_trips(const float* ys, const float* vs, int jn,
+                                                const float (&xr)[Tr::kRows][Tr::kK], const float (&xa)[Tr::kRows],
+                                                float (&partial)[Tr::kRows][Tr::kC]) {
+  constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS, U = Tr::kUnrollJ;
+  const int jend = (jn + U - 1) / U * U;
+#pragma unroll 1
+  for (int j0 = 0; j0 < jend; j0 += U) {
+    float yj[U][KS];
+    float vj[U][KC];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int q = 0; q < KS / 4; ++q) {
+        const float4 f = reinterpret_cast<const float4*>(ys + (j0 + u) * KS)[q];
+        yj[u][4 * q] = f.x, yj[u][4 * q + 1] = f.y, yj[u][4 * q + 2] = f.z, yj[u][4 * q + 3] = f.w;
+      }
+    }
+    if constexpr (KC == 1 && U % 4 == 0) {
+#pragma unroll
+      for (int u = 0; u < U; u += 4) {
+        const float4 f = *reinterpret_cast<const float4*>(vs + j0 + u);
+        vj[u][0] = f.x, vj[u + 1][0] = f.y, vj[u + 2][0] = f.z, vj[u + 3][0] = f.w;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int c = 0; c < KC; ++c) vj[u][c] = vs[(j0 + u) * KC + c];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        float e = kFold ? yj[u][Tr::kK - 1] : xa[i];
+#pragma unroll
+        for (int k = 0; k < (kFold ? Tr::kK - 1 : Tr::kK); ++k) e = __fmaf_rn(xr[i][k], yj[u][k], e);
+        const float kv = (i * U + u < Tr::kPolyPairs) ? exp2_poly(e) : math::ex2_approx(e);
+#pragma unroll
+        for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[u][c], partial[i][c]);
+      }
+    }
+  }
+}
+
+// kPrefetch: the point of tile t that this thread stages (index tid of the tile), read into
+// registers (zeros past N and past K / C).
+template <class Tr, class T>
+__device__ __forceinline__ void load_point(const T* yl, const T* vl, int n, int N, int K, int C, i64 sym, i64 syk,
+                                           i64 svn, i64 svc, float (&py)[Tr::kK], float (&pv)[Tr::kC]) {
+#pragma unroll
+  for (int k = 0; k < Tr::kK; ++k) py[k] = (n < N && k < K) ? load_f(yl + i64(n) * sym + k * syk) : 0.0f;
+#pragma unroll
+  for (int c = 0; c < Tr::kC; ++c) pv[c] = (n < N && c < C) ? load_f(vl + i64(n) * svn + c * svc) : 0.0f;
+}
+
+// kPrefetch: centre the point, b_n = -s |y - centre|^2 into the last slot (non-finite: zero
+// coordinates, b_n = -inf or NaN; as the staging pass of the default kernel), store it.
+template <class Tr>
+__device__ __forceinline__ void store_point(float* ys, float* vs, int j, int K, float s, const float (&centre)[Tr::kK],
+                                            const float (&py)[Tr::kK], const float (&pv)[Tr::kC]) {
+  constexpr int KS = Tr::kKS;
+  float yv[KS];
+  float n2 = 0.0f;
+#pragma unroll
+  for (int k = 0; k < KS; ++k) {
+    const float d = k < Tr::kK ? __fsub_rn(py[k], centre[k]) : 0.0f;
+    if (k < Tr::kK && k < K) n2 = __fmaf_rn(d, d, n2);
+    yv[k] = (k < Tr::kK && k < K) ? d : 0.0f;
+  }
+  const float b = -s * n2;
+  const bool finite = fabsf(b) <= 3.402823466e38f;
+#pragma unroll
+  for (int k = 0; k < KS; ++k) yv[k] = finite ? yv[k] : 0.0f;
+  yv[Tr::kK - 1] = finite ? b : (b != b ? b : -__int_as_float(0x7f800000));
+#pragma unroll
+  for (int q = 0; q < KS / 4; ++q)
+    reinterpret_cast<float4*>(ys + j * KS)[q] = make_float4(yv[4 * q], yv[4 * q + 1], yv[4 * q + 2], yv[4 * q + 3]);
+#pragma unroll
+  for (int c = 0; c < Tr::kC; ++c) vs[j * Tr::kC + c] = pv[c];
 }
 
 }  // namespace matvec_detail
@@ -414,6 +519,33 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 #pragma unroll
       for (int c = 0; c < KC; ++c) total[i][c] = 0.0;
 
+    if constexpr (Tr::kPrefetch) {
+      // ---- expanded kernel, one point per thread: the next tile's point waits in registers
+      // while the pairs of this one run.
+      float py[Tr::kK], pv[KC];
+      if (t_begin < t_end) load_point<Tr>(yl, vl, t_begin * BN + tid, N, K, C, sym, syk, svn, svc, py, pv);
+#pragma unroll 1
+      for (int t = t_begin; t < t_end; ++t) {
+        const int jn = min(BN, N - t * BN);
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+          for (int c = 0; c < KC; ++c) partial[i][c] = 0.0f;
+        __syncthreads();  // the previous tile is consumed
+        store_point<Tr>(ys, vs, tid, K, s, centre, py, pv);
+        if (t + 1 < t_end) load_point<Tr>(yl, vl, (t + 1) * BN + tid, N, K, C, sym, syk, svn, svc, py, pv);
+        __syncthreads();
+        if (fold) {
+          pair_tile_trips<Tr, true>(ys, vs, jn, xr, xa, partial);
+        } else {
+          pair_tile_trips<Tr, false>(ys, vs, jn, xr, xa, partial);
+        }
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+          for (int c = 0; c < KC; ++c) total[i][c] += double(partial[i][c]);
+      }
+    } else
 #pragma unroll 1
     for (int t = t_begin; t < t_end; ++t) {
       const int n0 = t * BN;
@@ -458,7 +590,13 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         __syncthreads();
 
         // ---- the pairs (fold is CTA uniform)
-        if (Tr::kExpand && fold) {
+        if constexpr (Tr::kTrips) {
+          if (fold) {
+            pair_tile_trips<Tr, true>(ys, vs, jn, xr, xa, partial);
+          } else {
+            pair_tile_trips<Tr, false>(ys, vs, jn, xr, xa, partial);
+          }
+        } else if (Tr::kExpand && fold) {
           pair_tile<Tr, true>(ys, vs, jn, xr, xa, partial, ka);
         } else {
           pair_tile<Tr, false>(ys, vs, jn, xr, xa, partial, ka);

@@ -22,6 +22,7 @@ __all__ = [
     "k_bucket",
     "c_bucket",
     "matvec_traits_spec",
+    "TUNING",
     "matvec_spec",
     "combine_spec",
     "shipped",
@@ -96,12 +97,28 @@ def c_bucket(c: int) -> int:
 POLY_ROWS = 0
 
 
+# Tuning of the expanded float32 kernel that matvec_spec applies (probes set it; empty: the shipped
+# loop): {"unroll_j": points per trip, "poly_pairs": FMA-pipe exponentials per trip, "prefetch":
+# register prefetch of the next tile}. See bench/probes/matvec_d3_candidates.py.
+TUNING: dict = {}
+
+
 def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expand: bool = False,
-                       poly_rows: int | None = None) -> KernelSpec:
+                       poly_rows: int | None = None, unroll_j: int = 0, poly_pairs: int = -1,
+                       prefetch: bool = False) -> KernelSpec:
+    """``unroll_j`` / ``poly_pairs`` / ``prefetch``: MatvecTraits' kUnrollJ / kPolyPairs / kPrefetch
+    (expanded kernel only; defaults leave the template arguments out)."""
     if poly_rows is None:
         poly_rows = POLY_ROWS if expand and rows_per_thread(kK, kC, dtype) >= 8 else 0
     rows = rows_per_thread(kK, kC, dtype)
+    tuned = bool(unroll_j) or poly_pairs >= 0 or prefetch
+    if tuned and not expand:
+        raise ValueError("matvec_traits_spec: unroll_j, poly_pairs and prefetch tune the expanded kernel only")
+    if prefetch and (block_n(kK, kC) != THREADS or kK > 8):
+        raise ValueError("matvec_traits_spec: prefetch needs kBlockN == 256 and kK <= 8")
     extra = f", {str(bool(expand)).lower()}, {int(poly_rows)}" if (expand or poly_rows) else ""
+    if tuned:
+        extra += f", {int(unroll_j)}, {int(poly_pairs)}, {str(bool(prefetch)).lower()}"
     traits = f"kermac_like::MatvecTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {int(kC)}{extra}>"
     shape = LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=block_n(kK, kC), smem_bytes=0)
     return KernelSpec("matvec.cuh", "kermac_like::matvec_kernel", traits, shape)
@@ -113,7 +130,10 @@ def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None) 
     form, whose exponent never forms the distance)."""
     expand = expandable(desc) and not (epsilon is not None and epsilon > 0) and k_bucket(K + 1) != 0
     kK = k_bucket(K + 1 if expand else K)
-    return matvec_traits_spec(desc, dtype, kK, c_bucket(C), expand=expand)
+    tuning = {}
+    if expand and TUNING and dtype == torch.float32 and kK <= 8 and block_n(kK, c_bucket(C)) == THREADS:
+        tuning = dict(TUNING)
+    return matvec_traits_spec(desc, dtype, kK, c_bucket(C), expand=expand, **tuning)
 
 
 COMBINE_LAUNCH = LaunchShape(threads=256, block_m=1, block_n=1, smem_bytes=0)

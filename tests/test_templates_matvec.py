@@ -1,0 +1,185 @@
+"""CPU execution of cuda_templates/matvec.cuh's expanded (Gaussian) kernel: the template is
+compiled with g++ behind a thin shim (each CUDA thread a std::thread, __syncthreads a barrier,
+warp shuffles through a shared array) and run on odd shapes against float64, for the shipped
+loop and the tuned variants (kUnrollJ, kPolyPairs, kPrefetch; bench/probes/matvec_d3_candidates.py):
+partial last tiles (padded trips), split N ranges (the `part` output), rows that are too far
+from the tile's centre to fold a_m out of the loop, and a NaN point.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "cuda_templates"
+
+SHIM = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+struct kl_dim3 { unsigned x, y, z; };
+thread_local kl_dim3 threadIdx, blockIdx;
+kl_dim3 gridDim, blockDim;
+static std::barrier<>* kl_barrier;
+static float kl_lane[256];
+static int kl_and;
+inline void __syncthreads() { kl_barrier->arrive_and_wait(); }
+inline int __syncthreads_and(int p) {
+  kl_barrier->arrive_and_wait();
+  if (threadIdx.x == 0) kl_and = 1;
+  kl_barrier->arrive_and_wait();
+  if (!p) kl_and = 0;
+  kl_barrier->arrive_and_wait();
+  const int r = kl_and;
+  kl_barrier->arrive_and_wait();
+  return r;
+}
+// Every thread of the block calls the shuffles together (the kernel's centre reduction).
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+  kl_lane[threadIdx.x] = v;
+  kl_barrier->arrive_and_wait();
+  const float r = kl_lane[threadIdx.x ^ o];
+  kl_barrier->arrive_and_wait();
+  return r;
+}
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+using std::min;
+#define __device__
+#define __host__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+#define __restrict__
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
+#include "matvec.cuh"
+
+using namespace kermac_like;
+#define G(...) MatvecTraits<Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Gaussian, float, 4, 1, true, __VA_ARGS__>
+@@INSTANCES@@
+
+template <class Tr>
+void run(const float* x, const float* y, const float* v, float* out, float* part, int M, int N, int n_split, int per) {
+  gridDim = {unsigned((M + Tr::kBlockM - 1) / Tr::kBlockM), unsigned(n_split), 1};
+  std::barrier<> bar(Tr::kThreads);
+  kl_barrier = &bar;
+  std::vector<std::thread> pool;
+  for (int t = 0; t < Tr::kThreads; ++t) {
+    pool.emplace_back([&, t] {
+      threadIdx = {unsigned(t), 0, 0};
+      for (unsigned sy = 0; sy < gridDim.y; ++sy)
+        for (unsigned sx = 0; sx < gridDim.x; ++sx) {
+          blockIdx = {sx, sy, 0};
+          matvec_kernel<Tr>(x, y, v, out, part, M, N, 3, 1, 3, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0,
+                            0, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 1.0f,
+                            nullptr, 0, 0, 0, 0.f, 0, 0.f, n_split, per);
+          kl_barrier->arrive_and_wait();
+        }
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+int main(int argc, char** argv) {
+  // argv: instance, M, N, n_split, tiles per split, input file (x | y | v), output file (out | part)
+  const int which = std::atoi(argv[1]), M = std::atoi(argv[2]), N = std::atoi(argv[3]);
+  const int n_split = std::atoi(argv[4]), per = std::atoi(argv[5]);
+  std::vector<float> in(3 * M + 4 * N);
+  FILE* f = std::fopen(argv[6], "rb");
+  if (std::fread(in.data(), 4, in.size(), f) != in.size()) return 3;
+  std::fclose(f);
+  std::vector<float> out(M + n_split * M, 0.f);
+  const float *x = in.data(), *y = x + 3 * M, *v = y + 3 * N;
+  switch (which) {
+@@CASES@@
+    default: return 4;
+  }
+  f = std::fopen(argv[7], "wb");
+  std::fwrite(out.data(), 4, out.size(), f);
+  std::fclose(f);
+  return 0;
+}
+"""
+
+# (kPolyRows, kUnrollJ, kPolyPairs, kPrefetch): the shipped loop and the tuned variants.
+VARIANTS = [
+    (0, 0, -1, "false"),  # shipped
+    (1, 0, -1, "false"),  # one polynomial row (shipped as the FMA-pipe exponential)
+    (0, 4, 3, "false"),   # trips of 4 points, 3 polynomial pairs, default staging
+    (0, 0, -1, "true"),   # register prefetch, trips of 2
+    (0, 4, 4, "true"),
+    (0, 8, 0, "true"),
+]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the CPU execution tests")
+    inst = [f"using T{i} = G({p}{'' if u == 0 and q == -1 and pf == 'false' else f', {u}, {q}, {pf}'});"
+            for i, (p, u, q, pf) in enumerate(VARIANTS)]
+    cases = [f"    case {i}: run<T{i}>(x, y, v, out.data(), n_split > 1 ? out.data() + M : nullptr, M, N, n_split, per); "
+             "break;" for i in range(len(VARIANTS))]
+    src = SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
+    d = tmp_path_factory.mktemp("matvec_cpu")
+    (d / "runner.cpp").write_text(src)
+    exe = d / "runner"
+    cmd = [cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", f"-I{TEMPLATES}", "-o", str(exe),
+           str(d / "runner.cpp")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.fail(f"g++ failed:\n{res.stderr[-6000:]}")
+    return exe, d
+
+
+def _reference(x, y, v):
+    d2 = ((x[:, None, :].astype(np.float64) - y[None, :, :].astype(np.float64)) ** 2).sum(-1)
+    return np.exp(-0.5 * d2) @ v.astype(np.float64)
+
+
+@pytest.mark.parametrize("which", range(len(VARIANTS)))
+@pytest.mark.parametrize("case", ["fold", "split_far_nan"])
+def test_expanded_variants_cpu(runner, which, case, tmp_path):
+    exe, _ = runner
+    rng = np.random.default_rng(which + 10 * len(case))
+    M, N = 301, 701  # one row tile; 3 y tiles, the last of 189 points (a partial trip)
+    x = rng.standard_normal((M, 3)).astype(np.float32)
+    y = rng.standard_normal((N, 3)).astype(np.float32)
+    v = rng.random((N, 1)).astype(np.float32)
+    n_split, per = 1, 3
+    if case == "split_far_nan":
+        n_split, per = 2, 2  # tiles 0-1 and 2
+        x[7] = 12.0  # s |x - centre|^2 > kFoldMax: a_m stays in the loop (no fold)
+        y[600] = np.nan  # a NaN point: every row NaN
+    inp = tmp_path / "in.bin"
+    np.concatenate([x.ravel(), y.ravel(), v.ravel()]).astype(np.float32).tofile(inp)
+    outp = tmp_path / "out.bin"
+    subprocess.run([str(exe), str(which), str(M), str(N), str(n_split), str(per), str(inp), str(outp)], check=True)
+    raw = np.fromfile(outp, dtype=np.float32)
+    if n_split == 1:
+        got = raw[:M].astype(np.float64)
+        ref = _reference(x, y, v)[:, 0]
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6
+        assert (np.abs(got - ref) / np.abs(ref)).max() < 2e-6
+    else:
+        part = raw[M:].reshape(n_split, M).astype(np.float64)
+        assert np.isnan(part[1]).all()  # y[600] lies in tile 2 (split 1)
+        ref0 = _reference(x, y[:512], v[:512])[:, 0]
+        ok = ref0 > 1e-30
+        assert (np.abs(part[0][ok] - ref0[ok]) / ref0[ok]).max() < 2e-6

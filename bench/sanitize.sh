@@ -13,6 +13,8 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 LOGDIR="${1:-/tmp/kl-sanitize}"; shift || true
 SAN="${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}"
 PY="${PYTHON:-python3}"
+# Kernels compiled with -lineinfo (own cache key): reports name the template's source lines.
+export KERMAC_LIKE_LINEINFO="${KERMAC_LIKE_LINEINFO:-1}"
 mkdir -p "$LOGDIR"
 FAMILIES="${*:-$($PY "$HERE/probes/sanitize_calls.py" --list)}"
 $PY "$HERE/probes/sanitize_calls.py" --warm > "$LOGDIR/warm.log" 2>&1 || { cat "$LOGDIR/warm.log"; exit 2; }

@@ -74,6 +74,11 @@ def test_key_changes_with_what_matters(monkeypatch):
     assert k80 != k90 and len(k80) == 64
     other = render.distance_spec(km.PRESETS["l2"], *([render.Layout.ROW_MAJOR] * 3), 4)
     assert compiler.kernel_key(other, "sm_80") != k80
+    monkeypatch.setenv("KERMAC_LIKE_LINEINFO", "1")  # -lineinfo: the same code, its own key
+    assert "-lineinfo" in compiler._options("sm_80") and compiler._program_options("sm_80").lineinfo
+    assert compiler.kernel_key(spec, "sm_80") != k80
+    monkeypatch.setenv("KERMAC_LIKE_LINEINFO", "0")
+    assert compiler.kernel_key(spec, "sm_80") == k80
     monkeypatch.setattr(compiler, "template_hash", lambda: "edited")
     assert compiler.kernel_key(spec, "sm_80") != k80
 

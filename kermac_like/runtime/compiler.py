@@ -130,9 +130,16 @@ def _check_arch(arch: str) -> str:
     return arch
 
 
+def _lineinfo() -> bool:
+    """KERMAC_LIKE_LINEINFO=1: compile with -lineinfo (source lines in compute-sanitizer and
+    profiler reports; the code is the same, the cache key differs)."""
+    return os.environ.get("KERMAC_LIKE_LINEINFO", "") not in ("", "0")
+
+
 def _options(arch: str) -> tuple:
     """The exact NVRTC options (as text, for the key and for error messages)."""
-    return ("-std=c++17", f"-arch={arch}", f"-I{template_dir()}", "-Xptxas=-v")
+    base = ("-std=c++17", f"-arch={arch}", f"-I{template_dir()}", "-Xptxas=-v")
+    return base + ("-lineinfo",) if _lineinfo() else base
 
 
 def kernel_key(spec: KernelSpec, arch: str) -> str:
@@ -178,7 +185,8 @@ def _program_options(arch: str):
         from cuda.core import ProgramOptions
     except ImportError:  # cuda-core < 0.4
         from cuda.core.experimental import ProgramOptions  # type: ignore
-    return ProgramOptions(std="c++17", arch=arch, include_path=[str(template_dir())], ptxas_options=["-v"])
+    return ProgramOptions(std="c++17", arch=arch, include_path=[str(template_dir())], ptxas_options=["-v"],
+                          lineinfo=_lineinfo())
 
 
 def _compile_group(specs: tuple, arch: str):

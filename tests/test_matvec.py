@@ -267,7 +267,8 @@ def test_choose_split():
 def test_spec_selection():
     g = km.preset("gaussian_l2")
     f32 = torch.float32
-    assert "float, 4, 1, true, 0>" in ms.matvec_spec(g, f32, 3, 1).traits  # expanded
+    assert "float, 4, 1, true, 0, 4, 4, true>" in ms.matvec_spec(g, f32, 3, 1).traits  # expanded, tuned (D <= 3, C = 1)
+    assert "float, 8, 1, true, 0>" in ms.matvec_spec(g, f32, 7, 1).traits  # expanded, untuned
     assert "float, 4, 16, true, 0>" in ms.matvec_spec(g, f32, 3, 16).traits
     assert "float, 3, 1>" in ms.matvec_spec(g, f32, 3, 1, epsilon=0.1).traits  # a cut needs the distance
     assert "float, 0, 4>" in ms.matvec_spec(km.preset("l1"), f32, 33, 3).traits
@@ -293,15 +294,17 @@ def test_shipped_compile_without_spills(shipped_build):
 
 
 def test_expanded_kernel_sass(shipped_build):
-    """The Gaussian's D = 3 kernel: MUFU.EX2 for the pair loop's exponentials, no local
-    memory; the variant with one FMA-pipe row keeps its polynomial (7 of 8 on MUFU)."""
+    """The Gaussian's D = 3 kernels: MUFU.EX2 for the pair loop's exponentials, no local
+    memory; the untuned loop 16 per trip, the tuned one (4 points x 8 rows) 28 of 32 (4 on the FMA
+    pipe), the variant with one FMA-pipe row 14 of 16."""
     from tests.test_templates_distance import sass_instructions, sass_loops, sass_of
 
     specs, builds = shipped_build
     record, _ = builds["sm_90"]
     sass = sass_of(record.cubin)
     g = km.preset("gaussian_l2")
-    for spec, mufu, shl in ((ms.matvec_spec(g, torch.float32, 3, 1), 16, 0),
+    for spec, mufu, shl in ((ms.matvec_spec(g, torch.float32, 3, 1), 28, 0),
+                            (ms.matvec_traits_spec(g, torch.float32, 4, 1, expand=True), 16, 0),
                             (ms.matvec_traits_spec(g, torch.float32, 4, 1, expand=True, poly_rows=1), 14, 2)):
         lowered = {e: lo for _, e, lo in record.kernels}[spec.name_expression]
         start = sass.index(f"Function : {lowered}")

@@ -129,7 +129,7 @@ def main():
         print(f"{name}: {t.median_ms:.1f} ms {['%.1f' % a for a in t.times_ms]} err {fro:.2e}/{worst:.2e} "
               f"SM {mhz} MHz {watts} W", flush=True)
         del x, y, v, t
-    ms.TUNING, ms.POLY_ROWS = {}, 0
+    ms.TUNING, ms.POLY_ROWS = None, 0
 
     print(f"\n{torch.cuda.get_device_name(0)}; torch {torch.__version__}; D=3 N=M={N} C=1 bw=1")
     print("| candidate | issue/pair | MUFU/pair | pred ms | ms (median) | vs shipped | rel Frobenius | worst row "

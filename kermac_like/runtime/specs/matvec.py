@@ -97,10 +97,21 @@ def c_bucket(c: int) -> int:
 POLY_ROWS = 0
 
 
-# Tuning of the expanded float32 kernel that matvec_spec applies (probes set it; empty: the shipped
-# loop): {"unroll_j": points per trip, "poly_pairs": FMA-pipe exponentials per trip, "prefetch":
-# register prefetch of the next tile}. See bench/probes/matvec_d3_candidates.py.
-TUNING: dict = {}
+# Tuning of the expanded float32 kernel: {"unroll_j": points per trip, "poly_pairs": FMA-pipe
+# exponentials per trip, "prefetch": register prefetch of the next tile}. Measured on an H200
+# (bench/probes/matvec_d3_candidates.py, bench/notes/matvec.md v3) at D = 3, C = 1, N = M = 1e6:
+# untuned 294.9 ms, prefetch + 4 points per trip + 4 of 32 exponentials on the FMA pipe 273.5 ms.
+# Applied where the loop is MUFU-bound as there: kK <= 4 (D <= 3) and one column; elsewhere the
+# untuned loop (more FFMA per pair: the polynomial would take issue slots the loop needs).
+# Probes override it: TUNING = {...} (an empty dict: the untuned loop); None: the default.
+DEFAULT_TUNING = {"unroll_j": 4, "poly_pairs": 4, "prefetch": True}
+TUNING: dict | None = None
+
+
+def _tuning(kK: int, kC: int) -> dict:
+    if TUNING is not None:
+        return dict(TUNING)
+    return dict(DEFAULT_TUNING) if kK <= 4 and kC == 1 else {}
 
 
 def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expand: bool = False,
@@ -131,8 +142,8 @@ def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None) 
     expand = expandable(desc) and not (epsilon is not None and epsilon > 0) and k_bucket(K + 1) != 0
     kK = k_bucket(K + 1 if expand else K)
     tuning = {}
-    if expand and TUNING and dtype == torch.float32 and kK <= 8 and block_n(kK, c_bucket(C)) == THREADS:
-        tuning = dict(TUNING)
+    if expand and dtype == torch.float32 and kK <= 8 and block_n(kK, c_bucket(C)) == THREADS:
+        tuning = _tuning(kK, c_bucket(C))
     return matvec_traits_spec(desc, dtype, kK, c_bucket(C), expand=expand, **tuning)
 
 
@@ -153,6 +164,7 @@ def shipped():
     f32 = torch.float32
     g = PRESETS["gaussian_l2"]
     yield matvec_spec(g, f32, 3, 1)
+    yield matvec_traits_spec(g, f32, 4, 1, expand=True)  # the untuned loop (D <= 3 is tuned)
     yield matvec_traits_spec(g, f32, 4, 1, expand=True, poly_rows=1)  # the FMA-pipe exponential
     yield matvec_spec(g, f32, 3, 16)
     for name in ("p_norm", "dot"):

@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
   float* const sb = kl_lowk_smem + KC * SA;
 
   // ---- epilogue of the tile at columns nt .. nt + TN - 1, from registers.
-  auto store_tile = [&](const float (&acc)[8][8], const auto& entry, int nt) {
+  auto store_tile = [&](const float (&acc)[8][8], const decltype(args.at(0))& entry, int nt) {
     const exact::EpilogueArgs ea = exact::epilogue_args<Tr>(args, entry.index, epsilon);
     // The diagonal n - m == reg_diag is, in tile coordinates, c - r == target.
     float lam = 0.0f;

@@ -103,3 +103,16 @@ def test_precompile_api_needs_device_or_arch(tmp_path, monkeypatch):
         km.precompile(km.PRESETS["l1"])
     with pytest.raises(TypeError, match=r"descriptors\[0\]"):
         km.precompile(["l1"], arch="sm_80")
+
+
+def test_no_generic_lambdas_in_templates():
+    """NVRTC 13.0 (the one CUDA 13.0 installs) treats a generic lambda in device code as a
+    host function and fails to compile; NVRTC 13.5 accepts it. Lambda parameters are typed."""
+    import re
+
+    bad = []
+    for path in sorted(compiler.template_dir().glob("*.cuh")):
+        for no, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\[[&=]?\]\s*\([^)]*\bauto\b", line):
+                bad.append(f"{path.name}:{no}: {line.strip()}")
+    assert not bad, "generic lambdas: " + "; ".join(bad)

@@ -6,7 +6,11 @@ semantics, then overwrites buf (cp.async, as the loader does, or st.shared). Ref
 mode: the same hand-off through a named barrier (bar.arrive / bar.sync).
 
     compute-sanitizer --tool racecheck --report-api-errors no python3 bench/probes/racecheck_mbarrier.py MODE
-    MODE: mbar-cpasync | mbar-ldsm-cpasync | mbar-st | named-cpasync
+    MODE: mbar-cpasync | mbar-ldsm-cpasync | mbar-st | named-cpasync | warp-ldsm-cpasync
+
+warp-ldsm-cpasync is the kernels' own release: every lane reads (ldmatrix), __syncwarp, then one
+lane arrives for the warp (mbarrier count 1). Ordered by the PTX memory model (bar.warp.sync
+orders the lanes' accesses before lane 0's release arrival, which is cumulative).
 
 Each run checks its own result (warp 0 saw the old values, the new ones landed) and prints
 "MODE: ok"; racecheck's RACECHECK SUMMARY line says whether the tool reported the hand-off.
@@ -23,7 +27,7 @@ try:
 except ImportError:  # cuda-core < 0.4
     from cuda.core.experimental import Device, LaunchConfig, Program, ProgramOptions, launch
 
-MODES = {"mbar-cpasync": 0, "mbar-ldsm-cpasync": 1, "mbar-st": 2, "named-cpasync": 3}
+MODES = {"mbar-cpasync": 0, "mbar-ldsm-cpasync": 1, "mbar-st": 2, "named-cpasync": 3, "warp-ldsm-cpasync": 4}
 
 SOURCE = r"""
 extern "C" __global__ void handoff(const float* __restrict__ g, float* __restrict__ out, int mode) {
@@ -32,12 +36,13 @@ extern "C" __global__ void handoff(const float* __restrict__ g, float* __restric
   const int tid = threadIdx.x, lane = tid & 31;
   const unsigned bar_a = (unsigned)__cvta_generic_to_shared(&bar);
   const unsigned buf_a = (unsigned)__cvta_generic_to_shared(buf);
-  if (tid == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 32;\n" ::"r"(bar_a) : "memory");
+  const unsigned count = mode == 4 ? 1u : 32u;  // mode 4: one arrival per warp, after __syncwarp
+  if (tid == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar_a), "r"(count) : "memory");
   if (tid < 32) buf[tid] = float(tid);
   __syncthreads();
   if (tid < 32) {  // consumer: read the buffer, then hand it back
     float r;
-    if (mode == 1) {  // ldmatrix: lanes 0..7 give the 8 rows of 16 bytes; lane l gets row l/4, word l%4
+    if (mode == 1 || mode == 4) {  // ldmatrix: lanes 0..7 give the 8 rows of 16 bytes; lane l gets row l/4, word l%4
       unsigned v;
       asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n"
                    : "=r"(v) : "r"(buf_a + 16u * (lane & 7)) : "memory");
@@ -46,9 +51,12 @@ extern "C" __global__ void handoff(const float* __restrict__ g, float* __restric
       r = buf[lane];
     }
     out[lane] = r;
-    if (mode == 3)
+    if (mode == 3) {
       asm volatile("bar.arrive 1, 64;\n" ::: "memory");
-    else
+    } else if (mode == 4) {  // distance_wgmma_kernel's release: the warp's reads, then lane 0 for the warp
+      __syncwarp();
+      if (lane == 0) asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar_a) : "memory");
+    } else
       asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar_a) : "memory");
   } else {  // producer: wait for the hand-off, then overwrite the buffer
     if (mode == 3) {

@@ -507,7 +507,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // and the loader writes only after empty[s] completed its phase, which takes all 16
     // arrivals of the round (8 of this CTA's warps); no arrival of the next round can come
     // first, since the peer's next-round arrivals need its full[s], which needs this
-    // loader's multicast after this wait (bench/notes/sanitizer.md).
+    // loader's multicast after this wait. The lanes' reads are ordered before the one
+    // arriving lane's release by __syncwarp (bar.warp.sync orders memory among its threads;
+    // the release is cumulative); racecheck does not carry other lanes' accesses through
+    // __syncwarp and reports exactly this hand-off in a 40-line kernel while every-lane
+    // arrivals are clean (bench/probes/racecheck_mbarrier.py, bench/notes/sanitizer.md).
     auto release = [&](int s) {
       __syncwarp();
       if (lane == (int)rank) {

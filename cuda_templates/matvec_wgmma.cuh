@@ -278,7 +278,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) matvec_wgmma_kernel(
     a_fragment_offsets(lane, cwarp, ld_off);
     int stage = 0, ebuf = 0;
     unsigned phase = 0, ephase = 0;
-    // A stage (or epilogue buffer) goes back to the loaders of every CTA of the cluster.
+    // A stage (or epilogue buffer) goes back to the loaders of every CTA of the cluster: one
+    // arrival per warp after __syncwarp, which orders every lane's reads before it (see the
+    // release of distance_wgmma.cuh). compute-sanitizer's racecheck reports these reads (b
+    // norms, v tile, ldmatrix) against the loader's next copies: the tool's limit with one-lane
+    // arrivals, shown by bench/probes/racecheck_mbarrier.py (bench/notes/sanitizer.md).
     auto release = [&](unsigned bar) {
       __syncwarp();
       if (lane < kCluster) mbar_arrive_cluster(bar, (unsigned)lane);

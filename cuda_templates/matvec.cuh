@@ -33,9 +33,17 @@
 // Accumulation: a pair's product goes into a float32 partial of the current y tile (at
 // most kBlockN terms), which is added into a float64 total after each tile, so the
 // rounding error does not grow with N (2e6 positive terms: ~1e-7 relative). With a split
-// N range (n_split > 1) each CTA writes its float32 total for its range to `part`
+// N range (n_split > 1) each CTA writes its total for its range (float32; float64 with a
+// float64 output) to `part`
 // ([split][batch][M][C]) and matvec_combine_kernel adds the splits in split order: the
 // result is bitwise identical from run to run (no atomics).
+//
+// Output type (kTOut = TOut_, default T): T rounds the float64 totals once at the store;
+// double stores them as they are (the float64 sums of the float32 tile partials, no final
+// rounding: kernel_matvec with a float64 `out` for float32/16-bit inputs, e.g. Falkon's
+// K_Zn u, a long coherent sum whose float32 rounding its preconditioner amplifies). The
+// split scratch `part` (TPart) is double exactly when the output is double, so that the
+// instantiations with a T output are unchanged.
 #pragma once
 
 #include "common.cuh"
@@ -68,6 +76,16 @@ __device__ __forceinline__ void store_f(bfloat16* p, float x) {
   p->bits = h;
 }
 
+// The final store of a float64 total: rounded to float32 then to T, or (double) as is.
+template <class U>
+__device__ __forceinline__ void store_out(U* p, double r) { store_f(p, float(r)); }
+__device__ __forceinline__ void store_out(double* p, double r) { *p = r; }
+
+template <bool kB, class A, class B>
+struct Select { using type = A; };
+template <class A, class B>
+struct Select<false, A, B> { using type = B; };
+
 __host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
 
 }  // namespace matvec_detail
@@ -84,9 +102,10 @@ __host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4
 // kPrefetch_: each thread loads the next tile's point (BN == threads) into registers before the
 //   pair loop and stages it (centre, b_n) itself after the loop: no exposed global latency, no
 //   separate centring pass, two barriers per tile.
+// TOut_: the type of `out` (T_ or double; double: no final rounding, `part` in double).
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
           bool kExpand_ = false, int kPolyRows_ = 0, int kUnrollJ_ = 0, int kPolyPairs_ = -1,
-          bool kPrefetch_ = false>
+          bool kPrefetch_ = false, class TOut_ = T_>
 struct MatvecTraits {
   static_assert(kInner_ != Inner::Dot || (kInnerPow_ == Power::Noop && kOuterPow_ == Power::Noop &&
                                           kEpilogue_ == Epilogue::None),
@@ -108,7 +127,12 @@ struct MatvecTraits {
   static_assert(!kExpand_ || kK_ >= 2, "MatvecTraits: kExpand needs kK >= K + 1 (b_n rides in the last slot)");
   static_assert(kExpand_ || kPolyRows_ == 0, "MatvecTraits: kPolyRows applies to kExpand only");
 
+  static_assert(SameType<TOut_, T_>::value || SameType<TOut_, double>::value,
+                "MatvecTraits: TOut must be T or double");
   using T = T_;
+  using TOut = TOut_;
+  // Split partial sums: double with a double output (no rounding before the combination).
+  using TPart = typename matvec_detail::Select<SameType<TOut_, double>::value, double, float>::type;
   static constexpr Inner kInner = kInner_;
   static constexpr Power kInnerPow = kInnerPow_;
   static constexpr Power kOuterPow = kOuterPow_;
@@ -362,8 +386,8 @@ __device__ __forceinline__ void store_point(float* ys, float* vs, int j, int K, 
 
 // Grid: (ceil(M / kBlockM), n_split, min(batch, 65535)). Split s covers y tiles
 // [s * tiles_per_split, (s + 1) * tiles_per_split). n_split == 1: out[l][m, c] is written
-// (regularisation included); n_split > 1: part[s][l][m][c] (float32, contiguous, C
-// columns) is, and matvec_combine_kernel finishes.
+// (regularisation included); n_split > 1: part[s][l][m][c] (TPart: float32, or float64 for
+// a float64 output; contiguous, C columns) is, and matvec_combine_kernel finishes.
 // Two CTAs per SM (128 registers) on sm_90; sm_80 spills at that budget, so it runs one.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define KL_MATVEC_MIN_BLOCKS 1
@@ -374,7 +398,8 @@ __device__ __forceinline__ void store_point(float* ys, float* vs, int j, int K, 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec_kernel(
     const typename Traits::T *__restrict__ x, const typename Traits::T *__restrict__ y,
-    const typename Traits::T *__restrict__ v, typename Traits::T *__restrict__ out, float *__restrict__ part,
+    const typename Traits::T *__restrict__ v, typename Traits::TOut *__restrict__ out,
+    typename Traits::TPart *__restrict__ part,
     int M, int N, int K, int C, long long sxm, long long sxk, long long sym, long long syk, long long svn,
     long long svc, long long som, long long soc, int batch, int batch_n1, int batch_n2, long long x_bs0,
     long long x_bs1, long long x_bs2, long long y_bs0, long long y_bs1, long long y_bs2, long long v_bs0,
@@ -684,9 +709,9 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
           if (c < C) {
             if (n_split == 1) {
               const double r = total[i][c] + reg_term(vl, svn, svc, N, m, c, reg_diag, lam);
-              store_f(out + o_bs.offset(bi) + i64(m) * som + c * soc, float(r));
+              store_out(out + o_bs.offset(bi) + i64(m) * som + c * soc, r);
             } else {
-              part[((i64(split) * batch + l) * M + m) * C + c] = float(total[i][c]);
+              part[((i64(split) * batch + l) * M + m) * C + c] = typename Tr::TPart(total[i][c]);
             }
           }
         }
@@ -695,13 +720,18 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
   }
 }
 
-// Launch constants of matvec_combine_kernel (mirrored by kermac_like/matvec_spec.py).
-template <class T_>
+// Launch constants of matvec_combine_kernel (mirrored by kermac_like/runtime/specs/matvec.py).
+// TOut_: as MatvecTraits' (T_ or double); TPart: the split scratch (double for a double output).
+template <class T_, class TOut_ = T_>
 struct MatvecCombineTraits {
   static_assert(SameType<T_, float>::value || SameType<T_, float16>::value ||
                     SameType<T_, bfloat16>::value,
                 "MatvecCombineTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");
+  static_assert(SameType<TOut_, T_>::value || SameType<TOut_, double>::value,
+                "MatvecCombineTraits: TOut must be T or double");
   using T = T_;
+  using TOut = TOut_;
+  using TPart = typename matvec_detail::Select<SameType<TOut_, double>::value, double, float>::type;
   static constexpr int kThreads = 256;
   static constexpr int kBlockM = 1;  // grid-stride over batch * M * C
   static constexpr int kBlockN = 1;
@@ -712,7 +742,8 @@ struct MatvecCombineTraits {
 // float64) + the regularisation term. Grid-stride over batch * M * C.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) matvec_combine_kernel(
-    const float* __restrict__ part, const typename Traits::T* __restrict__ v, typename Traits::T* __restrict__ out,
+    const typename Traits::TPart* __restrict__ part, const typename Traits::T* __restrict__ v,
+    typename Traits::TOut* __restrict__ out,
     int M, int N, int C, long long svn, long long svc, long long som, long long soc, int batch, int batch_n1,
     int batch_n2, long long v_bs0, long long v_bs1, long long v_bs2, long long o_bs0, long long o_bs1,
     long long o_bs2, const float* reg_ptr, long long reg_bs0, long long reg_bs1, long long reg_bs2,
@@ -730,7 +761,7 @@ __global__ void __launch_bounds__(Traits::kThreads) matvec_combine_kernel(
     const BatchIndex bi = shape.split(l);
     const float lam = (reg_ptr != nullptr || regularization != 0.0f) ? hp_reg.at(bi) : 0.0f;
     r += reg_term(v + v_bs.offset(bi), svn, svc, N, m, c, reg_diag, lam);
-    store_f(out + o_bs.offset(bi) + i64(m) * som + c * soc, float(r));
+    store_out(out + o_bs.offset(bi) + i64(m) * som + c * soc, r);
   }
 }
 

@@ -51,7 +51,7 @@ from .runtime.specs import (
     wgmma_prepare_spec,
     wgmma_spec,
 )
-from .runtime.specs.matvec import MAX_C, c_bucket, combine_spec, matvec_spec
+from .runtime.specs.matvec import MAX_C, c_bucket, combine_spec, matvec_spec, part_bytes
 from .runtime.specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
 
 log = logging.getLogger("kermac_like.distance")
@@ -689,7 +689,8 @@ def plan_cdist_grad(a, b, c, d, p, out, batch: tuple, sizes: tuple, debug: bool,
 # -- kernel_matvec -------------------------------------------------------------------------------
 log_matvec = logging.getLogger("kermac_like.matvec")
 
-# Largest split-N scratch (float32 partial sums) one kernel_matvec call allocates on the GPU.
+# Largest split-N scratch (partial sums: float32, float64 for a float64 out) one kernel_matvec
+# call allocates on the GPU.
 MATVEC_SCRATCH_BYTES = 32 << 20
 
 # Euclidean/DOT float32 calls with more coordinates than this run on tensor cores: the fused
@@ -711,15 +712,19 @@ def matvec_blocked(call, out: torch.Tensor, debug: bool = False, compute_mode: s
     3xTF32 tensor-core distance kernel for Euclidean/DOT descriptors, the regularised
     diagonal included), multiplied into float32 accumulators of its rows. Memory beyond
     inputs and output: one tile, the accumulators of one row block (and the distance
-    kernel's own scratch), whatever M and N."""
+    kernel's own scratch), whatever M and N. A float64 ``out`` of float32 inputs: float64
+    accumulators and products (the tile converted to float64, the tile a third the size so that
+    the float32 tile and its float64 copy stay within the same bytes)."""
     budget = tile_elements or MATVEC_TILE_ELEMENTS
+    wide = torch.float64 if torch.float64 in (call.dtype, out.dtype) else torch.float32
+    if wide != call.dtype:
+        budget = max(1, budget // 3)
     L = math.prod(call.batch) if call.batch else 1
     M, N, C = call.M, call.N, call.C
     om = out.unsqueeze(-1) if call.vector else out
     nb = max(1, min(N, 8192))
     mb = max(1, min(M, budget // max(1, nb * L)))
     tile = torch.empty(L * mb * nb, dtype=call.dtype, device=call.device)
-    wide = torch.float64 if call.dtype == torch.float64 else torch.float32
     for m0 in range(0, M, mb):
         m1 = min(M, m0 + mb)
         acc = torch.zeros((*call.batch, m1 - m0, C), dtype=wide, device=call.device)
@@ -783,14 +788,21 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     followed by matvec_combine_kernel; Euclidean/DOT float32 calls with K > 32 on tensor
     cores (:func:`_plan_matvec_wgmma` on sm_90 unless KERMAC_LIKE_WGMMA=0, else
     :func:`matvec_blocked`); the torch reference for CPU tensors, float64, GPUs before
-    sm_80 and K == 0."""
+    sm_80 and K == 0.
+
+    A float64 ``out`` of float32/16-bit inputs (validated by ops.matvec): the fused kernel
+    with TOut = double (float64 totals stored unrounded, float64 split scratch and
+    combination), matvec_blocked with float64 accumulation for the tensor-core calls (the
+    Hopper kernel matvec_wgmma rounds its output in float32: not used), float64 accumulation
+    on the reference path."""
     if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
         if debug:
             log_matvec.debug("kernel_matvec %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
         return _reference_plan(lambda: matvec_reference(call, out), debug)
+    wide_out = out.dtype == torch.float64 and call.dtype != torch.float64
     if call.K > MATVEC_BLOCKED_MIN_K and call.desc.is_euclidean and call.dtype == torch.float32:
         settings = Settings.current()
-        if _wgmma_enabled(call.device, settings):
+        if not wide_out and _wgmma_enabled(call.device, settings):
             return _plan_matvec_wgmma(call, out, debug, settings)
         if debug:
             log_matvec.debug("kernel_matvec %r: K=%d, tensor-core distance tiles times v", call.desc, call.K)
@@ -821,25 +833,28 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     launches, first = [], None
     scratch = [h for h in hypers.values() if isinstance(h, torch.Tensor)]  # float32 copies stay alive
     kernel = combine = part = None
+    out_dtype = torch.float64 if wide_out else None
+    pbytes = part_bytes(call.dtype, out_dtype)  # float64 split sums for a float64 out
     for c0 in range(0, call.C, MAX_C):
         cc = min(MAX_C, call.C - c0)
-        spec = matvec_spec(call.desc, call.dtype, K, cc, epsilon=call.epsilon)
+        spec = matvec_spec(call.desc, call.dtype, K, cc, epsilon=call.epsilon, out_dtype=out_dtype)
         first = first or spec
         if kernel is None or kernel.spec != spec:
             kernel = get_kernel(spec, device, debug=debug)
         m_tiles = -(-M // spec.launch.block_m)
         n_tiles = -(-N // spec.launch.block_n)
         slots = _sm_count(device) * _blocks_per_sm(kernel)
-        max_split = max(1, MATVEC_SCRATCH_BYTES // (4 * L * M * cc))
+        max_split = max(1, MATVEC_SCRATCH_BYTES // (pbytes * L * M * cc))
         split = choose_split(m_tiles * min(L, 65535), n_tiles, slots, max_split)
         per = -(-n_tiles // split)
         split = -(-n_tiles // per)
         if split > 1:  # one scratch for every chunk: stream order serialises their use
             if part is None or part.numel() < split * L * M * cc:
-                part = torch.empty(split * L * M * cc, dtype=torch.float32, device=call.device)
+                part = torch.empty(split * L * M * cc, dtype=torch.float64 if pbytes == 8 else torch.float32,
+                                   device=call.device)
                 scratch.append(part)
             if combine is None:
-                combine = get_kernel(combine_spec(call.dtype), device, debug=debug)
+                combine = get_kernel(combine_spec(call.dtype, out_dtype), device, debug=debug)
         grid = (m_tiles, split, min(L, 65535))
         if debug:
             log_matvec.debug("kernel_matvec %r: M=%d N=%d K=%d C=%d (columns %d..%d) batch=%s: grid %s, %d y tiles "

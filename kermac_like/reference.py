@@ -171,7 +171,7 @@ def matvec_reference(call, out=None):
     """kernel_matvec in torch for a validated call (``kermac_like.ops.matvec.MatvecCall``):
     kernel blocks of at most BLOCK_ELEMENTS entries (row and column blocks, each through
     :func:`distance_reference`) times blocks of v, in the inputs' dtype (float32 for
-    float16/bfloat16). Memory beyond inputs and output: O(BLOCK_ELEMENTS + M C) whatever
+    float16/bfloat16; float64 products and sums when ``out`` is float64). Memory beyond inputs and output: O(BLOCK_ELEMENTS + M C) whatever
     M and N."""
     dtype = call.dtype
     work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -182,15 +182,18 @@ def matvec_reference(call, out=None):
     om = out.unsqueeze(-1) if call.vector else out
     M, N, C = call.M, call.N, call.C
     mb, nb = matvec_blocks(call.batch, M, N)
+    # A float64 out of float32/16-bit inputs: kernel values in the work dtype, products and sums in float64.
+    acc_dt = torch.float64 if out.dtype == torch.float64 else work
+    v = v.to(acc_dt)
     for m0 in range(0, M, mb):
         m1 = min(M, m0 + mb)
-        acc = torch.zeros((*call.batch, m1 - m0, C), dtype=work, device=call.device)
+        acc = torch.zeros((*call.batch, m1 - m0, C), dtype=acc_dt, device=call.device)
         for n0 in range(0, N, nb):
             n1 = min(N, n0 + nb)
             kb = distance_reference(call.desc, x[..., m0:m1, :], y[..., n0:n1, :], inner_p=hyp["inner_p"],
                                     outer_p=hyp["outer_p"], bandwidth=hyp["bandwidth"],
                                     regularization=hyp["regularization"], reg_diag=call.reg_diag - n0 + m0,
                                     epsilon=call.epsilon)
-            acc += kb @ v[..., n0:n1, :]
+            acc += kb.to(acc_dt) @ v[..., n0:n1, :]
         om[..., m0:m1, :] = acc
     return out

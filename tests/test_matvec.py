@@ -138,6 +138,58 @@ def test_reference_half_precision_accumulates_in_float32():
         assert scaled_error(out, ref, scale) < (1e-2 if dt == torch.bfloat16 else 1.5e-3)
 
 
+def test_float64_out_of_float32_inputs_cpu():
+    """A float64 out of float32 (and bfloat16) inputs: the reference path sums the float32 kernel
+    values in float64, unrounded (a long coherent sum: it differs from the float32 output, which
+    is its rounding up to the float32 sums); matvec_blocked (the K > 32 Euclidean path) too."""
+    g = torch.Generator().manual_seed(21)
+    desc = km.preset("gaussian_l2")
+    x = torch.randn(7, 3, generator=g)
+    y = torch.randn(20000, 3, generator=g)
+    v = torch.rand(20000, 2, generator=g)
+    out = torch.full((7, 2), float("nan"), dtype=F64)
+    assert km.kernel_matvec(desc, x, y, v, bandwidth=1.5, out=out) is out
+    kd = reference.distance_reference(desc, x, y, bandwidth=1.5)  # float32 kernel values
+    exact = kd.double() @ v.double()
+    assert ((out - exact).abs() / exact).max() < 1e-12
+    out32 = km.kernel_matvec(desc, x, y, v, bandwidth=1.5)
+    assert out32.dtype == torch.float32 and (out32.double() != out).all()
+    # a vector v, float16 inputs, regularisation
+    vv = torch.rand(20000, generator=g)
+    o1 = torch.empty(7, dtype=F64)
+    km.kernel_matvec(desc, x, y, vv, bandwidth=1.5, regularization=0.25, out=o1)
+    kr = reference.distance_reference(desc, x, y, bandwidth=1.5, regularization=0.25)
+    assert ((o1 - kr.double() @ vv.double()).abs()).max() < 1e-9
+    xb, yb, vb = (t.to(torch.bfloat16) for t in (x, y, v))
+    ob = torch.empty(7, 2, dtype=F64)
+    km.kernel_matvec(desc, xb, yb, vb, bandwidth=1.5, out=ob)
+    kb = reference.distance_reference(desc, xb.float(), yb.float(), bandwidth=1.5)
+    assert ((ob - kb.double() @ vb.double()).abs() / ob).max() < 1e-12
+    # matvec_blocked (float32 tiles of the tensor-core distance kernel on a GPU), float64 sums
+    xk, yk, vk = torch.randn(9, 40, generator=g), torch.randn(300, 40, generator=g), torch.rand(300, 3, generator=g)
+    call = mv.prepare_matvec(desc, xk, yk, vk, bandwidth=8.0)
+    ob = torch.full(call.out_shape, float("nan"), dtype=F64)
+    plan.matvec_blocked(call, ob, tile_elements=600)
+    kk = reference.distance_reference(desc, xk, yk, bandwidth=8.0)
+    assert ((ob - kk.double() @ vk.double()).abs() / ob).max() < 1e-12
+
+
+def test_float64_out_specs_and_split_budget():
+    g = km.preset("gaussian_l2")
+    f32, f64 = torch.float32, torch.float64
+    assert ms.matvec_spec(g, f32, 3, 1, out_dtype=f64).traits.endswith("float, 4, 1, true, 0, 4, 4, true, double>")
+    assert ms.matvec_spec(g, f32, 8, 1, out_dtype=f64).traits.endswith("float, 12, 1, true, 0, 0, -1, false, double>")
+    assert ms.matvec_spec(km.preset("l1"), torch.float16, 40, 3, out_dtype=f64).traits.endswith(
+        "float16, 0, 4, false, 0, 0, -1, false, double>")
+    assert ms.matvec_spec(g, f32, 3, 1, out_dtype=f32) == ms.matvec_spec(g, f32, 3, 1)  # the default TOut
+    assert ms.combine_spec(f32, f64).traits == "kermac_like::MatvecCombineTraits<float, double>"
+    assert (ms.part_bytes(f32), ms.part_bytes(f32, f64)) == (4, 8)
+    with pytest.raises(ValueError, match="^out: dtype torch.float16"):
+        ms.matvec_spec(g, f32, 3, 1, out_dtype=torch.float16)
+    shipped = [s.traits for s in ms.shipped()]
+    assert sum("double" in t for t in shipped) == 2  # one matvec kernel and its combination
+
+
 @pytest.mark.parametrize("name", ["gaussian_l2", "dot", "laplace_l2"])
 def test_blocked_tiles_times_v(name):
     """The large-K Euclidean path (kernel tiles through run_kernel's plan, times v) with
@@ -226,7 +278,10 @@ def _args():
     (lambda a: a.update(regularization_offset_x=1.5), TypeError, "^regularization_offset_x"),
     (lambda a: a.update(desc="gaussian"), TypeError, "^descriptor"),
     (lambda a: a.update(out=torch.full((6, 3), float("nan"))), ValueError, "^out: expected shape"),
-    (lambda a: a.update(out=torch.full((6, 2), float("nan"), dtype=F64)), TypeError, "^out: expected dtype"),
+    (lambda a: a.update(out=torch.full((6, 2), float("nan"), dtype=torch.float16)), TypeError,
+     "^out: expected dtype torch.float32 or torch.float64"),
+    (lambda a: a.update(out=torch.full((6, 2), float("nan"), dtype=F64), v=torch.randn(8, 2).requires_grad_()),
+     ValueError, "^out: a torch.float64 out of torch.float32 inputs takes no part in autograd"),
     (lambda a: a.update(out=torch.full((6, 1), float("nan")).expand(6, 2)), ValueError, "^out: has overlapping"),
 ])
 def test_argument_errors_name_the_argument_and_leave_out_untouched(mutate, exc, match):
@@ -335,6 +390,10 @@ def _gpu_specs():
         out.append(ms.combine_spec(dt))
     out += [ms.matvec_spec(km.preset("gaussian_l2"), f32, 3, 4), ms.matvec_spec(km.preset("laplace_l2"), f32, 3, 1),
             ms.combine_spec(f32)]
+    # float64 out (test_gpu_float64_out_two_million_positive_terms)
+    out += [ms.matvec_spec(km.preset("dot"), f32, 1, 1, out_dtype=torch.float64),
+            ms.matvec_spec(km.preset("gaussian_l2"), f32, 3, 1, out_dtype=torch.float64),
+            ms.combine_spec(f32, torch.float64)]
     # Hopper (sm_90 only; KernelSpec.supports drops them elsewhere): the fused tensor-core
     # kernel of Euclidean/DOT float32 calls with K > 32, its b preparation, the carry kernel.
     from kermac_like.runtime.specs import wgmma_prepare_spec
@@ -541,6 +600,44 @@ def test_gpu_two_million_positive_terms(gpu_warm, name):
 
 
 @pytest.mark.gpu
+def test_gpu_float64_out_two_million_positive_terms(gpu_warm, monkeypatch):
+    """A float64 out: 1 row x 2e6 positive terms. Exactly representable terms (DOT of integers,
+    exact float32 tile partials): the float64 out is the float64 sum to 1e-9 relative (in fact
+    exactly), where the float32 out rounds it; split (1 row: the N range in many splits, float64
+    part) and unsplit (no split scratch allowed) runs agree. Gaussian on random data: split and
+    unsplit float64 outs agree to 1e-12, the float32 out of the unsplit run is their rounding."""
+    n = 2_000_000
+    g = torch.Generator(device="cuda").manual_seed(17)
+    x = torch.ones(1, 1, device="cuda")
+    y = torch.randint(1, 5, (n, 1), device="cuda", generator=g).float()
+    v = torch.randint(1, 17, (n, 1), device="cuda", generator=g).float()
+    exact = float((y.double() * v.double()).sum())  # ~4e7 > 2^24: float32 cannot hold it
+    dot = km.preset("dot")
+    split64 = torch.empty(1, 1, dtype=F64, device="cuda")
+    km.kernel_matvec(dot, x, y, v, out=split64)
+    assert abs(split64.item() - exact) <= 1e-9 * exact
+    gauss = km.preset("gaussian_l2")
+    xg, = _gpu_data((1, 3))
+    yg, vg = _gpu_data((n, 3), (n, 1), positive=True)
+    gsplit = torch.empty(1, 1, dtype=F64, device="cuda")
+    km.kernel_matvec(gauss, xg, yg, vg, bandwidth=1.0, out=gsplit)
+    monkeypatch.setattr(plan, "MATVEC_SCRATCH_BYTES", 0)  # max_split = 1: one CTA walks all of N
+    unsplit64 = torch.empty(1, 1, dtype=F64, device="cuda")
+    km.kernel_matvec(dot, x, y, v, out=unsplit64)
+    assert unsplit64.item() == split64.item()
+    out32 = km.kernel_matvec(dot, x, y, v)  # the same float64 total, rounded once
+    assert out32.item() == float(torch.tensor(exact, dtype=F64).float())
+    gunsplit = torch.empty(1, 1, dtype=F64, device="cuda")
+    km.kernel_matvec(gauss, xg, yg, vg, bandwidth=1.0, out=gunsplit)
+    assert abs(gunsplit.item() - gsplit.item()) <= 1e-12 * gsplit.item()
+    g32 = km.kernel_matvec(gauss, xg, yg, vg, bandwidth=1.0)
+    assert g32.item() == float(gunsplit.float().item())
+    call = mv.prepare_matvec(gauss, xg.double(), yg.double(), vg.double(), bandwidth=1.0)
+    ref = mv.matvec_reference(call).item()
+    assert abs(gunsplit.item() - ref) <= 1e-5 * ref
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gaussian_l2", "laplace_l2", "l1"])
 def test_gpu_nan_and_inf_propagate_like_the_dense_product(gpu_warm, name):
     desc = km.preset(name)
@@ -695,6 +792,25 @@ def test_custom_ops_opcheck(vector):
     torch.library.opcheck(torch.ops.kermac_like.kernel_matvec.default, (*args, False))
     out = torch.full((2, 6) if vector else (2, 6, 2), float("nan"), dtype=F64)
     torch.library.opcheck(torch.ops.kermac_like.kernel_matvec_out.default, (*args, False, out))
+
+
+def test_custom_op_float64_out_of_float32_inputs():
+    """kernel_matvec_out honours a float64 out of float32 inputs (opcheck, eager, compiled)."""
+    desc, x, y, v, bw, _ = _op_case()
+    x, y, v, bw = x.float(), y.float(), v.float(), bw.float()
+    call = mv.prepare_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1)
+    from kermac_like.ops.matvec import _op_args
+
+    out = torch.full((2, 6, 2), float("nan"), dtype=F64)
+    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec_out.default, (*_op_args(call, v), False, out))
+
+    def f(x, y, v, out):
+        return km.kernel_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1, out=out)
+
+    ref = f(x, y, v, torch.empty(2, 6, 2, dtype=F64))
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, y, v, torch.empty(2, 6, 2, dtype=F64))
+    assert got.dtype == F64 and torch.equal(got, ref)
+    assert (ref.float().double() != ref).any()  # not rounded to float32
 
 
 def test_custom_op_traces_and_differentiates():

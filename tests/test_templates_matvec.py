@@ -3,7 +3,9 @@ compiled with g++ behind a thin shim (each CUDA thread a std::thread, __syncthre
 warp shuffles through a shared array) and run on odd shapes against float64, for the shipped
 loop and the tuned variants (kUnrollJ, kPolyPairs, kPrefetch; bench/probes/matvec_d3_candidates.py):
 partial last tiles (padded trips), split N ranges (the `part` output), rows that are too far
-from the tile's centre to fold a_m out of the loop, and a NaN point.
+from the tile's centre to fold a_m out of the loop, and a NaN point. The float64 output
+(TOut = double): the stored float64 totals are the ones the float32 output rounds, split sums
+stay float64 through matvec_combine_kernel.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ using namespace kermac_like;
 @@INSTANCES@@
 
 template <class Tr>
-void run(const float* x, const float* y, const float* v, float* out, float* part, int M, int N, int n_split, int per) {
+void run(const float* x, const float* y, const float* v, typename Tr::TOut* out, typename Tr::TPart* part, int M, int N,
+         int n_split, int per) {
   gridDim = {unsigned((M + Tr::kBlockM - 1) / Tr::kBlockM), unsigned(n_split), 1};
   std::barrier<> bar(Tr::kThreads);
   kl_barrier = &bar;
@@ -105,6 +108,27 @@ int main(int argc, char** argv) {
   std::fclose(f);
   std::vector<float> out(M + n_split * M, 0.f);
   const float *x = in.data(), *y = x + 3 * M, *v = y + 3 * N;
+  if (which >= 100) {  // float64 output: out (M) | part (n_split M) | combined part (M), doubles
+    std::vector<double> o(2 * M + n_split * M, 0.0);
+    double* part = n_split > 1 ? o.data() + M : nullptr;
+    switch (which) {
+@@DCASES@@
+      default: return 4;
+    }
+    if (n_split > 1) {  // one thread walks the combination's grid-stride loop
+      gridDim = {1, 1, 1};
+      blockDim = {1, 1, 1};
+      blockIdx = {0, 0, 0};
+      threadIdx = {0, 0, 0};
+      matvec_combine_kernel<MatvecCombineTraits<float, double>>(part, v, o.data() + M + n_split * M, M, N, 1, 1,
+                                                                1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, nullptr, 0, 0,
+                                                                0, 0.f, 0, n_split);
+    }
+    f = std::fopen(argv[7], "wb");
+    std::fwrite(o.data(), 8, o.size(), f);
+    std::fclose(f);
+    return 0;
+  }
   switch (which) {
 @@CASES@@
     default: return 4;
@@ -125,6 +149,8 @@ VARIANTS = [
     (0, 4, 4, "true"),
     (0, 8, 0, "true"),
 ]
+# TOut = double (case 100 + i): the shipped loop and the tuned D <= 3 loop (prefetch, 4 x 4).
+DOUBLE_VARIANTS = [(0, 0, -1, "false"), (0, 4, 4, "true")]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +162,11 @@ def runner(tmp_path_factory):
             for i, (p, u, q, pf) in enumerate(VARIANTS)]
     cases = [f"    case {i}: run<T{i}>(x, y, v, out.data(), n_split > 1 ? out.data() + M : nullptr, M, N, n_split, per); "
              "break;" for i in range(len(VARIANTS))]
-    src = SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
+    inst += [f"using D{i} = G({p}, {u}, {q}, {pf}, double);" for i, (p, u, q, pf) in enumerate(DOUBLE_VARIANTS)]
+    dcases = [f"      case {100 + i}: run<D{i}>(x, y, v, o.data(), part, M, N, n_split, per); break;"
+              for i in range(len(DOUBLE_VARIANTS))]
+    src = (SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
+           .replace("@@DCASES@@", "\n".join(dcases)))
     d = tmp_path_factory.mktemp("matvec_cpu")
     (d / "runner.cpp").write_text(src)
     exe = d / "runner"
@@ -183,3 +213,39 @@ def test_expanded_variants_cpu(runner, which, case, tmp_path):
         ref0 = _reference(x, y[:512], v[:512])[:, 0]
         ok = ref0 > 1e-30
         assert (np.abs(part[0][ok] - ref0[ok]) / ref0[ok]).max() < 2e-6
+
+
+@pytest.mark.parametrize("which", range(len(DOUBLE_VARIANTS)))
+def test_float64_output_cpu(runner, which, tmp_path):
+    """TOut = double: out holds the float64 sum of the float32 tile partials (the float32 output
+    of the same loop is exactly its rounding, and differs from it); with a split N range the float64
+    partial sums reach matvec_combine_kernel unrounded (its result is their sum in split order)."""
+    exe, _ = runner
+    f32_twin = VARIANTS.index(DOUBLE_VARIANTS[which])
+    rng = np.random.default_rng(40 + which)
+    M, N = 301, 1789  # 7 y tiles of 256, the last partial
+    x = rng.standard_normal((M, 3)).astype(np.float32)
+    y = (0.5 * rng.standard_normal((N, 3))).astype(np.float32)
+    v = rng.random((N, 1)).astype(np.float32)  # positive terms: a coherent sum
+    inp = tmp_path / "in.bin"
+    np.concatenate([x.ravel(), y.ravel(), v.ravel()]).astype(np.float32).tofile(inp)
+
+    def go(w, n_split, per, dtype):
+        outp = tmp_path / f"out{w}_{n_split}.bin"
+        subprocess.run([str(exe), str(w), str(M), str(N), str(n_split), str(per), str(inp), str(outp)], check=True)
+        return np.fromfile(outp, dtype=dtype)
+
+    out32 = go(f32_twin, 1, 7, np.float32)[:M]
+    raw = go(100 + which, 1, 7, np.float64)
+    out64 = raw[:M]
+    assert np.array_equal(out64.astype(np.float32), out32)  # the same float64 totals, rounded once
+    assert (out64 != out32.astype(np.float64)).mean() > 0.9  # ... but here not rounded
+    ref = _reference(x, y, v)[:, 0]
+    assert (np.abs(out64 - ref) / ref).max() < 2e-6
+    # split: tiles 0-3 and 4-6; part and the combination stay in float64
+    raw = go(100 + which, 2, 4, np.float64)
+    part = raw[M:3 * M].reshape(2, M)
+    combined = raw[3 * M:]
+    assert np.array_equal(combined, part[0] + part[1])
+    assert (np.abs(combined - out64) / out64).max() < 1e-14  # float64 association only
+    assert (combined != combined.astype(np.float32).astype(np.float64)).mean() > 0.9

@@ -32,9 +32,11 @@ from .distance import prepare_call
 log = logging.getLogger("kermac_like.matvec")
 
 __all__ = ["kernel_matvec", "MatvecCall", "prepare_matvec", "matvec_forward", "matvec_reference",
-           "SCRATCH_BYTES"]
+           "SCRATCH_BYTES", "WIDE_OUT_INPUTS"]
 
 SCRATCH_BYTES = MATVEC_SCRATCH_BYTES  # largest split-N scratch of one call (plan.py)
+# Input dtypes whose kernel_matvec may write a float64 ``out`` (the float64 sums, unrounded).
+WIDE_OUT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,11 @@ def _check_out(call: MatvecCall, out) -> torch.Tensor:
         raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != tuple(call.out_shape):
         raise ValueError(f"out: expected shape {tuple(call.out_shape)}, got {tuple(out.shape)}")
+    if out.dtype != call.dtype and not (out.dtype == torch.float64 and call.dtype in WIDE_OUT_INPUTS):
+        ok = "float64" if call.dtype == torch.float64 else f"{call.dtype} or torch.float64"
+        raise TypeError(f"out: expected dtype {ok}, got {out.dtype}")
     om = out.unsqueeze(-1) if call.vector else out
-    analyse_output("out", om, (*call.batch, call.M, call.C), call.dtype, call.device)
+    analyse_output("out", om, (*call.batch, call.M, call.C), out.dtype, call.device)
     return om
 
 
@@ -232,7 +237,11 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     gives ``(..., M)``, a ``(..., N, C)`` matrix gives ``(..., M, C)``; batch modes of x, y, v
     and tensor hyper-parameters broadcast. dtypes: float32; float16/bfloat16 (float32
     accumulation, output in the input dtype); float64 and CPU tensors take the torch
-    reference path (row and column blocks).
+    reference path (row and column blocks). ``out`` may be float64 for float32/float16/bfloat16
+    inputs: the float64 sums are stored without the final rounding (the fused kernel's float64
+    totals of its float32 tile partials, split sums combined in float64; float64 accumulation on
+    the reference path and in matvec_blocked, which then serves the K > 32 Euclidean calls in
+    place of the sm_90 tensor-core kernel). Not under autograd (ValueError naming ``out``).
 
     Paths: one fused kernel (cuda_templates/matvec.cuh) for every descriptor; for
     Euclidean/DOT descriptors with K > 32 in float32, on sm_90 (H100/H200) the fused
@@ -265,6 +274,9 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
         _check_out(call, out)
     hyper_tensors = [h for h in call.hypers.values() if isinstance(h, torch.Tensor)]
     grad = _needs_grad(call)
+    if grad and out is not None and out.dtype != call.dtype:
+        raise ValueError(f"out: a {out.dtype} out of {call.dtype} inputs takes no part in autograd (the "
+                         "differentiable product returns the inputs' dtype); detach the inputs or drop out=")
     if grad:
         matvec_backward.check_no_hyper_grad(call.hypers)
     elif direct_call(x, y, v, out, *hyper_tensors):

@@ -78,14 +78,12 @@ class SolverKernel:
         return run_kernel(self.desc, a, b, regularization=regularization, out=out, **self.hypers)
 
     def matvec(self, a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, out=None) -> torch.Tensor:
-        """K(a, b) @ v for v (n_b, C): (n_a, C), in v's dtype promoted with a's."""
+        """K(a, b) @ v for v (n_b, C): (n_a, C), in v's dtype promoted with a's. ``out`` (n_a, C) is
+        written in place; a float64 ``out`` of float32 data receives the float64 sums unrounded
+        (kernel_matvec's float64 out)."""
         op_cls = _operator_class()
         if op_cls is not None:
-            res = op_cls(self.desc, a, b, **self.hypers) @ v
-            if out is not None:
-                out.copy_(res)
-                return out
-            return res
+            return op_cls(self.desc, a, b, **self.hypers).matmul(v, out=out)
         return self._blocked_matvec(a, b, v, out)
 
     def _blocked_matvec(self, a, b, v, out):
@@ -95,7 +93,7 @@ class SolverKernel:
         rows = max(1, BLOCK_BYTES // max(1, n_b * a.element_size()))
         for i in range(0, n_a, rows):
             blk = self.matrix(a[i:i + rows], b)
-            torch.matmul(blk.to(v.dtype), v, out=out[i:i + rows])
+            torch.matmul(blk.to(out.dtype), v.to(out.dtype), out=out[i:i + rows])
         return out
 
     def gram_of_rows(self, a: torch.Tensor, z: torch.Tensor, acc_dtype=torch.float64) -> torch.Tensor:

@@ -429,7 +429,11 @@ class KernelRidge:
         dt = X.dtype
 
         def k_zn(u):  # K_Zn u summed over the ranks (u: this rank's rows), float64
-            return comm.all_reduce(kernel.matvec(z, X, u.to(dt)).to(torch.float64))
+            # The long sum over the training points is coherent (u smooth, the kernel positive) and
+            # B amplifies its rounding (bench/notes/solvers.md): kernel_matvec writes its float64
+            # sums into a float64 out instead of rounding them to the data's dtype.
+            w = torch.empty((m, u.shape[1]), dtype=torch.float64, device=X.device)
+            return comm.all_reduce(kernel.matvec(z, X, u.to(dt), out=w))
 
         def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v, float64 in and out
             return k_zn(kernel.matvec(X, z, v64.to(dt))) + alpha * (kzz64 @ v64)

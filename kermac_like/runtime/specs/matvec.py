@@ -27,6 +27,7 @@ __all__ = [
     "combine_spec",
     "shipped",
     "rows_per_thread",
+    "part_bytes",
 ]
 
 THREADS = 256
@@ -41,6 +42,21 @@ _T = {
     torch.float16: "kermac_like::float16",
     torch.bfloat16: "kermac_like::bfloat16",
 }
+
+
+def _out_arg(dtype, out_dtype) -> str:
+    """The TOut template argument: "" for an output in the input dtype (the default), "double"
+    for a float64 output of float32/16-bit inputs (no final rounding; float64 split scratch)."""
+    if out_dtype is None or out_dtype == dtype:
+        return ""
+    if out_dtype == torch.float64 and dtype in _T:
+        return "double"
+    raise ValueError(f"out: dtype {out_dtype} is not an output of {dtype} inputs (float64 or {dtype})")
+
+
+def part_bytes(dtype, out_dtype=None) -> int:
+    """Bytes per element of the split scratch (MatvecTraits::TPart): 8 for a float64 output."""
+    return 8 if _out_arg(dtype, out_dtype) else 4
 
 
 def _floor_pow2(x: int) -> int:
@@ -116,9 +132,12 @@ def _tuning(kK: int, kC: int) -> dict:
 
 def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expand: bool = False,
                        poly_rows: int | None = None, unroll_j: int = 0, poly_pairs: int = -1,
-                       prefetch: bool = False) -> KernelSpec:
+                       prefetch: bool = False, out_dtype=None) -> KernelSpec:
     """``unroll_j`` / ``poly_pairs`` / ``prefetch``: MatvecTraits' kUnrollJ / kPolyPairs / kPrefetch
-    (expanded kernel only; defaults leave the template arguments out)."""
+    (expanded kernel only; defaults leave the template arguments out). ``out_dtype``: torch.float64
+    selects TOut = double (the float64 totals stored without rounding); None or ``dtype``: the
+    default TOut = T (the template argument left out, so that those names do not change)."""
+    tout = _out_arg(dtype, out_dtype)
     if poly_rows is None:
         poly_rows = POLY_ROWS if expand and rows_per_thread(kK, kC, dtype) >= 8 else 0
     rows = rows_per_thread(kK, kC, dtype)
@@ -127,40 +146,48 @@ def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expan
         raise ValueError("matvec_traits_spec: unroll_j, poly_pairs and prefetch tune the expanded kernel only")
     if prefetch and (block_n(kK, kC) != THREADS or kK > 8):
         raise ValueError("matvec_traits_spec: prefetch needs kBlockN == 256 and kK <= 8")
-    extra = f", {str(bool(expand)).lower()}, {int(poly_rows)}" if (expand or poly_rows) else ""
-    if tuned:
+    extra = f", {str(bool(expand)).lower()}, {int(poly_rows)}" if (expand or poly_rows or tout) else ""
+    if tuned or tout:
         extra += f", {int(unroll_j)}, {int(poly_pairs)}, {str(bool(prefetch)).lower()}"
+    if tout:
+        extra += f", {tout}"
     traits = f"kermac_like::MatvecTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {int(kC)}{extra}>"
     shape = LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=block_n(kK, kC), smem_bytes=0)
     return KernelSpec("matvec.cuh", "kermac_like::matvec_kernel", traits, shape)
 
 
-def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None) -> KernelSpec:
+def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None, out_dtype=None) -> KernelSpec:
     """The instantiation serving a call: K and C (columns of one launch, at most MAX_C) of
     the data, ``epsilon`` as validated (None or a float; a cut > 0 disables the expanded
-    form, whose exponent never forms the distance)."""
+    form, whose exponent never forms the distance), ``out_dtype`` the output's dtype (None:
+    ``dtype``; torch.float64: TOut = double, same loop and tuning)."""
     expand = expandable(desc) and not (epsilon is not None and epsilon > 0) and k_bucket(K + 1) != 0
     kK = k_bucket(K + 1 if expand else K)
     tuning = {}
     if expand and dtype == torch.float32 and kK <= 8 and block_n(kK, c_bucket(C)) == THREADS:
         tuning = _tuning(kK, c_bucket(C))
-    return matvec_traits_spec(desc, dtype, kK, c_bucket(C), expand=expand, **tuning)
+    return matvec_traits_spec(desc, dtype, kK, c_bucket(C), expand=expand, out_dtype=out_dtype, **tuning)
 
 
 COMBINE_LAUNCH = LaunchShape(threads=256, block_m=1, block_n=1, smem_bytes=0)
 
 
-def combine_spec(dtype) -> KernelSpec:
-    """The fixed-order combination of split-N partial sums (matvec_combine_kernel)."""
+def combine_spec(dtype, out_dtype=None) -> KernelSpec:
+    """The fixed-order combination of split-N partial sums (matvec_combine_kernel); ``out_dtype``
+    torch.float64: float64 partial sums and output."""
+    tout = _out_arg(dtype, out_dtype)
     return KernelSpec("matvec.cuh", "kermac_like::matvec_combine_kernel",
-                      f"kermac_like::MatvecCombineTraits<{_T[dtype]}>", COMBINE_LAUNCH)
+                      f"kermac_like::MatvecCombineTraits<{_T[dtype]}{', ' + tout if tout else ''}>", COMBINE_LAUNCH)
 
 
 def shipped():
     """The lean shipped set: one instantiation per code path of the template (the
     Gaussian's expanded kernel at D = 3 with 1 and 16 columns, the registers strategy for
     the p-norm (inner and outer powers) and DOT, the chunked strategy, float16 and bfloat16 loads)
-    and the combination kernels."""
+    and the combination kernels; the float64-output path (TOut = double, as Falkon's K_Zn u
+    takes it): the D = 3 one-column kernel and the float32 -> float64 combination. Not D = 8
+    (the example's): its kK = 12 kernel spills 16 bytes on sm_90 with either output type, which
+    the no-spill check of the shipped set refuses; it compiles on first use (about 1 s))."""
     f32 = torch.float32
     g = PRESETS["gaussian_l2"]
     yield matvec_spec(g, f32, 3, 1)
@@ -175,3 +202,5 @@ def shipped():
         yield matvec_spec(g, dt, 3, 1)
     for dt in (f32, torch.float16, torch.bfloat16):
         yield combine_spec(dt)
+    yield matvec_spec(g, f32, 3, 1, out_dtype=torch.float64)
+    yield combine_spec(f32, torch.float64)

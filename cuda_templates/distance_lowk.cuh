@@ -359,6 +359,21 @@ __device__ __forceinline__ void run_steps(float (&acc)[8][8], const float* pa, c
   if (k < n) compute<Tr>(acc, f0, pw);
 }
 
+// The tile's products from the staged k-rows at pa, pb: a tile flagged by the loads (the
+// matrix product's NaN/inf mode) by mm_tile, else the direct sums, fully unrolled when the
+// traits say so (KC steps), in pairs of steps otherwise.
+template <class Tr, int SA, int SB, int KC>
+__device__ __forceinline__ void tile_products(float (&acc)[8][8], const float* pa, const float* pb, bool big,
+                                              const math::PowArgs& pw) {
+  if (Tr::kMmNonFinite && big) {
+    mm_tile<Tr, SA, SB>(acc, pa, pb, pw);
+  } else if constexpr (Tr::kFullUnroll) {
+    run_steps<Tr, SA, SB, KC>(acc, pa, pb, KC, pw);
+  } else {
+    run_steps<Tr, SA, SB, 2>(acc, pa, pb, KC, pw);
+  }
+}
+
 }  // namespace lowk_detail
 
 template <class Traits>
@@ -477,13 +492,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
         for (int i = 0; i < 8; ++i)
 #pragma unroll
           for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
-        if (Tr::kMmNonFinite && big) {
-          mm_tile<Tr, SA, SB>(acc, sa + tm * 8, sbt + tn * 4, pw);
-        } else if constexpr (Tr::kFullUnroll) {
-          run_steps<Tr, SA, SB, KC>(acc, sa + tm * 8, sbt + tn * 4, KC, pw);
-        } else {
-          run_steps<Tr, SA, SB, 2>(acc, sa + tm * 8, sbt + tn * 4, KC, pw);
-        }
+        tile_products<Tr, SA, SB, KC>(acc, sa + tm * 8, sbt + tn * 4, big, pw);
         store_tile(acc, entry, nt);
       }
       continue;
@@ -505,13 +514,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
       } else {
         __syncthreads();
       }
-      if (Tr::kMmNonFinite && big) {
-        mm_tile<Tr, SA, SB>(acc, sa + tm * 8, sb + tn * 4, pw);
-      } else if constexpr (Tr::kFullUnroll) {
-        run_steps<Tr, SA, SB, KC>(acc, sa + tm * 8, sb + tn * 4, KC, pw);
-      } else {
-        run_steps<Tr, SA, SB, 2>(acc, sa + tm * 8, sb + tn * 4, KC, pw);
-      }
+      tile_products<Tr, SA, SB, KC>(acc, sa + tm * 8, sb + tn * 4, big, pw);
     } else {
 #pragma unroll 1
       for (int k0 = 0; k0 < K; k0 += KC) {

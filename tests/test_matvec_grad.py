@@ -19,12 +19,11 @@ bound, determinism.
 from __future__ import annotations
 
 import itertools
-import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
+from cpu_shim import build_cpu_runner
 import torch
 
 import kermac_like as km
@@ -32,7 +31,6 @@ from kermac_like.ops import matvec_backward as mg
 from kermac_like.descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from kermac_like.reference import distance_reference
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "cuda_templates"
 DIFF_DESCRIPTORS = [d for d in KernelDescriptor.all() if d.inner_operator is InnerOperator.DIFF]
 ALL_DESCRIPTORS = list(KernelDescriptor.all())
 
@@ -297,21 +295,10 @@ def _traits_args(desc, kk, kc, eps):
 
 @pytest.fixture(scope="module")
 def cpu_runner(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler for the CPU execution tests")
     inst = [f"using I{i} = {_traits_args(*c)};" for i, c in enumerate(CPU_INSTANCES)]
     cases = [f"    case {i}: run<I{i}>(buf, h, hf); break;" for i in range(len(CPU_INSTANCES))]
     src = SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
-    d = tmp_path_factory.mktemp("matvec_grad_cpu")
-    (d / "runner.cpp").write_text(src)
-    exe = d / "runner"
-    cmd = [cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", f"-I{TEMPLATES}", "-o", str(exe),
-           str(d / "runner.cpp")]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.fail(f"g++ failed:\n{res.stderr[-6000:]}")
-    return exe
+    return build_cpu_runner(tmp_path_factory, "matvec_grad_cpu", src)
 
 
 def run_kernel_on_cpu(exe, tmp_path, idx, a, b, ga, vb, *, q=1.0, r=1.0, bw=1.0, eps=0.0, table=None):

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cpu_shim import build_cpu_runner
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "cuda_templates"
 NS = "kermac_like::"
@@ -503,23 +504,13 @@ CPU_TUNING = {8: (41, 16, 2), 9: (48, 16, 2), 10: (36, 64, 1), 11: (41, 16, 2, 2
 
 @pytest.fixture(scope="module")
 def cpu_runner(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler for the CPU execution tests")
     inst, cases = [], []
     for idx, ((i, ip, op, ep), la, lb, lo, v) in enumerate(CPU_INSTANCES):
         extra = "".join(f", {t}" for t in CPU_TUNING.get(idx, ()))
         inst.append(f"using T{idx} = D({i}, {ip}, {op}, {ep}, {la}, {lb}, {lo}, {v}{extra});")
         cases.append(f"    case {idx}: run<T{idx}>(buf, h, hf, gz); break;")
     src = SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
-    d = tmp_path_factory.mktemp("distance_cpu")
-    (d / "runner.cpp").write_text(src)
-    exe = d / "runner"
-    cmd = [cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", f"-I{TEMPLATES}", "-o", str(exe), str(d / "runner.cpp")]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.fail(f"g++ failed:\n{res.stderr[-6000:]}")
-    return exe
+    return build_cpu_runner(tmp_path_factory, "distance_cpu", src)
 
 
 def _layout_buffer(x, layout, pad, rng):

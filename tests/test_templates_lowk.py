@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
+from cpu_shim import build_cpu_runner
 
 import test_templates_distance as td
 from kermac_like.runtime import specs as render
@@ -54,9 +54,6 @@ AS_DISTANCE = [(inst[0], inst[1], inst[2], "RowMajor", 1) for inst in LOWK_INSTA
 
 @pytest.fixture(scope="module")
 def lowk_runner(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler for the CPU execution tests")
     src = td.SHIM
     for old, new in (
         ('#include "distance.cuh"', '#include "distance_lowk.cuh"'),
@@ -76,15 +73,7 @@ def lowk_runner(tmp_path_factory):
         inst.append(f"using T{idx} = D({i}, {ip}, {op}, {ep}, {la}, {lb}, {kk}{tail});")
         cases.append(f"    case {idx}: run<T{idx}>(buf, h, hf, gz); break;")
     src = src.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
-    d = tmp_path_factory.mktemp("lowk_cpu")
-    (d / "runner.cpp").write_text(src)
-    exe = d / "runner"
-    cmd = [cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", f"-I{td.TEMPLATES}", "-o", str(exe),
-           str(d / "runner.cpp")]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.fail(f"g++ failed:\n{res.stderr[-6000:]}")
-    return exe
+    return build_cpu_runner(tmp_path_factory, "lowk_cpu", src)
 
 
 def _run(exe, idx, M, N, K, **kw):

@@ -10,14 +10,12 @@ stay float64 through matvec_combine_kernel.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
+from cpu_shim import build_cpu_runner
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "cuda_templates"
 
 SHIM = r"""
 #include <barrier>
@@ -155,9 +153,6 @@ DOUBLE_VARIANTS = [(0, 0, -1, "false"), (0, 4, 4, "true")]
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler for the CPU execution tests")
     inst = [f"using T{i} = G({p}{'' if u == 0 and q == -1 and pf == 'false' else f', {u}, {q}, {pf}'});"
             for i, (p, u, q, pf) in enumerate(VARIANTS)]
     cases = [f"    case {i}: run<T{i}>(x, y, v, out.data(), n_split > 1 ? out.data() + M : nullptr, M, N, n_split, per); "
@@ -167,15 +162,8 @@ def runner(tmp_path_factory):
               for i in range(len(DOUBLE_VARIANTS))]
     src = (SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
            .replace("@@DCASES@@", "\n".join(dcases)))
-    d = tmp_path_factory.mktemp("matvec_cpu")
-    (d / "runner.cpp").write_text(src)
-    exe = d / "runner"
-    cmd = [cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", f"-I{TEMPLATES}", "-o", str(exe),
-           str(d / "runner.cpp")]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.fail(f"g++ failed:\n{res.stderr[-6000:]}")
-    return exe, d
+    exe = build_cpu_runner(tmp_path_factory, "matvec_cpu", src)
+    return exe, exe.parent
 
 
 def _reference(x, y, v):

@@ -111,6 +111,21 @@ __host__ __device__ constexpr int v_offset(int j, int t, int e, int c) {
   return j * 8 * kC + ((f >> 2) * 4 + t) * 4 + (f & 3);
 }
 
+// One reduce-scatter step across a lane pair (xor kLane): each lane sends the half of
+// q[h][0, 2 kHalf) it gives up and adds the peer's copy of the half it keeps (the upper half
+// where `upper`), leaving it in q[h][0, kHalf).
+template <int kHalf, int kLane, int kN>
+__device__ __forceinline__ void halve_across_pair(float (&q)[2][kN], bool upper) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const float send = upper ? q[h][i] : q[h][i + kHalf];
+      const float keep = upper ? q[h][i + kHalf] : q[h][i];
+      q[h][i] = keep + __shfl_xor_sync(0xffffffffu, send, kLane);
+    }
+}
+
 }  // namespace matvec_wgmma_detail
 
 // The flat ABI (cuda_templates/ABI.md, "kernel_matvec on Hopper"): x (M, K) row-major
@@ -464,28 +479,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) matvec_wgmma_kernel(
 #pragma unroll
             for (int c = 0; c < kG; ++c) q1[h][c] = kChains == 2 ? p[h][0][c] + p[h][kChains - 1][c] : p[h][0][c];
           if constexpr (kG == kC) {
-            if constexpr (Traits::kSteps >= 1) {
-              constexpr int kHalf = kC / 2;
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int i = 0; i < kHalf; ++i) {
-                  const float send = b1 ? q1[h][i] : q1[h][i + kHalf];
-                  const float keep = b1 ? q1[h][i + kHalf] : q1[h][i];
-                  q1[h][i] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-                }
-            }
-            if constexpr (Traits::kSteps >= 2) {
-              constexpr int kQuarter = kC / 4;
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int i = 0; i < kQuarter; ++i) {
-                  const float send = b0 ? q1[h][i] : q1[h][i + kQuarter];
-                  const float keep = b0 ? q1[h][i + kQuarter] : q1[h][i];
-                  q1[h][i] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
-                }
-            }
+            if constexpr (Traits::kSteps >= 1) matvec_wgmma_detail::halve_across_pair<kC / 2, 2>(q1, b1);
+            if constexpr (Traits::kSteps >= 2) matvec_wgmma_detail::halve_across_pair<kC / 4, 1>(q1, b0);
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll

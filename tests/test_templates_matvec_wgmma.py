@@ -285,11 +285,11 @@ def test_quad_reduce_scatter_gives_every_column_to_one_writer(kc):
 def test_reduce_scatter_model_follows_the_kernel():
     """The model above replays these lines of the kernel (kept in sync by text)."""
     text = " ".join((TEMPLATES / "matvec_wgmma.cuh").read_text().split())
-    for line in ("const float send = b1 ? q1[h][i] : q1[h][i + kHalf];",
-                 "const float keep = b1 ? q1[h][i + kHalf] : q1[h][i];",
-                 "q1[h][i] = keep + __shfl_xor_sync(0xffffffffu, send, 2);",
-                 "const float send = b0 ? q1[h][i] : q1[h][i + kQuarter];",
-                 "q1[h][i] = keep + __shfl_xor_sync(0xffffffffu, send, 1);",
+    for line in ("const float send = upper ? q[h][i] : q[h][i + kHalf];",  # halve_across_pair
+                 "const float keep = upper ? q[h][i + kHalf] : q[h][i];",
+                 "q[h][i] = keep + __shfl_xor_sync(0xffffffffu, send, kLane);",
+                 "halve_across_pair<kC / 2, 2>(q1, b1);",
+                 "halve_across_pair<kC / 4, 1>(q1, b0);",
                  "r += __shfl_xor_sync(0xffffffffu, r, 2); if (b1 == (grp == 1)) total_h[h][i] += (double)r;",
                  "const bool writer = Traits::kSteps == 2 || (Traits::kSteps == 1 ? !b0 : t4 == 0);"):
         assert line in text, line

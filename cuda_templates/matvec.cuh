@@ -81,10 +81,12 @@ template <class U>
 __device__ __forceinline__ void store_out(U* p, double r) { store_f(p, float(r)); }
 __device__ __forceinline__ void store_out(double* p, double r) { *p = r; }
 
-template <bool kB, class A, class B>
-struct Select { using type = A; };
-template <class A, class B>
-struct Select<false, A, B> { using type = B; };
+// The split scratch of an output type: double for a double output (no rounding before the
+// combination), float otherwise.
+template <class TOut>
+struct PartOf { using type = float; };
+template <>
+struct PartOf<double> { using type = double; };
 
 __host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
 
@@ -131,8 +133,7 @@ struct MatvecTraits {
                 "MatvecTraits: TOut must be T or double");
   using T = T_;
   using TOut = TOut_;
-  // Split partial sums: double with a double output (no rounding before the combination).
-  using TPart = typename matvec_detail::Select<SameType<TOut_, double>::value, double, float>::type;
+  using TPart = typename matvec_detail::PartOf<TOut_>::type;  // split partial sums
   static constexpr Inner kInner = kInner_;
   static constexpr Power kInnerPow = kInnerPow_;
   static constexpr Power kOuterPow = kOuterPow_;
@@ -342,6 +343,18 @@ __device__ __forceinline__ void pair_tile_trips(const float* ys, const float* vs
         for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[u][c], partial[i][c]);
       }
     }
+  }
+}
+
+// The same with the CTA-uniform choice of the folded loop made at run time.
+template <class Tr>
+__device__ __forceinline__ void pair_tile_trips(bool fold, const float* ys, const float* vs, int jn,
+                                                const float (&xr)[Tr::kRows][Tr::kK], const float (&xa)[Tr::kRows],
+                                                float (&partial)[Tr::kRows][Tr::kC]) {
+  if (fold) {
+    pair_tile_trips<Tr, true>(ys, vs, jn, xr, xa, partial);
+  } else {
+    pair_tile_trips<Tr, false>(ys, vs, jn, xr, xa, partial);
   }
 }
 
@@ -560,11 +573,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         store_point<Tr>(ys, vs, tid, K, s, centre, py, pv);
         if (t + 1 < t_end) load_point<Tr>(yl, vl, (t + 1) * BN + tid, N, K, C, sym, syk, svn, svc, py, pv);
         __syncthreads();
-        if (fold) {
-          pair_tile_trips<Tr, true>(ys, vs, jn, xr, xa, partial);
-        } else {
-          pair_tile_trips<Tr, false>(ys, vs, jn, xr, xa, partial);
-        }
+        pair_tile_trips<Tr>(fold, ys, vs, jn, xr, xa, partial);
 #pragma unroll
         for (int i = 0; i < R; ++i)
 #pragma unroll
@@ -616,11 +625,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 
         // ---- the pairs (fold is CTA uniform)
         if constexpr (Tr::kTrips) {
-          if (fold) {
-            pair_tile_trips<Tr, true>(ys, vs, jn, xr, xa, partial);
-          } else {
-            pair_tile_trips<Tr, false>(ys, vs, jn, xr, xa, partial);
-          }
+          pair_tile_trips<Tr>(fold, ys, vs, jn, xr, xa, partial);
         } else if (Tr::kExpand && fold) {
           pair_tile<Tr, true>(ys, vs, jn, xr, xa, partial, ka);
         } else {
@@ -731,7 +736,7 @@ struct MatvecCombineTraits {
                 "MatvecCombineTraits: TOut must be T or double");
   using T = T_;
   using TOut = TOut_;
-  using TPart = typename matvec_detail::Select<SameType<TOut_, double>::value, double, float>::type;
+  using TPart = typename matvec_detail::PartOf<TOut_>::type;
   static constexpr int kThreads = 256;
   static constexpr int kBlockM = 1;  // grid-stride over batch * M * C
   static constexpr int kBlockN = 1;

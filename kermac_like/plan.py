@@ -835,6 +835,7 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     kernel = combine = part = None
     out_dtype = torch.float64 if wide_out else None
     pbytes = part_bytes(call.dtype, out_dtype)  # float64 split sums for a float64 out
+    part_dtype = torch.float64 if pbytes == 8 else torch.float32
     for c0 in range(0, call.C, MAX_C):
         cc = min(MAX_C, call.C - c0)
         spec = matvec_spec(call.desc, call.dtype, K, cc, epsilon=call.epsilon, out_dtype=out_dtype)
@@ -850,8 +851,7 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
         split = -(-n_tiles // per)
         if split > 1:  # one scratch for every chunk: stream order serialises their use
             if part is None or part.numel() < split * L * M * cc:
-                part = torch.empty(split * L * M * cc, dtype=torch.float64 if pbytes == 8 else torch.float32,
-                                   device=call.device)
+                part = torch.empty(split * L * M * cc, dtype=part_dtype, device=call.device)
                 scratch.append(part)
             if combine is None:
                 combine = get_kernel(combine_spec(call.dtype, out_dtype), device, debug=debug)

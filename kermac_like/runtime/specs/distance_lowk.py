@@ -41,14 +41,10 @@ def desc_mm_ok(desc: KernelDescriptor) -> bool:
     return desc.inner_operator is InnerOperator.DIFF and desc.inner_power is PowerType.SQUARE
 
 
-def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N, tiles_n: int = 1) -> LaunchShape:
-    """Mirror of kBlockM, kBlockN (= kTilesN tiles of kTileN) and kSmemBytes (b's tile
-    twice when kTilesN > 1)."""
-    bm, tn = (256 // threads_n) * 8, threads_n * 8
-    chunk = kk if kk > 0 else 8192 // (bm + tn) // 4 * 4
-    bufs = 2 if tiles_n > 1 else 1
-    return LaunchShape(threads=256, block_m=bm, block_n=tn * tiles_n,
-                       smem_bytes=(chunk * (bm + 4) + bufs * (chunk + 1) * (tn + 4)) * 4)
+def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N) -> LaunchShape:
+    bm, bn = (256 // threads_n) * 8, threads_n * 8
+    chunk = kk if kk > 0 else 8192 // (bm + bn) // 4 * 4
+    return LaunchShape(threads=256, block_m=bm, block_n=bn, smem_bytes=(chunk * (bm + 4) + (chunk + 1) * (bn + 4)) * 4)
 
 
 def lowk_threads_n(K: int) -> int:
@@ -59,8 +55,7 @@ def lowk_threads_n(K: int) -> int:
 
 
 def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS,
-              threads_n: int | None = None, mufu_epilogue: bool = True, mm_nonfinite: bool = False,
-              exact_k: bool = False, tiles_n: int = 1) -> KernelSpec:
+              threads_n: int | None = None, mufu_epilogue: bool = True, mm_nonfinite: bool = False) -> KernelSpec:
     """The low-K instantiation for inputs of layouts ``a``, ``b`` and dimension ``K``
     (output row-major; the caller swaps the operands for a column-major out).
     ``min_blocks`` (kMinBlocksPerSm, 1..3) and ``threads_n`` (kThreadsN: 16, 32, 64 for
@@ -68,30 +63,20 @@ def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_block
     template defaults (2, 16) render no extra arguments. ``mufu_epilogue``: square root and
     exponential on MUFU (default) or the IEEE sqrtf/expf sequences. ``mm_nonfinite``
     (Euclidean descriptors, K <= LOWK_MAX_K): infinities and overflows as torch.cdist's
-    matrix-product path gives them (kMmNonFinite), for calls that mirror its choice.
-    Candidates (bench/probes/lowk_p1_candidates.py; defaults render the shipped kernels):
-    ``exact_k`` compiles kK = K itself (K <= LOWK_MAX_K) instead of its bucket (no
-    zero-filled k); ``tiles_n`` (kTilesN, 1..8, compile-time K only): tiles per block
-    along n, a's tile loaded once and b's next tile copied with cp.async while the
-    current one is computed and stored."""
+    matrix-product path gives them (kMmNonFinite), for calls that mirror its choice."""
     if mm_nonfinite and not (desc_mm_ok(desc) and 0 < lowk_bucket(K)):
         raise ValueError(f"mm_nonfinite: needs a Euclidean descriptor and K <= {LOWK_MAX_K}, got {desc!r}, K = {K}")
     kk = lowk_bucket(K)
-    if exact_k and 0 < kk:
-        kk = max(int(K), 1)
-    if tiles_n != 1 and not (1 <= tiles_n <= 8 and kk > 0):
-        raise ValueError(f"tiles_n: 1..8 with a compile-time K (K <= {LOWK_MAX_K}), got {tiles_n}, K = {K}")
     if threads_n is None:
         threads_n = lowk_threads_n(K)
-    args = [int(min_blocks), int(threads_n), "true" if mufu_epilogue else "false", "true" if mm_nonfinite else "false",
-            int(tiles_n)]
-    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N, "true", "false", 1]
+    args = [int(min_blocks), int(threads_n), "true" if mufu_epilogue else "false", "true" if mm_nonfinite else "false"]
+    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N, "true", "false"]
     while args and args[-1] == defaults[len(args) - 1]:
         args.pop()
     extra = "".join(f", {x}" for x in args)
     traits = f"kermac_like::DistanceLowKTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {kk}{extra}>"
     return KernelSpec("distance_lowk.cuh", "kermac_like::distance_lowk_kernel", traits,
-                      lowk_launch(kk, threads_n, tiles_n))
+                      lowk_launch(kk, threads_n))
 
 
 # The low-K set: row-major inputs (either output layout: one kernel), the presets a

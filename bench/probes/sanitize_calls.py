@@ -115,6 +115,18 @@ def matvec():
             ref = km.run_kernel(desc, x.double(), y.double(), regularization=0.25, **kw) @ v.double()
             err = float((res.double() - ref).norm() / ref.norm())
             assert err < 1e-4, f"kernel_matvec {name} K={K} C={C}: relative error {err:.2e}"
+    # A float64 out of float32 inputs (TOut = double): the split path (few rows: float64 scratch and
+    # combination) and, with many rows, one launch; D = 3 takes the tuned loop (prefetch, trips of 4).
+    for L, M, N in ((2, 37, 1031), (1, 4096, 300)):
+        x = torch.randn(L, M, 3, device="cuda", generator=g)
+        y = torch.randn(L, N, 3, device="cuda", generator=g)
+        v = torch.randn(L, N, 1, device="cuda", generator=g)
+        desc = km.PRESETS["gaussian_l2"]
+        out = torch.full((L, M, 1), float("nan"), dtype=torch.float64, device="cuda")
+        km.kernel_matvec(desc, x, y, v, bandwidth=3.0, out=out)
+        ref = km.run_kernel(desc, x.double(), y.double(), bandwidth=3.0) @ v.double()
+        err = float((out - ref).norm() / ref.norm())
+        assert err < 1e-5, f"kernel_matvec float64 out M={M}: relative error {err:.2e}"
     x = torch.randn(2, 37, 3, device="cuda", generator=g, requires_grad=True)
     y = torch.randn(2, 301, 3, device="cuda", generator=g, requires_grad=True)
     v = torch.randn(2, 301, 2, device="cuda", generator=g, requires_grad=True)

@@ -72,13 +72,15 @@ class MatrixView:
     def contiguous_extent(self) -> int:
         return self.cols if self.layout is Layout.ROW_MAJOR else self.rows
 
-    def vector_ok(self, width_bytes: int = 16) -> bool:
+    def vector_ok(self, width_bytes: int = 16, *, whole_lines: bool = True) -> bool:
         """Whether 16-byte vector accesses along the unit-stride mode are safe:
-        aligned base pointer, and every line and the contiguous extent a whole
-        number of vectors (so no vector straddles a line end)."""
+        aligned base pointer, and every line and (``whole_lines``) the contiguous extent a
+        whole number of vectors (so no vector straddles a line end). ``whole_lines=False``
+        for kernels that copy only the valid bytes of a line's last vector."""
         per = width_bytes // self.tensor.element_size()
         ld_ok = self.ld % per == 0 or self.ld == 0
-        return self.tensor.data_ptr() % width_bytes == 0 and ld_ok and self.contiguous_extent % per == 0
+        return (self.tensor.data_ptr() % width_bytes == 0 and ld_ok
+                and (not whole_lines or self.contiguous_extent % per == 0))
 
 
 def _matrix_layout(rows: int, cols: int, sr: int, sc: int):

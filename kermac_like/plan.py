@@ -242,6 +242,53 @@ def _pad_k(t: torch.Tensor, Kp: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, Kp - t.shape[-1]))
 
 
+# The SIMT kernel copies a k-contiguous (row-major) operand into its k-major shared tiles with
+# one 4-byte cp.async per element, and at large K those copies throttle the load/store unit
+# (ncu: lg_throttle, the kernel's largest stall). A k-major copy of the operand made before
+# the launch lets it copy 16 bytes at a time: cdist p=1 at 30000^2 x 1024 on an H200
+# 76.6 -> 69.2 ms with the copies' time included, 20000^2 x 256 8.92 -> 8.26 ms
+# (bench/probes/p1_layouts.py, bench/notes/distance.md). The copies are temporary memory
+# beside the output (the one exception to "nothing but the output", with the tensor-core
+# paths' padded copies and b image), so they are made only for large outputs and when
+# they hold at most a quarter of the output's elements.
+_KMAJOR_MIN_K = 64
+_KMAJOR_MIN_OUT = 1 << 22  # output elements over the batch (2048^2)
+_KMAJOR_MIN_ROWS = 128  # rows of a and of b (one output tile)
+_KMAJOR_MAX_SHARE = 4  # copies <= output elements / this
+
+
+def _kmajor_worthwhile(call: DistanceCall) -> bool:
+    """Whether a SIMT call reads k-major copies of its operands (see above)."""
+    if call.dtype != torch.float32 or call.K < _KMAJOR_MIN_K or min(call.M, call.N) < _KMAJOR_MIN_ROWS:
+        return False
+    out = math.prod(call.out_shape)
+    copies = (0 if _kmajor_ready(call.a) else call.a.numel()) + \
+        (0 if _kmajor_ready(call.b) or _same_memory(call.a, call.b) else call.b.numel())
+    return out >= _KMAJOR_MIN_OUT and 0 < copies * _KMAJOR_MAX_SHARE <= out
+
+
+def _kmajor_ready(t: torch.Tensor) -> bool:
+    """t is already m-contiguous with 16-byte aligned columns (what the k-major copy makes)."""
+    return t.stride(-2) == 1 and t.stride(-1) % 4 == 0 and t.data_ptr() % 16 == 0
+
+
+def _kmajor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., rows, K) as an m-contiguous copy: a (..., K, rows rounded up to 4) buffer,
+    viewed back as (..., rows, K), so that every column starts 16-byte aligned."""
+    if _kmajor_ready(t):
+        return t
+    rows, k = t.shape[-2], t.shape[-1]
+    buf = torch.empty((*t.shape[:-2], k, -(-rows // 4) * 4), dtype=t.dtype, device=t.device)
+    view = buf[..., :rows].transpose(-1, -2)
+    view.copy_(t)
+    return view
+
+
+def _kmajor_pair(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    ka = _kmajor(a)
+    return ka, (ka if _same_memory(a, b) else _kmajor(b))
+
+
 def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: Settings, kind: str):
     """(spec, views, tensors, batch plan, family) for a GPU call served by ``kind``
     (runtime.autotune's kinds), or None for the reference path."""
@@ -279,7 +326,9 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
         mm = autotune.uses_mm(compute_mode, call.M, call.N) and desc_mm_ok(call.desc) and call.K <= LOWK_MAX_K
         spec = lowk_spec(call.desc, first.layout, second.layout, call.K, mm_nonfinite=mm)
         return spec, (av, bv, outv), tensors, bplan, "distance_lowk"
-    vec_ok = av.vector_ok() and bv.vector_ok() and _aligned(bplan, ("a", "b"), 4)
+    # distance.cuh's 16-byte loader copies only the valid bytes of a column's last chunk.
+    vec_ok = (av.vector_ok(whole_lines=False) and bv.vector_ok(whole_lines=False)
+              and _aligned(bplan, ("a", "b"), 4))
     spec = distance_spec(call.desc, av.layout, bv.layout, outv.layout, 4 if vec_ok else 1)
     return spec, (av, bv, outv), tensors, bplan, "distance"
 
@@ -326,6 +375,7 @@ class _Template(NamedTuple):
     launches: tuple  # of (kernel, grid, args, positions, ArgBlock or None)
     scratch: tuple  # of (name, numel)
     pad_k: int = 0  # a and b are read zero-padded to this many columns (a copy per call)
+    kmajor: bool = False  # a and b are read from m-contiguous copies (a copy per call: _kmajor)
 
 
 # Templates of recent calls, by _distance_key: a repeated call (same shapes, strides,
@@ -401,6 +451,8 @@ def _instantiate_template(t: _Template, a, b, out, hyper_tensors: dict, device, 
     and b where the template reads them padded)."""
     if t.pad_k:
         a, b = _pad_pair(a, b, t.pad_k)
+    if t.kmajor:
+        a, b = _kmajor_pair(a, b)
     return _instantiate(t, {"a": a, "b": b, "out": out, **hyper_tensors}, device, debug)
 
 
@@ -469,10 +521,14 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     reference path."""
     from .runtime.launcher import get_kernel, max_active_clusters
 
-    padded = False
+    padded = kmajor = False
     if kind == autotune.TENSOR_CORE:
         padded_call = _padded_for_tensor_cores(call)
         padded, call = padded_call is not call, padded_call
+    elif (kind == autotune.SIMT or call.K > LOWK_GENERIC_MAX_K) and _kmajor_worthwhile(call):
+        kmajor = True
+        a, b = _kmajor_pair(call.a, call.b)
+        call = dataclasses.replace(call, a=a, b=b)
     hypers = {}
     for k, v in call.hypers.items():
         if isinstance(v, torch.Tensor):
@@ -486,7 +542,7 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     reusable = not (av.copied or bv.copied)
     pad_k = call.K if padded else 0
     if bplan.count == 0 or call.M == 0 or call.N == 0:
-        return _Template(family, spec, (), (), pad_k), tensors, reusable
+        return _Template(family, spec, (), (), pad_k, kmajor), tensors, reusable
     device = _device_index(call.device)
     kernel = get_kernel(spec, device, debug=debug)
     L = bplan.count
@@ -505,9 +561,9 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
             grid = (min(grid[0] * grid[1] * L, _sm_count(device)), 1, 1)
     path = {"distance": "simt", "distance_lowk": "low-K"}.get(family, "tensor-core")
     if debug:
-        log.debug("run_kernel %r: %s path%s, M=%d N=%d K=%d batch=%s (kernel modes %s, host loop %s)", call.desc,
-                  path, " (out^T = kernel(b, a))" if swap else "", call.M, call.N, call.K, call.batch, bplan.modes,
-                  bplan.outer)
+        log.debug("run_kernel %r: %s path%s%s, M=%d N=%d K=%d batch=%s (kernel modes %s, host loop %s)", call.desc,
+                  path, " (out^T = kernel(b, a))" if swap else "", " (k-major copies of a, b)" if kmajor else "",
+                  call.M, call.N, call.K, call.batch, bplan.modes, bplan.outer)
     sa, sb, so = bplan.strides[first][1], bplan.strides[second][1], bplan.strides["out"][1]
     eps = np.float32(-np.inf if call.epsilon is None else call.epsilon)
     offsets = {k: list(bplan.outer_offsets(k)) for k in tensors}
@@ -540,7 +596,7 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
             args += extra
         launches.append(_launch_template(kernel, grid, args))
     scratch = prepare.scratch if prepare is not None else ()
-    return _Template(family, spec, tuple(launches), scratch, pad_k), tensors, reusable
+    return _Template(family, spec, tuple(launches), scratch, pad_k, kmajor), tensors, reusable
 
 
 def b_entries(modes, strides) -> tuple:

@@ -260,3 +260,37 @@ def test_self_distance_keeps_one_operand_when_padded(as_gpu, cap):
     call = prepare_call(km.PRESETS["laplace_l2"], x, y, bandwidth=2.0)
     plan = P.plan_distance(call, torch.empty(call.out_shape), COMPUTE_MODES[0], False)
     assert plan.scratch[-1]["a"] is not plan.scratch[-1]["b"]
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (8, 0)], ids=["sm_90", "sm_80"])
+def test_simt_calls_read_kmajor_copies_of_row_major_operands(as_gpu, monkeypatch, cap):
+    """Large SIMT calls read m-contiguous copies of k-contiguous operands (16-byte cp.async in
+    place of 4-byte transposing copies): the spec takes column-major inputs with kVec 4, the
+    copies hold the operands' values with 16-byte aligned columns, K(x, x) copies x once, the
+    template makes the copies anew for each call, and a small call reads its operands as they are."""
+    as_gpu[0] = cap
+    monkeypatch.setattr(P, "_KMAJOR_MIN_OUT", 1000)
+    monkeypatch.setattr(P, "_KMAJOR_MIN_ROWS", 32)
+    monkeypatch.setattr(P, "_KMAJOR_MAX_SHARE", 1 / 8)
+    mode = COMPUTE_MODES[0]
+    x, y = torch.randn(70, 80), torch.randn(50, 80)  # K = 80: the SIMT kernel for p = 1
+    call = prepare_call(km.PRESETS["l1"], x, y)
+    out = torch.empty(call.out_shape)
+    first = P.plan_distance(call, out, mode, False)
+    assert first.family == "distance"
+    assert first.spec.traits.count("Layout::ColMajor") == 2 and first.spec.traits.endswith("Layout::RowMajor, 4>")
+    ta, tb = first.scratch[-1]["a"], first.scratch[-1]["b"]
+    for t, src in ((ta, x), (tb, y)):
+        assert t.stride(-2) == 1 and t.stride(-1) % 4 == 0 and t.data_ptr() % 16 == 0 and torch.equal(t, src)
+    assert first.launches[-1].args[0] == ta.data_ptr() and first.launches[-1].args[6] == ta.stride(-1)
+    second = P.plan_distance(prepare_call(km.PRESETS["l1"], x + 1, y), out, mode, False)  # from the template
+    assert len(P._TEMPLATES) == 1 and torch.equal(second.scratch[-1]["a"], x + 1)
+    assert _normalised(second) == _normalised(first) == _normalised(P.plan_distance(call, out, mode, True))
+    same = P.plan_distance(prepare_call(km.PRESETS["l1"], x, x), torch.empty(70, 70), mode, False)
+    assert same.scratch[-1]["a"] is same.scratch[-1]["b"]
+    small = P.plan_distance(prepare_call(km.PRESETS["l1"], x[:20], y), torch.empty(20, 50), mode, False)
+    assert small.spec.traits.count("Layout::RowMajor") == 3 and small.scratch[-1]["a"].data_ptr() == x.data_ptr()
+    # Copies of more than a quarter of the output's elements are not made (70 x 50 out, K = 80).
+    monkeypatch.setattr(P, "_KMAJOR_MAX_SHARE", 4)
+    big_k = P.plan_distance(call, out, mode, True)
+    assert big_k.spec.traits.count("Layout::RowMajor") == 3

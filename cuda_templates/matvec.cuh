@@ -38,12 +38,13 @@
 // ([split][batch][M][C]) and matvec_combine_kernel adds the splits in split order: the
 // result is bitwise identical from run to run (no atomics).
 //
-// Output type (kTOut = TOut_, default T): T rounds the float64 totals once at the store;
-// double stores them as they are (the float64 sums of the float32 tile partials, no final
-// rounding: kernel_matvec with a float64 `out` for float32/16-bit inputs, e.g. Falkon's
-// K_Zn u, a long coherent sum whose float32 rounding its preconditioner amplifies). The
-// split scratch `part` (TPart) is double exactly when the output is double, so that the
-// instantiations with a T output are unchanged.
+// Output type (kTOut = TOut_, default T): T rounds the float64 totals once at the store.
+// double is the float64 mode (kernel_matvec with a float64 `out` for float32/16-bit inputs,
+// e.g. Falkon's products, whose float32 rounding its preconditioner amplifies): v is read as
+// double (TV), each pair's product k * v and the sums are float64 (DFMA on the float32 kernel
+// value: no float32 tile partials, no rounding of v or of the result), only k itself is
+// computed in float32. The split scratch `part` (TPart) is double exactly when the output
+// is double, so that the instantiations with a T output are unchanged.
 #pragma once
 
 #include "common.cuh"
@@ -76,17 +77,30 @@ __device__ __forceinline__ void store_f(bfloat16* p, float x) {
   p->bits = h;
 }
 
+// v in the float64 mode (TV = double).
+__device__ __forceinline__ double load_f(const double* p) { return *p; }
+
+// partial + k * v: float32 FMA, or (float64 mode) float64 FMA of the widened kernel value.
+__device__ __forceinline__ float fma_acc(float k, float v, float acc) { return __fmaf_rn(k, v, acc); }
+__device__ __forceinline__ double fma_acc(float k, double v, double acc) { return __fma_rn(double(k), v, acc); }
+
 // The final store of a float64 total: rounded to float32 then to T, or (double) as is.
 template <class U>
 __device__ __forceinline__ void store_out(U* p, double r) { store_f(p, float(r)); }
 __device__ __forceinline__ void store_out(double* p, double r) { *p = r; }
 
 // The split scratch of an output type: double for a double output (no rounding before the
-// combination), float otherwise.
+// combination), float otherwise; also the type of the per-tile partial sums.
 template <class TOut>
 struct PartOf { using type = float; };
 template <>
 struct PartOf<double> { using type = double; };
+
+// The type of v in memory: T, or double in the float64 mode.
+template <class TOut, class T>
+struct VOf { using type = T; };
+template <class T>
+struct VOf<double, T> { using type = double; };
 
 __host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
 
@@ -104,7 +118,8 @@ __host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4
 // kPrefetch_: each thread loads the next tile's point (BN == threads) into registers before the
 //   pair loop and stages it (centre, b_n) itself after the loop: no exposed global latency, no
 //   separate centring pass, two barriers per tile.
-// TOut_: the type of `out` (T_ or double; double: no final rounding, `part` in double).
+// TOut_: the type of `out` (T_ or double: the float64 mode, v read as double, float64 products
+//   and sums, `part` in double).
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
           bool kExpand_ = false, int kPolyRows_ = 0, int kUnrollJ_ = 0, int kPolyPairs_ = -1,
           bool kPrefetch_ = false, class TOut_ = T_>
@@ -134,6 +149,10 @@ struct MatvecTraits {
   using T = T_;
   using TOut = TOut_;
   using TPart = typename matvec_detail::PartOf<TOut_>::type;  // split partial sums
+  using TAcc = TPart;                                          // per-tile partial sums
+  using TV = TPart;                                            // v as staged: float or double
+  using TVIn = typename matvec_detail::VOf<TOut_, T_>::type;   // v in memory: T or double
+  static constexpr bool kWide = SameType<TOut_, double>::value;
   static constexpr Inner kInner = kInner_;
   static constexpr Power kInnerPow = kInnerPow_;
   static constexpr Power kOuterPow = kOuterPow_;
@@ -144,10 +163,11 @@ struct MatvecTraits {
   static constexpr bool kChunked = kK_ == 0;
 
   static constexpr int kThreads = 256;
-  // Registers per row: x (kK, or 4 per step when chunked), kC float32 partials, kC float64 totals;
-  // the chunked strategy also keeps kTileN distances per row.
+  // Registers per row: x (kK, or 4 per step when chunked), kC partials (float32, or float64 in
+  // the float64 mode), kC float64 totals; the chunked strategy also keeps kTileN distances per row.
   static constexpr int kRegK = kChunked ? 4 : kK_;
-  static constexpr int kRows16 = matvec_detail::floor_pow2(96 / (kRegK + 3 * kC_ + (kChunked ? 32 : 1)));
+  static constexpr int kRows16 =
+      matvec_detail::floor_pow2(96 / (kRegK + (kWide ? 4 : 3) * kC_ + (kChunked ? 32 : 1)));
   // 16-bit inputs: their conversions cost registers; 8 rows would spill at 128.
   static constexpr int kRows = (!SameType<T_, float>::value && kRows16 == 8) ? 4 : kRows16;
   static constexpr int kPolyRows = kPolyRows_;
@@ -170,7 +190,7 @@ struct MatvecTraits {
   static_assert(kPolyPairs_ >= -1 && kPolyPairs_ < kRows * kUnrollJ, "MatvecTraits: kPolyPairs must leave a MUFU pair");
   static_assert(kExpand_ || (kPolyPairs_ <= 0 && kUnrollJ_ == 0 && !kPrefetch_),
                 "MatvecTraits: kUnrollJ, kPolyPairs and kPrefetch tune the expanded kernel only");
-  static constexpr int kStaticSmem = 4 * kBlockN * (kKS + kC_);
+  static constexpr int kStaticSmem = 4 * kBlockN * kKS + int(sizeof(TV)) * kBlockN * kC_;
   static_assert(kStaticSmem <= 48 * 1024, "MatvecTraits: the y tile must fit static shared memory");
   static_assert(!kPrefetch_ || (kBlockN == kThreads && kBlockN % kUnrollJ == 0 && kK_ <= 8),
                 "MatvecTraits: kPrefetch needs one point per thread (kBlockN == kThreads) and kK <= 8");
@@ -262,10 +282,10 @@ __device__ __forceinline__ double reg_term(const T* v, i64 svn, i64 svc, int N, 
 // of the tile per step. kFold (expanded, CTA uniform): the exponent starts from b_n and
 // a_m is applied to the totals at the end.
 template <class Tr, bool kFold>
-__device__ __forceinline__ void pair_tile(const float* ys, const float* vs, int jn,
+__device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TV* vs, int jn,
                                           const float (&xr)[Tr::kRows][Tr::kChunked ? 1 : Tr::kK],
-                                          const float (&xa)[Tr::kRows], float (&partial)[Tr::kRows][Tr::kC],
-                                          const KernelArgs& ka) {
+                                          const float (&xa)[Tr::kRows],
+                                          typename Tr::TAcc (&partial)[Tr::kRows][Tr::kC], const KernelArgs& ka) {
   constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS;
 #pragma unroll(Tr::kUnrollJ)
   for (int j = 0; j < jn; ++j) {
@@ -275,7 +295,7 @@ __device__ __forceinline__ void pair_tile(const float* ys, const float* vs, int 
       const float4 f = reinterpret_cast<const float4*>(ys + j * KS)[q];
       yj[4 * q] = f.x, yj[4 * q + 1] = f.y, yj[4 * q + 2] = f.z, yj[4 * q + 3] = f.w;
     }
-    float vj[KC];
+    typename Tr::TV vj[KC];
 #pragma unroll
     for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
 #pragma unroll
@@ -293,7 +313,7 @@ __device__ __forceinline__ void pair_tile(const float* ys, const float* vs, int 
         kv = kernel_value<Tr>(acc, ka);
       }
 #pragma unroll
-      for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[c], partial[i][c]);
+      for (int c = 0; c < KC; ++c) partial[i][c] = fma_acc(kv, vj[c], partial[i][c]);
     }
   }
 }
@@ -302,15 +322,15 @@ __device__ __forceinline__ void pair_tile(const float* ys, const float* vs, int 
 // variants): jn is rounded up to whole trips; the padded points of a partial tile have v = 0
 // and a finite exponent (zero coordinates staged like real ones), so they add exact zeros.
 template <class Tr, bool kFold>
-__device__ __forceinline__ void pair_tile_trips(const float* ys, const float* vs, int jn,
+__device__ __forceinline__ void pair_tile_trips(const float* ys, const typename Tr::TV* vs, int jn,
                                                 const float (&xr)[Tr::kRows][Tr::kK], const float (&xa)[Tr::kRows],
-                                                float (&partial)[Tr::kRows][Tr::kC]) {
+                                                typename Tr::TAcc (&partial)[Tr::kRows][Tr::kC]) {
   constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS, U = Tr::kUnrollJ;
   const int jend = (jn + U - 1) / U * U;
 #pragma unroll 1
   for (int j0 = 0; j0 < jend; j0 += U) {
     float yj[U][KS];
-    float vj[U][KC];
+    typename Tr::TV vj[U][KC];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -319,7 +339,7 @@ __device__ __forceinline__ void pair_tile_trips(const float* ys, const float* vs
         yj[u][4 * q] = f.x, yj[u][4 * q + 1] = f.y, yj[u][4 * q + 2] = f.z, yj[u][4 * q + 3] = f.w;
       }
     }
-    if constexpr (KC == 1 && U % 4 == 0) {
+    if constexpr (KC == 1 && U % 4 == 0 && !Tr::kWide) {
 #pragma unroll
       for (int u = 0; u < U; u += 4) {
         const float4 f = *reinterpret_cast<const float4*>(vs + j0 + u);
@@ -340,7 +360,7 @@ __device__ __forceinline__ void pair_tile_trips(const float* ys, const float* vs
         for (int k = 0; k < (kFold ? Tr::kK - 1 : Tr::kK); ++k) e = __fmaf_rn(xr[i][k], yj[u][k], e);
         const float kv = (i * U + u < Tr::kPolyPairs) ? exp2_poly(e) : math::ex2_approx(e);
 #pragma unroll
-        for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[u][c], partial[i][c]);
+        for (int c = 0; c < KC; ++c) partial[i][c] = fma_acc(kv, vj[u][c], partial[i][c]);
       }
     }
   }
@@ -348,9 +368,9 @@ __device__ __forceinline__ void pair_tile_trips(const float* ys, const float* vs
 
 // The same with the CTA-uniform choice of the folded loop made at run time.
 template <class Tr>
-__device__ __forceinline__ void pair_tile_trips(bool fold, const float* ys, const float* vs, int jn,
+__device__ __forceinline__ void pair_tile_trips(bool fold, const float* ys, const typename Tr::TV* vs, int jn,
                                                 const float (&xr)[Tr::kRows][Tr::kK], const float (&xa)[Tr::kRows],
-                                                float (&partial)[Tr::kRows][Tr::kC]) {
+                                                typename Tr::TAcc (&partial)[Tr::kRows][Tr::kC]) {
   if (fold) {
     pair_tile_trips<Tr, true>(ys, vs, jn, xr, xa, partial);
   } else {
@@ -361,19 +381,22 @@ __device__ __forceinline__ void pair_tile_trips(bool fold, const float* ys, cons
 // kPrefetch: the point of tile t that this thread stages (index tid of the tile), read into
 // registers (zeros past N and past K / C).
 template <class Tr, class T>
-__device__ __forceinline__ void load_point(const T* yl, const T* vl, int n, int N, int K, int C, i64 sym, i64 syk,
-                                           i64 svn, i64 svc, float (&py)[Tr::kK], float (&pv)[Tr::kC]) {
+__device__ __forceinline__ void load_point(const T* yl, const typename Tr::TVIn* vl, int n, int N, int K, int C,
+                                           i64 sym, i64 syk, i64 svn, i64 svc, float (&py)[Tr::kK],
+                                           typename Tr::TV (&pv)[Tr::kC]) {
 #pragma unroll
   for (int k = 0; k < Tr::kK; ++k) py[k] = (n < N && k < K) ? load_f(yl + i64(n) * sym + k * syk) : 0.0f;
 #pragma unroll
-  for (int c = 0; c < Tr::kC; ++c) pv[c] = (n < N && c < C) ? load_f(vl + i64(n) * svn + c * svc) : 0.0f;
+  for (int c = 0; c < Tr::kC; ++c)
+    pv[c] = (n < N && c < C) ? typename Tr::TV(load_f(vl + i64(n) * svn + c * svc)) : typename Tr::TV(0);
 }
 
 // kPrefetch: centre the point, b_n = -s |y - centre|^2 into the last slot (non-finite: zero
 // coordinates, b_n = -inf or NaN; as the staging pass of the default kernel), store it.
 template <class Tr>
-__device__ __forceinline__ void store_point(float* ys, float* vs, int j, int K, float s, const float (&centre)[Tr::kK],
-                                            const float (&py)[Tr::kK], const float (&pv)[Tr::kC]) {
+__device__ __forceinline__ void store_point(float* ys, typename Tr::TV* vs, int j, int K, float s,
+                                            const float (&centre)[Tr::kK], const float (&py)[Tr::kK],
+                                            const typename Tr::TV (&pv)[Tr::kC]) {
   constexpr int KS = Tr::kKS;
   float yv[KS];
   float n2 = 0.0f;
@@ -411,7 +434,7 @@ __device__ __forceinline__ void store_point(float* ys, float* vs, int j, int K, 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec_kernel(
     const typename Traits::T *__restrict__ x, const typename Traits::T *__restrict__ y,
-    const typename Traits::T *__restrict__ v, typename Traits::TOut *__restrict__ out,
+    const typename Traits::TVIn *__restrict__ v, typename Traits::TOut *__restrict__ out,
     typename Traits::TPart *__restrict__ part,
     int M, int N, int K, int C, long long sxm, long long sxk, long long sym, long long syk, long long svn,
     long long svc, long long som, long long soc, int batch, int batch_n1, int batch_n2, long long x_bs0,
@@ -425,11 +448,13 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
     int tiles_per_split) {
   using Tr = Traits;
   using T = typename Tr::T;
+  using TV = typename Tr::TV;
+  using TAcc = typename Tr::TAcc;
   using namespace matvec_detail;
   constexpr int R = Tr::kRows, KC = Tr::kC, BN = Tr::kBlockN, KS = Tr::kKS, NT = Tr::kThreads;
 
   __shared__ __align__(16) float ys[BN * KS];  // (BN, KS): a point's coordinates (+ b_n)
-  __shared__ __align__(16) float vs[BN * KC];  // (BN, KC)
+  __shared__ __align__(16) TV vs[BN * KC];     // (BN, KC)
 
   const BatchShape shape{batch_n1, batch_n2};
   const BatchStride x_bs{x_bs0, x_bs1, x_bs2}, y_bs{y_bs0, y_bs1, y_bs2}, v_bs{v_bs0, v_bs1, v_bs2},
@@ -450,7 +475,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
     const BatchIndex bi = shape.split(l);
     const T* xl = x + x_bs.offset(bi);
     const T* yl = y + y_bs.offset(bi);
-    const T* vl = v + v_bs.offset(bi);
+    const typename Tr::TVIn* vl = v + v_bs.offset(bi);
 
     KernelArgs ka;
     ka.inner_p = Tr::kInnerPow == Power::Pow ? hp_inner.at(bi) : 0.0f;
@@ -550,7 +575,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
       }
     }
 
-    float partial[R][KC];
+    TAcc partial[R][KC];
     double total[R][KC];
 #pragma unroll
     for (int i = 0; i < R; ++i)
@@ -560,7 +585,8 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
     if constexpr (Tr::kPrefetch) {
       // ---- expanded kernel, one point per thread: the next tile's point waits in registers
       // while the pairs of this one run.
-      float py[Tr::kK], pv[KC];
+      float py[Tr::kK];
+      TV pv[KC];
       if (t_begin < t_end) load_point<Tr>(yl, vl, t_begin * BN + tid, N, K, C, sym, syk, svn, svc, py, pv);
 #pragma unroll 1
       for (int t = t_begin; t < t_end; ++t) {
@@ -568,7 +594,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 #pragma unroll
         for (int i = 0; i < R; ++i)
 #pragma unroll
-          for (int c = 0; c < KC; ++c) partial[i][c] = 0.0f;
+          for (int c = 0; c < KC; ++c) partial[i][c] = TAcc(0);
         __syncthreads();  // the previous tile is consumed
         store_point<Tr>(ys, vs, tid, K, s, centre, py, pv);
         if (t + 1 < t_end) load_point<Tr>(yl, vl, (t + 1) * BN + tid, N, K, C, sym, syk, svn, svc, py, pv);
@@ -587,13 +613,13 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 #pragma unroll
       for (int i = 0; i < R; ++i)
 #pragma unroll
-        for (int c = 0; c < KC; ++c) partial[i][c] = 0.0f;
+        for (int c = 0; c < KC; ++c) partial[i][c] = TAcc(0);
 
       // ---- stage v (and, registers strategy, y) of this tile
       __syncthreads();  // the previous tile is consumed
       for (int e = tid; e < BN * KC; e += NT) {
         const int j = e / KC, c = e % KC;
-        vs[e] = (j < jn && c < C) ? load_f(vl + i64(n0 + j) * svn + c * svc) : 0.0f;
+        vs[e] = (j < jn && c < C) ? TV(load_f(vl + i64(n0 + j) * svn + c * svc)) : TV(0);
       }
       if constexpr (!Tr::kChunked) {
         for (int e = tid; e < BN * KS; e += NT) {
@@ -674,14 +700,14 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 #pragma unroll
         for (int j = 0; j < BN; ++j) {
           if (j < jn) {
-            float vj[KC];
+            TV vj[KC];
 #pragma unroll
             for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
 #pragma unroll
             for (int i = 0; i < R; ++i) {
               const float kv = kernel_value<Tr>(dist[i][j], ka);
 #pragma unroll
-              for (int c = 0; c < KC; ++c) partial[i][c] = __fmaf_rn(kv, vj[c], partial[i][c]);
+              for (int c = 0; c < KC; ++c) partial[i][c] = fma_acc(kv, vj[c], partial[i][c]);
             }
           }
         }
@@ -737,6 +763,7 @@ struct MatvecCombineTraits {
   using T = T_;
   using TOut = TOut_;
   using TPart = typename matvec_detail::PartOf<TOut_>::type;
+  using TVIn = typename matvec_detail::VOf<TOut_, T_>::type;  // v in memory (the regularised diagonal's term)
   static constexpr int kThreads = 256;
   static constexpr int kBlockM = 1;  // grid-stride over batch * M * C
   static constexpr int kBlockN = 1;
@@ -747,7 +774,7 @@ struct MatvecCombineTraits {
 // float64) + the regularisation term. Grid-stride over batch * M * C.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) matvec_combine_kernel(
-    const typename Traits::TPart* __restrict__ part, const typename Traits::T* __restrict__ v,
+    const typename Traits::TPart* __restrict__ part, const typename Traits::TVIn* __restrict__ v,
     typename Traits::TOut* __restrict__ out,
     int M, int N, int C, long long svn, long long svc, long long som, long long soc, int batch, int batch_n1,
     int batch_n2, long long v_bs0, long long v_bs1, long long v_bs2, long long o_bs0, long long o_bs1,

@@ -846,9 +846,10 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     :func:`matvec_blocked`); the torch reference for CPU tensors, float64, GPUs before
     sm_80 and K == 0.
 
-    A float64 ``out`` of float32/16-bit inputs (validated by ops.matvec): the fused kernel
-    with TOut = double (float64 totals stored unrounded, float64 split scratch and
-    combination), matvec_blocked with float64 accumulation for the tensor-core calls (the
+    A float64 ``out`` of float32/16-bit inputs (validated by ops.matvec) is the float64 mode:
+    the fused kernel with TOut = double (v read as float64, a float32 v widened by a copy of
+    N x C; float64 products, sums, split scratch and combination; the totals stored
+    unrounded), matvec_blocked with float64 accumulation for the tensor-core calls (the
     Hopper kernel matvec_wgmma rounds its output in float32: not used), float64 accumulation
     on the reference path."""
     if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
@@ -869,7 +870,8 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     device = _device_index(call.device)
     hypers = {k: (h.float() if isinstance(h, torch.Tensor) and h.dtype != torch.float32 else h)
               for k, h in call.hypers.items()}
-    tensors = {"x": call.x, "y": call.y, "v": call.v, "out": om}
+    v = call.v.to(torch.float64) if wide_out else call.v  # the float64 mode reads v as float64
+    tensors = {"x": call.x, "y": call.y, "v": v, "out": om}
     strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
     _add_hyper_tensors(call, hypers, tensors, strides)
     bplan = plan_batch(call.batch, strides)
@@ -882,12 +884,13 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     eps = np.float32(0.0 if call.epsilon is None else call.epsilon)
     sxm, sxk = call.x.stride()[-2:]
     sym, syk = call.y.stride()[-2:]
-    svn, svc = call.v.stride()[-2:]
+    svn, svc = v.stride()[-2:]
     som, soc = om.stride()[-2:]
     offsets = {k: list(bplan.outer_offsets(k)) for k in tensors}
     bs = {k: bplan.strides[k][1] for k in ("x", "y", "v", "out")}
     launches, first = [], None
     scratch = [h for h in hypers.values() if isinstance(h, torch.Tensor)]  # float32 copies stay alive
+    scratch.append(v)  # (the float64 copy of a float32 v)
     kernel = combine = part = None
     out_dtype = torch.float64 if wide_out else None
     pbytes = part_bytes(call.dtype, out_dtype)  # float64 split sums for a float64 out

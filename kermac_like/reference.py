@@ -175,16 +175,17 @@ def matvec_reference(call, out=None):
     M and N."""
     dtype = call.dtype
     work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    x, y, v = call.x.to(work), call.y.to(work), call.v.to(work)
-    hyp = {k: (h.to(work) if isinstance(h, torch.Tensor) else h) for k, h in call.hypers.items()}
     if out is None:
-        out = torch.empty(call.out_shape, dtype=dtype, device=call.device)
+        out = torch.empty(call.out_shape, dtype=call.v.dtype if call.v.dtype == torch.float64 else dtype,
+                          device=call.device)
+    # A float64 out of float32/16-bit inputs: kernel values in the work dtype, v (float32 or
+    # float64) and the products and sums in float64.
+    acc_dt = torch.float64 if out.dtype == torch.float64 else work
+    x, y, v = call.x.to(work), call.y.to(work), call.v.to(acc_dt)
+    hyp = {k: (h.to(work) if isinstance(h, torch.Tensor) else h) for k, h in call.hypers.items()}
     om = out.unsqueeze(-1) if call.vector else out
     M, N, C = call.M, call.N, call.C
     mb, nb = matvec_blocks(call.batch, M, N)
-    # A float64 out of float32/16-bit inputs: kernel values in the work dtype, products and sums in float64.
-    acc_dt = torch.float64 if out.dtype == torch.float64 else work
-    v = v.to(acc_dt)
     for m0 in range(0, M, mb):
         m1 = min(M, m0 + mb)
         acc = torch.zeros((*call.batch, m1 - m0, C), dtype=acc_dt, device=call.device)

@@ -268,7 +268,11 @@ def _args():
 @pytest.mark.parametrize("mutate,exc,match", [
     (lambda a: a.update(y=torch.randn(8, 4)), ValueError, "^y: last dimension"),
     (lambda a: a.update(v=torch.randn(7, 2)), ValueError, "^v: expected 8 rows"),
-    (lambda a: a.update(v=torch.randn(8, 2, dtype=F64)), TypeError, "^v: dtype"),
+    (lambda a: a.update(v=torch.randn(8, 2, dtype=torch.float16)), TypeError, "^v: dtype"),
+    (lambda a: a.update(v=torch.randn(8, 2, dtype=F64), out=torch.full((6, 2), float("nan"))), TypeError,
+     "^out: expected dtype torch.float64 \\(v is"),
+    (lambda a: a.update(v=torch.randn(8, 2, dtype=F64).requires_grad_()), ValueError,
+     "^v: a float64 v with torch.float32 x and y"),
     (lambda a: a.update(v=[1.0] * 8), TypeError, "^v: expected a torch.Tensor"),
     (lambda a: a.update(y=torch.ones(8, 3, dtype=torch.int32)), TypeError, "^y: expected a floating"),
     (lambda a: a.update(x=torch.randn(2, 6, 3), v=torch.randn(3, 8, 2)), ValueError, "^v: batch shape"),
@@ -636,11 +640,36 @@ def test_gpu_float64_out_two_million_positive_terms(gpu_warm, monkeypatch):
     gunsplit = torch.empty(1, 1, dtype=F64, device="cuda")
     km.kernel_matvec(gauss, xg, yg, vg, bandwidth=1.0, out=gunsplit)
     assert abs(gunsplit.item() - gsplit.item()) <= 1e-12 * gsplit.item()
-    g32 = km.kernel_matvec(gauss, xg, yg, vg, bandwidth=1.0)
-    assert g32.item() == float(gunsplit.float().item())
+    g32 = km.kernel_matvec(gauss, xg, yg, vg, bandwidth=1.0)  # float32 tile partials: within their rounding
+    assert abs(g32.item() - gunsplit.item()) <= 3e-7 * gunsplit.item()
     call = mv.prepare_matvec(gauss, xg.double(), yg.double(), vg.double(), bandwidth=1.0)
     ref = mv.matvec_reference(call).item()
     assert abs(gunsplit.item() - ref) <= 1e-5 * ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,M,N,K", [("dot", 5, 300_000, 3), ("dot", 3000, 20_000, 3), ("l1", 7, 50_000, 40),
+                                        ("l1", 2500, 9_000, 40)])
+def test_gpu_float64_v_sums_exactly(gpu_warm, name, M, N, K):
+    """The float64 mode on the GPU: float32 integer data (exact kernel values), float64 v of
+    alternating 2^29..2^30 integers (not float32 values; a cancelling sum): every output is the
+    exact integer sum (split and unsplit N ranges; the registers strategy at K = 3 and the
+    chunked one at K = 40), and the float32 mode, given the same v in float32, is not."""
+    g = torch.Generator(device="cuda").manual_seed(M + K)
+    x = torch.randint(-8, 9, (M, K), device="cuda", generator=g).float()
+    y = torch.randint(-8, 9, (N, K), device="cuda", generator=g).float()
+    sign = torch.where(torch.arange(N, device="cuda") % 2 == 0, 1, -1)[:, None]
+    v = (torch.randint(1 << 29, 1 << 30, (N, 2), device="cuda", generator=g) * sign
+         + torch.randint(-3, 4, (N, 2), device="cuda", generator=g)).double()
+    desc = km.preset(name)
+    out = torch.full((M, 2), float("nan"), dtype=F64, device="cuda")
+    assert km.kernel_matvec(desc, x, y, v, out=out) is out
+    k = (x.double().cpu() @ y.double().cpu().T) if name == "dot" else torch.cdist(x.double().cpu(), y.double().cpu(), p=1)
+    exact = (k.long() @ v.cpu().long()).double()
+    assert torch.equal(out.cpu(), exact)
+    assert torch.equal(km.kernel_matvec(desc, x, y, v).cpu(), exact)  # float64 result without out=
+    out32 = km.kernel_matvec(desc, x, y, v.float())
+    assert not torch.equal(out32.double().cpu(), exact)
 
 
 @pytest.mark.gpu
@@ -811,6 +840,31 @@ def test_custom_op_float64_out_of_float32_inputs():
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, y, v, torch.empty(2, 6, 2, dtype=F64))
     assert got.dtype == F64 and torch.equal(got, ref)
     assert (ref.float().double() != ref).any()  # not rounded to float32
+
+
+def test_custom_op_float64_v_of_float32_inputs():
+    """A float64 v with float32 x and y (the float64 mode): a float64 result without out=
+    (fake shapes and dtype for torch.compile), opcheck of both ops, and the reference path's
+    value: the float32 kernel values times the float64 v, summed in float64."""
+    desc, x, y, v, bw, _ = _op_case()
+    x, y, bw = x.float(), y.float(), bw.float()
+    call = mv.prepare_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1)
+    assert call.wide_v and call.out_dtype == F64
+    from kermac_like.ops.matvec import _op_args
+
+    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec.default, (*_op_args(call, v), False))
+    out = torch.full((2, 6, 2), float("nan"), dtype=F64)
+    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec_out.default, (*_op_args(call, v), False, out))
+
+    def f(x, y, v):
+        return km.kernel_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1)
+
+    ref = f(x, y, v)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, y, v)
+    assert ref.dtype == got.dtype == F64 and torch.equal(got, ref)
+    kd = reference.distance_reference(desc, x, y, **call.hypers, reg_diag=call.reg_diag, epsilon=call.epsilon)
+    assert torch.allclose(ref, kd.double() @ v, rtol=1e-13, atol=1e-13)
+    assert not torch.allclose(ref, kd.double() @ v.float().double(), rtol=1e-13, atol=1e-13)  # v not rounded
 
 
 def test_custom_op_traces_and_differentiates():

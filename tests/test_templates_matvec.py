@@ -3,9 +3,9 @@ compiled with g++ behind a thin shim (each CUDA thread a std::thread, __syncthre
 warp shuffles through a shared array) and run on odd shapes against float64, for the shipped
 loop and the tuned variants (kUnrollJ, kPolyPairs, kPrefetch; bench/probes/matvec_d3_candidates.py):
 partial last tiles (padded trips), split N ranges (the `part` output), rows that are too far
-from the tile's centre to fold a_m out of the loop, and a NaN point. The float64 output
-(TOut = double): the stored float64 totals are the ones the float32 output rounds, split sums
-stay float64 through matvec_combine_kernel.
+from the tile's centre to fold a_m out of the loop, and a NaN point. The float64 mode
+(TOut = double): v read as float64, float64 products and sums (exact integer sums that float32
+partials would round), split sums float64 through matvec_combine_kernel.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
@@ -71,11 +72,14 @@ using std::min;
 
 using namespace kermac_like;
 #define G(...) MatvecTraits<Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Gaussian, float, 4, 1, true, __VA_ARGS__>
+// The dot product (kK = 4, one column) in the float64 mode: exact integer terms.
+using DotWide = MatvecTraits<Inner::Dot, Power::Noop, Power::Noop, Epilogue::None, float, 4, 1, false, 0, 0, -1,
+                             false, double>;
 @@INSTANCES@@
 
 template <class Tr>
-void run(const float* x, const float* y, const float* v, typename Tr::TOut* out, typename Tr::TPart* part, int M, int N,
-         int n_split, int per) {
+void run(const float* x, const float* y, const typename Tr::TVIn* v, typename Tr::TOut* out, typename Tr::TPart* part,
+         int M, int N, int n_split, int per) {
   gridDim = {unsigned((M + Tr::kBlockM - 1) / Tr::kBlockM), unsigned(n_split), 1};
   std::barrier<> bar(Tr::kThreads);
   kl_barrier = &bar;
@@ -106,11 +110,17 @@ int main(int argc, char** argv) {
   std::fclose(f);
   std::vector<float> out(M + n_split * M, 0.f);
   const float *x = in.data(), *y = x + 3 * M, *v = y + 3 * N;
-  if (which >= 100) {  // float64 output: out (M) | part (n_split M) | combined part (M), doubles
+  if (which >= 100) {  // float64 mode: v as N doubles after the floats; out (M) | part (n_split M) | combined (M)
+    std::vector<double> vd(N);
+    f = std::fopen(argv[6], "rb");
+    std::fseek(f, long(4 * in.size()), SEEK_SET);
+    if (std::fread(vd.data(), 8, vd.size(), f) != vd.size()) return 3;
+    std::fclose(f);
     std::vector<double> o(2 * M + n_split * M, 0.0);
     double* part = n_split > 1 ? o.data() + M : nullptr;
     switch (which) {
 @@DCASES@@
+      case 199: run<DotWide>(x, y, vd.data(), o.data(), part, M, N, n_split, per); break;
       default: return 4;
     }
     if (n_split > 1) {  // one thread walks the combination's grid-stride loop
@@ -118,7 +128,7 @@ int main(int argc, char** argv) {
       blockDim = {1, 1, 1};
       blockIdx = {0, 0, 0};
       threadIdx = {0, 0, 0};
-      matvec_combine_kernel<MatvecCombineTraits<float, double>>(part, v, o.data() + M + n_split * M, M, N, 1, 1,
+      matvec_combine_kernel<MatvecCombineTraits<float, double>>(part, vd.data(), o.data() + M + n_split * M, M, N, 1, 1,
                                                                 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, nullptr, 0, 0,
                                                                 0, 0.f, 0, n_split);
     }
@@ -158,7 +168,7 @@ def runner(tmp_path_factory):
     cases = [f"    case {i}: run<T{i}>(x, y, v, out.data(), n_split > 1 ? out.data() + M : nullptr, M, N, n_split, per); "
              "break;" for i in range(len(VARIANTS))]
     inst += [f"using D{i} = G({p}, {u}, {q}, {pf}, double);" for i, (p, u, q, pf) in enumerate(DOUBLE_VARIANTS)]
-    dcases = [f"      case {100 + i}: run<D{i}>(x, y, v, o.data(), part, M, N, n_split, per); break;"
+    dcases = [f"      case {100 + i}: run<D{i}>(x, y, vd.data(), o.data(), part, M, N, n_split, per); break;"
               for i in range(len(DOUBLE_VARIANTS))]
     src = (SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
            .replace("@@DCASES@@", "\n".join(dcases)))
@@ -203,32 +213,42 @@ def test_expanded_variants_cpu(runner, which, case, tmp_path):
         assert (np.abs(part[0][ok] - ref0[ok]) / ref0[ok]).max() < 2e-6
 
 
+def _inputs(path, x, y, v32, v64=None):
+    """The runner's input file: x | y | v as float32, then (float64 mode) v as float64."""
+    parts = [np.concatenate([x.ravel(), y.ravel(), v32.ravel()]).astype(np.float32).tobytes()]
+    if v64 is not None:
+        parts.append(np.asarray(v64, dtype=np.float64).ravel().tobytes())
+    path.write_bytes(b"".join(parts))
+
+
 @pytest.mark.parametrize("which", range(len(DOUBLE_VARIANTS)))
 def test_float64_output_cpu(runner, which, tmp_path):
-    """TOut = double: out holds the float64 sum of the float32 tile partials (the float32 output
-    of the same loop is exactly its rounding, and differs from it); with a split N range the float64
-    partial sums reach matvec_combine_kernel unrounded (its result is their sum in split order)."""
+    """TOut = double, the float64 mode: v read as float64, float64 products and sums: within
+    float32's rounding of the float32-output twin (the same kernel values), not rounded to float32
+    (test_float64_mode_sums_exactly_cpu shows v and the sums exact); with a split N range the float64 partial sums reach matvec_combine_kernel unrounded (its
+    result is their sum in split order)."""
     exe, _ = runner
     f32_twin = VARIANTS.index(DOUBLE_VARIANTS[which])
     rng = np.random.default_rng(40 + which)
     M, N = 301, 1789  # 7 y tiles of 256, the last partial
     x = rng.standard_normal((M, 3)).astype(np.float32)
     y = (0.5 * rng.standard_normal((N, 3))).astype(np.float32)
-    v = rng.random((N, 1)).astype(np.float32)  # positive terms: a coherent sum
+    v64 = rng.random((N, 1)) + 1.0  # positive terms: a coherent sum; not float32 values
+    v32 = v64.astype(np.float32)
     inp = tmp_path / "in.bin"
-    np.concatenate([x.ravel(), y.ravel(), v.ravel()]).astype(np.float32).tofile(inp)
+    _inputs(inp, x, y, v32, v64)
 
     def go(w, n_split, per, dtype):
         outp = tmp_path / f"out{w}_{n_split}.bin"
         subprocess.run([str(exe), str(w), str(M), str(N), str(n_split), str(per), str(inp), str(outp)], check=True)
         return np.fromfile(outp, dtype=dtype)
 
-    out32 = go(f32_twin, 1, 7, np.float32)[:M]
+    out32 = go(f32_twin, 1, 7, np.float32)[:M].astype(np.float64)
     raw = go(100 + which, 1, 7, np.float64)
     out64 = raw[:M]
-    assert np.array_equal(out64.astype(np.float32), out32)  # the same float64 totals, rounded once
-    assert (out64 != out32.astype(np.float64)).mean() > 0.9  # ... but here not rounded
-    ref = _reference(x, y, v)[:, 0]
+    ref = _reference(x, y, v64)[:, 0]
+    assert (np.abs(out64 - out32) / out64).max() < 6e-7  # the same kernel values, float32 sums in the twin
+    assert (out64 != out64.astype(np.float32).astype(np.float64)).mean() > 0.9  # not rounded to float32
     assert (np.abs(out64 - ref) / ref).max() < 2e-6
     # split: tiles 0-3 and 4-6; part and the combination stay in float64
     raw = go(100 + which, 2, 4, np.float64)
@@ -237,3 +257,23 @@ def test_float64_output_cpu(runner, which, tmp_path):
     assert np.array_equal(combined, part[0] + part[1])
     assert (np.abs(combined - out64) / out64).max() < 1e-14  # float64 association only
     assert (combined != combined.astype(np.float32).astype(np.float64)).mean() > 0.9
+
+
+def test_float64_mode_sums_exactly_cpu(runner, tmp_path):
+    """The float64 mode with the dot product on integers: every term k * v is an integer
+    below 2^40 and the sum cancels (alternating signs of 2^30-sized v), so float64 products and
+    sums give the exact integer, where float32 tile partials (the float32 mode) could not."""
+    exe, _ = runner
+    rng = np.random.default_rng(77)
+    M, N = 300, 1500
+    x = rng.integers(-8, 9, (M, 3)).astype(np.float32)
+    y = rng.integers(-8, 9, (N, 3)).astype(np.float32)
+    v = (rng.integers(1 << 29, 1 << 30, N) * np.where(np.arange(N) % 2, -1, 1) + rng.integers(-3, 4, N))
+    inp, outp = tmp_path / "in.bin", tmp_path / "out.bin"
+    _inputs(inp, x, y, np.zeros(N, np.float32), v)
+    for n_split, per in ((1, 6), (3, 2)):
+        subprocess.run([str(exe), "199", str(M), str(N), str(n_split), str(per), str(inp), str(outp)], check=True)
+        raw = np.fromfile(outp, dtype=np.float64)
+        got = raw[:M] if n_split == 1 else raw[M + n_split * M:]
+        exact = x.astype(np.int64) @ y.astype(np.int64).T @ v.astype(np.int64)
+        assert np.array_equal(got, exact.astype(np.float64)), n_split

@@ -35,7 +35,8 @@ __all__ = ["kernel_matvec", "MatvecCall", "prepare_matvec", "matvec_forward", "m
            "SCRATCH_BYTES", "WIDE_OUT_INPUTS"]
 
 SCRATCH_BYTES = MATVEC_SCRATCH_BYTES  # largest split-N scratch of one call (plan.py)
-# Input dtypes whose kernel_matvec may write a float64 ``out`` (the float64 sums, unrounded).
+# Input dtypes whose kernel_matvec has a float64 mode: a float64 ``out`` and/or a float64 ``v``
+# (float64 products and sums of the kernel values, stored unrounded).
 WIDE_OUT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -70,6 +71,16 @@ class MatvecCall:
     def dtype(self) -> torch.dtype:
         return self.x.dtype
 
+    @property
+    def wide_v(self) -> bool:
+        """v is float64 while x and y are float32/16-bit (the float64 mode; out is float64)."""
+        return self.v.dtype == torch.float64 and self.x.dtype != torch.float64
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype of the result when no ``out`` is given: float64 for a float64 v, else x's."""
+        return torch.float64 if self.wide_v else self.dtype
+
     def with_v(self, v: torch.Tensor) -> "MatvecCall":
         """The same kernel matrix applied to another right-hand side ``(..., N, C')`` or ``(N,)``."""
         return _with_v(self, "v", v)
@@ -86,7 +97,10 @@ def _rhs(name: str, v, x: torch.Tensor, N: int):
     if not isinstance(v, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(v).__name__}")
     check_tensor(name, v, min_dim=1)
-    check_same(name, v, "x", x)
+    if not (v.dtype == torch.float64 and x.dtype in WIDE_OUT_INPUTS):  # else the float64 mode
+        check_same(name, v, "x", x)
+    elif v.device != x.device:
+        raise ValueError(f"{name}: device {v.device} differs from x's {x.device}")
     vector = v.dim() == 1
     vm = v.unsqueeze(-1) if vector else v
     if vm.shape[-2] != N:
@@ -138,6 +152,8 @@ def _check_out(call: MatvecCall, out) -> torch.Tensor:
         raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != tuple(call.out_shape):
         raise ValueError(f"out: expected shape {tuple(call.out_shape)}, got {tuple(out.shape)}")
+    if call.wide_v and out.dtype != torch.float64:
+        raise TypeError(f"out: expected dtype torch.float64 (v is float64: the float64 mode), got {out.dtype}")
     if out.dtype != call.dtype and not (out.dtype == torch.float64 and call.dtype in WIDE_OUT_INPUTS):
         ok = "float64" if call.dtype == torch.float64 else f"{call.dtype} or torch.float64"
         raise TypeError(f"out: expected dtype {ok}, got {out.dtype}")
@@ -153,7 +169,7 @@ def matvec_forward(call: MatvecCall, out=None, *, debug: bool = False) -> torch.
     (batch-many scalars) and, when the N range is split across CTAs (few rows of x), split
     partial sums of at most SCRATCH_BYTES; never anything of size M x N."""
     if out is None:
-        out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
+        out = torch.empty(call.out_shape, dtype=call.out_dtype, device=call.device)
     return plan_matvec(call, out, debug).run()
 
 
@@ -202,7 +218,8 @@ def _matvec_fake(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_
     vb = v.shape[:-2] if v.dim() > 1 else ()
     batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2], vb, *(t.shape for t in hypers if t is not None))
     tail = (x.shape[-2],) if v.dim() == 1 else (x.shape[-2], v.shape[-1])
-    return x.new_empty((*batch, *tail))
+    wide = v.dtype == torch.float64 and x.dtype != torch.float64
+    return x.new_empty((*batch, *tail), dtype=torch.float64 if wide else x.dtype)
 
 
 @_matvec_out_op.register_fake
@@ -238,10 +255,13 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     and tensor hyper-parameters broadcast. dtypes: float32; float16/bfloat16 (float32
     accumulation, output in the input dtype); float64 and CPU tensors take the torch
     reference path (row and column blocks). ``out`` may be float64 for float32/float16/bfloat16
-    inputs: the float64 sums are stored without the final rounding (the fused kernel's float64
-    totals of its float32 tile partials, split sums combined in float64; float64 accumulation on
-    the reference path and in matvec_blocked, which then serves the K > 32 Euclidean calls in
-    place of the sm_90 tensor-core kernel). Not under autograd (ValueError naming ``out``).
+    inputs, and ``v`` may be float64 (then the result is float64): the float64 mode, in which
+    the kernel values are computed in float32 as always and everything after them is float64
+    (v read as float64, a float32 v widened; each product k * v and all sums in float64, split
+    sums combined in float64, the result stored without rounding; float64 accumulation on the
+    reference path and in matvec_blocked, which then serves the K > 32 Euclidean calls in place
+    of the sm_90 tensor-core kernel). For iterative solvers whose products cancel (Falkon's
+    preconditioned system). Not under autograd (ValueError naming ``out`` or ``v``).
 
     Paths: one fused kernel (cuda_templates/matvec.cuh) for every descriptor; for
     Euclidean/DOT descriptors with K > 32 in float32, on sm_90 (H100/H200) the fused
@@ -274,6 +294,9 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
         _check_out(call, out)
     hyper_tensors = [h for h in call.hypers.values() if isinstance(h, torch.Tensor)]
     grad = _needs_grad(call)
+    if grad and call.wide_v:
+        raise ValueError(f"v: a float64 v with {call.dtype} x and y (the float64 mode) takes no part in autograd; "
+                         "detach the inputs, or pass v in x's dtype")
     if grad and out is not None and out.dtype != call.dtype:
         raise ValueError(f"out: a {out.dtype} out of {call.dtype} inputs takes no part in autograd (the "
                          "differentiable product returns the inputs' dtype); detach the inputs or drop out=")

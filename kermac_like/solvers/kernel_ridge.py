@@ -184,7 +184,8 @@ class KernelRidge:
         CG iterations on rank 0.
 
     Fitted attributes: ``X_fit_`` and ``dual_coef_`` (this rank's share of the points and
-    coefficients; the centres and beta for nystrom), ``solver_`` (the solver used),
+    coefficients; the centres and beta for nystrom, beta in float64 with float32/16-bit data
+    because its entries cancel), ``solver_`` (the solver used),
     ``n_iter_`` (CG iterations, 0 for cholesky), ``residual_`` (relative residual reached,
     None for cholesky), ``n_features_in_``, ``n_samples_fit_`` (N over all ranks),
     ``fit_time_`` (seconds, the host clock after a device synchronisation).
@@ -428,25 +429,31 @@ class KernelRidge:
         pre = FalkonPreconditioner(kzz64, n_total, alpha, X.dtype, debug=debug)
         dt = X.dtype
 
+        # Both products run in kernel_matvec's float64 mode (float64 v and out: the kernel values
+        # in the data's dtype, every product and sum in float64). B amplifies the rounding of
+        # either: the long coherent sum of K_Zn u, and K_nZ v, whose terms cancel (v = B g
+        # oscillates); bench/notes/solvers.md.
+        wide = dt != torch.float64
+
         def k_zn(u):  # K_Zn u summed over the ranks (u: this rank's rows), float64
-            # The long sum over the training points is coherent (u smooth, the kernel positive) and
-            # B amplifies its rounding (bench/notes/solvers.md): kernel_matvec writes its float64
-            # sums into a float64 out instead of rounding them to the data's dtype.
-            w = torch.empty((m, u.shape[1]), dtype=torch.float64, device=X.device)
-            return comm.all_reduce(kernel.matvec(z, X, u.to(dt), out=w))
+            return comm.all_reduce(kernel.matvec(z, X, u.to(torch.float64 if wide else dt)).to(torch.float64))
+
+        def k_nz(v64):  # K_nZ v for this rank's rows: float64 (float64 mode), or the data's dtype
+            return kernel.matvec(X, z, v64 if wide else v64.to(dt))
 
         def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v, float64 in and out
-            return k_zn(kernel.matvec(X, z, v64.to(dt))) + alpha * (kzz64 @ v64)
+            return k_zn(k_nz(v64)) + alpha * (kzz64 @ v64)
 
         def apply_a(g):
             return pre.apply_t(h(pre.apply(g)))
 
         def residual(g):
-            """B^T (K_Zn (y - K_nZ beta) - alpha K_ZZ beta) for beta = B g rounded to the data's dtype
-            (the stored coefficients): b - A g with the long sum over the training points taken of
-            the training residual y - K_nZ beta, not of K_nZ beta (see the notes)."""
-            beta = pre.apply(g).to(dt)
-            r_n = y - kernel.matvec(X, z, beta)  # this rank's rows, in the data's dtype
+            """B^T (K_Zn (y - K_nZ beta) - alpha K_ZZ beta) for beta = B g as stored (float64 with
+            float32/16-bit data, the float64 mode's products): b - A g with the long sum over the
+            training points taken of the training residual y - K_nZ beta, not of K_nZ beta (see the
+            notes)."""
+            beta = pre.apply(g) if wide else pre.apply(g).to(dt)
+            r_n = y - k_nz(beta)  # this rank's rows
             return pre.apply_t(k_zn(r_n) - alpha * (kzz64 @ beta.to(torch.float64)))
 
         b = pre.apply_t(k_zn(y))  # = residual(0)
@@ -461,7 +468,10 @@ class KernelRidge:
                       residual=residual)
         finally:
             bar.close()
-        beta = pre.apply(res.x).to(dt)
+        # The coefficients stay float64 with float32/16-bit data: they cancel (rounding them
+        # to float32 would add eps32 * ||K|| ||beta|| to every prediction); predict's product
+        # then runs in kernel_matvec's float64 mode.
+        beta = pre.apply(res.x) if wide else pre.apply(res.x).to(dt)
         share = _share(m, comm)
         self.X_fit_ = z[share]
         self.dual_coef_ = beta[share]
@@ -496,7 +506,7 @@ class KernelRidge:
                              "collective and takes the same X on every rank")
         with torch.no_grad():
             out = self._kernel.matvec(Xt, self.X_fit_, self.dual_coef_)
-            out = comm.all_reduce(out)
+            out = comm.all_reduce(out).to(self._dtype)
         if self._y_1d:
             out = out[:, 0]
         if was_np:

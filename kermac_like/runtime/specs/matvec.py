@@ -63,11 +63,11 @@ def _floor_pow2(x: int) -> int:
     return 8 if x >= 8 else 4 if x >= 4 else 2 if x >= 2 else 1
 
 
-def rows_per_thread(kK: int, kC: int, dtype=torch.float32) -> int:
-    """Mirror of MatvecTraits::kRows."""
+def rows_per_thread(kK: int, kC: int, dtype=torch.float32, wide: bool = False) -> int:
+    """Mirror of MatvecTraits::kRows (``wide``: the float64 mode, TOut = double)."""
     chunked = kK == 0
     reg_k = 4 if chunked else kK
-    rows = _floor_pow2(96 // (reg_k + 3 * kC + (32 if chunked else 1)))
+    rows = _floor_pow2(96 // (reg_k + (4 if wide else 3) * kC + (32 if chunked else 1)))
     return 4 if dtype != torch.float32 and rows == 8 else rows
 
 
@@ -135,12 +135,13 @@ def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expan
                        prefetch: bool = False, out_dtype=None) -> KernelSpec:
     """``unroll_j`` / ``poly_pairs`` / ``prefetch``: MatvecTraits' kUnrollJ / kPolyPairs / kPrefetch
     (expanded kernel only; defaults leave the template arguments out). ``out_dtype``: torch.float64
-    selects TOut = double (the float64 totals stored without rounding); None or ``dtype``: the
-    default TOut = T (the template argument left out, so that those names do not change)."""
+    selects TOut = double, the float64 mode (v read as float64, float64 products and sums, the
+    totals stored without rounding); None or ``dtype``: the default TOut = T (the template
+    argument left out, so that those names do not change)."""
     tout = _out_arg(dtype, out_dtype)
+    rows = rows_per_thread(kK, kC, dtype, wide=bool(tout))
     if poly_rows is None:
-        poly_rows = POLY_ROWS if expand and rows_per_thread(kK, kC, dtype) >= 8 else 0
-    rows = rows_per_thread(kK, kC, dtype)
+        poly_rows = POLY_ROWS if expand and rows >= 8 else 0
     tuned = bool(unroll_j) or poly_pairs >= 0 or prefetch
     if tuned and not expand:
         raise ValueError("matvec_traits_spec: unroll_j, poly_pairs and prefetch tune the expanded kernel only")

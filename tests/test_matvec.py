@@ -177,8 +177,9 @@ def test_float64_out_of_float32_inputs_cpu():
 def test_float64_out_specs_and_split_budget():
     g = km.preset("gaussian_l2")
     f32, f64 = torch.float32, torch.float64
-    assert ms.matvec_spec(g, f32, 3, 1, out_dtype=f64).traits.endswith("float, 4, 1, true, 0, 4, 4, true, double>")
-    assert ms.matvec_spec(g, f32, 8, 1, out_dtype=f64).traits.endswith("float, 12, 1, true, 0, 0, -1, false, double>")
+    # the float64 mode takes the direct form (no expanded exponent): kK = K, not K + 1
+    assert ms.matvec_spec(g, f32, 3, 1, out_dtype=f64).traits.endswith("float, 3, 1, false, 0, 0, -1, false, double>")
+    assert ms.matvec_spec(g, f32, 8, 1, out_dtype=f64).traits.endswith("float, 8, 1, false, 0, 0, -1, false, double>")
     assert ms.matvec_spec(km.preset("l1"), torch.float16, 40, 3, out_dtype=f64).traits.endswith(
         "float16, 0, 4, false, 0, 0, -1, false, double>")
     assert ms.matvec_spec(g, f32, 3, 1, out_dtype=f32) == ms.matvec_spec(g, f32, 3, 1)  # the default TOut
@@ -187,7 +188,7 @@ def test_float64_out_specs_and_split_budget():
     with pytest.raises(ValueError, match="^out: dtype torch.float16"):
         ms.matvec_spec(g, f32, 3, 1, out_dtype=torch.float16)
     shipped = [s.traits for s in ms.shipped()]
-    assert sum("double" in t for t in shipped) == 2  # one matvec kernel and its combination
+    assert sum("double" in t for t in shipped) == 3  # D = 3 and D = 8 matvec kernels, the combination
 
 
 @pytest.mark.parametrize("name", ["gaussian_l2", "dot", "laplace_l2"])
@@ -645,6 +646,22 @@ def test_gpu_float64_out_two_million_positive_terms(gpu_warm, monkeypatch):
     call = mv.prepare_matvec(gauss, xg.double(), yg.double(), vg.double(), bandwidth=1.0)
     ref = mv.matvec_reference(call).item()
     assert abs(gunsplit.item() - ref) <= 1e-5 * ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gaussian_l2", "laplace_l2"])
+def test_gpu_float64_mode_kernel_values_are_transposes(gpu_warm, name):
+    """The float64 mode computes k by the direct form: K(x, y) read off with one-hot float64
+    columns of v is bitwise the transpose of K(y, x) (Falkon's K_nZ and K_Zn products must be
+    transposes, or its CG stalls), and within float32 rounding of the float64 kernel."""
+    desc = km.preset(name)
+    x, y = _gpu_data((300, 8), (200, 8))
+    kxy = km.kernel_matvec(desc, x, y, torch.eye(200, dtype=F64, device="cuda"), bandwidth=2.0)
+    kyx = km.kernel_matvec(desc, y, x, torch.eye(300, dtype=F64, device="cuda"), bandwidth=2.0)
+    assert torch.equal(kxy, kyx.T)
+    assert torch.equal(kxy, kxy.float().double())  # float32 kernel values, times exact ones
+    ref = reference.distance_reference(desc, x.double(), y.double(), bandwidth=2.0)
+    assert ((kxy - ref).abs() / ref).max() < 2e-6
 
 
 @pytest.mark.gpu

@@ -294,3 +294,13 @@ def test_simt_calls_read_kmajor_copies_of_row_major_operands(as_gpu, monkeypatch
     monkeypatch.setattr(P, "_KMAJOR_MAX_SHARE", 4)
     big_k = P.plan_distance(call, out, mode, True)
     assert big_k.spec.traits.count("Layout::RowMajor") == 3
+
+
+@pytest.mark.parametrize("shape", [(48, 5), (2, 3, 50, 7), (1, 1)])
+def test_kmajor_copy(shape):
+    """plan._kmajor: the values of t, m-contiguous, every column 16-byte aligned (rows padded
+    to a multiple of 4 where needed); an already m-contiguous aligned operand is used as is."""
+    t = torch.randn(*shape)
+    c = P._kmajor(t)
+    assert torch.equal(c, t) and c.stride(-2) == 1 and c.stride(-1) % 4 == 0 and c.data_ptr() % 16 == 0
+    assert P._kmajor(c) is c

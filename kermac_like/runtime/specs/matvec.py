@@ -161,8 +161,12 @@ def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None, 
     """The instantiation serving a call: K and C (columns of one launch, at most MAX_C) of
     the data, ``epsilon`` as validated (None or a float; a cut > 0 disables the expanded
     form, whose exponent never forms the distance), ``out_dtype`` the output's dtype (None:
-    ``dtype``; torch.float64: TOut = double, same loop and tuning)."""
-    expand = expandable(desc) and not (epsilon is not None and epsilon > 0) and k_bucket(K + 1) != 0
+    ``dtype``; torch.float64 with float32/16-bit data: the float64 mode, TOut = double, which
+    also takes the direct form: differences, so that K(x, y) and K(y, x) are bitwise transposes
+    and carry no rounding of the expanded exponent (its centring differs between the two)."""
+    wide = bool(_out_arg(dtype, out_dtype))
+    expand = (expandable(desc) and not (epsilon is not None and epsilon > 0) and k_bucket(K + 1) != 0
+              and not wide)
     kK = k_bucket(K + 1 if expand else K)
     tuning = {}
     if expand and dtype == torch.float32 and kK <= 8 and block_n(kK, c_bucket(C)) == THREADS:
@@ -185,10 +189,9 @@ def shipped():
     """The lean shipped set: one instantiation per code path of the template (the
     Gaussian's expanded kernel at D = 3 with 1 and 16 columns, the registers strategy for
     the p-norm (inner and outer powers) and DOT, the chunked strategy, float16 and bfloat16 loads)
-    and the combination kernels; the float64-output path (TOut = double, as Falkon's K_Zn u
-    takes it): the D = 3 one-column kernel and the float32 -> float64 combination. Not D = 8
-    (the example's): its kK = 12 kernel spills 16 bytes on sm_90 with either output type, which
-    the no-spill check of the shipped set refuses; it compiles on first use (about 1 s))."""
+    and the combination kernels; the float64 mode (TOut = double, direct form, as Falkon's
+    products take it): the D = 3 and D = 8 one-column kernels and the float32 -> float64
+    combination."""
     f32 = torch.float32
     g = PRESETS["gaussian_l2"]
     yield matvec_spec(g, f32, 3, 1)
@@ -203,5 +206,6 @@ def shipped():
         yield matvec_spec(g, dt, 3, 1)
     for dt in (f32, torch.float16, torch.bfloat16):
         yield combine_spec(dt)
-    yield matvec_spec(g, f32, 3, 1, out_dtype=torch.float64)
+    for d in (3, 8):
+        yield matvec_spec(g, f32, d, 1, out_dtype=torch.float64)
     yield combine_spec(f32, torch.float64)

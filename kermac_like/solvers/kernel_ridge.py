@@ -427,7 +427,15 @@ class KernelRidge:
         kzz64 = kzz.to(torch.float64)
         del kzz
         pre = FalkonPreconditioner(kzz64, n_total, alpha, X.dtype, debug=debug)
+        del kzz64
         dt = X.dtype
+
+        def k_zz(v64):  # (K_ZZ + delta I) v = T^T T v: the factored (jittered) K_ZZ, as Falkon takes it
+            # Exactly symmetric positive definite: the K_ZZ of the kernel matrix itself can have
+            # rounding-sized negative eigenvalues, which the preconditioner amplifies into an
+            # indefinite system on which CG diverges once the residual reaches ~2e-4
+            # (bench/notes/solvers.md, N = 10^6).
+            return pre.t.T @ (pre.t @ v64)
 
         # Both products run in kernel_matvec's float64 mode (float64 v and out: the kernel values
         # in the data's dtype, every product and sum in float64). B amplifies the rounding of
@@ -442,7 +450,7 @@ class KernelRidge:
             return kernel.matvec(X, z, v64 if wide else v64.to(dt))
 
         def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v, float64 in and out
-            return k_zn(k_nz(v64)) + alpha * (kzz64 @ v64)
+            return k_zn(k_nz(v64)) + alpha * k_zz(v64)
 
         def apply_a(g):
             return pre.apply_t(h(pre.apply(g)))
@@ -454,7 +462,7 @@ class KernelRidge:
             notes)."""
             beta = pre.apply(g) if wide else pre.apply(g).to(dt)
             r_n = y - k_nz(beta)  # this rank's rows
-            return pre.apply_t(k_zn(r_n) - alpha * (kzz64 @ beta.to(torch.float64)))
+            return pre.apply_t(k_zn(r_n) - alpha * k_zz(beta.to(torch.float64)))
 
         b = pre.apply_t(k_zn(y))  # = residual(0)
 

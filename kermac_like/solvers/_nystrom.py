@@ -123,9 +123,11 @@ class LandmarkNystromPreconditioner:
 class FalkonPreconditioner:
     """B = N^-1/2 T^-1 A^-1 of Falkon (see the module docstring); float64, m x m."""
 
-    def __init__(self, kzz64: torch.Tensor, n_total: int, alpha: float, data_dtype: torch.dtype, *, debug=False):
+    def __init__(self, kzz64: torch.Tensor, n_total: int, alpha: float, data_dtype: torch.dtype, *, debug=False,
+                 jitter: float | None = None):
         m = kzz64.shape[0]
-        self.t, self.shift = factor_upper(kzz64, jitter=_jitter(data_dtype, m), what="centre matrix K_ZZ")
+        jitter = _jitter(data_dtype, m) if jitter is None else jitter
+        self.t, self.shift = factor_upper(kzz64, jitter=jitter, what="centre matrix K_ZZ")
         lam = float(alpha) / n_total
         inner = self.t @ self.t.T / m + lam * torch.eye(m, dtype=torch.float64, device=kzz64.device)
         self.a, _ = factor_upper(inner, jitter=0.0, what="Falkon's T T^T / m + lambda I")

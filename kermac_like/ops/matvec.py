@@ -269,8 +269,9 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     epilogue and the product with v in registers), elsewhere (or with KERMAC_LIKE_WGMMA=0)
     kernel tiles from run_kernel's tensor-core (3xTF32) kernels times v (plan.matvec_blocked).
     Memory (GPU) beyond inputs and output: O((M + N) C), never M x N: the fused kernels
-    take at most ``SCRATCH_BYTES`` (32 MB) of float32 split-N partial sums when M is small,
-    plus batch-many float32 hyper-parameters; the sm_90 large-K kernel also y prepared for
+    take at most ``SCRATCH_BYTES`` (32 MB) of split-N partial sums when M is small (float64 in
+    the float64 mode), plus batch-many float32 hyper-parameters and, in the float64 mode with a
+    float32/16-bit v, v widened to float64 (N x C); the sm_90 large-K kernel also y prepared for
     the tensor cores one range of N at a time (at most plan.MATVEC_WGMMA_BLOCK_BYTES, 64 MB),
     v's tiles (N x C) and, for several ranges, a float64 carry (M x C); matvec_blocked one
     kernel tile of at most plan.MATVEC_TILE_ELEMENTS (128 MB) and the distance kernel's copy

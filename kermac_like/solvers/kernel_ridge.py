@@ -426,15 +426,9 @@ class KernelRidge:
         kzz = kernel.matrix(z, z)
         kzz64 = kzz.to(torch.float64)
         del kzz
-        dt = X.dtype
-        wide = dt != torch.float64
-        # K_ZZ's shift: the spectral size of its entries' rounding, eps sqrt(m), when the products run
-        # in float64 (kernel_matvec's float64 mode, below) and the system takes the factored
-        # K_ZZ + delta I itself; eps m (the float32-product safety margin) otherwise. The shift is
-        # a ridge on beta: eps32 m (2.4e-3 at m = 20 000) cost 8 % of test MSE at N = 10^6.
-        jitter = torch.finfo(dt).eps * (m ** 0.5 if wide else m)
-        pre = FalkonPreconditioner(kzz64, n_total, alpha, X.dtype, debug=debug, jitter=jitter)
+        pre = FalkonPreconditioner(kzz64, n_total, alpha, X.dtype, debug=debug)
         del kzz64
+        f64 = torch.float64
 
         def k_zz(v64):  # (K_ZZ + delta I) v = T^T T v: the factored (jittered) K_ZZ, as Falkon takes it
             # Exactly symmetric positive definite: the K_ZZ of the kernel matrix itself can have
@@ -443,48 +437,46 @@ class KernelRidge:
             # (bench/notes/solvers.md, N = 10^6).
             return pre.t.T @ (pre.t @ v64)
 
-        # Both products run in kernel_matvec's float64 mode (float64 v and out: the kernel values
-        # in the data's dtype, every product and sum in float64). B amplifies the rounding of
-        # either: the long coherent sum of K_Zn u, and K_nZ v, whose terms cancel (v = B g
-        # oscillates); bench/notes/solvers.md.
+        # Every vector is float64, so with float32/16-bit data both products run in kernel_matvec's
+        # float64 mode (the kernel values in the data's dtype, every product and sum in float64). B
+        # amplifies the rounding of either: the long coherent sum of K_Zn u, and K_nZ v, whose terms
+        # cancel (v = B g oscillates); bench/notes/solvers.md.
+        def k_zn(u):  # K_Zn u summed over the ranks (u: this rank's rows)
+            return comm.all_reduce(kernel.matvec(z, X, u.to(f64)))
 
-        def k_zn(u):  # K_Zn u summed over the ranks (u: this rank's rows), float64
-            return comm.all_reduce(kernel.matvec(z, X, u.to(torch.float64 if wide else dt)).to(torch.float64))
+        def k_nz(v64):  # K_nZ v for this rank's rows
+            return kernel.matvec(X, z, v64)
 
-        def k_nz(v64):  # K_nZ v for this rank's rows: float64 (float64 mode), or the data's dtype
-            return kernel.matvec(X, z, v64 if wide else v64.to(dt))
-
-        def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v, float64 in and out
+        def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v
             return k_zn(k_nz(v64)) + alpha * k_zz(v64)
 
         def apply_a(g):
             return pre.apply_t(h(pre.apply(g)))
 
         def residual(g):
-            """B^T (K_Zn (y - K_nZ beta) - alpha K_ZZ beta) for beta = B g as stored (float64 with
-            float32/16-bit data, the float64 mode's products): b - A g with the long sum over the
-            training points taken of the training residual y - K_nZ beta, not of K_nZ beta (see the
-            notes)."""
-            beta = pre.apply(g) if wide else pre.apply(g).to(dt)
-            r_n = y - k_nz(beta)  # this rank's rows
-            return pre.apply_t(k_zn(r_n) - alpha * k_zz(beta.to(torch.float64)))
+            """B^T (K_Zn (y - K_nZ beta) - alpha K_ZZ beta) for beta = B g: b - A g with the long sum
+            over the training points taken of the training residual y - K_nZ beta, not of K_nZ beta
+            (see the notes)."""
+            beta = pre.apply(g)
+            return pre.apply_t(k_zn(y - k_nz(beta)) - alpha * k_zz(beta))
 
         b = pre.apply_t(k_zn(y))  # = residual(0)
 
         bar = _Progress(show, self._max_iter(), "KernelRidge nystrom")
         try:
             # True residuals (the checks, the verification at tol, max_iter) in the residual form
-            # above; with float32 products, a check every 10 iterations restarts the recursion from
-            # the true residual and keeps the best iterate (the safety net of _cg.pcg).
+            # above; with float32/16-bit data (float32 kernel values), a check every 10 iterations
+            # restarts the recursion from the true residual and keeps the best iterate (the safety
+            # net of _cg.pcg).
             res = pcg(apply_a, lambda r: r.clone(), b, tol=float(self.tol), max_iter=self._max_iter(),
-                      progress=bar, label="nystrom", check_every=None if dt == torch.float64 else 10,
+                      progress=bar, label="nystrom", check_every=None if X.dtype == f64 else 10,
                       residual=residual)
         finally:
             bar.close()
-        # The coefficients stay float64 with float32/16-bit data: they cancel (rounding them
-        # to float32 would add eps32 * ||K|| ||beta|| to every prediction); predict's product
-        # then runs in kernel_matvec's float64 mode.
-        beta = pre.apply(res.x) if wide else pre.apply(res.x).to(dt)
+        # beta stays float64 whatever the data: its entries cancel (rounding them to float32 would
+        # add eps32 ||K|| ||beta|| to every prediction); predict's product then runs in
+        # kernel_matvec's float64 mode.
+        beta = pre.apply(res.x)
         share = _share(m, comm)
         self.X_fit_ = z[share]
         self.dual_coef_ = beta[share]

@@ -292,6 +292,11 @@ def _kmajor_pair(a: torch.Tensor, b: torch.Tensor) -> tuple:
     return ka, (ka if _same_memory(a, b) else _kmajor(b))
 
 
+def _lowk_serves(kind: str, K: int) -> bool:
+    """Whether the low-K kernel serves an exact call of this kind (else the SIMT kernel)."""
+    return kind == autotune.LOWK and K <= LOWK_GENERIC_MAX_K
+
+
 def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: Settings, kind: str):
     """(spec, views, tensors, batch plan, family) for a GPU call served by ``kind``
     (runtime.autotune's kinds), or None for the reference path."""
@@ -322,7 +327,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
     outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
     tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
     bplan = _batch_plan(call, tensors)
-    if kind == autotune.LOWK and call.K <= LOWK_GENERIC_MAX_K:
+    if _lowk_serves(kind, call.K):
         # Row-major output only: a column-major out is computed as out^T = kernel(b, a).
         first, second = (bv, av) if outv.layout is Layout.COL_MAJOR else (av, bv)
         # Mirroring torch.cdist's matrix product: its NaN/inf (autotune.candidates).
@@ -528,7 +533,7 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     if kind == autotune.TENSOR_CORE:
         padded_call = _padded_for_tensor_cores(call)
         padded, call = padded_call is not call, padded_call
-    elif (kind == autotune.SIMT or call.K > LOWK_GENERIC_MAX_K) and _kmajor_worthwhile(call):
+    elif not _lowk_serves(kind, call.K) and _kmajor_worthwhile(call):
         kmajor = True
         a, b = _kmajor_pair(call.a, call.b)
         call = dataclasses.replace(call, a=a, b=b)
@@ -893,7 +898,8 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     bs = {k: bplan.strides[k][1] for k in ("x", "y", "v", "out")}
     launches, first = [], None
     scratch = [h for h in hypers.values() if isinstance(h, torch.Tensor)]  # float32 copies stay alive
-    scratch.append(v)  # (the float64 copy of a float32 v)
+    if v is not call.v:
+        scratch.append(v)  # the float64 copy of v stays alive
     kernel = combine = part = None
     out_dtype = torch.float64 if wide_out else None
     pbytes = part_bytes(call.dtype, out_dtype)  # float64 split sums for a float64 out

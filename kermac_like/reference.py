@@ -171,13 +171,12 @@ def matvec_reference(call, out=None):
     """kernel_matvec in torch for a validated call (``kermac_like.ops.matvec.MatvecCall``):
     kernel blocks of at most BLOCK_ELEMENTS entries (row and column blocks, each through
     :func:`distance_reference`) times blocks of v, in the inputs' dtype (float32 for
-    float16/bfloat16; float64 products and sums when ``out`` is float64). Memory beyond inputs and output: O(BLOCK_ELEMENTS + M C) whatever
-    M and N."""
+    float16/bfloat16; float64 products and sums when ``out`` is float64). Memory beyond inputs
+    and output: O(BLOCK_ELEMENTS + M C) whatever M and N."""
     dtype = call.dtype
     work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     if out is None:
-        out = torch.empty(call.out_shape, dtype=call.v.dtype if call.v.dtype == torch.float64 else dtype,
-                          device=call.device)
+        out = torch.empty(call.out_shape, dtype=call.out_dtype, device=call.device)
     # A float64 out of float32/16-bit inputs: kernel values in the work dtype, v (float32 or
     # float64) and the products and sums in float64.
     acc_dt = torch.float64 if out.dtype == torch.float64 else work

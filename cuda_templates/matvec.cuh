@@ -41,7 +41,7 @@
 // Output type (kTOut = TOut_, default T): T rounds the float64 totals once at the store.
 // double is the float64 mode (kernel_matvec with a float64 `out` for float32/16-bit inputs,
 // e.g. Falkon's products, whose float32 rounding its preconditioner amplifies): v is read as
-// double (TV), each pair's product k * v and the sums are float64 (DFMA on the float32 kernel
+// double (TVIn), each pair's product k * v and the sums are float64 (DFMA on the float32 kernel
 // value: no float32 tile partials, no rounding of v or of the result), only k itself is
 // computed in float32. The split scratch `part` (TPart) is double exactly when the output
 // is double, so that the instantiations with a T output are unchanged.
@@ -77,7 +77,7 @@ __device__ __forceinline__ void store_f(bfloat16* p, float x) {
   p->bits = h;
 }
 
-// v in the float64 mode (TV = double).
+// v in the float64 mode (TVIn = double).
 __device__ __forceinline__ double load_f(const double* p) { return *p; }
 
 // partial + k * v: float32 FMA, or (float64 mode) float64 FMA of the widened kernel value.
@@ -149,8 +149,7 @@ struct MatvecTraits {
   using T = T_;
   using TOut = TOut_;
   using TPart = typename matvec_detail::PartOf<TOut_>::type;  // split partial sums
-  using TAcc = TPart;                                          // per-tile partial sums
-  using TV = TPart;                                            // v as staged: float or double
+  using TW = TPart;  // v as staged and the per-tile partial sums: float, or double (float64 mode)
   using TVIn = typename matvec_detail::VOf<TOut_, T_>::type;   // v in memory: T or double
   static constexpr bool kWide = SameType<TOut_, double>::value;
   static constexpr Inner kInner = kInner_;
@@ -190,7 +189,7 @@ struct MatvecTraits {
   static_assert(kPolyPairs_ >= -1 && kPolyPairs_ < kRows * kUnrollJ, "MatvecTraits: kPolyPairs must leave a MUFU pair");
   static_assert(kExpand_ || (kPolyPairs_ <= 0 && kUnrollJ_ == 0 && !kPrefetch_),
                 "MatvecTraits: kUnrollJ, kPolyPairs and kPrefetch tune the expanded kernel only");
-  static constexpr int kStaticSmem = 4 * kBlockN * kKS + int(sizeof(TV)) * kBlockN * kC_;
+  static constexpr int kStaticSmem = 4 * kBlockN * kKS + int(sizeof(TW)) * kBlockN * kC_;
   static_assert(kStaticSmem <= 48 * 1024, "MatvecTraits: the y tile must fit static shared memory");
   static_assert(!kPrefetch_ || (kBlockN == kThreads && kBlockN % kUnrollJ == 0 && kK_ <= 8),
                 "MatvecTraits: kPrefetch needs one point per thread (kBlockN == kThreads) and kK <= 8");
@@ -282,10 +281,10 @@ __device__ __forceinline__ double reg_term(const T* v, i64 svn, i64 svc, int N, 
 // of the tile per step. kFold (expanded, CTA uniform): the exponent starts from b_n and
 // a_m is applied to the totals at the end.
 template <class Tr, bool kFold>
-__device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TV* vs, int jn,
+__device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TW* vs, int jn,
                                           const float (&xr)[Tr::kRows][Tr::kChunked ? 1 : Tr::kK],
                                           const float (&xa)[Tr::kRows],
-                                          typename Tr::TAcc (&partial)[Tr::kRows][Tr::kC], const KernelArgs& ka) {
+                                          typename Tr::TW (&partial)[Tr::kRows][Tr::kC], const KernelArgs& ka) {
   constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS;
 #pragma unroll(Tr::kUnrollJ)
   for (int j = 0; j < jn; ++j) {
@@ -295,7 +294,7 @@ __device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TV
       const float4 f = reinterpret_cast<const float4*>(ys + j * KS)[q];
       yj[4 * q] = f.x, yj[4 * q + 1] = f.y, yj[4 * q + 2] = f.z, yj[4 * q + 3] = f.w;
     }
-    typename Tr::TV vj[KC];
+    typename Tr::TW vj[KC];
 #pragma unroll
     for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
 #pragma unroll
@@ -322,15 +321,15 @@ __device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TV
 // variants): jn is rounded up to whole trips; the padded points of a partial tile have v = 0
 // and a finite exponent (zero coordinates staged like real ones), so they add exact zeros.
 template <class Tr, bool kFold>
-__device__ __forceinline__ void pair_tile_trips(const float* ys, const typename Tr::TV* vs, int jn,
+__device__ __forceinline__ void pair_tile_trips(const float* ys, const typename Tr::TW* vs, int jn,
                                                 const float (&xr)[Tr::kRows][Tr::kK], const float (&xa)[Tr::kRows],
-                                                typename Tr::TAcc (&partial)[Tr::kRows][Tr::kC]) {
+                                                typename Tr::TW (&partial)[Tr::kRows][Tr::kC]) {
   constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS, U = Tr::kUnrollJ;
   const int jend = (jn + U - 1) / U * U;
 #pragma unroll 1
   for (int j0 = 0; j0 < jend; j0 += U) {
     float yj[U][KS];
-    typename Tr::TV vj[U][KC];
+    typename Tr::TW vj[U][KC];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -368,9 +367,9 @@ __device__ __forceinline__ void pair_tile_trips(const float* ys, const typename 
 
 // The same with the CTA-uniform choice of the folded loop made at run time.
 template <class Tr>
-__device__ __forceinline__ void pair_tile_trips(bool fold, const float* ys, const typename Tr::TV* vs, int jn,
+__device__ __forceinline__ void pair_tile_trips(bool fold, const float* ys, const typename Tr::TW* vs, int jn,
                                                 const float (&xr)[Tr::kRows][Tr::kK], const float (&xa)[Tr::kRows],
-                                                typename Tr::TAcc (&partial)[Tr::kRows][Tr::kC]) {
+                                                typename Tr::TW (&partial)[Tr::kRows][Tr::kC]) {
   if (fold) {
     pair_tile_trips<Tr, true>(ys, vs, jn, xr, xa, partial);
   } else {
@@ -383,20 +382,20 @@ __device__ __forceinline__ void pair_tile_trips(bool fold, const float* ys, cons
 template <class Tr, class T>
 __device__ __forceinline__ void load_point(const T* yl, const typename Tr::TVIn* vl, int n, int N, int K, int C,
                                            i64 sym, i64 syk, i64 svn, i64 svc, float (&py)[Tr::kK],
-                                           typename Tr::TV (&pv)[Tr::kC]) {
+                                           typename Tr::TW (&pv)[Tr::kC]) {
 #pragma unroll
   for (int k = 0; k < Tr::kK; ++k) py[k] = (n < N && k < K) ? load_f(yl + i64(n) * sym + k * syk) : 0.0f;
 #pragma unroll
   for (int c = 0; c < Tr::kC; ++c)
-    pv[c] = (n < N && c < C) ? typename Tr::TV(load_f(vl + i64(n) * svn + c * svc)) : typename Tr::TV(0);
+    pv[c] = (n < N && c < C) ? typename Tr::TW(load_f(vl + i64(n) * svn + c * svc)) : typename Tr::TW(0);
 }
 
 // kPrefetch: centre the point, b_n = -s |y - centre|^2 into the last slot (non-finite: zero
 // coordinates, b_n = -inf or NaN; as the staging pass of the default kernel), store it.
 template <class Tr>
-__device__ __forceinline__ void store_point(float* ys, typename Tr::TV* vs, int j, int K, float s,
+__device__ __forceinline__ void store_point(float* ys, typename Tr::TW* vs, int j, int K, float s,
                                             const float (&centre)[Tr::kK], const float (&py)[Tr::kK],
-                                            const typename Tr::TV (&pv)[Tr::kC]) {
+                                            const typename Tr::TW (&pv)[Tr::kC]) {
   constexpr int KS = Tr::kKS;
   float yv[KS];
   float n2 = 0.0f;
@@ -448,13 +447,12 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
     int tiles_per_split) {
   using Tr = Traits;
   using T = typename Tr::T;
-  using TV = typename Tr::TV;
-  using TAcc = typename Tr::TAcc;
+  using TW = typename Tr::TW;
   using namespace matvec_detail;
   constexpr int R = Tr::kRows, KC = Tr::kC, BN = Tr::kBlockN, KS = Tr::kKS, NT = Tr::kThreads;
 
   __shared__ __align__(16) float ys[BN * KS];  // (BN, KS): a point's coordinates (+ b_n)
-  __shared__ __align__(16) TV vs[BN * KC];     // (BN, KC)
+  __shared__ __align__(16) TW vs[BN * KC];     // (BN, KC)
 
   const BatchShape shape{batch_n1, batch_n2};
   const BatchStride x_bs{x_bs0, x_bs1, x_bs2}, y_bs{y_bs0, y_bs1, y_bs2}, v_bs{v_bs0, v_bs1, v_bs2},
@@ -575,7 +573,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
       }
     }
 
-    TAcc partial[R][KC];
+    TW partial[R][KC];
     double total[R][KC];
 #pragma unroll
     for (int i = 0; i < R; ++i)
@@ -586,7 +584,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
       // ---- expanded kernel, one point per thread: the next tile's point waits in registers
       // while the pairs of this one run.
       float py[Tr::kK];
-      TV pv[KC];
+      TW pv[KC];
       if (t_begin < t_end) load_point<Tr>(yl, vl, t_begin * BN + tid, N, K, C, sym, syk, svn, svc, py, pv);
 #pragma unroll 1
       for (int t = t_begin; t < t_end; ++t) {
@@ -594,7 +592,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 #pragma unroll
         for (int i = 0; i < R; ++i)
 #pragma unroll
-          for (int c = 0; c < KC; ++c) partial[i][c] = TAcc(0);
+          for (int c = 0; c < KC; ++c) partial[i][c] = TW(0);
         __syncthreads();  // the previous tile is consumed
         store_point<Tr>(ys, vs, tid, K, s, centre, py, pv);
         if (t + 1 < t_end) load_point<Tr>(yl, vl, (t + 1) * BN + tid, N, K, C, sym, syk, svn, svc, py, pv);
@@ -613,13 +611,13 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 #pragma unroll
       for (int i = 0; i < R; ++i)
 #pragma unroll
-        for (int c = 0; c < KC; ++c) partial[i][c] = TAcc(0);
+        for (int c = 0; c < KC; ++c) partial[i][c] = TW(0);
 
       // ---- stage v (and, registers strategy, y) of this tile
       __syncthreads();  // the previous tile is consumed
       for (int e = tid; e < BN * KC; e += NT) {
         const int j = e / KC, c = e % KC;
-        vs[e] = (j < jn && c < C) ? TV(load_f(vl + i64(n0 + j) * svn + c * svc)) : TV(0);
+        vs[e] = (j < jn && c < C) ? TW(load_f(vl + i64(n0 + j) * svn + c * svc)) : TW(0);
       }
       if constexpr (!Tr::kChunked) {
         for (int e = tid; e < BN * KS; e += NT) {
@@ -700,7 +698,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 #pragma unroll
         for (int j = 0; j < BN; ++j) {
           if (j < jn) {
-            TV vj[KC];
+            TW vj[KC];
 #pragma unroll
             for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
 #pragma unroll

@@ -264,10 +264,7 @@ int main(int argc, char** argv) {
 @@CASES@@
     default: return 4;
   }
-  f = std::fopen(argv[3], "wb");
-  std::fwrite(buf.data(), 4, buf.size(), f);
-  std::fclose(f);
-  return 0;
+  return kl_write(argv[3], buf);
 }
 """
 

@@ -132,19 +132,13 @@ int main(int argc, char** argv) {
                                                                 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, nullptr, 0, 0,
                                                                 0, 0.f, 0, n_split);
     }
-    f = std::fopen(argv[7], "wb");
-    std::fwrite(o.data(), 8, o.size(), f);
-    std::fclose(f);
-    return 0;
+    return kl_write(argv[7], o);
   }
   switch (which) {
 @@CASES@@
     default: return 4;
   }
-  f = std::fopen(argv[7], "wb");
-  std::fwrite(out.data(), 4, out.size(), f);
-  std::fclose(f);
-  return 0;
+  return kl_write(argv[7], out);
 }
 """
 

@@ -15,9 +15,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "bench" / "probes"))
 import kermac_like as km  # noqa: E402
 from kermac_like.solvers import kernel_ridge as kr  # noqa: E402
 from large_scale_krr import make_data, make_test  # noqa: E402
+from log_capture import captured  # noqa: E402
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
 m = int(sys.argv[2]) if len(sys.argv) > 2 else 20_000
@@ -25,16 +27,7 @@ dev = "cuda"
 X, y = make_data(N, 8, device=dev)
 Xt, _, ft = make_test(10_000, 8, device=dev)
 ft = ft.double().cpu()
-records = []
-
-
-class Hist(logging.Handler):
-    def emit(self, rec):
-        records.append(rec.getMessage())
-
-
-logging.getLogger("kermac_like.solvers").addHandler(Hist())
-logging.getLogger("kermac_like.solvers").setLevel(logging.INFO)
+records = captured("kermac_like.solvers", logging.INFO)
 orig = kr.pcg
 rows = []
 for name, force in (("checks (shipped)", None), ("plain CG", "none")):

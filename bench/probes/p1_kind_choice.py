@@ -14,18 +14,11 @@ os.environ.setdefault("KERMAC_LIKE_CACHE_DIR", tempfile.mkdtemp())  # no stored 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kermac_like as km  # noqa: E402
+from log_capture import captured  # noqa: E402
 
-msgs = []
-
-
-class H(logging.Handler):
-    def emit(self, r):
-        msgs.append(r.getMessage())
-
-
-logging.getLogger("kermac_like").addHandler(H())
-logging.getLogger("kermac_like").setLevel(logging.DEBUG)
+msgs = captured("kermac_like", logging.DEBUG)
 rows = []
 out = torch.empty(20000, 20000, device="cuda")
 for K in (33, 40, 48, 56, 64):

@@ -46,7 +46,8 @@ _T = {
 
 def _out_arg(dtype, out_dtype) -> str:
     """The TOut template argument: "" for an output in the input dtype (the default), "double"
-    for a float64 output of float32/16-bit inputs (no final rounding; float64 split scratch)."""
+    for a float64 output of float32/16-bit inputs (the float64 mode: v, products and sums in
+    float64, no final rounding)."""
     if out_dtype is None or out_dtype == dtype:
         return ""
     if out_dtype == torch.float64 and dtype in _T:

@@ -7,8 +7,8 @@
 // compute, so this kernel is built around the store:
 //   * the whole K of the block's rows is loaded once into shared memory (k-major,
 //     (K, BM + 4) per operand), no pipeline, no second pass: kK is a compile-time
-//     parameter (the launcher picks the smallest instantiated kK >= K; k >= K is
-//     zero-filled and inner(0, 0) == 0) and the k loop is fully unrolled;
+//     parameter (the launcher compiles kK = K; a larger kK would also serve, k >= K
+//     is zero-filled and inner(0, 0) == 0) and the k loop is unrolled;
 //     kK == 0 is the generic variant: K in chunks of kChunkK through the same
 //     shared tiles, one barrier per chunk, the chunk's k loop unrolled by 4;
 //   * block 256 threads -> 128 x 128, 64 x 256 or 32 x 512 outputs (kThreadsN = 16,
@@ -24,7 +24,13 @@
 //     row-major out^T = kernel(b, a) (every inner operator is symmetric, the
 //     regularised diagonal changes sign);
 //   * two (kMinBlocksPerSm) blocks per SM: one block's stores overlap the other's
-//     loads and arithmetic.
+//     loads and arithmetic;
+//   * kTilesN > 1 (compile-time K; the launcher's default is 2): a block computes
+//     kTilesN tiles side by side along n; a's tile is loaded once and b's next tile is
+//     copied with cp.async (registers untouched, warps along rows: one global address
+//     per row) into a second buffer while the current tile is computed and stored; one
+//     barrier per tile. The single-tile loads (kTilesN = 1) wait for their global
+//     reads before the arithmetic: at K = 37 they cost ~17 % of the time (H100).
 // Inner operator and epilogue: math.cuh (namespace exact), the same code as the
 // K-blocked SIMT kernel, so both give identical results for the same k order.
 // Edges: rows past M/N are clamped on load (their outputs are never stored).
@@ -37,7 +43,7 @@ namespace kermac_like {
 
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, Layout kLayoutA_,
           Layout kLayoutB_, int kK_, int kMinBlocksPerSm_ = 2, int kThreadsN_ = 16, bool kMufuEpilogue_ = true,
-          bool kMmNonFinite_ = false>
+          bool kMmNonFinite_ = false, int kTilesN_ = 1>
 struct DistanceLowKTraits {
   static_assert(kInner_ != Inner::Dot || kInnerPow_ == Power::Noop,
                 "DistanceLowKTraits: Inner::Dot requires inner power Power::Noop");
@@ -56,6 +62,8 @@ struct DistanceLowKTraits {
                 "DistanceLowKTraits: kThreadsN is 16 (128 x 128 tile), 32 (64 x 256) or 64 (32 x 512)");
   static_assert(!kMmNonFinite_ || (kInner_ == Inner::Diff && kInnerPow_ == Power::Square && kK_ > 0),
                 "DistanceLowKTraits: kMmNonFinite needs Inner::Diff, Power::Square and a compile-time kK");
+  static_assert(kTilesN_ >= 1 && kTilesN_ <= 8 && (kTilesN_ == 1 || kK_ > 0),
+                "DistanceLowKTraits: kTilesN is 1..8 (beyond 1: a compile-time kK)");
 
   using T = float;
   static constexpr Inner kInner = kInner_;
@@ -83,13 +91,21 @@ struct DistanceLowKTraits {
   static constexpr int kThreadsN = kThreadsN_, kThreadsM = kThreads / kThreadsN_;  // thread grid
   static constexpr int kThreadM = 8, kThreadN = 8;
   static constexpr int kBlockM = kThreadsM * kThreadM;  // 128, 64 or 32
-  static constexpr int kBlockN = kThreadsN * kThreadN;  // 128, 256 or 512
+  static constexpr int kTileN = kThreadsN * kThreadN;   // 128, 256 or 512: the outputs of one pass
+  // kTilesN > 1: the block computes kTilesN tiles side by side along n (kBlockN, the grid's
+  // unit, = kTilesN * kTileN): a's tile is loaded once, b's next tile is copied with
+  // cp.async into a second buffer while the current one is computed, and the current
+  // tile's stores overlap the next one's arithmetic (one barrier per tile).
+  static constexpr int kTilesN = kTilesN_;
+  static constexpr int kBlockN = kTileN * kTilesN;
   // k in shared memory at once (the run-time-K loop reads 4 k per trip: a multiple of 4)
   static constexpr int kChunkK = kK_ > 0 ? kK_ : 8192 / (kBlockM + kBlockN) / 4 * 4;
-  static constexpr int kStrideA = kBlockM + 4, kStrideB = kBlockN + 4;  // floats per k-row (float4-aligned)
-  // A (kChunkK, kStrideA), then B (kChunkK + 1, kStrideB): the spare row is read by
-  // the last step's fragment prefetch (never used).
-  static constexpr int kSmemBytes = (kChunkK * kStrideA + (kChunkK + 1) * kStrideB) * 4;
+  static constexpr int kStrideA = kBlockM + 4, kStrideB = kTileN + 4;  // floats per k-row (float4-aligned)
+  // A (kChunkK, kStrideA), then B (kChunkK + 1, kStrideB), twice when kTilesN > 1: the
+  // spare row is read by the last step's fragment prefetch (never used).
+  static constexpr int kBBufs = kTilesN > 1 ? 2 : 1;
+  static constexpr int kBufB = (kChunkK + 1) * kStrideB;  // floats of one B buffer
+  static constexpr int kSmemBytes = (kChunkK * kStrideA + kBBufs * kBufB) * 4;
   // Full unrolling of the k loop up to 16 k; beyond, 4 k per trip (the instruction
   // cache: a fully unrolled K = 64 body is ~8,500 instructions and ran 30 % slower).
   static constexpr bool kFullUnroll = kChunkK <= 16;
@@ -139,6 +155,120 @@ __device__ __forceinline__ void load_tile(float* tile, const float* __restrict__
   }
 }
 
+// Every element (k, r) of a (kc, BM) tile that thread `tid` copies with cp.async, f(k, r):
+// RowMajor: a warp takes whole rows (kLanesK lanes along k, 32 / kLanesK rows; one or two
+// passes of 32 k), so each element's shared address is a base plus a compile-time
+// offset and each row's global address is formed once; ColMajor: a warp takes one k,
+// lanes along r. tid is hidden from the optimiser: the per-element values are recomputed
+// per tile rather than hoisted out of the tile loop into (spilled) registers.
+template <class Tr, Layout kLayout, int kc, int BM, class F>
+__device__ __forceinline__ void for_each_own(int tid, F&& f) {
+  constexpr int kWarps = Tr::kThreads / 32;
+  tid = int(opaque(tid));
+  const int warp = tid >> 5, lane = tid & 31;
+  if constexpr (kLayout == Layout::RowMajor) {
+    constexpr int kLanesK = kc > 16 ? 32 : kc > 8 ? 16 : kc > 4 ? 8 : kc > 2 ? 4 : kc > 1 ? 2 : 1;
+    constexpr int kRowsW = 32 / kLanesK, kRowsPass = kRowsW * kWarps;
+    constexpr int kPassesK = (kc + kLanesK - 1) / kLanesK;
+    const int kl = lane % kLanesK, rl = warp * kRowsW + lane / kLanesK;
+#pragma unroll
+    for (int j = 0; j < (BM + kRowsPass - 1) / kRowsPass; ++j) {
+      const int r = rl + j * kRowsPass;
+      if (BM % kRowsPass == 0 || r < BM) {
+#pragma unroll
+        for (int q = 0; q < kPassesK; ++q)
+          if (kc % kLanesK == 0 || kl + q * kLanesK < kc) f(kl + q * kLanesK, r);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < (kc + kWarps - 1) / kWarps; ++j) {
+      const int k = warp + j * kWarps;
+      if (kc % kWarps == 0 || k < kc) {
+#pragma unroll
+        for (int q = 0; q < (BM + 31) / 32; ++q)
+          if (BM % 32 == 0 || lane + 32 * q < BM) f(k, lane + 32 * q);
+      }
+    }
+  }
+}
+
+// 4 bytes global -> shared without registers (cp.async, sm_80+); 0 when !in (src is
+// still a mapped address). Host (the CPU test shim): a plain copy.
+__device__ __forceinline__ void copy_async4(float* dst, const float* src, bool in) {
+#if defined(__CUDA_ARCH__)
+  async_copy::cp_async_4(static_cast<unsigned>(__cvta_generic_to_shared(dst)), src, in ? 4 : 0);
+#else
+  *dst = in ? *src : 0.0f;
+#endif
+}
+
+__device__ __forceinline__ void copies_commit() {
+#if defined(__CUDA_ARCH__)
+  async_copy::cp_async_commit();
+#endif
+}
+
+__device__ __forceinline__ void copies_wait() {
+#if defined(__CUDA_ARCH__)
+  async_copy::cp_async_wait<0>();
+#endif
+}
+
+// load_tile through cp.async (kTilesN > 1): the copies land while the caller computes;
+// it waits (copies_wait) and passes a barrier before reading. The elements of
+// for_each_own; RowMajor: one global address per row, stepped by a pointer increment
+// when the tile's rows are all inside (else clamped per row).
+template <class Tr, Layout kLayout, int kc, int BM, int S>
+__device__ __forceinline__ void load_tile_async(float* tile, const float* __restrict__ x, i64 ld, int rows, int row0,
+                                                int K, int tid) {
+  if constexpr (kLayout == Layout::RowMajor) {
+    constexpr int kWarps = Tr::kThreads / 32;
+    constexpr int kLanesK = kc > 16 ? 32 : kc > 8 ? 16 : kc > 4 ? 8 : kc > 2 ? 4 : kc > 1 ? 2 : 1;
+    constexpr int kRowsW = 32 / kLanesK, kRowsPass = kRowsW * kWarps;
+    constexpr int kPassesK = (kc + kLanesK - 1) / kLanesK;
+    constexpr int kTrips = (BM + kRowsPass - 1) / kRowsPass;
+    tid = int(opaque(tid));
+    const int warp = tid >> 5, lane = tid & 31;
+    const int kl = lane % kLanesK, rl = warp * kRowsW + lane / kLanesK;
+    float* const dst = tile + kl * S + rl;
+    auto row_copies = [&](const float* p, int j) {
+#pragma unroll
+      for (int q = 0; q < kPassesK; ++q) {
+        const int k = kl + q * kLanesK;
+        if (kc % kLanesK == 0 || k < kc) copy_async4(dst + q * kLanesK * S + j * kRowsPass, p + (k < K ? k : 0), k < K);
+      }
+    };
+    if ((BM % kRowsPass == 0 || rl < BM - (kTrips - 1) * kRowsPass) && row0 + BM <= rows) {
+      const float* p = x + i64(row0 + rl) * ld;
+      const i64 step = i64(kRowsPass) * ld;
+#pragma unroll
+      for (int j = 0; j < kTrips; ++j, p += step) row_copies(p, j);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kTrips; ++j) {
+        const int r = rl + j * kRowsPass;
+        if (BM % kRowsPass == 0 || r < BM) row_copies(x + i64(row0 + r < rows ? row0 + r : rows - 1) * ld, j);
+      }
+    }
+  } else {
+    for_each_own<Tr, kLayout, kc, BM>(tid, [&](int k, int r) {
+      const int row = row0 + r < rows ? row0 + r : rows - 1;
+      const bool in = k < K;
+      copy_async4(tile + k * S + r, x + (i64(in ? k : 0) * ld + row), in);
+    });
+  }
+  copies_commit();
+}
+
+// Whether this thread's elements of a landed tile hold a flagged value (kMmNonFinite).
+template <class Tr, Layout kLayout, int kc, int BM, int S>
+__device__ __forceinline__ bool tile_big(const float* tile, int tid) {
+  bool big = false;
+  for_each_own<Tr, kLayout, kc, BM>(tid, [&](int k, int r) { big |= !(fabsf(tile[k * S + r]) < 0x1p59f); });
+  return big;
+}
+
 __device__ __forceinline__ void store_stream(float* p, float v) {
 #if defined(__CUDA_ARCH__)
   asm volatile("st.global.cs.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
@@ -165,7 +295,7 @@ __device__ __forceinline__ void load_frag(Frag& f, const float* sa, const float*
   f.a0 = *reinterpret_cast<const float4*>(sa);
   f.a1 = *reinterpret_cast<const float4*>(sa + 4);
   f.b0 = *reinterpret_cast<const float4*>(sb);
-  f.b1 = *reinterpret_cast<const float4*>(sb + Tr::kBlockN / 2);
+  f.b1 = *reinterpret_cast<const float4*>(sb + Tr::kTileN / 2);
 }
 
 // acc[i][j] += inner(a[i], b[j]), then a scheduling fence: later shared-memory reads
@@ -194,7 +324,7 @@ __device__ __forceinline__ void mm_tile(float (&acc)[8][8], const float* pa, con
   for (int i = 0; i < 8; ++i) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float* py = pb + (j < 4 ? j : Tr::kBlockN / 2 + j - 4);
+      const float* py = pb + (j < 4 ? j : Tr::kTileN / 2 + j - 4);
       float d = 0.0f, xx = 0.0f, yy = 0.0f, xy = 0.0f;
 #pragma unroll 1
       for (int k = 0; k < Tr::kChunkK; ++k) {
@@ -231,6 +361,21 @@ __device__ __forceinline__ void run_steps(float (&acc)[8][8], const float* pa, c
   if (k < n) compute<Tr>(acc, f0, pw);
 }
 
+// The tile's products from the staged k-rows at pa, pb: a tile flagged by the loads (the
+// matrix product's NaN/inf mode) by mm_tile, else the direct sums, fully unrolled when the
+// traits say so (KC steps), in pairs of steps otherwise.
+template <class Tr, int SA, int SB, int KC>
+__device__ __forceinline__ void tile_products(float (&acc)[8][8], const float* pa, const float* pb, bool big,
+                                              const math::PowArgs& pw) {
+  if (Tr::kMmNonFinite && big) {
+    mm_tile<Tr, SA, SB>(acc, pa, pb, pw);
+  } else if constexpr (Tr::kFullUnroll) {
+    run_steps<Tr, SA, SB, KC>(acc, pa, pb, KC, pw);
+  } else {
+    run_steps<Tr, SA, SB, 2>(acc, pa, pb, KC, pw);
+  }
+}
+
 }  // namespace lowk_detail
 
 template <class Traits>
@@ -247,7 +392,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
     float regularization, long long reg_diag, float epsilon) {
   using Tr = Traits;
   using namespace lowk_detail;
-  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, SA = Tr::kStrideA, SB = Tr::kStrideB, KC = Tr::kChunkK;
+  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, TN = Tr::kTileN, SA = Tr::kStrideA, SB = Tr::kStrideB,
+                KC = Tr::kChunkK;
 
   const DistanceBatchArgs<typename Tr::T> args(
       a, b, out, batch_n1, batch_n2, a_bs0, a_bs1, a_bs2, b_bs0, b_bs1, b_bs2, o_bs0, o_bs1, o_bs2,
@@ -266,71 +412,31 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
   float* const sa = kl_lowk_smem;
   float* const sb = kl_lowk_smem + KC * SA;
 
-  for (int l = blockIdx.z; l < batch; l += gridDim.z) {
-    const auto entry = args.at(l);
-    math::PowArgs pw{};
-    if constexpr (Tr::kInnerPow == Power::Pow) pw = math::make_pow_args(args.inner_p.at(entry.index));
-
-    float acc[8][8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
-
-    if constexpr (Tr::kK > 0) {
-      if (l != int(blockIdx.z)) __syncthreads();  // the previous entry's reads are done
-      bool big = false;
-      load_tile<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, lda, M, m0, 0, K, tid, big);
-      load_tile<Tr, Tr::kLayoutB, KC, BN, SB>(sb, entry.b, ldb, N, n0, 0, K, tid, big);
-      if constexpr (Tr::kMmNonFinite) {
-        big = __syncthreads_or(big);
-      } else {
-        __syncthreads();
-      }
-      if (Tr::kMmNonFinite && big) {
-        mm_tile<Tr, SA, SB>(acc, sa + tm * 8, sb + tn * 4, pw);
-      } else if constexpr (Tr::kFullUnroll) {
-        run_steps<Tr, SA, SB, KC>(acc, sa + tm * 8, sb + tn * 4, KC, pw);
-      } else {
-        run_steps<Tr, SA, SB, 2>(acc, sa + tm * 8, sb + tn * 4, KC, pw);
-      }
-    } else {
-#pragma unroll 1
-      for (int k0 = 0; k0 < K; k0 += KC) {
-        if (k0 > 0 || l != int(blockIdx.z)) __syncthreads();  // the previous chunk's reads are done
-        bool big = false;  // (kMmNonFinite is compile-time K only)
-        load_tile<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, lda, M, m0, k0, K, tid, big);
-        load_tile<Tr, Tr::kLayoutB, KC, BN, SB>(sb, entry.b, ldb, N, n0, k0, K, tid, big);
-        __syncthreads();
-        const int kc = K - k0 < KC ? K - k0 : KC;  // k of this chunk (zero-filled up to KC)
-        run_steps<Tr, SA, SB, 2>(acc, sa + tm * 8, sb + tn * 4, (kc + 3) & ~3, pw);  // zero-filled to 4
-      }
-    }
-
-    // ---- epilogue, from registers.
+  // ---- epilogue of the tile at columns nt .. nt + TN - 1, from registers.
+  auto store_tile = [&](const float (&acc)[8][8], const decltype(args.at(0))& entry, int nt) {
     const exact::EpilogueArgs ea = exact::epilogue_args<Tr>(args, entry.index, epsilon);
     // The diagonal n - m == reg_diag is, in tile coordinates, c - r == target.
     float lam = 0.0f;
     int target = 0;
     if (args.reg_on) {
-      const i64 t = reg_diag - (i64(n0) - i64(m0));
-      if (t > -BM && t < BN) {
+      const i64 t = reg_diag - (i64(nt) - i64(m0));
+      if (t > -BM && t < TN) {
         lam = args.regularization.at(entry.index);
         target = int(t);
       }
     }
     float* const o = entry.out;
     // Whole tile and 16-byte aligned rows: vector stores without predicates.
-    const bool fast = n0 + BN <= N && m0 + BM <= M &&
+    const bool fast = nt + TN <= N && m0 + BM <= M &&
                       ((reinterpret_cast<unsigned long long>(o) | (unsigned long long)(ldo * 4)) & 15) == 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int r = tm * 8 + i;
       if (!fast && m0 + r >= M) break;
-      float* const row = o + i64(m0 + r) * ldo + n0;
+      float* const row = o + i64(m0 + r) * ldo + nt;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int c = h * (BN / 2) + tn * 4;
+        const int c = h * (TN / 2) + tn * 4;
         float y[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e)
@@ -347,10 +453,83 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
         } else {
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            if (n0 + c + e < N) store_stream(row + c + e, y[e]);
+            if (nt + c + e < N) store_stream(row + c + e, y[e]);
         }
       }
     }
+  };
+
+  for (int l = blockIdx.z; l < batch; l += gridDim.z) {
+    const auto entry = args.at(l);
+    math::PowArgs pw{};
+    if constexpr (Tr::kInnerPow == Power::Pow) pw = math::make_pow_args(args.inner_p.at(entry.index));
+
+    if constexpr (Tr::kK > 0 && Tr::kTilesN > 1) {
+      // a's tile once, b's tiles in turn: b's next tile copied (cp.async, the other
+      // buffer) while this one is computed and stored.
+      if (l != int(blockIdx.z)) __syncthreads();  // the previous entry's reads are done
+      bool big_a = false, big = false;
+      load_tile_async<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, opaque(lda), M, m0, K, tid);
+      load_tile_async<Tr, Tr::kLayoutB, KC, TN, SB>(sb, entry.b, opaque(ldb), N, n0, K, tid);
+      copies_wait();
+      if constexpr (Tr::kMmNonFinite) big_a = tile_big<Tr, Tr::kLayoutA, KC, BM, SA>(sa, tid);
+#pragma unroll 1
+      for (int s = 0; s < Tr::kTilesN; ++s) {
+        const int nt = n0 + s * TN;
+        if (nt >= N) break;  // (uniform over the block)
+        const float* const sbt = sb + (s & 1) * Tr::kBufB;
+        if (s > 0) copies_wait();
+        if constexpr (Tr::kMmNonFinite) big = tile_big<Tr, Tr::kLayoutB, KC, TN, SB>(sbt, tid);
+        // Tile s has landed and every thread is done with tile s - 1 (its buffer is refilled next).
+        if constexpr (Tr::kMmNonFinite) {
+          big = __syncthreads_or(big || big_a);
+        } else {
+          __syncthreads();
+        }
+        if (s + 1 < Tr::kTilesN && nt + TN < N)
+          load_tile_async<Tr, Tr::kLayoutB, KC, TN, SB>(sb + ((s + 1) & 1) * Tr::kBufB, entry.b, opaque(ldb), N,
+                                                        nt + TN, K, tid);
+        float acc[8][8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+        tile_products<Tr, SA, SB, KC>(acc, sa + tm * 8, sbt + tn * 4, big, pw);
+        store_tile(acc, entry, nt);
+      }
+      continue;
+    }
+
+    float acc[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+
+    if constexpr (Tr::kK > 0) {
+      if (l != int(blockIdx.z)) __syncthreads();  // the previous entry's reads are done
+      bool big = false;
+      load_tile<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, lda, M, m0, 0, K, tid, big);
+      load_tile<Tr, Tr::kLayoutB, KC, TN, SB>(sb, entry.b, ldb, N, n0, 0, K, tid, big);
+      if constexpr (Tr::kMmNonFinite) {
+        big = __syncthreads_or(big);
+      } else {
+        __syncthreads();
+      }
+      tile_products<Tr, SA, SB, KC>(acc, sa + tm * 8, sb + tn * 4, big, pw);
+    } else {
+#pragma unroll 1
+      for (int k0 = 0; k0 < K; k0 += KC) {
+        if (k0 > 0 || l != int(blockIdx.z)) __syncthreads();  // the previous chunk's reads are done
+        bool big = false;  // (kMmNonFinite is compile-time K only)
+        load_tile<Tr, Tr::kLayoutA, KC, BM, SA>(sa, entry.a, lda, M, m0, k0, K, tid, big);
+        load_tile<Tr, Tr::kLayoutB, KC, TN, SB>(sb, entry.b, ldb, N, n0, k0, K, tid, big);
+        __syncthreads();
+        const int kc = K - k0 < KC ? K - k0 : KC;  // k of this chunk (zero-filled up to KC)
+        run_steps<Tr, SA, SB, 2>(acc, sa + tm * 8, sb + tn * 4, (kc + 3) & ~3, pw);  // zero-filled to 4
+      }
+    }
+    store_tile(acc, entry, n0);
   }
 }
 

@@ -41,13 +41,18 @@ def hyper(desc, a, b):
     return kw
 
 
-def run_lowk(desc, a, b, out, threads_n=None, **kw):
-    """run_kernel forced onto the low-K kernel (``threads_n``: its tile shape); returns out."""
+def run_lowk(desc, a, b, out, threads_n=None, tiles_n=None, **kw):
+    """run_kernel forced onto the low-K kernel (``threads_n``: its tile shape, ``tiles_n``:
+    tiles per block); returns out."""
     call = prepare_call(desc, a, b, **kw)
     analyse_output("out", out, call.out_shape, call.dtype, call.device)
     orig = distance.lowk_spec
-    if threads_n is not None:
-        distance.lowk_spec = lambda *x, **y: orig(*x, threads_n=threads_n, **y)
+    if threads_n is not None or tiles_n is not None:
+        tune = {k: v for k, v in (("threads_n", threads_n), ("tiles_n", tiles_n)) if v is not None}
+        distance.lowk_spec = lambda *x, **y: orig(*x, **tune, **y)
+    # The plan keeps templates under a key without the spec: a tuned spec must not meet
+    # (or leave behind) another call's template.
+    distance.clear_templates()
     try:
         plan = distance._plan_distance_gpu(call, out, COMPUTE_MODES[0], False, distance.Settings.current(),
                                            kind=tuning.LOWK)
@@ -55,6 +60,7 @@ def run_lowk(desc, a, b, out, threads_n=None, **kw):
         res = plan.run()
     finally:
         distance.lowk_spec = orig
+        distance.clear_templates()
     assert res is out
     return out
 
@@ -87,6 +93,8 @@ def warm_cache():
     specs += [lowk_spec(km.preset("laplace_l2"), C, R, K) for K in (3, 37, 100)]
     specs += [lowk_spec(km.preset("laplace_l2"), la, lb, K, threads_n=t) for K in (3, 37, 100) for t in (32, 64)
               for la, lb in ((R, C), (C, R))]
+    specs += [lowk_spec(km.preset(p), la, lb, K, tiles_n=t) for p in ("l1", "gaussian_l2") for K in (5, 37)
+              for t in (1, 3, 8) for la, lb in ((R, C), (C, R))]
     precompile_specs(specs, arch_of_device(torch.device("cuda")), processes=min(16, os.cpu_count() or 1))
     yield
 
@@ -120,6 +128,28 @@ def test_odd_sizes_layouts_and_poison(K, col_out, threads_n):
         kw = dict(bandwidth=(2.0 * K) ** 0.5, regularization=0.5, regularization_offset_x=3, epsilon=0.2)
         run_lowk(desc, a, b, out, threads_n=threads_n, **kw)
         assert rel(out, reference(desc, a, b, **kw)) <= 5e-7, (M, N, K, col_out)
+
+
+@pytest.mark.parametrize("name", ["l1", "gaussian_l2"])
+@pytest.mark.parametrize("K", [5, 37])
+@pytest.mark.parametrize("tiles_n", [1, 3, 8])
+def test_tiles_per_block(name, K, tiles_n):
+    """kTilesN tiles along n per block (b's next tile copied while the current one is
+    computed): partial last tiles, a block whose later tiles lie past N, both layouts of a
+    and b, the regularised diagonal crossing tiles, poisoned out."""
+    desc = km.preset(name)
+    for M, N in [(1, 1), (129, 130), (200, 1000), (1000, 257), (130, 129 * 8 + 3)]:
+        a = torch.randn(M, K, device="cuda")
+        b = torch.randn(K, N, device="cuda").t()  # column-major b
+        kw = dict(regularization=0.5, regularization_offset_y=2)
+        if desc.needs_bandwidth:
+            kw["bandwidth"] = (2.0 * K) ** 0.5
+        out = torch.full((M, N), float("nan"), device="cuda")
+        run_lowk(desc, a, b, out, tiles_n=tiles_n, **kw)
+        assert rel(out, reference(desc, a, b, **kw)) <= 5e-7, (M, N)
+        out_t = torch.full((N, M), float("nan"), device="cuda").t()  # column-major out: kernel(b, a)^T
+        run_lowk(desc, a.t().contiguous().t(), b, out_t, tiles_n=tiles_n, **kw)
+        assert rel(out_t, reference(desc, a, b, **kw)) <= 5e-7, (M, N, "col out")
 
 
 def test_unaligned_out_takes_scalar_stores():

@@ -40,8 +40,14 @@ LOWK_INSTANCES = [
     (("Diff", "Abs", "Noop", "Gaussian"), "ColMajor", "RowMajor", 0, 2, 32),
     # kMmNonFinite: torch.cdist's matrix-product NaN/inf (test_lowk_cpu_mm_nonfinite)
     (("Diff", "Square", "Sqrt", "None"), "RowMajor", "RowMajor", 3, 2, 32, "true", "true"),
+    # kTilesN > 1 (tiles side by side along n, b's next tile through cp.async): the exact
+    # K = 37 p=1 candidate; kMmNonFinite with a column-major b; a column-major a, wide tiles
+    (("Diff", "Abs", "Noop", "None"), "RowMajor", "RowMajor", 37, 2, 16, "true", "false", 4),
+    (("Diff", "Square", "Sqrt", "None"), "RowMajor", "ColMajor", 8, 2, 16, "true", "true", 2),
+    (("Diff", "Square", "Sqrt", "Gaussian"), "ColMajor", "RowMajor", 5, 2, 32, "true", "false", 3),
 ]
-MM_IDX = len(LOWK_INSTANCES) - 1
+MM_IDX = 9
+MM_TILES_IDX = 11
 # run_on_cpu's view of them: (descriptor, a, b, out, kVec)
 AS_DISTANCE = [(inst[0], inst[1], inst[2], "RowMajor", 1) for inst in LOWK_INSTANCES]
 
@@ -92,14 +98,14 @@ def test_lowk_cpu_odd_shapes(lowk_runner, idx, M, N):
     assert td.rel_fro(got, ref) <= _tol(idx)
 
 
-@pytest.mark.parametrize("idx", [1, 2, 4, 6, 7])
+@pytest.mark.parametrize("idx", [1, 2, 4, 6, 7, 10, 11, 12])
 def test_lowk_cpu_k_below_the_compiled_k_is_zero_filled(lowk_runner, idx):
     K = max(1, _k(idx, 37) - 3)
     got, ref = _run(lowk_runner, idx, 70, 90, K, pad=(1, 0, 0), seed=K)
     assert td.rel_fro(got, ref) <= _tol(idx)
 
 
-@pytest.mark.parametrize("idx", [0, 1, 3, 5, 7, 8])
+@pytest.mark.parametrize("idx", [0, 1, 3, 5, 7, 8, 10, 12])
 def test_lowk_cpu_batch_broadcast_diagonal_and_hyper_tensors(lowk_runner, idx):
     # 2 x 1 x 3 batch, b broadcast over mode 0, grid_z smaller than the batch, a tensor
     # regularisation over mode 2 on several diagonals, a tensor bandwidth over mode 0.
@@ -122,15 +128,19 @@ def test_lowk_cpu_identical_rows_give_exact_zero(lowk_runner, idx):
     assert np.array_equal(diag, np.diagonal(ref, axis1=-2, axis2=-1).astype(np.float32)), diag
 
 
-def test_lowk_cpu_mm_nonfinite(lowk_runner):
+@pytest.mark.parametrize("idx", [MM_IDX, MM_TILES_IDX])
+def test_lowk_cpu_mm_nonfinite(lowk_runner, idx):
     """kMmNonFinite: pairs with an infinite, NaN or overflowing coordinate come out as
     torch.cdist's matrix product has them (|x|^2 + |y|^2 - 2 x.y in IEEE float32: inf - inf
     and inf * 0 give NaN), every other pair as the direct (exact) sum; the flagged rows
-    (3, 5, 7 of a; 2, 4 of b) lie in the first row tile of 64, the second has none."""
-    M, N, K, seed = 130, 50, 3, 11
+    (3, 5, 7 of a; 2, 4 of b) lie in the first row tile of 64, the second has none.
+    MM_TILES_IDX (two 128-column tiles per block): b's row 200 is flagged in the second
+    tile of the first block (the cp.async copy's flag), rows 260.. of the second block none."""
+    tiles = idx == MM_TILES_IDX
+    M, N, K, seed = 130, 300 if tiles else 50, 3, 11
     bad = (("a", 3, 0, np.inf), ("a", 5, 1, -np.inf), ("b", 2, 0, np.inf), ("b", 4, 2, np.nan),
-           ("a", 7, 1, 3e19), ("a", 9, 0, np.nan))
-    got, _ = _run(lowk_runner, MM_IDX, M, N, K, seed=seed, nonfinite=bad)
+           ("a", 7, 1, 3e19), ("a", 9, 0, np.nan)) + ((("b", 200, 1, -np.inf),) if tiles else ())
+    got, _ = _run(lowk_runner, idx, M, N, K, seed=seed, nonfinite=bad)
     rng = np.random.default_rng(seed)  # run_on_cpu's data
     a = rng.standard_normal((1, 1, 1, M, K)).astype(np.float32)
     b = rng.standard_normal((1, 1, 1, N, K)).astype(np.float32)
@@ -146,24 +156,36 @@ def test_lowk_cpu_mm_nonfinite(lowk_runner):
     assert np.array_equal(np.isposinf(got), np.isposinf(want))
     assert np.isnan(got[3, 2]) and np.isposinf(got[7, 0])  # inf - inf; an overflowing square
     assert np.isnan(got[5]).any() and np.isposinf(got[5]).any()  # -inf: the sign rule of the product
+    if tiles:
+        assert not np.isfinite(got[:, 200]).any()  # |y|^2 = inf: +inf or NaN in every row
     fin = np.isfinite(want)
     flagged = np.zeros((M, N), bool)
     flagged[[3, 5, 7, 9], :] = True
-    flagged[:, [2, 4]] = True
+    flagged[:, [2, 4, 200] if tiles else [2, 4]] = True
     exact = fin & ~flagged  # the direct sum, also inside the flagged tile
     assert np.abs(got[exact] - direct[exact]).max() <= 1e-6 * direct[exact].max()
 
 
 # ------------------------------------------------------------------ NVRTC, SASS
 def test_buckets():
-    assert [render.lowk_bucket(k) for k in (1, 3, 8, 9, 12, 13, 16, 17, 37, 64, 65, 256)] == \
-        [1, 3, 8, 12, 12, 16, 16, 24, 40, 64, 0, 0]
+    assert [render.lowk_bucket(k) for k in (0, 1, 3, 8, 9, 37, 64, 65, 256)] == [1, 1, 3, 8, 9, 37, 64, 0, 0]
+    # kTilesN tiles per block (the grid's block_n): LOWK_TILES_N at compile-time K, 1 at run time
+    s = render.lowk_spec(PRESETS["l1"], ROW, ROW, 37, tiles_n=4)
+    assert s.traits.endswith(", 37, 2, 16, true, false, 4>") and s.launch.block_n == 512
+    s = render.lowk_spec(PRESETS["l1"], ROW, ROW, 37)
+    assert s.traits.endswith(f", 37, 2, 16, true, false, {render.LOWK_TILES_N}>")
+    assert s.launch.block_n == 128 * render.LOWK_TILES_N
+    assert render.lowk_spec(PRESETS["l1"], ROW, ROW, 100).traits.endswith(", 0>")
+    assert render.lowk_spec(PRESETS["l1"], ROW, ROW, 37, tiles_n=1).traits.endswith(", 37>")
+    with pytest.raises(ValueError):
+        render.lowk_spec(PRESETS["l1"], ROW, ROW, 100, tiles_n=2)
 
 
 @pytest.fixture(scope="module")
 def lowk_sm90():
     specs = [render.lowk_spec(PRESETS["l1"], ROW, ROW, 3), render.lowk_spec(PRESETS["laplace_l2"], ROW, COL, 37),
-             render.lowk_spec(PRESETS["gaussian_l2"], COL, ROW, 100)]
+             render.lowk_spec(PRESETS["gaussian_l2"], COL, ROW, 100),
+             render.lowk_spec(PRESETS["l1"], ROW, ROW, 37, tiles_n=1)]  # the single-tile path at compile-time K
     record, resources = compile_specs(specs, "sm_90")
     return specs, record, resources
 

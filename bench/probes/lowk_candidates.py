@@ -34,15 +34,20 @@ OPS = {"cdist_p1": ("l1", {}), "cdist_p2": ("l2", {}), "laplace_l2": ("laplace_l
        "gaussian_l2": ("gaussian_l2", {"bw": 1})}
 
 
-def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=None, threads_n=None, mufu=True):
+def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=None, threads_n=None, mufu=True,
+             spec_kw=None):
+    """``spec_kw``: further keywords of render.lowk_spec (exact_k, tiles_n)."""
     orig_lowk, orig_simt = distance.lowk_spec, distance.distance_spec
+    # The plan keeps a call's template under a key without the spec: a new launcher starts
+    # from an empty template cache, or it would reuse the previous variant's kernel.
+    distance.clear_templates()
 
     def fn(a, b):
-        if generic or min_blocks or threads_n or not mufu:
+        if generic or min_blocks or threads_n or not mufu or spec_kw:
             distance.lowk_spec = lambda d, la, lb, K, mm_nonfinite=False: orig_lowk(
                 d, la, lb, render.LOWK_MAX_K + 1 if generic else K,
                 min_blocks=min_blocks or render.LOWK_MIN_BLOCKS, threads_n=threads_n, mufu_epilogue=mufu,
-                mm_nonfinite=mm_nonfinite and not generic)
+                mm_nonfinite=mm_nonfinite and not generic, **(spec_kw or {}))
         if tuning_:
             distance.distance_spec = lambda *x, **y: orig_simt(*x, tuning=tuning_)
         saved = render.LOWK_GENERIC_MAX_K

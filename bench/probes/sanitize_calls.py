@@ -94,6 +94,17 @@ def lowk():
         desc = km.PRESETS[name]
         kw = {"bandwidth": 2.0} if desc.needs_bandwidth else ({"p": 1.3} if desc.needs_inner_p else {})
         _check(_run(desc, a, b, None, "donot_use_mm_for_euclid_dist", autotune.LOWK, **kw), desc, a, b, 1e-4, **kw)
+    # torch.cdist's matrix-product NaN/inf (kMmNonFinite) over several tiles per block:
+    # N = 300 (three 128-wide tiles, two blocks along n), one infinite coordinate in b's
+    # third tile (a flagged tile computed by mm_tile), the others finite.
+    a, b = _data(seed=6, sizes=(1, 131, 300, 8))
+    b[0, 270, 2] = float("inf")
+    for name in ("l2", "laplace_l2"):
+        desc = km.PRESETS[name]
+        kw = {"bandwidth": 2.0} if desc.needs_bandwidth else {}
+        res = _run(desc, a, b, None, "use_mm_for_euclid_dist_if_necessary", autotune.LOWK, **kw)
+        fin = torch.isfinite(b[0]).all(-1)
+        _check(res[..., fin], desc, a, b[:, fin], 1e-4, **kw)
 
 
 def matvec():

@@ -45,6 +45,7 @@ from .distance_lowk import (  # noqa: F401
     LOWK_GENERIC_MAX_K,
     LOWK_MAX_K,
     LOWK_MIN_BLOCKS,
+    LOWK_TILES_N,
     desc_mm_ok,
     lowk_bucket,
     lowk_spec,

@@ -20,18 +20,19 @@ LOWK_MIN_BLOCKS = 2  # default of kMinBlocksPerSm (renders no extra argument)
 
 
 def lowk_bucket(K: int) -> int:
-    """The compile-time kK that serves ``K`` (k >= K zero-filled): K itself up to 8, then
-    multiples of 4 up to 16 and of 8 up to 64; 0 (K at run time) beyond."""
-    if K <= 8:
-        return max(int(K), 1)
-    if K <= 16:
-        return -(-K // 4) * 4
-    if K <= LOWK_MAX_K:
-        return -(-K // 8) * 8
-    return 0
+    """The compile-time kK that serves ``K``: K itself up to LOWK_MAX_K (one instantiation
+    per K: zero-filled k cost up to 17 % more arithmetic in the multiples-of-8 buckets
+    used before), 0 (K at run time) beyond."""
+    return max(int(K), 1) if K <= LOWK_MAX_K else 0
 
 
 LOWK_THREADS_N = 16  # default of kThreadsN: 128 x 128 tiles
+# Tiles per block along n at compile-time K (kTilesN; the template's default is 1): a's tile
+# loaded once, b's next tile copied with cp.async while the current one is computed and
+# stored. H100, bench/probes/lowk_p1_candidates.py (bench/notes/lowk.md): p=1 K = 37
+# 1.707 -> 1.409 ms with kK = 37 (4 and 8 tiles 1.411 / 1.396), K = 16 0.868 -> 0.737,
+# K = 8 3-6 % faster for every op, K <= 3 unchanged.
+LOWK_TILES_N = 2
 
 
 def desc_mm_ok(desc: KernelDescriptor) -> bool:
@@ -41,10 +42,14 @@ def desc_mm_ok(desc: KernelDescriptor) -> bool:
     return desc.inner_operator is InnerOperator.DIFF and desc.inner_power is PowerType.SQUARE
 
 
-def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N) -> LaunchShape:
-    bm, bn = (256 // threads_n) * 8, threads_n * 8
-    chunk = kk if kk > 0 else 8192 // (bm + bn) // 4 * 4
-    return LaunchShape(threads=256, block_m=bm, block_n=bn, smem_bytes=(chunk * (bm + 4) + (chunk + 1) * (bn + 4)) * 4)
+def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N, tiles_n: int = 1) -> LaunchShape:
+    """Mirror of kBlockM, kBlockN (= kTilesN tiles of kTileN) and kSmemBytes (b's tile
+    twice when kTilesN > 1)."""
+    bm, tn = (256 // threads_n) * 8, threads_n * 8
+    chunk = kk if kk > 0 else 8192 // (bm + tn) // 4 * 4
+    bufs = 2 if tiles_n > 1 else 1
+    return LaunchShape(threads=256, block_m=bm, block_n=tn * tiles_n,
+                       smem_bytes=(chunk * (bm + 4) + bufs * (chunk + 1) * (tn + 4)) * 4)
 
 
 def lowk_threads_n(K: int) -> int:
@@ -55,7 +60,8 @@ def lowk_threads_n(K: int) -> int:
 
 
 def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS,
-              threads_n: int | None = None, mufu_epilogue: bool = True, mm_nonfinite: bool = False) -> KernelSpec:
+              threads_n: int | None = None, mufu_epilogue: bool = True, mm_nonfinite: bool = False,
+              tiles_n: int | None = None) -> KernelSpec:
     """The low-K instantiation for inputs of layouts ``a``, ``b`` and dimension ``K``
     (output row-major; the caller swaps the operands for a column-major out).
     ``min_blocks`` (kMinBlocksPerSm, 1..3) and ``threads_n`` (kThreadsN: 16, 32, 64 for
@@ -63,26 +69,33 @@ def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_block
     template defaults (2, 16) render no extra arguments. ``mufu_epilogue``: square root and
     exponential on MUFU (default) or the IEEE sqrtf/expf sequences. ``mm_nonfinite``
     (Euclidean descriptors, K <= LOWK_MAX_K): infinities and overflows as torch.cdist's
-    matrix-product path gives them (kMmNonFinite), for calls that mirror its choice."""
+    matrix-product path gives them (kMmNonFinite), for calls that mirror its choice.
+    ``tiles_n`` (kTilesN, 1..8, compile-time K only; default LOWK_TILES_N there, 1 for the
+    run-time-K variant): tiles per block along n."""
     if mm_nonfinite and not (desc_mm_ok(desc) and 0 < lowk_bucket(K)):
         raise ValueError(f"mm_nonfinite: needs a Euclidean descriptor and K <= {LOWK_MAX_K}, got {desc!r}, K = {K}")
     kk = lowk_bucket(K)
+    if tiles_n is None:
+        tiles_n = LOWK_TILES_N if kk > 0 else 1
+    if tiles_n != 1 and not (1 <= tiles_n <= 8 and kk > 0):
+        raise ValueError(f"tiles_n: 1..8 with a compile-time K (K <= {LOWK_MAX_K}), got {tiles_n}, K = {K}")
     if threads_n is None:
         threads_n = lowk_threads_n(K)
-    args = [int(min_blocks), int(threads_n), "true" if mufu_epilogue else "false", "true" if mm_nonfinite else "false"]
-    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N, "true", "false"]
+    args = [int(min_blocks), int(threads_n), "true" if mufu_epilogue else "false", "true" if mm_nonfinite else "false",
+            int(tiles_n)]
+    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N, "true", "false", 1]
     while args and args[-1] == defaults[len(args) - 1]:
         args.pop()
     extra = "".join(f", {x}" for x in args)
     traits = f"kermac_like::DistanceLowKTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {kk}{extra}>"
     return KernelSpec("distance_lowk.cuh", "kermac_like::distance_lowk_kernel", traits,
-                      lowk_launch(kk, threads_n))
+                      lowk_launch(kk, threads_n, tiles_n))
 
 
 # The low-K set: row-major inputs (either output layout: one kernel), the presets a
 # low-dimensional user reaches first (cdist p=1/p=2, the Laplace and Gaussian kernels),
-# K = 1..8, 16, 32, 64 and the generic variant; other (K, descriptor, layout) combinations
-# compile on first use.
+# K = 1..4, 8 and the generic variant; other (K, descriptor, layout) combinations compile
+# on first use.
 LOWK_SHIPPED_K = (1, 2, 3, 4, 8, 0)
 LOWK_SHIPPED_PRESETS = ("l1", "l2", "laplace_l2", "gaussian_l2")
 # The Euclidean presets also with kMmNonFinite at the K the default table gives them in

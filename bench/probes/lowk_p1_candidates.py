@@ -9,10 +9,9 @@ reported, both are printed), the write floor (out.fill_) at the start and the en
 relative Frobenius error of rows 0..255 against float64. Candidates are spec keywords of
 render.lowk_spec (defaults: the shipped kernel), launched through lowk_candidates.launcher:
 
-* ``exact_k``: kK = K (37) instead of the bucket (40): no zero-filled k;
 * ``tiles_n``: kTilesN tiles of 128 x 128 side by side per block: a's tile loaded once, b's
   next tile copied with cp.async into a second buffer while the current one is computed
-  and stored (the stores of tile s overlap the arithmetic of tile s + 1).
+  and stored (the stores of tile s overlap the arithmetic of tile s + 1); shipped: 2.
 
 ``pred`` is the prediction written before the run (bench/notes/lowk.md); the table is last.
 """
@@ -43,30 +42,17 @@ from lowk_candidates import launcher, rel  # noqa: E402
 
 # (op, preset, K, name, lowk_spec keywords or None for the public call, predicted ms on an H200)
 CANDIDATES = [
-    ("cdist_p1", "l1", 37, "shipped (kK 40)", {}, 1.71),
-    ("cdist_p1", "l1", 37, "kK 37, 2 tiles", dict(exact_k=True, tiles_n=2), 1.40),
-    ("cdist_p1", "l1", 37, "kK 37, 4 tiles", dict(exact_k=True, tiles_n=4), 1.40),
-    ("cdist_p1", "l1", 37, "kK 37, 8 tiles", dict(exact_k=True, tiles_n=8), 1.39),
-    ("cdist_p1", "l1", 16, "shipped", {}, 0.85),
-    ("cdist_p1", "l1", 16, "2 tiles", dict(tiles_n=2), 0.75),
-    ("cdist_p1", "l1", 32, "2 tiles", dict(tiles_n=2), 1.20),
-    ("cdist_p1", "l1", 64, "2 tiles", dict(tiles_n=2), 2.15),
-    ("laplace_l2", "laplace_l2", 8, "shipped (mm flag)", {}, 0.60),
-    ("laplace_l2", "laplace_l2", 8, "2 tiles", dict(tiles_n=2), 0.55),
-    ("laplace_l2", "laplace_l2", 8, "4 tiles", dict(tiles_n=4), 0.56),
-    ("gaussian_l2", "gaussian_l2", 8, "shipped (mm flag)", {}, 0.58),
-    ("gaussian_l2", "gaussian_l2", 8, "2 tiles", dict(tiles_n=2), 0.54),
-    ("cdist_p2", "l2", 8, "shipped (mm flag)", {}, 0.57),
-    ("cdist_p2", "l2", 8, "2 tiles", dict(tiles_n=2), 0.53),
-    ("cdist_p1", "l1", 8, "shipped", {}, 0.56),
-    ("cdist_p1", "l1", 8, "2 tiles", dict(tiles_n=2), 0.53),
-    ("cdist_p1", "l1", 3, "shipped", {}, 0.53),
-    ("cdist_p1", "l1", 3, "2 tiles", dict(tiles_n=2), 0.51),
-    ("cdist_p1", "l1", 3, "4 tiles", dict(tiles_n=4), 0.51),
-    ("laplace_l2", "laplace_l2", 3, "shipped (mm flag)", {}, 0.51),
-    ("laplace_l2", "laplace_l2", 3, "2 tiles", dict(tiles_n=2), 0.49),
-    ("cdist_p2", "l2", 1, "shipped (mm flag)", {}, 0.51),
-    ("cdist_p2", "l2", 1, "2 tiles", dict(tiles_n=2), 0.49),
+    ("cdist_p1", "l1", 37, "shipped (kK 37, 2 tiles)", {}, 1.40),
+    ("cdist_p1", "l1", 37, "1 tile", dict(tiles_n=1), 1.71),
+    ("cdist_p1", "l1", 37, "4 tiles", dict(tiles_n=4), 1.40),
+    ("cdist_p1", "l1", 37, "8 tiles", dict(tiles_n=8), 1.39),
+    ("cdist_p1", "l1", 37, "km.cdist", None, 1.40),
+    ("laplace_l2", "laplace_l2", 8, "shipped (mm flag, 2 tiles)", {}, 0.55),
+    ("laplace_l2", "laplace_l2", 8, "1 tile", dict(tiles_n=1), 0.60),
+    ("laplace_l2", "laplace_l2", 8, "km.run_kernel", None, 0.55),
+    ("cdist_p1", "l1", 3, "shipped (64x256, 2 tiles)", {}, 0.52),
+    ("cdist_p1", "l1", 3, "128x128, 2 tiles", dict(threads_n=16), 0.52),
+    ("cdist_p1", "l1", 3, "1 tile", dict(tiles_n=1), 0.52),
 ]
 
 

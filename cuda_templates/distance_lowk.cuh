@@ -193,14 +193,27 @@ __device__ __forceinline__ void for_each_own(int tid, F&& f) {
   }
 }
 
-// 4 bytes global -> shared without registers (cp.async, sm_80+); 0 when !in (src is
-// still a mapped address). Host (the CPU test shim): a plain copy.
-__device__ __forceinline__ void copy_async4(float* dst, const float* src, bool in) {
+// 4 bytes global -> shared without registers (cp.async, sm_80+) to element `off` of the
+// shared-memory base `dst` (smem_base: the address conversion once, outside the copies'
+// predicates). Host (the CPU test shim): a plain copy.
 #if defined(__CUDA_ARCH__)
-  async_copy::cp_async_4(static_cast<unsigned>(__cvta_generic_to_shared(dst)), src, in ? 4 : 0);
+using SmemBase = unsigned;
+__device__ __forceinline__ SmemBase smem_base(float* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void copy_async4(SmemBase dst, int off, const float* src) {
+  async_copy::cp_async_4(dst + 4u * unsigned(off), src, 4);
+}
 #else
-  *dst = in ? *src : 0.0f;
+using SmemBase = float*;
+inline SmemBase smem_base(float* p) { return p; }
+inline void copy_async4(SmemBase dst, int off, const float* src) { dst[off] = *src; }
 #endif
+
+// Rows k = K .. kc - 1 of a (kc, S) tile set to 0 (inner(0, 0) == 0). load_tile_async
+// never writes them, so once per buffer at the kernel's start is enough (none when
+// kK == K, the launcher's choice).
+template <class Tr, int kc, int S>
+__device__ __forceinline__ void zero_tail(float* tile, int K, int tid) {
+  for (int idx = K * S + tid; idx < kc * S; idx += Tr::kThreads) tile[idx] = 0.0f;
 }
 
 __device__ __forceinline__ void copies_commit() {
@@ -217,8 +230,9 @@ __device__ __forceinline__ void copies_wait() {
 
 // load_tile through cp.async (kTilesN > 1): the copies land while the caller computes;
 // it waits (copies_wait) and passes a barrier before reading. The elements of
-// for_each_own; RowMajor: one global address per row, stepped by a pointer increment
-// when the tile's rows are all inside (else clamped per row).
+// for_each_own with k < K (rows k >= K: zero_tail); RowMajor: one global address per
+// row (at the thread's first k; its other k are immediate offsets), stepped by a pointer
+// increment when the tile's rows are all inside (else clamped per row).
 template <class Tr, Layout kLayout, int kc, int BM, int S>
 __device__ __forceinline__ void load_tile_async(float* tile, const float* __restrict__ x, i64 ld, int rows, int row0,
                                                 int K, int tid) {
@@ -231,16 +245,17 @@ __device__ __forceinline__ void load_tile_async(float* tile, const float* __rest
     tid = int(opaque(tid));
     const int warp = tid >> 5, lane = tid & 31;
     const int kl = lane % kLanesK, rl = warp * kRowsW + lane / kLanesK;
-    float* const dst = tile + kl * S + rl;
-    auto row_copies = [&](const float* p, int j) {
+    const SmemBase dst = smem_base(tile + kl * S + rl);
+    bool in[kPassesK];  // this thread's k of pass q inside K (and the tile)
 #pragma unroll
-      for (int q = 0; q < kPassesK; ++q) {
-        const int k = kl + q * kLanesK;
-        if (kc % kLanesK == 0 || k < kc) copy_async4(dst + q * kLanesK * S + j * kRowsPass, p + (k < K ? k : 0), k < K);
-      }
+    for (int q = 0; q < kPassesK; ++q) in[q] = (kc % kLanesK == 0 || kl + q * kLanesK < kc) && kl + q * kLanesK < K;
+    auto row_copies = [&](const float* p, int j) {  // p: the row's element k = kl
+#pragma unroll
+      for (int q = 0; q < kPassesK; ++q)
+        if (in[q]) copy_async4(dst, q * kLanesK * S + j * kRowsPass, p + q * kLanesK);
     };
     if ((BM % kRowsPass == 0 || rl < BM - (kTrips - 1) * kRowsPass) && row0 + BM <= rows) {
-      const float* p = x + i64(row0 + rl) * ld;
+      const float* p = x + i64(row0 + rl) * ld + kl;
       const i64 step = i64(kRowsPass) * ld;
 #pragma unroll
       for (int j = 0; j < kTrips; ++j, p += step) row_copies(p, j);
@@ -248,14 +263,14 @@ __device__ __forceinline__ void load_tile_async(float* tile, const float* __rest
 #pragma unroll
       for (int j = 0; j < kTrips; ++j) {
         const int r = rl + j * kRowsPass;
-        if (BM % kRowsPass == 0 || r < BM) row_copies(x + i64(row0 + r < rows ? row0 + r : rows - 1) * ld, j);
+        if (BM % kRowsPass == 0 || r < BM) row_copies(x + i64(row0 + r < rows ? row0 + r : rows - 1) * ld + kl, j);
       }
     }
   } else {
+    const SmemBase dst = smem_base(tile);
     for_each_own<Tr, kLayout, kc, BM>(tid, [&](int k, int r) {
       const int row = row0 + r < rows ? row0 + r : rows - 1;
-      const bool in = k < K;
-      copy_async4(tile + k * S + r, x + (i64(in ? k : 0) * ld + row), in);
+      if (k < K) copy_async4(dst, k * S + r, x + (i64(k) * ld + row));
     });
   }
   copies_commit();
@@ -458,6 +473,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
       }
     }
   };
+
+  if constexpr (Tr::kK > 0 && Tr::kTilesN > 1) {  // k >= K of every buffer (read before the first barrier)
+    zero_tail<Tr, KC, SA>(sa, K, tid);
+    zero_tail<Tr, KC, SB>(sb, K, tid);
+    zero_tail<Tr, KC, SB>(sb + Tr::kBufB, K, tid);
+  }
 
   for (int l = blockIdx.z; l < batch; l += gridDim.z) {
     const auto entry = args.at(l);

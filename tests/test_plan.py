@@ -12,6 +12,7 @@ import kermac_like as km
 from kermac_like import plan as P
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
 from kermac_like.runtime import launcher
+from kermac_like.runtime.specs import LOWK_TILES_N
 
 
 def _normalised(plan):
@@ -61,7 +62,8 @@ def test_cached_plan_launches_what_a_fresh_plan_launches(as_gpu, cap, name, pres
     if cap == (9, 0) and preset in ("l2", "dot", "laplace_l2") and call.K > 8:  # rows 16-byte aligned
         assert first.family == "distance_wgmma" and len(first.scratch) > 1
     if call.K <= 8 and preset == "l2":  # autotune.LOWK_MM_UP_TO
-        assert first.family == "distance_lowk" and ", true>" in first.spec.traits  # kMmNonFinite
+        # kMmNonFinite, then kTilesN (LOWK_TILES_N tiles per block)
+        assert first.family == "distance_lowk" and first.spec.traits.endswith(f", true, {LOWK_TILES_N}>")
     pointers = {t.data_ptr() for t in (a2, b2, out2)}
     assert pointers & {x for _, _, args, *_ in cached.launches for x in args if isinstance(x, int)}
 

@@ -40,8 +40,8 @@ LOWK_INSTANCES = [
     (("Diff", "Abs", "Noop", "Gaussian"), "ColMajor", "RowMajor", 0, 2, 32),
     # kMmNonFinite: torch.cdist's matrix-product NaN/inf (test_lowk_cpu_mm_nonfinite)
     (("Diff", "Square", "Sqrt", "None"), "RowMajor", "RowMajor", 3, 2, 32, "true", "true"),
-    # kTilesN > 1 (tiles side by side along n, b's next tile through cp.async): the exact
-    # K = 37 p=1 candidate; kMmNonFinite with a column-major b; a column-major a, wide tiles
+    # kTilesN > 1 (tiles side by side along n, b's next tile through cp.async): K = 37
+    # p=1 with 4 tiles; kMmNonFinite with a column-major b; a column-major a, wide tiles
     (("Diff", "Abs", "Noop", "None"), "RowMajor", "RowMajor", 37, 2, 16, "true", "false", 4),
     (("Diff", "Square", "Sqrt", "None"), "RowMajor", "ColMajor", 8, 2, 16, "true", "true", 2),
     (("Diff", "Square", "Sqrt", "Gaussian"), "ColMajor", "RowMajor", 5, 2, 32, "true", "false", 3),

@@ -42,8 +42,10 @@ from .runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-produ
 from .runtime.specs import (
     LOWK_GENERIC_MAX_K,
     LOWK_MAX_K,
+    LOWK_MIN_BLOCKS,
     desc_mm_ok,
     lowk_spec,
+    lowk_tiles_n,
     distance_spec,
     grad_kernel_spec,
     mma_spec,
@@ -332,7 +334,9 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
         first, second = (bv, av) if outv.layout is Layout.COL_MAJOR else (av, bv)
         # Mirroring torch.cdist's matrix product: its NaN/inf (autotune.candidates).
         mm = autotune.uses_mm(compute_mode, call.M, call.N) and desc_mm_ok(call.desc) and call.K <= LOWK_MAX_K
-        spec = lowk_spec(call.desc, first.layout, second.layout, call.K, mm_nonfinite=mm)
+        M, N = (call.N, call.M) if outv.layout is Layout.COL_MAJOR else (call.M, call.N)
+        tiles = lowk_tiles_n(call.K, M, N, bplan.count, LOWK_MIN_BLOCKS * _sm_count(_device_index(call.device)))
+        spec = lowk_spec(call.desc, first.layout, second.layout, call.K, mm_nonfinite=mm, tiles_n=tiles)
         return spec, (av, bv, outv), tensors, bplan, "distance_lowk"
     # distance.cuh's 16-byte loader copies only the valid bytes of a column's last chunk.
     vec_ok = (av.vector_ok(whole_lines=False) and bv.vector_ok(whole_lines=False)

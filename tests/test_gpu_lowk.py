@@ -49,7 +49,7 @@ def run_lowk(desc, a, b, out, threads_n=None, tiles_n=None, **kw):
     orig = distance.lowk_spec
     if threads_n is not None or tiles_n is not None:
         tune = {k: v for k, v in (("threads_n", threads_n), ("tiles_n", tiles_n)) if v is not None}
-        distance.lowk_spec = lambda *x, **y: orig(*x, **tune, **y)
+        distance.lowk_spec = lambda *x, **y: orig(*x, **{**y, **tune})
     # The plan keeps templates under a key without the spec: a tuned spec must not meet
     # (or leave behind) another call's template.
     distance.clear_templates()

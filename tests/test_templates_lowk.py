@@ -181,6 +181,17 @@ def test_buckets():
         render.lowk_spec(PRESETS["l1"], ROW, ROW, 100, tiles_n=2)
 
 
+def test_tiles_per_block_keep_the_gpu_filled():
+    wave = 2 * 132  # two blocks per SM on an H100/H200
+    assert render.lowk_tiles_n(37, 20000, 20000, 1, wave) == 8  # 157 x 20 blocks: 12 waves
+    assert render.lowk_tiles_n(64, 8000, 8000, 1, wave) == render.LOWK_TILES_N  # 8 tiles: 504 blocks
+    assert render.lowk_tiles_n(37, 4000, 20000, 1, wave) == 4  # 32 x 40 blocks with 4 tiles
+    assert render.lowk_tiles_n(16, 256, 256, 1000, wave) == 8  # a batch fills the GPU too
+    assert render.lowk_tiles_n(37, 100, 100, 1, wave) == render.LOWK_TILES_N
+    assert render.lowk_tiles_n(8, 20000, 20000, 1, wave) == render.LOWK_TILES_N  # K <= 8: 2 tiles
+    assert render.lowk_tiles_n(100, 20000, 20000, 1, wave) == 1  # run-time K: one tile
+
+
 @pytest.fixture(scope="module")
 def lowk_sm90():
     specs = [render.lowk_spec(PRESETS["l1"], ROW, ROW, 3), render.lowk_spec(PRESETS["laplace_l2"], ROW, COL, 37),

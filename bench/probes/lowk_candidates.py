@@ -44,10 +44,11 @@ def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=Non
 
     def fn(a, b):
         if generic or min_blocks or threads_n or not mufu or spec_kw:
-            distance.lowk_spec = lambda d, la, lb, K, mm_nonfinite=False: orig_lowk(
+            distance.lowk_spec = lambda d, la, lb, K, mm_nonfinite=False, tiles_n=None: orig_lowk(
                 d, la, lb, render.LOWK_MAX_K + 1 if generic else K,
                 min_blocks=min_blocks or render.LOWK_MIN_BLOCKS, threads_n=threads_n, mufu_epilogue=mufu,
-                mm_nonfinite=mm_nonfinite and not generic, **(spec_kw or {}))
+                mm_nonfinite=mm_nonfinite and not generic,
+                **{"tiles_n": None if generic else tiles_n, **(spec_kw or {})})
         if tuning_:
             distance.distance_spec = lambda *x, **y: orig_simt(*x, tuning=tuning_)
         saved = render.LOWK_GENERIC_MAX_K

@@ -42,15 +42,27 @@ from lowk_candidates import launcher, rel  # noqa: E402
 
 # (op, preset, K, name, lowk_spec keywords or None for the public call, predicted ms on an H200)
 CANDIDATES = [
-    ("cdist_p1", "l1", 37, "shipped (kK 37, 2 tiles)", {}, 1.33),
-    ("cdist_p1", "l1", 37, "8 tiles", dict(tiles_n=8), 1.32),
-    ("cdist_p1", "l1", 37, "km.cdist", None, 1.33),
-    ("cdist_p1", "l1", 16, "shipped", {}, 0.72),
-    ("cdist_p1", "l1", 64, "shipped", {}, 2.10),
-    ("laplace_l2", "laplace_l2", 8, "shipped (mm flag, 2 tiles)", {}, 0.60),
-    ("laplace_l2", "laplace_l2", 8, "km.run_kernel", None, 0.60),
-    ("cdist_p1", "l1", 3, "shipped (64x256, 2 tiles)", {}, 0.58),
-    ("cdist_p1", "l1", 3, "1 tile", dict(tiles_n=1), 0.58),
+    ("cdist_p1", "l1", 16, "2 tiles", dict(tiles_n=2), 0.0),
+    ("cdist_p1", "l1", 16, "4 tiles", dict(tiles_n=4), 0.0),
+    ("cdist_p1", "l1", 16, "8 tiles", dict(tiles_n=8), 0.0),
+    ("cdist_p1", "l1", 32, "2 tiles", dict(tiles_n=2), 0.0),
+    ("cdist_p1", "l1", 32, "4 tiles", dict(tiles_n=4), 0.0),
+    ("cdist_p1", "l1", 32, "8 tiles", dict(tiles_n=8), 0.0),
+    ("cdist_p1", "l1", 37, "2 tiles", dict(tiles_n=2), 0.0),
+    ("cdist_p1", "l1", 37, "4 tiles", dict(tiles_n=4), 0.0),
+    ("cdist_p1", "l1", 37, "8 tiles", dict(tiles_n=8), 0.0),
+    ("cdist_p1", "l1", 64, "2 tiles", dict(tiles_n=2), 0.0),
+    ("cdist_p1", "l1", 64, "4 tiles", dict(tiles_n=4), 0.0),
+    ("cdist_p1", "l1", 64, "8 tiles", dict(tiles_n=8), 0.0),
+    ("laplace_l2", "laplace_l2", 8, "2 tiles", dict(tiles_n=2), 0.0),
+    ("laplace_l2", "laplace_l2", 8, "4 tiles", dict(tiles_n=4), 0.0),
+    ("laplace_l2", "laplace_l2", 8, "8 tiles", dict(tiles_n=8), 0.0),
+    ("cdist_p1", "l1", 8, "2 tiles", dict(tiles_n=2), 0.0),
+    ("cdist_p1", "l1", 8, "4 tiles", dict(tiles_n=4), 0.0),
+    ("cdist_p1", "l1", 8, "8 tiles", dict(tiles_n=8), 0.0),
+    ("cdist_p1", "l1", 3, "2 tiles", dict(tiles_n=2), 0.0),
+    ("cdist_p1", "l1", 3, "4 tiles", dict(tiles_n=4), 0.0),
+    ("cdist_p1", "l1", 3, "8 tiles", dict(tiles_n=8), 0.0),
 ]
 
 
@@ -124,6 +136,7 @@ def main():
         ms = min(r["ms"])
         print(f"| {r['op']} | {r['K']} | {r['variant']} | {ms:.3f} | {r['ms'][0]:.3f} / {r['ms'][1]:.3f} | "
               f"{ms / floor:.2f} | {r['pred']:.2f} | {r['err']:.1e} |")
+    print("(pred 0.00: no prediction, a sweep)")
     print(f"write floor {floor0:.4f} / {floor1:.4f} ms (start / end)")
 
 

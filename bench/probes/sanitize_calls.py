@@ -105,6 +105,18 @@ def lowk():
         res = _run(desc, a, b, None, "use_mm_for_euclid_dist_if_necessary", autotune.LOWK, **kw)
         fin = torch.isfinite(b[0]).all(-1)
         _check(res[..., fin], desc, a, b[:, fin], 1e-4, **kw)
+    # Eight tiles per block (the planner's choice beyond K = 8 on large outputs), forced
+    # here at a small size: 131 x 1100 (the last block's later tiles past N).
+    orig = P.lowk_tiles_n
+    P.lowk_tiles_n = lambda *args: 8
+    P.clear_templates()  # the template cache's key does not hold the spec
+    try:
+        a, b = _data(seed=7, sizes=(1, 131, 1100, 37))
+        _check(_run(km.PRESETS["l1"], a, b, None, "donot_use_mm_for_euclid_dist", autotune.LOWK), km.PRESETS["l1"],
+               a, b, 1e-4)
+    finally:
+        P.lowk_tiles_n = orig
+        P.clear_templates()
 
 
 def matvec():

@@ -50,6 +50,7 @@ from .distance_lowk import (  # noqa: F401
     lowk_bucket,
     lowk_spec,
     lowk_threads_n,
+    lowk_tiles_n,
 )
 from .distance_mma import MMA_LAUNCH, mma_spec, mma_specs_for, mma_traits_spec  # noqa: F401
 from .distance_wgmma import (  # noqa: F401

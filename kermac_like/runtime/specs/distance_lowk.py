@@ -8,8 +8,8 @@ from ...descriptor import PRESETS, KernelDescriptor
 from ...layout import Layout
 from .kernel_spec import KernelSpec, LaunchShape
 
-__all__ = ["LOWK_MAX_K", "LOWK_GENERIC_MAX_K", "desc_mm_ok", "lowk_bucket", "lowk_threads_n", "lowk_launch", "lowk_spec",
-           "shipped"]
+__all__ = ["LOWK_MAX_K", "LOWK_GENERIC_MAX_K", "desc_mm_ok", "lowk_bucket", "lowk_threads_n", "lowk_tiles_n", "lowk_launch",
+           "lowk_spec", "shipped"]
 
 # Mirror of kermac_like::DistanceLowKTraits (cuda_templates/distance_lowk.cuh): 256 threads,
 # 128 x 128 outputs per block, row-major output (a column-major out is launched as out^T),
@@ -52,6 +52,24 @@ def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N, tiles_n: int = 1) -> L
                        smem_bytes=(chunk * (bm + 4) + bufs * (chunk + 1) * (tn + 4)) * 4)
 
 
+def lowk_tiles_n(K: int, M: int, N: int, batch: int, blocks_per_wave: int) -> int:
+    """Tiles per block along n (kTilesN) for an M x N output (row-major; ``batch``
+    entries) at dimension K, ``blocks_per_wave`` blocks in flight (2 per SM): 8 tiles
+    beyond K = 8 (fewer exposed first loads per tile: p=1 at 20000^2, H100, K = 16 / 32 /
+    37 / 64: 0.730 / 1.198 / 1.380 / 2.162 ms with 2 tiles, 0.717 / 1.171 / 1.337 / 2.084
+    with 8), 4 where 8 would leave fewer than 4 waves of blocks, else LOWK_TILES_N (also at
+    K <= 8, where 2, 4 and 8 tiles measured within 1-3 %); 1 for the run-time-K variant."""
+    if lowk_bucket(K) == 0:
+        return 1
+    if K <= 8:
+        return LOWK_TILES_N
+    bm, tn = (256 // lowk_threads_n(K)) * 8, lowk_threads_n(K) * 8
+    for t in (8, 4):
+        if -(-M // bm) * -(-N // (tn * t)) * max(batch, 1) >= 4 * blocks_per_wave:
+            return t
+    return LOWK_TILES_N
+
+
 def lowk_threads_n(K: int) -> int:
     """The tile shape for K (H200, bench/notes/lowk.md, run 2): 64 x 256 tiles up to K = 4
     (longer store runs; p=1 K=3 0.547 -> 0.529 ms, p=2 0.684 -> 0.637), 128 x 128 beyond
@@ -71,7 +89,7 @@ def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_block
     (Euclidean descriptors, K <= LOWK_MAX_K): infinities and overflows as torch.cdist's
     matrix-product path gives them (kMmNonFinite), for calls that mirror its choice.
     ``tiles_n`` (kTilesN, 1..8, compile-time K only; default LOWK_TILES_N there, 1 for the
-    run-time-K variant): tiles per block along n."""
+    run-time-K variant; the planner passes :func:`lowk_tiles_n`): tiles per block along n."""
     if mm_nonfinite and not (desc_mm_ok(desc) and 0 < lowk_bucket(K)):
         raise ValueError(f"mm_nonfinite: needs a Euclidean descriptor and K <= {LOWK_MAX_K}, got {desc!r}, K = {K}")
     kk = lowk_bucket(K)

@@ -1,6 +1,6 @@
 """GPU tests of the low-K kernel (distance_lowk.cuh) and of the kernel choice (marker ``gpu``).
 
-Every descriptor and K of the shipped set (and compile-time buckets above it, and the
+Every descriptor and K of the shipped set (and compile-time K above it, and the
 run-time-K variant) against float64; odd sizes; row- and column-major out (the latter
 launched as out^T); poisoned out; batches with broadcast data and hyper-parameters;
 a thousand small problems in one launch; the autotuner's store.

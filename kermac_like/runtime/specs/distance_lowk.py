@@ -1,6 +1,6 @@
 """Mirror of kermac_like::DistanceLowKTraits (cuda_templates/distance_lowk.cuh), the
-exact SIMT kernel for low dimension K: launch constants, the K bucket and tile shape a
-call gets, the shipped set."""
+exact SIMT kernel for low dimension K: launch constants, the compiled K, tile shape and
+tiles per block a call gets, the shipped set."""
 
 from __future__ import annotations
 

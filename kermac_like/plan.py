@@ -23,6 +23,7 @@ template, one spec module (runtime/specs) and one rule here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -405,6 +406,36 @@ def clear_templates() -> None:
     _BY_CALL.clear()
 
 
+# The names replaced by the active spec_override and their (hashable) values: part of every
+# template key, so that a template is reused only under the replacements it was built with
+# (the key holds the values themselves: no id of a collected function is ever reused).
+_OVERRIDES: tuple = ()
+
+
+@contextlib.contextmanager
+def spec_override(**values):
+    """Tests and probes: names of this module (``lowk_spec``, ``lowk_tiles_n``,
+    ``distance_spec``, ``LOWK_GENERIC_MAX_K``, ...) replaced inside the block. The
+    template caches key everything of a call except the spec it gets, so plans made under
+    the replacements are kept apart by the replacements themselves (hashable values; the
+    same function objects in a later block find their templates again, so a timing loop
+    may enter the block per call), and public calls inside the block neither use nor leave
+    templates under their call keys."""
+    global _OVERRIDES
+    g = globals()
+    unknown = sorted(k for k in values if k not in g)
+    if unknown:
+        raise ValueError(f"spec_override: kermac_like.plan has no {', '.join(unknown)}")
+    saved, saved_key = {k: g[k] for k in values}, _OVERRIDES
+    g.update(values)
+    _OVERRIDES = saved_key + tuple(sorted(values.items()))
+    try:
+        yield
+    finally:
+        g.update(saved)
+        _OVERRIDES = saved_key
+
+
 def _distance_key(call: DistanceCall, out, compute_mode: str, settings: Settings):
     """Everything the distance template of a call depends on, or None when it cannot be
     reused (a hyper-parameter tensor that is not float32 is converted per call)."""
@@ -483,7 +514,7 @@ def run_by_call_key(call_key, a: torch.Tensor, b: torch.Tensor, out, hypers: dic
     The key holds everything the validation and the plan of that call depended on
     (shapes, strides, alignments, dtypes, devices, hyper-parameter values, settings), so
     neither is repeated."""
-    hit = _BY_CALL.get(call_key)
+    hit = None if _OVERRIDES else _BY_CALL.get(call_key)
     if hit is None:
         return None
     t, out_shape, names = hit
@@ -506,8 +537,8 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     if kind is None:
         return None
     key = None if debug else _distance_key(call, out, compute_mode, settings)  # debug: log every decision
-    key = None if key is None else (key, kind)
-    if key is None or autotune.autotune_enabled(call.autotune):  # an autotuned choice may be forgotten
+    key = None if key is None else (key, kind, _OVERRIDES)
+    if key is None or _OVERRIDES or autotune.autotune_enabled(call.autotune):  # an autotuned choice may be forgotten
         call_key = None
     t = _TEMPLATES.get(key) if key is not None else None
     if t is not None:

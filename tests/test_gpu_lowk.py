@@ -46,21 +46,13 @@ def run_lowk(desc, a, b, out, threads_n=None, tiles_n=None, **kw):
     tiles per block); returns out."""
     call = prepare_call(desc, a, b, **kw)
     analyse_output("out", out, call.out_shape, call.dtype, call.device)
+    tune = {k: v for k, v in (("threads_n", threads_n), ("tiles_n", tiles_n)) if v is not None}
     orig = distance.lowk_spec
-    if threads_n is not None or tiles_n is not None:
-        tune = {k: v for k, v in (("threads_n", threads_n), ("tiles_n", tiles_n)) if v is not None}
-        distance.lowk_spec = lambda *x, **y: orig(*x, **{**y, **tune})
-    # The plan keeps templates under a key without the spec: a tuned spec must not meet
-    # (or leave behind) another call's template.
-    distance.clear_templates()
-    try:
+    with distance.spec_override(lowk_spec=lambda *x, **y: orig(*x, **{**y, **tune})):
         plan = distance._plan_distance_gpu(call, out, COMPUTE_MODES[0], False, distance.Settings.current(),
                                            kind=tuning.LOWK)
         assert plan.family == "distance_lowk"
         res = plan.run()
-    finally:
-        distance.lowk_spec = orig
-        distance.clear_templates()
     assert res is out
     return out
 

@@ -306,3 +306,30 @@ def test_kmajor_copy(shape):
     c = P._kmajor(t)
     assert torch.equal(c, t) and c.stride(-2) == 1 and c.stride(-1) % 4 == 0 and c.data_ptr() % 16 == 0
     assert P._kmajor(c) is c
+
+
+def test_spec_override_keeps_its_templates_apart(as_gpu):
+    """plan.spec_override: a replaced spec function gets its own templates (the template
+    key holds every call property but the spec), the original ones come back after the
+    block, and an unknown name is refused."""
+    mode = COMPUTE_MODES[0]
+    a, b = torch.randn(300, 37), torch.randn(2000, 37)
+    call = prepare_call(km.PRESETS["l1"], a, b)
+    out = torch.empty(call.out_shape)
+    shipped = P.plan_distance(call, out, mode, False)
+    assert shipped.family == "distance_lowk"
+    orig = P.lowk_spec
+    one_tile = lambda *x, **y: orig(*x, **{**y, "tiles_n": 1})  # noqa: E731
+    with P.spec_override(lowk_spec=one_tile):
+        inside = P.plan_distance(call, out, mode, False)
+        assert inside.spec.traits.endswith(", 37>") and inside.spec != shipped.spec
+        assert P.plan_distance(call, out, mode, False).spec == inside.spec  # its own template, reused
+        with P.spec_override(lowk_tiles_n=lambda *x: 4):  # nested: both replacements
+            assert P.plan_distance(call, out, mode, False).spec == inside.spec  # lowk_spec still forces 1
+    assert P.lowk_spec is orig and P._OVERRIDES == ()
+    assert P.plan_distance(call, out, mode, False).spec == shipped.spec
+    with P.spec_override(lowk_tiles_n=lambda *x: 4):
+        assert P.plan_distance(call, out, mode, False).spec.traits.endswith(", 4>")
+    with pytest.raises(ValueError, match="no_such_name"):
+        with P.spec_override(no_such_name=1):
+            pass

@@ -36,29 +36,23 @@ OPS = {"cdist_p1": ("l1", {}), "cdist_p2": ("l2", {}), "laplace_l2": ("laplace_l
 
 def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=None, threads_n=None, mufu=True,
              spec_kw=None):
-    """``spec_kw``: further keywords of render.lowk_spec (exact_k, tiles_n)."""
+    """``spec_kw``: further keywords of render.lowk_spec (tiles_n, ...)."""
     orig_lowk, orig_simt = distance.lowk_spec, distance.distance_spec
-    # The plan keeps a call's template under a key without the spec: a new launcher starts
-    # from an empty template cache, or it would reuse the previous variant's kernel.
-    distance.clear_templates()
+    # Made once: the plan keeps templates under these replacements (plan.spec_override).
+    repl = {"LOWK_GENERIC_MAX_K": 1 << 20}
+    if generic or min_blocks or threads_n or not mufu or spec_kw:
+        repl["lowk_spec"] = lambda d, la, lb, K, mm_nonfinite=False, tiles_n=None: orig_lowk(
+            d, la, lb, render.LOWK_MAX_K + 1 if generic else K,
+            min_blocks=min_blocks or render.LOWK_MIN_BLOCKS, threads_n=threads_n, mufu_epilogue=mufu,
+            mm_nonfinite=mm_nonfinite and not generic,
+            **{"tiles_n": None if generic else tiles_n, **(spec_kw or {})})
+    if tuning_:
+        repl["distance_spec"] = lambda *x, **y: orig_simt(*x, tuning=tuning_)
 
     def fn(a, b):
-        if generic or min_blocks or threads_n or not mufu or spec_kw:
-            distance.lowk_spec = lambda d, la, lb, K, mm_nonfinite=False, tiles_n=None: orig_lowk(
-                d, la, lb, render.LOWK_MAX_K + 1 if generic else K,
-                min_blocks=min_blocks or render.LOWK_MIN_BLOCKS, threads_n=threads_n, mufu_epilogue=mufu,
-                mm_nonfinite=mm_nonfinite and not generic,
-                **{"tiles_n": None if generic else tiles_n, **(spec_kw or {})})
-        if tuning_:
-            distance.distance_spec = lambda *x, **y: orig_simt(*x, tuning=tuning_)
-        saved = render.LOWK_GENERIC_MAX_K
-        distance.LOWK_GENERIC_MAX_K = 1 << 20
-        try:
+        with distance.spec_override(**repl):
             call = prepare_call(desc, a, b, **kw)
             distance._plan_distance_gpu(call, out, COMPUTE_MODES[0], False, distance.Settings.current(), kind).run()
-        finally:
-            distance.lowk_spec, distance.distance_spec = orig_lowk, orig_simt
-            distance.LOWK_GENERIC_MAX_K = saved
         return out
     return fn
 

@@ -87,8 +87,7 @@ def precompile():
 def make_fn(op, pname, K, kw, out):
     desc = km.preset(pname)
     hyp = {"bandwidth": math.sqrt(2.0 * K)} if op in ("laplace_l2", "gaussian_l2") else {}
-    if kw is None:  # the public call: whatever the default table picks (not a candidate's cached template)
-        distance.clear_templates()
+    if kw is None:  # the public call: whatever the default table picks
         if op == "cdist_p1":
             return (lambda a, b: km.cdist(a, b, p=1.0, out=out)), desc, hyp
         return (lambda a, b: km.run_kernel(desc, a, b, out=out, **hyp)), desc, hyp

@@ -107,16 +107,10 @@ def lowk():
         _check(res[..., fin], desc, a, b[:, fin], 1e-4, **kw)
     # Eight tiles per block (the planner's choice beyond K = 8 on large outputs), forced
     # here at a small size: 131 x 1100 (the last block's later tiles past N).
-    orig = P.lowk_tiles_n
-    P.lowk_tiles_n = lambda *args: 8
-    P.clear_templates()  # the template cache's key does not hold the spec
-    try:
+    with P.spec_override(lowk_tiles_n=lambda *args: 8):
         a, b = _data(seed=7, sizes=(1, 131, 1100, 37))
         _check(_run(km.PRESETS["l1"], a, b, None, "donot_use_mm_for_euclid_dist", autotune.LOWK), km.PRESETS["l1"],
                a, b, 1e-4)
-    finally:
-        P.lowk_tiles_n = orig
-        P.clear_templates()
 
 
 def matvec():

@@ -604,9 +604,10 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
             grid = (min(grid[0] * grid[1] * L, _sm_count(device)), 1, 1)
     path = {"distance": "simt", "distance_lowk": "low-K"}.get(family, "tensor-core")
     if debug:
-        log.debug("run_kernel %r: %s path%s%s, M=%d N=%d K=%d batch=%s (kernel modes %s, host loop %s)", call.desc,
-                  path, " (out^T = kernel(b, a))" if swap else "", " (k-major copies of a, b)" if kmajor else "",
-                  call.M, call.N, call.K, call.batch, bplan.modes, bplan.outer)
+        log.debug("run_kernel %r: %s path%s%s, M=%d N=%d K=%d batch=%s (kernel modes %s, host loop %s), "
+                  "blocks of %d x %d outputs, grid %s", call.desc, path, " (out^T = kernel(b, a))" if swap else "",
+                  " (k-major copies of a, b)" if kmajor else "", call.M, call.N, call.K, call.batch, bplan.modes,
+                  bplan.outer, spec.launch.block_m, spec.launch.block_n, grid)
     sa, sb, so = bplan.strides[first][1], bplan.strides[second][1], bplan.strides["out"][1]
     eps = np.float32(-np.inf if call.epsilon is None else call.epsilon)
     offsets = {k: list(bplan.outer_offsets(k)) for k in tensors}

@@ -137,6 +137,30 @@ def main():
               f"{ms / floor:.2f} | {r['pred']:.2f} | {r['err']:.1e} |")
     print("(pred 0.00: no prediction, a sweep)")
     print(f"write floor {floor0:.4f} / {floor1:.4f} ms (start / end)")
+    del out
+    batch_rows(args, dev)
+
+
+def batch_rows(args, dev):
+    """The bench's batch row (1000 problems of 256 x 256 x 3, Laplace, one bandwidth per
+    problem, one launch) with 1 and 2 tiles per block and the public call, interleaved
+    twice, beside its write floor (bench/notes/lowk.md: 0.130 vs 0.181 ms in two runs)."""
+    L, n, K = (100, 64, 3) if args.quick else (1000, 256, 3)
+    desc = km.preset("laplace_l2")
+    bw = torch.linspace(0.5, 4.0, L, device=dev)
+    out = torch.empty(L, n, n, device=dev)
+    make = lambda: (torch.randn(L, n, K, device=dev), torch.randn(L, n, K, device=dev))  # noqa: E731
+    variants = {"1 tile": launcher(desc, {"bandwidth": bw}, out, tuning.LOWK, spec_kw={"tiles_n": 1}),
+                "2 tiles": launcher(desc, {"bandwidth": bw}, out, tuning.LOWK, spec_kw={"tiles_n": 2}),
+                "km.run_kernel": lambda a, b: km.run_kernel(desc, a, b, bandwidth=bw, out=out)}
+    ms = {k: [] for k in variants}
+    floor = []
+    for _ in range(2):
+        floor.append(time_calls(lambda o: o.fill_(1.0), lambda: (out,), dev, repeats=args.reps, warmup=2).median_ms)
+        for name, fn in variants.items():
+            ms[name].append(time_calls(fn, make, dev, repeats=args.reps, warmup=args.warmup).median_ms)
+    print(f"\nbatch {L} x {n}^2 x {K} laplace_l2 (write floor {min(floor):.4f} ms): " +
+          ", ".join(f"{k} {min(v):.4f} ms ({v[0]:.4f} / {v[1]:.4f})" for k, v in ms.items()))
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@
 //     regularised diagonal changes sign);
 //   * two (kMinBlocksPerSm) blocks per SM: one block's stores overlap the other's
 //     loads and arithmetic;
-//   * kTilesN > 1 (compile-time K; the launcher's default is 2): a block computes
-//     kTilesN tiles side by side along n; a's tile is loaded once and b's next tile is
-//     copied with cp.async (registers untouched, warps along rows: one global address
-//     per row) into a second buffer while the current tile is computed and stored; one
-//     barrier per tile. The single-tile loads (kTilesN = 1) wait for their global
+//   * kTilesN > 1 (compile-time K; the planner picks 2, 4 or 8: lowk_tiles_n): a block
+//     computes kTilesN tiles side by side along n; a's tile is loaded once and b's next
+//     tile is copied with cp.async (registers untouched, warps along rows: one global
+//     address per row) into a second buffer while the current tile is computed and
+//     stored; one barrier per tile. The single-tile loads (kTilesN = 1) wait for their global
 //     reads before the arithmetic: at K = 37 they cost ~17 % of the time (H100).
 // Inner operator and epilogue: math.cuh (namespace exact), the same code as the
 // K-blocked SIMT kernel, so both give identical results for the same k order.

@@ -155,6 +155,18 @@ __device__ __forceinline__ void load_tile(float* tile, const float* __restrict__
   }
 }
 
+// How the threads of a block share a (kc, BM) row-major tile's copies (for_each_own,
+// load_tile_async): a warp takes whole rows, kLanesK lanes along k and kRowsW = 32 /
+// kLanesK rows; kPassesK passes of kLanesK k per row, kTrips passes of kRowsPass rows.
+template <class Tr, int kc, int BM>
+struct RowCopies {
+  static constexpr int kWarps = Tr::kThreads / 32;
+  static constexpr int kLanesK = kc > 16 ? 32 : kc > 8 ? 16 : kc > 4 ? 8 : kc > 2 ? 4 : kc > 1 ? 2 : 1;
+  static constexpr int kRowsW = 32 / kLanesK, kRowsPass = kRowsW * kWarps;
+  static constexpr int kPassesK = (kc + kLanesK - 1) / kLanesK;
+  static constexpr int kTrips = (BM + kRowsPass - 1) / kRowsPass;
+};
+
 // Every element (k, r) of a (kc, BM) tile that thread `tid` copies with cp.async, f(k, r):
 // RowMajor: a warp takes whole rows (kLanesK lanes along k, 32 / kLanesK rows; one or two
 // passes of 32 k), so each element's shared address is a base plus a compile-time
@@ -167,9 +179,8 @@ __device__ __forceinline__ void for_each_own(int tid, F&& f) {
   tid = int(opaque(tid));
   const int warp = tid >> 5, lane = tid & 31;
   if constexpr (kLayout == Layout::RowMajor) {
-    constexpr int kLanesK = kc > 16 ? 32 : kc > 8 ? 16 : kc > 4 ? 8 : kc > 2 ? 4 : kc > 1 ? 2 : 1;
-    constexpr int kRowsW = 32 / kLanesK, kRowsPass = kRowsW * kWarps;
-    constexpr int kPassesK = (kc + kLanesK - 1) / kLanesK;
+    using RC = RowCopies<Tr, kc, BM>;
+    constexpr int kLanesK = RC::kLanesK, kRowsW = RC::kRowsW, kRowsPass = RC::kRowsPass, kPassesK = RC::kPassesK;
     const int kl = lane % kLanesK, rl = warp * kRowsW + lane / kLanesK;
 #pragma unroll
     for (int j = 0; j < (BM + kRowsPass - 1) / kRowsPass; ++j) {
@@ -237,11 +248,9 @@ template <class Tr, Layout kLayout, int kc, int BM, int S>
 __device__ __forceinline__ void load_tile_async(float* tile, const float* __restrict__ x, i64 ld, int rows, int row0,
                                                 int K, int tid) {
   if constexpr (kLayout == Layout::RowMajor) {
-    constexpr int kWarps = Tr::kThreads / 32;
-    constexpr int kLanesK = kc > 16 ? 32 : kc > 8 ? 16 : kc > 4 ? 8 : kc > 2 ? 4 : kc > 1 ? 2 : 1;
-    constexpr int kRowsW = 32 / kLanesK, kRowsPass = kRowsW * kWarps;
-    constexpr int kPassesK = (kc + kLanesK - 1) / kLanesK;
-    constexpr int kTrips = (BM + kRowsPass - 1) / kRowsPass;
+    using RC = RowCopies<Tr, kc, BM>;
+    constexpr int kLanesK = RC::kLanesK, kRowsW = RC::kRowsW, kRowsPass = RC::kRowsPass, kPassesK = RC::kPassesK;
+    constexpr int kTrips = RC::kTrips;
     tid = int(opaque(tid));
     const int warp = tid >> 5, lane = tid & 31;
     const int kl = lane % kLanesK, rl = warp * kRowsW + lane / kLanesK;

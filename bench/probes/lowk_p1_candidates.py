@@ -66,19 +66,21 @@ CANDIDATES = [
 ]
 
 
-def spec_of(pname, K, kw):
-    """The instantiation the launcher asks for (default compute mode at 20000^2: the flag
-    for the Euclidean descriptors)."""
+def spec_of(pname, K, kw, M):
+    """The instantiation the launcher asks for at M x M (default compute mode: the flag
+    for the Euclidean descriptors; the planner's tiles per block unless kw names them)."""
     d = km.preset(pname)
     R = Layout.ROW_MAJOR
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kw = {"tiles_n": render.lowk_tiles_n(K, M, M, 1, render.LOWK_MIN_BLOCKS * sms), **kw}
     return render.lowk_spec(d, R, R, K, mm_nonfinite=render.desc_mm_ok(d), **kw)
 
 
-def precompile():
+def precompile(M):
     from kermac_like.runtime.compiler import arch_of_device, precompile_specs
 
     t = time.perf_counter()
-    specs = list({spec_of(p, K, kw).name_expression: spec_of(p, K, kw)
+    specs = list({spec_of(p, K, kw, M).name_expression: spec_of(p, K, kw, M)
                   for _, p, K, _, kw, _ in CANDIDATES if kw is not None}.values())
     print(precompile_specs(specs, arch_of_device(torch.device("cuda")), processes=os.cpu_count()), flush=True)
     print(f"precompile: {len(specs)} kernels, {time.perf_counter() - t:.1f} s", flush=True)
@@ -105,7 +107,7 @@ def main():
     t0 = time.perf_counter()
     dev = torch.device("cuda")
     M = N = 2000 if args.quick else 20000
-    precompile()
+    precompile(M)
     out = torch.empty(M, N, device=dev)
     floor0 = time_calls(lambda o: o.fill_(1.0), lambda: (out,), dev, repeats=args.reps, warmup=2).median_ms
     print(f"write floor {M}x{N}: {floor0:.4f} ms", flush=True)

@@ -63,9 +63,9 @@ def lowk_tiles_n(K: int, M: int, N: int, batch: int, blocks_per_wave: int) -> in
         return 1
     if K <= 8:
         return LOWK_TILES_N
-    bm, tn = (256 // lowk_threads_n(K)) * 8, lowk_threads_n(K) * 8
+    tile = lowk_launch(K, lowk_threads_n(K))  # one tile per block: its block_n is the tile's width
     for t in (8, 4):
-        if -(-M // bm) * -(-N // (tn * t)) * max(batch, 1) >= 4 * blocks_per_wave:
+        if -(-M // tile.block_m) * -(-N // (tile.block_n * t)) * max(batch, 1) >= 4 * blocks_per_wave:
             return t
     return LOWK_TILES_N
 

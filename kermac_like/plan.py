@@ -332,10 +332,11 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
     bplan = _batch_plan(call, tensors)
     if _lowk_serves(kind, call.K):
         # Row-major output only: a column-major out is computed as out^T = kernel(b, a).
-        first, second = (bv, av) if outv.layout is Layout.COL_MAJOR else (av, bv)
+        swap = outv.layout is Layout.COL_MAJOR
+        first, second = (bv, av) if swap else (av, bv)
+        M, N = (call.N, call.M) if swap else (call.M, call.N)
         # Mirroring torch.cdist's matrix product: its NaN/inf (autotune.candidates).
         mm = autotune.uses_mm(compute_mode, call.M, call.N) and desc_mm_ok(call.desc) and call.K <= LOWK_MAX_K
-        M, N = (call.N, call.M) if outv.layout is Layout.COL_MAJOR else (call.M, call.N)
         tiles = lowk_tiles_n(call.K, M, N, bplan.count, LOWK_MIN_BLOCKS * _sm_count(_device_index(call.device)))
         spec = lowk_spec(call.desc, first.layout, second.layout, call.K, mm_nonfinite=mm, tiles_n=tiles)
         return spec, (av, bv, outv), tensors, bplan, "distance_lowk"

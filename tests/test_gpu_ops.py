@@ -304,7 +304,7 @@ def test_call_key_served_call_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("p", [1.0, 1.3])
-def test_simt_kmajor_copies_change_nothing_but_speed(p, monkeypatch, caplog):
+def test_simt_kmajor_copies_change_nothing_but_speed(p, caplog):
     """Large SIMT calls read k-major copies of row-major operands (plan._kmajor): the same bits
     as the kernel reading the operands themselves, odd sizes included, the copies the only
     memory beside the output, and K(x, x) still exactly zero on the diagonal."""
@@ -313,28 +313,24 @@ def test_simt_kmajor_copies_change_nothing_but_speed(p, monkeypatch, caplog):
     from kermac_like import plan as P
 
     M, N, K = 2100, 2051, 96
-    monkeypatch.setattr(P, "_KMAJOR_MIN_OUT", 1 << 22)  # this size (4.3e6 outputs) takes the copies
-    P.clear_templates()
     x, y = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda")
     out = poisoned((M, N))
-    with caplog.at_level(logging.DEBUG, logger="kermac_like"):
-        km.cdist(x, y, p, out=out, debug=True)
-    assert any("k-major copies" in r.getMessage() for r in caplog.records)
-    assert rel(out, torch.cdist(x.double(), y.double(), p)) < tol(p)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    km.cdist(x, y, p, out=out)
-    torch.cuda.synchronize()
-    copies = (-(-M // 4) * 4 + -(-N // 4) * 4) * K * 4
-    assert torch.cuda.max_memory_allocated() - before <= copies + 4096
-    self_d = km.cdist(x, x, p)
-    assert torch.all(self_d.diagonal() == 0)
-    assert rel(self_d, torch.cdist(x.double(), x.double(), p)) < tol(p)
-    monkeypatch.setattr(P, "_KMAJOR_MIN_OUT", 1 << 62)
-    P.clear_templates()
-    plain = poisoned((M, N))
-    km.cdist(x, y, p, out=plain)
+    with P.spec_override(_KMAJOR_MIN_OUT=1 << 22):  # this size (4.3e6 outputs) takes the copies
+        with caplog.at_level(logging.DEBUG, logger="kermac_like"):
+            km.cdist(x, y, p, out=out, debug=True)
+        assert any("k-major copies" in r.getMessage() for r in caplog.records)
+        assert rel(out, torch.cdist(x.double(), y.double(), p)) < tol(p)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        km.cdist(x, y, p, out=out)
+        torch.cuda.synchronize()
+        copies = (-(-M // 4) * 4 + -(-N // 4) * 4) * K * 4
+        assert torch.cuda.max_memory_allocated() - before <= copies + 4096
+        self_d = km.cdist(x, x, p)
+        assert torch.all(self_d.diagonal() == 0)
+        assert rel(self_d, torch.cdist(x.double(), x.double(), p)) < tol(p)
+    with P.spec_override(_KMAJOR_MIN_OUT=1 << 62):
+        plain = poisoned((M, N))
+        km.cdist(x, y, p, out=plain)
     assert torch.equal(out, plain)
-    monkeypatch.undo()
-    P.clear_templates()

@@ -648,6 +648,21 @@ def device_info(device):
     return "cpu", "CPU reference path"
 
 
+def spin_up(device, seconds: float = 0.5):
+    """Keep the GPU busy for a while before the first timing. On a freshly started machine the
+    first row of a run once came out slow (bench/results/2026-11-25-session7 run 4: cdist
+    p=1 at K = 1, its five timed calls falling from 0.99 to 0.76 ms, where the next rows and
+    the other runs took 0.57-0.63 ms); clocks still rising from idle would do that (not
+    verified: the clocks are not read there)."""
+    x = torch.randn(4096, 4096, device=device)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            x = torch.tanh(x @ x)
+        torch.cuda.synchronize(device)
+    del x
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="kermac_like vs torch (and Kermac): the benchmark table",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -686,6 +701,8 @@ def main(argv=None):
           + (" [--quick sizes]" if args.quick else ""), flush=True)
 
     bench = Bench(args, device)
+    if device.type == "cuda" and not args.quick:
+        spin_up(device)
     steps = []  # (label, thunk returning a list of rows)
     for w in wanted:
         if w.startswith("cdist_grad_p"):

@@ -44,6 +44,7 @@ from .runtime.specs import (
     LOWK_GENERIC_MAX_K,
     LOWK_MAX_K,
     LOWK_MIN_BLOCKS,
+    default_distance_tuning,
     desc_mm_ok,
     lowk_spec,
     lowk_tiles_n,
@@ -133,6 +134,12 @@ def _device_index(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_per_sm(device: int) -> int:
+    """Shared memory of one SM in bytes; 0 where torch does not report it."""
+    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0) or 0)
 
 
 def _aligned(plan, names, per: int) -> bool:
@@ -343,7 +350,8 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
     # distance.cuh's 16-byte loader copies only the valid bytes of a column's last chunk.
     vec_ok = (av.vector_ok(whole_lines=False) and bv.vector_ok(whole_lines=False)
               and _aligned(bplan, ("a", "b"), 4))
-    spec = distance_spec(call.desc, av.layout, bv.layout, outv.layout, 4 if vec_ok else 1)
+    tuning = default_distance_tuning(call.desc, call.K, _smem_per_sm(_device_index(call.device)))
+    spec = distance_spec(call.desc, av.layout, bv.layout, outv.layout, 4 if vec_ok else 1, tuning=tuning)
     return spec, (av, bv, outv), tensors, bplan, "distance"
 
 

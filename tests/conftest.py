@@ -59,6 +59,9 @@ def as_gpu(monkeypatch):
     monkeypatch.setattr(P, "_gpu_ok", lambda t: True)
     monkeypatch.setattr(P, "_device_index", lambda d: 0)
     monkeypatch.setattr(P, "_sm_count", lambda d: 132)
+    # shared memory per SM of the capability (bytes; the CUDA programming guide's table)
+    monkeypatch.setattr(P, "_smem_per_sm", lambda d: {(8, 0): 167936, (8, 6): 102400, (8, 9): 102400,
+                                                       (9, 0): 233472}.get(cap[0], 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap[0])
     monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: _StubKernel(spec))
     monkeypatch.setattr(launcher, "max_active_clusters", lambda k: 66)

@@ -334,3 +334,28 @@ def test_simt_kmajor_copies_change_nothing_but_speed(p, caplog):
         plain = poisoned((M, N))
         km.cdist(x, y, p, out=plain)
     assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("name", ["l1", "l2", "laplace_l2"])
+def test_moderate_k_tuning(name):
+    """64 < K <= 384 runs the SIMT kernel with two blocks per SM and 16-wide k steps where two
+    fit an SM (plan.py, runtime/specs/distance.py; on sm_90 it must apply): odd K and sizes
+    across the tile edges, a column-major out, and a call large enough for the k-major
+    copies, against float64."""
+    from kermac_like import plan as P
+    from kermac_like.runtime.specs import MODERATE_K_TUNING, default_distance_tuning
+
+    desc, dev = km.PRESETS[name], torch.cuda.current_device()
+    applies = default_distance_tuning(desc, 100, P._smem_per_sm(dev)) == MODERATE_K_TUNING
+    if torch.cuda.get_device_capability(dev) == (9, 0):
+        assert applies, P._smem_per_sm(dev)
+    kw = {"bandwidth": 7.0} if desc.needs_bandwidth else {}
+    for M, N, K, col_out in [(129, 127, 65, False), (300, 200, 77, True), (1000, 129, 100, False),
+                             (257, 255, 384, False), (6000, 5800, 130, False)]:
+        a, b = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda")
+        out = poisoned((N, M)).T if col_out else poisoned((M, N))
+        km.run_kernel(desc, a, b, out=out, compute_mode=EXACT, **kw)
+        rows = slice(0, 64) if M > 1000 else slice(None)
+        ref = distance_reference(desc, a[rows].double(), b.double(), bandwidth=kw.get("bandwidth"))
+        assert torch.isfinite(out).all(), (M, N, K)
+        assert rel(out[rows], ref) <= 1e-6, (M, N, K, applies)

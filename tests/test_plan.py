@@ -280,7 +280,8 @@ def test_simt_calls_read_kmajor_copies_of_row_major_operands(as_gpu, monkeypatch
     out = torch.empty(call.out_shape)
     first = P.plan_distance(call, out, mode, False)
     assert first.family == "distance"
-    assert first.spec.traits.count("Layout::ColMajor") == 2 and first.spec.traits.endswith("Layout::RowMajor, 4>")
+    tuning = ", 41, 16, 2" if cap == (9, 0) else ""  # the moderate-K tuning where two blocks fit an SM
+    assert first.spec.traits.count("Layout::ColMajor") == 2 and first.spec.traits.endswith(f"Layout::RowMajor, 4{tuning}>")
     ta, tb = first.scratch[-1]["a"], first.scratch[-1]["b"]
     for t, src in ((ta, x), (tb, y)):
         assert t.stride(-2) == 1 and t.stride(-1) % 4 == 0 and t.data_ptr() % 16 == 0 and torch.equal(t, src)
@@ -296,6 +297,32 @@ def test_simt_calls_read_kmajor_copies_of_row_major_operands(as_gpu, monkeypatch
     monkeypatch.setattr(P, "_KMAJOR_MAX_SHARE", 4)
     big_k = P.plan_distance(call, out, mode, True)
     assert big_k.spec.traits.count("Layout::RowMajor") == 3
+
+
+@pytest.mark.parametrize("cap,fits", [((9, 0), True), ((8, 0), False), ((8, 6), False)])
+def test_moderate_k_tuning_where_two_blocks_fit(as_gpu, cap, fits):
+    """The SIMT kernel's tuning: for |x - y| and (x - y)^2 sums with 64 < K <= 384, two blocks
+    per SM with 16-wide k steps where two such blocks fit one SM's shared memory (sm_90, not
+    sm_80 or sm_86); beyond 384, fractional p and dot products keep their tunings."""
+    from kermac_like.runtime.specs import MODERATE_K_MAX, distance_launch
+
+    as_gpu[0] = cap
+    assert (2 * (distance_launch(16, 2).smem_bytes + 1024) <= P._smem_per_sm(0)) is fits
+    mode = "donot_use_mm_for_euclid_dist"  # the exact kernels for the Euclidean presets too
+
+    def traits(name, K, **kw):
+        call = prepare_call(km.PRESETS[name], torch.randn(70, K), torch.randn(50, K), **kw)
+        plan = P.plan_distance(call, torch.empty(call.out_shape), mode, False)
+        assert plan.family == "distance"
+        return plan.spec.traits
+
+    for name in ("l1", "l2", "laplace_l2", "gaussian_l2"):
+        kw = {"bandwidth": 2.0} if name.endswith("_l2") and name != "l2" else {}
+        for K in (65, 100, MODERATE_K_MAX):
+            assert traits(name, K, **kw).endswith(", 1, 41, 16, 2>" if fits else ", 1>"), (name, K)
+        assert traits(name, MODERATE_K_MAX + 1, **kw).endswith(", 1>")
+    assert traits("p_norm", 100, p=1.5).endswith(", 48, 16, 2>")  # its own tuning at every K
+    assert traits("dot", 100).endswith(", 1>")
 
 
 @pytest.mark.parametrize("shape", [(48, 5), (2, 3, 50, 7), (1, 1)])

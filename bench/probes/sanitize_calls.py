@@ -85,6 +85,14 @@ _EXACT = ["l1", "l2", "p_norm", "laplace_l2", "gaussian_l2", "dot"]
 
 def simt():
     _distance(_EXACT, "donot_use_mm_for_euclid_dist", kind=autotune.SIMT)
+    # Both tunings of |x - y| sums (runtime/specs/distance.py): K = 100 takes the moderate-K
+    # tuning where two blocks fit an SM (sm_90), K = 400 the default; row-major operands and
+    # k-major (column-major) ones.
+    desc = km.PRESETS["l1"]
+    for K in (100, 400):
+        a, b = _data(seed=8, sizes=(1, 131, 300, K))
+        for x, y in ((a, b), (a.mT.contiguous().mT, b.mT.contiguous().mT)):
+            _check(_run(desc, x, y, None, "donot_use_mm_for_euclid_dist", autotune.SIMT), desc, a, b, 1e-4)
 
 
 def lowk():

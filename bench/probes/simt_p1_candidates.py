@@ -53,6 +53,13 @@ CANDIDATES = [
     ("2blk_off32", (41, 16, 2, 0, 1), "= 2blk (copies are column-major)"),
 ]
 POW_GUARD = [("pow_shipped", render.POW_TUNING)]
+# --sweep: where a second SIMT tuning or the run-time-K low-K kernel beats the shipped SIMT
+# tuning above K = 64 (the seventh session's first sweep, H100: 2blk -7 % at K = 96, -22 % at
+# 128 against a base that looked slow, -2 % at 256, none from 384). (label, kind, tuning):
+# every workload in two passes, the second in reverse order; both medians are printed and
+# the lower is the row's time.
+SWEEP = [("base", "simt", render.DISTANCE_TUNING), ("2blk", "simt", (41, 16, 2)), ("lowk", "lowk", None)]
+SWEEP_WORK = [("l1", 1.0, K) for K in (64, 96, 128, 160, 192, 256, 384)] + [("l2", 2.0, K) for K in (128, 256)]
 
 
 def log(*a):
@@ -72,14 +79,19 @@ def precompile(dev):
              for la, v in ((R, 1), (C, 4))]
     specs += [render.distance_spec(km.preset("p_norm"), la, la, R, v, tuning=t) for _, t in POW_GUARD
               for la, v in ((R, 1), (C, 4))]
+    specs += [render.distance_spec(km.preset("l2"), la, la, R, v, tuning=t) for _, kind, t in SWEEP if t
+              for la, v in ((R, 1), (C, 4))]
     t0 = time.perf_counter()
     log(precompile_specs(specs, arch_of_device(dev), processes=os.cpu_count()), f"{time.perf_counter() - t0:.1f} s")
 
 
-def measure(dev, mon, preset, kw, p, M, K, tun, reps):
+def measure(dev, mon, preset, kw, p, M, K, tun, reps, kind="simt"):
     out = torch.empty(M, M, device=dev)
     make = lambda: (torch.randn(M, K, device=dev), torch.randn(M, K, device=dev))  # noqa: E731
-    fn = launcher(km.preset(preset), kw, out, tuning.SIMT, tuning_=tuple(tun))
+    if kind == "lowk":  # run-time K beyond the compile-time buckets
+        fn = launcher(km.preset(preset), kw, out, tuning.LOWK, generic=K > render.LOWK_MAX_K)
+    else:
+        fn = launcher(km.preset(preset), kw, out, tuning.SIMT, tuning_=tuple(tun))
     with mon:
         t = time_calls(fn, make, dev, repeats=reps, warmup=1, keep_last=True)
     a, b = t.last_inputs
@@ -94,6 +106,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="sizes / 10 (smoke test)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true",
+                    help="only SWEEP's candidates at 20000^2 over SWEEP_WORK's K (p=1, and p=2 exact)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("simt_p1_candidates.py needs a CUDA device")
@@ -105,6 +119,8 @@ def main():
     work = [("p1 30000x1024", "l1", {}, 1.0, 30000 // s, 1024, [(n, t) for n, t, _ in CANDIDATES], args.reps),
             ("p1 20000x256", "l1", {}, 1.0, 20000 // s, 256, [(n, t) for n, t, _ in CANDIDATES], 2 * args.reps),
             ("p1.5 10000x1024", "p_norm", {"p": 1.5}, 1.5, 10000 // s, 1024, POW_GUARD, args.reps)]
+    if args.sweep:
+        return sweep(dev, mon, s, args)
     rows = []
     t0 = time.perf_counter()
     for wl, preset, kw, p, M, K, cands, reps in work:
@@ -130,6 +146,33 @@ def main():
         extra = pred.get(r["variant"], "") if r["workload"].startswith("p1 30000") else ""
         log(f"{r['workload']:16s} {r['variant']:12s} {str(tuple(r['tuning'])):18s} {r['ms']:8.2f} {ratio:8.3f} "
             f"{r['err']:8.1e} {r['mhz']:>5s}  {extra} {r['note']}")
+
+
+def sweep(dev, mon, s, args):
+    best = {}
+    t0 = time.perf_counter()
+    for pas in (0, 1):
+        for preset, p, K in SWEEP_WORK if pas == 0 else SWEEP_WORK[::-1]:
+            for name, kind, tun in SWEEP if pas == 0 else SWEEP[::-1]:
+                try:
+                    ms, err, mhz = measure(dev, mon, preset, {}, p, 20000 // s, K, tun, 2 * args.reps, kind)
+                except Exception as exc:
+                    ms, err, mhz = float("nan"), float("nan"), f"FAIL {str(exc).splitlines()[0][:70]}"
+                r = best.setdefault((preset, K, name), dict(preset=preset, K=K, variant=name, tuning=tun, ms=[],
+                                                           err=err, mhz=[]))
+                r["ms"].append(round(ms, 3))
+                r["mhz"].append(mhz)
+                log(json.dumps({**r, "pass": pas}))
+    rows = list(best.values())
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    log(f"\ntotal {time.perf_counter() - t0:.0f} s; medians of fresh-input calls after a warm-up, two passes"
+        f"{' (QUICK sizes)' if args.quick else ''}")
+    log(f"{'op':4s} {'K':>5s} {'variant':8s} {'ms':>8s} {'vs base':>8s}  passes          rel err")
+    for r in rows:
+        base = min(best[(r["preset"], r["K"], "base")]["ms"])
+        log(f"{r['preset']:4s} {r['K']:5d} {r['variant']:8s} {min(r['ms']):8.3f} {min(r['ms']) / base:8.3f}  "
+            f"{str(r['ms']):15s} {r['err']:.1e}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import itertools
 from .. import _debug
 from ..descriptor import KernelDescriptor
 from ..layout import Layout
-from .specs import distance_spec, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec, wgmma_traits_spec
+from .specs import MODERATE_K_TUNING, distance_spec, moderate_k_applies, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec, wgmma_traits_spec
 from .specs.matvec import C_BUCKETS
 from .specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
 
@@ -18,7 +18,8 @@ def specs_for_descriptor(desc: KernelDescriptor) -> list:
     """Every instantiation a call with ``desc`` can reach for row/column-major
     inputs and a row-major output (a column-major ``out`` compiles on demand)."""
     specs = list(dict.fromkeys(
-        distance_spec(desc, a, b, Layout.ROW_MAJOR, vec)
+        distance_spec(desc, a, b, Layout.ROW_MAJOR, vec, tuning=tuning)
+        for tuning in ((None, MODERATE_K_TUNING) if moderate_k_applies(desc) else (None,))
         for a, b in itertools.product(Layout, Layout)
         for vec in (4, 1)
     ))

@@ -36,10 +36,13 @@ from .cdist_grad import (  # noqa: F401
 from .distance import (  # noqa: F401
     DISTANCE_LAUNCH,
     DISTANCE_TUNING,
+    MODERATE_K_MAX,
+    MODERATE_K_TUNING,
     POW_TUNING,
     default_distance_tuning,
     distance_launch,
     distance_spec,
+    moderate_k_applies,
 )
 from .distance_lowk import (  # noqa: F401
     LOWK_GENERIC_MAX_K,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...descriptor import KernelDescriptor, PowerType
+from ...descriptor import InnerOperator, KernelDescriptor, PowerType
 from ...layout import Layout
 from .kernel_spec import SHIPPED_DESCRIPTORS, KernelSpec, LaunchShape
 
@@ -26,9 +26,30 @@ DISTANCE_LAUNCH = distance_launch()  # 68640 bytes of dynamic shared memory
 # defaults stay best for p = 1, 2 and DOT. Both fit 99 KiB of shared memory (sm_86/89).
 POW_TUNING = (48, 16, 2)
 
+# Moderate K (|x - y| and (x - y)^2 sums): two blocks per SM with 16-wide k steps. cdist at
+# 20000^2 on an H100, the planner's k-major copies, two interleaved passes
+# (bench/probes/simt_p1_candidates.py --sweep, bench/notes/distance.md): p=1 K = 64 2.72 ->
+# 2.49 ms, 96 3.69 -> 3.42, 128 4.61 -> 4.31, 192 6.46 -> 6.22, 256 8.36 -> 8.17, 384 12.12 ->
+# 11.98; p=2 (exact) 128 4.93 -> 4.50, 256 8.74 -> 8.27; no gain at 512 and 768, none at 1024
+# (30000^2: 69.5 either way). The gain is the second block's overlap, so the tuning is
+# taken only where two blocks fit in one SM's shared memory (sm_90; not sm_80 or sm_86/89).
+MODERATE_K_TUNING = (41, 16, 2)
+MODERATE_K_MAX = 384
 
-def default_distance_tuning(desc: KernelDescriptor) -> tuple:
-    return POW_TUNING if desc.inner_power is PowerType.POW else DISTANCE_TUNING
+
+def default_distance_tuning(desc: KernelDescriptor, K: int | None = None, smem_per_sm: int = 0) -> tuple:
+    """The SIMT kernel's tuning for ``desc``; with ``K`` and the device's shared memory per
+    SM (bytes), the moderate-K tuning where it applies (see MODERATE_K_TUNING)."""
+    if desc.inner_power is PowerType.POW:
+        return POW_TUNING
+    if (K is not None and K <= MODERATE_K_MAX and moderate_k_applies(desc)
+            and 2 * (distance_launch(*MODERATE_K_TUNING[1:3]).smem_bytes + 1024) <= smem_per_sm):
+        return MODERATE_K_TUNING
+    return DISTANCE_TUNING
+
+
+def moderate_k_applies(desc: KernelDescriptor) -> bool:
+    return desc.inner_operator is InnerOperator.DIFF and desc.inner_power in (PowerType.ABS, PowerType.SQUARE)
 
 
 def distance_spec(desc: KernelDescriptor, a: Layout, b: Layout, out: Layout, vec: int, *,
@@ -55,8 +76,10 @@ def shipped():
     # Row-major inputs with either output layout, and transposed (column-major)
     # inputs in both alignments; mixed input layouts compile on first use (~1 s).
     row, col = Layout.ROW_MAJOR, Layout.COL_MAJOR
+    # The moderate-K tuning beside the default where it applies.
     for desc in SHIPPED_DESCRIPTORS:
-        yield distance_spec(desc, row, row, row, 1)
-        yield distance_spec(desc, row, row, col, 1)
-        yield distance_spec(desc, col, col, row, 4)
-        yield distance_spec(desc, col, col, row, 1)
+        for tuning in (None, MODERATE_K_TUNING) if moderate_k_applies(desc) else (None,):
+            yield distance_spec(desc, row, row, row, 1, tuning=tuning)
+            yield distance_spec(desc, row, row, col, 1, tuning=tuning)
+            yield distance_spec(desc, col, col, row, 4, tuning=tuning)
+            yield distance_spec(desc, col, col, row, 1, tuning=tuning)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment report, then the steps asked for, short table last.
-#   bash bench/gpu_check.sh [STEP[,STEP...]] [extra pytest args...]
+#   bash bench/gpu_check.sh [STEP[,STEP...]] [extra pytest args...]   (test paths given: only those run)
 # Steps: tests (GPU tests), examples, bench (bench/run.py), timing (bench/probes/safety_timing.py,
 # TIMING_CASES selects; against .gl/before too), host (host overhead per call;
 # against the package in .gl/before too when that folder is carried), krr (Falkon at
@@ -38,7 +38,11 @@ status=0
 summary=()
 has() { [[ ",$steps," == *",$1,"* ]]; }
 if has tests; then
-  timeout "$T" python3 -m pytest -q -m "gpu and not slow" -rfE --tb=short -p no:cacheprovider "$@" tests 2>&1 \
+  # Test paths among the pytest arguments (tests/test_x.py, tests/test_x.py::name) replace the
+  # whole tests folder; otherwise it runs with the other arguments (-k ...).
+  where=tests
+  for a in "$@"; do [[ "$a" == tests/* ]] && where=; done
+  timeout "$T" python3 -m pytest -q -m "gpu and not slow" -rfE --tb=short -p no:cacheprovider "$@" $where 2>&1 \
     | tee "$OUT/pytest.log" | tail -n 60
   status=${PIPESTATUS[0]}
   summary+=("tests: $(grep -E "passed|failed" "$OUT/pytest.log" | tail -1)")

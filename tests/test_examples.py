@@ -171,3 +171,26 @@ def test_bench_torch_cdist_grad_formulas():
     for p in (1.0, 1.3, 2.0):
         ref = cdist_grad_reference(a, b, c, d, p)
         torch.testing.assert_close(grad_formula_float64(a, b, c, d, p, 4, 7), ref[..., :4, :7])
+
+
+def test_bench_lowk_targets():
+    """bench/run.py's reading of issue #16's targets off the lowk rows: the worst K <= 8 ratio
+    to the write floor (the batch row is not a sweep point), the K = 37 times, torch."""
+    _sys_path_for_examples()
+    from bench.run import lowk_targets
+
+    def row(op, K, ours, torch_ms=10.0, floor=0.5):
+        return dict(op=op, K=K, ours_ms=ours, torch_ms=torch_ms, floor_ms=floor)
+
+    rows = [row("cdist_p1", 1, 0.70), row("laplace_l2", 8, 0.74), row("cdist_p1", 37, 1.39),
+            row("cdist_p2", 37, 0.9), row("laplace_l2", 37, 0.95), row("gaussian_l2", 64, 1.0),
+            dict(op="batch_laplace_l2", K=3, ours_ms=0.2, torch_ms=1.0, floor_ms=0.05)]
+    text = lowk_targets(rows)
+    assert "worst laplace_l2 K=8 0.740 ms = 1.48x of 0.500 ms: met" in text
+    assert "cdist_p1 1.390 / cdist_p2 0.900 / laplace_l2 0.950: met" in text
+    assert text.endswith("faster than torch at every point: yes")
+    rows[1]["ours_ms"], rows[2]["ours_ms"], rows[5]["torch_ms"] = 0.76, 1.41, 0.9
+    text = lowk_targets(rows)
+    assert "1.52x of 0.500 ms: NOT met" in text and "laplace_l2 0.950: NOT met" in text
+    assert text.endswith("NO: gaussian_l2 K=64")
+    assert lowk_targets([rows[-1]]) == "lowk targets: no lowk rows"

@@ -7,7 +7,8 @@ import itertools
 from .. import _debug
 from ..descriptor import KernelDescriptor
 from ..layout import Layout
-from .specs import MODERATE_K_TUNING, distance_spec, moderate_k_applies, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec, wgmma_traits_spec
+from .specs import (distance_spec, distance_tunings, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec,
+                    wgmma_traits_spec)
 from .specs.matvec import C_BUCKETS
 from .specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
 
@@ -19,7 +20,7 @@ def specs_for_descriptor(desc: KernelDescriptor) -> list:
     inputs and a row-major output (a column-major ``out`` compiles on demand)."""
     specs = list(dict.fromkeys(
         distance_spec(desc, a, b, Layout.ROW_MAJOR, vec, tuning=tuning)
-        for tuning in ((None, MODERATE_K_TUNING) if moderate_k_applies(desc) else (None,))
+        for tuning in distance_tunings(desc)
         for a, b in itertools.product(Layout, Layout)
         for vec in (4, 1)
     ))

@@ -42,6 +42,7 @@ from .distance import (  # noqa: F401
     default_distance_tuning,
     distance_launch,
     distance_spec,
+    distance_tunings,
     moderate_k_applies,
 )
 from .distance_lowk import (  # noqa: F401

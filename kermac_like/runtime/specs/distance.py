@@ -42,6 +42,7 @@ def default_distance_tuning(desc: KernelDescriptor, K: int | None = None, smem_p
     SM (bytes), the moderate-K tuning where it applies (see MODERATE_K_TUNING)."""
     if desc.inner_power is PowerType.POW:
         return POW_TUNING
+    # 1 KiB of each block's shared memory is reserved by the system (sm_80 and newer).
     if (K is not None and K <= MODERATE_K_MAX and moderate_k_applies(desc)
             and 2 * (distance_launch(*MODERATE_K_TUNING[1:3]).smem_bytes + 1024) <= smem_per_sm):
         return MODERATE_K_TUNING
@@ -50,6 +51,11 @@ def default_distance_tuning(desc: KernelDescriptor, K: int | None = None, smem_p
 
 def moderate_k_applies(desc: KernelDescriptor) -> bool:
     return desc.inner_operator is InnerOperator.DIFF and desc.inner_power in (PowerType.ABS, PowerType.SQUARE)
+
+
+def distance_tunings(desc: KernelDescriptor) -> tuple:
+    """Every tuning a call with ``desc`` can get (None: the default), for precompiling."""
+    return (None, MODERATE_K_TUNING) if moderate_k_applies(desc) else (None,)
 
 
 def distance_spec(desc: KernelDescriptor, a: Layout, b: Layout, out: Layout, vec: int, *,
@@ -78,7 +84,7 @@ def shipped():
     row, col = Layout.ROW_MAJOR, Layout.COL_MAJOR
     # The moderate-K tuning beside the default where it applies.
     for desc in SHIPPED_DESCRIPTORS:
-        for tuning in (None, MODERATE_K_TUNING) if moderate_k_applies(desc) else (None,):
+        for tuning in distance_tunings(desc):
             yield distance_spec(desc, row, row, row, 1, tuning=tuning)
             yield distance_spec(desc, row, row, col, 1, tuning=tuning)
             yield distance_spec(desc, col, col, row, 4, tuning=tuning)

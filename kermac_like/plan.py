@@ -614,9 +614,11 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     path = {"distance": "simt", "distance_lowk": "low-K"}.get(family, "tensor-core")
     if debug:
         log.debug("run_kernel %r: %s path%s%s, M=%d N=%d K=%d batch=%s (kernel modes %s, host loop %s), "
-                  "blocks of %d x %d outputs, grid %s", call.desc, path, " (out^T = kernel(b, a))" if swap else "",
+                  "blocks of %d x %d outputs, grid %s, %d threads and %d B of shared memory per block, "
+                  "%d blocks per SM", call.desc, path, " (out^T = kernel(b, a))" if swap else "",
                   " (k-major copies of a, b)" if kmajor else "", call.M, call.N, call.K, call.batch, bplan.modes,
-                  bplan.outer, spec.launch.block_m, spec.launch.block_n, grid)
+                  bplan.outer, spec.launch.block_m, spec.launch.block_n, grid, spec.launch.threads,
+                  spec.launch.smem_bytes, _blocks_per_sm(kernel))
     sa, sb, so = bplan.strides[first][1], bplan.strides[second][1], bplan.strides["out"][1]
     eps = np.float32(-np.inf if call.epsilon is None else call.epsilon)
     offsets = {k: list(bplan.outer_offsets(k)) for k in tensors}
@@ -853,7 +855,8 @@ def _blocks_per_sm(kernel) -> int:
     n = _occupancy.get(key)
     if n is None:
         try:
-            n = int(kernel.function.occupancy.max_active_blocks_per_multiprocessor(kernel.spec.launch.threads, 0))
+            launch = kernel.spec.launch  # its dynamic shared memory too (0 for kernel_matvec)
+            n = int(kernel.function.occupancy.max_active_blocks_per_multiprocessor(launch.threads, launch.smem_bytes))
         except Exception:  # older cuda.core: the kernel's launch bound
             n = 2
         _occupancy[key] = n = max(1, n)

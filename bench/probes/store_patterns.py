@@ -56,6 +56,20 @@ __device__ __forceinline__ float value(float row_part, float col_part, float one
   return v;
 }
 
+// A thread's 8 x 8 outputs: rows r0 .. r0 + 7, columns c0 + {0..3} and TN / 2 + c0 + {0..3}.
+template <int kAlu, int TN>
+__device__ __forceinline__ void thread_values(float (&acc)[8][8], int r0, int c0, float one, float zero) {
+  float colv[8];
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) colv[j] = float((c0 + (j / 4) * (TN / 2) + (j % 4)) & 511);
+  #pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float rowv = float((r0 + i) & 511);
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) acc[i][j] = value<kAlu>(rowv, colv[j], one, zero);
+  }
+}
+
 template <bool kCs>
 __global__ void __launch_bounds__(256) linear_store(float* __restrict__ out, int M, int N, float one, float zero) {
   // Block after block along whole rows (each row 4 N contiguous bytes, a warp 512 B per store).
@@ -76,15 +90,8 @@ __global__ void __launch_bounds__(256, 2) tile_store(float* __restrict__ out, in
   for (int t = 0; t < kTilesN; ++t) {
     const int n0 = (blockIdx.x * kTilesN + t) * TN;
     if (n0 >= N) break;
-    float acc[8][8], colv[8];
-    #pragma unroll
-    for (int j = 0; j < 8; ++j) colv[j] = float((n0 + (j / 4) * (TN / 2) + tn * 4 + (j % 4)) & 511);
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float rowv = float((m0 + tm * 8 + i) & 511);
-      #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[i][j] = value<kAlu>(rowv, colv[j], one, zero);
-    }
+    float acc[8][8];
+    thread_values<kAlu, TN>(acc, m0 + tm * 8, n0 + tn * 4, one, zero);
     #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int m = m0 + tm * 8 + i;
@@ -117,15 +124,8 @@ __global__ void __launch_bounds__(256, 2) tile_bulk(float* __restrict__ out, int
   for (int t = 0; t < kTilesN; ++t) {
     const int n0 = (blockIdx.x * kTilesN + t) * TN;
     if (n0 >= N) break;
-    float acc[8][8], colv[8];
-    #pragma unroll
-    for (int j = 0; j < 8; ++j) colv[j] = float((n0 + (j / 4) * (TN / 2) + tn * 4 + (j % 4)) & 511);
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float rowv = float((m0 + tm * 8 + i) & 511);
-      #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[i][j] = value<kAlu>(rowv, colv[j], one, zero);
-    }
+    float acc[8][8];
+    thread_values<kAlu, TN>(acc, m0 + tm * 8, n0 + tn * 4, one, zero);
     // The previous tile's bulk copies must have read shared memory before it is overwritten.
     if (tid < BM) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     __syncthreads();

@@ -43,20 +43,9 @@ namespace kermac_like {
 //                    shared memory and registers are capped at 128, so two
 //                    blocks (16 warps) share an SM when the shared memory fits
 //                    (sm_90 with kBlockK_ <= 16; sm_80 runs one block).
-//   kUnrollK_        k-steps per inner-loop trip; 0: the default (8; 4 with
-//                    kMinBlocksPerSm_ 2; 2 for Power::Pow).  Smaller trips keep
-//                    the loop body inside the instruction cache (8 steps of
-//                    p = 1 are 1061 instructions, 17 KB).
-//   kRowOff32_       1: the compact row loader (kMinBlocksPerSm_ 2) keeps 32-bit
-//                    byte offsets of its rows from its first row instead of row
-//                    indices, so a tile's row addresses cost one 64-bit add each
-//                    instead of a 64-bit multiply (~40 fewer instructions per
-//                    tile); leading dimensions too large for 32-bit offsets take
-//                    the row-index path.  No effect with kMinBlocksPerSm_ 1.
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_,
           Layout kLayoutA_, Layout kLayoutB_, Layout kLayoutOut_, int kVec_,
-          int kPolyPer64_ = 41, int kBlockK_ = 32, int kMinBlocksPerSm_ = 1, int kUnrollK_ = 0,
-          int kRowOff32_ = 0>
+          int kPolyPer64_ = 41, int kBlockK_ = 32, int kMinBlocksPerSm_ = 1>
 struct DistanceTraits {
   // ---- static preconditions: impossible combinations fail here, by name.
   static_assert(kVec_ == 1 || kVec_ == 4, "DistanceTraits: kVec must be 1 or 4");
@@ -108,8 +97,7 @@ struct DistanceTraits {
   static constexpr int kEpiFloats = kBlockM * (kBlockN + 1);
   static constexpr int kSmemBytes = (kMainFloats > kEpiFloats ? kMainFloats : kEpiFloats) * 4;
   static constexpr int kUnrollK =                       // k-steps per inner-loop trip
-      kUnrollK_ > 0 ? kUnrollK_ : (kInnerPow_ == Power::Pow ? 2 : (kMinBlocksPerSm_ > 1 ? 4 : 8));
-  static constexpr bool kRowOff32 = kRowOff32_ != 0 && kTotalInSmem;
+      kInnerPow_ == Power::Pow ? 2 : (kMinBlocksPerSm_ > 1 ? 4 : 8);
   static constexpr int kChunkTiles = 256 / kBlockK_;    // k-tiles per partial sum (256 k)
   static constexpr int kPolyPer64 = kPolyPer64_;        // exp2 on the FMA pipe, per 64 elements
 
@@ -124,8 +112,6 @@ struct DistanceTraits {
   static_assert(kBlockK_ == 8 || kBlockK_ == 16 || kBlockK_ == 32 || kBlockK_ == 64,
                 "DistanceTraits: kBlockK must be 8, 16, 32 or 64");
   static_assert(kMinBlocksPerSm_ == 1 || kMinBlocksPerSm_ == 2, "DistanceTraits: kMinBlocksPerSm must be 1 or 2");
-  static_assert(kUnrollK_ >= 0 && kUnrollK_ <= kBlockK_, "DistanceTraits: kUnrollK must be 0 (default) or divide kBlockK");
-  static_assert(kRowOff32_ == 0 || kRowOff32_ == 1, "DistanceTraits: kRowOff32 must be 0 or 1");
   static_assert(kTotalOffset % 4 == 0, "the shared totals are float4 rows");
   static_assert(kThreads % kBlockM == 0 && kThreads % kBlockN == 0, "epilogue walks need BM, BN | kThreads");
 
@@ -235,11 +221,8 @@ struct TileLoader<Tr, Layout::RowMajor, kVec> {
   // tile (one IMAD.WIDE per row group).
   static constexpr bool kCompact = Tr::kTotalInSmem;
   static constexpr int kPtrs = kCompact ? 1 : kRowGroups;
-  // kRowOff32: rows up to BM - 1 apart have byte offsets below 2^31 while
-  // ld <= kMaxOff32Ld (checked per tile; larger ld take the row-index path).
-  static constexpr i64 kMaxOff32Ld = 0x7fffffff / (4 * Tr::kBlockM);
   const float* row_[kPtrs];       // this thread's rows at k = k0 + kl (advanced by load)
-  int rowi_[kCompact ? kRowGroups : 1];  // row indices, or (kRowOff32) byte offsets from row g = 0
+  int rowi_[kCompact ? kRowGroups : 1];
   int dst_;                       // offset of (k = kl, r = w*4 + r4) in the tile
   int kl_;
 
@@ -247,18 +230,16 @@ struct TileLoader<Tr, Layout::RowMajor, kVec> {
     const int lane = tid & 31, warp = tid >> 5;
     kl_ = lane & 7;
     const int r = warp * 4 + (lane >> 3);
-    const int first = min_int(row0 + r, rows - 1);
-    const bool off32 = Tr::kRowOff32 && ld <= kMaxOff32Ld;
 #pragma unroll
     for (int g = 0; g < kRowGroups; ++g) {
       const int row = min_int(row0 + g * Tr::kWarps * 4 + r, rows - 1);  // clamp: never stored
       if constexpr (kCompact) {
-        rowi_[g] = off32 ? (row - first) * int(ld) * 4 : row;  // row >= first
+        rowi_[g] = row;
       } else {
         row_[g] = base + row * ld + kl_;
       }
     }
-    if constexpr (kCompact) row_[0] = base + (off32 ? first * ld : 0) + kl_;
+    if constexpr (kCompact) row_[0] = base + kl_;
     dst_ = kl_ * S + r;
   }
 
@@ -268,15 +249,8 @@ struct TileLoader<Tr, Layout::RowMajor, kVec> {
   __device__ __forceinline__ void load(unsigned tile, int k0, int K, i64 ld) {
     if constexpr (kCompact) {
       const float* rp[kRowGroups];
-      if (Tr::kRowOff32 && ld <= kMaxOff32Ld) {
-        const char* p0 = reinterpret_cast<const char*>(row_[0]);
 #pragma unroll
-        for (int g = 0; g < kRowGroups; ++g)  // opaque: not strength-reduced into 64-bit pointers
-          rp[g] = reinterpret_cast<const float*>(p0 + opaque(i64(unsigned(rowi_[g]))));
-      } else {
-#pragma unroll
-        for (int g = 0; g < kRowGroups; ++g) rp[g] = row_[0] + rowi_[g] * opaque(ld);
-      }
+      for (int g = 0; g < kRowGroups; ++g) rp[g] = row_[0] + rowi_[g] * opaque(ld);
       load_rows(tile, k0, K, rp);
       row_[0] += Tr::kBlockK;
     } else {

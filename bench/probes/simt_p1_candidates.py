@@ -4,8 +4,8 @@ brief's goal is 60): the shipped SIMT kernel
 
     PYTHONPATH=. python3 bench/probes/simt_p1_candidates.py [--quick] [--json out.json]
 
-Every candidate is a distance tuning (kPolyPer64, kBlockK, kMinBlocksPerSm[, kUnrollK[,
-kRowOff32]]) rendered by runtime/specs/distance.py and served through the planner's SIMT
+Every candidate is a distance tuning (kPolyPer64, kBlockK, kMinBlocksPerSm) rendered by
+runtime/specs/distance.py and served through the planner's SIMT
 path (the launcher of bench/probes/lowk_candidates.py). Timings: CUDA events, median of
 fresh-input calls after a warm-up (bench/_timing.py); the SM clock is sampled while timing
 (try_simt.ClockMonitor). Error: rows 0..63 x columns 0..4095 against float64 torch.cdist. Guards: cdist
@@ -38,19 +38,13 @@ from kermac_like.layout import Layout  # noqa: E402
 from kermac_like.runtime import autotune as tuning  # noqa: E402
 from kermac_like.runtime import specs as render  # noqa: E402
 
-# (label, tuning, prediction at 30000^2 x 1024 in ms). Restored in the sixth session: the
-# fourth session's run of this probe timed the shipped kernel for every candidate (the
-# plan's template cache; bench/notes/lowk.md, "The probe defect"). Since the fifth session
-# this call reads k-major (column-major) copies of a and b, so the row loader's kRowOff32
-# does not apply to it (the 2blk_off32 row measures kRowOff32's absence).
+# (label, tuning, prediction at 30000^2 x 1024 in ms). The seventh session's run also had
+# kUnrollK 2 / 4 (70.0 / 70.2 ms) and kRowOff32 (= 2blk): no gain, so those template knobs
+# were removed again (bench/notes/distance.md, "Seventh session"; in git at 3d33eb0).
 CANDIDATES = [
     ("base", render.DISTANCE_TUNING, "69.4 (shipped, k-major copies; fifth session)"),
-    ("bk64", (41, 64, 1), "~68 (75.1-75.6 vs 76.9 without the copies, measured through the cache defect?)"),
-    ("u4", (41, 32, 1, 4), "62-66 if the 17 KB loop misses the L0 i-cache, else ~70"),
-    ("u2", (41, 32, 1, 2), "like u4 -1 %, +1 % loop overhead"),
-    ("bk64_u4", (41, 64, 1, 4), "u4 - 2 %"),
-    ("2blk", (41, 16, 2), "~67 (two blocks per SM)"),
-    ("2blk_off32", (41, 16, 2, 0, 1), "= 2blk (copies are column-major)"),
+    ("bk64", (41, 64, 1), "~68 (seventh session: 68.98)"),
+    ("2blk", (41, 16, 2), "~67 (seventh session: 69.49; the moderate-K tuning below 384)"),
 ]
 POW_GUARD = [("pow_shipped", render.POW_TUNING)]
 # --sweep: where a second SIMT tuning or the run-time-K low-K kernel beats the shipped SIMT

@@ -63,16 +63,11 @@ def distance_spec(desc: KernelDescriptor, a: Layout, b: Layout, out: Layout, vec
     """``vec`` (4 or 1) selects 16-byte loads of column-major inputs; row-major
     inputs are transposed into shared memory by 4-byte copies either way, so a
     row-major pair always renders as ``vec=1`` (one instantiation, not two).
-    ``tuning``: (kPolyPer64, kBlockK, kMinBlocksPerSm[, kUnrollK[, kRowOff32]]),
-    trailing zeros of the optional two (their defaults) dropped; the defaults render
-    no extra template arguments."""
+    ``tuning``: (kPolyPer64, kBlockK, kMinBlocksPerSm); the defaults render no
+    extra template arguments."""
     if a is Layout.ROW_MAJOR and b is Layout.ROW_MAJOR:
         vec = 1
-    tuning = tuple(int(v) for v in (default_distance_tuning(desc) if tuning is None else tuning))
-    if not 3 <= len(tuning) <= 5:
-        raise ValueError(f"distance tuning needs 3 to 5 values, got {tuning}")
-    while len(tuning) > 3 and tuning[-1] == 0:
-        tuning = tuning[:-1]
+    tuning = tuple(default_distance_tuning(desc) if tuning is None else tuning)
     extra = "" if tuning == DISTANCE_TUNING else ", " + ", ".join(str(int(v)) for v in tuning)
     traits = f"kermac_like::DistanceTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {out.cpp}, {vec}{extra}>"
     return KernelSpec("distance.cuh", "kermac_like::distance_kernel", traits, distance_launch(tuning[1], tuning[2]))

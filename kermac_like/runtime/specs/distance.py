@@ -35,6 +35,8 @@ POW_TUNING = (48, 16, 2)
 # taken only where two blocks fit in one SM's shared memory (sm_90; not sm_80 or sm_86/89).
 MODERATE_K_TUNING = (41, 16, 2)
 MODERATE_K_MAX = 384
+# Shared memory two such blocks take on one SM (1 KiB per block is reserved by the system).
+_MODERATE_K_SM_BYTES = 2 * (distance_launch(*MODERATE_K_TUNING[1:3]).smem_bytes + 1024)
 
 
 def default_distance_tuning(desc: KernelDescriptor, K: int | None = None, smem_per_sm: int = 0) -> tuple:
@@ -42,9 +44,7 @@ def default_distance_tuning(desc: KernelDescriptor, K: int | None = None, smem_p
     SM (bytes), the moderate-K tuning where it applies (see MODERATE_K_TUNING)."""
     if desc.inner_power is PowerType.POW:
         return POW_TUNING
-    # 1 KiB of each block's shared memory is reserved by the system (sm_80 and newer).
-    if (K is not None and K <= MODERATE_K_MAX and moderate_k_applies(desc)
-            and 2 * (distance_launch(*MODERATE_K_TUNING[1:3]).smem_bytes + 1024) <= smem_per_sm):
+    if K is not None and K <= MODERATE_K_MAX and moderate_k_applies(desc) and _MODERATE_K_SM_BYTES <= smem_per_sm:
         return MODERATE_K_TUNING
     return DISTANCE_TUNING
 

@@ -73,6 +73,12 @@ def _rebuild_compile_error(message, log_text, options, name_expressions):
 def template_dir() -> Path:
     """Folder of the shipped ``.cuh`` templates: package data when installed,
     the repository's ``cuda_templates/`` in a source checkout."""
+    # The checkout the imported package lives in comes first: an editable install's finder
+    # would otherwise map kermac_like.cuda_templates to the installed checkout's folder even
+    # when another checkout (a worktree on PYTHONPATH) was imported.
+    p = Path(__file__).resolve().parents[2] / "cuda_templates"
+    if (p / "common.cuh").is_file():
+        return p
     try:
         spec = importlib.util.find_spec("kermac_like.cuda_templates")
     except ModuleNotFoundError:
@@ -82,9 +88,6 @@ def template_dir() -> Path:
             p = Path(loc)
             if (p / "common.cuh").is_file():
                 return p
-    p = Path(__file__).resolve().parents[2] / "cuda_templates"
-    if (p / "common.cuh").is_file():
-        return p
     raise FileNotFoundError("kermac_like: cannot find the cuda_templates folder (broken installation?)")
 
 

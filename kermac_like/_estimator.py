@@ -1,0 +1,108 @@
+"""The base classes of the package's estimators: scikit-learn's own when it is installed
+(so that clone, Pipeline, GridSearchCV, cross_val_score and check_estimator see a regular
+scikit-learn estimator), otherwise small stand-ins with the same parameter protocol, so
+that scikit-learn stays an optional dependency.
+
+Estimators here follow scikit-learn's conventions: ``__init__`` stores its arguments
+untouched, validation happens in ``fit``, fitted state ends in ``_``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+__all__ = ["HAVE_SKLEARN", "BaseEstimator", "RegressorMixin", "ClassifierMixin", "ClusterMixin",
+           "TransformerMixin", "NotFittedError", "check_is_fitted"]
+
+try:
+    from sklearn.base import BaseEstimator, ClassifierMixin, ClusterMixin, RegressorMixin, TransformerMixin
+    from sklearn.exceptions import NotFittedError
+    from sklearn.utils.validation import check_is_fitted
+
+    HAVE_SKLEARN = True
+except ImportError:  # scikit-learn is optional: the same protocol without it
+    HAVE_SKLEARN = False
+
+    class NotFittedError(ValueError, AttributeError):
+        """Raised when an estimator is used before ``fit`` (scikit-learn's class when installed)."""
+
+    class BaseEstimator:
+        """get_params / set_params / repr from the ``__init__`` signature (scikit-learn's protocol)."""
+
+        @classmethod
+        def _get_param_names(cls):
+            sig = inspect.signature(cls.__init__)
+            return sorted(n for n, prm in sig.parameters.items()
+                          if n != "self" and prm.kind not in (prm.VAR_KEYWORD, prm.VAR_POSITIONAL))
+
+        def get_params(self, deep=True):
+            return {n: getattr(self, n) for n in self._get_param_names()}
+
+        def set_params(self, **params):
+            valid = self._get_param_names()
+            for k, v in params.items():
+                if k not in valid:
+                    raise ValueError(f"{k}: invalid parameter for {type(self).__name__} "
+                                     f"(valid: {', '.join(valid)})")
+                setattr(self, k, v)
+            return self
+
+        def __repr__(self):
+            defaults = {n: prm.default for n, prm in inspect.signature(type(self).__init__).parameters.items()}
+            shown = [f"{k}={v!r}" for k, v in self.get_params().items()
+                     if defaults.get(k) is not v and not _equal(defaults.get(k), v)]
+            return f"{type(self).__name__}({', '.join(shown)})"
+
+    def _equal(a, b) -> bool:
+        try:
+            return bool(a == b)
+        except Exception:  # arrays, tensors
+            return False
+
+    def check_is_fitted(estimator, attributes=None):
+        names = [attributes] if isinstance(attributes, str) else attributes
+        fitted = (all(hasattr(estimator, a) for a in names) if names else
+                  any(v.endswith("_") and not v.startswith("__") for v in vars(estimator)))
+        if not fitted:
+            raise NotFittedError(f"This {type(estimator).__name__} instance is not fitted yet. "
+                                 "Call 'fit' with appropriate arguments before using this estimator.")
+
+    class RegressorMixin:
+        _estimator_type = "regressor"
+
+        def score(self, X, y, sample_weight=None):
+            """R^2 of ``predict(X)`` against ``y``."""
+            yt = _np(y).astype(np.float64)
+            yp = _np(self.predict(X)).astype(np.float64).reshape(yt.shape)
+            w = np.ones(len(yt)) if sample_weight is None else _np(sample_weight).astype(np.float64)
+            w = w.reshape((-1,) + (1,) * (yt.ndim - 1))
+            ss_res = (w * (yt - yp) ** 2).sum(axis=0)
+            ss_tot = (w * (yt - np.average(yt, axis=0, weights=w.ravel())) ** 2).sum(axis=0)
+            r2 = np.where(ss_tot > 0, 1 - ss_res / np.where(ss_tot > 0, ss_tot, 1), 0.0)
+            return float(np.mean(r2))
+
+    class ClassifierMixin:
+        _estimator_type = "classifier"
+
+        def score(self, X, y, sample_weight=None):
+            """Mean accuracy of ``predict(X)`` against ``y``."""
+            hit = (_np(self.predict(X)) == _np(y)).astype(np.float64)
+            return float(np.average(hit, weights=None if sample_weight is None else _np(sample_weight)))
+
+    class ClusterMixin:
+        _estimator_type = "clusterer"
+
+        def fit_predict(self, X, y=None, **kwargs):
+            self.fit(X, **kwargs)
+            return self.labels_
+
+    class TransformerMixin:
+        def fit_transform(self, X, y=None, **fit_params):
+            return self.fit(X, y, **fit_params).transform(X)
+
+    def _np(a):
+        if hasattr(a, "detach"):  # a torch tensor
+            return a.detach().cpu().numpy()
+        return np.asarray(a)

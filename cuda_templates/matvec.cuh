@@ -55,27 +55,8 @@ namespace kermac_like {
 
 namespace matvec_detail {
 
-// Element loads and stores in float32.
-__device__ __forceinline__ float load_f(const float* p) { return *p; }
-__device__ __forceinline__ float load_f(const float16* p) {
-  float f;
-  asm("{ .reg .b16 h; ld.global.b16 h, [%1]; cvt.f32.f16 %0, h; }" : "=f"(f) : "l"(p));
-  return f;
-}
-__device__ __forceinline__ float load_f(const bfloat16* p) {
-  return __uint_as_float(static_cast<unsigned>(p->bits) << 16);
-}
-__device__ __forceinline__ void store_f(float* p, float x) { *p = x; }
-__device__ __forceinline__ void store_f(float16* p, float x) {
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-  p->bits = h;
-}
-__device__ __forceinline__ void store_f(bfloat16* p, float x) {
-  unsigned short h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
-  p->bits = h;
-}
+// Element loads and stores in float32 (storage16.cuh), and of v in the float64 mode.
+using kermac_like::load_f;
 
 // v in the float64 mode (TVIn = double).
 __device__ __forceinline__ double load_f(const double* p) { return *p; }

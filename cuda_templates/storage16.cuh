@@ -1,5 +1,6 @@
 // 16-bit storage types and type equality, shared by the families that take float16
-// and bfloat16 data (distance_mma.cuh, distance_wgmma.cuh through it, matvec.cuh).
+// and bfloat16 data (distance_mma.cuh, distance_wgmma.cuh through it, matvec.cuh, topk.cuh),
+// and their element loads and stores in float32.
 #pragma once
 
 namespace kermac_like {
@@ -23,5 +24,27 @@ template <class A>
 struct SameType<A, A> {
   static constexpr bool value = true;
 };
+
+// Element loads and stores in float32.
+__device__ __forceinline__ float load_f(const float* p) { return *p; }
+__device__ __forceinline__ float load_f(const float16* p) {
+  float f;
+  asm("{ .reg .b16 h; ld.global.b16 h, [%1]; cvt.f32.f16 %0, h; }" : "=f"(f) : "l"(p));
+  return f;
+}
+__device__ __forceinline__ float load_f(const bfloat16* p) {
+  return __uint_as_float(static_cast<unsigned>(p->bits) << 16);
+}
+__device__ __forceinline__ void store_f(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store_f(float16* p, float x) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  p->bits = h;
+}
+__device__ __forceinline__ void store_f(bfloat16* p, float x) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  p->bits = h;
+}
 
 }  // namespace kermac_like

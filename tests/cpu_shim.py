@@ -25,6 +25,64 @@ int kl_write(const char* path, const std::vector<V>& v) {
 }
 """
 
+# A block of CUDA threads on the CPU: each CUDA thread a std::thread, __syncthreads a barrier, warp
+# shuffles through a shared array, the intrinsics the templates use; `__shared__` arrays inside a
+# kernel become statics (one per program: blocks run one after another).
+THREAD_SHIM = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+struct kl_dim3 { unsigned x, y, z; };
+thread_local kl_dim3 threadIdx, blockIdx;
+kl_dim3 gridDim, blockDim;
+static std::barrier<>* kl_barrier;
+static float kl_lane[256];
+static int kl_and;
+inline void __syncthreads() { kl_barrier->arrive_and_wait(); }
+inline int __syncthreads_and(int p) {
+  kl_barrier->arrive_and_wait();
+  if (threadIdx.x == 0) kl_and = 1;
+  kl_barrier->arrive_and_wait();
+  if (!p) kl_and = 0;
+  kl_barrier->arrive_and_wait();
+  const int r = kl_and;
+  kl_barrier->arrive_and_wait();
+  return r;
+}
+// Every thread of the block calls the shuffles together (the kernel's centre reduction).
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+  kl_lane[threadIdx.x] = v;
+  kl_barrier->arrive_and_wait();
+  const float r = kl_lane[threadIdx.x ^ o];
+  kl_barrier->arrive_and_wait();
+  return r;
+}
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+using std::min;
+#define __device__
+#define __host__
+#define __global__
+#define __forceinline__ inline
+#define __noinline__
+#define __shared__ static
+#define __restrict__
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
+"""
+
 
 def build_cpu_runner(tmp_path_factory, name: str, source: str) -> Path:
     """Compile ``source`` (a runner's C++, after PRELUDE) into an executable in a fresh temporary folder;

@@ -14,60 +14,10 @@ import subprocess
 
 import numpy as np
 import pytest
-from cpu_shim import build_cpu_runner
+from cpu_shim import THREAD_SHIM, build_cpu_runner
 
 
-SHIM = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <thread>
-#include <vector>
-
-struct kl_dim3 { unsigned x, y, z; };
-thread_local kl_dim3 threadIdx, blockIdx;
-kl_dim3 gridDim, blockDim;
-static std::barrier<>* kl_barrier;
-static float kl_lane[256];
-static int kl_and;
-inline void __syncthreads() { kl_barrier->arrive_and_wait(); }
-inline int __syncthreads_and(int p) {
-  kl_barrier->arrive_and_wait();
-  if (threadIdx.x == 0) kl_and = 1;
-  kl_barrier->arrive_and_wait();
-  if (!p) kl_and = 0;
-  kl_barrier->arrive_and_wait();
-  const int r = kl_and;
-  kl_barrier->arrive_and_wait();
-  return r;
-}
-// Every thread of the block calls the shuffles together (the kernel's centre reduction).
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-  kl_lane[threadIdx.x] = v;
-  kl_barrier->arrive_and_wait();
-  const float r = kl_lane[threadIdx.x ^ o];
-  kl_barrier->arrive_and_wait();
-  return r;
-}
-struct alignas(16) float4 { float x, y, z, w; };
-inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
-inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
-using std::min;
-#define __device__
-#define __host__
-#define __global__
-#define __forceinline__ inline
-#define __shared__ static
-#define __restrict__
-#define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(...)
+SHIM = THREAD_SHIM + r"""
 #include "matvec.cuh"
 
 using namespace kermac_like;

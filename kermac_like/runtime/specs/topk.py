@@ -1,0 +1,92 @@
+"""The top-k family (cuda_templates/topk.cuh): which instantiation of
+``topk_kernel<TopkTraits<...>>`` serves a selection call (k nearest neighbours,
+kernel_topk), its mirrored launch constants, and the family's shipped set.
+
+Mirror of ``kermac_like::TopkTraits``: kThreads, kRows (rows of x per thread, from kK),
+kBlockM = kThreads * kRows, kBlockN (y points per shared-memory tile) and kSmemBytes (the
+candidate buffers and the y tile); the compile stub checks them with static_asserts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...descriptor import PRESETS, KernelDescriptor
+from .kernel_spec import KernelSpec, LaunchShape
+
+__all__ = ["K_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "k_bucket", "rows_per_thread", "topk_spec",
+           "topk_combine_spec", "shipped"]
+
+THREADS = 128
+BLOCK_N = 128
+CAP = 16  # TopkTraits::kCap
+# Padded K of the x rows in registers (each bucket one instantiation: K = 1..8 exact, then
+# steps whose padding costs at most a third of the inner operations).
+K_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
+MAX_K = K_BUCKETS[-1]  # larger K: the blocked path
+MAX_SELECT = 1024  # largest k of the fused kernel (the list of a row lives in the indices output)
+MAX_SPLIT = 64  # topk_combine_kernel's kMaxSplit
+
+_T = {
+    torch.float32: "float",
+    torch.float16: "kermac_like::float16",
+    torch.bfloat16: "kermac_like::bfloat16",
+}
+
+
+def k_bucket(K: int) -> int:
+    """kK for K coordinates; 0 beyond MAX_K (no fused kernel)."""
+    for b in K_BUCKETS:
+        if K <= b:
+            return b
+    return 0
+
+
+def rows_per_thread(kK: int) -> int:
+    """Mirror of TopkTraits::kRows."""
+    return 4 if kK <= 8 else 2 if kK <= 32 else 1
+
+
+def _launch(kK: int) -> LaunchShape:
+    rows = rows_per_thread(kK)
+    ks = (kK + 3) // 4 * 4
+    smem = CAP * THREADS * rows * 8 + BLOCK_N * ks * 4
+    return LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=BLOCK_N, smem_bytes=smem)
+
+
+def _traits(desc: KernelDescriptor, dtype, kK: int, largest: bool) -> str:
+    if dtype not in _T:
+        raise ValueError(f"topk: no kernel for dtype {dtype} (float32, float16, bfloat16)")
+    return f"kermac_like::TopkTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {str(bool(largest)).lower()}>"
+
+
+def topk_spec(desc: KernelDescriptor, dtype, K: int, largest: bool) -> KernelSpec:
+    """The selection kernel for ``desc`` over K coordinates (K <= MAX_K)."""
+    kK = k_bucket(K)
+    if kK == 0:
+        raise ValueError(f"topk: K = {K} is beyond the fused kernel's {MAX_K}")
+    return KernelSpec("topk.cuh", "kermac_like::topk_kernel", _traits(desc, dtype, kK, largest), _launch(kK))
+
+
+def topk_combine_spec(desc: KernelDescriptor, dtype, largest: bool) -> KernelSpec:
+    """The merge of split-N lists (topk_combine_kernel): one per descriptor, dtype and order
+    (it decodes the values), on the traits of kK = 1."""
+    return KernelSpec("topk.cuh", "kermac_like::topk_combine_kernel", _traits(desc, dtype, 1, largest), _launch(1))
+
+
+def shipped():
+    """The instantiations the public calls reach for common inputs: knn (l2, l1) at the point-
+    cloud and embedding sizes, with their split merges, and kernel_topk of the Laplace and
+    Gaussian kernels; float16 / bfloat16 loads once."""
+    f32 = torch.float32
+    for name in ("l2", "l1"):
+        desc = PRESETS[name]
+        for K in (2, 3, 8, 16, 32, 64):
+            yield topk_spec(desc, f32, K, False)
+        yield topk_combine_spec(desc, f32, False)
+    for name in ("laplace_l2", "gaussian_l2"):
+        yield topk_spec(PRESETS[name], f32, 3, True)
+        yield topk_combine_spec(PRESETS[name], f32, True)
+    for dt in (torch.float16, torch.bfloat16):
+        yield topk_spec(PRESETS["l2"], dt, 3, False)
+        yield topk_combine_spec(PRESETS["l2"], dt, False)

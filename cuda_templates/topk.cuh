@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_kernel(
 // One thread per (batch entry, row): the n_split sorted lists of the row (scratch
 // [split][batch][M][k]) merged to the k first keys, decoded into values and indices.
 template <class Traits>
-__global__ void __launch_bounds__(256) topk_combine_kernel(
+__global__ void __launch_bounds__(Traits::kThreads) topk_combine_kernel(
     const i64* __restrict__ scratch, typename Traits::T* __restrict__ values, i64* __restrict__ indices, int M,
     int k, int n_split, i64 svm, i64 svj, i64 sim, i64 sij, int batch, int batch_n1, int batch_n2, i64 v_bs0,
     i64 v_bs1, i64 v_bs2, i64 i_bs0, i64 i_bs1, i64 i_bs2, const float* outer_p_ptr, i64 outer_p_bs0,

@@ -1,0 +1,190 @@
+"""Fused top-k kernel (cuda_templates/topk.cuh) on the GPU through its planner alone:
+correctness against a float64 oracle (the acceptance rule of tests/test_gpu_knn.py) on fresh
+random data with poisoned outputs, then timings of the issue's workloads beside torch's way
+(row blocks of torch.cdist + torch.topk; timed on a slice of rows and scaled).
+
+    python3 bench/probes/topk_probe.py [--quick] [--only check|time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, ".")
+import kermac_like as km  # noqa: E402
+from kermac_like.plan_topk import plan_topk  # noqa: E402
+
+
+def make_call(desc, x, y, k, largest, hypers=None):
+    batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+    h = {"inner_p": None, "outer_p": None, "bandwidth": None, "regularization": None}
+    h.update(hypers or {})
+    return SimpleNamespace(desc=desc, x=x, y=y, k=k, largest=largest, hypers=h, reg_diag=0, epsilon=None,
+                           batch=tuple(batch), M=x.shape[-2], N=y.shape[-2], K=x.shape[-1], device=x.device,
+                           dtype=x.dtype)
+
+
+def fused(desc, x, y, k, largest, hypers=None):
+    call = make_call(desc, x, y, k, largest, hypers)
+    shape = (*call.batch, call.M, k)
+    values = torch.full(shape, float("nan"), dtype=x.dtype, device=x.device)
+    indices = torch.full(shape, -5, dtype=torch.int64, device=x.device)
+    plan = plan_topk(call, values, indices)
+    assert plan is not None, "no fused kernel for this call"
+    plan.run()
+    return values, indices
+
+
+def oracle_values(desc, x, y, hypers):
+    """Values of every pair in float64 (run_kernel's reference formula)."""
+    from kermac_like.reference import distance_reference
+
+    h = {k: v for k, v in (hypers or {}).items() if v is not None}
+    return distance_reference(desc, x.double(), y.double(), **h)
+
+
+def check(desc, x, y, k, largest, hypers=None, rtol=1e-5, rows=256):
+    """Acceptance rule: values within rtol of the float64 value of the returned pair; index sets
+    equal except where the float64 gap at the k-th place is below rtol."""
+    v, i = fused(desc, x, y, k, largest, hypers)
+    assert (i >= 0).all() and (i < y.shape[-2]).all(), "indices not written"
+    worst, bad_sets = 0.0, 0
+    xs = x[..., :rows, :]
+    ref = oracle_values(desc, xs, y, hypers)  # (..., rows, N)
+    vs, is_ = v[..., :rows, :], i[..., :rows, :]
+    got_ref = torch.gather(ref, -1, is_)
+    fin = torch.isfinite(got_ref)
+    err = ((vs.double() - got_ref).abs() / got_ref.abs().clamp_min(1e-30))[fin]
+    worst = err.max().item() if err.numel() else 0.0
+    assert torch.equal(torch.isnan(vs.double()), torch.isnan(got_ref)), "NaN placement"
+    refv, _ = torch.topk(ref, k, dim=-1, largest=largest)  # finite data
+    kth = refv[..., -1:]
+    # a returned pair must not be worse than the k-th float64 value by more than rtol
+    if largest:
+        ok = got_ref >= kth - rtol * kth.abs()
+    else:
+        ok = got_ref <= kth + rtol * kth.abs()
+    bad_sets = int((~ok & fin).sum())
+    return worst, bad_sets
+
+
+CHECKS = [
+    ("l2", 2000, 5000, 3, 10, False, torch.float32),
+    ("l2", 3, 200000, 16, 10, False, torch.float32),  # split N + combine
+    ("l1", 1500, 4000, 64, 16, False, torch.float32),
+    ("l1", 700, 3000, 37, 100, False, torch.float32),
+    ("p_norm", 900, 3000, 8, 7, False, torch.float32),
+    ("l2", 512, 4096, 8, 1024, False, torch.float32),
+    ("laplace_l2", 800, 3000, 3, 20, True, torch.float32),
+    ("gaussian_l2", 800, 3000, 12, 20, True, torch.float32),
+    ("dot", 600, 3000, 24, 15, True, torch.float32),
+    ("l2", 800, 3000, 3, 10, False, torch.float16),
+    ("l2", 800, 3000, 3, 10, False, torch.bfloat16),
+    ("l2", 800, 3000, 3, 10, True, torch.float32),
+]
+
+
+def run_checks():
+    dev = torch.device("cuda")
+    print("check: desc M N K k largest dtype -> worst value error, pairs beyond the k-th place")
+    for name, M, N, K, k, largest, dt in CHECKS:
+        x = torch.randn(M, K, device=dev).to(dt)
+        y = torch.randn(N, K, device=dev).to(dt)
+        hyp = {"bandwidth": 2.0} if "laplace" in name or "gaussian" in name else {}
+        if name == "p_norm":
+            hyp = {"inner_p": 1.5, "outer_p": 1.5}
+        tol = 1e-5 if dt == torch.float32 else 1e-5
+        w, b = check(km.PRESETS[name], x, y, k, largest, hyp, rtol=tol)
+        print(f"  {name:12s} {M:6d} {N:7d} {K:3d} {k:5d} {largest!s:5s} {str(dt):15s} {w:.2e} {b}")
+    # batches with broadcasting and a tensor bandwidth
+    x = torch.randn(4, 1, 300, 5, device=dev)
+    y = torch.randn(1, 3, 2000, 5, device=dev)
+    bw = torch.rand(4, 3, device=dev) + 0.5
+    w, b = check(km.PRESETS["laplace_l2"], x, y, 9, True, {"bandwidth": bw})
+    print(f"  batch (4,1)x(1,3) laplace tensor bw: {w:.2e} {b}")
+    # determinism: two calls identical, bitwise
+    x = torch.randn(5, 16, device=dev)
+    y = torch.randn(300000, 16, device=dev)
+    a = fused(km.PRESETS["l2"], x, y, 50, False)
+    c = fused(km.PRESETS["l2"], x, y, 50, False)
+    print("  deterministic:", torch.equal(a[0], c[0]) and torch.equal(a[1], c[1]))
+
+
+def time_ms(fn, reps=5, warm=1):
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def torch_blocks(x, y, k, p, rows=4096):
+    out_v, out_i = [], []
+    for r in range(0, x.shape[0], rows):
+        d = torch.cdist(x[r:r + rows], y, p=p)
+        v, i = torch.topk(d, k, dim=-1, largest=False)
+        out_v.append(v)
+        out_i.append(i)
+    return torch.cat(out_v), torch.cat(out_i)
+
+
+def run_timings(quick):
+    dev = torch.device("cuda")
+    rows = []
+    cases = [("knn_d3", 10 ** 6, 3, 10, 2.0), ("knn_p1_d64", 2 * 10 ** 5, 64, 16, 1.0),
+             ("knn_d16", 10 ** 6, 16, 10, 2.0)]
+    if quick:
+        cases = [(n, m // 10, K, k, p) for n, m, K, k, p in cases]
+    for name, M, K, k, p in cases:
+        desc = km.PRESETS["l1" if p == 1 else "l2"]
+        x = torch.randn(M, K, device=dev)
+        y = torch.randn(M, K, device=dev)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t = time_ms(lambda: fused(desc, x, y, k, False), reps=3)
+        extra = (torch.cuda.max_memory_allocated() - base - M * k * 12) / 2 ** 20
+        sl = 8192
+        tt = time_ms(lambda: torch_blocks(x[:sl], y, k, p), reps=2) * M / sl
+        rows.append((name, t, tt, extra))
+    # batched: 256 problems of 1000 x 1000 x 8, k = 8
+    x = torch.randn(256, 1000, 8, device=dev)
+    y = torch.randn(256, 1000, 8, device=dev)
+    t = time_ms(lambda: fused(km.PRESETS["l2"], x, y, 8, False), reps=10)
+    tt = time_ms(lambda: torch.topk(torch.cdist(x, y), 8, dim=-1, largest=False), reps=10)
+    rows.append(("knn_batched", t, tt, 0.0))
+    # few queries against many points (split N)
+    x = torch.randn(64, 16, device=dev)
+    y = torch.randn(10 ** 6, 16, device=dev)
+    t = time_ms(lambda: fused(km.PRESETS["l2"], x, y, 10, False), reps=10)
+    tt = time_ms(lambda: torch.topk(torch.cdist(x, y), 10, dim=-1, largest=False), reps=10)
+    rows.append(("knn_m64_n1e6_d16", t, tt, 0.0))
+    print(f"{'workload':20s} {'ours ms':>10s} {'torch ms':>10s} {'speedup':>8s} {'extra MB':>9s}")
+    for name, t, tt, extra in rows:
+        print(f"{name:20s} {t:10.2f} {tt:10.2f} {tt / t:8.1f} {extra:9.1f}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["check", "time"])
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(0))
+    t0 = time.time()
+    if a.only != "time":
+        run_checks()
+    if a.only != "check":
+        run_timings(a.quick)
+    print(f"total {time.time() - t0:.1f} s")

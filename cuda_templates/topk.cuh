@@ -18,12 +18,17 @@
 // every key is distinct: the selected set does not depend on the order in which candidates
 // arrive, which makes splits, merges and the result deterministic.
 //
-// Candidates that pass go to the row's buffer in shared memory (kCap keys; the row's thread
-// owns it, no atomics). A full buffer is sorted and merged into the row's list, k sorted keys
-// in global memory (`keys`: the int64 indices output itself, or the split scratch), from the
-// back, in place, and the threshold becomes the list's k-th key. After a few thousand points
-// nearly every candidate fails the threshold test: a pair costs the inner operations, the
-// order bits (0 to 2 instructions) and the compare.
+// Where a row's list lives (kSel, compile time):
+//   * kSel > 0 (k <= kSel <= 32): kSel sorted keys in registers; the first kSel - k are zeros
+//     (below every real key, they never move), so the threshold is the last register and an
+//     insertion is one unrolled pass of compare-and-shift;
+//   * kSel == 0 (any k up to MAX_SELECT): k sorted keys in global memory (`keys`: the int64
+//     indices output itself, or the split scratch). Candidates that pass go to the row's
+//     buffer in shared memory (kCap keys, owned by the row's thread: no atomics); a full buffer
+//     is sorted and merged into the list from the back, in place, and the threshold becomes
+//     the list's k-th key.
+// After a few thousand points nearly every candidate fails the threshold test: a pair costs
+// the inner operations, the order bits (0 to 2 instructions) and the compare.
 //
 // Output: with one N range per row (n_split == 1) the kernel decodes its lists in place:
 // values (outer power applied for deferred descriptors, rounded to T) and the indices over the
@@ -40,9 +45,10 @@ namespace kermac_like {
 
 typedef unsigned long long u64;
 
-// kK_: the padded K (1..64; x rows in registers); kLargest_: descending values.
+// kK_: the padded K (1..64; x rows in registers); kLargest_: descending values; kSel_: 0 (lists
+// in global memory, any k) or the register list's length (k <= kSel_ <= 32).
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_,
-          bool kLargest_>
+          bool kLargest_, int kSel_ = 0>
 struct TopkTraits {
   static_assert(kInner_ != Inner::Dot || (kInnerPow_ == Power::Noop && kOuterPow_ == Power::Noop &&
                                           kEpilogue_ == Epilogue::None),
@@ -56,6 +62,7 @@ struct TopkTraits {
                     SameType<T_, bfloat16>::value,
                 "TopkTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");
   static_assert(kK_ >= 1 && kK_ <= 64, "TopkTraits: kK is the padded K, 1..64");
+  static_assert(kSel_ >= 0 && kSel_ <= 32, "TopkTraits: kSel is 0 (lists in memory) or 1..32 (in registers)");
 
   using T = T_;
   static constexpr Inner kInner = kInner_;
@@ -69,13 +76,16 @@ struct TopkTraits {
   // Values of either sign (dot products); otherwise >= 0 or NaN.
   static constexpr bool kSigned = kInner_ == Inner::Dot;
 
+  static constexpr int kSel = kSel_;
   static constexpr int kThreads = 128;
-  // Rows per thread: x takes kRows * kK registers.
-  static constexpr int kRows = kK_ <= 8 ? 4 : kK_ <= 32 ? 2 : 1;
+  // Rows per thread: x takes kK and a register list 2 kSel registers per row; about 112 of
+  // them in all (the first power of two that fits, 1 to 4).
+  static constexpr int kRowRegs = kK_ + 2 * kSel_;
+  static constexpr int kRows = kRowRegs * 4 <= 112 ? 4 : kRowRegs * 2 <= 112 ? 2 : 1;
   static constexpr int kBlockM = kThreads * kRows;
   static constexpr int kKS = (kK_ + 3) / 4 * 4;  // shared row of a point (float4 reads)
   static constexpr int kBlockN = 128;            // y points per shared-memory tile
-  static constexpr int kCap = 16;                // buffered candidates per row
+  static constexpr int kCap = kSel_ > 0 ? 0 : 16;  // buffered candidates per row (lists in memory)
   // Dynamic shared memory: the buffers (kCap, kBlockM) keys, then the y tile (kBlockN, kKS).
   static constexpr int kBufBytes = kCap * kBlockM * 8;
   static constexpr int kSmemBytes = kBufBytes + kBlockN * kKS * 4;
@@ -97,8 +107,12 @@ __device__ __forceinline__ unsigned order_bits(float v) {
     b = __float_as_uint(v + 0.0f);  // -0 + 0 = +0
     if (v != v) b = 0x7fffffffu;
     b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  } else if constexpr (Tr::kDeferred) {
+    // A sum of terms >= 0 that starts from +0 and ends in an arithmetic instruction: +0, not
+    // -0, and a NaN is the GPU's canonical NaN (0x7fffffff), above +inf.
+    b = __float_as_uint(v);
   } else {
-    b = __float_as_uint(v) & 0x7fffffffu;  // v >= 0 or NaN
+    b = __float_as_uint(v) & 0x7fffffffu;  // an epilogue's value >= 0 or NaN of either sign
   }
   if constexpr (Tr::kLargest) b = ~b;
   return b;
@@ -127,8 +141,14 @@ __device__ __forceinline__ float reported(u64 key, float inv_outer_p) {
 // Merges a row's buffer (cnt keys at buf[0], buf[bs], ...) into its sorted list (len keys at
 // list[0], list[ls], ...; at most k kept): insertion sort of the buffer, then a merge from the
 // back (an output position is never below an unread list position, so it runs in place).
-// Returns the new length; thr becomes the k-th key once k are kept.
-__device__ __noinline__ int merge_row(u64* buf, int bs, int cnt, i64* list, i64 ls, int len, int k, u64& thr) {
+// Returns the new length and threshold: the k-th key once k are kept, else all ones (a struct,
+// not a reference: the caller's per-row thresholds stay in registers).
+struct ListState {
+  int len;
+  u64 thr;
+};
+
+__device__ __noinline__ ListState merge_row(u64* buf, int bs, int cnt, i64* list, i64 ls, int len, int k) {
   for (int a = 1; a < cnt; ++a) {
     const u64 v = buf[a * bs];
     int b = a - 1;
@@ -154,8 +174,16 @@ __device__ __noinline__ int merge_row(u64* buf, int bs, int cnt, i64* list, i64 
     if (pos < k) list[pos * ls] = i64(v);
   }
   const int n = len + cnt < k ? len + cnt : k;
-  thr = n == k ? u64(list[(k - 1) * ls]) : ~0ull;
-  return n;
+  return {n, n == k ? u64(list[(k - 1) * ls]) : ~0ull};
+}
+
+// Inserts key into a sorted register list (the largest entry drops out): one unrolled pass,
+// each entry the one below it (shifted up) or the smaller of itself and key.
+template <int S>
+__device__ __forceinline__ void insert_sorted(u64 (&list)[S], u64 key) {
+#pragma unroll
+  for (int s = S - 1; s > 0; --s) list[s] = list[s - 1] > key ? list[s - 1] : (list[s] < key ? list[s] : key);
+  list[0] = list[0] < key ? list[0] : key;
 }
 
 // The hyper-parameters of batch entry `index`.
@@ -228,8 +256,10 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_kernel(
     }
     ea.exp2_scale = ea.exp_scale * 1.4426950408889634f;
 
+    constexpr int S = Tr::kSel > 0 ? Tr::kSel : 1;
     float xr[R][KK];
-    u64 thr[R];
+    u64 thr[R];       // lists in memory: the row's k-th key (all ones until k are kept)
+    u64 lst[R][S];    // register lists: kSel - k zeros, then the row's sorted keys
     int cnt[R], len[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -238,6 +268,8 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_kernel(
 #pragma unroll
       for (int q = 0; q < KK; ++q) xr[i][q] = (live && q < K) ? load_f(xl + i64(m) * sxm + i64(q) * sxk) : 0.0f;
       thr[i] = live ? ~0ull : 0ull;  // rows past M never take a candidate
+#pragma unroll
+      for (int q = 0; q < S; ++q) lst[i][q] = (live && q >= S - k) ? ~0ull : 0ull;
       cnt[i] = 0;
       len[i] = 0;
     }
@@ -259,6 +291,8 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_kernel(
           yj[4 * q] = f.x, yj[4 * q + 1] = f.y, yj[4 * q + 2] = f.z, yj[4 * q + 3] = f.w;
         }
         const unsigned n = unsigned(n0 + j);
+        u64 key[R];
+        bool any = false;
 #pragma unroll
         for (int i = 0; i < R; ++i) {
           float acc[Tr::kAcc];
@@ -271,14 +305,22 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_kernel(
 #pragma unroll
           for (int a = 1; a < Tr::kAcc; ++a) v = math::add_rn(v, acc[a]);
           if constexpr (!Tr::kDeferred) v = exact::finish<Tr>(v, ea);
-          const u64 key = make_key(order_bits<Tr>(v), n);
-          if (key < thr[i]) {
-            const int r = tid + i * Tr::kThreads;
-            buf[cnt[i] * BM + r] = key;
-            if (++cnt[i] == Tr::kCap) {
-              const int m = m0 + r;
-              len[i] = merge_row(buf + r, BM, cnt[i], kl + i64(m) * lm, ls, len[i], k, thr[i]);
-              cnt[i] = 0;
+          key[i] = make_key(order_bits<Tr>(v), n);
+          any |= key[i] < (Tr::kSel > 0 ? lst[i][S - 1] : thr[i]);
+        }
+        if (any) {  // one branch per point: nearly always not taken
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            if constexpr (Tr::kSel > 0) {
+              if (key[i] < lst[i][S - 1]) insert_sorted(lst[i], key[i]);
+            } else if (key[i] < thr[i]) {
+              const int r = tid + i * Tr::kThreads;
+              buf[cnt[i] * BM + r] = key[i];
+              if (++cnt[i] == Tr::kCap) {
+                const ListState st = merge_row(buf + r, BM, cnt[i], kl + i64(m0 + r) * lm, ls, len[i], k);
+                len[i] = st.len, thr[i] = st.thr;
+                cnt[i] = 0;
+              }
             }
           }
         }
@@ -291,7 +333,22 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_kernel(
       const int r = tid + i * Tr::kThreads, m = m0 + r;
       if (m >= M) continue;
       i64* list = kl + i64(m) * lm;
-      if (cnt[i] > 0) len[i] = merge_row(buf + r, BM, cnt[i], list, ls, len[i], k, thr[i]);
+      if constexpr (Tr::kSel > 0) {
+        // The last k registers, sorted: decoded (one range) or stored as keys (splits).
+#pragma unroll
+        for (int q = 0; q < S; ++q) {
+          if (q < S - k) continue;
+          const int j = q - (S - k);
+          if (direct) {
+            store_f(values + vb.offset(bi) + i64(m) * svm + j * svj, reported<Tr>(lst[i][q], ea.inv_outer_p));
+            list[j * ls] = i64(lst[i][q] & 0xffffffffull);
+          } else {
+            list[j * ls] = i64(lst[i][q]);
+          }
+        }
+        continue;
+      }
+      if (cnt[i] > 0) len[i] = merge_row(buf + r, BM, cnt[i], list, ls, len[i], k).len;
       if (direct) {
         typename Tr::T* vr = values + vb.offset(bi) + i64(m) * svm;
         for (int j = 0; j < len[i]; ++j) {
@@ -316,7 +373,7 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_combine_kernel(
     i64 outer_p_bs1, i64 outer_p_bs2, float outer_p) {
   using Tr = Traits;
   using namespace topk_detail;
-  constexpr int kMaxSplit = 64;
+  constexpr int kMaxSplit = 512;
   const BatchShape shape{batch_n1, batch_n2};
   const BatchStride vb{v_bs0, v_bs1, v_bs2}, ib{i_bs0, i_bs1, i_bs2};
   const HyperParam op{outer_p_ptr, {outer_p_bs0, outer_p_bs1, outer_p_bs2}, outer_p};

@@ -51,7 +51,7 @@ def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = F
     from .runtime.launcher import get_kernel
 
     device = _device_index(call.device)
-    spec = topk_spec(call.desc, call.dtype, call.K, call.largest)
+    spec = topk_spec(call.desc, call.dtype, call.K, call.largest, call.k)
     kernel = get_kernel(spec, device, debug=debug)
     hypers = {k: (h.float() if isinstance(h, torch.Tensor) and h.dtype != torch.float32 else h)
               for k, h in call.hypers.items() if k != "regularization"}

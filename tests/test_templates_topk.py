@@ -14,14 +14,18 @@ import numpy as np
 import pytest
 from cpu_shim import THREAD_SHIM, build_cpu_runner
 
-# (descriptor template arguments, kK, largest): instance i of the runner.
+# (descriptor template arguments, kK, largest, kSel): instance i of the runner. kSel 0: lists in
+# memory with shared-memory buffers (every k); kSel 32: register lists (k <= 32).
 INSTANCES = [
-    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::None", 3, "false"),    # l2 (deferred sqrt)
-    ("Inner::Diff, Power::Abs, Power::Noop, Epilogue::None", 5, "false"),       # l1
-    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Laplace", 3, "true"),  # laplace_l2 kernel values
-    ("Inner::Dot, Power::Noop, Power::Noop, Epilogue::None", 12, "true"),       # dot, kRows = 2
-    ("Inner::Dot, Power::Noop, Power::Noop, Epilogue::None", 12, "false"),
-    ("Inner::Diff, Power::Abs, Power::Noop, Epilogue::None", 48, "false"),      # kRows = 1, two partial sums
+    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::None", 3, "false", 0),    # l2 (deferred sqrt)
+    ("Inner::Diff, Power::Abs, Power::Noop, Epilogue::None", 5, "false", 0),       # l1
+    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Laplace", 3, "true", 0),  # laplace_l2 kernel values
+    ("Inner::Dot, Power::Noop, Power::Noop, Epilogue::None", 12, "true", 0),       # dot, kRows = 2
+    ("Inner::Dot, Power::Noop, Power::Noop, Epilogue::None", 12, "false", 0),
+    ("Inner::Diff, Power::Abs, Power::Noop, Epilogue::None", 48, "false", 0),      # kRows = 1, two partial sums
+    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::None", 3, "false", 8),
+    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Laplace", 3, "true", 32),
+    ("Inner::Dot, Power::Noop, Power::Noop, Epilogue::None", 12, "true", 12),
 ]
 
 SHIM = THREAD_SHIM + r"""
@@ -91,7 +95,7 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    inst = [f"using T{i} = TopkTraits<{d}, float, {kk}, {lg}>;" for i, (d, kk, lg) in enumerate(INSTANCES)]
+    inst = [f"using T{i} = TopkTraits<{d}, float, {kk}, {lg}, {sel}>;" for i, (d, kk, lg, sel) in enumerate(INSTANCES)]
     cases = [f"    case {i}: run<T{i}>(in.data(), in.data() + size_t(M) * K, values.data(), keys, M, N, K, k, n_split, "
              f"per); if (n_split > 1) combine<T{i}>(scratch.data(), values.data(), indices.data(), M, k, n_split); "
              "break;" for i in range(len(INSTANCES))]
@@ -128,7 +132,9 @@ def _oracle(vals, k: int, largest: bool):
 @pytest.mark.parametrize("which", range(len(INSTANCES)))
 @pytest.mark.parametrize("k,n_split,per", [(1, 1, 8), (7, 1, 8), (40, 1, 8), (7, 3, 2)])
 def test_topk_kernel_cpu(runner, which, k, n_split, per, tmp_path):
-    _, K, largest = INSTANCES[which]
+    _, K, largest, sel = INSTANCES[which]
+    if sel:
+        k = min(k, sel)  # register lists: k <= kSel (k < kSel leaves leading zeros)
     K = K - 1 if K > 3 else K  # padded coordinates (K < kK) zero-filled
     rng = np.random.default_rng(100 * which + k + n_split)
     M, N = 130 if K < 32 else 70, 700  # rows past the block; 6 y tiles, the last one partial

@@ -140,14 +140,17 @@ def torch_blocks(x, y, k, p, rows=4096):
     return torch.cat(out_v), torch.cat(out_i)
 
 
-def run_timings(quick):
+def run_timings(quick, only=()):
     dev = torch.device("cuda")
     rows = []
     cases = [("knn_d3", 10 ** 6, 3, 10, 2.0), ("knn_p1_d64", 2 * 10 ** 5, 64, 16, 1.0),
-             ("knn_d16", 10 ** 6, 16, 10, 2.0)]
+             ("knn_d16", 10 ** 6, 16, 10, 2.0), ("knn_d3_k100", 2 * 10 ** 5, 3, 100, 2.0),
+             ("knn_d8_k1", 10 ** 6, 8, 1, 2.0), ("knn_d3_k32", 10 ** 6, 3, 32, 2.0)]
     if quick:
         cases = [(n, m // 10, K, k, p) for n, m, K, k, p in cases]
     for name, M, K, k, p in cases:
+        if only and name not in only:
+            continue
         desc = km.PRESETS["l1" if p == 1 else "l2"]
         x = torch.randn(M, K, device=dev)
         y = torch.randn(M, K, device=dev)
@@ -180,11 +183,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["check", "time"])
+    ap.add_argument("--cases", default="", help="comma-separated timing rows (default: all)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(0))
     t0 = time.time()
     if a.only != "time":
         run_checks()
     if a.only != "check":
-        run_timings(a.quick)
+        run_timings(a.quick, a.cases.split(',') if a.cases else ())
     print(f"total {time.time() - t0:.1f} s")

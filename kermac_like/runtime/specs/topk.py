@@ -2,9 +2,10 @@
 ``topk_kernel<TopkTraits<...>>`` serves a selection call (k nearest neighbours,
 kernel_topk), its mirrored launch constants, and the family's shipped set.
 
-Mirror of ``kermac_like::TopkTraits``: kThreads, kRows (rows of x per thread, from kK),
-kBlockM = kThreads * kRows, kBlockN (y points per shared-memory tile) and kSmemBytes (the
-candidate buffers and the y tile); the compile stub checks them with static_asserts.
+Mirror of ``kermac_like::TopkTraits``: kThreads, kRows (rows of x per thread, from kK and
+kSel), kBlockM = kThreads * kRows, kBlockN (y points per shared-memory tile) and kSmemBytes
+(the candidate buffers of the lists in memory, and the y tile); the compile stub checks them
+with static_asserts.
 """
 
 from __future__ import annotations
@@ -14,18 +15,20 @@ import torch
 from ...descriptor import PRESETS, KernelDescriptor
 from .kernel_spec import KernelSpec, LaunchShape
 
-__all__ = ["K_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "k_bucket", "rows_per_thread", "topk_spec",
-           "topk_combine_spec", "shipped"]
+__all__ = ["K_BUCKETS", "SEL_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "k_bucket", "sel_bucket",
+           "rows_per_thread", "topk_spec", "topk_combine_spec", "shipped"]
 
 THREADS = 128
 BLOCK_N = 128
-CAP = 16  # TopkTraits::kCap
+CAP = 16  # TopkTraits::kCap of the lists in memory (kSel = 0)
 # Padded K of the x rows in registers (each bucket one instantiation: K = 1..8 exact, then
 # steps whose padding costs at most a third of the inner operations).
 K_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 MAX_K = K_BUCKETS[-1]  # larger K: the blocked path
 MAX_SELECT = 1024  # largest k of the fused kernel (the list of a row lives in the indices output)
-MAX_SPLIT = 64  # topk_combine_kernel's kMaxSplit
+# Register lists (kSel): k up to the last bucket; beyond it the lists live in memory (kSel = 0).
+SEL_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
+MAX_SPLIT = 512  # topk_combine_kernel's kMaxSplit
 
 _T = {
     torch.float32: "float",
@@ -42,36 +45,51 @@ def k_bucket(K: int) -> int:
     return 0
 
 
-def rows_per_thread(kK: int) -> int:
+def sel_bucket(k: int) -> int:
+    """kSel for k selected: the register list's length, or 0 (lists in memory) beyond 32."""
+    for b in SEL_BUCKETS:
+        if k <= b:
+            return b
+    return 0
+
+
+def rows_per_thread(kK: int, kSel: int) -> int:
     """Mirror of TopkTraits::kRows."""
-    return 4 if kK <= 8 else 2 if kK <= 32 else 1
+    regs = kK + 2 * kSel
+    return 4 if regs * 4 <= 112 else 2 if regs * 2 <= 112 else 1
 
 
-def _launch(kK: int) -> LaunchShape:
-    rows = rows_per_thread(kK)
+def _launch(kK: int, kSel: int) -> LaunchShape:
+    rows = rows_per_thread(kK, kSel)
     ks = (kK + 3) // 4 * 4
-    smem = CAP * THREADS * rows * 8 + BLOCK_N * ks * 4
+    smem = (0 if kSel else CAP) * THREADS * rows * 8 + BLOCK_N * ks * 4
     return LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=BLOCK_N, smem_bytes=smem)
 
 
-def _traits(desc: KernelDescriptor, dtype, kK: int, largest: bool) -> str:
+def _traits(desc: KernelDescriptor, dtype, kK: int, largest: bool, kSel: int) -> str:
     if dtype not in _T:
         raise ValueError(f"topk: no kernel for dtype {dtype} (float32, float16, bfloat16)")
-    return f"kermac_like::TopkTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {str(bool(largest)).lower()}>"
+    return (f"kermac_like::TopkTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {str(bool(largest)).lower()}, "
+            f"{int(kSel)}>")
 
 
-def topk_spec(desc: KernelDescriptor, dtype, K: int, largest: bool) -> KernelSpec:
-    """The selection kernel for ``desc`` over K coordinates (K <= MAX_K)."""
+def topk_spec(desc: KernelDescriptor, dtype, K: int, largest: bool, k: int) -> KernelSpec:
+    """The selection kernel for ``desc`` over K coordinates (K <= MAX_K) selecting k."""
     kK = k_bucket(K)
     if kK == 0:
         raise ValueError(f"topk: K = {K} is beyond the fused kernel's {MAX_K}")
-    return KernelSpec("topk.cuh", "kermac_like::topk_kernel", _traits(desc, dtype, kK, largest), _launch(kK))
+    if not 1 <= k <= MAX_SELECT:
+        raise ValueError(f"topk: k = {k} is outside the fused kernel's 1..{MAX_SELECT}")
+    kSel = sel_bucket(k)
+    return KernelSpec("topk.cuh", "kermac_like::topk_kernel", _traits(desc, dtype, kK, largest, kSel),
+                      _launch(kK, kSel))
 
 
 def topk_combine_spec(desc: KernelDescriptor, dtype, largest: bool) -> KernelSpec:
     """The merge of split-N lists (topk_combine_kernel): one per descriptor, dtype and order
-    (it decodes the values), on the traits of kK = 1."""
-    return KernelSpec("topk.cuh", "kermac_like::topk_combine_kernel", _traits(desc, dtype, 1, largest), _launch(1))
+    (it decodes the values), on the traits of kK = 1, kSel = 0."""
+    return KernelSpec("topk.cuh", "kermac_like::topk_combine_kernel", _traits(desc, dtype, 1, largest, 0),
+                      _launch(1, 0))
 
 
 def shipped():
@@ -82,11 +100,13 @@ def shipped():
     for name in ("l2", "l1"):
         desc = PRESETS[name]
         for K in (2, 3, 8, 16, 32, 64):
-            yield topk_spec(desc, f32, K, False)
+            yield topk_spec(desc, f32, K, False, 10)
+        yield topk_spec(desc, f32, 3, False, 1)  # the argmin (k-means' assignment)
+        yield topk_spec(desc, f32, 3, False, 100)  # lists in memory
         yield topk_combine_spec(desc, f32, False)
     for name in ("laplace_l2", "gaussian_l2"):
-        yield topk_spec(PRESETS[name], f32, 3, True)
+        yield topk_spec(PRESETS[name], f32, 3, True, 10)
         yield topk_combine_spec(PRESETS[name], f32, True)
     for dt in (torch.float16, torch.bfloat16):
-        yield topk_spec(PRESETS["l2"], dt, 3, False)
+        yield topk_spec(PRESETS["l2"], dt, 3, False, 10)
         yield topk_combine_spec(PRESETS["l2"], dt, False)

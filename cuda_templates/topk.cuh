@@ -47,8 +47,10 @@ typedef unsigned long long u64;
 
 // kK_: the padded K (1..64; x rows in registers); kLargest_: descending values; kSel_: 0 (lists
 // in global memory, any k) or the register list's length (k <= kSel_ <= 32).
+// Tuning knobs (0: the shipped choice; bench/probes/topk_probe.py --variants times others):
+// kRows_ rows per thread (1, 2 or 4); kUnrollJ_ points per trip of the pair loop (1 or 2).
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_,
-          bool kLargest_, int kSel_ = 0>
+          bool kLargest_, int kSel_ = 0, int kRows_ = 0, int kUnrollJ_ = 0>
 struct TopkTraits {
   static_assert(kInner_ != Inner::Dot || (kInnerPow_ == Power::Noop && kOuterPow_ == Power::Noop &&
                                           kEpilogue_ == Epilogue::None),
@@ -81,10 +83,13 @@ struct TopkTraits {
   // Rows per thread: x takes kK and a register list 2 kSel registers per row; about 112 of
   // them in all (the first power of two that fits, 1 to 4).
   static constexpr int kRowRegs = kK_ + 2 * kSel_;
-  static constexpr int kRows = kRowRegs * 4 <= 112 ? 4 : kRowRegs * 2 <= 112 ? 2 : 1;
+  static constexpr int kRows = kRows_ > 0 ? kRows_ : kRowRegs * 4 <= 112 ? 4 : kRowRegs * 2 <= 112 ? 2 : 1;
+  static_assert(kRows == 1 || kRows == 2 || kRows == 4, "TopkTraits: kRows is 1, 2 or 4");
+  static constexpr int kUnrollJ = kUnrollJ_ > 0 ? kUnrollJ_ : 1;
+  static_assert(kUnrollJ == 1 || kUnrollJ == 2, "TopkTraits: kUnrollJ is 1 or 2");
   static constexpr int kBlockM = kThreads * kRows;
   static constexpr int kKS = (kK_ + 3) / 4 * 4;  // shared row of a point (float4 reads)
-  static constexpr int kBlockN = 128;            // y points per shared-memory tile
+  static constexpr int kBlockN = kKS <= 16 ? 256 : 128;  // y points per shared-memory tile
   static constexpr int kCap = kSel_ > 0 ? 0 : 16;  // buffered candidates per row (lists in memory)
   // Dynamic shared memory: the buffers (kCap, kBlockM) keys, then the y tile (kBlockN, kKS).
   static constexpr int kBufBytes = kCap * kBlockM * 8;
@@ -191,6 +196,80 @@ struct Hypers {
   HyperParam inner_p, outer_p, bandwidth;
 };
 
+// A thread's rows' selection state: register lists (kSel > 0), or thresholds, buffer counts
+// and list lengths of the lists in memory.
+template <class Tr>
+struct RowLists {
+  static constexpr int R = Tr::kRows, S = Tr::kSel > 0 ? Tr::kSel : 1;
+  u64 lst[R][S];  // register lists: kSel - k zeros, then the row's sorted keys
+  u64 thr[R];     // lists in memory: the row's k-th key (all ones until k are kept)
+  int cnt[R], len[R];
+  u64* buf;       // (kCap, kBlockM) buffered keys
+  i64* lists;     // the list of the CTA's first row (the thread's row i: tid + i * kThreads)
+  i64 lm, ls;     // list strides: rows, entries
+  int k, tid;
+
+  __device__ __forceinline__ int row(int i) const { return tid + i * Tr::kThreads; }
+  __device__ __forceinline__ i64* list(int i) const { return lists + i64(row(i)) * lm; }
+
+  // Offers key to row i.
+  __device__ __forceinline__ void offer(int i, u64 key) {
+    if constexpr (Tr::kSel > 0) {
+      if (key < lst[i][S - 1]) insert_sorted(lst[i], key);
+    } else if (key < thr[i]) {
+      buf[cnt[i] * Tr::kBlockM + row(i)] = key;
+      if (++cnt[i] == Tr::kCap) {
+        const ListState st = merge_row(buf + row(i), Tr::kBlockM, cnt[i], list(i), ls, len[i], k);
+        len[i] = st.len, thr[i] = st.thr;
+        cnt[i] = 0;
+      }
+    }
+  }
+
+  __device__ __forceinline__ u64 bound(int i) const { return Tr::kSel > 0 ? lst[i][S - 1] : thr[i]; }
+};
+
+// One trip of the pair loop: points j .. j + U - 1 of the staged tile (global index n ..)
+// against the thread's rows; one branch for all of them, nearly always not taken.
+template <class Tr, int U>
+__device__ __forceinline__ void pairs(const float* ys, int j, unsigned n, const float (&xr)[Tr::kRows][Tr::kK],
+                                      const math::PowArgs& pw, const exact::EpilogueArgs& ea, RowLists<Tr>& rs) {
+  constexpr int R = Tr::kRows, KS = Tr::kKS, KK = Tr::kK;
+  float yj[U][KS];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int q = 0; q < KS / 4; ++q) {
+      const float4 f = reinterpret_cast<const float4*>(ys + (j + u) * KS)[q];
+      yj[u][4 * q] = f.x, yj[u][4 * q + 1] = f.y, yj[u][4 * q + 2] = f.z, yj[u][4 * q + 3] = f.w;
+    }
+  u64 key[U][R];
+  bool any = false;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      float acc[Tr::kAcc];
+#pragma unroll
+      for (int a = 0; a < Tr::kAcc; ++a) acc[a] = 0.0f;
+#pragma unroll
+      for (int q = 0; q < KK; ++q)
+        acc[q % Tr::kAcc] = exact::accumulate<Tr>(acc[q % Tr::kAcc], xr[i][q], yj[u][q], i, q, pw);
+      float v = acc[0];
+#pragma unroll
+      for (int a = 1; a < Tr::kAcc; ++a) v = math::add_rn(v, acc[a]);
+      if constexpr (!Tr::kDeferred) v = exact::finish<Tr>(v, ea);
+      key[u][i] = make_key(order_bits<Tr>(v), n + u);
+      any |= key[u][i] < rs.bound(i);
+    }
+  if (any) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int i = 0; i < R; ++i) rs.offer(i, key[u][i]);
+  }
+}
+
 }  // namespace topk_detail
 
 extern __shared__ __align__(16) unsigned char kl_topk_smem[];
@@ -256,22 +335,21 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_kernel(
     }
     ea.exp2_scale = ea.exp_scale * 1.4426950408889634f;
 
-    constexpr int S = Tr::kSel > 0 ? Tr::kSel : 1;
+    constexpr int S = RowLists<Tr>::S, U = Tr::kUnrollJ;
     float xr[R][KK];
-    u64 thr[R];       // lists in memory: the row's k-th key (all ones until k are kept)
-    u64 lst[R][S];    // register lists: kSel - k zeros, then the row's sorted keys
-    int cnt[R], len[R];
+    RowLists<Tr> rs;
+    rs.buf = buf, rs.lists = kl + i64(m0) * lm, rs.lm = lm, rs.ls = ls, rs.k = k, rs.tid = tid;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const int m = m0 + tid + i * Tr::kThreads;
       const bool live = m < M;
 #pragma unroll
       for (int q = 0; q < KK; ++q) xr[i][q] = (live && q < K) ? load_f(xl + i64(m) * sxm + i64(q) * sxk) : 0.0f;
-      thr[i] = live ? ~0ull : 0ull;  // rows past M never take a candidate
+      rs.thr[i] = live ? ~0ull : 0ull;  // rows past M never take a candidate
 #pragma unroll
-      for (int q = 0; q < S; ++q) lst[i][q] = (live && q >= S - k) ? ~0ull : 0ull;
-      cnt[i] = 0;
-      len[i] = 0;
+      for (int q = 0; q < S; ++q) rs.lst[i][q] = (live && q >= S - k) ? ~0ull : 0ull;
+      rs.cnt[i] = 0;
+      rs.len[i] = 0;
     }
 
     for (int n0 = n_begin; n0 < n_end; n0 += BN) {
@@ -282,49 +360,11 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_kernel(
         ys[e] = (j < jn && q < K) ? load_f(yl + i64(n0 + j) * sym + i64(q) * syk) : 0.0f;
       }
       __syncthreads();
+      const int jfull = jn - jn % U;
 #pragma unroll 1
-      for (int j = 0; j < jn; ++j) {
-        float yj[KS];
-#pragma unroll
-        for (int q = 0; q < KS / 4; ++q) {
-          const float4 f = reinterpret_cast<const float4*>(ys + j * KS)[q];
-          yj[4 * q] = f.x, yj[4 * q + 1] = f.y, yj[4 * q + 2] = f.z, yj[4 * q + 3] = f.w;
-        }
-        const unsigned n = unsigned(n0 + j);
-        u64 key[R];
-        bool any = false;
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-          float acc[Tr::kAcc];
-#pragma unroll
-          for (int a = 0; a < Tr::kAcc; ++a) acc[a] = 0.0f;
-#pragma unroll
-          for (int q = 0; q < KK; ++q)
-            acc[q % Tr::kAcc] = exact::accumulate<Tr>(acc[q % Tr::kAcc], xr[i][q], yj[q], i, q, pw);
-          float v = acc[0];
-#pragma unroll
-          for (int a = 1; a < Tr::kAcc; ++a) v = math::add_rn(v, acc[a]);
-          if constexpr (!Tr::kDeferred) v = exact::finish<Tr>(v, ea);
-          key[i] = make_key(order_bits<Tr>(v), n);
-          any |= key[i] < (Tr::kSel > 0 ? lst[i][S - 1] : thr[i]);
-        }
-        if (any) {  // one branch per point: nearly always not taken
-#pragma unroll
-          for (int i = 0; i < R; ++i) {
-            if constexpr (Tr::kSel > 0) {
-              if (key[i] < lst[i][S - 1]) insert_sorted(lst[i], key[i]);
-            } else if (key[i] < thr[i]) {
-              const int r = tid + i * Tr::kThreads;
-              buf[cnt[i] * BM + r] = key[i];
-              if (++cnt[i] == Tr::kCap) {
-                const ListState st = merge_row(buf + r, BM, cnt[i], kl + i64(m0 + r) * lm, ls, len[i], k);
-                len[i] = st.len, thr[i] = st.thr;
-                cnt[i] = 0;
-              }
-            }
-          }
-        }
-      }
+      for (int j = 0; j < jfull; j += U) pairs<Tr, U>(ys, j, unsigned(n0 + j), xr, pw, ea, rs);
+#pragma unroll 1
+      for (int j = jfull; j < jn; ++j) pairs<Tr, 1>(ys, j, unsigned(n0 + j), xr, pw, ea, rs);
     }
 
     // Flush the buffers; then decode (one range) or pad the range's list (splits).
@@ -332,7 +372,7 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_kernel(
     for (int i = 0; i < R; ++i) {
       const int r = tid + i * Tr::kThreads, m = m0 + r;
       if (m >= M) continue;
-      i64* list = kl + i64(m) * lm;
+      i64* list = rs.list(i);
       if constexpr (Tr::kSel > 0) {
         // The last k registers, sorted: decoded (one range) or stored as keys (splits).
 #pragma unroll
@@ -340,24 +380,24 @@ __global__ void __launch_bounds__(Traits::kThreads) topk_kernel(
           if (q < S - k) continue;
           const int j = q - (S - k);
           if (direct) {
-            store_f(values + vb.offset(bi) + i64(m) * svm + j * svj, reported<Tr>(lst[i][q], ea.inv_outer_p));
-            list[j * ls] = i64(lst[i][q] & 0xffffffffull);
+            store_f(values + vb.offset(bi) + i64(m) * svm + j * svj, reported<Tr>(rs.lst[i][q], ea.inv_outer_p));
+            list[j * ls] = i64(rs.lst[i][q] & 0xffffffffull);
           } else {
-            list[j * ls] = i64(lst[i][q]);
+            list[j * ls] = i64(rs.lst[i][q]);
           }
         }
         continue;
       }
-      if (cnt[i] > 0) len[i] = merge_row(buf + r, BM, cnt[i], list, ls, len[i], k).len;
+      if (rs.cnt[i] > 0) rs.len[i] = merge_row(buf + r, BM, rs.cnt[i], list, ls, rs.len[i], k).len;
       if (direct) {
         typename Tr::T* vr = values + vb.offset(bi) + i64(m) * svm;
-        for (int j = 0; j < len[i]; ++j) {
+        for (int j = 0; j < rs.len[i]; ++j) {
           const u64 key = u64(list[j * ls]);
           store_f(vr + j * svj, reported<Tr>(key, ea.inv_outer_p));
           list[j * ls] = i64(key & 0xffffffffull);
         }
       } else {
-        for (int j = len[i]; j < k; ++j) list[j * ls] = -1;  // all ones: after every real key
+        for (int j = rs.len[i]; j < k; ++j) list[j * ls] = -1;  // all ones: after every real key
       }
     }
   }

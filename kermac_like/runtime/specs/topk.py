@@ -19,7 +19,6 @@ __all__ = ["K_BUCKETS", "SEL_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "k_bu
            "rows_per_thread", "topk_spec", "topk_combine_spec", "shipped"]
 
 THREADS = 128
-BLOCK_N = 128
 CAP = 16  # TopkTraits::kCap of the lists in memory (kSel = 0)
 # Padded K of the x rows in registers (each bucket one instantiation: K = 1..8 exact, then
 # steps whose padding costs at most a third of the inner operations).
@@ -54,35 +53,47 @@ def sel_bucket(k: int) -> int:
 
 
 def rows_per_thread(kK: int, kSel: int) -> int:
-    """Mirror of TopkTraits::kRows."""
+    """Mirror of TopkTraits::kRows (the default)."""
     regs = kK + 2 * kSel
     return 4 if regs * 4 <= 112 else 2 if regs * 2 <= 112 else 1
 
 
-def _launch(kK: int, kSel: int) -> LaunchShape:
-    rows = rows_per_thread(kK, kSel)
+def _launch(kK: int, kSel: int, rows: int = 0) -> LaunchShape:
+    rows = rows or rows_per_thread(kK, kSel)
     ks = (kK + 3) // 4 * 4
-    smem = (0 if kSel else CAP) * THREADS * rows * 8 + BLOCK_N * ks * 4
-    return LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=BLOCK_N, smem_bytes=smem)
+    block_n = 256 if ks <= 16 else 128
+    smem = (0 if kSel else CAP) * THREADS * rows * 8 + block_n * ks * 4
+    return LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=block_n, smem_bytes=smem)
 
 
-def _traits(desc: KernelDescriptor, dtype, kK: int, largest: bool, kSel: int) -> str:
+def _traits(desc: KernelDescriptor, dtype, kK: int, largest: bool, kSel: int, rows: int = 0,
+            unroll_j: int = 0) -> str:
     if dtype not in _T:
         raise ValueError(f"topk: no kernel for dtype {dtype} (float32, float16, bfloat16)")
+    knobs = f", {int(rows)}, {int(unroll_j)}" if rows or unroll_j else ""
     return (f"kermac_like::TopkTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {str(bool(largest)).lower()}, "
-            f"{int(kSel)}>")
+            f"{int(kSel)}{knobs}>")
 
 
-def topk_spec(desc: KernelDescriptor, dtype, K: int, largest: bool, k: int) -> KernelSpec:
-    """The selection kernel for ``desc`` over K coordinates (K <= MAX_K) selecting k."""
+# Probes override the tuning knobs: TUNING = {"rows": ..., "unroll_j": ...}; None: the defaults.
+TUNING: dict | None = None
+
+
+def topk_spec(desc: KernelDescriptor, dtype, K: int, largest: bool, k: int, *, rows: int = 0,
+              unroll_j: int = 0) -> KernelSpec:
+    """The selection kernel for ``desc`` over K coordinates (K <= MAX_K) selecting k;
+    ``rows`` / ``unroll_j``: TopkTraits' tuning knobs kRows / kUnrollJ (0: the default, or
+    :data:`TUNING`'s)."""
+    if TUNING is not None and not (rows or unroll_j):
+        rows, unroll_j = TUNING.get("rows", 0), TUNING.get("unroll_j", 0)
     kK = k_bucket(K)
     if kK == 0:
         raise ValueError(f"topk: K = {K} is beyond the fused kernel's {MAX_K}")
     if not 1 <= k <= MAX_SELECT:
         raise ValueError(f"topk: k = {k} is outside the fused kernel's 1..{MAX_SELECT}")
     kSel = sel_bucket(k)
-    return KernelSpec("topk.cuh", "kermac_like::topk_kernel", _traits(desc, dtype, kK, largest, kSel),
-                      _launch(kK, kSel))
+    return KernelSpec("topk.cuh", "kermac_like::topk_kernel", _traits(desc, dtype, kK, largest, kSel, rows, unroll_j),
+                      _launch(kK, kSel, rows))
 
 
 def topk_combine_spec(desc: KernelDescriptor, dtype, largest: bool) -> KernelSpec:

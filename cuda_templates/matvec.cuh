@@ -1,5 +1,5 @@
 // Fused kernel matrix-vector product without the matrix (ABI: cuda_templates/ABI.md, built by
-// kermac_like/plan.py plan_matvec).
+// kermac_like/plan/matvec.py plan_matvec).
 //
 //   out[l][m, c] = sum_n (k(x[l][m], y[l][n]) + lambda [n - m == reg_diag]) v[l][n, c]
 //

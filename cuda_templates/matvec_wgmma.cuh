@@ -1,5 +1,5 @@
 // Hopper (sm_90a) fused kernel matrix-vector product for Euclidean/DOT descriptors
-// (ABI: cuda_templates/ABI.md, built by kermac_like/plan.py plan_matvec):
+// (ABI: cuda_templates/ABI.md, built by kermac_like/plan/matvec_wgmma.py _plan_matvec_wgmma):
 //
 //   out[l][m, c] = sum_n (k(x[l][m], y[l][n]) + lambda [n - m == reg_diag]) v[l][n, c]
 //
@@ -103,7 +103,7 @@ namespace matvec_wgmma_detail {
 // Float offset of element (column n, value f = e kC + c) of the prepared v tile, where
 // n = 8 j + 2 t + e: lane t of a quad reads its 2 kC values of step j as float2 (kC = 1)
 // or float4 chunks q = f / 4 (4 consecutive lanes, 64 contiguous bytes per load).
-// kermac_like/plan.py writes the same layout (_prepare_v).
+// kermac_like/plan/matvec_wgmma.py writes the same layout (_prepare_v).
 template <int kC>
 __host__ __device__ constexpr int v_offset(int j, int t, int e, int c) {
   if (kC == 1) return 8 * j + 2 * t + e;

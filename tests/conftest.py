@@ -53,20 +53,26 @@ def as_gpu(monkeypatch):
     132 SMs): the device queries and the kernel loader are stubbed, the kernels are never
     run; KERMAC_LIKE_WGMMA=always (the wgmma kernels also for calls of a few tiles)."""
     from kermac_like import plan as P
+    from kermac_like.plan import cdist_grad, core, distance, matvec, matvec_wgmma
     from kermac_like.runtime import launcher
 
+    def stub(name, fn):
+        """``name`` replaced in every planner module that looks it up (each rule imports the
+        device queries from plan.core by name)."""
+        for module in (P, core, distance, cdist_grad, matvec, matvec_wgmma):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, fn)
+
     cap = [(9, 0)]
-    monkeypatch.setattr(P, "_gpu_ok", lambda t: True)
-    monkeypatch.setattr(P, "_device_index", lambda d: 0)
-    monkeypatch.setattr(P, "_sm_count", lambda d: 132)
+    stub("_gpu_ok", lambda t: True)
+    stub("_device_index", lambda d: 0)
+    stub("_sm_count", lambda d: 132)
     # shared memory per SM of the capability (bytes; the CUDA programming guide's table)
-    monkeypatch.setattr(P, "_smem_per_sm", lambda d: {(8, 0): 167936, (8, 6): 102400, (8, 9): 102400,
-                                                       (9, 0): 233472}.get(cap[0], 0))
+    stub("_smem_per_sm", lambda d: {(8, 0): 167936, (8, 6): 102400, (8, 9): 102400, (9, 0): 233472}.get(cap[0], 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap[0])
     monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: _StubKernel(spec))
     monkeypatch.setattr(launcher, "max_active_clusters", lambda k: 66)
-    monkeypatch.setattr(P, "_wgmma_enabled",
-                        lambda device, settings=None: (settings or P.Settings.current()).wgmma and cap[0] == (9, 0))
+    stub("_wgmma_enabled", lambda device, settings=None: (settings or P.Settings.current()).wgmma and cap[0] == (9, 0))
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "always")
     P.clear_templates()
     yield cap

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kermac_like as km
-from kermac_like import plan as distance
+from kermac_like.plan import distance
 from kermac_like.layout import analyse_output
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
 from kermac_like.runtime import autotune as tuning

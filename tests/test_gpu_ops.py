@@ -249,13 +249,13 @@ def test_tensor_core_batches_broadcast_and_host_loop(name, tf32, monkeypatch, ca
     assert rel(out, ref) <= (3e-3 if tf32 else 1e-5)
 
 
-# -- repeated eager calls: served by their call key (plan.run_by_call_key, ArgBlock launches) --
+# -- repeated eager calls: served by their call key (plan.distance.run_by_call_key, ArgBlock launches) --
 @pytest.mark.parametrize("K", [5, 8, 37, 200])
 def test_repeated_calls_served_by_call_key(K):
     """The first call takes the full path and keeps its template under the call's key;
     the next calls (new data, same layout) are served from it, their arguments patched
     into the launch's argument block. Every call's output is checked (poisoned first)."""
-    from kermac_like import plan as PL
+    from kermac_like.plan import distance as PL
 
     PL.clear_templates()
     g = torch.Generator(device="cuda").manual_seed(K)
@@ -305,12 +305,12 @@ def test_call_key_served_call_in_a_cuda_graph():
 
 @pytest.mark.parametrize("p", [1.0, 1.3])
 def test_simt_kmajor_copies_change_nothing_but_speed(p, caplog):
-    """Large SIMT calls read k-major copies of row-major operands (plan._kmajor): the same bits
+    """Large SIMT calls read k-major copies of row-major operands (plan.distance._kmajor): the same bits
     as the kernel reading the operands themselves, odd sizes included, the copies the only
     memory beside the output, and K(x, x) still exactly zero on the diagonal."""
     import logging
 
-    from kermac_like import plan as P
+    from kermac_like.plan import distance as P
 
     M, N, K = 2100, 2051, 96
     x, y = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda")
@@ -339,10 +339,10 @@ def test_simt_kmajor_copies_change_nothing_but_speed(p, caplog):
 @pytest.mark.parametrize("name", ["l1", "l2", "laplace_l2"])
 def test_moderate_k_tuning(name):
     """64 < K <= 384 runs the SIMT kernel with two blocks per SM and 16-wide k steps where two
-    fit an SM (plan.py, runtime/specs/distance.py; on sm_90 it must apply): odd K and sizes
+    fit an SM (plan/distance.py, runtime/specs/distance.py; on sm_90 it must apply): odd K and sizes
     across the tile edges, a column-major out, and a call large enough for the k-major
     copies, against float64."""
-    from kermac_like import plan as P
+    from kermac_like.plan import distance as P
     from kermac_like.runtime.specs import MODERATE_K_TUNING, default_distance_tuning
 
     desc, dev = km.PRESETS[name], torch.cuda.current_device()

@@ -18,6 +18,8 @@ import torch
 import kermac_like as km
 from kermac_like import matvec as mv
 from kermac_like import plan, reference
+from kermac_like.plan import matvec as plan_matvec_mod
+from kermac_like.plan import matvec_wgmma as plan_wgmma_mod
 from kermac_like.runtime.specs import matvec as ms
 from kermac_like.runtime.specs import matvec_wgmma as mw
 from kermac_like.descriptor import InnerOperator as I
@@ -632,7 +634,7 @@ def test_gpu_float64_out_two_million_positive_terms(gpu_warm, monkeypatch):
     yg, vg = _gpu_data((n, 3), (n, 1), positive=True)
     gsplit = torch.empty(1, 1, dtype=F64, device="cuda")
     km.kernel_matvec(gauss, xg, yg, vg, bandwidth=1.0, out=gsplit)
-    monkeypatch.setattr(plan, "MATVEC_SCRATCH_BYTES", 0)  # max_split = 1: one CTA walks all of N
+    monkeypatch.setattr(plan_matvec_mod, "MATVEC_SCRATCH_BYTES", 0)  # max_split = 1: one CTA walks all of N
     unsplit64 = torch.empty(1, 1, dtype=F64, device="cuda")
     km.kernel_matvec(dot, x, y, v, out=unsplit64)
     assert unsplit64.item() == split64.item()
@@ -782,14 +784,14 @@ def test_gpu_wgmma_ranges_splits_and_determinism(gpu_warm, monkeypatch):
     """y prepared in ranges of a few tiles (float64 carry between launches), with and
     without split N ranges (combination in split order): bitwise repeatable, regularised."""
     desc = km.preset("gaussian_l2")
-    monkeypatch.setattr(plan, "MATVEC_WGMMA_BLOCK_BYTES", 3 * 256 * (48 * 4 * 2 + 4))
+    monkeypatch.setattr(plan_wgmma_mod, "MATVEC_WGMMA_BLOCK_BYTES", 3 * 256 * (48 * 4 * 2 + 4))
     x, y, v = _gpu_data((600, 48), (2000, 48), (2000, 20))
     x, y = x * 0.2, y * 0.2
     h = dict(bandwidth=0.9, regularization=0.5, regularization_offset_y=700)
     a, b = km.kernel_matvec(desc, x, y, v, **h), km.kernel_matvec(desc, x, y, v, **h)
     assert torch.equal(a, b)
     _check(desc, x, y, v, a, 2e-5, **h)
-    monkeypatch.setattr(plan, "MATVEC_WGMMA_BLOCK_BYTES", 40 * 256 * (48 * 4 * 2 + 4))
+    monkeypatch.setattr(plan_wgmma_mod, "MATVEC_WGMMA_BLOCK_BYTES", 40 * 256 * (48 * 4 * 2 + 4))
     x, y, v = _gpu_data((20, 48), (30000, 48), (30000, 2))
     x, y = x * 0.2, y * 0.2
     y[:20] = x
@@ -798,7 +800,7 @@ def test_gpu_wgmma_ranges_splits_and_determinism(gpu_warm, monkeypatch):
     a, b = km.kernel_matvec(lap, x, y, v, **h), km.kernel_matvec(lap, x, y, v, **h)
     assert torch.equal(a, b)
     _check(lap, x, y, v, a, 2e-5, **h)
-    monkeypatch.setattr(plan, "MATVEC_WGMMA_BLOCK_BYTES", 64 << 20)
+    monkeypatch.setattr(plan_wgmma_mod, "MATVEC_WGMMA_BLOCK_BYTES", 64 << 20)
     a, b = km.kernel_matvec(lap, x, y, v, **h), km.kernel_matvec(lap, x, y, v, **h)  # one range, split
     assert torch.equal(a, b)
     _check(lap, x, y, v, a, 2e-5, **h)
@@ -814,7 +816,7 @@ def test_gpu_wgmma_memory_is_bounded(gpu_warm):
     x, y, v = _gpu_data((M, 256), (N, 256), (N, 4))
     out = torch.empty(M, 4, device="cuda")
     extra = _extra_memory_of_second_call(lambda: km.kernel_matvec(desc, x, y, v, bandwidth=16.0, out=out))
-    bound = plan.MATVEC_WGMMA_BLOCK_BYTES + N * 4 * 4 + M * 4 * 8 + (4 << 20)
+    bound = plan_wgmma_mod.MATVEC_WGMMA_BLOCK_BYTES + N * 4 * 4 + M * 4 * 8 + (4 << 20)
     assert extra <= bound, f"{extra / 2**20:.1f} MB extra"
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kermac_like as km
-from kermac_like import plan as P
+from kermac_like.plan import distance as P
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
 from kermac_like.runtime import launcher
 from kermac_like.runtime.specs import LOWK_TILES_N
@@ -327,7 +327,7 @@ def test_moderate_k_tuning_where_two_blocks_fit(as_gpu, cap, fits):
 
 @pytest.mark.parametrize("shape", [(48, 5), (2, 3, 50, 7), (1, 1)])
 def test_kmajor_copy(shape):
-    """plan._kmajor: the values of t, m-contiguous, every column 16-byte aligned (rows padded
+    """plan.distance._kmajor: the values of t, m-contiguous, every column 16-byte aligned (rows padded
     to a multiple of 4 where needed); an already m-contiguous aligned operand is used as is."""
     t = torch.randn(*shape)
     c = P._kmajor(t)
@@ -336,7 +336,7 @@ def test_kmajor_copy(shape):
 
 
 def test_spec_override_keeps_its_templates_apart(as_gpu):
-    """plan.spec_override: a replaced spec function gets its own templates (the template
+    """plan.distance.spec_override: a replaced spec function gets its own templates (the template
     key holds every call property but the spec), the original ones come back after the
     block, and an unknown name is refused."""
     mode = COMPUTE_MODES[0]

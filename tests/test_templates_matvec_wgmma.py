@@ -7,7 +7,7 @@ bench/probes/try_matvec_wgmma.py).
     k-tiles), cp.async signalling an mbarrier, the b multicast, setmaxnreg, no local memory
     in the k-loop; plain sm_90 rejects it; impossible combinations fail with their message;
     the mirror of every (precision, descriptor kind, column bucket) agrees with the traits.
-  * Models of what cannot run here: the prepared v layout (plan._prepare_v) against the
+  * Models of what cannot run here: the prepared v layout (plan.matvec_wgmma._prepare_v) against the
     kernel's v_offset, and the per-tile reduce-scatter of the quad's partial sums (every
     column of every row reaches exactly one writing lane); the epilogue-buffer ring
     (no buffer rewritten while read, no deadlock).
@@ -32,6 +32,7 @@ import torch
 import kermac_like as km
 from kermac_like import matvec as mv
 from kermac_like import plan as P
+from kermac_like.plan import matvec_wgmma as PW
 from kermac_like.descriptor import PRESETS
 from kermac_like.runtime.specs import matvec_wgmma as mw
 from kermac_like.runtime.specs import render_source
@@ -172,12 +173,12 @@ def test_v_offset_model_is_the_header():
 
 @pytest.mark.parametrize("kc, cc", [(1, 1), (2, 2), (4, 3), (8, 5), (16, 16)])
 def test_prepared_v_is_what_the_kernel_reads(kc, cc):
-    """plan._prepare_v: element (n, c) of the column chunk at v_offset within its tile, zero
+    """plan.matvec_wgmma._prepare_v: element (n, c) of the column chunk at v_offset within its tile, zero
     past N and past the chunk's columns; each quad lane's float4 chunks of a step are 16-byte
     aligned and the four lanes' chunks contiguous (one 64-byte read per quarter warp)."""
     N, tiles = 600, 3
     v = torch.randn(2, N, 20)
-    vp = P._prepare_v(v, 2, cc, kc, tiles)
+    vp = PW._prepare_v(v, 2, cc, kc, tiles)
     assert vp.shape == (2, tiles * 256 * kc) and vp.is_contiguous()
     seen = set()
     for tile in range(tiles):
@@ -413,7 +414,7 @@ def test_ranges_carry_and_diagonal_offsets(as_gpu, monkeypatch):
     """y prepared in ranges of 3 tiles: carry modes 2 (first), 3, 1 (last); the regularised
     and self diagonals shift with each range's first row; v read from the range's tile."""
     per = 3 * 256 * (48 * 4 * 2 + 4)
-    monkeypatch.setattr(P, "MATVEC_WGMMA_BLOCK_BYTES", per)
+    monkeypatch.setattr(PW, "MATVEC_WGMMA_BLOCK_BYTES", per)
     y = torch.randn(2000, 48)
     v = torch.randn(2000, 2)
     plan = _plan(km.preset("gaussian_l2"), y, y, v, bandwidth=1.0, regularization=0.5, regularization_offset_y=7)
@@ -441,7 +442,7 @@ def test_few_rows_split_then_combine_or_carry(as_gpu, monkeypatch):
     split = int(args[ARG["n_split"]])
     assert split > 1 and args[ARG["part"]] != 0 and grid[0] == min(66, split)
     assert split * int(args[ARG["tiles_per_split"]]) >= -(-30000 // 256)
-    monkeypatch.setattr(P, "MATVEC_WGMMA_BLOCK_BYTES", 40 * 256 * (48 * 4 * 2 + 4))
+    monkeypatch.setattr(PW, "MATVEC_WGMMA_BLOCK_BYTES", 40 * 256 * (48 * 4 * 2 + 4))
     plan = _plan(km.preset("laplace_l2"), x, y, v, bandwidth=1.0)
     names = [k.spec.kernel.split("::")[1] for k, *_ in plan.launches]
     assert "matvec_combine_kernel" not in names and names.count("matvec_carry_kernel") == names.count(

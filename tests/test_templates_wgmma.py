@@ -15,7 +15,7 @@ CPU (CI):
     protocol (no stage is rewritten while a reader may still use it, every read
     finds its data landed, no wait can deadlock), and the batch-entry indexing of
     the prepared b (B small, norms) written by wgmma_prepare_b_kernel.
-  * The selection in kermac_like.plan uses it on sm_90 unless KERMAC_LIKE_WGMMA=0.
+  * The selection in kermac_like.plan.distance uses it on sm_90 unless KERMAC_LIKE_WGMMA=0.
 GPU (marker gpu, sm_90 only): the float64 checks of bench/probes/try_wgmma.py; marker
 slow as well: the two bench workloads.
 """
@@ -401,12 +401,12 @@ def test_fast_epilogue_tiles_hold_no_regularised_entry():
 
 
 def test_selection_default_and_opt_out(monkeypatch):
-    from kermac_like import plan as distance
+    from kermac_like.plan import core
 
     monkeypatch.delenv("KERMAC_LIKE_WGMMA", raising=False)
-    assert distance._wgmma_enabled(torch.device("cpu")) is False  # CPU tensors: never
+    assert core._wgmma_enabled(torch.device("cpu")) is False  # CPU tensors: never
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0")
-    assert distance._wgmma_enabled(torch.device("cuda", 0)) is False  # opted out, no device query
+    assert core._wgmma_enabled(torch.device("cuda", 0)) is False  # opted out, no device query
 
 
 # ----------------------------------------------------------------------- GPU

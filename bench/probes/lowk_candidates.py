@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import kermac_like as km  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
-from kermac_like import plan as distance  # noqa: E402
+from kermac_like.plan import distance  # noqa: E402
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call  # noqa: E402
 from kermac_like.runtime import autotune as tuning  # noqa: E402
 from kermac_like.runtime import specs as render  # noqa: E402
@@ -38,7 +38,7 @@ def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=Non
              spec_kw=None):
     """``spec_kw``: further keywords of render.lowk_spec (tiles_n, ...)."""
     orig_lowk, orig_simt = distance.lowk_spec, distance.distance_spec
-    # Made once: the plan keeps templates under these replacements (plan.spec_override).
+    # Made once: the plan keeps templates under these replacements (plan.distance.spec_override).
     repl = {"LOWK_GENERIC_MAX_K": 1 << 20}
     if generic or min_blocks or threads_n or not mufu or spec_kw:
         repl["lowk_spec"] = lambda d, la, lb, K, mm_nonfinite=False, tiles_n=None: orig_lowk(

@@ -5,9 +5,9 @@ LDGSTS (lg_throttle) and half the low-K kernel's warp time in its tile loads.
 
     python3 bench/probes/p1_layouts.py        (GPU; table last)
 
-Columns: row-major inputs read as they are (plan._kmajor off), ColMajor inputs (x = xt.t()),
+Columns: row-major inputs read as they are (plan.distance._kmajor off), ColMajor inputs (x = xt.t()),
 row-major inputs transposed by torch inside the timed call, and the public call (which makes
-k-major copies where plan._kmajor_worthwhile says so).
+k-major copies where plan.distance._kmajor_worthwhile says so).
 """
 import sys
 from pathlib import Path
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kermac_like as km  # noqa: E402
 from _timing import time_calls  # noqa: E402
-from kermac_like import plan as P  # noqa: E402
+from kermac_like.plan import distance as P  # noqa: E402
 
 KMAJOR_MIN_OUT = P._KMAJOR_MIN_OUT
 

@@ -18,7 +18,7 @@ import sys
 import torch
 
 import kermac_like as km
-from kermac_like import plan as P
+from kermac_like.plan import distance as P
 from kermac_like.ops.distance import prepare_call
 from kermac_like.reference import cdist_grad_reference, distance_reference
 from kermac_like.runtime import autotune

@@ -30,7 +30,7 @@ os.environ.setdefault("KERMAC_LIKE_CACHE_DIR", tempfile.mkdtemp(prefix="kermac_l
 import torch  # noqa: E402
 
 import kermac_like as km  # noqa: E402
-from kermac_like import plan as grad_mod  # noqa: E402  (the planner picks the grad spec)
+from kermac_like.plan import cdist_grad as grad_mod  # noqa: E402  (the planner picks the grad spec)
 from kermac_like.reference import cdist_grad_reference  # noqa: E402
 from kermac_like.runtime.specs import GRAD_MMA_KINDS, grad_mma_spec, grad_spec  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""kernel_matvec on Hopper (cuda_templates/matvec_wgmma.cuh, plan._plan_matvec_wgmma): one
+"""kernel_matvec on Hopper (cuda_templates/matvec_wgmma.cuh, plan.matvec_wgmma._plan_matvec_wgmma): one
 GPU call that checks and times the fused tensor-core matvec.
 
 1. compile lines: NVRTC seconds, registers and spills of the instantiations used below;
@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import kermac_like as km  # noqa: E402
 from kermac_like import matvec as mv  # noqa: E402
 from kermac_like import plan as P  # noqa: E402
+from kermac_like.plan import matvec_wgmma as PW  # noqa: E402
 from kermac_like.runtime.specs import matvec_wgmma as mw  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -202,18 +203,18 @@ def correct_section():
                f"bitwise equal {torch.equal(a, b)}, scaled error {err:.2e}, {nl} combine/carry launches")
 
     # the N range in several launches (prepared y bounded), with and without splits
-    old = P.MATVEC_WGMMA_BLOCK_BYTES
+    old = PW.MATVEC_WGMMA_BLOCK_BYTES
     try:
-        P.MATVEC_WGMMA_BLOCK_BYTES = 3 * 256 * 48 * 4 * 2 + 3 * 1024
+        PW.MATVEC_WGMMA_BLOCK_BYTES = 3 * 256 * 48 * 4 * 2 + 3 * 1024
         xs, ys, vs = rn(600, 48, scale=0.2), rn(2000, 48, scale=0.2), rn(2000, 20)
         check("ranges", "gaussian 3-tile ranges, C=20, regularised", gauss, xs, ys, vs, bandwidth=0.9,
               regularization=0.5, regularization_offset_y=700)
         check("ranges", "l2 x is y in ranges", km.preset("l2"), ys, ys, vs[:, :1])
-        P.MATVEC_WGMMA_BLOCK_BYTES = 40 * 256 * 48 * 4 * 2 + 40 * 1024
+        PW.MATVEC_WGMMA_BLOCK_BYTES = 40 * 256 * 48 * 4 * 2 + 40 * 1024
         xs, ys, vs = rn(20, 48, scale=0.2), rn(30000, 48, scale=0.2), rn(30000, 2)
         check("ranges", "laplace few rows: splits and carry", lap, xs, ys, vs, bandwidth=0.9)
     finally:
-        P.MATVEC_WGMMA_BLOCK_BYTES = old
+        PW.MATVEC_WGMMA_BLOCK_BYTES = old
 
     check("epsilon", "laplace epsilon cut", lap, x[:100], torch.cat([x[:30], rn(200, 48) + 1]), rn(230, 2),
           bandwidth=0.9, epsilon=0.1)

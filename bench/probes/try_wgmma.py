@@ -426,7 +426,7 @@ def package_path():
     sys.path.insert(0, str(ROOT))
     try:
         import kermac_like
-        from kermac_like import plan as plan_mod
+        from kermac_like.plan import distance as plan_mod
         from kermac_like.ops import distance as dist_mod
 
         enabled = plan_mod._wgmma_enabled(torch.device("cuda"))

@@ -146,7 +146,7 @@ _NUMBER_TYPES = (float, int, type(None))
 
 
 def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
-    """The key of an eager call under which plan.run_by_call_key finds its template:
+    """The key of an eager call under which plan.distance.run_by_call_key finds its template:
     ``op`` (the op's name and fixed arguments), ``values`` (its scalar arguments: plain
     numbers, None, or float32 tensors by shape, strides and device), the operands' shapes, strides, 16-byte alignments,
     dtypes and devices, ``out``'s, the compute mode and the switches a plan reads (TF32,

@@ -34,7 +34,7 @@ log = logging.getLogger("kermac_like.matvec")
 __all__ = ["kernel_matvec", "MatvecCall", "prepare_matvec", "matvec_forward", "matvec_reference",
            "SCRATCH_BYTES", "WIDE_OUT_INPUTS"]
 
-SCRATCH_BYTES = MATVEC_SCRATCH_BYTES  # largest split-N scratch of one call (plan.py)
+SCRATCH_BYTES = MATVEC_SCRATCH_BYTES  # largest split-N scratch of one call (plan/core.py)
 # Input dtypes whose kernel_matvec has a float64 mode: a float64 ``out`` and/or a float64 ``v``
 # (float64 products and sums of the kernel values, stored unrounded).
 WIDE_OUT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
@@ -272,9 +272,9 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     take at most ``SCRATCH_BYTES`` (32 MB) of split-N partial sums when M is small (float64 in
     the float64 mode), plus batch-many float32 hyper-parameters and, in the float64 mode with a
     float32/16-bit v, v widened to float64 (N x C); the sm_90 large-K kernel also y prepared for
-    the tensor cores one range of N at a time (at most plan.MATVEC_WGMMA_BLOCK_BYTES, 64 MB),
+    the tensor cores one range of N at a time (at most plan.matvec_wgmma.MATVEC_WGMMA_BLOCK_BYTES, 64 MB),
     v's tiles (N x C) and, for several ranges, a float64 carry (M x C); matvec_blocked one
-    kernel tile of at most plan.MATVEC_TILE_ELEMENTS (128 MB) and the distance kernel's copy
+    kernel tile of at most plan.matvec.MATVEC_TILE_ELEMENTS (128 MB) and the distance kernel's copy
     of one y block. Where x or y lack 16-byte aligned rows (K not a multiple of 4, views),
     the tensor-core paths read zero-padded row-major copies. The fused kernels' sums are
     accumulated per y tile in float32 and across tiles in float64, and combined in a fixed

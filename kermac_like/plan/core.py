@@ -1,0 +1,156 @@
+"""What every planner rule shares: the plan itself (:class:`Settings`, :class:`Launch`,
+:class:`Plan`), the reference plan, the device queries, the distance ABI's
+hyper-parameters and the N-split rule of both kernel_matvec rules."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..layout import batch_strides
+
+__all__ = ["HYPERS", "Settings", "Launch", "Plan", "choose_split", "MATVEC_SCRATCH_BYTES"]
+
+# The hyper-parameters of the distance ABI, in argument order.
+HYPERS = ("inner_p", "outer_p", "bandwidth", "regularization")
+
+
+# -- what a plan is ------------------------------------------------------------------------
+class Settings(NamedTuple):
+    """Global switches a plan depends on, read once per call.
+
+    ``tf32``: torch's ``allow_tf32`` matmul flag (plain TF32 instead of 3xTF32; the
+    wgmma kernel and its b preparation must agree, hence read once); ``wgmma``:
+    ``KERMAC_LIKE_WGMMA != "0"``; ``wgmma_always``: ``KERMAC_LIKE_WGMMA == "always"``
+    (also the calls of a few output tiles, which otherwise take the one-launch mma.sync
+    kernel: :func:`.distance._few_tiles`); ``grad_mma``: ``KERMAC_LIKE_GRAD_MMA != "0"``."""
+
+    tf32: bool
+    wgmma: bool
+    grad_mma: bool
+    wgmma_always: bool = False
+
+    @staticmethod
+    def current() -> "Settings":
+        env = os.environ
+        wgmma = env.get("KERMAC_LIKE_WGMMA", "1")
+        return Settings(bool(torch.backends.cuda.matmul.allow_tf32), wgmma != "0",
+                        env.get("KERMAC_LIKE_GRAD_MMA", "1") != "0", wgmma == "always")
+
+
+class Launch(NamedTuple):
+    kernel: object  # runtime.launcher.LoadedKernel
+    grid: tuple
+    args: tuple
+    block: object = None  # runtime.launcher.ArgBlock of a cached template's launch
+
+
+class Plan(NamedTuple):
+    family: str
+    spec: object  # KernelSpec of the main kernel, None for the reference path
+    launches: tuple  # of Launch, in stream order
+    out: torch.Tensor | None
+    scratch: tuple = ()
+    reference: Callable | None = None
+    debug: bool = False
+
+    def run(self):
+        """Execute the plan; returns the result (``out``, or the reference's result)."""
+        if self.reference is not None:
+            return self.reference()
+        if self.launches:
+            from ..runtime.launcher import launch
+
+            for k, grid, args, block in self.launches:
+                launch(k, grid, args, debug=self.debug, block=block)
+        return self.out
+
+
+def _reference_plan(fn: Callable, debug: bool) -> Plan:
+    return Plan("reference", None, (), None, reference=fn, debug=debug)
+
+
+def _gpu_ok(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 0)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_per_sm(device: int) -> int:
+    """Shared memory of one SM in bytes; 0 where torch does not report it."""
+    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0) or 0)
+
+
+_occupancy: dict = {}
+
+
+def _blocks_per_sm(kernel) -> int:
+    key = (kernel.device, kernel.spec)
+    n = _occupancy.get(key)
+    if n is None:
+        try:
+            launch = kernel.spec.launch  # its dynamic shared memory too (0 for kernel_matvec)
+            n = int(kernel.function.occupancy.max_active_blocks_per_multiprocessor(launch.threads, launch.smem_bytes))
+        except Exception:  # older cuda.core: the kernel's launch bound
+            n = 2
+        _occupancy[key] = n = max(1, n)
+    return n
+
+
+def _wgmma_enabled(device, settings: Settings | None = None) -> bool:
+    """The sm_90a (wgmma) kernel serves float32 tensor-core calls on sm_90 devices
+    (cdist p=2 at 30000^2 x 1024 on an H200: 28.4 ms with mma.sync, 16.4 ms; same error);
+    ``KERMAC_LIKE_WGMMA=0`` keeps them on the mma.sync kernel."""
+    if settings is None:
+        settings = Settings.current()
+    if not settings.wgmma or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+# -- shared by the kernel_matvec rules (matvec, matvec_wgmma) ------------------------------------
+# Largest split-N scratch (partial sums: float32, float64 for a float64 out) one kernel_matvec
+# call allocates on the GPU.
+MATVEC_SCRATCH_BYTES = 32 << 20
+
+
+def choose_split(m_tiles: int, n_tiles: int, slots: int, max_split: int) -> int:
+    """Splits of kernel_matvec's N range: the fewest (at most ``max_split``, each split at
+    least 4 y tiles) whose CTA count fills the last wave of ``slots`` concurrent CTAs to
+    >= 97%, else the best fill. Depends on shapes and the device only (results are
+    bitwise reproducible)."""
+    limit = max(1, min(max_split, n_tiles // 4))
+    if m_tiles >= 16 * slots:
+        return 1
+    best, best_eff = 1, -1.0
+    for s in range(1, limit + 1):
+        items = m_tiles * s
+        waves = items / slots
+        eff = waves / math.ceil(waves)  # fill of the last wave
+        if items < 2 * slots:  # a GPU not yet twice full: more splits help regardless
+            eff *= items / (2 * slots)
+        if eff > best_eff * 1.01:
+            best, best_eff = s, eff
+        if eff >= 0.97:
+            break
+    return best
+
+
+def _add_hyper_tensors(call, hypers: dict, tensors: dict, strides: dict) -> None:
+    """The tensor hyper-parameters of a matvec call join its tensors, with their batch strides."""
+    for k, h in hypers.items():
+        if isinstance(h, torch.Tensor):
+            tensors[k] = h
+            strides[k] = batch_strides(call.batch, tuple(h.shape), tuple(h.stride()))

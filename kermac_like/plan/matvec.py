@@ -1,0 +1,196 @@
+"""The kernel_matvec rule: a validated kernel_matvec call -> the plan of the fused SIMT
+matvec kernel (cuda_templates/matvec.cuh), of the Hopper tensor-core kernel
+(:mod:`.matvec_wgmma`), of tensor-core kernel tiles times v (:func:`matvec_blocked`),
+or the reference path."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+
+from ..layout import batch_strides, plan_batch
+from ..reference import matvec_reference
+from ..runtime.specs.matvec import MAX_C, combine_spec, matvec_spec, part_bytes
+from .core import (
+    HYPERS,
+    MATVEC_SCRATCH_BYTES,
+    Launch,
+    Plan,
+    Settings,
+    _add_hyper_tensors,
+    _blocks_per_sm,
+    _device_index,
+    _gpu_ok,
+    _reference_plan,
+    _sm_count,
+    _wgmma_enabled,
+    choose_split,
+)
+from .distance import DistanceCall, plan_distance
+from .matvec_wgmma import _plan_matvec_wgmma
+
+__all__ = ["plan_matvec", "matvec_blocked", "MATVEC_BLOCKED_MIN_K", "MATVEC_TILE_ELEMENTS"]
+
+log_matvec = logging.getLogger("kermac_like.matvec")
+
+# Euclidean/DOT float32 calls with more coordinates than this run on tensor cores: the fused
+# matvec_wgmma_kernel on sm_90 (_plan_matvec_wgmma: Gaussian at K = 256, N = M = 2e5 on an
+# H200: 166 ms with C = 1, 208 ms with C = 16), else kernel tiles times v (matvec_blocked:
+# 267 / 325 ms). At K = 256 the fused SIMT kernel (1 FADD + 1 FFMA per pair and coordinate)
+# took 1.68 s, torch in row blocks 0.88 s (bench/notes/matvec.md).
+MATVEC_BLOCKED_MIN_K = 32
+# Elements of one kernel tile of matvec_blocked (float32: 128 MB).
+MATVEC_TILE_ELEMENTS = 1 << 25
+
+
+def matvec_blocked(call, out: torch.Tensor, debug: bool = False, compute_mode: str = "use_mm_for_euclid_dist_if_necessary",
+                   tile_elements: int | None = None) -> torch.Tensor:
+    """kernel_matvec as kernel tiles times v: each tile (all batch entries, at most
+    ``tile_elements``, default MATVEC_TILE_ELEMENTS) is one run_kernel plan (on a GPU the
+    3xTF32 tensor-core distance kernel for Euclidean/DOT descriptors, the regularised
+    diagonal included), multiplied into float32 accumulators of its rows. Memory beyond
+    inputs and output: one tile, the accumulators of one row block (and the distance
+    kernel's own scratch), whatever M and N. A float64 ``out`` of float32 inputs: float64
+    accumulators and products (the tile converted to float64, the tile a third the size so that
+    the float32 tile and its float64 copy stay within the same bytes)."""
+    budget = tile_elements or MATVEC_TILE_ELEMENTS
+    wide = torch.float64 if torch.float64 in (call.dtype, out.dtype) else torch.float32
+    if wide != call.dtype:
+        budget = max(1, budget // 3)
+    L = math.prod(call.batch) if call.batch else 1
+    M, N, C = call.M, call.N, call.C
+    om = out.unsqueeze(-1) if call.vector else out
+    nb = max(1, min(N, 8192))
+    mb = max(1, min(M, budget // max(1, nb * L)))
+    tile = torch.empty(L * mb * nb, dtype=call.dtype, device=call.device)
+    for m0 in range(0, M, mb):
+        m1 = min(M, m0 + mb)
+        acc = torch.zeros((*call.batch, m1 - m0, C), dtype=wide, device=call.device)
+        for n0 in range(0, N, nb):
+            n1 = min(N, n0 + nb)
+            dc = DistanceCall(call.desc, call.x[..., m0:m1, :], call.y[..., n0:n1, :], call.hypers,
+                              call.reg_diag - n0 + m0, call.epsilon, call.batch, m1 - m0, n1 - n0, call.K)
+            kb = tile[: L * (m1 - m0) * (n1 - n0)].view(*call.batch, m1 - m0, n1 - n0)
+            plan_distance(dc, kb, compute_mode, debug).run()
+            acc += torch.matmul(kb.to(wide), call.v[..., n0:n1, :].to(wide))
+        om[..., m0:m1, :] = acc
+    return out
+
+
+def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
+    """The plan of a validated kernel_matvec call (``ops.matvec.MatvecCall``) writing ``out``
+    (the call's output tensor): matvec_kernel over row tiles x N splits x batch, one
+    launch per column chunk of MAX_C and per host-loop batch entry, each split launch
+    followed by matvec_combine_kernel; Euclidean/DOT float32 calls with K > 32 on tensor
+    cores (:func:`_plan_matvec_wgmma` on sm_90 unless KERMAC_LIKE_WGMMA=0, else
+    :func:`matvec_blocked`); the torch reference for CPU tensors, float64, GPUs before
+    sm_80 and K == 0.
+
+    A float64 ``out`` of float32/16-bit inputs (validated by ops.matvec) is the float64 mode:
+    the fused kernel with TOut = double (v read as float64, a float32 v widened by a copy of
+    N x C; float64 products, sums, split scratch and combination; the totals stored
+    unrounded), matvec_blocked with float64 accumulation for the tensor-core calls (the
+    Hopper kernel matvec_wgmma rounds its output in float32: not used), float64 accumulation
+    on the reference path."""
+    if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
+        if debug:
+            log_matvec.debug("kernel_matvec %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
+        return _reference_plan(lambda: matvec_reference(call, out), debug)
+    wide_out = out.dtype == torch.float64 and call.dtype != torch.float64
+    if call.K > MATVEC_BLOCKED_MIN_K and call.desc.is_euclidean and call.dtype == torch.float32:
+        settings = Settings.current()
+        if not wide_out and _wgmma_enabled(call.device, settings):
+            return _plan_matvec_wgmma(call, out, debug, settings)
+        if debug:
+            log_matvec.debug("kernel_matvec %r: K=%d, tensor-core distance tiles times v", call.desc, call.K)
+        return Plan("matvec_blocked", None, (), out, reference=lambda: matvec_blocked(call, out, debug), debug=debug)
+    from ..runtime.launcher import get_kernel
+
+    om = out.unsqueeze(-1) if call.vector else out
+    device = _device_index(call.device)
+    hypers = {k: (h.float() if isinstance(h, torch.Tensor) and h.dtype != torch.float32 else h)
+              for k, h in call.hypers.items()}
+    v = call.v.to(torch.float64) if wide_out else call.v  # the float64 mode reads v as float64
+    tensors = {"x": call.x, "y": call.y, "v": v, "out": om}
+    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
+    _add_hyper_tensors(call, hypers, tensors, strides)
+    bplan = plan_batch(call.batch, strides)
+    L = bplan.count
+    M, N, K = call.M, call.N, call.K
+    if L == 0 or M == 0 or call.C == 0:
+        return Plan("matvec", None, (), out, debug=debug)
+    if N == 0:  # an empty sum
+        return _reference_plan(lambda: (om.zero_(), out)[1], debug)
+    eps = np.float32(0.0 if call.epsilon is None else call.epsilon)
+    sxm, sxk = call.x.stride()[-2:]
+    sym, syk = call.y.stride()[-2:]
+    svn, svc = v.stride()[-2:]
+    som, soc = om.stride()[-2:]
+    offsets = {k: list(bplan.outer_offsets(k)) for k in tensors}
+    bs = {k: bplan.strides[k][1] for k in ("x", "y", "v", "out")}
+    launches, first = [], None
+    scratch = [h for h in hypers.values() if isinstance(h, torch.Tensor)]  # float32 copies stay alive
+    if v is not call.v:
+        scratch.append(v)  # the float64 copy of v stays alive
+    kernel = combine = part = None
+    out_dtype = torch.float64 if wide_out else None
+    pbytes = part_bytes(call.dtype, out_dtype)  # float64 split sums for a float64 out
+    part_dtype = torch.float64 if pbytes == 8 else torch.float32
+    for c0 in range(0, call.C, MAX_C):
+        cc = min(MAX_C, call.C - c0)
+        spec = matvec_spec(call.desc, call.dtype, K, cc, epsilon=call.epsilon, out_dtype=out_dtype)
+        first = first or spec
+        if kernel is None or kernel.spec != spec:
+            kernel = get_kernel(spec, device, debug=debug)
+        m_tiles = -(-M // spec.launch.block_m)
+        n_tiles = -(-N // spec.launch.block_n)
+        slots = _sm_count(device) * _blocks_per_sm(kernel)
+        max_split = max(1, MATVEC_SCRATCH_BYTES // (pbytes * L * M * cc))
+        split = choose_split(m_tiles * min(L, 65535), n_tiles, slots, max_split)
+        per = -(-n_tiles // split)
+        split = -(-n_tiles // per)
+        if split > 1:  # one scratch for every chunk: stream order serialises their use
+            if part is None or part.numel() < split * L * M * cc:
+                part = torch.empty(split * L * M * cc, dtype=part_dtype, device=call.device)
+                scratch.append(part)
+            if combine is None:
+                combine = get_kernel(combine_spec(call.dtype, out_dtype), device, debug=debug)
+        grid = (m_tiles, split, min(L, 65535))
+        if debug:
+            log_matvec.debug("kernel_matvec %r: M=%d N=%d K=%d C=%d (columns %d..%d) batch=%s: grid %s, %d y tiles "
+                             "per split", call.desc, M, N, K, call.C, c0, c0 + cc, call.batch, grid, per)
+        for i in range(len(offsets["x"])):
+            def ptr(k, extra=0):
+                t = tensors[k]
+                return t.data_ptr() + (offsets[k][i] + extra) * t.element_size()
+
+            args = [ptr("x"), ptr("y"), ptr("v", c0 * svc), ptr("out", c0 * soc),
+                    part.data_ptr() if split > 1 else 0,
+                    np.int32(M), np.int32(N), np.int32(K), np.int32(cc),
+                    *(np.int64(s) for s in (sxm, sxk, sym, syk, svn, svc, som, soc)),
+                    np.int32(L), np.int32(bplan.modes[1]), np.int32(bplan.modes[2]),
+                    *(np.int64(s) for k in ("x", "y", "v", "out") for s in bs[k])]
+            hyper_args = []
+            for name in HYPERS:
+                h = hypers[name]
+                if isinstance(h, torch.Tensor):
+                    s3 = bplan.strides[name][1]
+                    hyper_args.append([ptr(name), np.int64(s3[0]), np.int64(s3[1]), np.int64(s3[2]), np.float32(0)])
+                else:
+                    hyper_args.append([0, np.int64(0), np.int64(0), np.int64(0), np.float32(0.0 if h is None else h)])
+            args += [a for h in hyper_args for a in h]
+            args += [np.int64(call.reg_diag), eps, np.int32(split), np.int32(per)]
+            launches.append(Launch(kernel, grid, tuple(args)))
+            if split > 1:
+                total = L * M * cc
+                cgrid = (max(1, min(-(-total // 256), _sm_count(device) * 8)), 1, 1)
+                cargs = (part.data_ptr(), ptr("v", c0 * svc), ptr("out", c0 * soc), np.int32(M), np.int32(N),
+                         np.int32(cc), np.int64(svn), np.int64(svc), np.int64(som), np.int64(soc), np.int32(L),
+                         np.int32(bplan.modes[1]), np.int32(bplan.modes[2]),
+                         *(np.int64(s) for k in ("v", "out") for s in bs[k]), *hyper_args[3],
+                         np.int64(call.reg_diag), np.int32(split))
+                launches.append(Launch(combine, cgrid, cargs))
+    return Plan("matvec", first, tuple(launches), out, scratch=tuple(scratch), debug=debug)

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, ".")
 import kermac_like as km  # noqa: E402
-from kermac_like.plan_topk import plan_topk  # noqa: E402
+from kermac_like.plan.topk import plan_topk  # noqa: E402
 
 
 def make_call(desc, x, y, k, largest, hypers=None):

@@ -23,10 +23,10 @@ import logging
 import numpy as np
 import torch
 
-from .layout import batch_strides, plan_batch
-from .plan import HYPERS, Launch, Plan, _add_hyper_tensors, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
+from ..layout import batch_strides, plan_batch
+from ..runtime.specs.topk import MAX_K, MAX_SELECT, MAX_SPLIT, topk_combine_spec, topk_spec
+from .core import HYPERS, Launch, Plan, _add_hyper_tensors, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     choose_split
-from .runtime.specs.topk import MAX_K, MAX_SELECT, MAX_SPLIT, topk_combine_spec, topk_spec
 
 log = logging.getLogger("kermac_like.topk")
 
@@ -48,7 +48,7 @@ def fused_serves(call) -> bool:
 def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = False):
     if not fused_serves(call):
         return None
-    from .runtime.launcher import get_kernel
+    from ..runtime.launcher import get_kernel
 
     device = _device_index(call.device)
     spec = topk_spec(call.desc, call.dtype, call.K, call.largest, call.k)

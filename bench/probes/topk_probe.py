@@ -179,16 +179,53 @@ def run_timings(quick, only=()):
         print(f"{name:20s} {t:10.2f} {tt:10.2f} {tt / t:8.1f} {extra:9.1f}")
 
 
+VARIANT_CASES = [("d3_k10", 2 * 10 ** 5, 3, 10, "l2"), ("d16_k10", 2 * 10 ** 5, 16, 10, "l2"),
+                 ("p1_d64_k16", 10 ** 5, 64, 16, "l1"), ("d8_k1", 2 * 10 ** 5, 8, 1, "l2"),
+                 ("d3_k32", 10 ** 5, 3, 32, "l2"), ("d3_k100", 10 ** 5, 3, 100, "l2")]
+VARIANTS = [None, {"rows": 4, "unroll_j": 1}, {"rows": 4, "unroll_j": 2}, {"rows": 2, "unroll_j": 1},
+            {"rows": 2, "unroll_j": 2}, {"rows": 1, "unroll_j": 2}]
+
+
+def run_variants():
+    """Each tuning of TopkTraits (rows per thread, points per trip) on each case, interleaved
+    twice in opposite orders; ms per call (median of 3)."""
+    from kermac_like.runtime.specs import topk as S
+
+    dev = torch.device("cuda")
+    data = {c[0]: (torch.randn(c[1], c[2], device=dev), torch.randn(c[1], c[2], device=dev)) for c in VARIANT_CASES}
+    res = {}
+    for rnd, order in enumerate((VARIANTS, VARIANTS[::-1])):
+        for v in order:
+            S.TUNING = v
+            for name, M, K, k, d in VARIANT_CASES:
+                rows = (v or {}).get("rows", 0)
+                if rows * (S.k_bucket(K) + 2 * S.sel_bucket(k)) > 160:
+                    continue  # would not fit the registers
+                x, y = data[name]
+                t = time_ms(lambda: fused(km.PRESETS[d], x, y, k, False), reps=3)
+                res.setdefault((name, str(v)), []).append(t)
+    S.TUNING = None
+    print(f"{'case':12s} " + " ".join(f"{str(v):>34s}" for v in VARIANTS))
+    for name, *_ in VARIANT_CASES:
+        cells = []
+        for v in VARIANTS:
+            ts = res.get((name, str(v)))
+            cells.append(f"{min(ts):34.2f}" if ts else f"{'-':>34s}")
+        print(f"{name:12s} " + " ".join(cells))
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["check", "time"])
+    ap.add_argument("--only", choices=["check", "time", "variants"])
     ap.add_argument("--cases", default="", help="comma-separated timing rows (default: all)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(0))
     t0 = time.time()
-    if a.only != "time":
+    if a.only in (None, "check"):
         run_checks()
-    if a.only != "check":
+    if a.only in (None, "time"):
         run_timings(a.quick, a.cases.split(',') if a.cases else ())
+    if a.only == "variants":
+        run_variants()
     print(f"total {time.time() - t0:.1f} s")

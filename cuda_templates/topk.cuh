@@ -48,7 +48,7 @@ typedef unsigned long long u64;
 // kK_: the padded K (1..64; x rows in registers); kLargest_: descending values; kSel_: 0 (lists
 // in global memory, any k) or the register list's length (k <= kSel_ <= 32).
 // Tuning knobs (0: the shipped choice; bench/probes/topk_probe.py --variants times others):
-// kRows_ rows per thread (1, 2 or 4); kUnrollJ_ points per trip of the pair loop (1 or 2).
+// kRows_ rows per thread (1, 2 or 4); kUnrollJ_ points per trip of the pair loop (1, 2 or 4).
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_,
           bool kLargest_, int kSel_ = 0, int kRows_ = 0, int kUnrollJ_ = 0>
 struct TopkTraits {
@@ -86,7 +86,7 @@ struct TopkTraits {
   static constexpr int kRows = kRows_ > 0 ? kRows_ : kRowRegs * 4 <= 112 ? 4 : kRowRegs * 2 <= 112 ? 2 : 1;
   static_assert(kRows == 1 || kRows == 2 || kRows == 4, "TopkTraits: kRows is 1, 2 or 4");
   static constexpr int kUnrollJ = kUnrollJ_ > 0 ? kUnrollJ_ : 1;
-  static_assert(kUnrollJ == 1 || kUnrollJ == 2, "TopkTraits: kUnrollJ is 1 or 2");
+  static_assert(kUnrollJ == 1 || kUnrollJ == 2 || kUnrollJ == 4, "TopkTraits: kUnrollJ is 1, 2 or 4");
   static constexpr int kBlockM = kThreads * kRows;
   static constexpr int kKS = (kK_ + 3) / 4 * 4;  // shared row of a point (float4 reads)
   static constexpr int kBlockN = kKS <= 16 ? 256 : 128;  // y points per shared-memory tile
@@ -259,8 +259,10 @@ __device__ __forceinline__ void pairs(const float* ys, int j, unsigned n, const 
 #pragma unroll
       for (int a = 1; a < Tr::kAcc; ++a) v = math::add_rn(v, acc[a]);
       if constexpr (!Tr::kDeferred) v = exact::finish<Tr>(v, ea);
-      key[u][i] = make_key(order_bits<Tr>(v), n + u);
-      any |= key[u][i] < rs.bound(i);
+      const unsigned bits = order_bits<Tr>(v);
+      key[u][i] = make_key(bits, n + u);
+      // The high word alone (one compare): equal values go to offer's full comparison.
+      any |= bits <= unsigned(rs.bound(i) >> 32);
     }
   if (any) {
 #pragma unroll

@@ -182,8 +182,8 @@ def run_timings(quick, only=()):
 VARIANT_CASES = [("d3_k10", 2 * 10 ** 5, 3, 10, "l2"), ("d16_k10", 2 * 10 ** 5, 16, 10, "l2"),
                  ("p1_d64_k16", 10 ** 5, 64, 16, "l1"), ("d8_k1", 2 * 10 ** 5, 8, 1, "l2"),
                  ("d3_k32", 10 ** 5, 3, 32, "l2"), ("d3_k100", 10 ** 5, 3, 100, "l2")]
-VARIANTS = [None, {"rows": 4, "unroll_j": 1}, {"rows": 4, "unroll_j": 2}, {"rows": 2, "unroll_j": 1},
-            {"rows": 2, "unroll_j": 2}, {"rows": 1, "unroll_j": 2}]
+VARIANTS = [None, {"rows": 4, "unroll_j": 2}, {"rows": 2, "unroll_j": 4}, {"rows": 2, "unroll_j": 2},
+            {"rows": 4, "unroll_j": 4}, {"rows": 1, "unroll_j": 4}, {"rows": 1, "unroll_j": 2}]
 
 
 def run_variants():

@@ -80,12 +80,16 @@ struct TopkTraits {
 
   static constexpr int kSel = kSel_;
   static constexpr int kThreads = 128;
-  // Rows per thread: x takes kK and a register list 2 kSel registers per row; about 112 of
-  // them in all (the first power of two that fits, 1 to 4).
+  // Rows per thread: x takes kK and a register list 2 kSel registers per row; about 80 of them
+  // in all (the first power of two that fits, 1 to 4), one row with lists in memory (their
+  // buffers then take the least shared memory). Points per trip: 4. Measured on an H100
+  // (bench/notes/knn.md, v2): this beats the neighbouring choices at D = 3, 8, 16, 64.
   static constexpr int kRowRegs = kK_ + 2 * kSel_;
-  static constexpr int kRows = kRows_ > 0 ? kRows_ : kRowRegs * 4 <= 112 ? 4 : kRowRegs * 2 <= 112 ? 2 : 1;
+  static constexpr int kRows = kRows_ > 0 ? kRows_
+                               : kSel_ == 0 ? 1
+                               : kRowRegs * 4 <= 80 ? 4 : kRowRegs * 2 <= 80 ? 2 : 1;
   static_assert(kRows == 1 || kRows == 2 || kRows == 4, "TopkTraits: kRows is 1, 2 or 4");
-  static constexpr int kUnrollJ = kUnrollJ_ > 0 ? kUnrollJ_ : 1;
+  static constexpr int kUnrollJ = kUnrollJ_ > 0 ? kUnrollJ_ : 4;
   static_assert(kUnrollJ == 1 || kUnrollJ == 2 || kUnrollJ == 4, "TopkTraits: kUnrollJ is 1, 2 or 4");
   static constexpr int kBlockM = kThreads * kRows;
   static constexpr int kKS = (kK_ + 3) / 4 * 4;  // shared row of a point (float4 reads)

@@ -54,8 +54,10 @@ def sel_bucket(k: int) -> int:
 
 def rows_per_thread(kK: int, kSel: int) -> int:
     """Mirror of TopkTraits::kRows (the default)."""
+    if kSel == 0:
+        return 1
     regs = kK + 2 * kSel
-    return 4 if regs * 4 <= 112 else 2 if regs * 2 <= 112 else 1
+    return 4 if regs * 4 <= 80 else 2 if regs * 2 <= 80 else 1
 
 
 def _launch(kK: int, kSel: int, rows: int = 0) -> LaunchShape:

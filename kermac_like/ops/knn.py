@@ -18,7 +18,7 @@ with each other (smaller index first), and -0.0 ties with 0.0.
 
 Internal entry points: :func:`prepare_topk` (validation -> :class:`TopkCall`),
 :func:`topk_forward` (no autograd), :func:`topk_blocked` (the blocked path) and
-:func:`merge_candidates` (the exact merge, shared with the multi-process search of
+:func:`merge_candidates` / :func:`merge_order` (the exact merge, shared with the multi-process search of
 :mod:`kermac_like.neighbors`).
 """
 
@@ -45,7 +45,7 @@ from .distance import COMPUTE_MODES, prepare_call
 log = logging.getLogger("kermac_like.knn")
 
 __all__ = ["kernel_topk", "knn", "TopkCall", "prepare_topk", "prepare_knn", "topk_forward", "topk_blocked",
-           "merge_candidates", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
+           "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
 
 # Elements of one block of kernel values on the blocked path (all batch entries together):
 # 8 MB of float64 on a CPU, 128 MB of float32 on a GPU (plan.MATVEC_TILE_ELEMENTS).
@@ -184,22 +184,26 @@ def _check_out(call: TopkCall, out) -> tuple:
 
 
 # -- the exact merge --------------------------------------------------------------------------
-def merge_candidates(values: Tensor, indices: Tensor, valid: Tensor | None, k: int, largest: bool) -> tuple:
-    """The k best of each row's candidates under the order (value, index).
+def merge_order(values: Tensor, valid: Tensor | None, k: int, largest: bool) -> Tensor:
+    """Positions (R, min(k, C)) of the k best of each row's candidates under the order
+    (value, index).
 
-    ``values``/``indices`` ``(R, C)``: candidates laid out so that equal values appear in
-    increasing index order along the row (e.g. several lists, each sorted by (value, index),
-    concatenated in increasing index ranges, or block columns in order); ``valid`` marks real
-    candidates (None: all). Two stable sorts: by value (torch.sort's NaN order, the same as
-    torch.topk's), then real candidates before padding. Returns (values, indices, valid) of
-    width min(k, C)."""
+    ``values`` ``(R, C)``: candidates laid out so that equal values appear in increasing index
+    order along the row (e.g. several lists, each sorted by (value, index), concatenated in
+    increasing index ranges, or block columns in order); ``valid`` marks real candidates (None:
+    all). Two stable sorts: by value (torch.sort's NaN order, the same as torch.topk's), then
+    real candidates before padding."""
     order = torch.sort(values, dim=1, descending=largest, stable=True).indices
     if valid is not None:
         flag = (~valid).gather(1, order).to(torch.uint8)
         order = order.gather(1, torch.sort(flag, dim=1, stable=True).indices)
-    order = order[:, :k]
-    return (values.gather(1, order), indices.gather(1, order),
-            None if valid is None else valid.gather(1, order))
+    return order[:, :k]
+
+
+def merge_candidates(values: Tensor, indices: Tensor, valid: Tensor | None, k: int, largest: bool) -> tuple:
+    """(values, indices) of the k best candidates of each row (:func:`merge_order`)."""
+    order = merge_order(values, valid, k, largest)
+    return values.gather(1, order), indices.gather(1, order)
 
 
 def _threshold(tv: Tensor, largest: bool) -> tuple:
@@ -337,7 +341,7 @@ def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_eleme
                 cand_v, cols = torch.cat([run_v, cand_v], 1), torch.cat([run_i, cols + n0], 1)
             else:
                 cols = cols + n0
-            run_v, run_i, _ = merge_candidates(cand_v, cols, valid, k, call.largest)
+            run_v, run_i = merge_candidates(cand_v, cols, valid, k, call.largest)
         values[..., m0:m1, :] = run_v.view(*call.batch, m1 - m0, k)
         indices[..., m0:m1, :] = run_i.view(*call.batch, m1 - m0, k)
     return values, indices

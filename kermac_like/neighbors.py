@@ -173,7 +173,7 @@ class _KNeighborsBase(BaseEstimator):
         M = Xq.shape[0]
         with torch.no_grad():
             if kl > 0:
-                d, i = knn(Xq, X, kl, p=self._p)
+                d, i = knn(Xq, X, kl, p=self._p, debug=self.debug)
             else:
                 d = Xq.new_empty((M, 0))
                 i = torch.empty((M, 0), dtype=torch.int64, device=X.device)

@@ -48,8 +48,8 @@ __all__ = ["kernel_topk", "knn", "TopkCall", "prepare_topk", "prepare_knn", "top
            "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
 
 # Elements of one block of kernel values on the blocked path (all batch entries together):
-# 8 MB of float64 on a CPU, 128 MB of float32 on a GPU (plan.MATVEC_TILE_ELEMENTS).
-BLOCK_ELEMENTS_CPU = 1 << 20
+# 16 MB of float64 on a CPU, 128 MB of float32 on a GPU (plan.MATVEC_TILE_ELEMENTS).
+BLOCK_ELEMENTS_CPU = 1 << 21
 BLOCK_ELEMENTS_GPU = 1 << 25
 # Columns of one block at least (more when M is small, so that few rows see all of N at once).
 MIN_BLOCK_COLUMNS = 4096
@@ -244,21 +244,25 @@ def _mask_candidates(v: Tensor, kk: int, largest: bool) -> tuple:
 
 def _block_candidates(v: Tensor, kk: int, largest: bool) -> tuple:
     """Columns of a block ``v`` (R, nb) that can be among each row's kk best, in increasing
-    column order: ``(cols (R, C), valid (R, C) or None)``, kk <= C <= 2 kk. torch.topk's kk
-    columns are the answer unless a row has more values equal to its kk-th value t than
-    torch.topk kept (torch.topk does not break ties by index) or t is NaN; such rows take
-    :func:`_mask_candidates`. One pass of torch.topk and one comparison over the block."""
-    tv, ti = torch.topk(v, kk, dim=1, largest=largest, sorted=False)
-    t, t_is_nan = _threshold(tv, largest)
-    ok = ~t_is_nan[:, 0] & (torch.count_nonzero(v == t, dim=1) == torch.count_nonzero(tv == t, dim=1))
-    cols = ti.sort(1).values
+    column order: ``(cols (R, C), valid (R, C) or None)``, kk <= C <= 2 kk. One torch.topk of
+    kk + 1: its first kk columns are the answer unless the (kk + 1)-th value ties with the kk-th
+    t (torch.topk does not break ties by index) or t is NaN; such rows take
+    :func:`_mask_candidates`."""
+    R, nb = v.shape
+    if kk >= nb:  # every column
+        return torch.arange(nb, device=v.device).expand(R, nb), None
+    tv, ti = torch.topk(v, kk + 1, dim=1, largest=largest, sorted=True)
+    t, nxt = tv[:, kk - 1], tv[:, kk]
+    ok = (nxt < t) if largest else ((nxt > t) | nxt.isnan())
+    ok &= ~t.isnan()
+    cols = ti[:, :kk].sort(1).values
     if bool(ok.all()):
         return cols, None
     bad = (~ok).nonzero()[:, 0]
     bcols, bvalid = _mask_candidates(v[bad], kk, largest)
     width = max(kk, bcols.shape[1])
-    out = torch.zeros((v.shape[0], width), dtype=torch.int64, device=v.device)
-    valid = torch.zeros((v.shape[0], width), dtype=torch.bool, device=v.device)
+    out = torch.zeros((R, width), dtype=torch.int64, device=v.device)
+    valid = torch.zeros((R, width), dtype=torch.bool, device=v.device)
     out[:, :kk] = cols
     valid[:, :kk] = True
     out[bad] = torch.nn.functional.pad(bcols, (0, width - bcols.shape[1]))

@@ -255,3 +255,4 @@ def test_oracle_helpers_reject_wrong_answers():
         assert_exact(v, torch.tensor([[3, 1]]), dense, 2, False)
     with pytest.raises(AssertionError):
         assert_acceptable(v, torch.tensor([[1, 2]]), dense, 2, False)
+

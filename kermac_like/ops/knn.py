@@ -360,6 +360,11 @@ def topk_forward(call: TopkCall, out=None, *, debug: bool = False) -> tuple:
         indices = torch.empty(call.out_shape, dtype=torch.int64, device=call.device)
     else:
         values, indices = out
+    with torch.no_grad():  # the op's implementation: its backward is registered, nothing to record
+        return _topk_forward(call, values, indices, debug)
+
+
+def _topk_forward(call: TopkCall, values: Tensor, indices: Tensor, debug: bool) -> tuple:
     plan = None
     if call.desc is not None and call.K > 0:
         v = values if values.is_contiguous() else torch.empty_like(values, memory_format=torch.contiguous_format)

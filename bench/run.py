@@ -62,6 +62,10 @@ WORKLOADS = (
     "gauss_matvec_d3",
     "gauss_matvec_d256",
     "krr_1m",
+    "knn_d3",
+    "knn_d128",
+    "knn_p1_d64",
+    "knn_batched",
     "cold_compile",
     "warm_process",
     "lowk",
@@ -71,7 +75,12 @@ LINALG = ("solve_cholesky", "solve_lu", "eigh")
 FULL = dict(cdist=(30000, 30000, 1024), laplace=(50000, 50000, 256), grad=(2, 10000, 10000, 768, 16),
             linalg=(10, 5000, 16), process=(1024, 1024, 64))
 FULL.update(matvec_d3=(1_000_000, 1_000_000, 3), matvec_d256=(200_000, 200_000, 256))
-QUICK = dict(matvec_d3=(2000, 2000, 3), matvec_d256=(512, 512, 256), cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
+# k nearest neighbours: (batch, M, N, D, k, p)
+FULL.update(knn_d3=(1, 1_000_000, 1_000_000, 3, 10, 2.0), knn_d128=(1, 1_000_000, 1_000_000, 128, 10, 2.0),
+            knn_p1_d64=(1, 200_000, 200_000, 64, 16, 1.0), knn_batched=(256, 1000, 1000, 8, 8, 2.0))
+QUICK = dict(knn_d3=(1, 2000, 2000, 3, 10, 2.0), knn_d128=(1, 512, 512, 128, 10, 2.0),
+             knn_p1_d64=(1, 512, 512, 64, 16, 1.0), knn_batched=(4, 100, 100, 8, 8, 2.0),
+             matvec_d3=(2000, 2000, 3), matvec_d256=(512, 512, 256), cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
              linalg=(2, 64, 4), process=(64, 64, 16))
 ERR_ROWS = 256  # rows of the output compared with float64
 GRAD_SLICE = (8, 256)  # (n, m) corner of the cdist_grad output compared with float64
@@ -343,6 +352,84 @@ def krr_rows(bench):
         two = dict(fit_s=fit_s, n_iter=n_iter, residual=residual, test_mse=mse)
         rows.append(row("2 GPUs (NCCL)", two, f"{fit_s / one['fit_s']:.2f}x the 1-GPU fit time"))
     return rows
+
+
+KNN_TORCH_ELEMENTS = 1 << 28  # distances of one torch row block (1 GB of float32)
+KNN_TORCH_FULL_PAIRS = 1 << 32  # larger problems: torch timed on KNN_TORCH_SLICE rows, scaled to M
+KNN_TORCH_SLICE = 16384
+
+
+def torch_knn_blocked(x, y, k, p):
+    """A user's k-nearest-neighbour search in torch: row blocks of at most KNN_TORCH_ELEMENTS
+    distances (torch.cdist, then torch.topk); batched problems in one torch.topk(torch.cdist)."""
+    if x.dim() == 3:
+        return torch.topk(torch.cdist(x, y, p=p), k, largest=False)
+    block = max(1, min(4096, KNN_TORCH_ELEMENTS // y.shape[0]))
+    vals, idx = [], []
+    for m0 in range(0, x.shape[0], block):
+        v, i = torch.topk(torch.cdist(x[m0:m0 + block], y, p=p), k, largest=False)
+        vals.append(v)
+        idx.append(i)
+    return torch.cat(vals), torch.cat(idx)
+
+
+def knn_rows(bench, name):
+    """k nearest neighbours (km.knn) beside torch in row blocks (cdist + topk) or, for the batch of
+    small problems, torch.topk(torch.cdist) at once. Problems beyond KNN_TORCH_FULL_PAIRS pairs time
+    torch on its first KNN_TORCH_SLICE rows and scale linearly to M (said in the note). Error
+    column: the largest relative difference of a returned distance from the float64 distance of its
+    pair, on the first ERR_ROWS rows; recall: the share of the float64 k nearest found there (ours,
+    torch); peak extra GPU memory of our call beyond inputs and outputs."""
+    B, M, N, D, k, p = bench.sizes[name]
+    bshape = (B,) if B > 1 else ()
+    make = lambda: (bench.randn(*bshape, M, D), bench.randn(*bshape, N, D))  # noqa: E731
+    big = M * N * B > KNN_TORCH_FULL_PAIRS and not bench.args.quick
+    ours = time_calls(lambda x, y: km.knn(x, y, k, p=p), make, bench.device, repeats=bench.reps(3 if big else None),
+                      warmup=bench.warm(1 if big else None), keep_last=True)
+    x, y = ours.last_inputs
+    v, i = ours.last_output
+    peak = None
+    if bench.device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        km.knn(x, y, k, p=p, out=(v, i))
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    r = min(ERR_ROWS, M)
+    xs, ys = (x[:1, :r], y[:1]) if B > 1 else (x[:r], y)
+    d64 = torch.cdist(xs.double(), ys.double(), p=p, compute_mode="donot_use_mm_for_euclid_dist")
+    want = torch.sort(d64, dim=-1, stable=True).indices[..., :k]
+
+    def quality(vals, idx):
+        picked = d64.gather(-1, idx)
+        err = float(((vals.double() - picked).abs() / picked.abs().clamp_min(1e-300)).max())
+        hits = sum(len(set(a) & set(b)) for a, b in zip(idx.reshape(-1, k).tolist(), want.reshape(-1, k).tolist()))
+        return err, hits / want.numel()
+
+    ov, oi = (v[:1, :r], i[:1, :r]) if B > 1 else (v[:r], i[:r])
+    err, recall = quality(ov, oi)
+    tv, ti = torch_knn_blocked(xs, ys, k, p)
+    terr, trecall = quality(tv, ti)
+    ours.last_inputs = ours.last_output = None
+    del x, y, v, i, d64
+    note = (f"k={k}, p={p:g}; recall vs float64 on {r} rows: ours {recall:.6f}, torch {trecall:.6f}; "
+            + ("torch: topk(cdist) over the batch" if B > 1 else "torch: row blocks (cdist + topk)"))
+    if big:
+        S = min(KNN_TORCH_SLICE, M)
+        slice_make = lambda: (bench.randn(S, D), bench.randn(N, D))  # noqa: E731
+        part = time_calls(lambda x, y: torch_knn_blocked(x, y, k, p), slice_make, bench.device, repeats=1,
+                          warmup=1)
+        theirs = type(part)(part.median_ms * M / S, [t * M / S for t in part.times_ms])
+        note += f", timed on {S} of {M} rows and scaled linearly"
+    else:
+        theirs = time_calls(lambda x, y: torch_knn_blocked(x, y, k, p), make, bench.device, repeats=bench.reps(),
+                            warmup=bench.warm())
+    if peak is not None:
+        note += f"; peak extra GPU memory {peak:.1f} MB"
+    size = (f"{B}x" if B > 1 else "") + f"{M}x{N}x{D}"
+    return [bench.row(name, size, ours, theirs, None, err, terr, note, peak_extra_mb=peak, recall=recall,
+                      torch_recall=trecall)]
 
 
 def add_ratios(r):
@@ -721,6 +808,8 @@ def main(argv=None):
             steps.append((w, lambda: gauss_matvec_rows(bench, "matvec_d256", 256, (1, 16))))
         elif w == "krr_1m":
             steps.append((w, lambda: krr_rows(bench)))
+        elif w.startswith("knn_"):
+            steps.append((w, lambda w=w: knn_rows(bench, w)))
     lin = [w for w in wanted if w in LINALG]
     if lin:
         steps.append(("linalg (" + ", ".join(lin) + ")", lambda: bench.linalg(lin)))

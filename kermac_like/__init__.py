@@ -8,11 +8,14 @@ Public API::
                epsilon=None, autotune=None, debug=False)
     cdist_grad(a, b, c, d, *, out=None, p=2.0, debug=False)
     kernel_matvec(descriptor, x, y, v, *, out=None, <run_kernel's hyper-parameters>, debug=False)
+    kernel_topk(descriptor, x, y, k, *, largest=None, out=None, <run_kernel's hyper-parameters>, debug=False)
+    knn(x, y, k, *, p=2.0, largest=False, out=None, compute_mode=..., debug=False)
     precompile(descriptors, device=None, debug=False)
     KernelOperator(descriptor, x, y, **hyper)   lazy kernel matrix: shape, @, .T, diagonal(), to_dense()
     KernelDescriptor, InnerOperator, PowerType, KernelType, PRESETS, preset
     linalg.solve_cholesky / solve_lu / eigh
     solvers.KernelRidge (kernel ridge regression: cholesky, Nystrom-preconditioned cg, Falkon; multi-GPU)
+    neighbors.NearestNeighbors / KNeighborsClassifier / KNeighborsRegressor (scikit-learn's, multi-GPU)
 """
 
 from ._version import __version__
@@ -23,6 +26,7 @@ except ImportError:  # CPU-only use still works through the reference path
     pass
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from .ops.distance import cdist, run_kernel
+from .ops.knn import kernel_topk, knn
 from .ops.matvec import kernel_matvec
 from .operator import KernelOperator
 from .runtime.precompile import precompile
@@ -34,6 +38,8 @@ __all__ = [
     "KernelOperator",
     "cdist_grad",
     "kernel_matvec",
+    "kernel_topk",
+    "knn",
     "precompile",
     "KernelDescriptor",
     "InnerOperator",
@@ -43,12 +49,13 @@ __all__ = [
     "preset",
     "linalg",
     "solvers",
+    "neighbors",
 ]
 
 
 def __getattr__(name):
     # Submodules with heavier imports load on first use.
-    if name in ("linalg", "solvers"):
+    if name in ("linalg", "solvers", "neighbors"):
         import importlib
 
         return importlib.import_module("." + name, __name__)

@@ -29,6 +29,7 @@ KEY_LINES = {
     "rfm.py": "relative test MSE",
     "linalg.py": "",
     "kernel_matvec.py": "relative error vs float64",
+    "knn.py": "recall vs torch",
 }
 
 

@@ -56,6 +56,15 @@ def _op_cases():
         yield routine, getattr(OPS, routine).default, (spd, rhs, False, False)
         yield f"{routine}_inplace", getattr(OPS, f"{routine}_inplace").default, (spd.clone(), rhs.clone(), False, False)
         yield f"{routine}_into", getattr(OPS, f"{routine}_into").default, (spd, rhs.clone(), False, False)
+    x = torch.randn(2, 6, 3, dtype=F64, requires_grad=True)
+    topk = (x, torch.randn(15, 3, dtype=F64), descriptor_ints(km.PRESETS["laplace_p"]), 1.3, None, 1.3, None, None,
+            torch.tensor([1.5, 2.0], dtype=F64), 0.25, None, 1, None, 4, True, None, MODE, False)
+    yield "kernel_topk", OPS.kernel_topk.default, topk
+    plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in topk)
+    yield "kernel_topk_out", OPS.kernel_topk_out.default, plain + (torch.empty(2, 6, 4, dtype=F64),
+                                                                    torch.empty(2, 6, 4, dtype=torch.int64))
+    yield "knn_inf", OPS.kernel_topk.default, (x, topk[1], [], *(None,) * 8, 0, None, 3, False, float("inf"), MODE,
+                                                False)
     yield "eigh", OPS.eigh.default, (spd[0], False, False)
     yield "eigh_inplace", OPS.eigh_inplace.default, (spd.clone(), False, False)
 
@@ -95,6 +104,24 @@ def test_compile_fullgraph_distance_forward_backward():
     out = torch.full((2, 6, 5), float("nan"), dtype=F64)
     torch.compile(lambda x, y, o: km.cdist(x, y, 1.7, out=o), fullgraph=True, backend="aot_eager")(x, y, out)
     assert torch.allclose(out, torch.cdist(x, y, 1.7), rtol=1e-12)
+
+
+def test_compile_fullgraph_topk_forward_backward():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 6, 3, generator=g, dtype=F64, requires_grad=True)
+    y = torch.randn(15, 3, generator=g, dtype=F64)
+    bw = torch.tensor([1.5, 2.0], dtype=F64)
+
+    def f(a, b):
+        v, i = km.knn(a, b, 3, p=1.5)
+        w, _ = km.kernel_topk(km.PRESETS["gaussian_l2"], a, b, 2, bandwidth=bw)
+        return v.sum() + w.sum(), i
+
+    (s1, i1), (s2, i2) = torch.compile(f, fullgraph=True, backend="aot_eager")(x, y), f(x, y)
+    g1, = torch.autograd.grad(s1, x)
+    g2, = torch.autograd.grad(s2, x)
+    assert torch.equal(i1, i2) and torch.allclose(s1, s2, rtol=1e-14)
+    assert torch.allclose(g1, g2, rtol=1e-12, atol=1e-12)
 
 
 def test_compile_fullgraph_cdist_grad():

@@ -1,0 +1,599 @@
+"""k nearest neighbours without the distance matrix: :func:`kernel_topk` and :func:`knn`.
+
+``kernel_topk`` returns the k best entries of every row of ``run_kernel(descriptor, x, y,
+...)`` (the smallest distances, or the largest kernel values / dot products) and their
+column indices; ``knn`` is its distance case with torch.cdist's p. Data flow of one call:
+validate every argument (nothing is written before all checks pass) -> the fused planner
+(:func:`kermac_like.plan_topk.plan_topk`) -> when it serves no kernel (CPU tensors, float64,
+k beyond the fused limit, p = 0 or inf, GPUs before sm_80), the blocked path of this module:
+the kernel matrix in row and column blocks of bounded size, each block's candidates merged
+into a running top-k per row.
+
+The order is total and deterministic: ``(value, index)`` lexicographically, the best value
+first (ascending for ``largest=False``, descending for ``largest=True``), exact ties by the
+smaller column index. NaN is ordered as torch.topk and torch.sort order it: above every
+number, +inf included, so a NaN comes first with ``largest=True`` and last with
+``largest=False`` (where it is selected only when a row has fewer than k numbers); NaNs tie
+with each other (smaller index first), and -0.0 ties with 0.0.
+
+Internal entry points: :func:`prepare_topk` (validation -> :class:`TopkCall`),
+:func:`topk_forward` (no autograd), :func:`topk_blocked` (the blocked path) and
+:func:`merge_candidates` / :func:`merge_order` (the exact merge, shared with the multi-process search of
+:mod:`kermac_like.neighbors`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _debug
+from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
+from ..descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType
+from ..layout import analyse_output, broadcast_batch_shape
+from ..plan import DistanceCall
+from ..plan_topk import plan_topk
+from ..reference import distance_reference
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
+from .distance import COMPUTE_MODES, prepare_call
+
+log = logging.getLogger("kermac_like.knn")
+
+__all__ = ["kernel_topk", "knn", "TopkCall", "prepare_topk", "prepare_knn", "topk_forward", "topk_blocked",
+           "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
+
+# Elements of one block of kernel values on the blocked path (all batch entries together):
+# 16 MB of float64 on a CPU, 128 MB of float32 on a GPU (plan.MATVEC_TILE_ELEMENTS).
+BLOCK_ELEMENTS_CPU = 1 << 21
+BLOCK_ELEMENTS_GPU = 1 << 25
+# Columns of one block at least (more when M is small, so that few rows see all of N at once).
+MIN_BLOCK_COLUMNS = 4096
+# Elements (rows x k x K over the batch) of one gathered block in the backward.
+BACKWARD_BLOCK_ELEMENTS = 1 << 22
+
+_CDIST_PRESETS = {PRESETS["l1"]: 1.0, PRESETS["l2"]: 2.0}
+
+
+@dataclass(frozen=True)
+class TopkCall:
+    """A validated kernel_topk / knn call.
+
+    ``desc`` is None only for knn with p = 0 or p = inf (torch.cdist's counting and maximum
+    norms, which no descriptor expresses; such calls never reach the fused planner). ``p`` is
+    knn's p (None for kernel_topk): the blocked path then computes torch.cdist's distances
+    under ``compute_mode`` (its matrix product for p = 2 where torch takes it).
+    """
+
+    desc: Optional[KernelDescriptor]
+    x: torch.Tensor
+    y: torch.Tensor
+    k: int
+    largest: bool
+    hypers: dict  # inner_p/outer_p/bandwidth/regularization -> float | Tensor | None
+    reg_diag: int  # entry (m, n) is regularised where n - m == reg_diag
+    epsilon: float | None
+    batch: tuple
+    M: int
+    N: int
+    K: int
+    distance: bool  # values are distances (no epilogue, DIFF inner): largest defaults to False
+    p: float | None = None
+    compute_mode: str = COMPUTE_MODES[0]
+
+    @property
+    def out_shape(self) -> tuple:
+        return (*self.batch, self.M, self.k)
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    def distance_call(self) -> DistanceCall:
+        """The run_kernel call whose rows are searched (not for p = 0 / inf)."""
+        return DistanceCall(self.desc, self.x, self.y, self.hypers, self.reg_diag, self.epsilon, self.batch,
+                            self.M, self.N, self.K)
+
+
+def _check_data(x, y) -> None:
+    check_tensor("x", x)
+    check_tensor("y", y)
+    check_same("y", y, "x", x)
+    if x.shape[-1] != y.shape[-1]:
+        raise ValueError(f"y: last dimension {y.shape[-1]} differs from x's {x.shape[-1]} (the coordinates K)")
+
+
+def _check_k(k, N: int) -> int:
+    k = check_int("k", k)
+    if not 1 <= k <= N:
+        raise ValueError(f"k: expected 1 <= k <= {N} (the points of y), got {k}")
+    return k
+
+
+def _check_largest(largest, default: bool) -> bool:
+    if largest is None:
+        return default
+    if not isinstance(largest, bool):
+        raise TypeError(f"largest: expected a bool or None, got {type(largest).__name__}")
+    return largest
+
+
+def prepare_topk(descriptor, x, y, k, *, largest=None, p=None, inner_p=None, outer_p=None, bandwidth=None,
+                 regularization=None, regularization_offset_x=0, regularization_offset_y=0,
+                 epsilon=None) -> TopkCall:
+    """Validate a kernel_topk call; TypeError/ValueError naming the argument."""
+    if not isinstance(descriptor, KernelDescriptor):
+        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
+    _check_data(x, y)
+    # Batch shapes first, named in this op's terms (prepare_call names its operands a and b).
+    shapes = {"x": tuple(x.shape[:-2]), "y": tuple(y.shape[:-2])}
+    named = dict(p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth, regularization=regularization)
+    for name, h in named.items():
+        h = check_scalar_or_tensor(name, h, x.device)
+        if isinstance(h, torch.Tensor):
+            shapes[name] = tuple(h.shape)
+    broadcast_batch_shape(shapes)
+    dc = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
+                      regularization=regularization, regularization_offset_x=regularization_offset_x,
+                      regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+    k = _check_k(k, dc.N)
+    distance = descriptor.inner_operator is InnerOperator.DIFF and descriptor.kernel_type is KernelType.NONE
+    return TopkCall(descriptor, x, y, k, _check_largest(largest, not distance), dc.hypers, dc.reg_diag, dc.epsilon,
+                    dc.batch, dc.M, dc.N, dc.K, distance)
+
+
+def prepare_knn(x, y, k, *, p=2.0, largest=False, compute_mode=COMPUTE_MODES[0]) -> TopkCall:
+    """Validate a knn call (torch.cdist's p: any p >= 0 and inf)."""
+    _check_data(x, y)
+    p = check_scalar_or_tensor("p", p, x.device, nonnegative=True, allow_inf=True)
+    if isinstance(p, torch.Tensor):
+        raise TypeError("p: knn takes a real number (use kernel_topk for per-batch p)")
+    if compute_mode not in COMPUTE_MODES:
+        raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
+    largest = _check_largest(largest, False)
+    if p == 0 or math.isinf(p):
+        batch = broadcast_batch_shape({"x": tuple(x.shape[:-2]), "y": tuple(y.shape[:-2])})
+        k = _check_k(k, y.shape[-2])
+        hypers = dict(inner_p=None, outer_p=None, bandwidth=None, regularization=None)
+        return TopkCall(None, x, y, k, largest, hypers, 0, None, batch, x.shape[-2], y.shape[-2], x.shape[-1], True,
+                        p, compute_mode)
+    desc = PRESETS["l1"] if p == 1 else PRESETS["l2"] if p == 2 else PRESETS["p_norm"]
+    call = prepare_topk(desc, x, y, k, largest=largest, p=None if p in (1.0, 2.0) else p)
+    return replace(call, p=p, compute_mode=compute_mode)
+
+
+def _check_out(call: TopkCall, out) -> tuple:
+    """(values, indices) of a user-provided ``out`` pair, after every check."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out: expected a pair (values, indices) of tensors, got {type(out).__name__}"
+                        + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    values, indices = out
+    analyse_output("out[0]", values, call.out_shape, call.dtype, call.device)
+    analyse_output("out[1]", indices, call.out_shape, torch.int64, call.device)
+    if values.untyped_storage().data_ptr() == indices.untyped_storage().data_ptr():
+        raise ValueError("out: values and indices share memory")
+    return values, indices
+
+
+# -- the exact merge --------------------------------------------------------------------------
+def merge_order(values: Tensor, valid: Tensor | None, k: int, largest: bool) -> Tensor:
+    """Positions (R, min(k, C)) of the k best of each row's candidates under the order
+    (value, index).
+
+    ``values`` ``(R, C)``: candidates laid out so that equal values appear in increasing index
+    order along the row (e.g. several lists, each sorted by (value, index), concatenated in
+    increasing index ranges, or block columns in order); ``valid`` marks real candidates (None:
+    all). Two stable sorts: by value (torch.sort's NaN order, the same as torch.topk's), then
+    real candidates before padding."""
+    order = torch.sort(values, dim=1, descending=largest, stable=True).indices
+    if valid is not None:
+        flag = (~valid).gather(1, order).to(torch.uint8)
+        order = order.gather(1, torch.sort(flag, dim=1, stable=True).indices)
+    return order[:, :k]
+
+
+def merge_candidates(values: Tensor, indices: Tensor, valid: Tensor | None, k: int, largest: bool) -> tuple:
+    """(values, indices) of the k best candidates of each row (:func:`merge_order`)."""
+    order = merge_order(values, valid, k, largest)
+    return values.gather(1, order), indices.gather(1, order)
+
+
+def _threshold(tv: Tensor, largest: bool) -> tuple:
+    """(t, t_is_nan) of a row's kk best values ``tv`` (any order): t the worst of them, NaN
+    ranking above +inf (a NaN t with largest=True only when tv is all NaN)."""
+    tnan = tv.isnan()
+    if largest:
+        t_is_nan = tnan.all(1, keepdim=True)
+        t = torch.where(tnan, torch.full_like(tv, math.inf), tv).amin(1, keepdim=True)
+    else:
+        t_is_nan = tnan.any(1, keepdim=True)
+        t = torch.where(tnan, torch.full_like(tv, -math.inf), tv).amax(1, keepdim=True)
+    return t, t_is_nan
+
+
+def _mask_candidates(v: Tensor, kk: int, largest: bool) -> tuple:
+    """_block_candidates for rows with ties at their kk-th value: every value strictly better
+    than it, and of the values equal to it (all NaNs when it is NaN) the first kk by column."""
+    t, t_is_nan = _threshold(torch.topk(v, kk, dim=1, largest=largest, sorted=False).values, largest)
+    nan = v.isnan()
+    if largest:
+        better = ~t_is_nan & (nan | (v > t))
+    else:
+        better = torch.where(t_is_nan, ~nan, v < t)
+    eq = torch.where(t_is_nan, nan, v == t)
+    mask = better | (eq & (eq.to(torch.int32).cumsum(1) <= kk))
+    counts = mask.sum(1)
+    width = int(counts.max()) if counts.numel() else 0
+    rows, cols = mask.nonzero(as_tuple=True)  # row-major: columns in increasing order per row
+    starts = counts.cumsum(0) - counts
+    pos = torch.arange(rows.numel(), device=v.device) - starts[rows]
+    out_cols = torch.zeros((v.shape[0], width), dtype=torch.int64, device=v.device)
+    valid = torch.zeros((v.shape[0], width), dtype=torch.bool, device=v.device)
+    out_cols[rows, pos] = cols
+    valid[rows, pos] = True
+    return out_cols, valid
+
+
+def _block_candidates(v: Tensor, kk: int, largest: bool) -> tuple:
+    """Columns of a block ``v`` (R, nb) that can be among each row's kk best, in increasing
+    column order: ``(cols (R, C), valid (R, C) or None)``, kk <= C <= 2 kk. One torch.topk of
+    kk + 1: its first kk columns are the answer unless the (kk + 1)-th value ties with the kk-th
+    t (torch.topk does not break ties by index) or t is NaN; such rows take
+    :func:`_mask_candidates`."""
+    R, nb = v.shape
+    if kk >= nb:  # every column
+        return torch.arange(nb, device=v.device).expand(R, nb), None
+    tv, ti = torch.topk(v, kk + 1, dim=1, largest=largest, sorted=True)
+    t, nxt = tv[:, kk - 1], tv[:, kk]
+    ok = (nxt < t) if largest else ((nxt > t) | nxt.isnan())
+    ok &= ~t.isnan()
+    cols = ti[:, :kk].sort(1).values
+    if bool(ok.all()):
+        return cols, None
+    bad = (~ok).nonzero()[:, 0]
+    bcols, bvalid = _mask_candidates(v[bad], kk, largest)
+    width = max(kk, bcols.shape[1])
+    out = torch.zeros((R, width), dtype=torch.int64, device=v.device)
+    valid = torch.zeros((R, width), dtype=torch.bool, device=v.device)
+    out[:, :kk] = cols
+    valid[:, :kk] = True
+    out[bad] = torch.nn.functional.pad(bcols, (0, width - bcols.shape[1]))
+    valid[bad] = torch.nn.functional.pad(bvalid, (0, width - bvalid.shape[1]))
+    return out, valid
+
+
+# -- the blocked path ---------------------------------------------------------------------------
+def _work_dtype(call: TopkCall) -> torch.dtype:
+    """CPU: float64, so that the selection is the float64 one; GPU: x's dtype (float32 for 16-bit)."""
+    if call.device.type == "cpu":
+        return torch.float64
+    return torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
+
+
+def _resolved_mode(call: TopkCall) -> str:
+    """torch.cdist's rule for the whole problem (blocks are smaller than it)."""
+    if call.compute_mode == COMPUTE_MODES[0]:
+        return COMPUTE_MODES[1] if call.M > 25 or call.N > 25 else COMPUTE_MODES[2]
+    return call.compute_mode
+
+
+def _hyper_to(h, dtype):
+    return h.to(dtype) if isinstance(h, torch.Tensor) else h
+
+
+def _block_values(call: TopkCall, xb: Tensor, yb: Tensor, m0: int, n0: int, work: torch.dtype) -> Tensor:
+    """Kernel values of rows [m0, m0 + mb) and columns [n0, n0 + nb): (*batch, mb, nb) in ``work``."""
+    xw, yw = xb.to(work), yb.to(work)
+    if call.p is not None:  # knn: torch.cdist's distances
+        if call.device.type == "cpu":
+            return torch.cdist(xw, yw, p=call.p, compute_mode=_resolved_mode(call))
+        from .distance import cdist
+
+        return cdist(xw, yw, p=call.p, compute_mode=_resolved_mode(call))
+    hyp = {name: _hyper_to(h, work) for name, h in call.hypers.items()}
+    if call.device.type == "cpu":
+        cp = _CDIST_PRESETS.get(call.desc)
+        if cp is not None and hyp["regularization"] is None and call.epsilon is None:
+            return torch.cdist(xw, yw, p=cp, compute_mode=COMPUTE_MODES[2])  # direct differences
+        return distance_reference(call.desc, xw, yw, reg_diag=call.reg_diag - n0 + m0, epsilon=call.epsilon, **hyp)
+    from .distance import run_kernel
+
+    return run_kernel(call.desc, xw, yw, regularization_offset_x=m0 + call.reg_diag, regularization_offset_y=n0,
+                      epsilon=call.epsilon, **hyp)
+
+
+def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_elements: int | None = None,
+                 debug: bool = False) -> tuple:
+    """The top-k of a validated call by blocks: writes ``values`` and ``indices`` (checked by the
+    caller). Memory beyond inputs and outputs: one block of at most ``block_elements`` values
+    (BLOCK_ELEMENTS_CPU / _GPU by device) with its masks, each row block's running top-k, and
+    the block's rows of x and y in the work dtype (float64 on a CPU)."""
+    work = _work_dtype(call)
+    budget = block_elements or (BLOCK_ELEMENTS_GPU if call.device.type == "cuda" else BLOCK_ELEMENTS_CPU)
+    B = math.prod(call.batch) if call.batch else 1
+    M, N, K, k = call.M, call.N, call.K, call.k
+    nb = min(N, max(k, MIN_BLOCK_COLUMNS, budget // max(1, B * M)))
+    mb = max(1, min(M, budget // max(1, B * nb)))
+    x = call.x.expand(*call.batch, M, K)
+    y = call.y.expand(*call.batch, N, K)
+    if debug:
+        log.debug("topk k=%d largest=%s %s: blocked path on %s (%s), blocks of %d rows x %d columns, batch %s",
+                  k, call.largest, call.desc if call.p is None else f"p={call.p:g}", call.device, work, mb, nb,
+                  call.batch)
+    for m0 in range(0, M, mb):
+        m1 = min(M, m0 + mb)
+        R = B * (m1 - m0)
+        run_v = torch.empty((R, 0), dtype=work, device=call.device)
+        run_i = torch.empty((R, 0), dtype=torch.int64, device=call.device)
+        for n0 in range(0, N, nb):
+            n1 = min(N, n0 + nb)
+            v = _block_values(call, x[..., m0:m1, :], y[..., n0:n1, :], m0, n0, work).reshape(R, n1 - n0)
+            cols, valid = _block_candidates(v, min(k, n1 - n0), call.largest)
+            cand_v = v.gather(1, cols)
+            del v
+            if run_v.shape[1] > 0:  # the running top-k first: its indices are the smaller ones
+                if valid is not None:
+                    valid = torch.cat([torch.ones_like(run_i, dtype=torch.bool), valid], 1)
+                cand_v, cols = torch.cat([run_v, cand_v], 1), torch.cat([run_i, cols + n0], 1)
+            else:
+                cols = cols + n0
+            run_v, run_i = merge_candidates(cand_v, cols, valid, k, call.largest)
+        values[..., m0:m1, :] = run_v.view(*call.batch, m1 - m0, k)
+        indices[..., m0:m1, :] = run_i.view(*call.batch, m1 - m0, k)
+    return values, indices
+
+
+def topk_forward(call: TopkCall, out=None, *, debug: bool = False) -> tuple:
+    """Compute a validated call without autograd; ``out`` (values, indices) checked by the
+    caller, or None. The fused plan gets contiguous values/indices (``out``'s own tensors when
+    they are contiguous, else temporaries copied into them)."""
+    if out is None:
+        values = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
+        indices = torch.empty(call.out_shape, dtype=torch.int64, device=call.device)
+    else:
+        values, indices = out
+    with torch.no_grad():  # the op's implementation: its backward is registered, nothing to record
+        return _topk_forward(call, values, indices, debug)
+
+
+def _topk_forward(call: TopkCall, values: Tensor, indices: Tensor, debug: bool) -> tuple:
+    plan = None
+    if call.desc is not None and call.K > 0:
+        v = values if values.is_contiguous() else torch.empty_like(values, memory_format=torch.contiguous_format)
+        i = indices if indices.is_contiguous() else torch.empty_like(indices, memory_format=torch.contiguous_format)
+        plan = plan_topk(call, v, i, debug)
+        if plan is not None:
+            plan.run()
+            if v is not values:
+                values.copy_(v)
+            if i is not indices:
+                indices.copy_(i)
+    if plan is None:
+        topk_blocked(call, values, indices, debug=debug)
+    return values, indices
+
+
+# -- autograd -----------------------------------------------------------------------------------
+def _inf_norm_backward(a: Tensor, b: Tensor, g: Tensor) -> tuple:
+    """torch.cdist's p = inf backward for pairs a (..., 1, K), b (..., k, K), g (..., 1, k):
+    grad sgn(a - b) on the coordinates where |a - b| reaches the maximum."""
+    diff = a - b
+    mag = diff.abs()
+    w = g.mT * torch.sign(diff) * (mag == mag.amax(-1, keepdim=True))
+    return w.sum(-2, keepdim=True), -w
+
+
+def topk_backward_pairs(call: TopkCall, indices: Tensor, grad: Tensor, needs: tuple, debug: bool = False) -> tuple:
+    """dL/dx and dL/dy of L(values) with values[..., m, j] = kernel(x_m, y_{indices[m, j]}):
+    the selected pairs recomputed from gathered rows of y (row blocks of at most
+    BACKWARD_BLOCK_ELEMENTS) and differentiated by run_kernel's backward
+    (ops/distance_backward.py: weight 0 at zero distance, like cdist); p = 0 has zero
+    gradients and p = inf torch.cdist's. Never M x N; memory O((M + N) K) plus one block."""
+    from . import distance_backward
+    from .distance import run_kernel
+
+    batch, M, N, K, k = call.batch, call.M, call.N, call.K, call.k
+    B = math.prod(batch) if batch else 1
+    x = call.x.expand(*batch, M, K)
+    y = call.y.expand(*batch, N, K)
+    gx = torch.zeros((*batch, M, K), dtype=call.dtype, device=call.device) if needs[0] else None
+    gy = torch.zeros((*batch, N, K), dtype=call.dtype, device=call.device) if needs[1] else None
+    if call.p == 0 or not any(needs):
+        return (None if gx is None else gx.sum_to_size(call.x.shape),
+                None if gy is None else gy.sum_to_size(call.y.shape))
+    # Hyper-parameter tensors over the batch gain a trailing mode for the rows (the pairs'
+    # batch is (*batch, M)); the regularisation is a constant and drops out.
+    hyp = {name: (h.reshape(*h.shape, 1) if isinstance(h, torch.Tensor) else h) for name, h in call.hypers.items()}
+    hyp["regularization"] = None
+    mb = max(1, min(M, BACKWARD_BLOCK_ELEMENTS // max(1, B * k * max(K, 1))))
+    for m0 in range(0, M, mb):
+        m1 = min(M, m0 + mb)
+        idx = indices[..., m0:m1, :]  # (*batch, mb, k)
+        a = x[..., m0:m1, :].unsqueeze(-2)  # (*batch, mb, 1, K)
+        yv = y.unsqueeze(-3).expand(*batch, m1 - m0, N, K)
+        b = torch.gather(yv, -2, idx.unsqueeze(-1).expand(*batch, m1 - m0, k, K))  # (*batch, mb, k, K)
+        g = grad[..., m0:m1, :].unsqueeze(-2)  # (*batch, mb, 1, k)
+        if call.p is not None and math.isinf(call.p):
+            ga, gb = _inf_norm_backward(a, b, g)
+        else:
+            pairs = DistanceCall.of(call.desc, a, b, hyp, 0, call.epsilon)
+            d = None
+            if call.desc.kernel_type is KernelType.NONE and call.epsilon is None:
+                d = run_kernel(call.desc, a, b, inner_p=hyp["inner_p"], outer_p=hyp["outer_p"],
+                               compute_mode=COMPUTE_MODES[2], debug=debug)
+            ga, gb = distance_backward._distance_backward(pairs, a, b, d, g, needs, COMPUTE_MODES[2], debug)
+        if gx is not None:
+            gx[..., m0:m1, :] += ga.sum_to_size(a.shape).squeeze(-2)
+        if gy is not None:
+            gb = gb.sum_to_size(b.shape).reshape(*batch, (m1 - m0) * k, K)
+            gy.scatter_add_(-2, idx.reshape(*batch, (m1 - m0) * k, 1).expand(*batch, (m1 - m0) * k, K), gb)
+    return (None if gx is None else gx.sum_to_size(call.x.shape),
+            None if gy is None else gy.sum_to_size(call.y.shape))
+
+
+# -- the ops: kermac_like::kernel_topk and kermac_like::kernel_topk_out --------------------------
+def _call_of(x, y, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+             regularization, regularization_tensor, reg_diag, epsilon, k, largest, p, compute_mode) -> TopkCall:
+    if p is not None:
+        return prepare_knn(x, y, k, p=p, largest=largest, compute_mode=compute_mode)
+    return prepare_topk(descriptor_from_ints(descriptor), x, y, k, largest=largest,
+                        inner_p=join_hyper(inner_p, inner_p_tensor), outer_p=join_hyper(outer_p, outer_p_tensor),
+                        bandwidth=join_hyper(bandwidth, bandwidth_tensor),
+                        regularization=join_hyper(regularization, regularization_tensor),
+                        regularization_offset_x=reg_diag, epsilon=epsilon)
+
+
+@torch.library.custom_op("kermac_like::kernel_topk", mutates_args=())
+def _topk_op(x: Tensor, y: Tensor, descriptor: list[int], inner_p: Optional[float], inner_p_tensor: Optional[Tensor],
+             outer_p: Optional[float], outer_p_tensor: Optional[Tensor], bandwidth: Optional[float],
+             bandwidth_tensor: Optional[Tensor], regularization: Optional[float],
+             regularization_tensor: Optional[Tensor], reg_diag: int, epsilon: Optional[float], k: int, largest: bool,
+             p: Optional[float], compute_mode: str, debug: bool) -> tuple[Tensor, Tensor]:
+    call = _call_of(x, y, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                    regularization, regularization_tensor, reg_diag, epsilon, k, largest, p, compute_mode)
+    return topk_forward(call, None, debug=debug)
+
+
+@torch.library.custom_op("kermac_like::kernel_topk_out", mutates_args=("values", "indices"))
+def _topk_out_op(x: Tensor, y: Tensor, descriptor: list[int], inner_p: Optional[float],
+                 inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
+                 bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor], regularization: Optional[float],
+                 regularization_tensor: Optional[Tensor], reg_diag: int, epsilon: Optional[float], k: int,
+                 largest: bool, p: Optional[float], compute_mode: str, debug: bool, values: Tensor,
+                 indices: Tensor) -> None:
+    call = _call_of(x, y, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                    regularization, regularization_tensor, reg_diag, epsilon, k, largest, p, compute_mode)
+    topk_forward(call, (values, indices), debug=debug)
+
+
+@_topk_op.register_fake
+def _topk_fake(x, y, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+               regularization, regularization_tensor, reg_diag, epsilon, k, largest, p, compute_mode, debug):
+    hypers = (inner_p_tensor, outer_p_tensor, bandwidth_tensor, regularization_tensor)
+    batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2], *(t.shape for t in hypers if t is not None))
+    shape = (*batch, x.shape[-2], k)
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.int64)
+
+
+@_topk_out_op.register_fake
+def _topk_out_fake(*args):
+    return None
+
+
+# The op's inputs, in schema order (above): x, y, descriptor, inner_p, inner_p_tensor, outer_p,
+# outer_p_tensor, bandwidth, bandwidth_tensor, regularization, regularization_tensor, reg_diag,
+# epsilon, k, largest, p, compute_mode, debug
+_N_INPUTS = 18
+
+
+def _setup_context(ctx, inputs, output):
+    (x, y, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon, k, largest, p, compute_mode,
+     debug) = inputs
+    ctx.save_for_backward(x, y, output[1], ipt, opt, bwt, rgt)
+    ctx.args = (tuple(descriptor), ip, op, bw, rg, reg_diag, epsilon, k, largest, p, compute_mode, debug)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_values, grad_indices):
+    if torch.is_grad_enabled():
+        raise NotImplementedError("kermac_like: double backward through kernel_topk/knn is not supported")
+    x, y, indices, ipt, opt, bwt, rgt = ctx.saved_tensors
+    descriptor, ip, op, bw, rg, reg_diag, epsilon, k, largest, p, compute_mode, debug = ctx.args
+    call = _call_of(x, y, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon, k, largest, p,
+                    compute_mode)
+    gx, gy = topk_backward_pairs(call, indices, grad_values, ctx.needs_input_grad[:2], debug)
+    return (gx, gy) + (None,) * (_N_INPUTS - 2)
+
+
+_topk_op.register_autograd(_backward, setup_context=_setup_context)
+_TOPK = torch.ops.kermac_like.kernel_topk.default
+_TOPK_OUT = torch.ops.kermac_like.kernel_topk_out.default
+
+
+def _op_args(call: TopkCall) -> tuple:
+    """The op's arguments of a validated call, up to debug."""
+    hp = call.hypers
+    desc = [] if call.desc is None else descriptor_ints(call.desc)
+    return (call.x, call.y, desc, *split_hyper(hp["inner_p"]), *split_hyper(hp["outer_p"]),
+            *split_hyper(hp["bandwidth"]), *split_hyper(hp["regularization"]), call.reg_diag, call.epsilon, call.k,
+            call.largest, call.p, call.compute_mode)
+
+
+def _run(call: TopkCall, out, debug: bool) -> tuple:
+    if out is not None:
+        out = _check_out(call, out)
+    hyper_tensors = [h for h in call.hypers.values() if isinstance(h, torch.Tensor)]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (call.x, call.y, *hyper_tensors))
+    if grad:
+        for name, h in call.hypers.items():
+            if isinstance(h, torch.Tensor) and h.requires_grad:
+                raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
+    elif direct_call(call.x, call.y, *(out or ()), *hyper_tensors):
+        return topk_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
+    args = _op_args(call)
+    if out is None:
+        return tuple(_TOPK(*args, debug))
+    if grad:  # out= variants carry no autograd: compute, then copy into out (values join the graph)
+        v, i = _TOPK(*args, debug)
+        return out[0].copy_(v), out[1].copy_(i)
+    _TOPK_OUT(*args, debug, *out)
+    return out[0], out[1]
+
+
+# -- public API ----------------------------------------------------------------------------
+def kernel_topk(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, k: int, *, largest=None, out=None,
+                p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
+                regularization_offset_x: int = 0, regularization_offset_y: int = 0, epsilon=None,
+                debug: bool = False) -> tuple:
+    """The k best entries of each row of ``run_kernel(descriptor, x, y, ...)`` and their
+    column indices, without the M x N matrix: ``(values, indices)``, both ``(..., M, k)``,
+    values in x's dtype, indices int64 (rows of y).
+
+    ``largest``: None picks False for distances (DIFF descriptors without epilogue: the
+    nearest points) and True for LAPLACE/GAUSSIAN kernels and DOT similarities. Hyper-parameters,
+    regularisation and broadcasting of batch modes (and of tensor hyper-parameters) as in
+    run_kernel. The result equals ``torch.topk`` of run_kernel computed in float64,
+    ``sorted=True``, with ties in a fixed order: (value, index) lexicographically, the smaller
+    index first among equal values; NaN ranks above every number as in torch.topk (first with
+    largest=True, last with largest=False). On a CPU the blocked path computes the values in
+    float64 and selects exactly; on a GPU the fused kernel computes them in float32 (16-bit
+    inputs too), so pairs whose values differ by float32 rounding may be selected differently.
+
+    ``out=(values, indices)`` (any strides run_kernel's out takes) is written in place and
+    returned; it is left untouched when an argument is rejected. values differentiate with
+    respect to x and y (the gradient of the formula at the selected pairs, 0 at zero distance
+    as in cdist; not with respect to hyper-parameters: NotImplementedError). Underneath it is
+    the custom op ``torch.ops.kermac_like.kernel_topk`` (``kernel_topk_out`` for ``out=``).
+    Memory beyond inputs and outputs: O((M + N) K) and one block of the matrix
+    (BLOCK_ELEMENTS_CPU / BLOCK_ELEMENTS_GPU values) on the blocked path.
+    """
+    debug = _debug.resolve(debug)
+    call = prepare_topk(descriptor, x, y, k, largest=largest, p=p, inner_p=inner_p, outer_p=outer_p,
+                        bandwidth=bandwidth, regularization=regularization,
+                        regularization_offset_x=regularization_offset_x,
+                        regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+    return _run(call, out, debug)
+
+
+def knn(x: torch.Tensor, y: torch.Tensor, k: int, *, p: float = 2.0, largest: bool = False, out=None,
+        compute_mode: str = COMPUTE_MODES[0], debug: bool = False) -> tuple:
+    """The k nearest rows of y to each row of x under torch.cdist's p-norm distance (any
+    p >= 0 and inf): ``(distances, indices)`` ``(..., M, k)``, nearest first, ties by the smaller
+    index; ``largest=True`` gives the k farthest. ``kernel_topk`` with the l1 (p = 1), l2
+    (p = 2) or p_norm preset; p = 0 and p = inf take the blocked path with torch.cdist's
+    semantics. ``compute_mode`` as in torch.cdist: where it takes its matrix product (p = 2,
+    "use_mm_for_euclid_dist", or the default with more than 25 rows in x or y) the distances
+    are those of the product formula, NaN and inf included. ``out``, autograd and memory as in
+    :func:`kernel_topk`.
+    """
+    debug = _debug.resolve(debug)
+    call = prepare_knn(x, y, k, p=p, largest=largest, compute_mode=compute_mode)
+    return _run(call, out, debug)

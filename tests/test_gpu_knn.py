@@ -1,0 +1,178 @@
+"""kernel_topk / knn and the neighbour estimators on CUDA tensors, against the float64 oracle
+under issue 25's acceptance rule (tests/knn_oracle.py): every returned value within 1e-5
+relative of its pair's float64 value, index sets equal except where the float64 gap at the
+k-th place is below 1e-5 relative. Skipped without a GPU of compute capability 8.0+."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import kermac_like as km
+from knn_oracle import assert_acceptable, assert_exact
+
+pytestmark = pytest.mark.gpu
+
+EXACT = "donot_use_mm_for_euclid_dist"
+KS = (1, 10, 100, 1024)
+# rounding of the returned value to the input dtype (the selection is made in float32)
+VALUE_RTOL = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def _data(M, N, K, seed, dtype=torch.float32, batch_x=(), batch_y=()):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(*batch_x, M, K, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+    y = torch.randn(*batch_y, N, K, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+    return x, y
+
+
+def _dense(x, y, p, mode=EXACT):
+    return torch.cdist(x.double(), y.double(), p=p, compute_mode=mode)
+
+
+def _poisoned(shape, dtype=torch.float32):
+    return (torch.full(shape, 12345.0, dtype=dtype, device="cuda"),
+            torch.full(shape, -7, dtype=torch.int64, device="cuda"))
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 1.7, 0.5])
+@pytest.mark.parametrize("K", [1, 3, 8, 37, 64, 130])
+def test_knn_grid(p, K):
+    x, y = _data(257, 4099, K, seed=K * 10 + int(p * 10))
+    dense = _dense(x, y, p)
+    for k in KS:
+        out = _poisoned((257, k))
+        v, i = km.knn(x, y, k, p=p, compute_mode=EXACT, out=out)
+        assert v is out[0] and i is out[1]
+        assert_acceptable(v, i, dense, k, False)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0])
+@pytest.mark.parametrize("K", [3, 64])
+def test_few_rows_many_points(p, K):
+    x, y = _data(3, 50000, K, seed=K + int(p))
+    dense = _dense(x, y, p)
+    for k in KS:
+        v, i = km.knn(x, y, k, p=p, compute_mode=EXACT)
+        assert_acceptable(v, i, dense, k, False)
+
+
+def test_default_compute_mode_p2():
+    """The default mode (torch's matrix product beyond 25 rows: tensor cores) at K = 64."""
+    x, y = _data(1000, 20000, 64, seed=1)
+    for k in (1, 16, 1024):
+        v, i = km.knn(x, y, k)
+        assert_acceptable(v, i, _dense(x, y, 2.0), k, False)
+
+
+@pytest.mark.parametrize("largest", [False, True])
+def test_batches_broadcast_largest(largest):
+    x, y = _data(100, 2000, 8, seed=2, batch_x=(2, 1), batch_y=(3,))
+    for p in (1.0, 2.0):
+        v, i = km.knn(x, y, 16, p=p, largest=largest, compute_mode=EXACT)
+        assert v.shape == (2, 3, 100, 16)
+        assert_acceptable(v, i, _dense(x, y, p), 16, largest)
+    if largest:  # the kernels' default: the nearest points have the largest values
+        bw = torch.tensor([0.5, 1.0, 4.0], device="cuda")
+        for name in ("laplace_l2", "gaussian_l2", "laplace_l1"):
+            desc = km.preset(name)
+            v, i = km.kernel_topk(desc, x, y, 10, bandwidth=bw)
+            dense = km.run_kernel(desc, x.double().cpu(), y.double().cpu(), bandwidth=bw.double().cpu())
+            assert_acceptable(v, i, dense, 10, True)
+
+
+def test_dot_and_regularised_kernel():
+    x, y = _data(300, 5000, 37, seed=3)
+    v, i = km.kernel_topk(km.preset("dot"), x, y, 50)
+    assert_acceptable(v, i, x.double() @ y.double().T, 50, True)
+    desc = km.preset("laplace_l2")
+    v, i = km.kernel_topk(desc, x, y[:300], 5, bandwidth=3.0, regularization=2.0)
+    dense = km.run_kernel(desc, x.double().cpu(), y[:300].double().cpu(), bandwidth=3.0, regularization=2.0)
+    assert_acceptable(v, i, dense, 5, True)
+    assert torch.equal(i[:, 0].cpu(), torch.arange(300))  # the regularised diagonal is the largest
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_inputs(dtype):
+    x, y = _data(500, 8000, 64, seed=4, dtype=dtype)
+    for p in (1.0, 2.0):
+        for k in (10, 100):
+            v, i = km.knn(x, y, k, p=p, compute_mode=EXACT)
+            assert v.dtype == dtype and i.dtype == torch.int64
+            assert_acceptable(v, i, _dense(x, y, p), k, False, value_rtol=VALUE_RTOL[dtype])
+
+
+@pytest.mark.parametrize("largest", [False, True])
+def test_nan_rows_and_ties(largest):
+    x, y = _data(64, 3000, 8, seed=5)
+    y[100] = y[7]  # exact ties: the smaller index first
+    y[2500] = y[7]
+    x[5] = y[7]  # row 5's three nearest points are at distance 0
+    x[9, 3] = float("nan")  # a row of NaN distances
+    y[11, 0] = float("nan")  # a NaN column
+    for p in (1.0, 2.0):
+        for k in (3, 10, 1024):
+            v, i = km.knn(x, y, k, p=p, largest=largest, compute_mode=EXACT)
+            dense = _dense(x, y, p)
+            keep = torch.ones(64, dtype=torch.bool)
+            keep[9] = False
+            assert_acceptable(v[keep], i[keep], dense[keep], k, largest)
+            assert torch.equal(i[9].cpu(), torch.arange(k))  # NaN ties: smaller index first
+            assert v[9].isnan().all()
+            if largest:
+                assert (i[:, 0].cpu()[keep] == 11).all()  # NaN ranks above every number
+            else:
+                assert i[5, :3].tolist() == [7, 100, 2500] and (v[5, :3] == 0).all()
+                assert not (i[keep] == 11).any()
+
+
+def test_k_beyond_the_fused_limit():
+    x, y = _data(50, 6000, 16, seed=6)
+    v, i = km.knn(x, y, 3000, p=1.0, compute_mode=EXACT)
+    assert_acceptable(v, i, _dense(x, y, 1.0), 3000, False)
+
+
+def test_p0_and_pinf_take_torch_semantics():
+    x, y = _data(40, 700, 5, seed=7)
+    x = x.round()
+    y = y.round()
+    for p in (0.0, math.inf):
+        v, i = km.knn(x, y, 20, p=p)
+        assert_exact(v, i, _dense(x, y, p), 20, False)
+
+
+def test_gradients_match_float64():
+    x, y = _data(200, 3000, 8, seed=8)
+    xa, ya = x.clone().requires_grad_(True), y.clone().requires_grad_(True)
+    v, i = km.knn(xa, ya, 8, compute_mode=EXACT)
+    g = torch.randn_like(v)
+    gx, gy = torch.autograd.grad(v, (xa, ya), g)
+    xb = x.double().cpu().requires_grad_(True)
+    yb = y.double().cpu().requires_grad_(True)
+    ref = km.cdist(xb, yb, compute_mode=EXACT).gather(-1, i.cpu())
+    rx, ry = torch.autograd.grad(ref, (xb, yb), g.double().cpu())
+    assert float((gx.double().cpu() - rx).norm() / rx.norm()) < 1e-5
+    assert float((gy.double().cpu() - ry).norm() / ry.norm()) < 1e-5
+
+
+def test_estimators_on_cuda():
+    from sklearn.datasets import load_digits
+    from sklearn.neighbors import KNeighborsClassifier as Sk
+
+    from kermac_like.neighbors import KNeighborsClassifier, KNeighborsRegressor, NearestNeighbors
+
+    X, y = load_digits(return_X_y=True)
+    xt = torch.from_numpy(X).float().cuda()
+    yt = torch.from_numpy(y).cuda()
+    clf = KNeighborsClassifier(5).fit(xt[::2], yt[::2])
+    pred = clf.predict(xt[1::2])
+    assert pred.is_cuda
+    ref = Sk(5, algorithm="brute").fit(X[::2], y[::2]).predict(X[1::2])
+    assert np.mean(pred.cpu().numpy() == ref) > 0.98
+    d, i = NearestNeighbors(n_neighbors=4).fit(xt).kneighbors(xt[:100])
+    assert d.is_cuda and i.is_cuda and d.dtype == torch.float32
+    assert_acceptable(d, i, _dense(xt[:100], xt, 2.0), 4, False, value_atol=1e-3)
+    r = KNeighborsRegressor(3, weights="distance").fit(xt, xt[:, :2].double()).predict(xt[:10])
+    assert r.is_cuda and r.dtype == torch.float64
+    torch.testing.assert_close(r, xt[:10, :2].double())  # each point is its own nearest (distance 0)

@@ -4,7 +4,7 @@
 ...)`` (the smallest distances, or the largest kernel values / dot products) and their
 column indices; ``knn`` is its distance case with torch.cdist's p. Data flow of one call:
 validate every argument (nothing is written before all checks pass) -> the fused planner
-(:func:`kermac_like.plan_topk.plan_topk`) -> when it serves no kernel (CPU tensors, float64,
+(:func:`kermac_like.plan.topk.plan_topk`) -> when it serves no kernel (CPU tensors, float64,
 k beyond the fused limit, p = 0 or inf, GPUs before sm_80), the blocked path of this module:
 the kernel matrix in row and column blocks of bounded size, each block's candidates merged
 into a running top-k per row.
@@ -37,7 +37,7 @@ from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType
 from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import DistanceCall
-from ..plan_topk import plan_topk
+from ..plan.topk import plan_topk
 from ..reference import distance_reference
 from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
 from .distance import COMPUTE_MODES, prepare_call

@@ -289,17 +289,22 @@ def _hyper_to(h, dtype):
     return h.to(dtype) if isinstance(h, torch.Tensor) else h
 
 
+def _torch_blocks(call: TopkCall) -> bool:
+    """Whether blocks are computed by torch itself (CPU) rather than by the package's ops (GPU)."""
+    return call.device.type == "cpu"
+
+
 def _block_values(call: TopkCall, xb: Tensor, yb: Tensor, m0: int, n0: int, work: torch.dtype) -> Tensor:
     """Kernel values of rows [m0, m0 + mb) and columns [n0, n0 + nb): (*batch, mb, nb) in ``work``."""
     xw, yw = xb.to(work), yb.to(work)
     if call.p is not None:  # knn: torch.cdist's distances
-        if call.device.type == "cpu":
+        if _torch_blocks(call):
             return torch.cdist(xw, yw, p=call.p, compute_mode=_resolved_mode(call))
         from .distance import cdist
 
         return cdist(xw, yw, p=call.p, compute_mode=_resolved_mode(call))
     hyp = {name: _hyper_to(h, work) for name, h in call.hypers.items()}
-    if call.device.type == "cpu":
+    if _torch_blocks(call):
         cp = _CDIST_PRESETS.get(call.desc)
         if cp is not None and hyp["regularization"] is None and call.epsilon is None:
             return torch.cdist(xw, yw, p=cp, compute_mode=COMPUTE_MODES[2])  # direct differences

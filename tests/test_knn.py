@@ -209,10 +209,11 @@ def test_bad_input_leaves_out_untouched(case):
     keep = _poisoned((6, 4))
     if out is None:
         out = keep
-    snapshot = [t.clone() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, (tuple, list)) else [out])]
+    given = out if isinstance(out, (tuple, list)) else [out]
+    snapshot = [t.clone() if isinstance(t, torch.Tensor) else t for t in given]
     with pytest.raises(exc, match=match):
         km.knn(args.pop("x"), args.pop("y"), args.pop("k"), out=out, **args)
-    for t, s in zip(out if isinstance(out, (tuple, list)) else [out], snapshot):
+    for t, s in zip(given, snapshot):
         if isinstance(t, torch.Tensor):
             assert torch.equal(t, s)
 

@@ -17,8 +17,9 @@ number, +inf included, so a NaN comes first with ``largest=True`` and last with
 with each other (smaller index first), and -0.0 ties with 0.0.
 
 Internal entry points: :func:`prepare_topk` (validation -> :class:`TopkCall`),
-:func:`topk_forward` (no autograd), :func:`topk_blocked` (the blocked path) and
-:func:`merge_candidates` / :func:`merge_order` (the exact merge, shared with the multi-process search of
+:func:`topk_forward` (no autograd), :func:`topk_blocked` (the blocked path),
+:func:`topk_backward_pairs` (the gradient at the selected pairs) and :func:`merge_candidates` /
+:func:`merge_order` (the exact merge, shared with the multi-process search of
 :mod:`kermac_like.neighbors`).
 """
 

@@ -66,6 +66,25 @@ def test_blocks_merge_exactly_with_many_ties(monkeypatch):
             assert_exact(v, i, torch.cdist(x, y, p=1.0), k, largest)
 
 
+def test_blocks_stay_within_their_budget(monkeypatch):
+    seen = []
+    block_values = knn_mod._block_values
+
+    def spy(call, xb, yb, m0, n0, work):
+        out = block_values(call, xb, yb, m0, n0, work)
+        seen.append(out.numel())
+        return out
+
+    monkeypatch.setattr(knn_mod, "_block_values", spy)
+    monkeypatch.setattr(knn_mod, "MIN_BLOCK_COLUMNS", 16)
+    x, y = _data(50, 300, 3, seed=15, batch=(2,))
+    call = knn_mod.prepare_knn(x, y, 5, p=1.0)
+    v, i = torch.empty(2, 50, 5), torch.empty(2, 50, 5, dtype=torch.int64)
+    knn_mod.topk_blocked(call, v, i, block_elements=1000)
+    assert len(seen) > 10 and max(seen) <= 1000
+    assert_exact(v, i, torch.cdist(x.double(), y.double(), p=1.0), 5, False)
+
+
 @pytest.mark.parametrize("largest", [False, True])
 def test_nan_rows_ordered_as_torch_topk(largest, monkeypatch):
     monkeypatch.setattr(knn_mod, "MIN_BLOCK_COLUMNS", 16)
@@ -116,6 +135,24 @@ def test_kernel_topk_presets(name, kw):
         v, i = km.kernel_topk(desc, x, y, 9, largest=largest, out=out, **kw)
         dense = km.run_kernel(desc, x.double(), y.double(), **kw)
         assert_exact(v, i, dense, 9, want_largest)
+
+
+def test_blocks_through_the_package_ops(monkeypatch):
+    """The GPU's way of computing blocks (run_kernel / cdist with the regularised diagonal moved
+    to each block), here on float64 CPU tensors."""
+    monkeypatch.setattr(knn_mod, "_torch_blocks", lambda call: False)
+    monkeypatch.setattr(knn_mod, "MIN_BLOCK_COLUMNS", 16)
+    x, y = _data(40, 90, 3, seed=16, dtype=torch.float64)
+    desc = km.preset("gaussian_l2")
+    kw = dict(bandwidth=0.8, regularization=3.0, regularization_offset_x=5, regularization_offset_y=2)
+    call = knn_mod.prepare_topk(desc, x, y, 4, **kw)
+    v, i = torch.empty(40, 4, dtype=torch.float64), torch.empty(40, 4, dtype=torch.int64)
+    knn_mod.topk_blocked(call, v, i, block_elements=300)
+    assert_exact(v, i, km.run_kernel(desc, x, y, **kw), 4, True)
+    call = knn_mod.prepare_knn(x, y, 6, p=math.inf)
+    v2, i2 = torch.empty(40, 6, dtype=torch.float64), torch.empty(40, 6, dtype=torch.int64)
+    knn_mod.topk_blocked(call, v2, i2, block_elements=300)
+    assert_exact(v2, i2, torch.cdist(x, y, p=math.inf), 6, False)
 
 
 def test_tensor_hyper_parameters_over_batch():
@@ -172,10 +209,11 @@ def test_bad_input_leaves_out_untouched(case):
     keep = _poisoned((6, 4))
     if out is None:
         out = keep
-    snapshot = [t.clone() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, (tuple, list)) else [out])]
+    given = out if isinstance(out, (tuple, list)) else [out]
+    snapshot = [t.clone() if isinstance(t, torch.Tensor) else t for t in given]
     with pytest.raises(exc, match=match):
         km.knn(args.pop("x"), args.pop("y"), args.pop("k"), out=out, **args)
-    for t, s in zip(out if isinstance(out, (tuple, list)) else [out], snapshot):
+    for t, s in zip(given, snapshot):
         if isinstance(t, torch.Tensor):
             assert torch.equal(t, s)
 

@@ -17,8 +17,9 @@ number, +inf included, so a NaN comes first with ``largest=True`` and last with
 with each other (smaller index first), and -0.0 ties with 0.0.
 
 Internal entry points: :func:`prepare_topk` (validation -> :class:`TopkCall`),
-:func:`topk_forward` (no autograd), :func:`topk_blocked` (the blocked path) and
-:func:`merge_candidates` / :func:`merge_order` (the exact merge, shared with the multi-process search of
+:func:`topk_forward` (no autograd), :func:`topk_blocked` (the blocked path),
+:func:`topk_backward_pairs` (the gradient at the selected pairs) and :func:`merge_candidates` /
+:func:`merge_order` (the exact merge, shared with the multi-process search of
 :mod:`kermac_like.neighbors`).
 """
 
@@ -289,17 +290,22 @@ def _hyper_to(h, dtype):
     return h.to(dtype) if isinstance(h, torch.Tensor) else h
 
 
+def _torch_blocks(call: TopkCall) -> bool:
+    """Whether blocks are computed by torch itself (CPU) rather than by the package's ops (GPU)."""
+    return call.device.type == "cpu"
+
+
 def _block_values(call: TopkCall, xb: Tensor, yb: Tensor, m0: int, n0: int, work: torch.dtype) -> Tensor:
     """Kernel values of rows [m0, m0 + mb) and columns [n0, n0 + nb): (*batch, mb, nb) in ``work``."""
     xw, yw = xb.to(work), yb.to(work)
     if call.p is not None:  # knn: torch.cdist's distances
-        if call.device.type == "cpu":
+        if _torch_blocks(call):
             return torch.cdist(xw, yw, p=call.p, compute_mode=_resolved_mode(call))
         from .distance import cdist
 
         return cdist(xw, yw, p=call.p, compute_mode=_resolved_mode(call))
     hyp = {name: _hyper_to(h, work) for name, h in call.hypers.items()}
-    if call.device.type == "cpu":
+    if _torch_blocks(call):
         cp = _CDIST_PRESETS.get(call.desc)
         if cp is not None and hyp["regularization"] is None and call.epsilon is None:
             return torch.cdist(xw, yw, p=cp, compute_mode=COMPUTE_MODES[2])  # direct differences

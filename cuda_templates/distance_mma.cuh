@@ -380,6 +380,205 @@ struct DistanceMmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kEpi
 // MMA's k slot t (TF32: a0/a1, b0; 16-bit: k 2t, 2t+1: a0/a1, b0), the second
 // to k slot t + 4 (TF32: a2/a3, b1; 16-bit: k 2t+8, 2t+9: a2/a3, b1), for A and
 // B alike, so every data column of the k-tile is multiplied exactly once.
+namespace mma_detail {
+
+// The block tile's dot products and squared row norms: the k-loop of distance_mma_kernel, and of
+// topk_mma_kernel tile after tile. acc: (MMA tile m, MMA tile n, fragment d0..d3) of the tile at
+// (m0, n0) of a_l (M x K) and b_l (N x K); for Inner::Diff, the squared norms of the tile's rows
+// land in norm_a[kBlockM] and norm_b[kBlockN] after the stages. Ends with a barrier: the norms
+// are visible to every thread and the stages are free.
+template <class Traits>
+__device__ __forceinline__ void block_tile_product(const typename Traits::T* a_l, const typename Traits::T* b_l,
+                                                   int M, int N, int K, long long lda, long long ldb, int m0,
+                                                   int n0, unsigned char* smem,
+                                                   float (&acc)[Traits::kTilesM][Traits::kTilesN][4]) {
+  using T = typename Traits::T;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  constexpr int kTilesM = Traits::kTilesM, kTilesN = Traits::kTilesN;
+  constexpr int kStages = Traits::kStages, kStageBytes = Traits::kStageBytes;
+  constexpr int kRowBytes = Traits::kRowBytes, kBlockK = Traits::kBlockK;
+  constexpr int kChunkElems = Traits::kChunkElems;
+  constexpr bool kDiff = Traits::kInner == Inner::Diff;
+  constexpr int kChunksA = kBlockM * kRowBytes / 16 / Traits::kThreads;  // 2
+  constexpr int kChunksB = kBlockN * kRowBytes / 16 / Traits::kThreads;  // 4
+  constexpr int kRowsPerPass = Traits::kThreads / 4;                     // 64 rows per chunk pass
+
+  float* norm_a = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // (kBlockM)
+  float* norm_b = norm_a + kBlockM;                                        // (kBlockN)
+  const unsigned smem_base = smem_u32(smem);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
+
+  // Copy assignment: thread tid copies chunk (tid % 4) of rows tid / 4 + 64 u.
+  const int copy_row = tid >> 2, copy_chunk = tid & 3;
+  const unsigned copy_dst = (unsigned)(copy_row * kRowBytes +
+                                       ((copy_chunk ^ (((copy_row >> 1) & 1) << 1)) * 16));
+  // (64 u rows further down keep the same swizzle: 64 is a multiple of 4.)
+
+  // Fragment-load offsets (bytes) in a stage: row part, and the chunk part of
+  // k-step s (same for every row of this thread: rows differ by multiples of 8).
+  const int swz = ((g >> 1) & 1) << 1;
+  const int frag_a_row = (wm * Traits::kWarpM + g) * kRowBytes;
+  const int frag_b_row = kBlockM * kRowBytes + (wn * Traits::kWarpN + g) * kRowBytes;
+  const int frag_col[2] = {(((0 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8,
+                           (((2 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8};
+
+  const int num_k_tiles = ceil_div(K, kBlockK);
+
+  // Global sources of this thread's chunks (k-tile 0); nullptr where the
+  // row is out of range (then the chunk is zero-filled).
+  const T* src_a[kChunksA];
+  const T* src_b[kChunksB];
+#pragma unroll
+  for (int u = 0; u < kChunksA; ++u) {
+    const int row = m0 + copy_row + u * kRowsPerPass;
+    src_a[u] = row < M ? a_l + (long long)row * lda + copy_chunk * kChunkElems : nullptr;
+  }
+#pragma unroll
+  for (int u = 0; u < kChunksB; ++u) {
+    const int row = n0 + copy_row + u * kRowsPerPass;
+    src_b[u] = row < N ? b_l + (long long)row * ldb + copy_chunk * kChunkElems : nullptr;
+  }
+
+  auto load_tile = [&](int stage, int kt) {
+    const int k_left = K - kt * kBlockK - copy_chunk * kChunkElems;  // elements left in the row
+    const int bytes = k_left <= 0 ? 0 : (k_left >= kChunkElems ? 16 : k_left * (int)sizeof(T));
+    const unsigned dst = smem_base + stage * kStageBytes + copy_dst;
+#pragma unroll
+    for (int u = 0; u < kChunksA; ++u) {
+      const bool ok = src_a[u] != nullptr && bytes > 0;
+      cp_async_16(dst + u * kRowsPerPass * kRowBytes, ok ? src_a[u] + kt * kBlockK : a_l,
+                  ok ? bytes : 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kChunksB; ++u) {
+      const bool ok = src_b[u] != nullptr && bytes > 0;
+      cp_async_16(dst + kBlockM * kRowBytes + u * kRowsPerPass * kRowBytes,
+                  ok ? src_b[u] + kt * kBlockK : b_l, ok ? bytes : 0);
+    }
+  };
+
+#pragma unroll
+  for (int i = 0; i < kTilesM; ++i)
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+
+  // Partial squared norms of rows copy_row + 64 u, over this thread's chunks.
+  float sq_a[kChunksA], sq_b[kChunksB];
+#pragma unroll
+  for (int u = 0; u < kChunksA; ++u) sq_a[u] = 0.f;
+#pragma unroll
+  for (int u = 0; u < kChunksB; ++u) sq_b[u] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_k_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
+
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    cp_async_wait<kStages - 2>();  // k-tile kt has landed (for this thread) ...
+    __syncthreads();               // ... for all threads; stage (kt - 1) % kStages is free
+    {
+      const int kn = kt + kStages - 1;
+      if (kn < num_k_tiles) load_tile(kn % kStages, kn);
+      cp_async_commit();
+    }
+    const unsigned char* stage = smem + (kt % kStages) * kStageBytes;
+
+    if constexpr (kDiff) {
+      // Squared norms in fp32 from the raw data (not the TF32 split): the
+      // thread reads its copy chunks back (any chunk order: a sum).
+#pragma unroll
+      for (int u = 0; u < kChunksA; ++u)
+        sq_a[u] += chunk_sumsq<T>(
+            *reinterpret_cast<const uint4*>(stage + (tid + u * Traits::kThreads) * 16));
+#pragma unroll
+      for (int u = 0; u < kChunksB; ++u)
+        sq_b[u] += chunk_sumsq<T>(*reinterpret_cast<const uint4*>(
+            stage + kBlockM * kRowBytes + (tid + u * Traits::kThreads) * 16));
+    }
+
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      // A fragments of the warp's kTilesM MMA tiles for k-step s.
+      unsigned a_big[kTilesM][4], a_small[kTilesM][4];
+#pragma unroll
+      for (int i = 0; i < kTilesM; ++i) {
+        const uint2 r0 =
+            *reinterpret_cast<const uint2*>(stage + frag_a_row + (i * 16) * kRowBytes + frag_col[s]);
+        const uint2 r1 = *reinterpret_cast<const uint2*>(stage + frag_a_row +
+                                                         (i * 16 + 8) * kRowBytes + frag_col[s]);
+        const unsigned raw[4] = {r0.x, r1.x, r0.y, r1.y};  // a0 a1 a2 a3
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          if constexpr (Traits::kPrecision == Precision::Tf32x3) {
+            // Infinities kept apart from NaN, as torch's products have them (+6% on
+            // cdist p=2 30000^2 x 1024 with KERMAC_LIKE_WGMMA=0 on an H200, 28.7 ->
+            // 30.5 ms: the fragments are split once per warp that reads them).
+            split_tf32x3(raw[r], a_big[i][r], a_small[i][r]);
+          } else if constexpr (Traits::kPrecision == Precision::Tf32) {
+            a_big[i][r] = tf32_rna(raw[r]);
+          } else {
+            a_big[i][r] = raw[r];
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kTilesN; ++j) {
+        const uint2 rb =
+            *reinterpret_cast<const uint2*>(stage + frag_b_row + (j * 8) * kRowBytes + frag_col[s]);
+        if constexpr (Traits::kPrecision == Precision::Tf32x3) {
+          unsigned b0, b1, b0s, b1s;
+          split_tf32x3(rb.x, b0, b0s);
+          split_tf32x3(rb.y, b1, b1s);
+#pragma unroll
+          for (int i = 0; i < kTilesM; ++i) {
+            // Small terms first: they are the least significant.
+            mma_tf32(acc[i][j], a_small[i], b0, b1);
+            mma_tf32(acc[i][j], a_big[i], b0s, b1s);
+            mma_tf32(acc[i][j], a_big[i], b0, b1);
+          }
+        } else if constexpr (Traits::kPrecision == Precision::Tf32) {
+          const unsigned b0 = tf32_rna(rb.x), b1 = tf32_rna(rb.y);
+#pragma unroll
+          for (int i = 0; i < kTilesM; ++i) mma_tf32(acc[i][j], a_big[i], b0, b1);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kTilesM; ++i) Mma16<T>::run(acc[i][j], a_big[i], rb.x, rb.y);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can be left; drain them anyway
+
+  if constexpr (kDiff) {
+    // The 4 lanes tid % 4 = 0..3 hold the partial norms of the same rows.
+#pragma unroll
+    for (int u = 0; u < kChunksA; ++u) {
+      sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 1);
+      sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 2);
+      if (copy_chunk == 0) norm_a[copy_row + u * kRowsPerPass] = sq_a[u];
+    }
+#pragma unroll
+    for (int u = 0; u < kChunksB; ++u) {
+      sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 1);
+      sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 2);
+      if (copy_chunk == 0) norm_b[copy_row + u * kRowsPerPass] = sq_b[u];
+    }
+  }
+  // Norms visible to all; every warp is past its last read of the stages,
+  // so the next batch entry may refill them.
+  __syncthreads();
+}
+
+}  // namespace mma_detail
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     distance_mma_kernel(const typename Traits::T* __restrict__ a,
@@ -399,17 +598,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kTilesM = Traits::kTilesM, kTilesN = Traits::kTilesN;
   constexpr int kStages = Traits::kStages, kStageBytes = Traits::kStageBytes;
-  constexpr int kRowBytes = Traits::kRowBytes, kBlockK = Traits::kBlockK;
-  constexpr int kChunkElems = Traits::kChunkElems;
   constexpr bool kDiff = Traits::kInner == Inner::Diff;
-  constexpr int kChunksA = kBlockM * kRowBytes / 16 / Traits::kThreads;  // 2
-  constexpr int kChunksB = kBlockN * kRowBytes / 16 / Traits::kThreads;  // 4
-  constexpr int kRowsPerPass = Traits::kThreads / 4;                     // 64 rows per chunk pass
 
   extern __shared__ __align__(128) unsigned char smem[];
   float* norm_a = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // (kBlockM)
   float* norm_b = norm_a + kBlockM;                                        // (kBlockN)
-  const unsigned smem_base = smem_u32(smem);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
@@ -427,20 +620,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int m0 = (first_m + in_group % rows_in_group) * kBlockM;
   const int n0 = (in_group / rows_in_group) * kBlockN;
 
-  // Copy assignment: thread tid copies chunk (tid % 4) of rows tid / 4 + 64 u.
-  const int copy_row = tid >> 2, copy_chunk = tid & 3;
-  const unsigned copy_dst = (unsigned)(copy_row * kRowBytes +
-                                       ((copy_chunk ^ (((copy_row >> 1) & 1) << 1)) * 16));
-  // (64 u rows further down keep the same swizzle: 64 is a multiple of 4.)
-
-  // Fragment-load offsets (bytes) in a stage: row part, and the chunk part of
-  // k-step s (same for every row of this thread: rows differ by multiples of 8).
-  const int swz = ((g >> 1) & 1) << 1;
-  const int frag_a_row = (wm * Traits::kWarpM + g) * kRowBytes;
-  const int frag_b_row = kBlockM * kRowBytes + (wn * Traits::kWarpN + g) * kRowBytes;
-  const int frag_col[2] = {(((0 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8,
-                           (((2 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8};
-
   const BatchShape shape{batch_n1, batch_n2};
   const BatchStride a_stride{a_bs0, a_bs1, a_bs2}, b_stride{b_bs0, b_bs1, b_bs2},
       o_stride{o_bs0, o_bs1, o_bs2};
@@ -450,8 +629,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   (void)inner_p_ptr, (void)inner_p_bs0, (void)inner_p_bs1, (void)inner_p_bs2, (void)inner_p;
   (void)outer_p_ptr, (void)outer_p_bs0, (void)outer_p_bs1, (void)outer_p_bs2, (void)outer_p;
 
-  const int num_k_tiles = ceil_div(K, kBlockK);
-
   for (int l = blockIdx.z; l < batch; l += gridDim.z) {
     int l0, l1, l2;
     shape.split(l, l0, l1, l2);
@@ -459,154 +636,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const T* b_l = b + b_stride.offset(l0, l1, l2);
     T* out_l = out + o_stride.offset(l0, l1, l2);
 
-    // Global sources of this thread's chunks (k-tile 0); nullptr where the
-    // row is out of range (then the chunk is zero-filled).
-    const T* src_a[kChunksA];
-    const T* src_b[kChunksB];
-#pragma unroll
-    for (int u = 0; u < kChunksA; ++u) {
-      const int row = m0 + copy_row + u * kRowsPerPass;
-      src_a[u] = row < M ? a_l + (long long)row * lda + copy_chunk * kChunkElems : nullptr;
-    }
-#pragma unroll
-    for (int u = 0; u < kChunksB; ++u) {
-      const int row = n0 + copy_row + u * kRowsPerPass;
-      src_b[u] = row < N ? b_l + (long long)row * ldb + copy_chunk * kChunkElems : nullptr;
-    }
-
-    auto load_tile = [&](int stage, int kt) {
-      const int k_left = K - kt * kBlockK - copy_chunk * kChunkElems;  // elements left in the row
-      const int bytes = k_left <= 0 ? 0 : (k_left >= kChunkElems ? 16 : k_left * (int)sizeof(T));
-      const unsigned dst = smem_base + stage * kStageBytes + copy_dst;
-#pragma unroll
-      for (int u = 0; u < kChunksA; ++u) {
-        const bool ok = src_a[u] != nullptr && bytes > 0;
-        cp_async_16(dst + u * kRowsPerPass * kRowBytes, ok ? src_a[u] + kt * kBlockK : a_l,
-                    ok ? bytes : 0);
-      }
-#pragma unroll
-      for (int u = 0; u < kChunksB; ++u) {
-        const bool ok = src_b[u] != nullptr && bytes > 0;
-        cp_async_16(dst + kBlockM * kRowBytes + u * kRowsPerPass * kRowBytes,
-                    ok ? src_b[u] + kt * kBlockK : b_l, ok ? bytes : 0);
-      }
-    };
-
     float acc[kTilesM][kTilesN][4];  // (MMA tile m, MMA tile n, fragment d0..d3)
-#pragma unroll
-    for (int i = 0; i < kTilesM; ++i)
-#pragma unroll
-      for (int j = 0; j < kTilesN; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
-
-    // Partial squared norms of rows copy_row + 64 u, over this thread's chunks.
-    float sq_a[kChunksA], sq_b[kChunksB];
-#pragma unroll
-    for (int u = 0; u < kChunksA; ++u) sq_a[u] = 0.f;
-#pragma unroll
-    for (int u = 0; u < kChunksB; ++u) sq_b[u] = 0.f;
-
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < num_k_tiles) load_tile(s, s);
-      cp_async_commit();
-    }
-
-    for (int kt = 0; kt < num_k_tiles; ++kt) {
-      cp_async_wait<kStages - 2>();  // k-tile kt has landed (for this thread) ...
-      __syncthreads();               // ... for all threads; stage (kt - 1) % kStages is free
-      {
-        const int kn = kt + kStages - 1;
-        if (kn < num_k_tiles) load_tile(kn % kStages, kn);
-        cp_async_commit();
-      }
-      const unsigned char* stage = smem + (kt % kStages) * kStageBytes;
-
-      if constexpr (kDiff) {
-        // Squared norms in fp32 from the raw data (not the TF32 split): the
-        // thread reads its copy chunks back (any chunk order: a sum).
-#pragma unroll
-        for (int u = 0; u < kChunksA; ++u)
-          sq_a[u] += chunk_sumsq<T>(
-              *reinterpret_cast<const uint4*>(stage + (tid + u * Traits::kThreads) * 16));
-#pragma unroll
-        for (int u = 0; u < kChunksB; ++u)
-          sq_b[u] += chunk_sumsq<T>(*reinterpret_cast<const uint4*>(
-              stage + kBlockM * kRowBytes + (tid + u * Traits::kThreads) * 16));
-      }
-
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        // A fragments of the warp's kTilesM MMA tiles for k-step s.
-        unsigned a_big[kTilesM][4], a_small[kTilesM][4];
-#pragma unroll
-        for (int i = 0; i < kTilesM; ++i) {
-          const uint2 r0 =
-              *reinterpret_cast<const uint2*>(stage + frag_a_row + (i * 16) * kRowBytes + frag_col[s]);
-          const uint2 r1 = *reinterpret_cast<const uint2*>(stage + frag_a_row +
-                                                           (i * 16 + 8) * kRowBytes + frag_col[s]);
-          const unsigned raw[4] = {r0.x, r1.x, r0.y, r1.y};  // a0 a1 a2 a3
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            if constexpr (Traits::kPrecision == Precision::Tf32x3) {
-              // Infinities kept apart from NaN, as torch's products have them (+6% on
-              // cdist p=2 30000^2 x 1024 with KERMAC_LIKE_WGMMA=0 on an H200, 28.7 ->
-              // 30.5 ms: the fragments are split once per warp that reads them).
-              split_tf32x3(raw[r], a_big[i][r], a_small[i][r]);
-            } else if constexpr (Traits::kPrecision == Precision::Tf32) {
-              a_big[i][r] = tf32_rna(raw[r]);
-            } else {
-              a_big[i][r] = raw[r];
-            }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kTilesN; ++j) {
-          const uint2 rb =
-              *reinterpret_cast<const uint2*>(stage + frag_b_row + (j * 8) * kRowBytes + frag_col[s]);
-          if constexpr (Traits::kPrecision == Precision::Tf32x3) {
-            unsigned b0, b1, b0s, b1s;
-            split_tf32x3(rb.x, b0, b0s);
-            split_tf32x3(rb.y, b1, b1s);
-#pragma unroll
-            for (int i = 0; i < kTilesM; ++i) {
-              // Small terms first: they are the least significant.
-              mma_tf32(acc[i][j], a_small[i], b0, b1);
-              mma_tf32(acc[i][j], a_big[i], b0s, b1s);
-              mma_tf32(acc[i][j], a_big[i], b0, b1);
-            }
-          } else if constexpr (Traits::kPrecision == Precision::Tf32) {
-            const unsigned b0 = tf32_rna(rb.x), b1 = tf32_rna(rb.y);
-#pragma unroll
-            for (int i = 0; i < kTilesM; ++i) mma_tf32(acc[i][j], a_big[i], b0, b1);
-          } else {
-#pragma unroll
-            for (int i = 0; i < kTilesM; ++i) Mma16<T>::run(acc[i][j], a_big[i], rb.x, rb.y);
-          }
-        }
-      }
-    }
-    cp_async_wait<0>();  // only empty groups can be left; drain them anyway
-
-    if constexpr (kDiff) {
-      // The 4 lanes tid % 4 = 0..3 hold the partial norms of the same rows.
-#pragma unroll
-      for (int u = 0; u < kChunksA; ++u) {
-        sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 1);
-        sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 2);
-        if (copy_chunk == 0) norm_a[copy_row + u * kRowsPerPass] = sq_a[u];
-      }
-#pragma unroll
-      for (int u = 0; u < kChunksB; ++u) {
-        sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 1);
-        sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 2);
-        if (copy_chunk == 0) norm_b[copy_row + u * kRowsPerPass] = sq_b[u];
-      }
-    }
-    // Norms visible to all; every warp is past its last read of the stages,
-    // so the next batch entry may refill them.
-    __syncthreads();
+    block_tile_product<Traits>(a_l, b_l, M, N, K, lda, ldb, m0, n0, smem, acc);
 
     // ------------------------------------------------------------ epilogue
     const EntryEpilogue<Traits> finish(bw_param.at(l0, l1, l2), reg_on ? reg_param.at(l0, l1, l2) : 0.f, epsilon);

@@ -18,19 +18,22 @@ depend on the split count.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 import torch
 
 from ..layout import batch_strides, plan_batch
-from ..runtime.specs.topk import MAX_K, MAX_SELECT, MAX_SPLIT, topk_combine_spec, topk_spec
+from ..descriptor import PRESETS
+from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, mma_sel,
+                                  topk_combine_spec, topk_mma_spec, topk_spec)
 from .core import HYPERS, Launch, Plan, _add_hyper_tensors, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     choose_split
 
 log = logging.getLogger("kermac_like.topk")
 
-__all__ = ["plan_topk", "fused_serves", "SCRATCH_BYTES"]
+__all__ = ["plan_topk", "fused_serves", "mma_serves", "SCRATCH_BYTES"]
 
 SCRATCH_BYTES = 32 << 20  # largest split scratch of one call ([split][batch][M][k] int64 keys)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -46,6 +49,9 @@ def fused_serves(call) -> bool:
 
 
 def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = False):
+    if mma_serves(call):
+        return Plan("topk_mma", None, (), values, reference=lambda: _run_mma(call, values, indices, debug),
+                    debug=debug)
     if not fused_serves(call):
         return None
     from ..runtime.launcher import get_kernel
@@ -114,3 +120,125 @@ def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = F
                      *(np.int64(s) for name in ("values", "indices") for s in bs[name]), *hyper("outer_p"))
             launches.append(Launch(combine, cgrid, cargs))
     return Plan("topk", spec, tuple(launches), values, scratch=tuple(scratch), debug=debug)
+
+
+# -- K > MAX_K: candidates on tensor cores, rescored exactly -------------------------------------
+_MMA_DESCS = (PRESETS["l2"], PRESETS["squared_l2"], PRESETS["dot"])
+RESCORE_ROWS = 1024  # rows per rescoring block: (rows, kSel, K) gathered float32 points
+_FLIP = -(1 << 63)  # the scratch keys' top bit (int64 order = key order)
+
+
+def mma_serves(call) -> bool:
+    """Whether the tensor-core candidate path serves this call: float32 Euclidean or dot-product
+    selection at K > MAX_K with k <= MMA_MAX_SELECT, no batch modes, on sm_80 and newer."""
+    reg = call.hypers.get("regularization")
+    return (call.K > MAX_K and call.dtype == torch.float32 and call.desc in _MMA_DESCS
+            and 1 <= call.k <= min(MMA_MAX_SELECT, call.N) and not call.batch and call.N < 2 ** 31 - 1
+            and (reg is None or (not isinstance(reg, torch.Tensor) and reg == 0))
+            and (call.epsilon is None or call.epsilon <= 0) and _gpu_ok(call.x))
+
+
+def _rows_ready(t: torch.Tensor) -> torch.Tensor:
+    """Row-major rows of K % 4 == 0 floats at a 16-byte aligned address (distance_mma.cuh's
+    operand rule), zero-padded along K where needed (zeros change no distance or dot product)."""
+    K = t.shape[-1]
+    if K % 4 == 0 and t.stride(-1) == 1 and t.stride(-2) == K and t.data_ptr() % 16 == 0:
+        return t
+    out = t.new_zeros((t.shape[0], -(-K // 4) * 4))
+    out[:, :K] = t
+    return out
+
+
+def _decode(bits: torch.Tensor, dot: bool, largest: bool) -> torch.Tensor:
+    """Values (float32) of order bits held in int64 (topk.cuh's order_bits inverted)."""
+    if largest:
+        bits = bits ^ 0xFFFFFFFF
+    if dot:
+        neg = bits < 0x80000000
+        bits = torch.where(neg, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # the low word's bit pattern
+
+
+def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
+    """Per launch of one wave of row tiles: topk_mma_kernel's candidate lists (kSel per row,
+    TF32 dot products), their values recomputed in float32 by direct differences (as the
+    SIMT kernel forms them) and the k best kept in the (value, index) order. A row is certified
+    when its k-th exact value is clear of every point left out: those have approximate values
+    beyond the candidates' last, and an approximate value is within the TF32 error bound B of
+    the exact one (B = 2^-8 |x| max|y| + K 2^-22 (|x|^2 + max|y|^2) for distances, 2^-9 |x|
+    max|y| for dot products, plus 2^-16 of the value for the float32 rescoring). Rows that are
+    not certified (NaN rows, near-ties across the margin) are recomputed by the blocked path."""
+    from ..ops.knn import topk_blocked
+    from ..runtime.launcher import get_kernel, launch
+
+    dot = call.desc.inner_operator.name == "DOT"
+    largest, k, M, N, K = call.largest, call.k, call.M, call.N, call.K
+    device = _device_index(call.device)
+    spec = topk_mma_spec(dot, largest, k)
+    sel = mma_sel(k)
+    kernel = get_kernel(spec, device, debug=debug)
+    x, y = _rows_ready(call.x), _rows_ready(call.y)
+    Kp = x.shape[1]
+    slots = _sm_count(device) * _blocks_per_sm(kernel)
+    rows = min(M, slots * MMA_BLOCK_M)  # one wave of row tiles per launch
+    m_tiles = -(-rows // MMA_BLOCK_M)
+    n_tiles = -(-N // MMA_BLOCK_N)
+    split = choose_split(m_tiles, n_tiles, slots, max(1, min(MAX_SPLIT, SCRATCH_BYTES // (4 * rows * sel * 8))))
+    per = -(-n_tiles // split)
+    split = -(-n_tiles // per)
+    scratch = torch.empty((4 * split, rows, sel), dtype=torch.int64, device=call.device)
+    ynorm = torch.linalg.vector_norm(call.y.float(), dim=1).max()
+    if debug:
+        log.debug("topk %r: M=%d N=%d K=%d k=%d on tensor cores: %d rows per launch, grid (%d, %d), %d y tiles per "
+                  "split, %d candidates per row", call.desc, M, N, K, k, rows, m_tiles, split, per, sel)
+    bad = []
+    for r0 in range(0, M, rows):
+        rr = min(rows, M - r0)
+        args = (x.data_ptr() + r0 * Kp * 4, y.data_ptr(), scratch.data_ptr(), np.int32(rr), np.int32(N),
+                np.int32(Kp), np.int64(Kp), np.int64(Kp), np.int32(1), np.int32(1), np.int32(1),
+                *(np.int64(0),) * 6, np.int32(split), np.int32(per))
+        launch(kernel, (-(-rr // MMA_BLOCK_M), split, 1), args, debug=debug)
+        cand = scratch[:, :rr].permute(1, 0, 2).reshape(rr, 4 * split * sel)
+        top = torch.topk(cand, sel, dim=1, largest=False, sorted=True).values ^ _FLIP  # (rr, sel) keys
+        pad = top == -1  # lists shorter than kSel (N small): every point is a candidate
+        idx = (top & 0xFFFFFFFF).clamp_max(N - 1)
+        last = _decode((top[:, -1] >> 32) & 0xFFFFFFFF, dot, largest)
+        for s0 in range(0, rr, RESCORE_ROWS):
+            s1 = min(rr, s0 + RESCORE_ROWS)
+            xs = call.x[r0 + s0:r0 + s1].float()
+            yg = call.y[idx[s0:s1]].float()  # (b, sel, K)
+            if dot:
+                ev = (yg * xs[:, None, :]).sum(-1)
+            else:
+                yg.sub_(xs[:, None, :])
+                ev = yg.square_().sum(-1)
+            del yg
+            ev.masked_fill_(pad[s0:s1], float("-inf") if largest else float("inf"))
+            # (value, index) order: by index, then a stable sort by value (NaN as torch.sort orders it)
+            oi = torch.sort(idx[s0:s1], dim=1).indices
+            ev, ii = ev.gather(1, oi), idx[s0:s1].gather(1, oi)
+            ov = torch.sort(ev, dim=1, descending=largest, stable=True).indices[:, :k]
+            ev, ii = ev.gather(1, ov), ii.gather(1, ov)
+            xn = torch.linalg.vector_norm(xs, dim=1)
+            a = last[s0:s1]
+            if dot:
+                bound = 2.0 ** -9 * xn * ynorm + 2.0 ** -16 * a.abs()
+            else:
+                bound = 2.0 ** -8 * xn * ynorm + K * 2.0 ** -22 * (xn * xn + ynorm * ynorm) + 2.0 ** -16 * a.abs()
+            kth = ev[:, -1]
+            ok = (kth > a + bound) if largest else (kth < a - bound)
+            ok |= pad[s0:s1].any(1)
+            values[r0 + s0:r0 + s1] = ev.sqrt() if call.desc == PRESETS["l2"] else ev
+            indices[r0 + s0:r0 + s1] = ii
+            bad.append((~ok).nonzero().squeeze(1) + (r0 + s0))
+    bad = torch.cat(bad)
+    if bad.numel():  # (one host synchronisation per call) the rows the bound does not certify
+        sub = dataclasses.replace(call, x=call.x[bad], M=int(bad.numel()))
+        v = torch.empty((sub.M, k), dtype=values.dtype, device=values.device)
+        i = torch.empty((sub.M, k), dtype=torch.int64, device=values.device)
+        topk_blocked(sub, v, i, debug=debug)
+        values[bad] = v
+        indices[bad] = i
+        if debug:
+            log.debug("topk: %d of %d rows recomputed by the blocked path", sub.M, M)
+    return values

@@ -15,8 +15,8 @@ import torch
 from ...descriptor import PRESETS, KernelDescriptor
 from .kernel_spec import KernelSpec, LaunchShape
 
-__all__ = ["K_BUCKETS", "SEL_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "k_bucket", "sel_bucket",
-           "rows_per_thread", "topk_spec", "topk_combine_spec", "shipped"]
+__all__ = ["K_BUCKETS", "SEL_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "MMA_MAX_SELECT", "k_bucket",
+           "sel_bucket", "mma_sel", "rows_per_thread", "topk_spec", "topk_combine_spec", "topk_mma_spec", "shipped"]
 
 THREADS = 128
 CAP = 16  # TopkTraits::kCap of the lists in memory (kSel = 0)
@@ -105,6 +105,31 @@ def topk_combine_spec(desc: KernelDescriptor, dtype, largest: bool) -> KernelSpe
                       _launch(1, 0))
 
 
+# -- candidates on tensor cores (cuda_templates/topk_mma.cuh), K > MAX_K ---------------------------
+MMA_THREADS, MMA_BLOCK_M, MMA_BLOCK_N = 256, 128, 256  # DistanceMmaTraits' block tile
+MMA_BASE_SMEM = 99840  # DistanceMmaTraits::kSmemBytes (stages and norms)
+MMA_MARGIN = 8  # candidates per row beyond k
+MMA_MAX_SELECT = 16  # largest k: its candidate lists (k + margin, bucketed) fit shared memory
+
+
+def mma_sel(k: int) -> int:
+    """TopkMmaTraits::kSel for k: the candidates kept per (row, quarter) and per row."""
+    return max(8, sel_bucket(k + MMA_MARGIN))
+
+
+def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32") -> KernelSpec:
+    """The tensor-core candidate kernel: squared l2 distances (dot False) or dot products,
+    ``precision`` "Tf32" (the candidates, rescored exactly by the planner) or "Tf32x3"."""
+    if not 1 <= k <= MMA_MAX_SELECT:
+        raise ValueError(f"topk: k = {k} is outside the tensor-core kernel's 1..{MMA_MAX_SELECT}")
+    sel = mma_sel(k)
+    traits = (f"kermac_like::TopkMmaTraits<kermac_like::Inner::{'Dot' if dot else 'Diff'}, "
+              f"kermac_like::Precision::{precision}, {str(bool(largest)).lower()}, {sel}>")
+    shape = LaunchShape(threads=MMA_THREADS, block_m=MMA_BLOCK_M, block_n=MMA_BLOCK_N,
+                        smem_bytes=MMA_BASE_SMEM + MMA_BLOCK_M * 4 * sel * 8)
+    return KernelSpec("topk_mma.cuh", "kermac_like::topk_mma_kernel", traits, shape)
+
+
 def shipped():
     """The instantiations the public calls reach for common inputs: knn (l2, l1) at the point-
     cloud and embedding sizes, with their split merges, and kernel_topk of the Laplace and
@@ -123,3 +148,5 @@ def shipped():
     for dt in (torch.float16, torch.bfloat16):
         yield topk_spec(PRESETS["l2"], dt, 3, False, 10)
         yield topk_combine_spec(PRESETS["l2"], dt, False)
+    yield topk_mma_spec(False, False, 10)  # knn at K > 64
+    yield topk_mma_spec(True, True, 10)  # the largest dot products

@@ -12,7 +12,10 @@ Public API::
     KernelOperator(descriptor, x, y, **hyper)   lazy kernel matrix: shape, @, .T, diagonal(), to_dense()
     KernelDescriptor, InnerOperator, PowerType, KernelType, PRESETS, preset
     linalg.solve_cholesky / solve_lu / eigh
-    solvers.KernelRidge (kernel ridge regression: cholesky, Nystrom-preconditioned cg, Falkon; multi-GPU)
+    solvers.KernelRidge (kernel ridge regression: cholesky, Nystrom-preconditioned cg, Falkon; multi-GPU;
+                         a scikit-learn estimator)
+    gpytorch.RBFKernel / MaternKernel (GPyTorch kernels whose covariance never stores the matrix; needs
+                         the [gpytorch] extra, imported on first use)
 """
 
 from ._version import __version__
@@ -48,7 +51,7 @@ __all__ = [
 
 def __getattr__(name):
     # Submodules with heavier imports load on first use.
-    if name in ("linalg", "solvers"):
+    if name in ("linalg", "solvers", "gpytorch"):
         import importlib
 
         return importlib.import_module("." + name, __name__)

@@ -186,6 +186,11 @@ class _Progress:
 class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
     """Kernel ridge regression, scikit-learn's estimator interface, on the package's kernels.
 
+    A scikit-learn estimator when scikit-learn is installed (clone, Pipeline, GridSearchCV,
+    cross_val_score, pickling; ``check_estimator`` passes), the same parameter protocol without
+    it. numpy in, numpy out (X's and y's dtypes promoted, as scikit-learn's KernelRidge returns);
+    a tensor in, a tensor out on its device.
+
     Parameters
     ----------
     kernel : str or KernelDescriptor, default "laplace_l2"

@@ -106,7 +106,8 @@ def large_step(n, d, device, dtype, seed):
 
 def main(argv=None):
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("-N", type=int, default=None, help="points of the large step (default 10^6 on a GPU; --quick or a CPU 1000)")
+    p.add_argument("-N", type=int, default=None,
+                   help="points of the large step (default 10^6 on a GPU; --quick or a CPU 1000)")
     p.add_argument("--iters", type=int, default=None, help="Adam iterations on diabetes (default 50; --quick 3)")
     args = p.parse_args(argv)
     if args.debug:  # the ops run inside GPyTorch: the switch reaches them through the environment

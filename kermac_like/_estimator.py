@@ -150,5 +150,6 @@ def check_feature_names(estimator, X, *, reset: bool) -> None:
         missing = sorted(set(fitted) - set(names))
         detail = "".join([f"\nFeature names unseen at fit time: {unseen}" if unseen else "",
                           f"\nFeature names seen at fit time, yet now missing: {missing}" if missing else "",
-                          "" if unseen or missing else "\nFeature names must be in the same order as they were in fit."])
+                          "" if unseen or missing else
+                          "\nFeature names must be in the same order as they were in fit."])
         raise ValueError("The feature names should match those that were passed during fit." + detail)

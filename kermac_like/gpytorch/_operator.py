@@ -1,7 +1,7 @@
 """The covariance of the package's GPyTorch kernels: a linear_operator LinearOperator whose
 products run through :func:`kermac_like.kernel_matvec` and never store the matrix.
 
-``KermacKernelLinearOperator(x1, x2, covar_func=dense_covar, kernel="rbf")`` stands for
+``KermacKernelLinearOperator(x1, x2, kernel="rbf")`` stands for
 ``k(x1_m, x2_n)`` with x1, x2 already divided by the lengthscale (``(*batch, M, D)``,
 ``(*batch, N, D)``): ``exp(-|x1 - x2|^2 / 2)`` ("rbf") or ``exp(-|x1 - x2|)`` ("laplace",
 Matern nu = 1/2). It is linear_operator's KernelLinearOperator (indexing, batch shapes,
@@ -44,8 +44,9 @@ def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str) -> torch.Ten
 class KermacKernelLinearOperator(KernelLinearOperator):
     """KernelLinearOperator with the matrix-free products of the package; see the module docstring."""
 
-    def __init__(self, x1, x2, covar_func=dense_covar, num_outputs_per_input=(1, 1), num_nonbatch_dimensions=None,
+    def __init__(self, x1, x2, covar_func=None, num_outputs_per_input=(1, 1), num_nonbatch_dimensions=None,
                  **params):
+        covar_func = dense_covar if covar_func is None else covar_func
         kernel = params.get("kernel")
         if kernel not in KERNELS:
             raise ValueError(f"kernel: expected one of {sorted(KERNELS)}, got {kernel!r}")

@@ -3,6 +3,7 @@
     python bench/run.py                          # full sizes (needs an 80 GB GPU), ~3-5 minutes on an H100
     python bench/run.py --only cdist_p2 --only laplace_l2_kernel
     python bench/run.py --quick --out /tmp/b     # tiny sizes; on a CPU-only machine the reference path
+    python bench/run.py --only gp_step           # GPyTorch ExactGP step, N = 10^5 (ours and GPyTorch) and 10^6
 
 Each row times kermac_like and its torch counterpart in this one process: the
 median of CUDA-event timings (perf_counter on a CPU) over --repeats calls, each
@@ -66,6 +67,7 @@ WORKLOADS = (
     "knn_d128",
     "knn_p1_d64",
     "knn_batched",
+    "gp_step",
     "cold_compile",
     "warm_process",
     "lowk",
@@ -430,6 +432,104 @@ def knn_rows(bench, name):
     size = (f"{B}x" if B > 1 else "") + f"{M}x{N}x{D}"
     return [bench.row(name, size, ours, theirs, None, err, terr, note, peak_extra_mb=peak, recall=recall,
                       torch_recall=trecall)]
+def gp_step_rows(bench):
+    """One ExactGP training step (the exact MLL and its backward) with GPyTorch: constant mean,
+    ScaleKernel(RBF), D = 8, float32, GPyTorch's default CG iterations, tolerance and probe
+    vectors, max_cholesky_size 0 (CG / Lanczos at every size). At N = 10^5 with
+    kermac_like.gpytorch.RBFKernel (ours) and gpytorch.kernels.RBFKernel (the torch column:
+    its kernel matrix is dense, N^2 * 4 bytes) on the same data and probes; at N = 10^6 ours
+    alone. Error column: |MLL ours - MLL GPyTorch| / |MLL GPyTorch|; the note gives the
+    gradient's difference and each side's peak extra GPU memory. GPU rows only (none on a CPU);
+    --quick: N = 10^4 and no 10^6 row."""
+    if bench.device.type != "cuda":
+        return []
+    try:
+        import gpytorch
+
+        from kermac_like.gpytorch import RBFKernel
+    except ImportError as e:
+        return [dict(workload="gp_step", size="", ours_ms=None, torch_ms=None, kermac_ms=None, error=None,
+                     torch_error=None, unit="ms", note=f"skipped: {e}", speedup=None, kermac_speedup=None)]
+
+    dev = bench.device
+    D = 8
+
+    class Model(gpytorch.models.ExactGP):
+        def __init__(self, x, y, likelihood, kernel):
+            super().__init__(x, y, likelihood)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(kernel)
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    def data(n):
+        x = bench.rand(n, D) * 2 - 1
+        y = torch.sin(3 * x[:, 0]) * torch.cos(x[:, 1:].sum(1)) + 0.1 * bench.randn(n)
+        return x, y
+
+    def step(kernel_cls, x, y):
+        likelihood = gpytorch.likelihoods.GaussianLikelihood().to(dev)
+        model = Model(x, y, likelihood, kernel_cls()).to(dev)
+        mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+        model.train()
+        likelihood.train()
+        torch.manual_seed(bench.args.seed)  # the same probe vectors for both kernels
+        with gpytorch.settings.max_cholesky_size(0):
+            loss = -mll(model(x), y)
+            loss.backward()
+        return -loss.detach(), model.covar_module.base_kernel.raw_lengthscale.grad.detach()
+
+    def measure(kernel_cls, x, y, reps):
+        """(median ms, peak extra MiB, MLL, gradient) or the out-of-memory message."""
+        times, peak, res = [], 0.0, None
+        for _ in range(reps):
+            res = None
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                res = step(kernel_cls, x, y)
+            except torch.cuda.OutOfMemoryError as e:
+                torch.cuda.empty_cache()
+                return str(e).split(".")[0]
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+            peak = max(peak, (torch.cuda.max_memory_allocated(dev) - base) / 2**20)
+        return sorted(times)[len(times) // 2], peak, *res
+
+    step(RBFKernel, *data(4096))  # compile the kernels first
+    quick = bench.args.quick
+    rows = []
+    for n, with_gpytorch in ((10_000, True),) if quick else ((100_000, True), (1_000_000, False)):
+        x, y = data(n)
+        ours = measure(RBFKernel, x, y, bench.reps(3) if n <= 100_000 else bench.reps(2))
+        if isinstance(ours, str):
+            raise RuntimeError(f"gp_step N={n}: {ours}")
+        theirs = measure(gpytorch.kernels.RBFKernel, x, y, bench.reps(1)) if with_gpytorch else None
+        note = f"peak extra GPU memory: ours {ours[1]:.0f} MB"
+        err = torch_ms = None
+        if isinstance(theirs, str):
+            note += f"; GPyTorch's RBFKernel: {theirs}"
+        elif theirs is not None:
+            torch_ms = theirs[0]
+            err = float((ours[2] - theirs[2]).abs() / theirs[2].abs())
+            gerr = float((ours[3] - theirs[3]).norm() / theirs[3].norm())
+            note += (f", GPyTorch's RBFKernel {theirs[1]:.0f} MB; MLL {float(ours[2]):.5f} vs {float(theirs[2]):.5f}, "
+                     f"raw-lengthscale gradient relative difference {gerr:.1e}")
+        else:
+            note += f"; MLL {float(ours[2]):.5f}"
+        r = dict(workload="gp_step", size=f"N={n}, D=8, ScaleKernel(RBF), float32", ours_ms=ours[0],
+                 torch_ms=torch_ms, kermac_ms=None, error=err, torch_error=None, unit="ms",
+                 note="torch column: gpytorch.kernels.RBFKernel; " + note, peak_extra_mb=ours[1])
+        add_ratios(r)
+        rows.append(r)
+        del x, y
+        torch.cuda.empty_cache()
+    return rows
 
 
 def add_ratios(r):
@@ -810,6 +910,8 @@ def main(argv=None):
             steps.append((w, lambda: krr_rows(bench)))
         elif w.startswith("knn_"):
             steps.append((w, lambda w=w: knn_rows(bench, w)))
+        elif w == "gp_step":
+            steps.append((w, lambda: gp_step_rows(bench)))
     lin = [w for w in wanted if w in LINALG]
     if lin:
         steps.append(("linalg (" + ", ".join(lin) + ")", lambda: bench.linalg(lin)))

@@ -14,7 +14,10 @@ Public API::
     KernelOperator(descriptor, x, y, **hyper)   lazy kernel matrix: shape, @, .T, diagonal(), to_dense()
     KernelDescriptor, InnerOperator, PowerType, KernelType, PRESETS, preset
     linalg.solve_cholesky / solve_lu / eigh
-    solvers.KernelRidge (kernel ridge regression: cholesky, Nystrom-preconditioned cg, Falkon; multi-GPU)
+    solvers.KernelRidge (kernel ridge regression: cholesky, Nystrom-preconditioned cg, Falkon; multi-GPU;
+                         a scikit-learn estimator)
+    gpytorch.RBFKernel / MaternKernel (GPyTorch kernels whose covariance never stores the matrix; needs
+                         the [gpytorch] extra, imported on first use)
     neighbors.NearestNeighbors / KNeighborsClassifier / KNeighborsRegressor (scikit-learn's, multi-GPU)
 """
 
@@ -50,12 +53,13 @@ __all__ = [
     "linalg",
     "solvers",
     "neighbors",
+    "gpytorch",
 ]
 
 
 def __getattr__(name):
     # Submodules with heavier imports load on first use.
-    if name in ("linalg", "solvers", "neighbors"):
+    if name in ("linalg", "solvers", "neighbors", "gpytorch"):
         import importlib
 
         return importlib.import_module("." + name, __name__)

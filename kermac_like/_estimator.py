@@ -10,14 +10,16 @@ untouched, validation happens in ``fit``, fitted state ends in ``_``.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import numpy as np
 
 __all__ = ["HAVE_SKLEARN", "BaseEstimator", "RegressorMixin", "ClassifierMixin", "ClusterMixin",
-           "TransformerMixin", "NotFittedError", "check_is_fitted"]
+           "TransformerMixin", "MultiOutputMixin", "NotFittedError", "check_is_fitted", "check_feature_names"]
 
 try:
-    from sklearn.base import BaseEstimator, ClassifierMixin, ClusterMixin, RegressorMixin, TransformerMixin
+    from sklearn.base import (BaseEstimator, ClassifierMixin, ClusterMixin, MultiOutputMixin, RegressorMixin,
+                              TransformerMixin)
     from sklearn.exceptions import NotFittedError
     from sklearn.utils.validation import check_is_fitted
 
@@ -98,6 +100,9 @@ except ImportError:  # scikit-learn is optional: the same protocol without it
             self.fit(X, **kwargs)
             return self.labels_
 
+    class MultiOutputMixin:
+        """Marks estimators that take a 2-D y (the tag ``target_tags.multi_output`` with scikit-learn)."""
+
     class TransformerMixin:
         def fit_transform(self, X, y=None, **fit_params):
             return self.fit(X, y, **fit_params).transform(X)
@@ -106,3 +111,45 @@ except ImportError:  # scikit-learn is optional: the same protocol without it
         if hasattr(a, "detach"):  # a torch tensor
             return a.detach().cpu().numpy()
         return np.asarray(a)
+
+
+def _feature_names(X):
+    """The column names of a data frame (pandas, polars: a ``columns`` attribute of strings), else None."""
+    cols = getattr(X, "columns", None)
+    if cols is None or hasattr(X, "dtype"):  # arrays and tensors have no column names
+        return None
+    names = np.asarray(list(cols), dtype=object)
+    return names if len(names) and all(isinstance(c, str) for c in names) else None
+
+
+def check_feature_names(estimator, X, *, reset: bool) -> None:
+    """scikit-learn's feature-name protocol: ``fit`` (reset=True) stores the columns of a data frame
+    in ``feature_names_in_``; later calls check that X has the same ones (an error when they differ,
+    a warning when only one side has names). Works without scikit-learn."""
+    names = _feature_names(X)
+    name = type(estimator).__name__
+    if reset:
+        if names is not None:
+            estimator.feature_names_in_ = names
+        else:
+            estimator.__dict__.pop("feature_names_in_", None)
+        return
+    fitted = getattr(estimator, "feature_names_in_", None)
+    if fitted is None and names is None:
+        return
+    if names is not None and fitted is None:
+        warnings.warn(f"X has feature names, but {name} was fitted without feature names", UserWarning,
+                      stacklevel=3)
+        return
+    if names is None:
+        warnings.warn(f"X does not have valid feature names, but {name} was fitted with feature names",
+                      UserWarning, stacklevel=3)
+        return
+    if len(fitted) != len(names) or np.any(fitted != names):
+        unseen = sorted(set(names) - set(fitted))
+        missing = sorted(set(fitted) - set(names))
+        detail = "".join([f"\nFeature names unseen at fit time: {unseen}" if unseen else "",
+                          f"\nFeature names seen at fit time, yet now missing: {missing}" if missing else "",
+                          "" if unseen or missing else
+                          "\nFeature names must be in the same order as they were in fit."])
+        raise ValueError("The feature names should match those that were passed during fit." + detail)

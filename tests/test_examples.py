@@ -30,7 +30,10 @@ KEY_LINES = {
     "linalg.py": "",
     "kernel_matvec.py": "relative error vs float64",
     "knn.py": "recall vs torch",
+    "gp_regression.py": "same MLL",
 }
+# script -> the optional packages it needs
+NEEDS = {"gp_regression.py": ("gpytorch", "sklearn")}
 
 
 def _run(args, timeout=240, **kw):
@@ -53,6 +56,8 @@ def test_example_quick_debug(script):
     path = EXAMPLES / script
     if not path.exists():
         pytest.skip(f"examples/{script} is not in this checkout")
+    for module in NEEDS.get(script, ()):
+        pytest.importorskip(module)
     p, out = _run([str(path), "--quick", "-d"])
     assert p.returncode == 0, out[-4000:]
     assert KEY_LINES[script] in p.stdout, out[-4000:]

@@ -25,7 +25,6 @@ contributing the products against its own share of the fitted points. The fitted
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -37,6 +36,7 @@ import torch
 
 from .. import _debug
 from .. import linalg
+from .._estimator import BaseEstimator, MultiOutputMixin, RegressorMixin, check_feature_names, check_is_fitted
 from ._cg import local_dots, pcg
 from ._dist import Comm
 from ._kernel import resolve_kernel
@@ -71,29 +71,63 @@ class _Bad(Exception):
 
 
 def _as_tensor(name: str, a, device=None, dtype=None) -> tuple[torch.Tensor, bool]:
-    """(tensor, was_numpy). numpy/list inputs become float64 (float32 kept) on ``device``."""
+    """(tensor, was_numpy). numpy/list inputs become float64 (float32 kept) on ``device``; the
+    errors are the ones scikit-learn's checks expect (TypeError for sparse or non-numeric input,
+    ValueError for complex numbers), each naming the argument."""
+    if a is None:
+        raise _Bad(ValueError, f"{name}: expected an array, got None")
     if isinstance(a, torch.Tensor):
         t, was_np = a, False
+        if t.is_complex():
+            raise _Bad(ValueError, f"{name}: Complex data not supported")
+        if t.layout != torch.strided:
+            raise _Bad(TypeError, f"{name}: sparse input is not supported; pass a dense tensor ({name}.to_dense())")
         if t.dtype not in (torch.float32, torch.float64):
-            if t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+            if t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+                                                    torch.bool):
                 t = t.to(torch.float64 if dtype is None else dtype)
             else:
                 raise _Bad(TypeError, f"{name}: expected a real-valued tensor, got {t.dtype}")
     else:
+        if hasattr(a, "toarray") and hasattr(a, "nnz"):  # scipy.sparse (matrix or array)
+            raise _Bad(TypeError, f"{name}: sparse input is not supported; pass a dense array ({name}.toarray())")
         try:
             arr = np.asarray(a)
         except Exception as e:  # noqa: BLE001
             raise _Bad(TypeError, f"{name}: cannot be read as an array ({e})") from None
-        if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
+        if np.iscomplexobj(arr):
+            raise _Bad(ValueError, f"{name}: Complex data not supported")
+        if arr.dtype == object:  # numbers stored as objects are read as numbers, like scikit-learn does
+            try:
+                arr = arr.astype(np.float64)
+            except (TypeError, ValueError) as e:
+                raise _Bad(TypeError, f"{name}: expected numbers ({e})") from None
+        if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
             raise _Bad(TypeError, f"{name}: expected numbers, got an array of {arr.dtype}")
         if arr.dtype != np.float32:
             arr = arr.astype(np.float64)
-        t, was_np = torch.from_numpy(np.ascontiguousarray(arr)), True
+        arr = np.ascontiguousarray(arr)
+        if not arr.flags.writeable:  # a read-only buffer (memmap): torch wants its own copy
+            arr = arr.copy()
+        t, was_np = torch.from_numpy(arr), True
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     if device is not None and t.device != torch.device(device):
         t = t.to(device)
     return t, was_np
+
+
+def _shape_2d(name: str, t: torch.Tensor, n_features=None, estimator="KernelRidge"):
+    """Raise the errors scikit-learn's checks expect for a badly shaped X."""
+    if t.dim() != 2:
+        raise _Bad(ValueError, f"{name}: expected a 2-D array (n_samples, n_features), got shape {tuple(t.shape)}. "
+                               f"Reshape your data with {name}.reshape(-1, 1) if it has a single feature or "
+                               f"{name}.reshape(1, -1) if it is a single sample")
+    if t.shape[1] == 0:
+        raise _Bad(ValueError, f"{name}: 0 feature(s) (shape={tuple(t.shape)}) while a minimum of 1 is required.")
+    if n_features is not None and t.shape[1] != n_features:
+        raise _Bad(ValueError, f"{name} has {t.shape[1]} features, but {estimator} is expecting {n_features} "
+                               "features as input")
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -149,8 +183,13 @@ class _Progress:
 # The estimator
 # --------------------------------------------------------------------------------------------
 
-class KernelRidge:
+class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
     """Kernel ridge regression, scikit-learn's estimator interface, on the package's kernels.
+
+    A scikit-learn estimator when scikit-learn is installed (clone, Pipeline, GridSearchCV,
+    cross_val_score, pickling; ``check_estimator`` passes), the same parameter protocol without
+    it. numpy in, numpy out (X's and y's dtypes promoted, as scikit-learn's KernelRidge returns);
+    a tensor in, a tensor out on its device.
 
     Parameters
     ----------
@@ -186,12 +225,10 @@ class KernelRidge:
     Fitted attributes: ``X_fit_`` and ``dual_coef_`` (this rank's share of the points and
     coefficients; the centres and beta for nystrom, beta in float64 with float32/16-bit data
     because its entries cancel), ``solver_`` (the solver used),
-    ``n_iter_`` (CG iterations, 0 for cholesky), ``residual_`` (relative residual reached,
+    ``n_iter_`` (CG iterations, 1 for cholesky's direct solve), ``residual_`` (relative residual reached,
     None for cholesky), ``n_features_in_``, ``n_samples_fit_`` (N over all ranks),
     ``fit_time_`` (seconds, the host clock after a device synchronisation).
     """
-
-    _estimator_type = "regressor"
 
     def __init__(self, kernel="laplace_l2", *, bandwidth=None, alpha=1.0, solver="auto", n_centers=None,
                  n_landmarks=None, tol=1e-6, max_iter=None, p=None, random_state=None, debug=False,
@@ -208,28 +245,6 @@ class KernelRidge:
         self.random_state = random_state
         self.debug = debug
         self.verbose = verbose
-
-    # -- scikit-learn's parameter protocol ------------------------------------------------------
-    @classmethod
-    def _param_names(cls):
-        sig = inspect.signature(cls.__init__)
-        return sorted(n for n, prm in sig.parameters.items() if n != "self" and prm.kind != prm.VAR_KEYWORD)
-
-    def get_params(self, deep=True):
-        return {n: getattr(self, n) for n in self._param_names()}
-
-    def set_params(self, **params):
-        valid = self._param_names()
-        for k, v in params.items():
-            if k not in valid:
-                raise ValueError(f"{k}: invalid parameter for KernelRidge (valid: {', '.join(valid)})")
-            setattr(self, k, v)
-        return self
-
-    def __repr__(self):
-        defaults = {n: prm.default for n, prm in inspect.signature(type(self).__init__).parameters.items()}
-        shown = [f"{k}={v!r}" for k, v in self.get_params().items() if defaults.get(k) is not v and defaults.get(k) != v]
-        return f"KernelRidge({', '.join(shown)})"
 
     # -- parameter checks (local: the same on every rank) ------------------------------------------
     def _check_params(self):
@@ -271,9 +286,12 @@ class KernelRidge:
         try:
             kernel = self._check_params()
             Xt, _ = _as_tensor("X", X)
-            if Xt.dim() != 2:
-                raise _Bad(ValueError, f"X: expected a 2-D array (n_samples, n_features), got shape {tuple(Xt.shape)}")
-            yt, _ = _as_tensor("y", y, device=Xt.device, dtype=Xt.dtype)
+            _shape_2d("X", Xt)
+            if y is None:
+                raise _Bad(ValueError, "y: KernelRidge requires y to be passed, but the target y is None")
+            yt, _ = _as_tensor("y", y, device=Xt.device)
+            y_dtype = yt.dtype
+            yt = yt.to(Xt.dtype)
             if yt.dim() not in (1, 2):
                 raise _Bad(ValueError, f"y: expected shape (n_samples,) or (n_samples, n_targets), got {tuple(yt.shape)}")
             if yt.shape[0] != Xt.shape[0]:
@@ -294,7 +312,8 @@ class KernelRidge:
         counts = [m["n"] for m in metas]
         n_total = sum(counts)
         if n_total == 0:
-            raise ValueError("X: no training samples")
+            raise ValueError(f"X: found 0 sample(s) (shape={tuple(Xt.shape)}) while a minimum of 1 is required.")
+        check_feature_names(self, X, reset=True)
         if self.n_centers is not None and self.n_centers > n_total:
             raise ValueError(f"n_centers: {self.n_centers} centres asked for {n_total} training samples")
         if self.n_landmarks is not None and self.n_landmarks > n_total:
@@ -325,6 +344,9 @@ class KernelRidge:
         self.n_features_in_ = int(Xt.shape[1])
         self.n_samples_fit_ = n_total
         self._y_1d = yt.dim() == 1
+        # predictions take the dtype of X and y promoted (float32 X with float64 y predicts in
+        # float64, as scikit-learn's KernelRidge does); the products run in X's dtype
+        self._out_dtype = torch.promote_types(Xt.dtype, y_dtype)
         self._kernel = kernel
         self._device, self._dtype = Xt.device, Xt.dtype
         if self.residual_ is not None and self.residual_ > self.tol:
@@ -373,7 +395,8 @@ class KernelRidge:
         del k
         self.X_fit_ = X
         self.dual_coef_ = c.T[offset:offset + X.shape[0]].contiguous()
-        self.n_iter_, self.residual_ = 0, None
+        # one direct solve: scikit-learn's convention that an estimator with max_iter reports n_iter_ >= 1
+        self.n_iter_, self.residual_ = 1, None
 
     def _fit_cg(self, kernel, comm, X, y, counts, offset, seed, show, debug):
         n_total = sum(counts)
@@ -484,51 +507,65 @@ class KernelRidge:
         self.n_iter_, self.residual_ = res.n_iter, res.residual
 
     # -- predict / score --------------------------------------------------------------------------
-    def _check_fitted(self):
-        if not hasattr(self, "dual_coef_"):
-            raise RuntimeError("KernelRidge: call fit before predict/score")  # sklearn's NotFittedError is one
-
     def predict(self, X):
         """K(X, X_fit) @ dual_coef: (n,) or (n, C) like the y of fit. Collective under torch.distributed
-        (every rank passes the same X and receives the whole prediction). numpy in, numpy out."""
-        self._check_fitted()
+        (every rank passes the same X and receives the whole prediction). numpy in, numpy out; a
+        tensor in, a tensor out on X's device."""
+        check_is_fitted(self, "dual_coef_")
         comm = Comm()
         err, meta = None, None
         try:
+            check_feature_names(self, X, reset=False)
             Xt, was_np = _as_tensor("X", X)
             src_device = Xt.device
+            _shape_2d("X", Xt, self.n_features_in_, type(self).__name__)
             Xt = Xt.to(device=self._device, dtype=self._dtype)
-            if Xt.dim() != 2 or Xt.shape[1] != self.n_features_in_:
-                raise _Bad(ValueError, f"X: expected shape (n_samples, {self.n_features_in_}), got {tuple(Xt.shape)}")
             if not _finite(Xt):
                 raise _Bad(ValueError, "X: contains NaN or infinity")
             meta = (int(Xt.shape[0]),)
         except _Bad as e:
             err = (e.kind, e.message)
+        except (TypeError, ValueError) as e:
+            err = (type(e), str(e))
         metas = _raise_collectively(comm, err, meta)
         if any(mm != metas[0] for mm in metas):
             raise ValueError(f"X: ranks pass different numbers of rows {[mm[0] for mm in metas]}; predict is "
                              "collective and takes the same X on every rank")
         with torch.no_grad():
             out = self._kernel.matvec(Xt, self.X_fit_, self.dual_coef_)
-            out = comm.all_reduce(out).to(self._dtype)
+            out = comm.all_reduce(out).to(self._out_dtype)
         if self._y_1d:
             out = out[:, 0]
         if was_np:
             return out.cpu().numpy()
         return out.to(src_device)
 
-    def score(self, X, y):
-        """R^2 of predict(X) against y (scikit-learn's r2_score, uniform average over targets)."""
+    def score(self, X, y, sample_weight=None):
+        """R^2 of predict(X) against y (scikit-learn's r2_score: weighted by ``sample_weight``,
+        uniform average over targets). Collective under torch.distributed, like predict."""
         pred = self.predict(X)
         pred_t = torch.as_tensor(pred).to(torch.float64)
-        yt = torch.as_tensor(np.asarray(y) if not isinstance(y, torch.Tensor) else y).to(pred_t.device, torch.float64)
+        try:
+            yt, _ = _as_tensor("y", y, device=pred_t.device, dtype=torch.float64)
+        except _Bad as e:
+            raise e.kind(e.message) from None
         if yt.shape != pred_t.shape:
             raise ValueError(f"y: shape {tuple(yt.shape)} differs from the prediction's {tuple(pred_t.shape)}")
         yt2 = yt.reshape(yt.shape[0], -1)
         pr2 = pred_t.reshape(pred_t.shape[0], -1)
-        ss_res = ((yt2 - pr2) ** 2).sum(0)
-        ss_tot = ((yt2 - yt2.mean(0)) ** 2).sum(0)
+        if sample_weight is None:
+            w = torch.ones((yt2.shape[0], 1), dtype=torch.float64, device=yt2.device)
+        else:
+            try:
+                w, _ = _as_tensor("sample_weight", sample_weight, device=yt2.device, dtype=torch.float64)
+            except _Bad as e:
+                raise e.kind(e.message) from None
+            if w.shape != (yt2.shape[0],):
+                raise ValueError(f"sample_weight: expected shape ({yt2.shape[0]},), got {tuple(w.shape)}")
+            w = w[:, None]
+        mean = (w * yt2).sum(0) / w.sum()
+        ss_res = (w * (yt2 - pr2) ** 2).sum(0)
+        ss_tot = (w * (yt2 - mean) ** 2).sum(0)
         r2 = torch.where(ss_tot > 0, 1 - ss_res / torch.where(ss_tot > 0, ss_tot, 1.0),
                          torch.where(ss_res > 0, torch.zeros_like(ss_res), torch.ones_like(ss_res)))
         return float(r2.mean())

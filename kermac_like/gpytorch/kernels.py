@@ -1,0 +1,55 @@
+"""Drop-in GPyTorch kernels whose covariance never stores the N x N matrix.
+
+:class:`RBFKernel` and :class:`MaternKernel` (nu = 1/2, the Laplace kernel) subclass
+``gpytorch.kernels.RBFKernel`` / ``MaternKernel``: the same lengthscale parameter, priors,
+constraints, ``ard_num_dims``, ``batch_shape`` and ``active_dims``, usable inside
+``ScaleKernel`` and any model that takes GPyTorch's. Only ``forward`` differs: above
+``gpytorch.settings.max_cholesky_size`` it returns a :class:`KermacKernelLinearOperator`
+(products through kermac_like.kernel_matvec, memory O(N D)); at or below it, and for the
+diagonal, GPyTorch's own dense computation (the Cholesky path takes the dense matrix anyway).
+"""
+
+from __future__ import annotations
+
+import gpytorch
+import torch
+
+from ._operator import KermacKernelLinearOperator
+
+__all__ = ["RBFKernel", "MaternKernel"]
+
+
+def _lazy(x1: torch.Tensor, x2: torch.Tensor, diag: bool, params: dict) -> bool:
+    """Whether forward returns the matrix-free operator rather than GPyTorch's dense result."""
+    if diag or params.get("last_dim_is_batch", False):
+        return False
+    limit = gpytorch.settings.max_cholesky_size.value()
+    return max(x1.shape[-2], x2.shape[-2]) > limit
+
+
+class RBFKernel(gpytorch.kernels.RBFKernel):
+    """``k(x1, x2) = exp(-|x1 - x2|^2 / (2 l^2))`` (per-dimension l with ``ard_num_dims``), a drop-in
+    for :class:`gpytorch.kernels.RBFKernel` with matrix-free products (see the module docstring)."""
+
+    def forward(self, x1, x2, diag=False, **params):
+        if not _lazy(x1, x2, diag, params):
+            return super().forward(x1, x2, diag=diag, **params)
+        return KermacKernelLinearOperator(x1.div(self.lengthscale), x2.div(self.lengthscale), kernel="rbf")
+
+
+class MaternKernel(gpytorch.kernels.MaternKernel):
+    """``k(x1, x2) = exp(-|x1 - x2| / l)``: :class:`gpytorch.kernels.MaternKernel` with ``nu=0.5`` (the
+    Laplace kernel; the only smoothness the package's kernels provide), matrix-free products."""
+
+    def __init__(self, nu: float = 0.5, **kwargs):
+        if nu != 0.5:
+            raise ValueError(f"nu: kermac_like.gpytorch.MaternKernel supports nu=0.5 (the Laplace kernel), got {nu!r}; "
+                             "use gpytorch.kernels.MaternKernel for nu=1.5 or 2.5")
+        super().__init__(nu=nu, **kwargs)
+
+    def forward(self, x1, x2, diag=False, **params):
+        if not _lazy(x1, x2, diag, params):
+            return super().forward(x1, x2, diag=diag, **params)
+        mean = x1.mean(dim=-2, keepdim=True)  # GPyTorch's centring: the float32 distances lose less
+        return KermacKernelLinearOperator((x1 - mean).div(self.lengthscale), (x2 - mean).div(self.lengthscale),
+                                          kernel="laplace")

@@ -1,0 +1,167 @@
+"""kermac_like.gpytorch against GPyTorch's own kernels (CPU, float64, N <= 200): the exact
+marginal log likelihood of an ExactGP, its gradient with respect to the raw lengthscale and
+the predictions, on the Cholesky path and on CG / Lanczos (max_cholesky_size 0, the same
+random probes for both); the operator's pieces; no N x N block ever built on the CG path.
+"""
+
+import pytest
+import torch
+
+gpytorch = pytest.importorskip("gpytorch")
+pytest.importorskip("linear_operator")
+
+from kermac_like.gpytorch import KermacKernelLinearOperator, MaternKernel, RBFKernel  # noqa: E402
+from kermac_like.gpytorch import _operator  # noqa: E402
+
+F64 = torch.float64
+CG = 0  # max_cholesky_size: every solve on CG / Lanczos
+CHOLESKY = 10**4  # every solve dense
+
+
+class ExactGP(gpytorch.models.ExactGP):
+    def __init__(self, x, y, likelihood, kernel):
+        super().__init__(x, y, likelihood)
+        self.mean_module = gpytorch.means.ConstantMean(batch_shape=kernel.batch_shape)
+        self.covar_module = gpytorch.kernels.ScaleKernel(kernel, batch_shape=kernel.batch_shape)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def data(n=120, d=3, batch=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(*batch, n, d, generator=g, dtype=F64) * 2 - 1
+    y = torch.sin(3 * x[..., 0]) * torch.cos(x[..., 1:].sum(-1)) + 0.1 * torch.randn(*batch, n, generator=g, dtype=F64)
+    return x, y
+
+
+def train_step_and_predict(kernel, x, y, max_cholesky_size, lengthscale=0.7):
+    """(MLL, d MLL / d raw_lengthscale, predictive mean, predictive variance) at fixed seeds."""
+    likelihood = gpytorch.likelihoods.GaussianLikelihood(batch_shape=kernel.batch_shape).to(F64)
+    model = ExactGP(x, y, likelihood, kernel).to(F64)
+    kernel.lengthscale = torch.full_like(kernel.lengthscale, lengthscale)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+    model.train()
+    likelihood.train()
+    torch.manual_seed(1)  # the probe vectors of the stochastic trace / logdet
+    with gpytorch.settings.max_cholesky_size(max_cholesky_size):
+        loss = mll(model(x), y).sum()
+        loss.backward()
+    grad = kernel.raw_lengthscale.grad.clone()
+    model.eval()
+    likelihood.eval()
+    torch.manual_seed(2)
+    with gpytorch.settings.max_cholesky_size(max_cholesky_size), torch.no_grad():
+        pred = likelihood(model(x[..., :15, :] + 0.01))
+        mean, var = pred.mean, pred.variance
+    return loss.detach(), grad, mean, var
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("solver", ["cholesky", "cg"])
+@pytest.mark.parametrize("case", ["rbf", "rbf_ard", "matern"])
+def test_mll_gradient_and_prediction_match_gpytorch(case, solver):
+    x, y = data()
+    ours, ref = {
+        "rbf": (lambda: RBFKernel(), lambda: gpytorch.kernels.RBFKernel()),
+        "rbf_ard": (lambda: RBFKernel(ard_num_dims=3), lambda: gpytorch.kernels.RBFKernel(ard_num_dims=3)),
+        "matern": (lambda: MaternKernel(nu=0.5), lambda: gpytorch.kernels.MaternKernel(nu=0.5)),
+    }[case]
+    size = CG if solver == "cg" else CHOLESKY
+    a = train_step_and_predict(ours(), x, y, size)
+    b = train_step_and_predict(ref(), x, y, size)
+    assert rel(a[0], b[0]) <= 1e-4 and rel(a[1], b[1]) <= 1e-4, (a[:2], b[:2])
+    assert rel(a[2], b[2]) <= 1e-4 and rel(a[3], b[3]) <= 1e-4
+
+
+def test_batch_shape_and_priors():
+    """A batch of two GPs with their own lengthscales, a prior and a constraint on them."""
+    x, y = data(n=60, batch=(2,))
+
+    def make(cls):
+        return cls(batch_shape=torch.Size([2]), ard_num_dims=3,
+                   lengthscale_prior=gpytorch.priors.GammaPrior(3.0, 6.0),
+                   lengthscale_constraint=gpytorch.constraints.Interval(0.05, 5.0))
+
+    a = train_step_and_predict(make(RBFKernel), x, y, CG)
+    b = train_step_and_predict(make(gpytorch.kernels.RBFKernel), x, y, CG)
+    assert a[1].shape == (2, 1, 3)
+    for u, v in zip(a, b):
+        assert rel(u, v) <= 1e-4
+
+
+def test_cg_path_never_builds_the_matrix(monkeypatch):
+    """On CG the products go through kernel_matvec; the only dense blocks are the pivoted
+    Cholesky preconditioner's rows (at most a few rows of N)."""
+    x, y = data(n=150)
+    blocks = []
+    dense = _operator.dense_covar
+
+    def watched(x1, x2, **kw):
+        blocks.append((x1.shape[-2], x2.shape[-2]))
+        return dense(x1, x2, **kw)
+
+    monkeypatch.setattr(_operator, "dense_covar", watched)
+    calls = []
+    matvec = _operator.kernel_matvec
+    monkeypatch.setattr(_operator, "kernel_matvec", lambda *a, **k: calls.append(1) or matvec(*a, **k))
+    train_step_and_predict(RBFKernel(), x, y, CG)
+    assert calls, "no product went through kernel_matvec"
+    assert blocks and all(min(m, n) <= 15 for m, n in blocks), blocks  # preconditioner rank, test points
+
+
+def test_operator_pieces():
+    x, _ = data(n=40)
+    z = x[:25] + 0.1
+    for kernel, ref in (("rbf", torch.exp(-torch.cdist(x, z) ** 2 / 2)), ("laplace", torch.exp(-torch.cdist(x, z)))):
+        op = KermacKernelLinearOperator(x, z, kernel=kernel)
+        assert op.shape == (40, 25)
+        v = torch.randn(25, 2, dtype=F64)
+        torch.testing.assert_close(op @ v, ref @ v)
+        torch.testing.assert_close(op.to_dense(), ref)
+        torch.testing.assert_close(op.mT @ torch.ones(40, dtype=F64), ref.T.sum(1))
+        torch.testing.assert_close(op[3:9, 2:20].to_dense(), ref[3:9, 2:20])
+        sq = KermacKernelLinearOperator(x, x + 0.05, kernel=kernel)
+        dense = sq.to_dense()
+        torch.testing.assert_close(sq.diagonal(), dense.diagonal())
+    with pytest.raises(ValueError, match="^kernel: expected one of"):
+        KermacKernelLinearOperator(x, x, kernel="periodic")
+
+
+def test_float64_rhs_of_float32_data():
+    """A float64 right-hand side of float32 points takes kernel_matvec's float64 mode (no gradient
+    asked for): float64 result, the float32 kernel values' accuracy."""
+    x, _ = data(n=50)
+    op = KermacKernelLinearOperator(x.float(), x.float(), kernel="rbf")
+    v = torch.randn(50, 3, dtype=F64)
+    out = op._matmul(v)
+    assert out.dtype == F64
+    ref = torch.exp(-torch.cdist(x, x) ** 2 / 2) @ v
+    assert rel(out, ref) <= 1e-6
+
+
+def test_lengthscale_gradient_through_kernel_matvec():
+    """d/d lengthscale of u^T K v through the operator's product equals the dense one."""
+    x, _ = data(n=30, d=2)
+    u, v = torch.randn(30, 2, dtype=F64), torch.randn(30, 2, dtype=F64)
+    grads = []
+    for lazy in (True, False):
+        ls = torch.tensor([[0.6, 1.3]], dtype=F64, requires_grad=True)
+        op = KermacKernelLinearOperator(x / ls, x / ls, kernel="laplace")
+        val = (u * (op @ v if lazy else op.to_dense() @ v)).sum()
+        grads.append(torch.autograd.grad(val, ls)[0])
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_matern_other_nu_rejected():
+    with pytest.raises(ValueError, match="^nu: .*nu=0.5"):
+        MaternKernel(nu=2.5)
+
+
+def test_is_a_drop_in():
+    k = RBFKernel(ard_num_dims=4)
+    assert isinstance(k, gpytorch.kernels.RBFKernel) and k.lengthscale.shape == (1, 4)
+    assert isinstance(MaternKernel(), gpytorch.kernels.MaternKernel)

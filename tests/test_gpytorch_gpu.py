@@ -1,0 +1,103 @@
+"""kermac_like.gpytorch on a GPU (marker ``gpu``; skipped without CUDA): float32 ExactGP steps
+against GPyTorch's own RBFKernel in float64 (CG / Lanczos, same probes), and one training step
+plus a prediction at N = 10^5, where the dense float32 kernel would take 40 GB.
+"""
+
+import time
+
+import pytest
+import torch
+
+gpytorch = pytest.importorskip("gpytorch")
+pytest.importorskip("linear_operator")
+
+from kermac_like.gpytorch import MaternKernel, RBFKernel  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+class ExactGP(gpytorch.models.ExactGP):
+    def __init__(self, x, y, likelihood, kernel):
+        super().__init__(x, y, likelihood)
+        self.mean_module = gpytorch.means.ConstantMean()
+        self.covar_module = gpytorch.kernels.ScaleKernel(kernel)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def data(n, d, seed=0, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, d, generator=g, dtype=torch.float64) * 2 - 1
+    y = torch.sin(3 * x[:, 0]) * torch.cos(x[:, 1:].sum(-1)) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    return x.to(device), y.to(device)
+
+
+def step(kernel, x, y, dtype, max_cholesky_size=0, predict=True):
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x.device, dtype)
+    model = ExactGP(x.to(dtype), y.to(dtype), likelihood, kernel).to(x.device, dtype)
+    kernel.lengthscale = torch.full_like(kernel.lengthscale, 0.7)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+    model.train()
+    likelihood.train()
+    torch.manual_seed(1)
+    with gpytorch.settings.max_cholesky_size(max_cholesky_size):
+        loss = mll(model(x.to(dtype)), y.to(dtype))
+        loss.backward()
+    grad = kernel.raw_lengthscale.grad.clone()
+    mean = None
+    if predict:
+        model.eval()
+        likelihood.eval()
+        with gpytorch.settings.max_cholesky_size(max_cholesky_size), torch.no_grad():
+            mean = likelihood(model(x[:200].to(dtype) + 0.01)).mean
+    return loss.detach().double(), grad.double(), mean if mean is None else mean.double()
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("ours, ref", [(RBFKernel, gpytorch.kernels.RBFKernel),
+                                       (lambda **k: MaternKernel(nu=0.5, **k),
+                                        lambda **k: gpytorch.kernels.MaternKernel(nu=0.5, **k))])
+def test_float32_cuda_step_matches_gpytorch(ours, ref):
+    """N = 5000, D = 8, ARD, float32 on the GPU: the fused products against GPyTorch's dense float32
+    kernel, both on CG / Lanczos with the same probe vectors and a CG tolerance of 1e-3 (GPyTorch's
+    training default, 1, would let the two stop at different iterations); the bound is float32
+    rounding amplified by the solves."""
+    x, y = data(5000, 8)
+    with gpytorch.settings.cg_tolerance(1e-3), gpytorch.settings.eval_cg_tolerance(1e-3):
+        a = step(ours(ard_num_dims=8), x, y, torch.float32)
+        b = step(ref(ard_num_dims=8), x, y, torch.float32)
+    assert rel(a[0], b[0]) <= 1e-3, (a[0], b[0])
+    assert rel(a[1], b[1]) <= 1e-2, (a[1], b[1])
+    assert rel(a[2], b[2]) <= 1e-2, rel(a[2], b[2])  # the prediction's solve stops at 1e-3 (CPU, N = 600: 7e-4)
+
+
+def test_float64_cuda_matches_gpytorch_within_1e4():
+    """float64 on the GPU (kernel_matvec's reference path there): the issue's 1e-4 target."""
+    x, y = data(2000, 8)
+    a = step(RBFKernel(ard_num_dims=8), x, y, torch.float64)
+    b = step(gpytorch.kernels.RBFKernel(ard_num_dims=8), x, y, torch.float64)
+    for u, v in zip(a, b):
+        assert rel(u, v) <= 1e-4
+
+
+def test_step_at_1e5_without_the_matrix():
+    """One MLL + backward step and a prediction at N = 10^5, D = 8 (ScaleKernel(RBF), GPyTorch's
+    defaults): finite, and the peak memory far below the 40 GB of the dense float32 kernel."""
+    n = 100_000
+    x, y = data(n, 8)
+    x, y = x.float(), y.float()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    loss, grad, mean = step(RBFKernel(ard_num_dims=8), x, y, torch.float32, max_cholesky_size=0)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() - base
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(mean).all()
+    assert peak < 2 * 2**30, f"peak {peak / 2**30:.2f} GiB"  # the dense kernel: n^2 * 4 B = 37 GiB
+    print(f"N = {n}: MLL {float(loss):.4f}, step + prediction {seconds:.1f} s, peak {peak / 2**20:.0f} MiB")

@@ -211,10 +211,43 @@ def run_variants():
         print(f"{name:12s} " + " ".join(cells))
 
 
+def run_mma_parts():
+    """Where knn_d128's time goes: topk_mma_kernel alone (one launch of a wave of row tiles against
+    10^6 points, TF32 and 3xTF32), against the whole call on the same rows."""
+    import numpy as np
+
+    from kermac_like.plan import core
+    from kermac_like.runtime.launcher import get_kernel, launch
+    from kermac_like.runtime.specs.topk import mma_sel, topk_mma_spec
+
+    dev = torch.device("cuda")
+    N, K, k = 10 ** 6, 128, 10
+    slots = core._sm_count(0)
+    rows = slots * 128
+    x = torch.randn(rows, K, device=dev)
+    y = torch.randn(N, K, device=dev)
+    sel = mma_sel(k)
+    for prec in ("Tf32", "Tf32x3"):
+        kern = get_kernel(topk_mma_spec(False, False, k, prec), 0)
+        for split in (1, 2):
+            per = -(-(-(-N // 256)) // split)
+            scratch = torch.empty((4 * split, rows, sel), dtype=torch.int64, device=dev)
+            args = (x.data_ptr(), y.data_ptr(), scratch.data_ptr(), np.int32(rows), np.int32(N), np.int32(K),
+                    np.int64(K), np.int64(K), np.int32(1), np.int32(1), np.int32(1), *(np.int64(0),) * 6,
+                    np.int32(split), np.int32(per))
+            t = time_ms(lambda: launch(kern, (rows // 128, split, 1), args), reps=3)
+            tiles = rows // 128 * (-(-N // 256))
+            print(f"topk_mma_kernel {prec} split {split}: {t:.2f} ms for {rows} rows x 10^6 "
+                  f"({t * 1e3 / (tiles / slots):.2f} us per 128x256 tile per SM); x {10 ** 6 / rows:.1f} launches "
+                  f"= {t * 10 ** 6 / rows / 1e3:.2f} s at M = 10^6")
+    t = time_ms(lambda: fused(km.PRESETS["l2"], x, y, k, False), reps=3)
+    print(f"kernel_topk (l2, k = 10) on the same {rows} rows: {t:.2f} ms")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["check", "time", "variants"])
+    ap.add_argument("--only", choices=["check", "time", "variants", "mma"])
     ap.add_argument("--cases", default="", help="comma-separated timing rows (default: all)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(0))
@@ -225,4 +258,6 @@ if __name__ == "__main__":
         run_timings(a.quick, a.cases.split(',') if a.cases else ())
     if a.only == "variants":
         run_variants()
+    if a.only == "mma":
+        run_mma_parts()
     print(f"total {time.time() - t0:.1f} s")

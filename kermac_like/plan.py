@@ -571,7 +571,7 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
 def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings, kind: str):
     """(template, the tensors it reads, whether it serves later calls), or None for the
     reference path."""
-    from .runtime.launcher import get_kernel, max_active_clusters
+    from .runtime.launcher import get_kernel, max_active_clusters, prefetch
 
     padded = kmajor = False
     if kind == autotune.TENSOR_CORE:
@@ -596,6 +596,9 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     if bplan.count == 0 or call.M == 0 or call.N == 0:
         return _Template(family, spec, (), (), pad_k, kmajor), tensors, reusable
     device = _device_index(call.device)
+    if spec.kernel == WGMMA_KERNEL:  # the kernel and its b preparation compile side by side
+        small, norms = wgmma_prepare_needs(call.desc, tf32=settings.tf32)
+        prefetch([spec, wgmma_prepare_spec(small=small, norms=norms)], device, debug=debug)
     kernel = get_kernel(spec, device, debug=debug)
     L = bplan.count
     # The low-K kernel writes a column-major out as the row-major out^T = kernel(b, a).
@@ -1064,7 +1067,7 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     range, v's tiles (N x C), split sums (<= MATVEC_SCRATCH_BYTES) and the float64 carry
     (batch x M x C, several ranges only); padded copies of x and y where their rows are
     not 16-byte aligned."""
-    from .runtime.launcher import get_kernel, max_active_clusters
+    from .runtime.launcher import get_kernel, max_active_clusters, prefetch
 
     om = out.unsqueeze(-1) if call.vector else out
     device = _device_index(call.device)
@@ -1104,6 +1107,9 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     vps = [_prepare_v(call.v, c0, cc, c_bucket(cc), tiles) for c0, cc in chunks]
     scratch = [x, y, vps, *(h for h in hypers.values() if isinstance(h, torch.Tensor))]
 
+    small, norms = wgmma_prepare_needs(call.desc, tf32=tf32)  # compiled side by side with the kernels
+    prefetch([*(matvec_wgmma_spec(call.desc, c_bucket(cc), tf32=tf32) for _, cc in chunks),
+              wgmma_prepare_spec(small=small, norms=norms)], device, debug=debug)
     kernels = {}
     for c0, cc in chunks:
         spec = matvec_wgmma_spec(call.desc, c_bucket(cc), tf32=tf32)

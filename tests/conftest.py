@@ -64,6 +64,7 @@ def as_gpu(monkeypatch):
                                                        (9, 0): 233472}.get(cap[0], 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap[0])
     monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: _StubKernel(spec))
+    monkeypatch.setattr(launcher, "prefetch", lambda specs, device, debug=False: None)
     monkeypatch.setattr(launcher, "max_active_clusters", lambda k: 66)
     monkeypatch.setattr(P, "_wgmma_enabled",
                         lambda device, settings=None: (settings or P.Settings.current()).wgmma and cap[0] == (9, 0))

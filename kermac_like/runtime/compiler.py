@@ -232,14 +232,16 @@ def compile_specs(specs, arch: str, *, debug: bool = False):
     Returns ``(ModuleRecord, resources)`` where resources maps each name
     expression to its ptxas report (registers, smem, spills).
     """
-    from .cache import ModuleRecord
-
     specs = tuple(specs)
     suffixes = {s.arch_suffix for s in specs}
     if len(suffixes) != 1:
         raise ValueError("specs: one program compiles for one architecture variant")
     full_arch = _check_arch(arch) + suffixes.pop()
     cubin, mapping, seconds, text = _compile_group(specs, full_arch)
+    # Imported after NVRTC: the record's module imports SQLAlchemy, which the launcher
+    # imports in another thread meanwhile (launcher._open_cache_in_background).
+    from .cache import ModuleRecord
+
     res_by_lowered = parse_ptxas_log(text)
     resources = {e: res_by_lowered.get(mapping[e], {}) for e in mapping}
     for expr, res in resources.items():

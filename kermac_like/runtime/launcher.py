@@ -35,7 +35,7 @@ from .compiler import KernelSpec, arch_of_device, compile_specs, kernel_key
 
 log = logging.getLogger("kermac_like.launcher")
 
-__all__ = ["LoadedKernel", "get_kernel", "prefetch", "launch", "clear_loaded", "max_active_clusters", "ArgBlock"]
+__all__ = ["LoadedKernel", "get_kernel", "prefetch", "available", "wait_pending", "launch", "clear_loaded", "max_active_clusters", "ArgBlock"]
 
 RAW_LAUNCH = os.environ.get("KERMAC_LIKE_RAW_LAUNCH", "1") != "0"
 
@@ -184,6 +184,32 @@ def prefetch(specs, device: int, *, debug: bool = False) -> None:
             if (arch, spec) in _pending or not spec.supports(arch):
                 continue
             _pending[(arch, spec)] = _workers().submit(_find_or_compile, spec, arch, kernel_key(spec, arch), debug)
+
+
+def wait_pending() -> int:
+    """Wait for every kernel being found or compiled in a worker thread; returns how many
+    there were (benchmarks call it before timing, tests before comparing kernels)."""
+    with _lock:
+        pending = list(_pending.values())
+    for f in pending:
+        f.exception()  # waits; a failure surfaces in the get_kernel that needs the kernel
+    return len(pending)
+
+
+def available(spec: KernelSpec, device: int) -> bool:
+    """Whether :func:`get_kernel` would return ``spec`` without compiling: loaded, found by
+    a finished prefetch, in the user's cache or in a bundle (reads the cache: for plans,
+    not for every call)."""
+    if (device, spec) in _functions:
+        return True
+    arch = arch_of_device(device)
+    pending = _pending.get((arch, spec))
+    if pending is not None:
+        return pending.done()
+    from .cache.warm import read_bundled, read_kernel
+
+    key = kernel_key(spec, arch)
+    return read_kernel(key) is not None or read_bundled(key) is not None
 
 
 def get_kernel(spec: KernelSpec, device: int, *, debug: bool = False) -> LoadedKernel:

@@ -122,9 +122,11 @@ LOWK_SHIPPED_MM_K = (1, 2, 3, 4, 8)
 # First calls of issue 26's latency list that the set above missed (the bundle of prebuilt
 # kernels holds the shipped set): cdist with a fractional p (p_norm) at K <= 8, and cdist
 # p=1 at K = 64 with each tile count the planner gives it (lowk_tiles_n: 2 up to ~5000^2,
-# 4, 8 at large outputs). Minutes of NVRTC per architecture for precompile --all: the
+# 4, 8 at large outputs); and p_norm's run-time-K variant, which serves a first call at
+# another K while that K's kernel compiles (plan._first_call_tier). Minutes of NVRTC per architecture for precompile --all: the
 # p_norm builds take ~4 s each (bench/notes/jit.md).
-LOWK_SHIPPED_EXTRA = tuple(("p_norm", K, None) for K in (1, 2, 3, 4, 8)) + tuple(("l1", 64, t) for t in (2, 4, 8))
+LOWK_SHIPPED_EXTRA = tuple(("p_norm", K, None) for K in (1, 2, 3, 4, 8, LOWK_MAX_K + 1)) + \
+    tuple(("l1", 64, t) for t in (2, 4, 8))
 
 
 def shipped():

@@ -220,20 +220,28 @@ def get_kernel(spec: KernelSpec, device: int, *, debug: bool = False) -> LoadedK
     t0 = time.perf_counter()
     arch = arch_of_device(device)
     key = kernel_key(spec, arch)
+    mine = None
     with _lock:
         hit = _functions.get((device, spec))
         if hit is not None:
             return hit
         pending = _pending.get((arch, spec))
-    if pending is not None:  # a prefetch: wait outside the lock (other kernels load meanwhile)
-        try:
-            found, source = pending.result()
-        finally:
-            with _lock:
-                if _pending.get((arch, spec)) is pending:
-                    del _pending[(arch, spec)]
-    else:
-        found, source = _find_or_compile(spec, arch, key, debug)
+        if pending is None:  # this thread finds or compiles it; others asking meanwhile wait
+            import concurrent.futures as cf
+
+            pending = mine = _pending[(arch, spec)] = cf.Future()
+    # Outside the lock: other kernels load meanwhile.
+    try:
+        if mine is not None:
+            try:
+                mine.set_result(_find_or_compile(spec, arch, key, debug))
+            except BaseException as e:
+                mine.set_exception(e)
+        found, source = pending.result()
+    finally:
+        with _lock:
+            if _pending.get((arch, spec)) is pending:
+                del _pending[(arch, spec)]
     with _lock:
         hit = _functions.get((device, spec))
         if hit is not None:

@@ -75,7 +75,7 @@ WORKLOADS = (
 LINALG = ("solve_cholesky", "solve_lu", "eigh")
 
 FULL = dict(cdist=(30000, 30000, 1024), laplace=(50000, 50000, 256), grad=(2, 10000, 10000, 768, 16),
-            linalg=(10, 5000, 16), process=(1024, 1024, 64))
+            linalg=(10, 5000, 16))
 FULL.update(matvec_d3=(1_000_000, 1_000_000, 3), matvec_d256=(200_000, 200_000, 256))
 # k nearest neighbours: (batch, M, N, D, k, p)
 FULL.update(knn_d3=(1, 1_000_000, 1_000_000, 3, 10, 2.0), knn_d128=(1, 1_000_000, 1_000_000, 128, 10, 2.0),
@@ -83,7 +83,7 @@ FULL.update(knn_d3=(1, 1_000_000, 1_000_000, 3, 10, 2.0), knn_d128=(1, 1_000_000
 QUICK = dict(knn_d3=(1, 2000, 2000, 3, 10, 2.0), knn_d128=(1, 512, 512, 128, 10, 2.0),
              knn_p1_d64=(1, 512, 512, 64, 16, 1.0), knn_batched=(4, 100, 100, 8, 8, 2.0),
              matvec_d3=(2000, 2000, 3), matvec_d256=(512, 512, 256), cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
-             linalg=(2, 64, 4), process=(64, 64, 16))
+             linalg=(2, 64, 4))
 ERR_ROWS = 256  # rows of the output compared with float64
 GRAD_SLICE = (8, 256)  # (n, m) corner of the cdist_grad output compared with float64
 
@@ -224,40 +224,49 @@ class Bench:
 
     # -- compile and process start-up -------------------------------------------------------
     def processes(self, wanted):
-        """cold_compile: first call in a new process with an empty cache directory (seconds).
-        warm_process: first call in a new process with that cache now filled (ms), import time beside."""
-        M, N, K = self.sizes["process"]
-        n_proc = 1 if self.args.quick else min(self.args.repeats, 3)
-        cfg = dict(device=str(self.device), M=M, N=N, K=K, bw=math.sqrt(2.0 * K),
-                   calls=["laplace_l2", "cdist_p1", "cdist_p1.3"])
-        cpu_note = "" if self.device.type == "cuda" else "CPU reference path: nothing is compiled"
-        cold, warm = [], []
-        with tempfile.TemporaryDirectory(prefix="kermac_like_bench_") as tmp:
-            for i in range(n_proc):
-                cache = os.path.join(tmp, f"cold{i}")
-                cold.append(run_child(cfg, cache))
-            if "warm_process" in wanted:
-                for _ in range(n_proc):
-                    warm.append(run_child(cfg, cache))
-        rows = []
+        """cold_compile: one row per call of COLD_CALLS, each the first call of a new process
+        with an empty cache directory (seconds; import kermac_like timed apart, in the note
+        with the kernels the call found in a bundle or compiled). warm_process: the
+        laplace_l2 call again in new processes with its cache now filled (ms). GPU only:
+        the CPU path compiles nothing."""
+        if self.device.type != "cuda":
+            return [dict(workload=w, size="", ours_ms=None, torch_ms=None, kermac_ms=None, error=None,
+                         torch_error=None, unit="s" if w == "cold_compile" else "ms", speedup=None,
+                         kermac_speedup=None, note="needs a GPU (the CPU reference path compiles nothing)")
+                    for w in wanted]
+        n_proc = 1 if self.args.quick else min(self.args.repeats, 2)
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        if "cold_compile" in wanted:
-            first = med([c["calls"]["laplace_l2"] for c in cold])
-            others = {k: round(med([c["calls"][k] for c in cold]) / 1e3, 3) for k in cfg["calls"][1:]}
-            note = (f"first call of run_kernel(laplace_l2) in a new process, empty cache; then "
-                    + ", ".join(f"{k} {v:.2f} s" for k, v in others.items()))
-            rows.append(dict(workload="cold_compile", size=f"{M}x{N}x{K}", ours_ms=first, torch_ms=None,
-                             kermac_ms=None, error=None, torch_error=None, unit="s",
-                             note="; ".join(s for s in (note, cpu_note) if s),
-                             ours_s=first / 1e3, other_first_calls_s=others, processes=n_proc))
-        if "warm_process" in wanted:
-            first = med([c["calls"]["laplace_l2"] for c in warm])
-            imp = med([c["import_ms"] for c in warm])
-            note = f"first call after import in a new process, warm cache; import kermac_like {imp:.0f} ms"
-            rows.append(dict(workload="warm_process", size=f"{M}x{N}x{K}", ours_ms=first, torch_ms=None,
-                             kermac_ms=None, error=None, torch_error=None, unit="ms",
-                             note="; ".join(s for s in (note, cpu_note) if s),
-                             import_ms=imp, processes=n_proc))
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="kermac_like_bench_") as tmp:
+            calls = COLD_CALLS if "cold_compile" in wanted else {WARM_CALL: COLD_CALLS[WARM_CALL]}
+            warm_cache = None
+            for name, code in calls.items():
+                if code is None:  # an op that does not exist yet in this version
+                    continue
+                got = []
+                for i in range(n_proc):
+                    cache = os.path.join(tmp, f"{len(rows)}-{i}")
+                    got.append(run_child(dict(device=str(self.device), call=code), cache))
+                    if name == WARM_CALL:
+                        warm_cache = cache
+                first = med([c["first_ms"] for c in got])
+                imp = med([c["import_ms"] for c in got])
+                kinds = got[0]["sources"]
+                note = (f"first call, new process, empty cache; import kermac_like {imp:.0f} ms apart; kernels: "
+                        + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+                if "cold_compile" in wanted:
+                    rows.append(dict(workload="cold_compile", size=name, ours_ms=first, torch_ms=None, kermac_ms=None,
+                                     error=None, torch_error=None, unit="s", note=note, ours_s=first / 1e3,
+                                     import_ms=imp, sources=kinds, processes=n_proc, runs_ms=[c["first_ms"] for c in got]))
+            if "warm_process" in wanted and warm_cache is not None:
+                warm = [run_child(dict(device=str(self.device), call=COLD_CALLS[WARM_CALL]), warm_cache)
+                        for _ in range(max(n_proc, 3))]
+                first = med([c["first_ms"] for c in warm])
+                imp = med([c["import_ms"] for c in warm])
+                note = f"{WARM_CALL}: first call after import in a new process, warm cache; import kermac_like {imp:.0f} ms"
+                rows.append(dict(workload="warm_process", size=WARM_CALL, ours_ms=first, torch_ms=None, kermac_ms=None,
+                                 error=None, torch_error=None, unit="ms", note=note, import_ms=imp,
+                                 processes=len(warm), runs_ms=[c["first_ms"] for c in warm]))
         for r in rows:
             add_ratios(r)
         return rows
@@ -546,27 +555,51 @@ def grad_formula_float64(a, b, c, d, p, n, m):
     return torch.einsum("...ok,...km,...nkm->...onm", c, a, phi)
 
 
+# The first calls of issue 26's latency targets, each timed in its own new process (GPU tensors
+# made before the clock starts; `km` is kermac_like, `dev` the device).
+COLD_CALLS = {
+    "cdist p=1 3000x3000x8": "a = torch.randn(3000, 8, device=dev)\n@ km.cdist(a, a, p=1.0)",
+    "cdist p=1.7 3000x3000x8": "a = torch.randn(3000, 8, device=dev)\n@ km.cdist(a, a, p=1.7)",
+    "cdist p=2 3000x3000x8": "a = torch.randn(3000, 8, device=dev)\n@ km.cdist(a, a, p=2.0)",
+    "cdist p=1 3000x3000x64": "a = torch.randn(3000, 64, device=dev)\n@ km.cdist(a, a, p=1.0)",
+    "cdist p=1.7 3000x3000x64": "a = torch.randn(3000, 64, device=dev)\n@ km.cdist(a, a, p=1.7)",
+    "cdist p=2 3000x3000x64": "a = torch.randn(3000, 64, device=dev)\n@ km.cdist(a, a, p=2.0)",
+    "run_kernel laplace_l2 1024x1024x64": "x = torch.randn(1024, 64, device=dev)\n"
+                                          "@ km.run_kernel(km.preset('laplace_l2'), x, x, bandwidth=8.0)",
+    "kernel_matvec gaussian 4096x4096 D=3": "x = torch.randn(4096, 3, device=dev); v = torch.randn(4096, 1, device=dev)\n"
+                                            "@ km.kernel_matvec(km.preset('gaussian_l2'), x, x, v, bandwidth=1.0)",
+    "kernel_matvec gaussian 4096x4096 D=256": "x = torch.randn(4096, 256, device=dev); v = torch.randn(4096, 1, device=dev)\n"
+                                              "@ km.kernel_matvec(km.preset('gaussian_l2'), x, x, v, bandwidth=16.0)",
+    "cdist_grad p=2 K=64 M=N=1024 O=16": "a = torch.randn(64, 1024, device=dev); b = torch.randn(1024, 64, device=dev)\n"
+                                         "c = torch.randn(16, 64, device=dev); d = torch.randn(1024, 1024, device=dev)\n"
+                                         "@ km.cdist_grad(a, b, c, d, p=2.0)",
+    "knn": None,  # once the op exists
+}
+WARM_CALL = "run_kernel laplace_l2 1024x1024x64"
+
+# A call's code: set-up lines, then the timed line after "@ ".
 _CHILD = r"""
 import json, sys, time
 import torch
 cfg = json.loads(sys.argv[1])
 dev = torch.device(cfg["device"])
-x = torch.randn(cfg["M"], cfg["K"], device=dev)
-y = torch.randn(cfg["N"], cfg["K"], device=dev)
+setup, timed = cfg["call"].split("@ ")
+t0 = time.perf_counter()
+import kermac_like as km
+res = {"import_ms": (time.perf_counter() - t0) * 1e3}
+exec(setup)
 if dev.type == "cuda":
     torch.cuda.synchronize(dev)  # the CUDA context is torch's cost, not ours
 t0 = time.perf_counter()
-import kermac_like as km
-res = {"import_ms": (time.perf_counter() - t0) * 1e3, "calls": {}}
-for name in cfg["calls"]:
-    t0 = time.perf_counter()
-    if name == "laplace_l2":
-        out = km.run_kernel(km.preset("laplace_l2"), x, y, bandwidth=cfg["bw"])
-    else:
-        out = km.cdist(x, y, p=float(name[len("cdist_p"):]))
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    res["calls"][name] = (time.perf_counter() - t0) * 1e3
+exec(timed)
+if dev.type == "cuda":
+    torch.cuda.synchronize(dev)
+res["first_ms"] = (time.perf_counter() - t0) * 1e3
+from kermac_like.runtime import launcher
+sources = {}
+for k in launcher._functions.values():
+    sources[k.source] = sources.get(k.source, 0) + 1
+res["sources"] = sources
 print("RESULT " + json.dumps(res))
 """
 

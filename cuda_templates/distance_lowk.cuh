@@ -108,7 +108,11 @@ struct DistanceLowKTraits {
   static constexpr int kSmemBytes = (kChunkK * kStrideA + kBBufs * kBufB) * 4;
   // Full unrolling of the k loop up to 16 k; beyond, 4 k per trip (the instruction
   // cache: a fully unrolled K = 64 body is ~8,500 instructions and ran 30 % slower).
-  static constexpr bool kFullUnroll = kChunkK <= 16;
+  // Fractional p: 2 k per trip at any K (tile_products). A k step is 64 powers of ~6-14
+  // instructions each, so the loop's own instructions are < 1 % of it, and the fully
+  // unrolled K = 8 build took 4.2 s of NVRTC (NVVM 2.2 + ptxas 2.1) against 2.2 s
+  // (bench/notes/jit.md).
+  static constexpr bool kFullUnroll = kChunkK <= 16 && kInnerPow_ != Power::Pow;
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
   static constexpr int kPolyPer64 = 41;  // fractional p: exp2 on the FMA pipe, per 64 elements
 
@@ -395,6 +399,8 @@ __device__ __forceinline__ void tile_products(float (&acc)[8][8], const float* p
     mm_tile<Tr, SA, SB>(acc, pa, pb, pw);
   } else if constexpr (Tr::kFullUnroll) {
     run_steps<Tr, SA, SB, KC>(acc, pa, pb, KC, pw);
+  } else if constexpr (Tr::kInnerPow == Power::Pow) {
+    run_steps<Tr, SA, SB, 1>(acc, pa, pb, KC, pw);
   } else {
     run_steps<Tr, SA, SB, 2>(acc, pa, pb, KC, pw);
   }

@@ -272,6 +272,7 @@ __device__ __forceinline__ float accumulate(float acc, float x, float y, int i, 
 // ----------------------------------------------------------------- epilogue
 struct EpilogueArgs {
   float inv_outer_p;  // 1 / outer_p (Power::Pow)
+  math::PowArgs outer;  // acc^(1 / outer_p) on the FMA pipe (Power::Pow, finish_mufu)
   float epsilon;
   float exp_scale;    // Laplace: -1/bw; Gaussian: -1/(2 bw^2)
   float exp2_scale;   // exp_scale * log2(e) (finish_mufu)
@@ -301,7 +302,11 @@ __device__ __forceinline__ float finish(float acc, const EpilogueArgs& e) {
 
 // finish() with the square root and the exponential on MUFU (sqrt.approx, ex2.approx
 // of the argument times log2(e): ~2 instructions instead of ~8-10 each; ~1e-7 relative
-// for exponents of order 1, denormal results flushed to 0). Same epsilon and ordering.
+// for exponents of order 1, denormal results flushed to 0), and the outer power as the
+// inner one is taken (abs_pow_fma: one MUFU.LG2 and the FMA-pipe exp2, the product
+// p * log2 formed inside the FMAs; ~3e-7 relative, a sum below 2^-126 gives 0) instead of
+// powf, whose ~40 instructions inlined 64 times per tile made half the compile time of a
+// low-K p-norm kernel (bench/notes/jit.md). Same epsilon and ordering.
 template <class Tr>
 __device__ __forceinline__ float finish_mufu(float acc, const EpilogueArgs& e) {
   if constexpr (Tr::kOuterPow == Power::Sqrt && Tr::kEpilogue == Epilogue::Gaussian) {
@@ -311,7 +316,7 @@ __device__ __forceinline__ float finish_mufu(float acc, const EpilogueArgs& e) {
   } else {
     float d = acc;
     if constexpr (Tr::kOuterPow == Power::Sqrt) d = math::sqrt_approx(acc);
-    if constexpr (Tr::kOuterPow == Power::Pow) d = powf(acc, e.inv_outer_p);
+    if constexpr (Tr::kOuterPow == Power::Pow) d = math::abs_pow_fma(acc, e.outer);
     if (e.epsilon > 0.0f && d < e.epsilon) d = 0.0f;
     if constexpr (Tr::kEpilogue == Epilogue::Laplace) d = math::ex2_approx(d * e.exp2_scale);
     if constexpr (Tr::kEpilogue == Epilogue::Gaussian) d = math::ex2_approx((d * d) * e.exp2_scale);
@@ -326,8 +331,12 @@ __device__ __forceinline__ EpilogueArgs epilogue_args(const Args& args, const Ba
   EpilogueArgs ea;
   ea.epsilon = epsilon;
   ea.inv_outer_p = 0.0f;
+  ea.outer = math::PowArgs{0.0f, 0.0f, 0.0f};
   ea.exp_scale = 0.0f;
-  if constexpr (Tr::kOuterPow == Power::Pow) ea.inv_outer_p = 1.0f / args.outer_p.at(index);
+  if constexpr (Tr::kOuterPow == Power::Pow) {
+    ea.inv_outer_p = 1.0f / args.outer_p.at(index);
+    ea.outer = math::make_pow_args(ea.inv_outer_p);
+  }
   if constexpr (Tr::kEpilogue == Epilogue::Laplace) ea.exp_scale = -1.0f / args.bandwidth.at(index);
   if constexpr (Tr::kEpilogue == Epilogue::Gaussian) {
     const float bw = args.bandwidth.at(index);

@@ -6,6 +6,7 @@
     python -m kermac_like cache clear
     python -m kermac_like precompile --arch sm_80 --all          # no GPU needed
     python -m kermac_like precompile --preset laplace_l2 --preset l1   # for the current GPU
+    python -m kermac_like precompile --all --arch sm_90 --bundle   # prebuilt kernels: kermac_like/prebuilt/
 """
 
 from __future__ import annotations
@@ -70,7 +71,12 @@ def _cmd_precompile(args) -> int:
         if sys.stderr.isatty():
             print(f"\r  compiled {done}/{total}", end="", file=sys.stderr, flush=True)
 
-    summary = precompile_specs(specs, arch, processes=args.jobs, debug=debug, progress=progress)
+    if args.bundle is not None:
+        from .runtime.precompile import write_bundle
+
+        summary = write_bundle(specs, arch, args.bundle or None, processes=args.jobs, debug=debug, progress=progress)
+    else:
+        summary = precompile_specs(specs, arch, processes=args.jobs, debug=debug, progress=progress)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
@@ -133,6 +139,10 @@ def main(argv=None) -> int:
         p.add_argument("--preset", action="append", help="descriptor preset name (repeatable)")
         p.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile processes (default: cores)")
         p.add_argument("-d", "--debug", action="store_true", help="log compile times and resource usage")
+        p.add_argument("--bundle", nargs="?", const="", default=None, metavar="DIR",
+                       help="write the kernels into a bundle of prebuilt kernels instead of the cache: DIR, or "
+                            "kermac_like/prebuilt/ (shipped by a wheel built afterwards); the package reads "
+                            "bundles from $KERMAC_LIKE_BUNDLE and kermac_like/prebuilt/")
         p.set_defaults(func=_cmd_precompile)
 
     cache = sub.add_parser("cache", help="inspect or manage the persistent kernel cache")

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,6 +29,7 @@ from ..runtime.specs import (
     LOWK_MIN_BLOCKS,
     default_distance_tuning,
     desc_mm_ok,
+    lowk_bucket,
     lowk_spec,
     lowk_tiles_n,
     distance_spec,
@@ -470,10 +472,45 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     return _instantiate(t, tensors, call.device, debug)
 
 
+# A low-K call whose kernel (specialised on K) is neither loaded, cached nor bundled runs the
+# run-time-K variant of its descriptor when that one is at hand (the bundle ships it for the
+# low-K presets), while the specialised kernel compiles in a worker thread; such a plan is
+# not kept, so the first call after that compile takes the specialised kernel. Both compute
+# every output with the same operations in the same k order (the zero-filled k of the
+# run-time-K chunks add exact zeros): the same results. KERMAC_LIKE_JIT_TIER=0: wait for
+# the compile instead (bench/notes/jit.md).
+_JIT_TIER = os.environ.get("KERMAC_LIKE_JIT_TIER", "1") != "0"
+
+
+def _first_call_tier(spec, call: DistanceCall, views, compute_mode: str, debug: bool) -> tuple:
+    """(the low-K spec that serves this call now, whether its template may be kept)."""
+    from ..runtime.launcher import available, prefetch
+
+    # Not under spec_override (a probe or test wants its own spec) nor while autotuning (the
+    # timings must be the specialised kernel's).
+    if not _JIT_TIER or lowk_bucket(call.K) == 0 or _OVERRIDES or autotune.autotune_enabled(call.autotune):
+        return spec, True
+    device = _device_index(call.device)
+    if available(spec, device):
+        return spec, True
+    if autotune.uses_mm(compute_mode, call.M, call.N) and desc_mm_ok(call.desc):
+        return spec, True  # kMmNonFinite exists at compile-time K only
+    av, bv, outv = views
+    first, second = (bv, av) if outv.layout is Layout.COL_MAJOR else (av, bv)
+    generic = lowk_spec(call.desc, first.layout, second.layout, LOWK_MAX_K + 1)
+    if not available(generic, device):
+        return spec, True
+    prefetch([spec], device, debug=debug)
+    if debug:
+        log.debug("run_kernel %r K=%d: %s compiling in the background; this call runs %s", call.desc, call.K,
+                  spec.name_expression, generic.name_expression)
+    return generic, False
+
+
 def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings, kind: str):
     """(template, the tensors it reads, whether it serves later calls), or None for the
     reference path."""
-    from ..runtime.launcher import get_kernel, max_active_clusters
+    from ..runtime.launcher import get_kernel, max_active_clusters, prefetch
 
     padded = kmajor = False
     if kind == autotune.TENSOR_CORE:
@@ -494,10 +531,16 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     # A layout copy is made anew by every call (and not cached); the zero padding is
     # redone by the template (its copies are fresh row-major tensors, analysed alike).
     reusable = not (av.copied or bv.copied)
+    if family == "distance_lowk":
+        spec, kept = _first_call_tier(spec, call, (av, bv, outv), compute_mode, debug)
+        reusable = reusable and kept
     pad_k = call.K if padded else 0
     if bplan.count == 0 or call.M == 0 or call.N == 0:
         return _Template(family, spec, (), (), pad_k, kmajor), tensors, reusable
     device = _device_index(call.device)
+    if spec.kernel == WGMMA_KERNEL:  # the kernel and its b preparation compile side by side
+        small, norms = wgmma_prepare_needs(call.desc, tf32=settings.tf32)
+        prefetch([spec, wgmma_prepare_spec(small=small, norms=norms)], device, debug=debug)
     kernel = get_kernel(spec, device, debug=debug)
     L = bplan.count
     # The low-K kernel writes a column-major out as the row-major out^T = kernel(b, a).

@@ -87,7 +87,7 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     range, v's tiles (N x C), split sums (<= MATVEC_SCRATCH_BYTES) and the float64 carry
     (batch x M x C, several ranges only); padded copies of x and y where their rows are
     not 16-byte aligned."""
-    from ..runtime.launcher import get_kernel, max_active_clusters
+    from ..runtime.launcher import get_kernel, max_active_clusters, prefetch
 
     om = out.unsqueeze(-1) if call.vector else out
     device = _device_index(call.device)
@@ -126,6 +126,10 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     chunks = [(c0, min(MAX_C, C - c0)) for c0 in range(0, C, MAX_C)]
     vps = [_prepare_v(call.v, c0, cc, c_bucket(cc), tiles) for c0, cc in chunks]
     scratch = [x, y, vps, *(h for h in hypers.values() if isinstance(h, torch.Tensor))]
+
+    small, norms = wgmma_prepare_needs(call.desc, tf32=tf32)  # compiled side by side with the kernels
+    prefetch([*(matvec_wgmma_spec(call.desc, c_bucket(cc), tf32=tf32) for _, cc in chunks),
+              wgmma_prepare_spec(small=small, norms=norms)], device, debug=debug)
 
     kernels = {}
     for c0, cc in chunks:

@@ -38,6 +38,7 @@ __all__ = [
     "template_dir",
     "template_hash",
     "nvrtc_version",
+    "loaded_nvrtc_version",
     "arch_of_device",
     "compile_specs",
     "precompile_specs",
@@ -102,8 +103,31 @@ def template_hash() -> str:
     return h.hexdigest()
 
 
+# NVRTC's wheels (CUDA 13, CUDA 12): the library cuda.pathfinder loads first when installed.
+_NVRTC_WHEELS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12")
+
+
 @functools.lru_cache(maxsize=None)
 def nvrtc_version() -> str:
+    """NVRTC's "major.minor" (part of every kernel key): from the NVRTC wheel's metadata
+    when one is installed, so that a warm start, which compiles nothing, does not load the
+    library (its dlopen took 75-105 ms of a warm first call on the 2-core CI machine,
+    bench/notes/jit.md); else from NVRTC itself. A compile checks the two agree."""
+    import importlib.metadata as md
+
+    for dist in _NVRTC_WHEELS:
+        try:
+            m = re.match(r"(\d+)\.(\d+)", md.version(dist))
+        except md.PackageNotFoundError:
+            continue
+        if m:
+            return f"{m.group(1)}.{m.group(2)}"
+    return loaded_nvrtc_version()
+
+
+@functools.lru_cache(maxsize=None)
+def loaded_nvrtc_version() -> str:
+    """The version the loaded NVRTC library reports (loads it)."""
     try:
         from cuda.bindings import nvrtc
     except ImportError:  # older cuda-python layout
@@ -192,6 +216,17 @@ def _program_options(arch: str):
                           lineinfo=_lineinfo())
 
 
+@functools.lru_cache(maxsize=None)
+def _check_nvrtc_version() -> None:
+    """Once per process, after NVRTC ran: warn when the library that ran is not the
+    version the kernel keys name (a wheel installed beside another NVRTC that was loaded
+    first); the cubins stay valid, but the keys then mislabel them."""
+    loaded = loaded_nvrtc_version()
+    if loaded != nvrtc_version():
+        log.warning("NVRTC %s was loaded, but kernel keys name %s (the installed wheel's version)", loaded,
+                    nvrtc_version())
+
+
 def _compile_group(specs: tuple, arch: str):
     """Compile ``specs`` into one cubin. Returns (cubin, {expr: lowered}, seconds, log)."""
     try:
@@ -213,6 +248,7 @@ def _compile_group(specs: tuple, arch: str):
             name_expressions=exprs,
         ) from None
     seconds = time.perf_counter() - t0
+    _check_nvrtc_version()
     raw = obj.symbol_mapping if hasattr(obj, "symbol_mapping") else obj._sym_map
     mapping = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in dict(raw).items()}
     missing = [e for e in exprs if e not in mapping]
@@ -232,14 +268,16 @@ def compile_specs(specs, arch: str, *, debug: bool = False):
     Returns ``(ModuleRecord, resources)`` where resources maps each name
     expression to its ptxas report (registers, smem, spills).
     """
-    from .cache import ModuleRecord
-
     specs = tuple(specs)
     suffixes = {s.arch_suffix for s in specs}
     if len(suffixes) != 1:
         raise ValueError("specs: one program compiles for one architecture variant")
     full_arch = _check_arch(arch) + suffixes.pop()
     cubin, mapping, seconds, text = _compile_group(specs, full_arch)
+    # Imported after NVRTC: the record's module imports SQLAlchemy, which the launcher
+    # imports in another thread meanwhile (launcher._open_cache_in_background).
+    from .cache import ModuleRecord
+
     res_by_lowered = parse_ptxas_log(text)
     resources = {e: res_by_lowered.get(mapping[e], {}) for e in mapping}
     for expr, res in resources.items():
@@ -255,7 +293,7 @@ def compile_specs(specs, arch: str, *, debug: bool = False):
         cubin=cubin,
         arch=full_arch,
         compile_seconds=seconds,
-        nvrtc_version=nvrtc_version(),
+        nvrtc_version=loaded_nvrtc_version(),  # the library that built it
         options=" ".join(o for o in _options(full_arch) if not o.startswith("-I")),
         kernels=tuple((kernel_key(s, arch), s.name_expression, mapping[s.name_expression]) for s in specs),
     )

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from .compiler import KernelSpec, arch_of_device, compile_specs, kernel_key
 
 log = logging.getLogger("kermac_like.launcher")
 
-__all__ = ["LoadedKernel", "get_kernel", "launch", "clear_loaded", "max_active_clusters", "ArgBlock"]
+__all__ = ["LoadedKernel", "get_kernel", "prefetch", "available", "wait_pending", "launch", "clear_loaded", "max_active_clusters", "ArgBlock"]
 
 RAW_LAUNCH = os.environ.get("KERMAC_LIKE_RAW_LAUNCH", "1") != "0"
 
@@ -57,7 +58,7 @@ class LoadedKernel:
     device: int
     function: object  # cuda.core Kernel
     key: str
-    source: str  # "memory" | "cache" | "compiled"
+    source: str  # "cache" | "bundle" (prebuilt) | "compiled"
 
 
 _lock = threading.Lock()
@@ -97,34 +98,154 @@ def _set_dynamic_smem(fn, device: int, nbytes: int) -> None:
         raise RuntimeError(f"could not raise the dynamic shared memory limit to {nbytes} bytes: {err}")
 
 
+def _open_cache_in_background():
+    """Open the full cache (SQLAlchemy's import and engine: ~0.1-0.2 s) in a thread while
+    NVRTC runs in this one (NVRTC releases the GIL); returns a callable giving the cache."""
+    box = {}
+
+    def run():
+        from .cache import get_cache
+
+        try:
+            box["cache"] = get_cache()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="kermac_like-cache-open", daemon=True)
+    t.start()
+
+    def result():
+        t.join()
+        if "error" in box:
+            raise box["error"]
+        return box["cache"]
+
+    return result
+
+
+def _find_or_compile(spec: KernelSpec, arch: str, key: str, debug: bool) -> tuple:
+    """((cubin, lowered name, module sha256), source) of ``spec``: the user's cache
+    (SQLAlchemy-free read), a bundle of prebuilt kernels, else NVRTC (stored in the
+    cache). Needs no GPU and no lock: prefetch runs it in worker threads."""
+    from .cache.warm import read_bundled, read_kernel_status
+
+    found, absent = read_kernel_status(key)  # warm start without SQLAlchemy
+    if found is not None:
+        return found, "cache"
+    found = read_bundled(key)
+    if found is not None:
+        return found, "bundle"
+    store = sys.modules.get(__package__ + ".cache.store")
+    if absent and store is not None and store._singleton is not None and store._singleton[1].in_memory:
+        absent = False  # no usable file: this process's in-memory cache may hold it
+    if absent:  # the cache file has no such row (or no file yet): compile while the cache opens
+        cache_of = _open_cache_in_background()
+        record, _ = compile_specs([spec], arch, debug=debug)
+        cache_of().put(record)
+        return (record.cubin, record.kernels[0][2], hashlib.sha256(record.cubin).hexdigest()), "compiled"
+    from .cache import get_cache
+
+    cache = get_cache()  # the full cache decides what the warm read doubted
+    entry = cache.get(key)
+    if entry is not None:
+        return (entry.cubin, entry.lowered_name, entry.module_sha256), "cache"
+    record, _ = compile_specs([spec], arch, debug=debug)
+    cache.put(record)
+    return (record.cubin, record.kernels[0][2], hashlib.sha256(record.cubin).hexdigest()), "compiled"
+
+
+# Kernels being found or compiled in worker threads (prefetch): (arch, spec) -> Future.
+_pending: dict = {}
+_pool = None
+
+
+def _workers():
+    global _pool
+    if _pool is None:
+        import concurrent.futures as cf
+
+        _pool = cf.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                      thread_name_prefix="kermac_like-compile")
+    return _pool
+
+
+def prefetch(specs, device: int, *, debug: bool = False) -> None:
+    """Start finding or compiling ``specs`` for ``device`` in worker threads, so that the
+    several kernels of one call compile side by side (NVRTC runs without the GIL, one
+    program per thread); :func:`get_kernel` then waits for its own. A spec already
+    loaded, or already on its way, is skipped."""
+    arch = None
+    with _lock:
+        for spec in dict.fromkeys(specs):
+            if (device, spec) in _functions:
+                continue
+            if arch is None:
+                arch = arch_of_device(device)
+            if (arch, spec) in _pending or not spec.supports(arch):
+                continue
+            _pending[(arch, spec)] = _workers().submit(_find_or_compile, spec, arch, kernel_key(spec, arch), debug)
+
+
+def wait_pending() -> int:
+    """Wait for every kernel being found or compiled in a worker thread; returns how many
+    there were (benchmarks call it before timing, tests before comparing kernels)."""
+    with _lock:
+        pending = list(_pending.values())
+    for f in pending:
+        f.exception()  # waits; a failure surfaces in the get_kernel that needs the kernel
+    return len(pending)
+
+
+def available(spec: KernelSpec, device: int) -> bool:
+    """Whether :func:`get_kernel` would return ``spec`` without compiling: loaded, found by
+    a finished prefetch, in the user's cache or in a bundle (reads the cache: for plans,
+    not for every call)."""
+    if (device, spec) in _functions:
+        return True
+    arch = arch_of_device(device)
+    pending = _pending.get((arch, spec))
+    if pending is not None:
+        return pending.done()
+    from .cache.warm import read_bundled, read_kernel
+
+    key = kernel_key(spec, arch)
+    return read_kernel(key) is not None or read_bundled(key) is not None
+
+
 def get_kernel(spec: KernelSpec, device: int, *, debug: bool = False) -> LoadedKernel:
     """The loaded function of ``spec`` on CUDA device ``device``."""
     hit = _functions.get((device, spec))
     if hit is not None:
         return hit
+    t0 = time.perf_counter()
+    arch = arch_of_device(device)
+    key = kernel_key(spec, arch)
+    mine = None
     with _lock:
         hit = _functions.get((device, spec))
         if hit is not None:
             return hit
-        from .cache.warm import read_kernel
+        pending = _pending.get((arch, spec))
+        if pending is None:  # this thread finds or compiles it; others asking meanwhile wait
+            import concurrent.futures as cf
 
-        t0 = time.perf_counter()
-        arch = arch_of_device(device)
-        key = kernel_key(spec, arch)
-        source = "cache"
-        found = read_kernel(key)  # warm start without SQLAlchemy
-        if found is None:
-            from .cache import get_cache
-
-            cache = get_cache()
-            entry = cache.get(key)
-            if entry is None:
-                source = "compiled"
-                record, _ = compile_specs([spec], arch, debug=debug)
-                cache.put(record)
-                found = (record.cubin, record.kernels[0][2], hashlib.sha256(record.cubin).hexdigest())
-            else:
-                found = (entry.cubin, entry.lowered_name, entry.module_sha256)
+            pending = mine = _pending[(arch, spec)] = cf.Future()
+    # Outside the lock: other kernels load meanwhile.
+    try:
+        if mine is not None:
+            try:
+                mine.set_result(_find_or_compile(spec, arch, key, debug))
+            except BaseException as e:
+                mine.set_exception(e)
+        found, source = pending.result()
+    finally:
+        with _lock:
+            if _pending.get((arch, spec)) is pending:
+                del _pending[(arch, spec)]
+    with _lock:
+        hit = _functions.get((device, spec))
+        if hit is not None:
+            return hit
         cubin, lowered, module_sha = found
         _make_current(device)
         core = _core()
@@ -140,7 +261,8 @@ def get_kernel(spec: KernelSpec, device: int, *, debug: bool = False) -> LoadedK
         if debug:
             log.debug(
                 "kernel %s on cuda:%d (%s): %s in %.1f ms",
-                spec.name_expression, device, arch, "cache hit" if source == "cache" else "cache miss, compiled",
+                spec.name_expression, device, arch,
+                {"cache": "cache hit", "bundle": "prebuilt bundle"}.get(source, "cache miss, compiled"),
                 (time.perf_counter() - t0) * 1e3,
             )
         return loaded

@@ -12,7 +12,7 @@ from .specs import (distance_spec, distance_tunings, mma_specs_for, wgmma_prepar
 from .specs.matvec import C_BUCKETS
 from .specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
 
-__all__ = ["precompile", "specs_for_descriptor"]
+__all__ = ["precompile", "specs_for_descriptor", "write_bundle"]
 
 
 def specs_for_descriptor(desc: KernelDescriptor) -> list:
@@ -66,3 +66,45 @@ def precompile(descriptors, device=None, *, arch: str | None = None, processes: 
         arch = arch_of_device(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
     specs = [s for d in descriptors for s in specs_for_descriptor(d)]
     return precompile_specs(specs, arch, processes=processes, debug=debug)
+
+
+def write_bundle(specs, arch: str, directory=None, *, processes: int | None = None, debug: bool = False,
+                 progress=None) -> dict:
+    """Compile ``specs`` for ``arch`` into a bundle of prebuilt kernels: a kernel-cache file
+    in ``directory`` (default: ``kermac_like/prebuilt/`` beside the package, which a wheel
+    built afterwards ships) that the launcher reads, read-only, after a miss in the user's
+    cache and before compiling (runtime/cache/warm.py ``read_bundled``). Entries already
+    there are kept (one bundle may hold several architectures). The file is left in
+    rollback-journal mode, world-readable and owner-writable only, so that it can be read
+    from a read-only folder. Returns precompile_specs' summary with the bundle's path."""
+    import os
+    import sqlite3
+    from pathlib import Path
+
+    from .cache import DB_FILENAME, KernelCache
+    from .cache import warm
+    from .compiler import precompile_specs
+
+    directory = Path(directory) if directory is not None else warm.package_bundle_dir()
+    cache = KernelCache(directory, max_bytes=1 << 40)  # a bundle is never evicted from
+    if cache.in_memory:
+        raise OSError(f"bundle: cannot write a kernel file in {directory}")
+    try:
+        summary = precompile_specs(specs, arch, cache=cache, processes=processes, debug=debug, progress=progress)
+    finally:
+        cache.close()
+    path = directory / DB_FILENAME
+    conn = sqlite3.connect(str(path))
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.execute("PRAGMA journal_mode=DELETE")
+        conn.execute("VACUUM")
+    finally:
+        conn.close()
+    for extra in (directory / (DB_FILENAME + ".lock"), Path(f"{path}-wal"), Path(f"{path}-shm")):
+        extra.unlink(missing_ok=True)
+    os.chmod(directory, 0o755)
+    os.chmod(path, 0o644)
+    warm._bundle_files.cache_clear()
+    summary["bundle"] = str(path)
+    return summary

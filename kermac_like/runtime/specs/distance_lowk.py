@@ -119,6 +119,14 @@ LOWK_SHIPPED_PRESETS = ("l1", "l2", "laplace_l2", "gaussian_l2")
 # The Euclidean presets also with kMmNonFinite at the K the default table gives them in
 # torch.cdist's matrix-product mode (runtime/autotune.py LOWK_MM_UP_TO).
 LOWK_SHIPPED_MM_K = (1, 2, 3, 4, 8)
+# First calls of issue 26's latency list that the set above missed (the bundle of prebuilt
+# kernels holds the shipped set): cdist with a fractional p (p_norm) at K <= 8, and cdist
+# p=1 at K = 64 with each tile count the planner gives it (lowk_tiles_n: 2 up to ~5000^2,
+# 4, 8 at large outputs); and p_norm's run-time-K variant, which serves a first call at
+# another K while that K's kernel compiles (plan._first_call_tier). Minutes of NVRTC per architecture for precompile --all: the
+# p_norm builds take ~4 s each (bench/notes/jit.md).
+LOWK_SHIPPED_EXTRA = tuple(("p_norm", K, None) for K in (1, 2, 3, 4, 8, LOWK_MAX_K + 1)) + \
+    tuple(("l1", 64, t) for t in (2, 4, 8))
 
 
 def shipped():
@@ -129,3 +137,5 @@ def shipped():
         if desc_mm_ok(PRESETS[name]):
             for K in LOWK_SHIPPED_MM_K:
                 yield lowk_spec(PRESETS[name], row, row, K, mm_nonfinite=True)
+    for name, K, tiles in LOWK_SHIPPED_EXTRA:
+        yield lowk_spec(PRESETS[name], row, row, K, tiles_n=tiles)

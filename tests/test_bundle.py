@@ -1,0 +1,69 @@
+"""Bundles of prebuilt kernels and the launcher's find-or-compile path (no GPU: the arch is
+a string; one small kernel is compiled with NVRTC)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kermac_like.runtime import launcher
+from kermac_like.runtime.cache import warm
+from kermac_like.runtime.cache import store as kc
+from kermac_like.runtime.compiler import kernel_key
+from kermac_like.runtime.precompile import write_bundle
+from kermac_like.runtime.specs.matvec import combine_spec
+
+ARCH = "sm_80"
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERMAC_LIKE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(warm.ENV_BUNDLE, str(tmp_path / "bundle"))
+    monkeypatch.setattr(warm, "package_bundle_dir", lambda: tmp_path / "no-package-bundle")
+    warm._bundle_files.cache_clear()
+    kc.reset_cache()
+    yield tmp_path
+    warm._bundle_files.cache_clear()
+    kc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return combine_spec(torch.float32)  # a small kernel: well under a second of NVRTC
+
+
+def test_bundle_is_read_before_compiling(isolated, spec, monkeypatch):
+    summary = write_bundle([spec], ARCH, isolated / "bundle", processes=1)
+    path = isolated / "bundle" / kc.DB_FILENAME
+    assert summary["compiled"] == 1 and summary["bundle"] == str(path)
+    assert oct(path.stat().st_mode & 0o777) == "0o644"
+    assert not (isolated / "bundle" / (kc.DB_FILENAME + "-wal")).exists()
+    key = kernel_key(spec, ARCH)
+    cubin, lowered, sha = warm.read_bundled(key)
+    assert lowered and len(cubin) > 1000
+    assert warm.read_kernel_status(key) == (None, True)  # the user's cache has no file yet
+    monkeypatch.setattr(launcher, "compile_specs", lambda *a, **k: pytest.fail("compiled despite the bundle"))
+    found, source = launcher._find_or_compile(spec, ARCH, key, False)
+    assert source == "bundle" and found == (cubin, lowered, sha)
+
+
+def test_bundle_writable_by_others_is_ignored(isolated, spec):
+    write_bundle([spec], ARCH, isolated / "bundle", processes=1)
+    path = isolated / "bundle" / kc.DB_FILENAME
+    os.chmod(path, 0o666)
+    warm._bundle_files.cache_clear()
+    assert warm.read_bundled(kernel_key(spec, ARCH)) is None
+
+
+def test_miss_compiles_and_stores(isolated, spec):
+    key = kernel_key(spec, ARCH)
+    found, source = launcher._find_or_compile(spec, ARCH, key, False)
+    assert source == "compiled"
+    assert warm.read_kernel(key) == found  # stored in the user's cache
+    assert warm.read_kernel_status(key) == (found, False)
+    assert warm.read_kernel_status("0" * 64) == (None, True)  # a sound file without the row
+    again, source = launcher._find_or_compile(spec, ARCH, key, False)
+    assert source == "cache" and again == found

@@ -1,4 +1,4 @@
-"""The first-call tier of the low-K kernels (plan._first_call_tier): a call whose specialised
+"""The first-call tier of the low-K kernels (plan.distance._first_call_tier): a call whose specialised
 kernel is not at hand runs the run-time-K variant while it compiles. CPU only: the
 planner's device queries and the loader are stubbed (conftest.as_gpu)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import kermac_like as km
-from kermac_like import plan as P
+from kermac_like.plan import distance as P
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
 from kermac_like.runtime import launcher
 from kermac_like.layout import Layout

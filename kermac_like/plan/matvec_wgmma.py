@@ -14,6 +14,7 @@ import torch
 from ..descriptor import KernelDescriptor
 from ..layout import batch_strides, plan_batch
 from ..runtime.specs.matvec import MAX_C, c_bucket, combine_spec
+from ..runtime.specs import wgmma_prepare_needs, wgmma_prepare_spec
 from ..runtime.specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
 from .core import (
     HYPERS,

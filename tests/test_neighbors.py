@@ -2,11 +2,11 @@
 exactly tied neighbours), numpy/torch in and out, errors, and two gloo processes against one."""
 
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
+from gloo_spawn import spawn_workers
 
 from kermac_like.neighbors import KNeighborsClassifier, KNeighborsRegressor, NearestNeighbors
 
@@ -167,11 +167,6 @@ def test_errors():
 
 
 # -- two gloo processes ---------------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _data():
     rng = np.random.default_rng(11)
@@ -210,21 +205,7 @@ def _worker(rank, port, q):
 
 
 def test_two_gloo_processes_match_one():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = spawn_workers(_worker)
     assert all(isinstance(r, dict) for r in results.values()), results
     X, Q, yc, yr = _data()
     want = {

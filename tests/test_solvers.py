@@ -7,7 +7,6 @@ CPU tests are small (the reference path runs every kernel product); the GPU test
 
 import math
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -15,6 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from gloo_spawn import spawn_workers
 
 from kermac_like.solvers import ConvergenceWarning, KernelRidge
 from kermac_like.solvers._cg import pcg
@@ -264,11 +264,6 @@ def test_predict_checks():
 
 
 # -- two gloo processes ---------------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 SOLVER_CASES = [("cholesky", {}), ("cg", dict(n_landmarks=30, tol=1e-10)), ("nystrom", dict(n_centers=50, tol=1e-10))]
 BAD_CASES = {
@@ -322,21 +317,7 @@ def _worker(rank, port, q):
 
 
 def test_two_gloo_processes_match_one():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = spawn_workers(_worker)
     assert all(isinstance(r, dict) for r in results.values()), results
     x, y, xt, _ = smooth_data(151, 30, targets=2, seed=5)
     for solver, kw in SOLVER_CASES:

@@ -38,15 +38,20 @@ COMPUTE_MODES = (
 )
 
 def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
-                 regularization_offset_x=0, regularization_offset_y=0, epsilon=None) -> DistanceCall:
-    """Validate a run_kernel call; raises TypeError/ValueError naming the argument."""
+                 regularization_offset_x=0, regularization_offset_y=0, epsilon=None, names=("a", "b"),
+                 extra_shapes=None) -> DistanceCall:
+    """Validate a run_kernel call; raises TypeError/ValueError naming the argument. ``names``:
+    the operands' names in the calling op's terms (kernel_matvec's and knn's x and y);
+    ``extra_shapes``: batch shapes of that op's other operands ({name: shape}), which must
+    broadcast with the data and the hyper-parameters (the call's batch includes them)."""
     if not isinstance(descriptor, KernelDescriptor):
         raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
-    check_tensor("a", a)
-    check_tensor("b", b)
-    check_same("b", b, "a", a)
+    na, nb = names
+    check_tensor(na, a)
+    check_tensor(nb, b)
+    check_same(nb, b, na, a)
     if a.shape[-1] != b.shape[-1]:
-        raise ValueError(f"b: last dimension {b.shape[-1]} differs from a's {a.shape[-1]} (the contracted K mode)")
+        raise ValueError(f"{nb}: last dimension {b.shape[-1]} differs from {na}'s {a.shape[-1]} (the contracted K mode)")
     dev = a.device
     p = check_scalar_or_tensor("p", p, dev, nonnegative=True)
     inner_p = check_scalar_or_tensor("inner_p", inner_p, dev, nonnegative=True)
@@ -80,7 +85,7 @@ def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwi
     else:
         bandwidth = None
     hypers = dict(inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth, regularization=regularization)
-    shapes = {"a": tuple(a.shape[:-2]), "b": tuple(b.shape[:-2])}
+    shapes = {na: tuple(a.shape[:-2]), nb: tuple(b.shape[:-2]), **(extra_shapes or {})}
     shapes.update({k: tuple(v.shape) for k, v in hypers.items() if isinstance(v, torch.Tensor)})
     batch = broadcast_batch_shape(shapes)
     return DistanceCall(descriptor, a, b, hypers, ox - oy, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])

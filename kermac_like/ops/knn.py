@@ -134,17 +134,9 @@ def prepare_topk(descriptor, x, y, k, *, largest=None, p=None, inner_p=None, out
     if not isinstance(descriptor, KernelDescriptor):
         raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
     _check_data(x, y)
-    # Batch shapes first, named in this op's terms (prepare_call names its operands a and b).
-    shapes = {"x": tuple(x.shape[:-2]), "y": tuple(y.shape[:-2])}
-    named = dict(p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth, regularization=regularization)
-    for name, h in named.items():
-        h = check_scalar_or_tensor(name, h, x.device)
-        if isinstance(h, torch.Tensor):
-            shapes[name] = tuple(h.shape)
-    broadcast_batch_shape(shapes)
     dc = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                       regularization=regularization, regularization_offset_x=regularization_offset_x,
-                      regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+                      regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"))
     k = _check_k(k, dc.N)
     distance = descriptor.inner_operator is InnerOperator.DIFF and descriptor.kernel_type is KernelType.NONE
     return TopkCall(descriptor, x, y, k, _check_largest(largest, not distance), dc.hypers, dc.reg_diag, dc.epsilon,

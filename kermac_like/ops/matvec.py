@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import _debug
-from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
+from .._args import check_int, check_same, check_tensor
 from ..descriptor import KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import MATVEC_SCRATCH_BYTES, plan_matvec
@@ -130,19 +130,11 @@ def prepare_matvec(descriptor, x, y, v, *, p=None, inner_p=None, outer_p=None, b
     vm, vector = _rhs("v", v, x, y.shape[-2])
     check_int("regularization_offset_x", regularization_offset_x)
     check_int("regularization_offset_y", regularization_offset_y)
-    # Batch shapes first, named in this op's terms (prepare_call names its operands a and b).
-    shapes = {"x": tuple(x.shape[:-2]), "y": tuple(y.shape[:-2]), "v": tuple(vm.shape[:-2])}
-    named = dict(p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth, regularization=regularization)
-    for k, h in named.items():
-        h = check_scalar_or_tensor(k, h, x.device)
-        if isinstance(h, torch.Tensor):
-            shapes[k] = tuple(h.shape)
-    broadcast_batch_shape(shapes)
     dc = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                       regularization=regularization, regularization_offset_x=regularization_offset_x,
-                      regularization_offset_y=regularization_offset_y, epsilon=epsilon)
-    batch = broadcast_batch_shape({"x": dc.batch, "v": tuple(vm.shape[:-2])})
-    return MatvecCall(descriptor, x, y, vm, dc.hypers, dc.reg_diag, dc.epsilon, batch, dc.M, dc.N, dc.K,
+                      regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"),
+                      extra_shapes={"v": tuple(vm.shape[:-2])})
+    return MatvecCall(descriptor, x, y, vm, dc.hypers, dc.reg_diag, dc.epsilon, dc.batch, dc.M, dc.N, dc.K,
                       vm.shape[-1], vector)
 
 

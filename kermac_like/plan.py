@@ -37,7 +37,8 @@ import torch
 
 from .descriptor import KernelDescriptor
 from .layout import Layout, analyse_matrix, batch_strides, plan_batch
-from .reference import cdist_grad_reference, distance_reference, matvec_reference
+from .reference import cdist_grad_reference
+from . import torch_path
 from .runtime import autotune
 from .runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from .runtime.specs import (
@@ -364,9 +365,7 @@ def plan_distance(call: DistanceCall, out: torch.Tensor, compute_mode: str, debu
             return plan
     if debug:
         log.debug("run_kernel %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
-    return _reference_plan(functools.partial(
-        distance_reference, call.desc, call.a, call.b, reg_diag=call.reg_diag, epsilon=call.epsilon, out=out,
-        **call.hypers), debug)
+    return _reference_plan(functools.partial(torch_path.distance, call, out, compute_mode), debug)
 
 
 def run_distance(call: DistanceCall, out, compute_mode: str, debug: bool, call_key=None) -> torch.Tensor:
@@ -911,7 +910,7 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
         if debug:
             log_matvec.debug("kernel_matvec %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
-        return _reference_plan(lambda: matvec_reference(call, out), debug)
+        return _reference_plan(lambda: torch_path.matvec(call, out), debug)
     wide_out = out.dtype == torch.float64 and call.dtype != torch.float64
     if call.K > MATVEC_BLOCKED_MIN_K and call.desc.is_euclidean and call.dtype == torch.float32:
         settings = Settings.current()

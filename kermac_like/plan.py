@@ -356,10 +356,13 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
     return spec, (av, bv, outv), tensors, bplan, "distance"
 
 
-def plan_distance(call: DistanceCall, out: torch.Tensor, compute_mode: str, debug: bool,
+def plan_distance(call: DistanceCall, out: torch.Tensor | None, compute_mode: str, debug: bool,
                   settings: Settings | None = None, call_key=None) -> Plan:
-    """The plan of a validated run_kernel call writing ``out`` (allocated, checked)."""
+    """The plan of a validated run_kernel call writing ``out`` (checked; None: a fresh tensor,
+    on the torch path its kernels' own result)."""
     if call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.a):
+        if out is None:
+            out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
         plan = _plan_distance_gpu(call, out, compute_mode, debug, settings or Settings.current(), call_key=call_key)
         if plan is not None:
             return plan
@@ -370,8 +373,6 @@ def plan_distance(call: DistanceCall, out: torch.Tensor, compute_mode: str, debu
 
 def run_distance(call: DistanceCall, out, compute_mode: str, debug: bool, call_key=None) -> torch.Tensor:
     """Plan and run a validated call (no autograd); ``out`` None or checked."""
-    if out is None:
-        out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
     return plan_distance(call, out, compute_mode, debug, call_key=call_key).run()
 
 

@@ -39,7 +39,7 @@ DEFAULT_MODE = "use_mm_for_euclid_dist_if_necessary"
 # within the L2/L3 caches while its epilogue runs; on a GPU (float64, old GPUs) a block is
 # large enough that launches do not dominate.
 CPU_BLOCK_ELEMENTS = 1 << 20
-GPU_BLOCK_ELEMENTS = 1 << 26
+GPU_BLOCK_ELEMENTS = 1 << 24
 # Column block of kernel_matvec: the rows of x meet at most this many points of y at once.
 MATVEC_COLUMNS = 4096
 
@@ -171,22 +171,32 @@ def _buffer(n: int, dtype, device):
     return torch.empty(n, dtype=dtype, device=device) if n else None
 
 
-def distance(call, out: torch.Tensor, compute_mode: str = DEFAULT_MODE) -> torch.Tensor:
+def distance(call, out: torch.Tensor | None = None, compute_mode: str = DEFAULT_MODE) -> torch.Tensor:
     """run_kernel for a validated call (``plan.DistanceCall``) into ``out`` (checked:
-    ``(*batch, M, N)``, the call's dtype, any layout); returns ``out``.
+    ``(*batch, M, N)``, the call's dtype, any layout), or into a fresh tensor (None);
+    returns it.
 
     SQUARE inner powers follow torch.cdist's ``compute_mode`` rule (the matrix product above
-    25 rows by default): NaN and inf as torch.cdist gives them on the same inputs."""
+    25 rows by default): NaN and inf as torch.cdist gives them on the same inputs. The matrix
+    is computed whole, as torch.cdist does (its only temporary is the result itself; the
+    fewest passes of the fewest ops), in place in ``out`` where ``out`` is contiguous in the
+    work dtype; in row blocks of at most :func:`block_elements` only through the
+    ``(rows, N, K)`` temporary of a tensor inner_p."""
     M, N = call.M, call.N
-    if out.numel() == 0:
-        return out
     work = work_dtype(call.dtype)
-    mm = uses_mm(compute_mode, M, N)
-    sums = _Sums(call.desc, call.a, call.b, call.hypers["inner_p"], mm, work)
-    epi = _Epilogue(call.desc, call.hypers, call.epsilon, call.reg_diag, work)
     batch = tuple(call.batch)
     L = math.prod(batch)
-    mb = max(1, min(M, block_elements(call.device) // max(1, L * N * sums.per_pair)))
+    if L * M * N == 0:
+        return out if out is not None else torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
+    sums = _Sums(call.desc, call.a, call.b, call.hypers["inner_p"], uses_mm(compute_mode, M, N), work)
+    epi = _Epilogue(call.desc, call.hypers, call.epsilon, call.reg_diag, work)
+    mb = M if sums.per_pair == 1 else max(1, min(M, block_elements(call.device) // (L * N * sums.per_pair)))
+    if out is None:
+        if mb == M:  # the result of torch's kernels is the output
+            t, root = sums.block(0, M, 0, N, None)
+            t = epi.apply(t, root, batch, call.reg_diag, None)
+            return t if t.dtype == call.dtype else t.to(call.dtype)
+        out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
     # out's own rows are the block when they are contiguous in the work dtype
     direct = out.dtype == work and out.is_contiguous() and (mb == M or L == 1)
     buf = None if direct else _buffer(L * mb * N, work, call.device)

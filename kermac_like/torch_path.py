@@ -53,6 +53,17 @@ def block_elements(device: torch.device) -> int:
     return CPU_BLOCK_ELEMENTS if device.type == "cpu" else GPU_BLOCK_ELEMENTS
 
 
+def _broadcast(*shapes) -> tuple:
+    """torch.broadcast_shapes of shapes already checked to broadcast (without its cost per call)."""
+    nd = max(map(len, shapes), default=0)
+    out = [1] * nd
+    for s in shapes:
+        for i, d in enumerate(s, nd - len(s)):
+            if d != 1:
+                out[i] = d
+    return tuple(out)
+
+
 def _shape_of(h) -> tuple:
     return tuple(h.shape) if isinstance(h, torch.Tensor) else ()
 
@@ -73,15 +84,14 @@ class _Sums:
         a, b = a.to(work), b.to(work)
         self.a, self.b, self.K = a, b, a.shape[-1]
         self.per_pair = 1  # temporary elements per output of a block
+        self.pads = None
         shapes = [a.shape[:-2], b.shape[:-2]]
         if desc.inner_operator is InnerOperator.DOT:
             self.kind, self.root = "dot", 1.0
         elif desc.inner_power is PowerType.SQUARE and mm:
-            # torch.cdist's matrix-product form (aten _euclidean_dist): [-2x, |x|^2, 1] . [y, 1, |y|^2]
             self.kind, self.root = "mm", 1.0
-            an, bn = a.pow(2).sum(-1, keepdim=True), b.pow(2).sum(-1, keepdim=True)
-            self.a = torch.cat([a.mul(-2), an, torch.ones_like(an)], -1)
-            self.b = torch.cat([b, torch.ones_like(bn), bn], -1)
+            # A block of its own (no dst) whose distance is wanted is torch.cdist's own result.
+            self.cdist_root = desc.outer_power is PowerType.SQRT and desc.kernel_type is not KernelType.GAUSSIAN
         elif desc.inner_power is PowerType.SQUARE:
             self.kind, self.p, self.root = "cdist", 2.0, 2.0
         elif desc.inner_power is PowerType.ABS:
@@ -92,12 +102,27 @@ class _Sums:
             shapes.append(inner_p.shape)
         else:
             self.kind, self.p, self.root = "cdist", float(inner_p), float(inner_p)
-        self.batch = tuple(torch.broadcast_shapes(*shapes))
+        self.batch = _broadcast(*shapes)
+
+    def _padded(self):
+        """a and b for torch.cdist's matrix-product form (aten _euclidean_dist):
+        [-2x, |x|^2, 1] . [y, 1, |y|^2] = |x - y|^2."""
+        if self.pads is None:
+            a, b = self.a, self.b
+            an, bn = a.pow(2).sum(-1, keepdim=True), b.pow(2).sum(-1, keepdim=True)
+            self.pads = (torch.cat([a.mul(-2), an, torch.ones_like(an)], -1),
+                         torch.cat([b, torch.ones_like(bn), bn], -1))
+        return self.pads
 
     def block(self, m0: int, m1: int, n0: int, n1: int, dst: torch.Tensor | None):
         """``(t, root)`` of a block; the matrix products write ``dst`` (contiguous, the
         block's shape) when given."""
         a, b = self.a[..., m0:m1, :], self.b[..., n0:n1, :]
+        if self.kind == "mm":
+            if dst is None and self.cdist_root:
+                return torch.cdist(a, b, p=2.0, compute_mode="use_mm_for_euclid_dist"), 2.0
+            pa, pb = self._padded()
+            a, b = pa[..., m0:m1, :], pb[..., n0:n1, :]
         if self.kind in ("dot", "mm"):
             if dst is not None and tuple(dst.shape[:-2]) == self.batch:
                 t = torch.matmul(a, b.mT, out=dst)
@@ -129,7 +154,7 @@ class _Epilogue:
             self.denominator = -(2.0 * bw * bw)
         lam = hypers["regularization"]
         self.lam = lam.to(dtype=work).reshape(*lam.shape, 1) if isinstance(lam, torch.Tensor) else lam
-        self.batch = tuple(torch.broadcast_shapes(*(_shape_of(h) for h in hypers.values())))
+        self.batch = _broadcast(*(_shape_of(h) for h in hypers.values()))
 
     def apply(self, t: torch.Tensor, root, batch: tuple, diag: int, target: torch.Tensor | None):
         """The kernel values of the block ``t = acc ** (1 / root)`` (batch modes ``batch``, the
@@ -235,7 +260,7 @@ def matvec(call, out: torch.Tensor) -> torch.Tensor:
     mm = not wide and uses_mm(DEFAULT_MODE, M, N)
     sums = _Sums(call.desc, call.x, call.y, call.hypers["inner_p"], mm, work)
     epi = _Epilogue(call.desc, call.hypers, call.epsilon, call.reg_diag, work)
-    kbatch = tuple(torch.broadcast_shapes(sums.batch, epi.batch))  # the kernel's batch (v's may add modes)
+    kbatch = _broadcast(sums.batch, epi.batch)  # the kernel's batch (v's may add modes)
     Lk = math.prod(kbatch)
     v = call.v.to(acc_dt)
     nb = max(1, min(N, MATVEC_COLUMNS))

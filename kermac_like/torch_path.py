@@ -35,10 +35,13 @@ __all__ = ["distance", "matvec", "work_dtype", "block_elements", "DIRECT", "MATV
 DIRECT = "donot_use_mm_for_euclid_dist"
 DEFAULT_MODE = "use_mm_for_euclid_dist_if_necessary"
 
-# Elements of one block (all batch entries together): a block of float32 on the CPU stays
-# within the L2/L3 caches while its epilogue runs; on a GPU (float64, old GPUs) a block is
-# large enough that launches do not dominate.
-CPU_BLOCK_ELEMENTS = 1 << 20
+# Elements of one block (all batch entries together). CPU: 16 MB of float32, within the L3
+# cache while the epilogue and the product with v run on it, and few blocks: each op starts
+# torch's intra-op threads once, which costs far more than a cache miss on a loaded machine
+# (kernel_matvec 4000 x 4000 x 64 on 2 shared cores: 2^20 entries 63 ms on one thread but
+# 250-700 ms on two; 2^22 80 ms and 250 ms; bench/notes/cpu_path.md). GPU (float64, old
+# GPUs): large enough that launches do not dominate.
+CPU_BLOCK_ELEMENTS = 1 << 22
 GPU_BLOCK_ELEMENTS = 1 << 24
 # Column block of kernel_matvec: the rows of x meet at most this many points of y at once.
 MATVEC_COLUMNS = 4096

@@ -256,7 +256,7 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     and tensor hyper-parameters broadcast. dtypes: float32; float16/bfloat16 (float32
     accumulation, output in the input dtype); float64 and CPU tensors take the torch
     path (kermac_like/torch_path.py: run_kernel's blocks in its default compute mode, at most
-    2^20 entries on the CPU, times blocks of v; the float64 mode by direct differences).
+    2^22 entries on the CPU, times blocks of v; the float64 mode by direct differences).
     ``out`` may be float64 for float32/float16/bfloat16 inputs, and ``v`` may be float64 (then
     the result is float64): the float64 mode, in which the kernel values are computed in
     float32 as always and everything after them is float64

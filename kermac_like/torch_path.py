@@ -14,9 +14,10 @@ torch user would call, with the package's semantics:
 * the outer power, epsilon, the epilogue and the regularised diagonal in place on the
   block (:class:`_Epilogue`: ``sqrt_``, ``pow_``, ``div_``, ``exp_``, ``add_``), in the
   reference's order of operations;
-* row blocks (and, for kernel_matvec, column blocks) of a bounded number of elements, so
-  that the epilogue runs on a block still in cache and kernel_matvec needs memory
-  O((M + N) C + block) only; torch's intra-op threads inside every op.
+* run_kernel and cdist: the whole matrix at once, as torch.cdist computes it (row blocks only
+  for a tensor inner_p's temporary); kernel_matvec: row and column blocks of a bounded number
+  of entries, each times v while still in cache, so that it needs memory O((M + N) C + block)
+  only; torch's intra-op threads inside every op.
 
 float16/bfloat16 inputs are computed in float32 and rounded once, into the output.
 """
@@ -143,11 +144,11 @@ class _Sums:
 class _Epilogue:
     """Outer power, epsilon, kernel and regularisation of one call, in place on a block."""
 
-    def __init__(self, desc: KernelDescriptor, hypers: dict, epsilon, reg_diag: int, work: torch.dtype):
+    def __init__(self, desc: KernelDescriptor, hypers: dict, epsilon, work: torch.dtype):
         self.outer = {PowerType.NOOP: 1.0, PowerType.SQRT: 2.0}.get(desc.outer_power)
         if self.outer is None:
             self.outer = _pairwise(hypers["outer_p"], work)
-        self.kernel, self.epsilon, self.reg_diag = desc.kernel_type, epsilon, reg_diag
+        self.kernel, self.epsilon = desc.kernel_type, epsilon
         bw = _pairwise(hypers["bandwidth"], work)
         # exp(-d / bw) and exp(-(d * d) / (2 bw^2)) as d / (-bw) and (d * d) / (-(2 bw^2)): the
         # same quotients (IEEE division is symmetric in sign)
@@ -168,14 +169,13 @@ class _Epilogue:
                 target = t.new_empty((*batch, *t.shape[-2:]))
             t = target.copy_(t.expand_as(target))
         q = self.outer
-        # Gaussian of a Euclidean distance from its square: the square root and the square skipped
+        # The Gaussian of a square root takes the sum as it is: no sqrt_ and square (no epsilon
+        # to compare with the root)
         squared = (self.kernel is KernelType.GAUSSIAN and self.epsilon is None and not isinstance(q, torch.Tensor)
                    and q == 2.0 and root == 1.0)
-        if squared:
-            pass
-        elif isinstance(q, torch.Tensor):
+        if isinstance(q, torch.Tensor):
             t.pow_(root / q)
-        elif root != q:
+        elif root != q and not squared:
             if root == 2.0 and q == 1.0:
                 t.mul_(t)
             elif root == 1.0 and q == 2.0:
@@ -217,7 +217,7 @@ def distance(call, out: torch.Tensor | None = None, compute_mode: str = DEFAULT_
     if L * M * N == 0:
         return out if out is not None else torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
     sums = _Sums(call.desc, call.a, call.b, call.hypers["inner_p"], uses_mm(compute_mode, M, N), work)
-    epi = _Epilogue(call.desc, call.hypers, call.epsilon, call.reg_diag, work)
+    epi = _Epilogue(call.desc, call.hypers, call.epsilon, work)
     mb = M if sums.per_pair == 1 else max(1, min(M, block_elements(call.device) // (L * N * sums.per_pair)))
     if out is None:
         if mb == M:  # the result of torch's kernels is the output
@@ -262,7 +262,7 @@ def matvec(call, out: torch.Tensor) -> torch.Tensor:
     wide = acc_dt != work
     mm = not wide and uses_mm(DEFAULT_MODE, M, N)
     sums = _Sums(call.desc, call.x, call.y, call.hypers["inner_p"], mm, work)
-    epi = _Epilogue(call.desc, call.hypers, call.epsilon, call.reg_diag, work)
+    epi = _Epilogue(call.desc, call.hypers, call.epsilon, work)
     kbatch = _broadcast(sums.batch, epi.batch)  # the kernel's batch (v's may add modes)
     Lk = math.prod(kbatch)
     v = call.v.to(acc_dt)

@@ -25,7 +25,7 @@ from ._version import __version__
 
 try:  # the launcher's runtime; imported up front so a first call pays no import
     import cuda.core  # noqa: F401
-except ImportError:  # CPU-only use still works through the reference path
+except ImportError:  # CPU-only use still works through the torch path (torch_path.py)
     pass
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from .ops.distance import cdist, run_kernel

@@ -1,4 +1,6 @@
-"""Reference implementations in plain torch: the CPU path and the tests' oracle.
+"""Reference implementations in plain torch: the tests' oracle (run_kernel, cdist and
+kernel_matvec on CPU tensors and float64 take torch_path.py; cdist_grad's CPU path is
+:func:`cdist_grad_reference`).
 
 Everything is computed by direct differences (no ``|x|^2 + |y|^2 - 2xy``
 expansion), in the dtype of the inputs (pass float64 for an oracle), in row

@@ -1,5 +1,5 @@
-"""kernel_matvec: the reference path against a float64 dense oracle (every descriptor),
-argument errors, the reference path's memory bound, the split rule, compilation of the
+"""kernel_matvec: the torch path (CPU) against a float64 dense oracle (every descriptor),
+argument errors, the torch path's memory bound, the split rule, compilation of the
 shipped instantiations (sm_80, sm_90, one NVRTC program each) with their SASS facts; on a
 GPU (marker ``gpu``) the fused kernel against float64 for every descriptor, odd sizes,
 batches, broadcast hyper-parameters, regularisation offsets, poisoned outputs,
@@ -17,7 +17,7 @@ import torch
 
 import kermac_like as km
 from kermac_like import matvec as mv
-from kermac_like import plan, reference
+from kermac_like import plan, reference, torch_path
 from kermac_like.plan import matvec as plan_matvec_mod
 from kermac_like.plan import matvec_wgmma as plan_wgmma_mod
 from kermac_like.runtime.specs import matvec as ms
@@ -27,6 +27,7 @@ from kermac_like.descriptor import KernelType as E
 from kermac_like.descriptor import PowerType as P
 
 F64 = torch.float64
+DIRECT = "donot_use_mm_for_euclid_dist"
 ALL = list(km.KernelDescriptor.all())
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,7 +97,7 @@ def _hypers(desc, L, device, tensor=True):
     return h
 
 
-# -- CPU: the reference path -------------------------------------------------------------
+# -- CPU: the torch path -----------------------------------------------------------------
 @pytest.mark.parametrize("desc", ALL, ids=lambda d: d.short_name())
 def test_reference_every_descriptor(desc):
     g = torch.Generator().manual_seed(1)
@@ -114,8 +115,11 @@ def test_reference_every_descriptor(desc):
 
 
 def test_reference_vector_epsilon_and_blocks(monkeypatch):
-    """1-D v, an epsilon cut, and row/column blocks smaller than the problem."""
+    """1-D v, an epsilon cut, and row/column blocks smaller than the problem (5 x 7: the torch
+    path's and the oracle's)."""
     monkeypatch.setattr(reference, "matvec_blocks", lambda batch, M, N: (5, 7))
+    monkeypatch.setattr(torch_path, "CPU_BLOCK_ELEMENTS", 35)
+    monkeypatch.setattr(torch_path, "MATVEC_COLUMNS", 7)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(19, 3, dtype=F64, generator=g)
     y = torch.cat([x[:6], torch.randn(25, 3, dtype=F64, generator=g)])
@@ -125,6 +129,8 @@ def test_reference_vector_epsilon_and_blocks(monkeypatch):
     ref, scale = oracle(d, x, y, v, bandwidth=0.9, epsilon=1e-3, regularization=2.0, reg_diag=-4)
     assert out.shape == (19,)
     assert scaled_error(out, ref, scale) < 1e-12
+    call = mv.prepare_matvec(d, x, y, v, bandwidth=0.9, epsilon=1e-3, regularization=2.0, regularization_offset_y=4)
+    assert scaled_error(mv.matvec_reference(call), ref, scale) < 1e-12
 
 
 def test_reference_half_precision_accumulates_in_float32():
@@ -141,9 +147,10 @@ def test_reference_half_precision_accumulates_in_float32():
 
 
 def test_float64_out_of_float32_inputs_cpu():
-    """A float64 out of float32 (and bfloat16) inputs: the reference path sums the float32 kernel
-    values in float64, unrounded (a long coherent sum: it differs from the float32 output, which
-    is its rounding up to the float32 sums); matvec_blocked (the K > 32 Euclidean path) too."""
+    """A float64 out of float32 (and bfloat16) inputs: the torch path sums the float32 kernel
+    values of the direct form (run_kernel's with compute_mode="donot_use_mm_for_euclid_dist") in
+    float64, unrounded (a long coherent sum: it differs from the float32 output, which is its
+    rounding up to the float32 sums); matvec_blocked (the K > 32 Euclidean path) too."""
     g = torch.Generator().manual_seed(21)
     desc = km.preset("gaussian_l2")
     x = torch.randn(7, 3, generator=g)
@@ -151,7 +158,7 @@ def test_float64_out_of_float32_inputs_cpu():
     v = torch.rand(20000, 2, generator=g)
     out = torch.full((7, 2), float("nan"), dtype=F64)
     assert km.kernel_matvec(desc, x, y, v, bandwidth=1.5, out=out) is out
-    kd = reference.distance_reference(desc, x, y, bandwidth=1.5)  # float32 kernel values
+    kd = km.run_kernel(desc, x, y, bandwidth=1.5, compute_mode=DIRECT)  # float32 kernel values
     exact = kd.double() @ v.double()
     assert ((out - exact).abs() / exact).max() < 1e-12
     out32 = km.kernel_matvec(desc, x, y, v, bandwidth=1.5)
@@ -160,19 +167,19 @@ def test_float64_out_of_float32_inputs_cpu():
     vv = torch.rand(20000, generator=g)
     o1 = torch.empty(7, dtype=F64)
     km.kernel_matvec(desc, x, y, vv, bandwidth=1.5, regularization=0.25, out=o1)
-    kr = reference.distance_reference(desc, x, y, bandwidth=1.5, regularization=0.25)
+    kr = km.run_kernel(desc, x, y, bandwidth=1.5, regularization=0.25, compute_mode=DIRECT)
     assert ((o1 - kr.double() @ vv.double()).abs()).max() < 1e-9
     xb, yb, vb = (t.to(torch.bfloat16) for t in (x, y, v))
     ob = torch.empty(7, 2, dtype=F64)
     km.kernel_matvec(desc, xb, yb, vb, bandwidth=1.5, out=ob)
-    kb = reference.distance_reference(desc, xb.float(), yb.float(), bandwidth=1.5)
+    kb = km.run_kernel(desc, xb.float(), yb.float(), bandwidth=1.5, compute_mode=DIRECT)
     assert ((ob - kb.double() @ vb.double()).abs() / ob).max() < 1e-12
     # matvec_blocked (float32 tiles of the tensor-core distance kernel on a GPU), float64 sums
     xk, yk, vk = torch.randn(9, 40, generator=g), torch.randn(300, 40, generator=g), torch.rand(300, 3, generator=g)
     call = mv.prepare_matvec(desc, xk, yk, vk, bandwidth=8.0)
     ob = torch.full(call.out_shape, float("nan"), dtype=F64)
-    plan.matvec_blocked(call, ob, tile_elements=600)
-    kk = reference.distance_reference(desc, xk, yk, bandwidth=8.0)
+    plan.matvec_blocked(call, ob, compute_mode=DIRECT, tile_elements=600)
+    kk = km.run_kernel(desc, xk, yk, bandwidth=8.0, compute_mode=DIRECT)
     assert ((ob - kk.double() @ vk.double()).abs() / ob).max() < 1e-12
 
 
@@ -242,11 +249,12 @@ def test_reference_blocks_are_bounded():
 def test_reference_memory_bound_subprocess():
     """6000 x 6000 Gaussian matvec on the CPU with blocks of 2^20 elements: the dense
     float32 matrix would take 144 MB; the reference path's peak resident memory grows by
-    a few blocks."""
+    a few blocks (tiles of 2^20 elements at most)."""
     code = textwrap.dedent("""
         import resource, torch, kermac_like as km
         from kermac_like import reference
-        reference.BLOCK_ELEMENTS = 1 << 20
+        from kermac_like import torch_path
+        torch_path.CPU_BLOCK_ELEMENTS = 1 << 20
         torch.set_num_threads(1)
         x = torch.rand(6000, 3); v = torch.rand(6000, 1)
         km.kernel_matvec(km.preset("gaussian_l2"), x[:64], x, v, bandwidth=0.5)  # imports, warm-up
@@ -259,7 +267,7 @@ def test_reference_memory_bound_subprocess():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     grown_mb = float(r.stdout.strip().splitlines()[-1])
-    assert grown_mb < 60, f"reference path grew the resident set by {grown_mb:.0f} MB"
+    assert grown_mb < 60, f"torch path grew the resident set by {grown_mb:.0f} MB"
 
 
 # -- CPU: argument errors ----------------------------------------------------------------------
@@ -863,8 +871,8 @@ def test_custom_op_float64_out_of_float32_inputs():
 
 def test_custom_op_float64_v_of_float32_inputs():
     """A float64 v with float32 x and y (the float64 mode): a float64 result without out=
-    (fake shapes and dtype for torch.compile), opcheck of both ops, and the reference path's
-    value: the float32 kernel values times the float64 v, summed in float64."""
+    (fake shapes and dtype for torch.compile), opcheck of both ops, and the torch path's
+    value: the float32 kernel values (run_kernel's direct form) times the float64 v, summed in float64."""
     desc, x, y, v, bw, _ = _op_case()
     x, y, bw = x.float(), y.float(), bw.float()
     call = mv.prepare_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1)
@@ -881,7 +889,7 @@ def test_custom_op_float64_v_of_float32_inputs():
     ref = f(x, y, v)
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, y, v)
     assert ref.dtype == got.dtype == F64 and torch.equal(got, ref)
-    kd = reference.distance_reference(desc, x, y, **call.hypers, reg_diag=call.reg_diag, epsilon=call.epsilon)
+    kd = km.run_kernel(desc, x, y, bandwidth=bw, regularization=0.3, regularization_offset_x=1, compute_mode=DIRECT)
     assert torch.allclose(ref, kd.double() @ v, rtol=1e-13, atol=1e-13)
     assert not torch.allclose(ref, kd.double() @ v.float().double(), rtol=1e-13, atol=1e-13)  # v not rounded
 

@@ -13,12 +13,14 @@ inf - inf = NaN, inf * 0 = NaN):
     (against a nonzero coordinate of the opposite sign);
   * p = 0 and p = inf are torch.cdist itself (its p = inf maximum skips NaN on the CPU);
   * backward: sgn(NaN) = NaN (p = 1), a NaN distance gives NaN weights (p != 1).
-Our exact paths (CPU reference, SIMT kernel) compute direct differences; the
-tensor-core paths (mma.sync, wgmma, 16-bit) the matrix-product formula, and
-km.cdist picks them where torch.cdist picks its matrix product; the 3xTF32 split
-keeps infinities apart from NaN (split_tf32x3 in cuda_templates/distance_mma.cuh). The CPU tests
-below check the reference path and autograd; the GPU tests (marked gpu) each
-kernel path and dtype on the same inputs.
+Our exact GPU kernels (SIMT, low-K) compute direct differences; the tensor-core paths
+(mma.sync, wgmma, 16-bit) the matrix-product formula, and km.cdist picks them where
+torch.cdist picks its matrix product; the 3xTF32 split keeps infinities apart from NaN
+(split_tf32x3 in cuda_templates/distance_mma.cuh). The torch path (CPU, float64:
+kermac_like/torch_path.py) makes the same choice with torch's own kernels: torch.cdist's
+direct kernel, or the matrix product built as torch.cdist builds it. The CPU tests below
+check the torch path and autograd; the GPU tests (marked gpu) each kernel path and dtype
+on the same inputs.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def epilogue(d, kind, bw, lam, reg_diag, eps):
     return d + torch.where(mask.to(d.device), lam, 0.0)
 
 
-# -- CPU: the reference path and autograd -----------------------------------------------------
+# -- CPU: the torch path and autograd ---------------------------------------------------------
 def test_torch_itself_behaves_as_documented():
     x, y = operands()
     direct, mm = torch.cdist(x, y, compute_mode=DIRECT), torch.cdist(x, y, compute_mode=MM)
@@ -95,12 +97,17 @@ def test_torch_itself_behaves_as_documented():
 
 @pytest.mark.parametrize("p", [1.0, 2.0, 1.3, 3.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cpu_cdist_is_torch_direct(p, dtype):
+def test_cpu_cdist_is_torch_cdist(p, dtype):
+    """Every compute mode gives torch.cdist's NaN and inf (p = 2: the matrix product's above 25 rows
+    by default, as on the GPU)."""
     x, y = operands(batch=(2,), dtype=dtype)
-    for mode in (DIRECT, "use_mm_for_euclid_dist_if_necessary"):
+    for mode in (DIRECT, "use_mm_for_euclid_dist_if_necessary", MM):
         out = torch.full((2, 31, 29), -7.0, dtype=dtype)
         km.cdist(x, y, p, out=out, compute_mode=mode)
-        assert_like(out, torch.cdist(x, y, p, compute_mode=DIRECT), rtol=1e-5 if dtype == torch.float32 else 1e-12)
+        assert_like(out, torch.cdist(x, y, p, compute_mode=mode), rtol=1e-5 if dtype == torch.float32 else 1e-12)
+    if p == 2:  # a call of at most 25 rows computes directly in the default mode
+        assert_like(km.cdist(x[:, :20], y[:, :25], p), torch.cdist(x[:, :20], y[:, :25], p, compute_mode=DIRECT),
+                    rtol=1e-5 if dtype == torch.float32 else 1e-12)
 
 
 @pytest.mark.parametrize("p", [0.0, INF])
@@ -114,32 +121,34 @@ def test_p0_and_pinf_are_torch_cdist(p, dtype):
     assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
 
 
+@pytest.mark.parametrize("mode", [DIRECT, "use_mm_for_euclid_dist_if_necessary"])
 @pytest.mark.parametrize("name", ["l1", "l2", "squared_l2", "laplace_l1", "laplace_l2", "gaussian_l2", "laplace_p"])
-def test_cpu_run_kernel_epilogues(name):
+def test_cpu_run_kernel_epilogues(name, mode):
     desc = km.PRESETS[name]
     x, y = operands(batch=(2,))
     kw = {"p": 1.3} if desc.needs_inner_p else {}
     bw = 2.5
     got = km.run_kernel(desc, x, y, bandwidth=bw if desc.needs_bandwidth else None, regularization=0.5,
-                        regularization_offset_y=1, epsilon=1e-3, **kw)
+                        regularization_offset_y=1, epsilon=1e-3, compute_mode=mode, **kw)
     p = {"l1": 1.0, "laplace_l1": 1.0, "laplace_p": 1.3}.get(name, 2.0)
-    d = torch.cdist(x, y, p, compute_mode=DIRECT)
+    d = torch.cdist(x, y, p, compute_mode=mode)
     if name == "squared_l2":
         d = d * d
     kind = "laplace" if "laplace" in name else "gaussian" if "gaussian" in name else "none"
     assert_like(got, epilogue(d, kind, bw, 0.5, -1, 1e-3), rtol=1e-9)
 
 
+@pytest.mark.parametrize("mode", [DIRECT, "use_mm_for_euclid_dist_if_necessary"])
 @pytest.mark.parametrize("p", [1.0, 2.0, 1.3])
 @pytest.mark.parametrize("bad", [NAN, INF], ids=["nan", "inf"])
-def test_cpu_autograd_like_torch(p, bad):
+def test_cpu_autograd_like_torch(p, bad, mode):
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(30, 3, generator=g, dtype=torch.float64)
     y0 = torch.randn(28, 3, generator=g, dtype=torch.float64)
     x0[7, 1] = bad
     w = torch.randn(30, 28, generator=g, dtype=torch.float64)
     grads = []
-    for f in (lambda a, b: km.cdist(a, b, p), lambda a, b: torch.cdist(a, b, p, compute_mode=DIRECT)):
+    for f in (lambda a, b: km.cdist(a, b, p, compute_mode=mode), lambda a, b: torch.cdist(a, b, p, compute_mode=mode)):
         x, y = x0.clone().requires_grad_(), y0.clone().requires_grad_()
         (f(x, y) * w).sum().backward()
         grads.append((x.grad, y.grad))

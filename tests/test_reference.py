@@ -1,4 +1,5 @@
-"""The reference path (CPU): torch.cdist semantics, every descriptor, the gradient contraction."""
+"""CPU results against torch.cdist and element-by-element formulas (every descriptor), the
+reference (the tests' oracle) itself, the gradient contraction."""
 
 import itertools
 import math
@@ -43,7 +44,10 @@ def test_reference_is_row_blocked(monkeypatch):
 
     monkeypatch.setattr(ref, "BLOCK_ELEMENTS", 50)
     x1, x2 = torch.randn(37, 6, dtype=F64), torch.randn(11, 6, dtype=F64)
-    assert rel(km.cdist(x1, x2, 1.3), torch.cdist(x1, x2, 1.3)) < 1e-12
+    assert rel(ref.cdist_reference(x1, x2, 1.3), torch.cdist(x1, x2, 1.3)) < 1e-12
+    desc = km.PRESETS["laplace_p"]
+    assert rel(ref.distance_reference(desc, x1, x2, inner_p=1.3, outer_p=1.3, bandwidth=2.0),
+               torch.exp(-torch.cdist(x1, x2, 1.3) / 2.0)) < 1e-12
 
 
 def _direct(desc, a, b, ip, op, bw, lam, diag, eps):

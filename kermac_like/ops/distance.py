@@ -2,8 +2,9 @@
 
 Data flow of one call: validate every argument (nothing is written before
 all checks pass) -> the planner (:mod:`kermac_like.plan`) chooses a path (exact
-SIMT kernel, tensor-core kernel, or the torch reference for CPU tensors, float64,
-pre-sm_80 GPUs and p in {0, inf}), describes operand layouts, folds the broadcast
+SIMT kernel, tensor-core kernel, or the torch path (torch_path.py: torch.cdist's kernels and
+matrix product) for CPU tensors, float64, pre-sm_80 GPUs; torch.cdist itself for p in
+{0, inf}), describes operand layouts, folds the broadcast
 batch and gets the compiled functions (memory, cache, or NVRTC) -> the plan runs
 on the current torch stream. Gradients: :mod:`kermac_like.ops.distance_backward`.
 """
@@ -296,8 +297,10 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     the exact kernel otherwise, so that NaN and inf come out as in torch.cdist
     (tests/test_nonfinite.py); on sm_90 the tensor-core path takes temporary GPU memory
     of about x2's size (twice for 3xTF32) for x2 in the kernel's tile layout.
-    p = 0 and p = inf call torch.cdist; float64 inputs, and float16/bfloat16 inputs off
-    the tensor-core path, take the torch reference path (on the inputs' device).
+    p = 0 and p = inf call torch.cdist; CPU tensors, float64 inputs, and float16/bfloat16
+    inputs off the tensor-core path take the torch path (on the inputs' device:
+    kermac_like/torch_path.py, torch.cdist's kernels and its matrix product under the same
+    ``compute_mode`` rule, so NaN and inf as from torch.cdist; 16-bit inputs in float32).
     The exact paths include a low-K kernel (up to K = 64 for p = 1, 2 and the Euclidean
     kernels, K = 16 for fractional p: the default table of kermac_like/runtime/autotune.py);
     ``autotune`` as in :func:`run_kernel`.

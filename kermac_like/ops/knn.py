@@ -304,8 +304,10 @@ def _block_values(call: TopkCall, xb: Tensor, yb: Tensor, m0: int, n0: int, work
         return distance_reference(call.desc, xw, yw, reg_diag=call.reg_diag - n0 + m0, epsilon=call.epsilon, **hyp)
     from .distance import run_kernel
 
+    # Direct differences (as the fused kernels and the reference form them): a block's values do
+    # not depend on the block's size, as torch.cdist's matrix-product rule would make them.
     return run_kernel(call.desc, xw, yw, regularization_offset_x=m0 + call.reg_diag, regularization_offset_y=n0,
-                      epsilon=call.epsilon, **hyp)
+                      epsilon=call.epsilon, compute_mode=COMPUTE_MODES[2], **hyp)
 
 
 def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_elements: int | None = None,

@@ -3,7 +3,8 @@
 ``out[..., m, c] = sum_n k(x_m, y_n) v[n, c]`` (plus lambda v[m + offset_x - offset_y, c]
 on run_kernel's regularised diagonal) for any :class:`KernelDescriptor`, in memory
 linear in M + N: the GPU path is one fused kernel (cuda_templates/matvec.cuh), the CPU
-and float64 path computes the kernel matrix in row and column blocks of bounded size.
+and float64 path (torch_path.py) computes the kernel matrix in row and column blocks of
+bounded size.
 
 Internal entry points (used by the backward and by lazy kernel operators):
 :func:`prepare_matvec` (validation -> :class:`MatvecCall`), :func:`matvec_forward`
@@ -246,12 +247,14 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     gives ``(..., M)``, a ``(..., N, C)`` matrix gives ``(..., M, C)``; batch modes of x, y, v
     and tensor hyper-parameters broadcast. dtypes: float32; float16/bfloat16 (float32
     accumulation, output in the input dtype); float64 and CPU tensors take the torch
-    reference path (row and column blocks). ``out`` may be float64 for float32/float16/bfloat16
-    inputs, and ``v`` may be float64 (then the result is float64): the float64 mode, in which
-    the kernel values are computed in float32 as always and everything after them is float64
+    path (kermac_like/torch_path.py: run_kernel's blocks in its default compute mode, at most
+    2^22 entries on the CPU, times blocks of v; the float64 mode by direct differences).
+    ``out`` may be float64 for float32/float16/bfloat16 inputs, and ``v`` may be float64 (then
+    the result is float64): the float64 mode, in which the kernel values are computed in
+    float32 as always and everything after them is float64
     (v read as float64, a float32 v widened; each product k * v and all sums in float64, split
     sums combined in float64, the result stored without rounding; float64 accumulation on the
-    reference path and in matvec_blocked, which then serves the K > 32 Euclidean calls in place
+    torch path and in matvec_blocked, which then serves the K > 32 Euclidean calls in place
     of the sm_90 tensor-core kernel). For iterative solvers whose products cancel (Falkon's
     preconditioned system). Not under autograd (ValueError naming ``out`` or ``v``).
 
@@ -272,7 +275,9 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     accumulated per y tile in float32 and across tiles in float64, and combined in a fixed
     order: results are bitwise identical from run to run. NaN/inf
     propagate like the dense product (an infinite distance gives k = 0, a NaN gives NaN; on
-    the Gaussian's fast path a pair of infinite coordinates gives 0 rather than NaN).
+    the Gaussian's fast path a pair of infinite coordinates gives 0 rather than NaN; on the
+    torch path, where SQUARE inner powers take the matrix product above 25 rows of x or y, an
+    infinite coordinate gives NaN or inf as in run_kernel(...) @ v there).
 
     ``out`` (any strides with a unit-stride or size-1 mode, no overlap) is written in place
     and returned; it is left untouched when an argument is rejected. Underneath it is the

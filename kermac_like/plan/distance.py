@@ -20,7 +20,7 @@ import torch
 
 from ..descriptor import KernelDescriptor
 from ..layout import Layout, analyse_matrix, batch_strides, plan_batch
-from ..reference import distance_reference
+from .. import torch_path
 from ..runtime import autotune
 from ..runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from ..runtime.specs import (
@@ -259,24 +259,23 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
     return spec, (av, bv, outv), tensors, bplan, "distance"
 
 
-def plan_distance(call: DistanceCall, out: torch.Tensor, compute_mode: str, debug: bool,
+def plan_distance(call: DistanceCall, out: torch.Tensor | None, compute_mode: str, debug: bool,
                   settings: Settings | None = None, call_key=None) -> Plan:
-    """The plan of a validated run_kernel call writing ``out`` (allocated, checked)."""
+    """The plan of a validated run_kernel call writing ``out`` (checked; None: a fresh tensor,
+    on the torch path its kernels' own result)."""
     if call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.a):
+        if out is None:
+            out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
         plan = _plan_distance_gpu(call, out, compute_mode, debug, settings or Settings.current(), call_key=call_key)
         if plan is not None:
             return plan
     if debug:
-        log.debug("run_kernel %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
-    return _reference_plan(functools.partial(
-        distance_reference, call.desc, call.a, call.b, reg_diag=call.reg_diag, epsilon=call.epsilon, out=out,
-        **call.hypers), debug)
+        log.debug("run_kernel %r: torch path (%s, %s)", call.desc, call.device, call.dtype)
+    return _reference_plan(functools.partial(torch_path.distance, call, out, compute_mode), debug)
 
 
 def run_distance(call: DistanceCall, out, compute_mode: str, debug: bool, call_key=None) -> torch.Tensor:
     """Plan and run a validated call (no autograd); ``out`` None or checked."""
-    if out is None:
-        out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
     return plan_distance(call, out, compute_mode, debug, call_key=call_key).run()
 
 

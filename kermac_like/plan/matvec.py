@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..layout import batch_strides, plan_batch
-from ..reference import matvec_reference
+from .. import torch_path
 from ..runtime.specs.matvec import MAX_C, combine_spec, matvec_spec, part_bytes
 from .core import (
     HYPERS,
@@ -97,8 +97,8 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     on the reference path."""
     if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
         if debug:
-            log_matvec.debug("kernel_matvec %r: reference path (%s, %s)", call.desc, call.device, call.dtype)
-        return _reference_plan(lambda: matvec_reference(call, out), debug)
+            log_matvec.debug("kernel_matvec %r: torch path (%s, %s)", call.desc, call.device, call.dtype)
+        return _reference_plan(lambda: torch_path.matvec(call, out), debug)
     wide_out = out.dtype == torch.float64 and call.dtype != torch.float64
     if call.K > MATVEC_BLOCKED_MIN_K and call.desc.is_euclidean and call.dtype == torch.float32:
         settings = Settings.current()

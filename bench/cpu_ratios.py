@@ -1,0 +1,132 @@
+"""CPU path against the torch way, as ratios measured in one process (issue 26, item 2).
+
+    python3 bench/cpu_ratios.py                                  # every row, markdown on stdout
+    PYTHONPATH=<old checkout> python3 bench/cpu_ratios.py --label before
+    python3 bench/cpu_ratios.py --rows cdist_p2 --repeats 15 --json out.json
+
+Each row times ours (the public API on CPU float32 tensors) and the torch way on the same
+inputs, interleaved: every repeat runs both, in alternating order, so that a load change on
+a shared machine hits both sides alike. Reported: the median of each side and the median of
+the per-repeat ratios (ours / torch; the target is <= 1.25). The torch way:
+
+* cdist: ``torch.cdist(x, y, p)`` (its own compute-mode rule: the matrix product for p = 2
+  above 25 rows);
+* run_kernel laplace_l2: ``torch.exp(torch.cdist(x, y) / -bw)``;
+* kernel_matvec: row blocks of ``TORCH_BLOCK_ELEMENTS`` kernel entries, each
+  ``torch.exp(<cdist block> / -bw) @ v`` (Gaussian: the squared distance over -2 bw^2).
+
+Uses only the public API, so it runs against any version of the package on ``sys.path``.
+Threads: torch's intra-op default (``--threads`` to change it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import kermac_like as km
+
+TORCH_BLOCK_ELEMENTS = 1 << 22  # rows per block of the torch way's kernel_matvec: 16 MB of float32
+
+
+def _torch_matvec(kind: str, x, y, v, bw: float):
+    out = torch.empty(x.shape[0], v.shape[1])
+    rows = max(1, TORCH_BLOCK_ELEMENTS // y.shape[0])
+    for m0 in range(0, x.shape[0], rows):
+        d = torch.cdist(x[m0:m0 + rows], y)
+        k = torch.exp(d / -bw) if kind == "laplace" else torch.exp(d.square() / (-2.0 * bw * bw))
+        out[m0:m0 + rows] = k @ v
+    return out
+
+
+def rows():
+    """(name, shape label, make inputs, ours, torch way)."""
+    for p in (1.0, 2.0):
+        for m, k in ((2000, 3), (2000, 64), (4000, 256)):
+            yield (f"cdist_p{p:g}_k{k}", f"{m}x{m}x{k}", (m, m, k, 0),
+                   lambda x, y, v, p=p: km.cdist(x, y, p), lambda x, y, v, p=p: torch.cdist(x, y, p))
+    lap = km.preset("laplace_l2")
+    yield ("run_kernel_laplace_l2_k64", "2000x2000x64", (2000, 2000, 64, 0),
+           lambda x, y, v: km.run_kernel(lap, x, y, bandwidth=8.0), lambda x, y, v: torch.exp(torch.cdist(x, y) / -8.0))
+    for kind in ("gaussian", "laplace"):
+        desc = km.preset(f"{kind}_l2")
+        for c in (1, 16):
+            yield (f"kernel_matvec_{kind}_c{c}", f"4000x4000x64 C={c}", (4000, 4000, 64, c),
+                   lambda x, y, v, d=desc: km.kernel_matvec(d, x, y, v, bandwidth=8.0),
+                   lambda x, y, v, kind=kind: _torch_matvec(kind, x, y, v, 8.0))
+
+
+def _inputs(m, n, k, c, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    y = torch.randn(n, k, generator=g)
+    v = torch.randn(n, c, generator=g) if c else None
+    return x, y, v
+
+
+def _time(fn, args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure(ours, theirs, args, repeats: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        ours(*args)
+        theirs(*args)
+    t_ours, t_torch, ratios = [], [], []
+    for i in range(repeats):
+        if i % 2 == 0:
+            a = _time(ours, args)
+            b = _time(theirs, args)
+        else:
+            b = _time(theirs, args)
+            a = _time(ours, args)
+        t_ours.append(a)
+        t_torch.append(b)
+        ratios.append(a / b)
+    return {"ours_ms": statistics.median(t_ours), "torch_ms": statistics.median(t_torch),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "ours_all": t_ours, "torch_all": t_torch}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="", help="comma-separated substrings of the row names to run")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--json", default="", help="also write the measurements to this file")
+    ap.add_argument("--check", action="store_true", help="also print the max abs difference ours - torch way")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    wanted = [w for w in args.rows.split(",") if w]
+    print(f"# {args.label or 'kermac_like'} {km.__version__} ({km.__file__}); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; {args.repeats} interleaved repeats, medians")
+    print("| row | shape | ours ms | torch ms | ours/torch (min-max) |")
+    print("|---|---|---|---|---|")
+    results = {}
+    for name, shape, dims, ours, theirs in rows():
+        if wanted and not any(w in name for w in wanted):
+            continue
+        inp = _inputs(*dims)
+        r = measure(ours, theirs, inp, args.repeats, args.warmup)
+        if args.check:
+            r["max_abs_diff"] = (ours(*inp) - theirs(*inp)).abs().max().item()
+        results[name] = dict(shape=shape, **r)
+        extra = f" diff {r['max_abs_diff']:.1e}" if args.check else ""
+        print(f"| {name} | {shape} | {r['ours_ms']:.2f} | {r['torch_ms']:.2f} | {r['ratio']:.2f} "
+              f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}){extra} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"label": args.label, "threads": torch.get_num_threads(), "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -44,6 +44,27 @@ static std::barrier<>* kl_barrier;
 static float kl_lane[256];
 static int kl_and;
 inline void __syncthreads() { kl_barrier->arrive_and_wait(); }
+// Every block of gridDim (x fastest, then y, then z) by `threads` threads: body() is the kernel
+// call of one thread; blocks run one after another.
+template <class F>
+void kl_run_grid(int threads, F body) {
+  std::barrier<> bar(threads);
+  kl_barrier = &bar;
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      threadIdx = {unsigned(t), 0, 0};
+      for (unsigned sz = 0; sz < gridDim.z; ++sz)
+        for (unsigned sy = 0; sy < gridDim.y; ++sy)
+          for (unsigned sx = 0; sx < gridDim.x; ++sx) {
+            blockIdx = {sx, sy, sz};
+            body();
+            kl_barrier->arrive_and_wait();
+          }
+    });
+  }
+  for (auto& th : pool) th.join();
+}
 inline int __syncthreads_and(int p) {
   kl_barrier->arrive_and_wait();
   if (threadIdx.x == 0) kl_and = 1;

@@ -31,23 +31,11 @@ template <class Tr>
 void run(const float* x, const float* y, const typename Tr::TVIn* v, typename Tr::TOut* out, typename Tr::TPart* part,
          int M, int N, int n_split, int per) {
   gridDim = {unsigned((M + Tr::kBlockM - 1) / Tr::kBlockM), unsigned(n_split), 1};
-  std::barrier<> bar(Tr::kThreads);
-  kl_barrier = &bar;
-  std::vector<std::thread> pool;
-  for (int t = 0; t < Tr::kThreads; ++t) {
-    pool.emplace_back([&, t] {
-      threadIdx = {unsigned(t), 0, 0};
-      for (unsigned sy = 0; sy < gridDim.y; ++sy)
-        for (unsigned sx = 0; sx < gridDim.x; ++sx) {
-          blockIdx = {sx, sy, 0};
-          matvec_kernel<Tr>(x, y, v, out, part, M, N, 3, 1, 3, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0,
-                            0, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 1.0f,
-                            nullptr, 0, 0, 0, 0.f, 0, 0.f, n_split, per);
-          kl_barrier->arrive_and_wait();
-        }
-    });
-  }
-  for (auto& th : pool) th.join();
+  kl_run_grid(Tr::kThreads, [&] {
+    matvec_kernel<Tr>(x, y, v, out, part, M, N, 3, 1, 3, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                      0, 0, nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 1.0f, nullptr, 0, 0, 0, 0.f,
+                      0, 0.f, n_split, per);
+  });
 }
 
 int main(int argc, char** argv) {

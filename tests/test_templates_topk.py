@@ -43,23 +43,11 @@ void run(const float* x, const float* y, float* values, long long* keys, int M, 
          int per) {
   gridDim = {unsigned((M + Tr::kBlockM - 1) / Tr::kBlockM), unsigned(n_split), 1};
   if (per == 0) per = ((N + Tr::kBlockN - 1) / Tr::kBlockN + n_split - 1) / n_split;  // the planner's cover
-  std::barrier<> bar(Tr::kThreads);
-  kl_barrier = &bar;
-  std::vector<std::thread> pool;
-  for (int t = 0; t < Tr::kThreads; ++t) {
-    pool.emplace_back([&, t] {
-      threadIdx = {unsigned(t), 0, 0};
-      for (unsigned sy = 0; sy < gridDim.y; ++sy)
-        for (unsigned sx = 0; sx < gridDim.x; ++sx) {
-          blockIdx = {sx, sy, 0};
-          topk_kernel<Tr>(x, y, n_split == 1 ? values : nullptr, keys, M, N, K, k, K, 1, K, 1, k, 1, k, 1, 1, 1, 1,
-                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 0.f, nullptr,
-                          0, 0, 0, 10.0f, n_split, per);
-          kl_barrier->arrive_and_wait();
-        }
-    });
-  }
-  for (auto& th : pool) th.join();
+  kl_run_grid(Tr::kThreads, [&] {
+    topk_kernel<Tr>(x, y, n_split == 1 ? values : nullptr, keys, M, N, K, k, K, 1, K, 1, k, 1, k, 1, 1, 1, 1, 0, 0, 0, 0,
+                    0, 0, 0, 0, 0, 0, 0, 0, nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 10.0f,
+                    n_split, per);
+  });
 }
 
 template <class Tr>

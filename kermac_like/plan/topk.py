@@ -159,6 +159,43 @@ def _decode(bits: torch.Tensor, dot: bool, largest: bool) -> torch.Tensor:
     return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # the low word's bit pattern
 
 
+def candidate_bound(xn: torch.Tensor, ynorm, a: torch.Tensor, K: int, dot: bool) -> torch.Tensor:
+    """How far a TF32 candidate value can be from the float32 one, for rows of norm ``xn``
+    against points of norm <= ``ynorm`` (``a``: the values at stake, for the float32 rounding
+    of the rescoring): twice the TF32 rounding of both operands (2^-10 |x||y| per dot product,
+    with fp32 accumulation over K), and for squared distances the two norms' fp32 sums."""
+    if dot:
+        return 2.0 ** -9 * xn * ynorm + 2.0 ** -16 * a.abs()
+    return 2.0 ** -8 * xn * ynorm + K * 2.0 ** -22 * (xn * xn + ynorm * ynorm) + 2.0 ** -16 * a.abs()
+
+
+def rescore(xs: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, pad: torch.Tensor, last: torch.Tensor, ynorm,
+            k: int, *, dot: bool, largest: bool) -> tuple:
+    """The k best of each row's candidates ``idx`` (b, sel) (``pad``: entries that are no
+    candidate) by float32 values recomputed by direct differences (squared distances, or dot
+    products), in the (value, index) order; and whether each row is certified: its k-th value
+    clear of ``last`` (the approximate value of the row's last candidate, beyond which every
+    point left out lies) by :func:`candidate_bound`. Returns (values (b, k), indices, ok (b,))."""
+    xs = xs.float()
+    yg = y[idx].float()  # (b, sel, K)
+    if dot:
+        ev = (yg * xs[:, None, :]).sum(-1)
+    else:
+        yg.sub_(xs[:, None, :])
+        ev = yg.square_().sum(-1)
+    del yg
+    ev.masked_fill_(pad, float("-inf") if largest else float("inf"))
+    # (value, index) order: by index, then a stable sort by value (NaN as torch.sort orders it)
+    oi = torch.sort(idx, dim=1).indices
+    ev, ii = ev.gather(1, oi), idx.gather(1, oi)
+    ov = torch.sort(ev, dim=1, descending=largest, stable=True).indices[:, :k]
+    ev, ii = ev.gather(1, ov), ii.gather(1, ov)
+    bound = candidate_bound(torch.linalg.vector_norm(xs, dim=1), ynorm, last, xs.shape[1], dot)
+    kth = ev[:, -1]
+    ok = (kth > last + bound) if largest else (kth < last - bound)
+    return ev, ii, ok | pad.any(1)
+
+
 def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     """Per launch of one wave of row tiles: topk_mma_kernel's candidate lists (kSel per row,
     TF32 dot products), their values recomputed in float32 by direct differences (as the
@@ -205,30 +242,9 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
         last = _decode((top[:, -1] >> 32) & 0xFFFFFFFF, dot, largest)
         for s0 in range(0, rr, RESCORE_ROWS):
             s1 = min(rr, s0 + RESCORE_ROWS)
-            xs = call.x[r0 + s0:r0 + s1].float()
-            yg = call.y[idx[s0:s1]].float()  # (b, sel, K)
-            if dot:
-                ev = (yg * xs[:, None, :]).sum(-1)
-            else:
-                yg.sub_(xs[:, None, :])
-                ev = yg.square_().sum(-1)
-            del yg
-            ev.masked_fill_(pad[s0:s1], float("-inf") if largest else float("inf"))
-            # (value, index) order: by index, then a stable sort by value (NaN as torch.sort orders it)
-            oi = torch.sort(idx[s0:s1], dim=1).indices
-            ev, ii = ev.gather(1, oi), idx[s0:s1].gather(1, oi)
-            ov = torch.sort(ev, dim=1, descending=largest, stable=True).indices[:, :k]
-            ev, ii = ev.gather(1, ov), ii.gather(1, ov)
-            xn = torch.linalg.vector_norm(xs, dim=1)
-            a = last[s0:s1]
-            if dot:
-                bound = 2.0 ** -9 * xn * ynorm + 2.0 ** -16 * a.abs()
-            else:
-                bound = 2.0 ** -8 * xn * ynorm + K * 2.0 ** -22 * (xn * xn + ynorm * ynorm) + 2.0 ** -16 * a.abs()
-            kth = ev[:, -1]
-            ok = (kth > a + bound) if largest else (kth < a - bound)
-            ok |= pad[s0:s1].any(1)
-            values[r0 + s0:r0 + s1] = ev.sqrt() if call.desc == PRESETS["l2"] else ev
+            v, ii, ok = rescore(call.x[r0 + s0:r0 + s1], call.y, idx[s0:s1], pad[s0:s1], last[s0:s1], ynorm, k,
+                                dot=dot, largest=largest)
+            values[r0 + s0:r0 + s1] = v.sqrt() if call.desc == PRESETS["l2"] else v
             indices[r0 + s0:r0 + s1] = ii
             bad.append((~ok).nonzero().squeeze(1) + (r0 + s0))
     bad = torch.cat(bad)

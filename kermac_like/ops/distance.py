@@ -149,6 +149,7 @@ def _op_args(call: DistanceCall) -> tuple:
 
 
 _NUMBER_TYPES = (float, int, type(None))
+_TORCH_CDIST_DTYPES = (torch.float32, torch.float64)
 
 
 def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
@@ -306,7 +307,8 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     ``autotune`` as in :func:`run_kernel`.
     """
     key = None
-    if not debug and autotune is None and type(p) in _NUMBER_TYPES and p is not None:
+    if (not debug and autotune is None and type(p) in _NUMBER_TYPES and p is not None
+            and getattr(x1, "is_cuda", False)):  # the call-key templates are GPU plans
         key = _call_key(("cdist", bool(skip_epilogue)), (p,), x1, x2, out, compute_mode)
         res = _run_cached(key, x1, x2, out)
         if res is not None:
@@ -322,6 +324,12 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
         raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
     if x1.shape[-1] != x2.shape[-1]:
         raise ValueError(f"x2: last dimension {x2.shape[-1]} differs from x1's {x1.shape[-1]}")
+    if (not x1.is_cuda and out is None and not skip_epilogue and not debug and x1.dtype in _TORCH_CDIST_DTYPES
+            and direct_call(x1, x2)):
+        # On the CPU the torch path of cdist is torch.cdist itself (torch_path.py, bitwise): a
+        # small call should not pay the planning for it.
+        broadcast_batch_shape({"x1": tuple(x1.shape[:-2]), "x2": tuple(x2.shape[:-2])})
+        return torch.cdist(x1, x2, p=p, compute_mode=compute_mode)
     if p == 0 or math.isinf(p):
         batch = broadcast_batch_shape({"x1": tuple(x1.shape[:-2]), "x2": tuple(x2.shape[:-2])})
         _check_out(out, (*batch, x1.shape[-2], x2.shape[-2]), x1.dtype, x1.device)

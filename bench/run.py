@@ -455,22 +455,13 @@ def gp_step_rows(bench):
     try:
         import gpytorch
 
-        from kermac_like.gpytorch import RBFKernel
+        from kermac_like.gpytorch import RBFKernel, ScaledExactGP
     except ImportError as e:
         return [dict(workload="gp_step", size="", ours_ms=None, torch_ms=None, kermac_ms=None, error=None,
                      torch_error=None, unit="ms", note=f"skipped: {e}", speedup=None, kermac_speedup=None)]
 
     dev = bench.device
     D = 8
-
-    class Model(gpytorch.models.ExactGP):
-        def __init__(self, x, y, likelihood, kernel):
-            super().__init__(x, y, likelihood)
-            self.mean_module = gpytorch.means.ConstantMean()
-            self.covar_module = gpytorch.kernels.ScaleKernel(kernel)
-
-        def forward(self, x):
-            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
     def data(n):
         x = bench.rand(n, D) * 2 - 1
@@ -479,7 +470,7 @@ def gp_step_rows(bench):
 
     def step(kernel_cls, x, y):
         likelihood = gpytorch.likelihoods.GaussianLikelihood().to(dev)
-        model = Model(x, y, likelihood, kernel_cls()).to(dev)
+        model = ScaledExactGP(x, y, likelihood, kernel_cls()).to(dev)
         mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
         model.train()
         likelihood.train()

@@ -25,19 +25,9 @@ from _common import parser, setup, sync
 try:
     import gpytorch
 
-    from kermac_like.gpytorch import RBFKernel
+    from kermac_like.gpytorch import RBFKernel, ScaledExactGP
 except ImportError:  # optional extras
     gpytorch = None
-
-
-class ExactGP(gpytorch.models.ExactGP if gpytorch else object):
-    def __init__(self, x, y, likelihood, kernel):
-        super().__init__(x, y, likelihood)
-        self.mean_module = gpytorch.means.ConstantMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(kernel)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
 def load_diabetes_split(quick, seed, device):
@@ -60,7 +50,7 @@ def train(kernel, x, y, xt, yt, iters, seed):
     """Adam on the exact MLL; (MLL per iteration, test RMSE)."""
     torch.manual_seed(seed)
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x)
-    model = ExactGP(x, y, likelihood, kernel).to(x)
+    model = ScaledExactGP(x, y, likelihood, kernel).to(x)
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model.train()
@@ -86,7 +76,7 @@ def large_step(n, d, device, dtype, seed):
     x = (torch.rand(n, d, generator=g) * 2 - 1).to(device, dtype)
     y = (torch.sin(3 * x[:, 0]) * torch.cos(x[:, 1:].sum(1)) + 0.1 * torch.randn(n, generator=g).to(device, dtype))
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(device, dtype)
-    model = ExactGP(x, y, likelihood, RBFKernel(ard_num_dims=d)).to(device, dtype)
+    model = ScaledExactGP(x, y, likelihood, RBFKernel(ard_num_dims=d)).to(device, dtype)
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     model.train()
     likelihood.train()

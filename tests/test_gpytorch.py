@@ -10,22 +10,12 @@ import torch
 gpytorch = pytest.importorskip("gpytorch")
 pytest.importorskip("linear_operator")
 
-from kermac_like.gpytorch import KermacKernelLinearOperator, MaternKernel, RBFKernel  # noqa: E402
+from kermac_like.gpytorch import KermacKernelLinearOperator, MaternKernel, RBFKernel, ScaledExactGP  # noqa: E402
 from kermac_like.gpytorch import _operator  # noqa: E402
 
 F64 = torch.float64
 CG = 0  # max_cholesky_size: every solve on CG / Lanczos
 CHOLESKY = 10**4  # every solve dense
-
-
-class ExactGP(gpytorch.models.ExactGP):
-    def __init__(self, x, y, likelihood, kernel):
-        super().__init__(x, y, likelihood)
-        self.mean_module = gpytorch.means.ConstantMean(batch_shape=kernel.batch_shape)
-        self.covar_module = gpytorch.kernels.ScaleKernel(kernel, batch_shape=kernel.batch_shape)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
 def data(n=120, d=3, batch=(), seed=0):
@@ -38,7 +28,7 @@ def data(n=120, d=3, batch=(), seed=0):
 def train_step_and_predict(kernel, x, y, max_cholesky_size, lengthscale=0.7):
     """(MLL, d MLL / d raw_lengthscale, predictive mean, predictive variance) at fixed seeds."""
     likelihood = gpytorch.likelihoods.GaussianLikelihood(batch_shape=kernel.batch_shape).to(F64)
-    model = ExactGP(x, y, likelihood, kernel).to(F64)
+    model = ScaledExactGP(x, y, likelihood, kernel).to(F64)
     kernel.lengthscale = torch.full_like(kernel.lengthscale, lengthscale)
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     model.train()

@@ -11,19 +11,11 @@ import torch
 gpytorch = pytest.importorskip("gpytorch")
 pytest.importorskip("linear_operator")
 
-from kermac_like.gpytorch import MaternKernel, RBFKernel  # noqa: E402
+from kermac_like.gpytorch import MaternKernel, RBFKernel, ScaledExactGP  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
-class ExactGP(gpytorch.models.ExactGP):
-    def __init__(self, x, y, likelihood, kernel):
-        super().__init__(x, y, likelihood)
-        self.mean_module = gpytorch.means.ConstantMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(kernel)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
 def data(n, d, seed=0, device="cuda"):
@@ -35,7 +27,7 @@ def data(n, d, seed=0, device="cuda"):
 
 def step(kernel, x, y, dtype, max_cholesky_size=0, predict=True):
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x.device, dtype)
-    model = ExactGP(x.to(dtype), y.to(dtype), likelihood, kernel).to(x.device, dtype)
+    model = ScaledExactGP(x.to(dtype), y.to(dtype), likelihood, kernel).to(x.device, dtype)
     kernel.lengthscale = torch.full_like(kernel.lengthscale, 0.7)
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     model.train()

@@ -10,6 +10,7 @@ linear_operator: ``pip install "kermac_like[gpytorch]"``).
 ``gpytorch.settings.max_cholesky_size`` their covariance is a :class:`KermacKernelLinearOperator`
 whose products, diagonal and lengthscale gradients never form the N x N matrix, so GPyTorch's
 CG / Lanczos training and prediction run at N where the dense kernel cannot exist.
+:class:`ScaledExactGP` is the usual exact GP regression model (constant mean, ScaleKernel).
 """
 
 try:
@@ -21,5 +22,6 @@ except ImportError as e:  # optional dependencies
 
 from ._operator import KermacKernelLinearOperator
 from .kernels import MaternKernel, RBFKernel
+from .models import ScaledExactGP
 
-__all__ = ["RBFKernel", "MaternKernel", "KermacKernelLinearOperator"]
+__all__ = ["RBFKernel", "MaternKernel", "KermacKernelLinearOperator", "ScaledExactGP"]

@@ -10,6 +10,7 @@ Public API::
     kernel_matvec(descriptor, x, y, v, *, out=None, <run_kernel's hyper-parameters>, debug=False)
     kernel_topk(descriptor, x, y, k, *, largest=None, out=None, <run_kernel's hyper-parameters>, debug=False)
     knn(x, y, k, *, p=2.0, largest=False, out=None, compute_mode=..., debug=False)
+    kernel_logsumexp(descriptor, x, y, log_weights=None, *, out=None, <hyper-parameters>, debug=False)
     precompile(descriptors, device=None, debug=False)
     KernelOperator(descriptor, x, y, **hyper)   lazy kernel matrix: shape, @, .T, diagonal(), to_dense()
     KernelDescriptor, InnerOperator, PowerType, KernelType, PRESETS, preset
@@ -30,6 +31,7 @@ except ImportError:  # CPU-only use still works through the torch path (torch_pa
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from .ops.distance import cdist, run_kernel
 from .ops.knn import kernel_topk, knn
+from .ops.logsumexp import kernel_logsumexp
 from .ops.matvec import kernel_matvec
 from .operator import KernelOperator
 from .runtime.precompile import precompile
@@ -43,6 +45,7 @@ __all__ = [
     "kernel_matvec",
     "kernel_topk",
     "knn",
+    "kernel_logsumexp",
     "precompile",
     "KernelDescriptor",
     "InnerOperator",

@@ -1,0 +1,218 @@
+"""Kernel sums in the log domain: :func:`kernel_logsumexp`.
+
+``out[..., m, c] = log sum_n exp(-phi(x_m, y_n) + log_weights[..., n, c])`` for a descriptor
+with a LAPLACE or GAUSSIAN epilogue (its kernel is ``exp(-phi)``: ``phi = d / bandwidth`` or
+``d^2 / (2 bandwidth^2)``), without the M x N matrix and without forming ``exp(-phi)`` (which
+underflows to 0 in float32 for nearly every pair at small bandwidths): blocks of ``phi``
+(the descriptor's distance from run_kernel's fused kernels, the epilogue dropped) are combined
+with a running maximum per row and column, FlashAttention's online softmax, in a fixed order.
+
+The blocked computation serves every device; memory O((M + N) C) plus one block. Autograd with
+respect to x, y and log_weights: the backward weights each block by the softmax
+``exp(-phi + log_weights - out)`` and differentiates phi on it (never M x N either).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from .. import _debug
+from .._args import check_same, check_tensor
+from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from ..layout import analyse_output
+from .distance import COMPUTE_MODES, prepare_call, run_kernel
+
+__all__ = ["kernel_logsumexp", "BLOCK_ELEMENTS"]
+
+BLOCK_ELEMENTS = 1 << 22  # phi values of one block, all batch entries and columns of log_weights together
+
+
+def _distance_desc(desc: KernelDescriptor, epsilon) -> tuple:
+    """(the descriptor whose values phi is formed from, whether they are already squared)."""
+    squared = (desc.kernel_type is KernelType.GAUSSIAN and desc.outer_power is PowerType.SQRT
+               and epsilon is None)  # phi = s / (2 bw^2) straight from the sum: no sqrt then square
+    outer = PowerType.NOOP if squared else desc.outer_power
+    return dataclasses.replace(desc, outer_power=outer, kernel_type=KernelType.NONE), squared
+
+
+def _phi(desc: KernelDescriptor, d: Tensor, squared: bool, bw) -> Tensor:
+    """phi of distances d (``squared``: d holds squared distances); a new tensor."""
+    bw = bw.reshape(*bw.shape, 1, 1) if isinstance(bw, Tensor) else bw
+    if desc.kernel_type is KernelType.LAPLACE:
+        return d / bw
+    return (d if squared else d * d) / (2.0 * bw * bw)
+
+
+def _phi_differentiable(desc: KernelDescriptor, xb: Tensor, yb: Tensor, hyp: dict, epsilon) -> Tensor:
+    """phi of every pair of the blocks by torch operations that autograd differentiates, with
+    zero gradient at zero distance (as the package's cdist backward)."""
+    diff = xb.unsqueeze(-2) - yb.unsqueeze(-3)  # (*batch, mb, nb, K)
+    ip = hyp["inner_p"]
+    if desc.inner_power is PowerType.ABS:
+        s = diff.abs().sum(-1)
+    elif desc.inner_power is PowerType.SQUARE:
+        s = diff.square().sum(-1)
+    else:
+        p = ip.reshape(*ip.shape, 1, 1, 1) if isinstance(ip, Tensor) else ip
+        a = diff.abs()
+        s = torch.where(a > 0, torch.where(a > 0, a, 1).pow(p), 0).sum(-1)
+    squared = desc.kernel_type is KernelType.GAUSSIAN and desc.outer_power is PowerType.SQRT and epsilon is None
+    if not squared:
+        pos = s > 0
+        safe = torch.where(pos, s, 1)
+        if desc.outer_power is PowerType.SQRT:
+            s = torch.where(pos, safe.sqrt(), 0)
+        elif desc.outer_power is PowerType.POW:
+            op = hyp["outer_p"]
+            op = op.reshape(*op.shape, 1, 1) if isinstance(op, Tensor) else op
+            s = torch.where(pos, safe.pow(1.0 / op), 0)
+        if epsilon is not None:
+            s = torch.where(s < epsilon, 0, s)
+    return _phi(desc, s, squared, hyp["bandwidth"])
+
+
+def _blocks(batch: tuple, M: int, N: int, C: int) -> tuple:
+    B = math.prod(batch) if batch else 1
+    nb = min(N, max(256, BLOCK_ELEMENTS // max(1, B * M * C)))
+    mb = min(M, max(1, BLOCK_ELEMENTS // max(1, B * nb * C)))
+    return mb, nb
+
+
+def _forward(call, lw: Tensor, work) -> Tensor:
+    """(*batch, M, C) in ``work``: the blocked running (max, sum) combination."""
+    dd, squared = _distance_desc(call.desc, call.epsilon)
+    batch, M, N = call.batch, call.M, call.N
+    C = lw.shape[-1]
+    mb, nb = _blocks(batch, M, N, C)
+    hyp = dict(call.hypers)
+    bw = hyp.pop("bandwidth")
+    bw = bw.to(work) if isinstance(bw, Tensor) else bw
+    x, y = call.a.to(work), call.b.to(work)
+    lw = lw.to(work).expand(*batch, N, C)
+    out = torch.empty((*batch, M, C), dtype=work, device=call.device)
+    for m0 in range(0, M, mb):
+        m1 = min(M, m0 + mb)
+        run_max = torch.full((*batch, m1 - m0, C), -math.inf, dtype=work, device=call.device)
+        run_sum = torch.zeros_like(run_max)
+        for n0 in range(0, N, nb):
+            n1 = min(N, n0 + nb)
+            d = run_kernel(dd, x[..., m0:m1, :], y[..., n0:n1, :], epsilon=call.epsilon,
+                           compute_mode=COMPUTE_MODES[2], **{k: v for k, v in hyp.items() if k != "regularization"})
+            t = _phi(call.desc, d.to(work), squared, bw).neg_().unsqueeze(-1) + lw[..., None, n0:n1, :]
+            del d
+            block_max = t.amax(-2)  # (*batch, mb, C)
+            new_max = torch.maximum(run_max, block_max)
+            safe = torch.where(torch.isfinite(new_max), new_max, 0)  # all terms -inf so far: nothing to rescale
+            run_sum = run_sum * torch.exp(run_max - safe) + torch.exp(t - safe.unsqueeze(-2)).sum(-2)
+            run_max = new_max
+        out[..., m0:m1, :] = torch.where(torch.isfinite(run_max), run_sum.log() + run_max, run_max)
+    return out
+
+
+class _LogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, lw, call, work):
+        out = _forward(dataclasses.replace(call, a=x, b=y), lw, work)
+        ctx.save_for_backward(x, y, lw, out)
+        ctx.call, ctx.work = call, work
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y, lw, out = ctx.saved_tensors
+        call, work = ctx.call, ctx.work
+        batch, M, N, C = call.batch, call.M, call.N, lw.shape[-1]
+        mb, nb = _blocks(batch, M, N, C)
+        needs = ctx.needs_input_grad[:3]
+        xe, ye = x.expand(*batch, M, x.shape[-1]), y.expand(*batch, N, y.shape[-1])
+        lwe = lw.expand(*batch, N, C)
+        gx = torch.zeros(xe.shape, dtype=work, device=x.device) if needs[0] else None
+        gy = torch.zeros(ye.shape, dtype=work, device=x.device) if needs[1] else None
+        glw = torch.zeros(lwe.shape, dtype=work, device=x.device) if needs[2] else None
+        hyp = {k: (v.to(work) if isinstance(v, Tensor) else v) for k, v in call.hypers.items()}
+        for m0 in range(0, M, mb):
+            m1 = min(M, m0 + mb)
+            for n0 in range(0, N, nb):
+                n1 = min(N, n0 + nb)
+                with torch.enable_grad():
+                    xb = xe[..., m0:m1, :].detach().to(work).requires_grad_(needs[0])
+                    yb = ye[..., n0:n1, :].detach().to(work).requires_grad_(needs[1])
+                    lb = lwe[..., n0:n1, :].detach().to(work).requires_grad_(needs[2])
+                    t = -_phi_differentiable(call.desc, xb, yb, hyp, call.epsilon).unsqueeze(-1) + lb.unsqueeze(-3)
+                    w = torch.exp(t.detach() - out[..., m0:m1, None, :].to(work))  # softmax weights
+                    s = (g[..., m0:m1, None, :].to(work) * w * t).sum()
+                    wanted = [v for v, n in zip((xb, yb, lb), needs) if n]
+                    grads = iter(torch.autograd.grad(s, wanted)) if wanted else iter(())
+                if needs[0]:
+                    gx[..., m0:m1, :] += next(grads)
+                if needs[1]:
+                    gy[..., n0:n1, :] += next(grads)
+                if needs[2]:
+                    glw[..., n0:n1, :] += next(grads)
+        res = [None if gr is None else gr.sum_to_size(t_.shape).to(t_.dtype)
+               for gr, t_ in zip((gx, gy, glw), (x, y, lw))]
+        return (*res, None, None)
+
+
+def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_weights=None, *, out=None, p=None,
+                     inner_p=None, outer_p=None, bandwidth=None, epsilon=None, debug: bool = False) -> Tensor:
+    """``out[..., m, c] = log sum_n exp(-phi(x_m, y_n) + log_weights[..., n, c])``, stably.
+
+    ``descriptor`` needs a LAPLACE or GAUSSIAN epilogue: its kernel is ``exp(-phi)`` with
+    ``phi = d / bandwidth`` (Laplace) or ``d^2 / (2 bandwidth^2)`` (Gaussian) of the
+    descriptor's distance d (inner norm, outer power, ``epsilon`` cut as in run_kernel).
+    x ``(..., M, K)``, y ``(..., N, K)``, log_weights ``(..., N, C)`` or ``(..., N)`` (default
+    0: ``out`` is the log of the kernel's row sums) -> ``(..., M, C)`` or ``(..., M)`` in x's
+    dtype; batch modes and tensor hyper-parameters broadcast as in run_kernel. The result is
+    finite wherever one term is, however small the kernel values (the sum is combined around
+    a running maximum in blocks of at most BLOCK_ELEMENTS values, in a fixed order: the same
+    inputs give the same bits), computed in float32 from float32/16-bit inputs and in float64
+    on CPU tensors and float64 inputs. Memory O((M + N) C) plus one block.
+
+    Differentiable with respect to x, y and log_weights (a softmax-weighted sum of phi's
+    derivatives, blocked; zero gradient at zero distance); not with respect to the
+    hyper-parameters. ``out``: written in place and returned (left untouched when an argument
+    is rejected). Errors: TypeError/ValueError naming the argument.
+    """
+    debug = _debug.resolve(debug)
+    if not isinstance(descriptor, KernelDescriptor):
+        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
+    if descriptor.kernel_type not in (KernelType.LAPLACE, KernelType.GAUSSIAN):
+        raise ValueError(f"descriptor: {descriptor!r} has no LAPLACE or GAUSSIAN epilogue (its kernel must be exp(-phi))")
+    if descriptor.inner_operator is not InnerOperator.DIFF:
+        raise ValueError(f"descriptor: {descriptor!r} is not a distance (inner operator DIFF)")
+    check_tensor("x", x)
+    check_tensor("y", y)
+    if log_weights is None:
+        lw, vector = x.new_zeros(y.shape[-2], 1), True
+    else:
+        check_tensor("log_weights", log_weights, min_dim=1)
+        check_same("log_weights", log_weights, "x", x)
+        vector = log_weights.dim() == 1
+        lw = log_weights.unsqueeze(-1) if vector else log_weights
+        if lw.shape[-2] != y.shape[-2]:
+            raise ValueError(f"log_weights: expected {y.shape[-2]} rows (the points of y), got shape "
+                             f"{tuple(log_weights.shape)}")
+    call = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
+                        epsilon=epsilon, names=("x", "y"), extra_shapes={"log_weights": tuple(lw.shape[:-2])})
+    for name, h in call.hypers.items():
+        if isinstance(h, Tensor) and h.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
+    shape = (*call.batch, call.M) if vector else (*call.batch, call.M, lw.shape[-1])
+    if out is not None:
+        if not isinstance(out, Tensor):
+            raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+        if vector:  # (..., M): checked as the matrix (..., M, 1)
+            analyse_output("out", out.unsqueeze(-1), (*shape, 1), x.dtype, x.device)
+        else:
+            analyse_output("out", out, shape, x.dtype, x.device)
+    work = torch.float64 if (x.dtype == torch.float64 or x.device.type == "cpu") else torch.float32
+    res = _LogSumExp.apply(x, y, lw, call, work)
+    res = (res.squeeze(-1) if vector else res).to(x.dtype)
+    if out is None:
+        return res
+    return out.copy_(res)

@@ -31,6 +31,7 @@ KEY_LINES = {
     "kernel_matvec.py": "relative error vs float64",
     "knn.py": "recall vs torch",
     "gp_regression.py": "same MLL",
+    "sinkhorn.py": "Sinkhorn divergence",
 }
 # script -> the optional packages it needs
 NEEDS = {"gp_regression.py": ("gpytorch", "sklearn")}

@@ -15,6 +15,7 @@ respect to x, y and log_weights: the backward weights each block by the softmax
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
@@ -25,6 +26,8 @@ from .._args import check_same, check_tensor
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from ..layout import analyse_output
 from .distance import COMPUTE_MODES, prepare_call, run_kernel
+
+log = logging.getLogger("kermac_like.logsumexp")
 
 __all__ = ["kernel_logsumexp", "BLOCK_ELEMENTS"]
 
@@ -82,7 +85,7 @@ def _blocks(batch: tuple, M: int, N: int, C: int) -> tuple:
     return mb, nb
 
 
-def _forward(call, lw: Tensor, work) -> Tensor:
+def _forward(call, lw: Tensor, work, debug: bool = False) -> Tensor:
     """(*batch, M, C) in ``work``: the blocked running (max, sum) combination."""
     dd, squared = _distance_desc(call.desc, call.epsilon)
     batch, M, N = call.batch, call.M, call.N
@@ -100,8 +103,9 @@ def _forward(call, lw: Tensor, work) -> Tensor:
         run_sum = torch.zeros_like(run_max)
         for n0 in range(0, N, nb):
             n1 = min(N, n0 + nb)
-            d = run_kernel(dd, x[..., m0:m1, :], y[..., n0:n1, :], epsilon=call.epsilon,
-                           compute_mode=COMPUTE_MODES[2], **{k: v for k, v in hyp.items() if k != "regularization"})
+            d = run_kernel(dd, x[..., m0:m1, :], y[..., n0:n1, :], epsilon=call.epsilon, compute_mode=COMPUTE_MODES[2],
+                           debug=debug and m0 == n0 == 0,  # the first block's plan (the others repeat it)
+                           **{k: v for k, v in hyp.items() if k != "regularization"})
             t = _phi(call.desc, d.to(work), squared, bw).neg_().unsqueeze(-1) + lw[..., None, n0:n1, :]
             del d
             block_max = t.amax(-2)  # (*batch, mb, C)
@@ -115,8 +119,8 @@ def _forward(call, lw: Tensor, work) -> Tensor:
 
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, lw, call, work):
-        out = _forward(dataclasses.replace(call, a=x, b=y), lw, work)
+    def forward(ctx, x, y, lw, call, work, debug):
+        out = _forward(dataclasses.replace(call, a=x, b=y), lw, work, debug)
         ctx.save_for_backward(x, y, lw, out)
         ctx.call, ctx.work = call, work
         return out
@@ -155,7 +159,7 @@ class _LogSumExp(torch.autograd.Function):
                     glw[..., n0:n1, :] += next(grads)
         res = [None if gr is None else gr.sum_to_size(t_.shape).to(t_.dtype)
                for gr, t_ in zip((gx, gy, glw), (x, y, lw))]
-        return (*res, None, None)
+        return (*res, None, None, None)
 
 
 def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_weights=None, *, out=None, p=None,
@@ -211,7 +215,10 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
         else:
             analyse_output("out", out, shape, x.dtype, x.device)
     work = torch.float64 if (x.dtype == torch.float64 or x.device.type == "cpu") else torch.float32
-    res = _LogSumExp.apply(x, y, lw, call, work)
+    if debug:
+        log.debug("kernel_logsumexp %r: M=%d N=%d K=%d C=%d batch=%s in %s blocks of %d x %d", descriptor, call.M,
+                  call.N, call.K, lw.shape[-1], call.batch, work, *_blocks(call.batch, call.M, call.N, lw.shape[-1]))
+    res = _LogSumExp.apply(x, y, lw, call, work, debug)
     res = (res.squeeze(-1) if vector else res).to(x.dtype)
     if out is None:
         return res

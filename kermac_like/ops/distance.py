@@ -305,6 +305,11 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     The exact paths include a low-K kernel (up to K = 64 for p = 1, 2 and the Euclidean
     kernels, K = 16 for fractional p: the default table of kermac_like/runtime/autotune.py);
     ``autotune`` as in :func:`run_kernel`.
+
+    Returns ``(..., M, N)`` (written into ``out`` when given). Inputs: float32, float64,
+    float16 or bfloat16 on one device. Bad arguments (p < 0, a K that differs, a non-floating
+    tensor, ``out``'s shape) raise ValueError / TypeError naming the argument, before anything
+    is written to ``out``.
     """
     key = None
     if (not debug and autotune is None and type(p) in _NUMBER_TYPES and p is not None

@@ -591,8 +591,9 @@ def knn(x: torch.Tensor, y: torch.Tensor, k: int, *, p: float = 2.0, largest: bo
     (p = 2) or p_norm preset; p = 0 and p = inf take the blocked path with torch.cdist's
     semantics. ``compute_mode`` as in torch.cdist: where it takes its matrix product (p = 2,
     "use_mm_for_euclid_dist", or the default with more than 25 rows in x or y) the distances
-    are those of the product formula, NaN and inf included. ``out``, autograd and memory as in
-    :func:`kernel_topk`.
+    are those of the product formula, NaN and inf included. x ``(..., M, D)``, y ``(..., N, D)``,
+    ``1 <= k <= N``; ``out``, dtypes, autograd, memory and errors (ValueError / TypeError naming
+    the argument) as in :func:`kernel_topk`.
     """
     debug = _debug.resolve(debug)
     call = prepare_knn(x, y, k, p=p, largest=largest, compute_mode=compute_mode)

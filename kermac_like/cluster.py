@@ -195,9 +195,9 @@ def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | No
         idx[j] = sampler.draw(u[j])
         c = X.index_select(0, idx[j:j + 1])[0]
         centres[j] = c
-        cc4 = (centres[:j] - c).square_().sum(1).mul_(4.0)  # (j,) 4 ||c - a||^2
+        cc = (centres[:j] - c).square_().sum(1)  # (j,) ||c - a||^2
         # a margin of 1e-6 relative keeps points whose bound is within rounding of the limit
-        cand = (cc4[near] < d2 * (1.0 + 1e-6)).nonzero()[:, 0]
+        cand = (cc[near] < d2 * (4.0 * (1.0 + 1e-6))).nonzero()[:, 0]
         for b0 in range(0, cand.numel(), R):
             cb = cand[b0:b0 + R]
             dn = (X[cb] - c).square_().sum(1)

@@ -450,7 +450,17 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     # -- fit ----------------------------------------------------------------------------------------
     def fit(self, X, y=None, sample_weight=None):
         """Compute the clustering. ``sample_weight`` (n_samples,): the weight of each point in
-        the seeding, the centres and the inertia. Returns self."""
+        the seeding, the centres and the inertia. Returns self. A rejected argument raises
+        TypeError/ValueError naming it and leaves the estimator as it was."""
+        saved = dict(self.__dict__)
+        try:
+            return self._fit(X, sample_weight)
+        except (TypeError, ValueError):
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
+
+    def _fit(self, X, sample_weight):
         C, n_init, max_iter, tol, init = self._check_params()
         Xt, was_tensor = self._validate(X, reset=True)
         N = Xt.shape[0]

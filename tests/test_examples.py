@@ -31,9 +31,10 @@ KEY_LINES = {
     "kernel_matvec.py": "relative error vs float64",
     "knn.py": "recall vs torch",
     "gp_regression.py": "same MLL",
+    "kmeans.py": "same labels as scikit-learn: yes",
 }
 # script -> the optional packages it needs
-NEEDS = {"gp_regression.py": ("gpytorch", "sklearn")}
+NEEDS = {"gp_regression.py": ("gpytorch", "sklearn"), "kmeans.py": ("sklearn",)}
 
 
 def _run(args, timeout=240, **kw):

@@ -545,6 +545,11 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             _, d2 = _assign(Xt, self._centres(), self.debug)
         return -_inertia(d2, w)
 
+    def get_feature_names_out(self, input_features=None):
+        """Names of transform's columns: "kmeans0", "kmeans1", ... (scikit-learn's)."""
+        check_is_fitted(self, "_n_features_out")
+        return np.asarray([f"{type(self).__name__.lower()}{i}" for i in range(self._n_features_out)], dtype=object)
+
     if HAVE_SKLEARN:
         def __sklearn_tags__(self):
             tags = super().__sklearn_tags__()

@@ -205,6 +205,10 @@ except ValueError as e:
     assert str(e).startswith("gamma:"), e
 back = pickle.loads(pickle.dumps(m.fit(x, y)))
 assert np.array_equal(back.predict(x), m.predict(x))
+from kermac_like.cluster import KMeans
+km = KMeans(3, random_state=0).fit(x)
+assert km.labels_.dtype == np.int32 and np.array_equal(km.predict(x), km.labels_)
+assert km.transform(x).shape == (30, 3) and km.score(x) == -km.inertia_
 print("ok")
 '''
 

@@ -87,30 +87,43 @@ def _block_rows(N: int, D: int) -> int:
 
 
 # -- the update: one deterministic segmented sum ---------------------------------------------
+def _label_keys(labels: torch.Tensor, n_clusters: int) -> torch.Tensor:
+    """The labels in the narrowest integer type that holds them: a radix sort makes one pass per
+    byte of the key (int16 up to 32767 clusters: two passes instead of int64's eight)."""
+    if n_clusters <= torch.iinfo(torch.int16).max:
+        return labels.to(torch.int16)
+    return labels.to(torch.int32)
+
+
 def segment_sums(X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, n_clusters: int) -> tuple:
     """(sums (C, D) float64, weight per cluster (C,) float64) of the points (times their weights)
-    by label, without atomics: a stable sort of the labels, then ``torch.segment_reduce`` over
-    row blocks of the sorted points in float64, the blocks' partial sums added in block order
-    (each block's sums run in a fixed order too). The result is the same bitwise run to run."""
+    by label, without atomics: a stable sort of the labels, then ``torch.segment_reduce`` in
+    float64 over row blocks of the sorted points, the blocks' partial sums added in block order.
+    Each block is laid out feature-major, (D, rows) flattened, so that the reduction is 1-D with
+    D x C segments (on CUDA one cub segmented reduction, a thread block per segment, each in a
+    fixed order). The result is the same bitwise run to run."""
     N, D = X.shape
-    sorted_lab, perm = torch.sort(labels, stable=True)
-    bounds = torch.searchsorted(sorted_lab, torch.arange(n_clusters + 1, device=X.device, dtype=sorted_lab.dtype))
-    sums = torch.zeros((n_clusters, D), dtype=torch.float64, device=X.device)
-    wsum = None if weights is None else torch.zeros(n_clusters, dtype=torch.float64, device=X.device)
+    C = n_clusters
+    keys = _label_keys(labels, C)
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    bounds = torch.searchsorted(sorted_keys, torch.arange(C + 1, device=X.device, dtype=keys.dtype))
+    sums = torch.zeros((D, C), dtype=torch.float64, device=X.device)
+    wsum = None if weights is None else torch.zeros(C, dtype=torch.float64, device=X.device)
     R = _block_rows(N, D)
     for b0 in range(0, N, R):
         b1 = min(N, b0 + R)
         p = perm[b0:b1]
-        lengths = bounds.clamp(b0, b1).diff()  # rows of each cluster in this block
-        xb = X[p].to(torch.float64)  # (rows, D)
+        lengths = bounds.clamp(b0, b1).diff()  # (C,) rows of each cluster in this block
+        xb = X.index_select(0, p).to(torch.float64)  # (rows, D)
         if weights is not None:
-            wb = weights[p].to(torch.float64)
+            wb = weights.index_select(0, p).to(torch.float64)
             xb.mul_(wb.unsqueeze(1))
             wsum += torch.segment_reduce(wb, "sum", lengths=lengths, axis=0)
-        sums += torch.segment_reduce(xb, "sum", lengths=lengths, axis=0)
+        flat = xb.t().contiguous().view(-1)  # (D * rows,): feature d's rows at [d rows, (d + 1) rows)
+        sums += torch.segment_reduce(flat, "sum", lengths=lengths.repeat(D), axis=0).view(D, C)
     if weights is None:
         wsum = bounds.diff().to(torch.float64)
-    return sums, wsum
+    return sums.t().contiguous(), wsum
 
 
 def _relocate_empty(X, weights, labels, d2, sums, wsum, verbose) -> None:
@@ -138,25 +151,25 @@ def _relocate_empty(X, weights, labels, d2, sums, wsum, verbose) -> None:
 # -- seeding ------------------------------------------------------------------------------------
 class _Sampler:
     """Draws an index with probability proportional to a non-negative vector ``p`` (N,) that
-    changes between draws: block sums (float64), their cumulative sum, then one block's
-    cumulative sum; O(N / SAMPLE_BLOCK + SAMPLE_BLOCK) work per draw beyond the block sums."""
+    changes between draws: block sums (in float64), their cumulative sum, then one block's
+    cumulative sum. Per draw: one read of p and a few kernels on O(N / SAMPLE_BLOCK +
+    SAMPLE_BLOCK) values; no host synchronisation."""
 
-    def __init__(self, N: int, device):
+    def __init__(self, N: int, dtype, device):
         self.N = N
         self.nb = -(-N // SAMPLE_BLOCK)
-        self.p = torch.zeros(self.nb * SAMPLE_BLOCK, dtype=torch.float64, device=device)
+        self.p = torch.zeros(self.nb * SAMPLE_BLOCK, dtype=dtype, device=device)
 
     def draw(self, u: torch.Tensor) -> torch.Tensor:
-        """The index (0-d int64 tensor) at ``u`` (0-d, in [0, 1)) of the distribution."""
+        """The index (1-element int64 tensor) at ``u`` (1 element, in [0, 1)) of the distribution."""
         blocks = self.p.view(self.nb, SAMPLE_BLOCK)
-        bs = blocks.sum(1)
+        bs = blocks.sum(1, dtype=torch.float64)
         cum = bs.cumsum(0)
-        r = (u * cum[-1]).reshape(1)
+        r = u * cum[-1:]
         b = torch.searchsorted(cum, r, right=True).clamp_(max=self.nb - 1)
-        inner = blocks.index_select(0, b)[0].cumsum(0)  # (no host sync, unlike blocks[b[0]])
-        r2 = r - (cum[b] - bs[b])
-        i = torch.searchsorted(inner, r2, right=True).clamp_(max=SAMPLE_BLOCK - 1)
-        return (b * SAMPLE_BLOCK + i).clamp_(max=self.N - 1)[0]
+        inner = blocks.index_select(0, b)[0].cumsum(0, dtype=torch.float64)  # (no host sync, unlike blocks[b])
+        i = torch.searchsorted(inner, r - (cum.index_select(0, b) - bs.index_select(0, b)), right=True)
+        return (b * SAMPLE_BLOCK + i.clamp_(max=SAMPLE_BLOCK - 1)).clamp_(max=self.N - 1)
 
 
 def _sq_dist_to(X: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -175,37 +188,41 @@ def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | No
     nearest centre so far. The running minimum distance is updated per new centre, only for
     the points it can improve: a point whose nearest centre a lies at least twice its
     distance from the new centre c (||c - a||^2 >= 4 d^2) cannot get closer, so one pass reads
-    the (N,) labels and distances and recomputes the few candidates' distances. Never
-    N x n_clusters. Returns (centres (C, D) in X's dtype, indices (C,))."""
+    the (N,) labels and distances and recomputes the few candidates' distances (one host
+    synchronisation per centre, for their number). Never N x n_clusters. Returns
+    (centres (C, D) in X's dtype, indices (C,) int64)."""
     N, D = X.shape
     dev = X.device
-    w64 = None if weights is None else weights.to(torch.float64)
+    w = None if weights is None else weights.to(X.dtype)
     u = torch.rand(n_clusters, dtype=torch.float64, device=dev, generator=generator)
-    sampler = _Sampler(N, dev)
-    sampler.p[:N] = 1.0 if w64 is None else w64
+    sampler = _Sampler(N, X.dtype, dev)
+    sampler.p[:N] = 1.0 if w is None else w
     idx = torch.empty(n_clusters, dtype=torch.int64, device=dev)
     centres = torch.empty((n_clusters, D), dtype=X.dtype, device=dev)
-    idx[0] = sampler.draw(u[0])
-    centres[0] = X.index_select(0, idx[:1])[0]
+    idx[:1] = sampler.draw(u[:1])
+    centres[:1] = X.index_select(0, idx[:1])
     d2 = _sq_dist_to(X, centres[0])  # (N,) running minimum squared distance
     near = torch.zeros(N, dtype=torch.int32, device=dev)  # its centre
-    sampler.p[:N] = d2 if w64 is None else d2 * w64
+    sampler.p[:N] = d2 if w is None else d2 * w
     R = _block_rows(N, D)
     for j in range(1, n_clusters):
-        idx[j] = sampler.draw(u[j])
-        c = X.index_select(0, idx[j:j + 1])[0]
-        centres[j] = c
+        idx[j:j + 1] = sampler.draw(u[j:j + 1])
+        centres[j:j + 1] = X.index_select(0, idx[j:j + 1])
+        c = centres[j]
         cc = (centres[:j] - c).square_().sum(1)  # (j,) ||c - a||^2
         # a margin of 1e-6 relative keeps points whose bound is within rounding of the limit
         cand = (cc[near] < d2 * (4.0 * (1.0 + 1e-6))).nonzero()[:, 0]
         for b0 in range(0, cand.numel(), R):
-            cb = cand[b0:b0 + R]
-            dn = (X[cb] - c).square_().sum(1)
-            better = dn < d2[cb]
-            sel, dn = cb[better], dn[better]
-            d2[sel] = dn
-            near[sel] = j
-            sampler.p[sel] = dn.to(torch.float64) if w64 is None else dn * w64[sel]
+            cb = cand[b0:b0 + R]  # distinct indices: the writes below are deterministic
+            dn = (X.index_select(0, cb) - c).square_().sum(1)
+            old = d2.index_select(0, cb)
+            better = dn < old
+            d2[cb] = torch.where(better, dn, old)
+            near[cb] = torch.where(better, j, near.index_select(0, cb))
+            if w is None:
+                sampler.p[cb] = torch.where(better, dn, old)
+            else:
+                sampler.p[cb] = torch.where(better, dn, old) * w.index_select(0, cb)
     return centres, idx
 
 

@@ -491,7 +491,6 @@ def kmeans_rows(bench):
             f"({from_start.median_ms and theirs.median_ms / from_start.median_ms:.1f}x torch's); torch: the same "
             f"iterations in row blocks (cdist, argmin, index_add_) from our k-means++ centres; error: inertia of "
             f"the final centres, ours vs torch's")
-    del X
     return [bench.row("kmeans", f"{N}x{D}, {C} clusters", ours, theirs, None, err, None, note,
                       seeding_ms=seed.median_ms, lloyd_ms=from_start.median_ms)]
 

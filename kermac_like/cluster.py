@@ -540,7 +540,7 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         Xt, was_tensor, dev = self._query(X)
         with torch.no_grad():
             labels, _ = _assign(Xt, self._centres(), self.debug)
-        return labels.to(dev) if was_tensor else labels.numpy().astype(np.int32)
+        return labels.to(dev) if was_tensor else labels.cpu().numpy().astype(np.int32)
 
     def transform(self, X):
         """Euclidean distances (n_samples, n_clusters) to the centres, in the centres' dtype."""

@@ -336,7 +336,9 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
 
     Fitted attributes: ``cluster_centers_`` (n_clusters, n_features), ``labels_`` (n_samples,),
     ``inertia_`` (float: the weighted sum of squared distances to the nearest centre),
-    ``n_iter_``, ``n_features_in_``, ``feature_names_in_`` (data frames).
+    ``n_iter_``, ``n_features_in_``, ``feature_names_in_`` (data frames). numpy X: numpy
+    centres in X's float dtype and int32 labels (scikit-learn's types); a tensor X: tensors on
+    its device, int64 labels.
 
     The assignment is ``knn(X, centres, 1)``: on a CPU (and for float64 on a GPU) exact in
     float64; on a GPU in float32 for float32 data, so points whose two nearest centres are

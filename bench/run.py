@@ -43,6 +43,7 @@ from bench._timing import time_calls  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
 from cdist_grad import torch_cdist_grad_p2  # noqa: E402  (one copy, shared with the example)
+from kmeans import torch_lloyd  # noqa: E402  (one copy, shared with the example)
 
 try:
     import kermac  # the baseline package, when installed
@@ -67,6 +68,7 @@ WORKLOADS = (
     "knn_d128",
     "knn_p1_d64",
     "knn_batched",
+    "kmeans",
     "gp_step",
     "cold_compile",
     "warm_process",
@@ -80,7 +82,9 @@ FULL.update(matvec_d3=(1_000_000, 1_000_000, 3), matvec_d256=(200_000, 200_000, 
 # k nearest neighbours: (batch, M, N, D, k, p)
 FULL.update(knn_d3=(1, 1_000_000, 1_000_000, 3, 10, 2.0), knn_d128=(1, 1_000_000, 1_000_000, 128, 10, 2.0),
             knn_p1_d64=(1, 200_000, 200_000, 64, 16, 1.0), knn_batched=(256, 1000, 1000, 8, 8, 2.0))
-QUICK = dict(knn_d3=(1, 2000, 2000, 3, 10, 2.0), knn_d128=(1, 512, 512, 128, 10, 2.0),
+FULL.update(kmeans=(10_000_000, 16, 1024, 20))  # (N, D, clusters, Lloyd iterations)
+QUICK = dict(kmeans=(5000, 16, 16, 20),
+             knn_d3=(1, 2000, 2000, 3, 10, 2.0), knn_d128=(1, 512, 512, 128, 10, 2.0),
              knn_p1_d64=(1, 512, 512, 64, 16, 1.0), knn_batched=(4, 100, 100, 8, 8, 2.0),
              matvec_d3=(2000, 2000, 3), matvec_d256=(512, 512, 256), cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
              linalg=(2, 64, 4))
@@ -441,6 +445,56 @@ def knn_rows(bench, name):
     size = (f"{B}x" if B > 1 else "") + f"{M}x{N}x{D}"
     return [bench.row(name, size, ours, theirs, None, err, terr, note, peak_extra_mb=peak, recall=recall,
                       torch_recall=trecall)]
+def kmeans_rows(bench):
+    """k-means (kermac_like.cluster.KMeans): N points in D dimensions around C Gaussian means,
+    float32, k-means++ then 20 Lloyd iterations (tol = 0, max_iter = 20). Ours: the whole fit;
+    torch: the same 20 iterations written by hand in row blocks (torch.cdist, argmin, index_add_;
+    examples/kmeans.py's torch_lloyd) from our k-means++ centres, in the same run. Error column:
+    the relative difference of the inertia of the final centres (ours from those same centres,
+    torch's), each computed by the float32 assignment. The note gives the seeding's time and
+    ours from the same centres alone."""
+    from kermac_like.cluster import KMeans, kmeans_plusplus
+
+    N, D, C, iters = bench.sizes["kmeans"]
+
+    def make():
+        means = 4 * bench.randn(C, D)
+        return (means[torch.randint(0, C, (N,), device=bench.device, generator=bench.gen)] + bench.randn(N, D),)
+
+    big = not bench.args.quick
+    fit = lambda X: KMeans(C, max_iter=iters, tol=0.0, random_state=bench.args.seed).fit(X)  # noqa: E731
+    ours = time_calls(fit, make, bench.device, repeats=bench.reps(3 if big else None),
+                      warmup=bench.warm(1 if big else None), keep_last=True)
+    (X,) = ours.last_inputs
+    ours.last_inputs = ours.last_output = None
+    seed = time_calls(lambda X: kmeans_plusplus(X, C, None, torch.Generator(device=X.device).manual_seed(0)),
+                      lambda: (X,), bench.device, repeats=bench.reps(3 if big else None), warmup=1, keep_last=True)
+    start = seed.last_output[0]
+    seed.last_inputs = seed.last_output = None
+    from_start = time_calls(lambda X: KMeans(C, init=start, max_iter=iters, tol=0.0).fit(X), lambda: (X,),
+                            bench.device, repeats=bench.reps(3 if big else None), warmup=1, keep_last=True)
+    model = from_start.last_output
+    from_start.last_inputs = from_start.last_output = None
+    theirs = time_calls(lambda X: torch_lloyd(X, start, iters), lambda: (X,), bench.device,
+                        repeats=bench.reps(1 if big else None), warmup=bench.warm(1 if big else None), keep_last=True)
+    torch_centres = theirs.last_output[0]
+    theirs.last_inputs = theirs.last_output = None
+
+    def inertia(centres):
+        d = km.knn(X, centres.contiguous(), 1)[0]
+        return float(d.double().square().sum())
+
+    ref = inertia(torch_centres)
+    err = abs(model.inertia_ - ref) / ref
+    note = (f"{C} clusters, k-means++ then {iters} Lloyd iterations (tol 0), float32; k-means++ alone "
+            f"{fmt_time(seed.median_ms)}, our {iters} iterations from the same centres {fmt_time(from_start.median_ms)} "
+            f"({from_start.median_ms and theirs.median_ms / from_start.median_ms:.1f}x torch's); torch: the same "
+            f"iterations in row blocks (cdist, argmin, index_add_) from our k-means++ centres; error: inertia of "
+            f"the final centres, ours vs torch's")
+    return [bench.row("kmeans", f"{N}x{D}, {C} clusters", ours, theirs, None, err, None, note,
+                      seeding_ms=seed.median_ms, lloyd_ms=from_start.median_ms)]
+
+
 def gp_step_rows(bench):
     """One ExactGP training step (the exact MLL and its backward) with GPyTorch: constant mean,
     ScaleKernel(RBF), D = 8, float32, GPyTorch's default CG iterations, tolerance and probe
@@ -934,6 +988,8 @@ def main(argv=None):
             steps.append((w, lambda: krr_rows(bench)))
         elif w.startswith("knn_"):
             steps.append((w, lambda w=w: knn_rows(bench, w)))
+        elif w == "kmeans":
+            steps.append((w, lambda: kmeans_rows(bench)))
         elif w == "gp_step":
             steps.append((w, lambda: gp_step_rows(bench)))
     lin = [w for w in wanted if w in LINALG]

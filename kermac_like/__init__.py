@@ -20,6 +20,7 @@ Public API::
     gpytorch.RBFKernel / MaternKernel (GPyTorch kernels whose covariance never stores the matrix; needs
                          the [gpytorch] extra, imported on first use)
     neighbors.NearestNeighbors / KNeighborsClassifier / KNeighborsRegressor (scikit-learn's, multi-GPU)
+    cluster.KMeans (scikit-learn's Lloyd k-means: knn(X, centres, 1) assignments, deterministic updates)
 """
 
 from ._version import __version__
@@ -56,13 +57,14 @@ __all__ = [
     "linalg",
     "solvers",
     "neighbors",
+    "cluster",
     "gpytorch",
 ]
 
 
 def __getattr__(name):
     # Submodules with heavier imports load on first use.
-    if name in ("linalg", "solvers", "neighbors", "gpytorch"):
+    if name in ("linalg", "solvers", "neighbors", "cluster", "gpytorch"):
         import importlib
 
         return importlib.import_module("." + name, __name__)

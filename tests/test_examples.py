@@ -32,9 +32,10 @@ KEY_LINES = {
     "knn.py": "recall vs torch",
     "gp_regression.py": "same MLL",
     "sinkhorn.py": "Sinkhorn divergence",
+    "kmeans.py": "same labels as scikit-learn: yes",
 }
 # script -> the optional packages it needs
-NEEDS = {"gp_regression.py": ("gpytorch", "sklearn")}
+NEEDS = {"gp_regression.py": ("gpytorch", "sklearn"), "kmeans.py": ("sklearn",)}
 
 
 def _run(args, timeout=240, **kw):
@@ -88,11 +89,13 @@ def test_bench_quick(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     names = [r["workload"] for r in res["rows"]]
     for w in ("cdist_p1", "cdist_p1.3", "cdist_p2", "laplace_l2_kernel", "cdist_grad_p2", "cdist_grad_p1",
-              "cdist_grad_p1.3", "cold_compile", "warm_process"):
+              "cdist_grad_p1.3", "kmeans", "cold_compile", "warm_process"):
         assert w in names
     for r in res["rows"]:
         if r["workload"].startswith("cdist") or r["workload"] == "laplace_l2_kernel":
             assert r["ours_ms"] > 0 and r["error"] < 1e-5, r
+        if r["workload"] == "kmeans":  # the inertia of our final centres against torch's loop
+            assert r["ours_ms"] > 0 and r["torch_ms"] > 0 and r["error"] < 1e-4, r
     table = (tmp_path / "table.md").read_text()
     assert "| workload |" in table
     assert table.strip().splitlines()[-1] in p.stdout  # the table is printed last, as written

@@ -1,0 +1,577 @@
+"""k-means clustering on :func:`kermac_like.knn`: :class:`KMeans`, scikit-learn's estimator.
+
+Lloyd's algorithm with scikit-learn's semantics (``KMeans(algorithm="lloyd")``): the same
+parameters, stopping rule, final relabelling, empty-cluster rule and errors. Each iteration is
+
+* the assignment: the nearest centre of every point, ``knn(X, centres, 1)`` (the fused
+  argmin of the selection reduction on a GPU: the N x n_clusters distance matrix is never
+  stored);
+* the update: one segmented sum of the points by label (a stable sort of the labels, then
+  ``torch.segment_reduce`` over the sorted rows in row blocks, accumulated in float64 in a
+  fixed order): no one-hot matrix and no floating-point atomics, so the same data and initial
+  centres give bitwise the same centres run to run, on a CPU as on a GPU.
+
+Memory beyond X: O(N) (labels, distances, the sort's permutation), one row block of X in
+float64 and the knn op's own blocks; never N x n_clusters (``transform``'s output aside).
+numpy in, numpy out (``labels_`` int32, centres in X's float dtype, as scikit-learn); torch
+tensors in, tensors out on their device (labels int64), the fit on X's device.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+
+import numpy as np
+import torch
+
+from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, TransformerMixin, check_is_fitted)
+from .ops.knn import knn
+
+try:
+    from sklearn.exceptions import ConvergenceWarning
+except ImportError:  # scikit-learn is optional
+    class ConvergenceWarning(UserWarning):
+        """Fewer distinct clusters than n_clusters were found."""
+
+__all__ = ["KMeans"]
+
+# Rows of X handled at once by the update, the seeding and the variance (memory: one block in
+# float64, 2^20 x D x 8 bytes).
+BLOCK_ROWS = 1 << 20
+# Points per block of the k-means++ sampler (two-level inverse-CDF sampling: block sums, then
+# one block's cumulative sum).
+SAMPLE_BLOCK = 1024
+# torch.cdist's direct differences on the CPU path (the fused GPU kernel forms them anyway):
+# distances without the matrix-product formula's cancellation.
+_DIRECT = "donot_use_mm_for_euclid_dist"
+INITS = ("k-means++", "random")
+
+
+def _is_tensor(a) -> bool:
+    return isinstance(a, torch.Tensor)
+
+
+def _random_state(random_state) -> np.random.RandomState:
+    """scikit-learn's check_random_state."""
+    if random_state is None or random_state is np.random:
+        return np.random.mtrand._rand
+    if isinstance(random_state, numbers.Integral) and not isinstance(random_state, bool):
+        return np.random.RandomState(random_state)
+    if isinstance(random_state, np.random.RandomState):
+        return random_state
+    raise ValueError(f"random_state: {random_state!r} cannot be used to seed a numpy.random.RandomState instance")
+
+
+def _check_tensor_X(name: str, X: torch.Tensor) -> torch.Tensor:
+    if X.is_complex():
+        raise ValueError(f"{name}: Complex data not supported")
+    if X.layout != torch.strided:
+        raise TypeError(f"{name}: sparse input is not supported; pass a dense tensor ({name}.to_dense())")
+    if X.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor (n_samples, n_features), got shape {tuple(X.shape)}")
+    if X.dtype not in (torch.float32, torch.float64):
+        X = X.to(torch.float64)
+    if X.shape[0] == 0:
+        raise ValueError(f"{name}: found 0 sample(s) (shape={tuple(X.shape)}) while a minimum of 1 is required.")
+    if X.shape[1] == 0:
+        raise ValueError(f"{name}: 0 feature(s) (shape={tuple(X.shape)}) while a minimum of 1 is required.")
+    if not bool(torch.isfinite(X).all()):
+        raise ValueError(f"Input {name} contains NaN or infinity.")
+    return X.contiguous()
+
+
+def _block_rows(N: int, D: int) -> int:
+    return max(1, min(N, BLOCK_ROWS * 16 // max(D, 16)))
+
+
+# -- the update: one deterministic segmented sum ---------------------------------------------
+def _label_keys(labels: torch.Tensor, n_clusters: int) -> torch.Tensor:
+    """The labels in the narrowest integer type that holds them: a radix sort makes one pass per
+    byte of the key (int16 up to 32767 clusters: two passes instead of int64's eight)."""
+    if n_clusters <= torch.iinfo(torch.int16).max:
+        return labels.to(torch.int16)
+    return labels.to(torch.int32)
+
+
+def segment_sums(X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, n_clusters: int) -> tuple:
+    """(sums (C, D) float64, weight per cluster (C,) float64) of the points (times their weights)
+    by label, without atomics: a stable sort of the labels, then ``torch.segment_reduce`` in
+    float64 over row blocks of the sorted points, the blocks' partial sums added in block order.
+    Each block is laid out feature-major, (D, rows) flattened, so that the reduction is 1-D with
+    D x C segments (on CUDA one cub segmented reduction, a thread block per segment, each in a
+    fixed order). The result is the same bitwise run to run. ``unsafe=True``: the lengths sum to
+    the block's rows by construction, and the check would synchronise the host."""
+    N, D = X.shape
+    C = n_clusters
+    keys = _label_keys(labels, C)
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    bounds = torch.searchsorted(sorted_keys, torch.arange(C + 1, device=X.device, dtype=keys.dtype))
+    sums = torch.zeros((D, C), dtype=torch.float64, device=X.device)
+    wsum = None if weights is None else torch.zeros(C, dtype=torch.float64, device=X.device)
+    R = _block_rows(N, D)
+    for b0 in range(0, N, R):
+        b1 = min(N, b0 + R)
+        p = perm[b0:b1]
+        lengths = bounds.clamp(b0, b1).diff()  # (C,) rows of each cluster in this block
+        xb = X.index_select(0, p).to(torch.float64)  # (rows, D)
+        if weights is not None:
+            wb = weights.index_select(0, p).to(torch.float64)
+            xb.mul_(wb.unsqueeze(1))
+            wsum += torch.segment_reduce(wb, "sum", lengths=lengths, axis=0, unsafe=True)
+        flat = xb.t().contiguous().view(-1)  # (D * rows,): feature d's rows at [d rows, (d + 1) rows)
+        sums += torch.segment_reduce(flat, "sum", lengths=lengths.repeat(D), axis=0, unsafe=True).view(D, C)
+    if weights is None:
+        wsum = bounds.diff().to(torch.float64)
+    return sums.t().contiguous(), wsum
+
+
+def _relocate_empty(X, weights, labels, d2, sums, wsum, verbose) -> None:
+    """scikit-learn's rule for clusters left without weight: each takes one of the points
+    farthest from their centres (the farthest first, ties by the smaller index), which leaves
+    its old cluster. ``sums`` and ``wsum`` are updated in place."""
+    empty = (wsum == 0).nonzero()[:, 0]
+    n_empty = int(empty.numel())
+    if n_empty == 0:
+        return
+    far = torch.sort(d2, descending=True, stable=True).indices[:n_empty]
+    if verbose:
+        print(f"Relocating {n_empty} empty cluster(s) to the farthest points.")
+    for j in range(n_empty):  # in order: a point's old cluster may lose several points
+        new, i = empty[j], far[j]
+        old = labels[i]
+        w = torch.ones((), dtype=torch.float64, device=X.device) if weights is None else weights[i].double()
+        xw = X[i].double() * w
+        sums[old] -= xw
+        sums[new] = xw
+        wsum[new] = w
+        wsum[old] -= w
+
+
+# -- seeding ------------------------------------------------------------------------------------
+class _Sampler:
+    """Draws an index with probability proportional to a non-negative vector ``p`` (N,) that
+    changes between draws: block sums (in float64), their cumulative sum, then one block's
+    cumulative sum. Per draw: one read of p and a few kernels on O(N / SAMPLE_BLOCK +
+    SAMPLE_BLOCK) values; no host synchronisation."""
+
+    def __init__(self, N: int, dtype, device):
+        self.N = N
+        self.nb = -(-N // SAMPLE_BLOCK)
+        self.p = torch.zeros(self.nb * SAMPLE_BLOCK, dtype=dtype, device=device)
+
+    def draw(self, u: torch.Tensor) -> torch.Tensor:
+        """The index (1-element int64 tensor) at ``u`` (1 element, in [0, 1)) of the distribution."""
+        blocks = self.p.view(self.nb, SAMPLE_BLOCK)
+        bs = blocks.sum(1, dtype=torch.float64)
+        cum = bs.cumsum(0)
+        r = u * cum[-1:]
+        b = torch.searchsorted(cum, r, right=True).clamp_(max=self.nb - 1)
+        inner = blocks.index_select(0, b)[0].cumsum(0, dtype=torch.float64)  # (no host sync, unlike blocks[b])
+        i = torch.searchsorted(inner, r - (cum.index_select(0, b) - bs.index_select(0, b)), right=True)
+        return (b * SAMPLE_BLOCK + i.clamp_(max=SAMPLE_BLOCK - 1)).clamp_(max=self.N - 1)
+
+
+def _sq_dist_to(X: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """||x - c||^2 of every row (N,) by direct differences, in row blocks."""
+    N, D = X.shape
+    out = torch.empty(N, dtype=X.dtype, device=X.device)
+    R = _block_rows(N, D)
+    for b0 in range(0, N, R):
+        out[b0:b0 + R] = (X[b0:b0 + R] - c).square_().sum(1)
+    return out
+
+
+def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, generator: torch.Generator):
+    """k-means++ seeding (Arthur and Vassilvitskii): the first centre drawn with probability
+    proportional to the weight, each next one proportional to weight x squared distance to the
+    nearest centre so far. The running minimum distance is updated per new centre, only for
+    the points it can improve: a point whose nearest centre a lies at least twice its
+    distance from the new centre c (||c - a||^2 >= 4 d^2) cannot get closer, so one pass reads
+    the (N,) labels and distances and recomputes the few candidates' distances (one host
+    synchronisation per centre, for their number). Never N x n_clusters. Returns
+    (centres (C, D) in X's dtype, indices (C,) int64)."""
+    N, D = X.shape
+    dev = X.device
+    w = None if weights is None else weights.to(X.dtype)
+    u = torch.rand(n_clusters, dtype=torch.float64, device=dev, generator=generator)
+    sampler = _Sampler(N, X.dtype, dev)
+    sampler.p[:N] = 1.0 if w is None else w
+    idx = torch.empty(n_clusters, dtype=torch.int64, device=dev)
+    centres = torch.empty((n_clusters, D), dtype=X.dtype, device=dev)
+    idx[:1] = sampler.draw(u[:1])
+    centres[:1] = X.index_select(0, idx[:1])
+    d2 = _sq_dist_to(X, centres[0])  # (N,) running minimum squared distance
+    near = torch.zeros(N, dtype=torch.int32, device=dev)  # its centre
+    sampler.p[:N] = d2 if w is None else d2 * w
+    R = _block_rows(N, D)
+    for j in range(1, n_clusters):
+        idx[j:j + 1] = sampler.draw(u[j:j + 1])
+        centres[j:j + 1] = X.index_select(0, idx[j:j + 1])
+        c = centres[j]
+        cc = (centres[:j] - c).square_().sum(1)  # (j,) ||c - a||^2
+        # a margin of 1e-6 relative keeps points whose bound is within rounding of the limit
+        cand = (cc[near] < d2 * (4.0 * (1.0 + 1e-6))).nonzero()[:, 0]
+        for b0 in range(0, cand.numel(), R):
+            cb = cand[b0:b0 + R]  # distinct indices: the writes below are deterministic
+            dn = (X.index_select(0, cb) - c).square_().sum(1)
+            old = d2.index_select(0, cb)
+            better = dn < old
+            d2[cb] = torch.where(better, dn, old)
+            near[cb] = torch.where(better, j, near.index_select(0, cb))
+            if w is None:
+                sampler.p[cb] = torch.where(better, dn, old)
+            else:
+                sampler.p[cb] = torch.where(better, dn, old) * w.index_select(0, cb)
+    return centres, idx
+
+
+def _random_init(X, n_clusters, weights, generator):
+    """n_clusters distinct points drawn without replacement with probability proportional to
+    the weight (Efraimidis-Spirakis keys log(u) / w, the largest n_clusters)."""
+    N = X.shape[0]
+    u = torch.rand(N, dtype=torch.float64, device=X.device, generator=generator)
+    keys = u.log_() if weights is None else u.log_() / weights.to(torch.float64)
+    idx = torch.topk(keys, n_clusters).indices
+    return X[idx].clone(), idx
+
+
+# -- one Lloyd run ------------------------------------------------------------------------------
+def _assign(X, centres, debug):
+    """(labels (N,) int64, squared distances (N,) float64) to the nearest centre."""
+    dist, lab = knn(X, centres, 1, compute_mode=_DIRECT, debug=debug)
+    return lab[:, 0], dist[:, 0].to(torch.float64).square_()
+
+
+def _inertia(d2, weights):
+    return float(d2.sum() if weights is None else (d2 * weights.to(torch.float64)).sum())
+
+
+def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False):
+    """scikit-learn's _kmeans_single_lloyd: (labels, inertia, centres, n_iter)."""
+    C = centres.shape[0]
+    labels_old = None
+    strict = False
+    labels = d2 = None
+    i = 0
+    for i in range(max_iter):
+        labels, d2 = _assign(X, centres, debug)
+        sums, wsum = segment_sums(X, labels, weights, C)
+        _relocate_empty(X, weights, labels, d2, sums, wsum, verbose)
+        pos = wsum > 0
+        new = torch.where(pos.unsqueeze(1), sums / torch.where(pos, wsum, 1.0).unsqueeze(1), sums).to(X.dtype)
+        if verbose:
+            print(f"Iteration {i}, inertia {_inertia(d2, weights)}.")
+        shift = float((new.to(torch.float64) - centres.to(torch.float64)).square_().sum())
+        centres = new
+        if labels_old is not None and torch.equal(labels, labels_old):
+            if verbose:
+                print(f"Converged at iteration {i}: strict convergence.")
+            strict = True
+            break
+        if shift <= tol:
+            if verbose:
+                print(f"Converged at iteration {i}: center shift {shift} within tolerance {tol}.")
+            break
+        labels_old = labels
+    if not strict:  # the final E-step: labels (and inertia) of the final centres
+        labels, d2 = _assign(X, centres, debug)
+    # after a strict convergence the centres are those of the unchanged labels: d2 holds
+    return labels, _inertia(d2, weights), centres, i + 1
+
+
+def _same_clustering(a: torch.Tensor, b: torch.Tensor, C: int) -> bool:
+    """scikit-learn's _is_same_clustering: one partition up to a renaming of the labels."""
+    pairs = torch.unique(a * C + b)
+    return pairs.numel() == torch.unique(a).numel() == torch.unique(b).numel()
+
+
+def _tolerance(X: torch.Tensor, tol: float) -> float:
+    """scikit-learn's _tolerance: tol x the mean over features of the (population) variance,
+    in float64 by row blocks."""
+    if tol == 0:
+        return 0.0
+    N, D = X.shape
+    mean = X.sum(0, dtype=torch.float64) / N
+    ss = torch.zeros(D, dtype=torch.float64, device=X.device)
+    R = _block_rows(N, D)
+    for b0 in range(0, N, R):
+        ss += (X[b0:b0 + R].to(torch.float64) - mean).square_().sum(0)
+    return float((ss / N).mean()) * tol
+
+
+class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
+    """k-means clustering, Lloyd's algorithm (scikit-learn's ``KMeans(algorithm="lloyd")``).
+
+    Parameters
+    ----------
+    n_clusters : int, default 8
+    init : "k-means++", "random" or an array (n_clusters, n_features), default "k-means++"
+        "k-means++": D^2 sampling (each new centre drawn with probability proportional to the
+        weight times the squared distance to the nearest centre so far; one draw per centre,
+        not scikit-learn's greedy best of 2 + log(k) trials). "random": n_clusters distinct
+        points, drawn with probability proportional to the weight. An array (numpy or a
+        tensor) gives the initial centres: one run, as scikit-learn.
+    n_init : int or "auto", default 1
+        Runs from different seeds; the one of least inertia is kept (a later run only when it
+        is a different partition, as scikit-learn). "auto": 1 for "k-means++" and an array, 10
+        for "random".
+    max_iter : int, default 300
+    tol : float, default 1e-4
+        Relative to the data: the run stops when the centres move by at most
+        tol x (the mean over features of X's variance) in squared Euclidean norm (summed over
+        the centres), or when no label changes.
+    random_state : None, int or numpy.random.RandomState
+        Seeds the initialisations (drawn on X's device with a torch.Generator, so a CPU and a
+        GPU give different seeds for the same random_state; the same device, data and
+        random_state give bitwise the same result).
+    verbose : bool
+    debug : bool
+        Log the knn op's path (as ``debug`` of :func:`kermac_like.knn`).
+
+    Empty clusters (no weight after an assignment) are handled as scikit-learn does: each
+    takes one of the points farthest from their centres (farthest first, ties to the smaller
+    index), which leaves its old cluster.
+
+    Fitted attributes: ``cluster_centers_`` (n_clusters, n_features), ``labels_`` (n_samples,),
+    ``inertia_`` (float: the weighted sum of squared distances to the nearest centre),
+    ``n_iter_``, ``n_features_in_``, ``feature_names_in_`` (data frames). numpy X: numpy
+    centres in X's float dtype and int32 labels (scikit-learn's types); a tensor X: tensors on
+    its device, int64 labels.
+
+    The assignment is ``knn(X, centres, 1)``: on a CPU (and for float64 on a GPU) exact in
+    float64; on a GPU in float32 for float32 data, so points whose two nearest centres are
+    within float32 rounding of each other may take the other one. Inertia is summed in float64.
+    """
+
+    def __init__(self, n_clusters=8, *, init="k-means++", n_init=1, max_iter=300, tol=1e-4, random_state=None,
+                 verbose=False, debug=False):
+        self.n_clusters = n_clusters
+        self.init = init
+        self.n_init = n_init
+        self.max_iter = max_iter
+        self.tol = tol
+        self.random_state = random_state
+        self.verbose = verbose
+        self.debug = debug
+
+    # -- validation ---------------------------------------------------------------------------------
+    def _check_params(self) -> tuple:
+        """(n_clusters, n_init, max_iter, tol, init) after checking each parameter."""
+        def integer(name, v, lo=1):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+                raise ValueError(f"{name}: expected an integer >= {lo}, got {v!r}")
+            return int(v)
+
+        C = integer("n_clusters", self.n_clusters)
+        max_iter = integer("max_iter", self.max_iter)
+        tol = self.tol
+        if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (tol >= 0 and math.isfinite(tol)):
+            raise ValueError(f"tol: expected a finite real number >= 0, got {tol!r}")
+        init = self.init
+        array_init = not isinstance(init, str)
+        if isinstance(init, str) and init not in INITS:
+            raise ValueError(f"init: {init!r} is not one of {INITS} or an array of shape (n_clusters, n_features)")
+        if array_init and (callable(init) or not (_is_tensor(init) or hasattr(init, "__len__")
+                                                   or hasattr(init, "__array__"))):
+            raise TypeError(f"init: expected 'k-means++', 'random' or an array, got {type(init).__name__}")
+        if self.n_init == "auto":
+            n_init = 10 if init == "random" else 1
+        else:
+            n_init = integer("n_init", self.n_init)
+        if array_init and n_init != 1:
+            warnings.warn(f"Explicit initial center position passed: performing only one init in "
+                          f"{type(self).__name__} instead of n_init={n_init}.", RuntimeWarning, stacklevel=3)
+            n_init = 1
+        return C, n_init, max_iter, float(tol), init
+
+    def _validate(self, X, *, reset: bool) -> tuple:
+        """(X tensor, X was a tensor). numpy/lists through scikit-learn's validate_data
+        (n_features_in_, feature names, its messages); tensors here."""
+        if _is_tensor(X):
+            Xt = _check_tensor_X("X", X)
+            if reset:
+                self.n_features_in_ = int(Xt.shape[1])
+                self.__dict__.pop("feature_names_in_", None)
+            elif Xt.shape[1] != self.n_features_in_:
+                raise ValueError(f"X has {Xt.shape[1]} features, but {type(self).__name__} is expecting "
+                                 f"{self.n_features_in_} features as input.")
+            return Xt, True
+        if HAVE_SKLEARN:
+            from sklearn.utils.validation import validate_data
+
+            Xa = validate_data(self, X, reset=reset, dtype=[np.float64, np.float32], order="C")
+        else:
+            if hasattr(X, "toarray") and hasattr(X, "nnz"):
+                raise TypeError("X: sparse input is not supported; pass a dense array (X.toarray())")
+            Xa = np.asarray(X)
+            if np.iscomplexobj(Xa):
+                raise ValueError("X: Complex data not supported")
+            if Xa.dtype not in (np.float32, np.float64):
+                Xa = Xa.astype(np.float64)
+            Xt = _check_tensor_X("X", torch.from_numpy(np.ascontiguousarray(Xa)))
+            if reset:
+                self.n_features_in_ = int(Xa.shape[1])
+            elif Xa.shape[1] != self.n_features_in_:
+                raise ValueError(f"X has {Xa.shape[1]} features, but {type(self).__name__} is expecting "
+                                 f"{self.n_features_in_} features as input.")
+        Xa = np.ascontiguousarray(Xa)
+        return torch.from_numpy(Xa if Xa.flags.writeable else Xa.copy()), False
+
+    def _sample_weight(self, sample_weight, Xt: torch.Tensor):
+        """(N,) tensor in X's dtype on X's device, or None for unit weights."""
+        if sample_weight is None:
+            return None
+        if isinstance(sample_weight, numbers.Number):
+            w = torch.full((Xt.shape[0],), float(sample_weight), dtype=Xt.dtype, device=Xt.device)
+        elif _is_tensor(sample_weight):
+            if sample_weight.device != Xt.device:
+                raise ValueError(f"sample_weight: on {sample_weight.device}, X on {Xt.device}")
+            w = sample_weight.to(Xt.dtype)
+        else:
+            w = torch.from_numpy(np.array(sample_weight, dtype=np.float64)).to(Xt.dtype)
+        if w.dim() != 1 or w.shape[0] != Xt.shape[0]:
+            raise ValueError(f"sample_weight.shape == {tuple(w.shape)}, expected ({Xt.shape[0]},)!")
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError("Input sample_weight contains NaN or infinity.")
+        if bool((w < 0).any()):
+            raise ValueError("Negative values in data passed to sample_weight")
+        if not bool((w > 0).any()):
+            raise ValueError("sample_weight: the weights sum to zero")
+        return w
+
+    def _init_array(self, Xt: torch.Tensor, C: int) -> torch.Tensor:
+        init = self.init
+        if _is_tensor(init):
+            if init.device != Xt.device:
+                raise ValueError(f"init: on {init.device}, X on {Xt.device}")
+            c = init.detach()
+        else:
+            try:
+                c = torch.from_numpy(np.array(init, dtype=np.float64))
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"init: cannot be read as an array of numbers ({e})") from None
+        if c.is_complex():
+            raise ValueError("init: Complex data not supported")
+        if c.dim() != 2:
+            raise ValueError(f"init: expected a 2-D array (n_clusters, n_features), got shape {tuple(c.shape)}")
+        if c.shape[0] != C:
+            raise ValueError(f"The shape of the initial centers {tuple(c.shape)} does not match the number of "
+                             f"clusters {C}.")
+        if c.shape[1] != Xt.shape[1]:
+            raise ValueError(f"The shape of the initial centers {tuple(c.shape)} does not match the number of "
+                             f"features of the data {Xt.shape[1]}.")
+        c = c.to(Xt.dtype).clone().contiguous()
+        if not bool(torch.isfinite(c).all()):
+            raise ValueError("Input init contains NaN or infinity.")
+        return c
+
+    # -- fit ----------------------------------------------------------------------------------------
+    def fit(self, X, y=None, sample_weight=None):
+        """Compute the clustering. ``sample_weight`` (n_samples,): the weight of each point in
+        the seeding, the centres and the inertia. Returns self. A rejected argument raises
+        TypeError/ValueError naming it and leaves the estimator as it was."""
+        saved = dict(self.__dict__)
+        try:
+            return self._fit(X, sample_weight)
+        except (TypeError, ValueError):
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
+
+    def _fit(self, X, sample_weight):
+        C, n_init, max_iter, tol, init = self._check_params()
+        Xt, was_tensor = self._validate(X, reset=True)
+        N = Xt.shape[0]
+        if N < C:
+            raise ValueError(f"n_samples={N} should be >= n_clusters={C}.")
+        w = self._sample_weight(sample_weight, Xt)
+        if w is not None and int((w > 0).sum()) < C and init == "random":
+            raise ValueError(f"sample_weight: {int((w > 0).sum())} points of nonzero weight, fewer than "
+                             f"n_clusters={C}")
+        centres0 = None if isinstance(init, str) else self._init_array(Xt, C)
+        rs = _random_state(self.random_state)
+        tol_abs = _tolerance(Xt, tol)
+        best = None
+        with torch.no_grad():
+            for _ in range(n_init):
+                if centres0 is not None:
+                    start = centres0
+                else:
+                    g = torch.Generator(device=Xt.device).manual_seed(int(rs.randint(np.iinfo(np.int32).max)))
+                    start = (kmeans_plusplus if init == "k-means++" else _random_init)(Xt, C, w, g)[0]
+                if self.verbose:
+                    print("Initialization complete")
+                labels, inertia, centres, n_iter = lloyd(Xt, w, start, max_iter, tol_abs, self.verbose, self.debug)
+                if best is None or (inertia < best[1] and not _same_clustering(labels, best[0], C)):
+                    best = (labels, inertia, centres, n_iter)
+        labels, inertia, centres, n_iter = best
+        distinct = int(torch.unique(labels).numel())
+        if distinct < C:
+            warnings.warn(f"Number of distinct clusters ({distinct}) found smaller than n_clusters ({C}). "
+                          "Possibly due to duplicate points in X.", ConvergenceWarning, stacklevel=2)
+        if was_tensor:
+            self.cluster_centers_, self.labels_ = centres, labels
+        else:
+            self.cluster_centers_ = centres.numpy()
+            self.labels_ = labels.numpy().astype(np.int32)
+        self.inertia_ = inertia
+        self.n_iter_ = n_iter
+        self._n_features_out = C
+        return self
+
+    def fit_predict(self, X, y=None, sample_weight=None):
+        """``fit(X).labels_``."""
+        return self.fit(X, sample_weight=sample_weight).labels_
+
+    # -- after fit ----------------------------------------------------------------------------------
+    def _query(self, X):
+        """(X tensor on the centres' device and dtype, X was a tensor, X's device)."""
+        check_is_fitted(self)
+        Xt, was_tensor = self._validate(X, reset=False)
+        c = self._centres()
+        return Xt.to(device=c.device, dtype=c.dtype), was_tensor, Xt.device
+
+    def _centres(self) -> torch.Tensor:
+        c = self.cluster_centers_
+        return c if _is_tensor(c) else torch.from_numpy(np.ascontiguousarray(c))
+
+    def predict(self, X, sample_weight=None):
+        """The nearest centre of each point (int32 for numpy, int64 tensors for tensors)."""
+        Xt, was_tensor, dev = self._query(X)
+        with torch.no_grad():
+            labels, _ = _assign(Xt, self._centres(), self.debug)
+        return labels.to(dev) if was_tensor else labels.cpu().numpy().astype(np.int32)
+
+    def transform(self, X):
+        """Euclidean distances (n_samples, n_clusters) to the centres, in the centres' dtype."""
+        from .ops.distance import cdist
+
+        Xt, was_tensor, dev = self._query(X)
+        with torch.no_grad():
+            out = cdist(Xt, self._centres(), compute_mode=_DIRECT, debug=self.debug)
+        return out.to(dev) if was_tensor else out.cpu().numpy()
+
+    def fit_transform(self, X, y=None, sample_weight=None):
+        """``fit(X).transform(X)``."""
+        return self.fit(X, sample_weight=sample_weight).transform(X)
+
+    def score(self, X, y=None, sample_weight=None):
+        """Minus the (weighted) sum of squared distances of X to the nearest centre."""
+        Xt, _, _ = self._query(X)
+        w = self._sample_weight(sample_weight, Xt)
+        with torch.no_grad():
+            _, d2 = _assign(Xt, self._centres(), self.debug)
+        return -_inertia(d2, w)
+
+    def get_feature_names_out(self, input_features=None):
+        """Names of transform's columns: "kmeans0", "kmeans1", ... (scikit-learn's)."""
+        check_is_fitted(self, "_n_features_out")
+        return np.asarray([f"{type(self).__name__.lower()}{i}" for i in range(self._n_features_out)], dtype=object)
+
+    if HAVE_SKLEARN:
+        def __sklearn_tags__(self):
+            tags = super().__sklearn_tags__()
+            tags.input_tags.sparse = False
+            return tags

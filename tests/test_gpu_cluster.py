@@ -1,0 +1,66 @@
+"""kermac_like.cluster.KMeans on CUDA tensors: the same fit as scikit-learn's Lloyd KMeans from the
+same initial centres, bitwise repeats, a 10^6-point fit. Skipped without a GPU of compute
+capability 8.0+."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+from sklearn.cluster import KMeans as SkKMeans  # noqa: E402
+from sklearn.datasets import load_iris, make_blobs  # noqa: E402
+
+from kermac_like.cluster import KMeans  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _init(X, C, seed=0):
+    return X[np.random.default_rng(seed).choice(len(X), C, replace=False)]
+
+
+@pytest.mark.parametrize("data", ["iris", "blobs"])
+def test_same_as_sklearn_on_cuda(data):
+    if data == "iris":
+        X, C = load_iris().data, 3
+    else:
+        X, C = make_blobs(20000, 16, centers=64, cluster_std=3.0, random_state=0)[0], 64
+    init = _init(X, C)
+    ref = SkKMeans(C, init=init, n_init=1, algorithm="lloyd").fit(X)
+    # float64 tensors: the float64 selection
+    ours = KMeans(C, init=torch.from_numpy(init).cuda()).fit(torch.from_numpy(X).cuda())
+    assert ours.labels_.is_cuda and ours.cluster_centers_.dtype == torch.float64
+    np.testing.assert_array_equal(ours.labels_.cpu().numpy(), ref.labels_)
+    assert abs(ours.inertia_ / ref.inertia_ - 1) <= 1e-5
+    # float32 tensors: the fused float32 argmin; labels may differ where two centres are within
+    # float32 rounding of each other
+    o32 = KMeans(C, init=torch.from_numpy(init).float().cuda()).fit(torch.from_numpy(X).float().cuda())
+    assert (o32.labels_.cpu().numpy() == ref.labels_).mean() >= 0.999
+    assert abs(o32.inertia_ / ref.inertia_ - 1) <= 1e-4
+
+
+def test_bitwise_deterministic_on_cuda():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    X = torch.randn(200_000, 16, device="cuda", generator=g)
+    fits = [KMeans(256, random_state=3, max_iter=10).fit(X) for _ in range(2)]
+    assert torch.equal(fits[0].cluster_centers_, fits[1].cluster_centers_)
+    assert torch.equal(fits[0].labels_, fits[1].labels_)
+    assert fits[0].inertia_ == fits[1].inertia_
+    # the same centres from the same init, twice
+    init = fits[0].cluster_centers_
+    a, b = (KMeans(256, init=init, max_iter=5).fit(X) for _ in range(2))
+    assert torch.equal(a.cluster_centers_, b.cluster_centers_)
+
+
+def test_one_million_points_smoke():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    X = torch.randn(1_000_000, 16, device="cuda", generator=g)
+    m = KMeans(1024, random_state=0, max_iter=10, tol=0.0).fit(X)
+    assert m.n_iter_ == 10 and m.labels_.shape == (1_000_000,)
+    assert m.cluster_centers_.shape == (1024, 16) and bool(torch.isfinite(m.cluster_centers_).all())
+    assert len(torch.unique(m.labels_)) == 1024
+    # the inertia is the sum of squared distances to the nearest centre
+    d = torch.cdist(X[:4096].double(), m.cluster_centers_.double()).min(1).values
+    lab = m.predict(X[:4096])
+    assert torch.equal(lab, m.labels_[:4096]) or (lab != m.labels_[:4096]).float().mean() < 1e-3
+    assert d.square().sum().item() <= m.inertia_

@@ -329,8 +329,8 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
         raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
     if x1.shape[-1] != x2.shape[-1]:
         raise ValueError(f"x2: last dimension {x2.shape[-1]} differs from x1's {x1.shape[-1]}")
-    if (not x1.is_cuda and out is None and not skip_epilogue and not debug and x1.dtype in _TORCH_CDIST_DTYPES
-            and direct_call(x1, x2)):
+    if (not x1.is_cuda and out is None and not skip_epilogue and not debug and autotune is None
+            and x1.dtype in _TORCH_CDIST_DTYPES and direct_call(x1, x2)):
         # On the CPU the torch path of cdist is torch.cdist itself (torch_path.py, bitwise): a
         # small call should not pay the planning for it.
         broadcast_batch_shape({"x1": tuple(x1.shape[:-2]), "x2": tuple(x2.shape[:-2])})

@@ -24,6 +24,7 @@ from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import DistanceCall, run_by_call_key, run_distance
+from ..plan import core as plan_core
 from . import distance_backward
 from ..runtime.autotune import override as autotune_override
 from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
@@ -150,6 +151,12 @@ def _op_args(call: DistanceCall) -> tuple:
 
 _NUMBER_TYPES = (float, int, type(None))
 _TORCH_CDIST_DTYPES = (torch.float32, torch.float64)
+
+
+def _gpu_call(t) -> bool:
+    """Whether the planner's GPU kernels may serve a call on ``t`` (plan.core's device rule,
+    looked up at call time so that tests can stand a CPU in for a GPU)."""
+    return isinstance(t, torch.Tensor) and plan_core._gpu_ok(t)
 
 
 def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
@@ -313,7 +320,7 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     """
     key = None
     if (not debug and autotune is None and type(p) in _NUMBER_TYPES and p is not None
-            and getattr(x1, "is_cuda", False)):  # the call-key templates are GPU plans
+            and _gpu_call(x1)):  # the call-key templates are GPU plans
         key = _call_key(("cdist", bool(skip_epilogue)), (p,), x1, x2, out, compute_mode)
         res = _run_cached(key, x1, x2, out)
         if res is not None:
@@ -329,8 +336,8 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
         raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
     if x1.shape[-1] != x2.shape[-1]:
         raise ValueError(f"x2: last dimension {x2.shape[-1]} differs from x1's {x1.shape[-1]}")
-    if (not x1.is_cuda and out is None and not skip_epilogue and not debug and autotune is None
-            and x1.dtype in _TORCH_CDIST_DTYPES and direct_call(x1, x2)):
+    if (out is None and not skip_epilogue and not debug and autotune is None and x1.dtype in _TORCH_CDIST_DTYPES
+            and not _gpu_call(x1) and direct_call(x1, x2)):
         # On the CPU the torch path of cdist is torch.cdist itself (torch_path.py, bitwise): a
         # small call should not pay the planning for it.
         broadcast_batch_shape({"x1": tuple(x1.shape[:-2]), "x2": tuple(x2.shape[:-2])})

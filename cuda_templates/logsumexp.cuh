@@ -6,10 +6,10 @@
 // for a descriptor with a Laplace or Gaussian epilogue: phi = d / bw or d^2 / (2 bw^2) of
 // run_kernel's distance d = outer(sum_k inner(x_mk, y_nk)) (Gaussian of a Euclidean distance:
 // phi straight from the sum of squares). The kernel value exp(-phi) is never formed, so nothing
-// underflows: every row and column keeps a running maximum mx and a sum s of exp(v - mx) over
-// the terms v seen so far, in base 2 (v = -phi log2(e) + lw log2(e)), and each term costs one
-// exp2: e = exp2(min(v, mx) - max(v, mx)), then s = s e + 1 (v above mx: the sum rescaled,
-// the maximum moves to v) or s = s + e. A NaN term leaves s NaN; -inf terms add nothing.
+// underflows: every row and column keeps a running maximum mx and a sum s of exp2(v - mx) over
+// the terms v seen so far, in base 2 (v = -phi log2(e) + lw log2(e)), kUnrollJ points at a time:
+// their maximum first, the sum rescaled once, then one exp2 per term (MUFU ex2.approx: ~2 ulp;
+// terms below 2^-126 of the maximum flush to 0). A NaN term leaves s NaN; -inf terms add nothing.
 //
 // Structure as topk.cuh: each CTA owns kBlockM rows of x (kRows per thread, strided by kThreads;
 // x in registers, zero-padded to kK), walks its range of y in tiles of kBlockN points staged in
@@ -63,6 +63,9 @@ struct LseTraits {
   static constexpr int kBlockN = kKS <= 16 ? 256 : 128;  // y points per shared-memory tile
   // Dynamic shared memory: the y tile (kBlockN, kKS), then its log-weights (kBlockN, kC).
   static constexpr int kSmemBytes = kBlockN * (kKS + kC_) * 4;
+  // Points per trip of the pair loop (their maximum first, one rescale of the running sum): as
+  // many as the y registers allow (kUnrollJ * kKS of them).
+  static constexpr int kUnrollJ = kKS <= 8 ? (kC_ <= 2 ? 4 : 2) : kKS <= 16 ? 2 : 1;
 
   // exact::accumulate's choice of pipe for |d|^p: MUFU throughout.
   __host__ __device__ static constexpr bool exp2_on_fma(int, int) { return false; }
@@ -73,17 +76,7 @@ namespace lse_detail {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-__device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
-
-// Adds term v (base 2) to the running (mx, s): one exp2. NaN: `gt` false, lo = NaN, s NaN.
-// mx == -inf (no finite term yet): nothing to rescale (the 0 keeps -inf - -inf out).
-__device__ __forceinline__ void add_term(float& mx, float& s, float v) {
-  const bool gt = v > mx;
-  const float hi = gt ? v : mx, lo = gt ? mx : v;
-  const float e = exp2f(lo - (hi == neg_inf() ? 0.0f : hi));
-  s = gt ? math::fma_rn(s, e, 1.0f) : math::add_rn(s, e);
-  mx = hi;
-}
+constexpr float kLowest = -3.40282347e38f;  // the running maximum of no term
 
 // log(sum) in natural units from the base-2 (mx, s): -inf where every term is (s = 0, log2 -inf),
 // NaN where one is (s NaN).
@@ -94,35 +87,57 @@ struct Hypers {
   HyperParam inner_p, outer_p, bandwidth;
 };
 
-// One point j of the staged tile against the thread's rows.
-template <class Tr>
-__device__ __forceinline__ void pair(const float* ys, const float* ls, int j, const float (&xr)[Tr::kRows][Tr::kK],
-                                     const math::PowArgs& pw, float inv_outer_p, float scale2,
-                                     float (&mx)[Tr::kRows][Tr::kC], float (&sm)[Tr::kRows][Tr::kC]) {
+// Points j .. j + U - 1 of the staged tile against the thread's rows, FlashAttention's way: per
+// row and column the U terms v (base 2), their maximum, the running sum rescaled once to the new
+// maximum mn (one exp2), then s += exp2(v - mn) per term: 1 + 1/U exp2 per term. NaN terms drop
+// out of the maximum and make s NaN; -inf terms add 0; mx starts at the lowest finite float (a
+// rescale of an empty sum never forms -inf - -inf).
+template <class Tr, int U>
+__device__ __forceinline__ void pairs(const float* ys, const float* ls, int j, const float (&xr)[Tr::kRows][Tr::kK],
+                                      const math::PowArgs& pw, float inv_outer_p, float scale2,
+                                      float (&mx)[Tr::kRows][Tr::kC], float (&sm)[Tr::kRows][Tr::kC]) {
   constexpr int R = Tr::kRows, KS = Tr::kKS, KK = Tr::kK, C = Tr::kC;
-  float yj[KS];
+  float yj[U][KS], lj[U][C];
 #pragma unroll
-  for (int q = 0; q < KS / 4; ++q) {
-    const float4 f = reinterpret_cast<const float4*>(ys + j * KS)[q];
-    yj[4 * q] = f.x, yj[4 * q + 1] = f.y, yj[4 * q + 2] = f.z, yj[4 * q + 3] = f.w;
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int q = 0; q < KS / 4; ++q) {
+      const float4 f = reinterpret_cast<const float4*>(ys + (j + u) * KS)[q];
+      yj[u][4 * q] = f.x, yj[u][4 * q + 1] = f.y, yj[u][4 * q + 2] = f.z, yj[u][4 * q + 3] = f.w;
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) lj[u][c] = ls[(j + u) * C + c];
   }
-  float lj[C];
-#pragma unroll
-  for (int c = 0; c < C; ++c) lj[c] = ls[j * C + c];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
-    float acc = 0.0f;
+    float t[U];  // -phi log2(e) of the U pairs
 #pragma unroll
-    for (int q = 0; q < KK; ++q) acc = exact::accumulate<Tr>(acc, xr[i][q], yj[q], i, q, pw);
-    float d = acc;
-    if constexpr (!Tr::kSquared) {
-      if constexpr (Tr::kOuterPow == Power::Sqrt) d = sqrtf(acc);
-      if constexpr (Tr::kOuterPow == Power::Pow) d = powf(acc, inv_outer_p);
-      if constexpr (Tr::kEpilogue == Epilogue::Gaussian) d = d * d;
+    for (int u = 0; u < U; ++u) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int q = 0; q < KK; ++q) acc = exact::accumulate<Tr>(acc, xr[i][q], yj[u][q], i, q, pw);
+      float d = acc;
+      if constexpr (!Tr::kSquared) {
+        if constexpr (Tr::kOuterPow == Power::Sqrt) d = math::sqrt_approx(acc);  // MUFU, no slow-path call
+        if constexpr (Tr::kOuterPow == Power::Pow) d = powf(acc, inv_outer_p);
+        if constexpr (Tr::kEpilogue == Epilogue::Gaussian) d = d * d;
+      }
+      t[u] = d * scale2;
     }
-    const float t = d * scale2;  // -phi log2(e)
 #pragma unroll
-    for (int c = 0; c < C; ++c) add_term(mx[i][c], sm[i][c], math::add_rn(t, lj[c]));
+    for (int c = 0; c < C; ++c) {
+      float v[U];
+      float mn = mx[i][c];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        v[u] = math::add_rn(t[u], lj[u][c]);
+        mn = fmaxf(mn, v[u]);
+      }
+      float s = sm[i][c] * math::ex2_approx(math::sub_rn(mx[i][c], mn));
+#pragma unroll
+      for (int u = 0; u < U; ++u) s = math::add_rn(s, math::ex2_approx(math::sub_rn(v[u], mn)));
+      sm[i][c] = s, mx[i][c] = mn;
+    }
   }
 }
 
@@ -181,7 +196,7 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
 #pragma unroll
       for (int q = 0; q < KK; ++q) xr[i][q] = (live && q < K) ? load_f(xl + i64(m) * sxm + i64(q) * sxk) : 0.0f;
 #pragma unroll
-      for (int c = 0; c < KC; ++c) mx[i][c] = neg_inf(), sm[i][c] = 0.0f;
+      for (int c = 0; c < KC; ++c) mx[i][c] = kLowest, sm[i][c] = 0.0f;
     }
 
     for (int n0 = n_begin; n0 < n_end; n0 += BN) {
@@ -196,8 +211,12 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
         ls[e] = (j < jn && c < C) ? load_f(ll + i64(n0 + j) * sln + i64(c) * slc) * kLog2e : 0.0f;
       }
       __syncthreads();
+      constexpr int U = Tr::kUnrollJ;
+      const int jfull = jn - jn % U;
 #pragma unroll 1
-      for (int j = 0; j < jn; ++j) pair<Tr>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
+      for (int j = 0; j < jfull; j += U) pairs<Tr, U>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
+#pragma unroll 1
+      for (int j = jfull; j < jn; ++j) pairs<Tr, 1>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
     }
 
 #pragma unroll
@@ -220,7 +239,7 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
 
 // One thread per (batch entry, row, column): the n_split (mx, s) of scratch [split][batch][M][kC][2]
 // combined in split order (the first split's maximum, then each split rescaled into the running
-// pair as add_term does a term), finished into out.
+// pair, the smaller maximum's sum rescaled by one exp2), finished into out.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) lse_combine_kernel(
     const float* __restrict__ scratch, typename Traits::T* __restrict__ out, int M, int C, int n_split, i64 som,
@@ -236,14 +255,14 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_combine_kernel(
     const int c = int(t - r * C);
     const int l = int(r / M), m = int(r - i64(l) * M);
     const BatchIndex bi = shape.split(l);
-    float mx = neg_inf(), s = 0.0f;
+    float mx = kLowest, s = 0.0f;
     for (int sp = 0; sp < n_split; ++sp) {
       const float* p = scratch + ((i64(sp) * batch + l) * M + m) * (2 * KC) + 2 * c;
       const float m2 = p[0], s2 = p[1];
       // (mx, s) + (m2, s2): the smaller maximum's sum scaled by exp2(its maximum - the larger).
       const bool gt = m2 > mx;
       const float hi = gt ? m2 : mx;
-      const float e = exp2f((gt ? mx : m2) - (hi == neg_inf() ? 0.0f : hi));
+      const float e = math::ex2_approx(math::sub_rn(gt ? mx : m2, hi));
       s = gt ? math::fma_rn(s, e, s2) : math::fma_rn(s2, e, s);
       mx = hi;
     }

@@ -2,7 +2,6 @@
 loader stubbed, nothing launched): which calls the fused kernel serves, the column chunks,
 the N split and its combination, and argument tuples of the lengths cuda_templates/ABI.md gives."""
 
-import pytest
 import torch
 
 import kermac_like as km

@@ -63,6 +63,7 @@ WORKLOADS = (
     "eigh",
     "gauss_matvec_d3",
     "gauss_matvec_d256",
+    "gauss_logsumexp_d3",
     "krr_1m",
     "knn_d3",
     "knn_d128",
@@ -323,6 +324,34 @@ def gauss_matvec_rows(bench, name, D, Cs):
         rows.append(bench.row(f"gauss_matvec_d{K}", f"{M}x{N}x{K}, C={C}, bw={bw:.3g}", ours, theirs, None, err,
                               terr, note, peak_extra_mb=peak))
     return rows
+
+
+def gauss_logsumexp_rows(bench):
+    """kernel_logsumexp of the Gaussian kernel at D = 3, C = 1 (Sinkhorn's half-step) beside
+    kernel_matvec at the same size, same process (issue 27's targets: <= 1.3x kernel_matvec);
+    error: max |ours - float64| / max(1, |float64|) on the first ERR_ROWS rows at bandwidth
+    1e-3, where float32 exp(-phi) underflows for nearly every pair (the time does not depend
+    on the bandwidth)."""
+    M, N, K = bench.sizes["matvec_d3"]
+    desc = km.preset("gaussian_l2")
+    make = lambda: (bench.randn(M, K), bench.randn(N, K), bench.randn(N))  # noqa: E731
+    ours = time_calls(lambda x, y, w: km.kernel_logsumexp(desc, x, y, w, bandwidth=1.0), make, bench.device,
+                      repeats=bench.reps(), warmup=bench.warm(), keep_last=True)
+    x, y, w = ours.last_inputs
+    ours.last_inputs = ours.last_output = None
+    r = min(ERR_ROWS, M)
+    got = km.kernel_logsumexp(desc, x[:r], y, w, bandwidth=1e-3).double()
+    ref = km.kernel_logsumexp(desc, x[:r].double(), y.double(), w.double(), bandwidth=1e-3)
+    err = ((got - ref).abs() / ref.abs().clamp_min(1)).max().item()
+    del x, y, w
+    make_mv = lambda: (bench.randn(M, K), bench.randn(N, K), bench.rand(N, 1))  # noqa: E731
+    mv = time_calls(lambda x, y, v: km.kernel_matvec(desc, x, y, v, bandwidth=1.0), make_mv, bench.device,
+                    repeats=bench.reps(), warmup=bench.warm())
+    ratio = ours.median_ms / mv.median_ms
+    note = (f"kernel_matvec at the same size {mv.median_ms:.4g} ms, ours / matvec {ratio:.2f}; "
+            f"error at bw 1e-3 vs float64, relative to max(1, |value|)")
+    return [bench.row("gauss_logsumexp_d3", f"{M}x{N}x{K}, C=1", ours, None, None, err, None, note,
+                      matvec_ms=mv.median_ms, vs_matvec=ratio)]
 
 
 def krr_rows(bench):
@@ -984,6 +1013,8 @@ def main(argv=None):
             steps.append((w, lambda: gauss_matvec_rows(bench, "matvec_d3", 3, (1,))))
         elif w == "gauss_matvec_d256":
             steps.append((w, lambda: gauss_matvec_rows(bench, "matvec_d256", 256, (1, 16))))
+        elif w == "gauss_logsumexp_d3":
+            steps.append((w, lambda: gauss_logsumexp_rows(bench)))
         elif w == "krr_1m":
             steps.append((w, lambda: krr_rows(bench)))
         elif w.startswith("knn_"):

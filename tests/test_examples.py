@@ -89,11 +89,13 @@ def test_bench_quick(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     names = [r["workload"] for r in res["rows"]]
     for w in ("cdist_p1", "cdist_p1.3", "cdist_p2", "laplace_l2_kernel", "cdist_grad_p2", "cdist_grad_p1",
-              "cdist_grad_p1.3", "kmeans", "cold_compile", "warm_process"):
+              "cdist_grad_p1.3", "kmeans", "gauss_logsumexp_d3", "cold_compile", "warm_process"):
         assert w in names
     for r in res["rows"]:
         if r["workload"].startswith("cdist") or r["workload"] == "laplace_l2_kernel":
             assert r["ours_ms"] > 0 and r["error"] < 1e-5, r
+        if r["workload"] == "gauss_logsumexp_d3":  # bandwidth 1e-3 against float64
+            assert r["ours_ms"] > 0 and r["matvec_ms"] > 0 and r["error"] < 1e-5, r
         if r["workload"] == "kmeans":  # the inertia of our final centres against torch's loop
             assert r["ours_ms"] > 0 and r["torch_ms"] > 0 and r["error"] < 1e-4, r
     table = (tmp_path / "table.md").read_text()

@@ -7,7 +7,9 @@ underflows to 0 in float32 for nearly every pair at small bandwidths): blocks of
 (the descriptor's distance from run_kernel's fused kernels, the epilogue dropped) are combined
 with a running maximum per row and column, FlashAttention's online softmax, in a fixed order.
 
-The blocked computation serves every device; memory O((M + N) C) plus one block. Autograd with
+On sm_80 and newer GPUs the fused kernel (cuda_templates/logsumexp.cuh) computes float32/16-bit
+calls with K <= 64 in one pass over y, no block in memory; the blocked computation serves the
+rest; memory O((M + N) C) plus one block. Autograd with
 respect to x, y and log_weights: the backward weights each block by the softmax
 ``exp(-phi + log_weights - out)`` and differentiates phi on it (never M x N either).
 """
@@ -25,6 +27,7 @@ from .. import _debug
 from .._args import check_same, check_tensor
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from ..layout import analyse_output
+from ..plan.logsumexp import plan_logsumexp
 from .distance import COMPUTE_MODES, prepare_call, run_kernel
 
 log = logging.getLogger("kermac_like.logsumexp")
@@ -86,7 +89,13 @@ def _blocks(batch: tuple, M: int, N: int, C: int) -> tuple:
 
 
 def _forward(call, lw: Tensor, work, debug: bool = False) -> Tensor:
-    """(*batch, M, C) in ``work``: the blocked running (max, sum) combination."""
+    """(*batch, M, C) in ``work``: the fused kernel's (plan/logsumexp.py), else the blocked
+    running (max, sum) combination."""
+    if work == torch.float32 and call.device.type == "cuda":
+        fused = torch.empty((*call.batch, call.M, lw.shape[-1]), dtype=call.a.dtype, device=call.device)
+        plan = plan_logsumexp(call, lw.to(call.a.dtype), fused, debug)
+        if plan is not None:
+            return plan.run().to(work)
     dd, squared = _distance_desc(call.desc, call.epsilon)
     batch, M, N = call.batch, call.M, call.N
     C = lw.shape[-1]

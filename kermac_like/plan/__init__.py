@@ -28,7 +28,8 @@ One module per rule, over a shared core:
 * :mod:`.cdist_grad`: cdist_grad (SIMT and tensor-core gradient kernels);
 * :mod:`.matvec`: kernel_matvec (fused SIMT kernel, tensor-core tiles times v);
 * :mod:`.matvec_wgmma`: kernel_matvec on Hopper (matvec_wgmma_kernel);
-* :mod:`.topk`: the fused top-k selection.
+* :mod:`.topk`: the fused top-k selection;
+* :mod:`.logsumexp`: kernel_logsumexp's fused forward.
 
 A new kernel family is one template, one spec module (runtime/specs) and one rule module
 here. The names below are re-exported for the ops, tests and probes; module state (the

@@ -1,0 +1,101 @@
+"""The log-domain kernel-sum family (cuda_templates/logsumexp.cuh): which instantiation of
+``lse_kernel<LseTraits<...>>`` serves a kernel_logsumexp call, its mirrored launch constants,
+and the family's shipped set.
+
+Mirror of ``kermac_like::LseTraits``: kThreads, kRows (rows of x per thread, from kK and kC),
+kBlockM = kThreads * kRows, kBlockN (y points per shared-memory tile) and kSmemBytes (the y
+tile and its log-weight columns); the compile stub checks them with static_asserts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...descriptor import PRESETS, KernelDescriptor
+from .kernel_spec import KernelSpec, LaunchShape
+
+__all__ = ["K_BUCKETS", "C_BUCKETS", "MAX_K", "MAX_C", "MAX_SPLIT", "k_bucket", "c_bucket", "rows_per_thread",
+           "lse_spec", "lse_combine_spec", "shipped"]
+
+THREADS = 128
+K_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)  # topk's: x rows in registers
+MAX_K = K_BUCKETS[-1]  # larger K: the blocked path
+C_BUCKETS = (1, 2, 4, 8)  # log-weight columns per launch; more columns: chunks of MAX_C
+MAX_C = C_BUCKETS[-1]
+MAX_SPLIT = 1024  # N splits of one call (the combine loops over them)
+
+_T = {
+    torch.float32: "float",
+    torch.float16: "kermac_like::float16",
+    torch.bfloat16: "kermac_like::bfloat16",
+}
+
+
+def k_bucket(K: int) -> int:
+    """kK for K coordinates; 0 beyond MAX_K (no fused kernel)."""
+    for b in K_BUCKETS:
+        if K <= b:
+            return b
+    return 0
+
+
+def c_bucket(C: int) -> int:
+    """kC for C columns (one launch): the bucket of min(C, MAX_C)."""
+    for b in C_BUCKETS:
+        if C <= b:
+            return b
+    return MAX_C
+
+
+def rows_per_thread(kK: int, kC: int) -> int:
+    """Mirror of LseTraits::kRows."""
+    regs = kK + 2 * kC
+    return 4 if regs * 4 <= 80 else 2 if regs * 2 <= 80 else 1
+
+
+def _launch(kK: int, kC: int) -> LaunchShape:
+    rows = rows_per_thread(kK, kC)
+    ks = (kK + 3) // 4 * 4
+    block_n = 256 if ks <= 16 else 128
+    return LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=block_n, smem_bytes=block_n * (ks + kC) * 4)
+
+
+def _traits(desc: KernelDescriptor, dtype, kK: int, kC: int) -> str:
+    if dtype not in _T:
+        raise ValueError(f"logsumexp: no kernel for dtype {dtype} (float32, float16, bfloat16)")
+    return f"kermac_like::LseTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {int(kC)}>"
+
+
+def lse_spec(desc: KernelDescriptor, dtype, K: int, C: int) -> KernelSpec:
+    """The kernel for ``desc`` (a Laplace or Gaussian distance kernel) over K coordinates
+    (K <= MAX_K) and C log-weight columns (one launch takes at most MAX_C of them)."""
+    kK = k_bucket(K)
+    if kK == 0:
+        raise ValueError(f"logsumexp: K = {K} is beyond the fused kernel's {MAX_K}")
+    kC = c_bucket(C)
+    return KernelSpec("logsumexp.cuh", "kermac_like::lse_kernel", _traits(desc, dtype, kK, kC), _launch(kK, kC))
+
+
+def lse_combine_spec(desc: KernelDescriptor, dtype, C: int) -> KernelSpec:
+    """The combination of split-N partial sums (lse_combine_kernel): one per descriptor,
+    dtype and column bucket (the scratch's row length), on the traits of kK = 1."""
+    kC = c_bucket(C)
+    return KernelSpec("logsumexp.cuh", "kermac_like::lse_combine_kernel", _traits(desc, dtype, 1, kC),
+                      _launch(1, kC))
+
+
+def shipped():
+    """The instantiations the public calls reach for common inputs: the Gaussian and Laplace
+    kernels of point clouds (K = 2, 3) and small embeddings (8, 16, 64), one column (Sinkhorn's
+    potentials) and a few, with their split combinations; float16 / bfloat16 once."""
+    f32 = torch.float32
+    for name in ("gaussian_l2", "laplace_l2"):
+        desc = PRESETS[name]
+        for K in (2, 3, 8, 16, 64):
+            yield lse_spec(desc, f32, K, 1)
+        yield lse_spec(desc, f32, 3, MAX_C)
+        yield lse_combine_spec(desc, f32, 1)
+        yield lse_combine_spec(desc, f32, MAX_C)
+    for dt in (torch.float16, torch.bfloat16):
+        yield lse_spec(PRESETS["gaussian_l2"], dt, 3, 1)
+        yield lse_combine_spec(PRESETS["gaussian_l2"], dt, 1)

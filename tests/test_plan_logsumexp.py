@@ -2,12 +2,19 @@
 loader stubbed, nothing launched): which calls the fused kernel serves, the column chunks,
 the N split and its combination, and argument tuples of the lengths cuda_templates/ABI.md gives."""
 
+import pytest
 import torch
 
 import kermac_like as km
 from kermac_like.ops.distance import prepare_call
+from kermac_like.plan import logsumexp as plan_lse
 from kermac_like.plan.logsumexp import fused_serves, plan_logsumexp
 from kermac_like.runtime.specs.logsumexp import lse_spec
+
+
+@pytest.fixture(autouse=True)
+def _fused_on(monkeypatch):
+    monkeypatch.setattr(plan_lse, "FUSED", True)  # opt-in until it has run on a GPU
 
 
 def _call(M, N, K, desc="gaussian_l2", dtype=torch.float32, **hyp):

@@ -6,9 +6,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ...descriptor import PRESETS
 
-__all__ = ["LaunchShape", "KernelSpec", "render_source", "SHIPPED_DESCRIPTORS"]
+__all__ = ["LaunchShape", "KernelSpec", "render_source", "SHIPPED_DESCRIPTORS", "CPP_TYPES", "bucket"]
+
+# The C++ element type of the data each family's traits take (16-bit: storage16.cuh's types).
+CPP_TYPES = {
+    torch.float32: "float",
+    torch.float16: "kermac_like::float16",
+    torch.bfloat16: "kermac_like::bfloat16",
+}
+
+
+def bucket(value: int, buckets: tuple, beyond: int) -> int:
+    """The first of the ascending ``buckets`` that holds ``value``, else ``beyond``."""
+    for b in buckets:
+        if value <= b:
+            return b
+    return beyond
 
 
 @dataclass(frozen=True)

@@ -12,39 +12,24 @@ from __future__ import annotations
 import torch
 
 from ...descriptor import PRESETS, KernelDescriptor
-from .kernel_spec import KernelSpec, LaunchShape
+from .kernel_spec import CPP_TYPES, KernelSpec, LaunchShape, bucket
+from .topk import K_BUCKETS, MAX_K, k_bucket
 
 __all__ = ["K_BUCKETS", "C_BUCKETS", "MAX_K", "MAX_C", "MAX_SPLIT", "k_bucket", "c_bucket", "rows_per_thread",
            "lse_spec", "lse_combine_spec", "shipped"]
 
 THREADS = 128
-K_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)  # topk's: x rows in registers
-MAX_K = K_BUCKETS[-1]  # larger K: the blocked path
+# K_BUCKETS, MAX_K and k_bucket are topk's (x rows in registers); larger K: the blocked path.
 C_BUCKETS = (1, 2, 4, 8)  # log-weight columns per launch; more columns: chunks of MAX_C
 MAX_C = C_BUCKETS[-1]
 MAX_SPLIT = 1024  # N splits of one call (the combine loops over them)
 
-_T = {
-    torch.float32: "float",
-    torch.float16: "kermac_like::float16",
-    torch.bfloat16: "kermac_like::bfloat16",
-}
-
-
-def k_bucket(K: int) -> int:
-    """kK for K coordinates; 0 beyond MAX_K (no fused kernel)."""
-    for b in K_BUCKETS:
-        if K <= b:
-            return b
-    return 0
+_T = CPP_TYPES
 
 
 def c_bucket(C: int) -> int:
     """kC for C columns (one launch): the bucket of min(C, MAX_C)."""
-    for b in C_BUCKETS:
-        if C <= b:
-            return b
-    return MAX_C
+    return bucket(C, C_BUCKETS, MAX_C)
 
 
 def rows_per_thread(kK: int, kC: int) -> int:

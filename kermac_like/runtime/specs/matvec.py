@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType
-from .kernel_spec import KernelSpec, LaunchShape
+from .kernel_spec import CPP_TYPES, KernelSpec, LaunchShape, bucket
 
 __all__ = [
     "K_BUCKETS",
@@ -37,11 +37,7 @@ K_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 C_BUCKETS = (1, 2, 4, 8, 16)
 MAX_C = C_BUCKETS[-1]  # wider v runs in column chunks of MAX_C (one launch each)
 
-_T = {
-    torch.float32: "float",
-    torch.float16: "kermac_like::float16",
-    torch.bfloat16: "kermac_like::bfloat16",
-}
+_T = CPP_TYPES
 
 
 def _out_arg(dtype, out_dtype) -> str:
@@ -94,17 +90,11 @@ def expandable(desc: KernelDescriptor) -> bool:
 def k_bucket(slots: int) -> int:
     """kK for ``slots`` coordinates per point (K, or K + 1 for the expanded form); 0 (chunked)
     beyond the last bucket."""
-    for b in K_BUCKETS:
-        if slots <= b:
-            return b
-    return 0
+    return bucket(slots, K_BUCKETS, 0)
 
 
 def c_bucket(c: int) -> int:
-    for b in C_BUCKETS:
-        if c <= b:
-            return b
-    return MAX_C
+    return bucket(c, C_BUCKETS, MAX_C)
 
 
 # Rows of eight whose exponential runs on the FMA pipe in the expanded kernel. Measured on an

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...descriptor import PRESETS, KernelDescriptor
-from .kernel_spec import KernelSpec, LaunchShape
+from .kernel_spec import CPP_TYPES, KernelSpec, LaunchShape, bucket
 
 __all__ = ["K_BUCKETS", "SEL_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "MMA_MAX_SELECT", "k_bucket",
            "sel_bucket", "mma_sel", "rows_per_thread", "topk_spec", "topk_combine_spec", "topk_mma_spec", "shipped"]
@@ -29,27 +29,17 @@ MAX_SELECT = 1024  # largest k of the fused kernel (the list of a row lives in t
 SEL_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
 MAX_SPLIT = 512  # topk_combine_kernel's kMaxSplit
 
-_T = {
-    torch.float32: "float",
-    torch.float16: "kermac_like::float16",
-    torch.bfloat16: "kermac_like::bfloat16",
-}
+_T = CPP_TYPES
 
 
 def k_bucket(K: int) -> int:
     """kK for K coordinates; 0 beyond MAX_K (no fused kernel)."""
-    for b in K_BUCKETS:
-        if K <= b:
-            return b
-    return 0
+    return bucket(K, K_BUCKETS, 0)
 
 
 def sel_bucket(k: int) -> int:
     """kSel for k selected: the register list's length, or 0 (lists in memory) beyond 32."""
-    for b in SEL_BUCKETS:
-        if k <= b:
-            return b
-    return 0
+    return bucket(k, SEL_BUCKETS, 0)
 
 
 def rows_per_thread(kK: int, kSel: int) -> int:

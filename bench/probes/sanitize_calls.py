@@ -211,6 +211,79 @@ def linalg():
     torch.cuda.synchronize()
 
 
+def _knn_check(x, y, k, p=2.0, largest=False):
+    v, i = km.knn(x, y, k, p=p, largest=largest)
+    d = torch.cdist(x.double(), y.double(), p=p)
+    want = torch.topk(d, k, dim=-1, largest=largest, sorted=True).values
+    err = float(((v.double() - want).abs() / want.abs().clamp_min(1e-30)).max())
+    assert err < 1e-4, f"knn p={p} k={k}: relative error {err:.2e}"
+    got = torch.gather(d, -1, i)
+    assert float(((got - want).abs() / want.abs().clamp_min(1e-30)).max()) < 1e-4, f"knn p={p} k={k}: indices"
+
+
+def topk():
+    """topk.cuh: register lists (k <= 32), memory lists (k > 32), split N with the combine
+    (few rows against many points), batches, largest, kernel_topk over a kernel descriptor."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for (L, M, N, K), ks in (((2, 131, 97, 3), (1, 5, 16)), ((2, 37, 1500, 8), (10, 33)),
+                             ((1, 3, 3000, 37), (1, 64, 200)), ((2, 300, 1100, 64), (24,))):
+        x = torch.randn(L, M, K, device="cuda", generator=g)
+        y = torch.randn(L, N, K, device="cuda", generator=g)
+        for k in ks:
+            for p in (2.0, 1.0, 1.5):
+                _knn_check(x, y, k, p=p)
+        _knn_check(x, y, ks[0], largest=True)
+    x = torch.randn(2, 50, 5, device="cuda", generator=g)
+    y = torch.randn(2, 900, 5, device="cuda", generator=g)
+    v, i = km.kernel_topk(km.PRESETS["gaussian_l2"], x, y, 7, bandwidth=1.5)
+    want = torch.topk(distance_reference(km.PRESETS["gaussian_l2"], x.double(), y.double(), bandwidth=1.5), 7,
+                      dim=-1).values
+    assert float((v.double() - want).abs().max()) < 1e-5, "kernel_topk gaussian"
+
+
+def topk_mma():
+    """topk_mma.cuh (K > 64: TF32 candidates, rescored): several y tiles, ragged M / N, k <= 16,
+    a batch, and few rows (split N)."""
+    g = torch.Generator(device="cuda").manual_seed(10)
+    for L, M, N, K in ((2, 131, 700, 128), (1, 5, 3000, 96), (1, 257, 513, 200)):
+        x = torch.randn(L, M, K, device="cuda", generator=g)
+        y = torch.randn(L, N, K, device="cuda", generator=g)
+        for k in (1, 10, 16):
+            _knn_check(x, y, k)
+
+
+def logsumexp():
+    """logsumexp.cuh (the fused kernel): several column chunks, a -inf weight column, a batch,
+    the underflowing bandwidth, few rows (split N)."""
+    from kermac_like.plan import logsumexp as plan_lse
+    plan_lse.FUSED = True
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for (L, M, N, K, C), bw in (((2, 131, 1031, 3, 11), 0.5), ((1, 7, 5000, 8, 1), 1e-3), ((2, 300, 97, 37, 2), 2.0)):
+        x = torch.randn(L, M, K, device="cuda", generator=g)
+        y = torch.randn(L, N, K, device="cuda", generator=g)
+        lw = torch.randn(L, N, C, device="cuda", generator=g)
+        lw[..., 0, :] = -float("inf")
+        for name in ("gaussian_l2", "laplace_l2"):
+            desc = km.PRESETS[name]
+            got = km.kernel_logsumexp(desc, x, y, lw, bandwidth=bw)
+            phi = torch.cdist(x.double(), y.double())
+            phi = phi / bw if name.startswith("laplace") else phi.square() / (2 * bw * bw)
+            want = torch.logsumexp(-phi[..., None] + lw.double()[..., None, :, :], dim=-2)
+            err = float(((got.double() - want).abs() / want.abs().clamp_min(1)).max())
+            assert err < 1e-5, f"kernel_logsumexp {name} bw={bw}: error {err:.2e}"
+
+
+def kmeans():
+    """cluster.KMeans on the GPU: k-means++ seeding, the k = 1 assignment and the update."""
+    from kermac_like.cluster import KMeans
+    g = torch.Generator(device="cuda").manual_seed(12)
+    x = torch.randn(3001, 16, device="cuda", generator=g)
+    km_ = KMeans(n_clusters=37, max_iter=5, random_state=0).fit(x)
+    d = torch.cdist(x.double(), km_.cluster_centers_.double())
+    gap = d.gather(1, km_.labels_.long()[:, None]) - d.min(1, keepdim=True).values
+    assert float(gap.abs().max()) < 1e-5, "KMeans labels are not the nearest centres"
+
+
 # name -> (function, environment)
 FAMILIES = {
     "simt": (simt, {}),
@@ -221,6 +294,10 @@ FAMILIES = {
     "grad_simt": (grad_simt, {"KERMAC_LIKE_GRAD_MMA": "0"}),
     "grad_mma": (grad_mma, {"KERMAC_LIKE_GRAD_MMA": "1"}),
     "linalg": (linalg, {}),
+    "topk": (topk, {}),
+    "topk_mma": (topk_mma, {}),
+    "logsumexp": (logsumexp, {}),
+    "kmeans": (kmeans, {}),
 }
 
 

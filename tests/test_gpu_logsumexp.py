@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 def _fused_on(monkeypatch):
     from kermac_like.plan import logsumexp as plan_lse
 
-    monkeypatch.setattr(plan_lse, "FUSED", True)  # the fused kernel (opt-in until these tests pass on a GPU)
+    monkeypatch.setattr(plan_lse, "FUSED", True)  # the fused kernel, whatever KERMAC_LIKE_LSE_FUSED says
 
 
 def test_float32_against_float64_including_underflow():

@@ -69,10 +69,15 @@ def test_float32_cuda_step_matches_gpytorch(ours, ref):
 
 
 def test_float64_cuda_matches_gpytorch_within_1e4():
-    """float64 on the GPU (kernel_matvec's reference path there): the issue's 1e-4 target."""
+    """float64 on the GPU (kernel_matvec's reference path there): the issue's 1e-4 target, with
+    the solves run to convergence. At GPyTorch's training default (CG tolerance 1, 2000 points)
+    the two stop after the same iterations with different rounding in their products, and
+    the MLLs differed by 2.6e-4 on an H100: the solver's tolerance, not the kernel."""
     x, y = data(2000, 8)
-    a = step(RBFKernel(ard_num_dims=8), x, y, torch.float64)
-    b = step(gpytorch.kernels.RBFKernel(ard_num_dims=8), x, y, torch.float64)
+    with gpytorch.settings.cg_tolerance(1e-8), gpytorch.settings.eval_cg_tolerance(1e-8), \
+            gpytorch.settings.max_cg_iterations(3000):
+        a = step(RBFKernel(ard_num_dims=8), x, y, torch.float64)
+        b = step(gpytorch.kernels.RBFKernel(ard_num_dims=8), x, y, torch.float64)
     for u, v in zip(a, b):
         assert rel(u, v) <= 1e-4
 

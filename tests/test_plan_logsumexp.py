@@ -14,7 +14,7 @@ from kermac_like.runtime.specs.logsumexp import lse_spec
 
 @pytest.fixture(autouse=True)
 def _fused_on(monkeypatch):
-    monkeypatch.setattr(plan_lse, "FUSED", True)  # opt-in until it has run on a GPU
+    monkeypatch.setattr(plan_lse, "FUSED", True)  # on unless KERMAC_LIKE_LSE_FUSED=0 is set
 
 
 def _call(M, N, K, desc="gaussian_l2", dtype=torch.float32, **hyp):

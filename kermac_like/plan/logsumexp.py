@@ -32,10 +32,10 @@ __all__ = ["plan_logsumexp", "fused_serves", "SCRATCH_BYTES"]
 
 SCRATCH_BYTES = 32 << 20  # largest split scratch of one launch ([split][batch][M][kC][2] float32)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The fused kernel has run only through the CPU execution tests (tests/test_templates_logsumexp.py),
-# not yet on a GPU: until tests/test_gpu_logsumexp.py has passed there it is opt-in
-# (KERMAC_LIKE_LSE_FUSED=1); otherwise GPU calls take the blocked path.
-FUSED = os.environ.get("KERMAC_LIKE_LSE_FUSED", "0") == "1"
+# The fused kernel serves GPU calls by default (tests/test_gpu_logsumexp.py and compute-sanitizer's
+# logsumexp family passed on an H100, 2026-11-26); KERMAC_LIKE_LSE_FUSED=0 sends them to the
+# blocked path (running maximum over run_kernel blocks) instead.
+FUSED = os.environ.get("KERMAC_LIKE_LSE_FUSED", "1") != "0"
 
 
 def fused_serves(call, lw: torch.Tensor) -> bool:

@@ -135,8 +135,10 @@ def _find_or_compile(spec: KernelSpec, arch: str, key: str, debug: bool) -> tupl
     found = read_bundled(key)
     if found is not None:
         return found, "bundle"
+    # (another thread may be importing the store module: read its cache through getattr)
     store = sys.modules.get(__package__ + ".cache.store")
-    if absent and store is not None and store._singleton is not None and store._singleton[1].in_memory:
+    singleton = getattr(store, "_singleton", None)
+    if absent and singleton is not None and singleton[1].in_memory:
         absent = False  # no usable file: this process's in-memory cache may hold it
     if absent:  # the cache file has no such row (or no file yet): compile while the cache opens
         cache_of = _open_cache_in_background()

@@ -69,13 +69,18 @@ def test_float32_cuda_step_matches_gpytorch(ours, ref):
 
 
 def test_float64_cuda_matches_gpytorch_within_1e4():
-    """float64 on the GPU (kernel_matvec's reference path there): the issue's 1e-4 target, with
-    the solves run to convergence. At GPyTorch's training default (CG tolerance 1, 2000 points)
-    the two stop after the same iterations with different rounding in their products, and
-    the MLLs differed by 2.6e-4 on an H100: the solver's tolerance, not the kernel."""
+    """float64 on the GPU (kernel_matvec's reference path there): the issue's 1e-4 target, without
+    the pivoted-Cholesky preconditioner. With it (N = 2000 is at GPyTorch's preconditioning
+    threshold) the two sides' logdet estimates differ by the estimator's own spread (2.6e-4 on
+    the MLL, 1e-2 on its gradient on an H200, deterministic run to run, predictions equal to
+    4e-15): our diagonal is exactly 1, GPyTorch's dense one on CUDA carries rounding of its
+    matrix-product distances, so the first pivot of the preconditioner (the argmax of the
+    diagonal) differs and so does the preconditioned estimate. On CPU both diagonals are exact
+    and the two agree to 1e-15 with the preconditioner. Without it, the CG tolerance 1e-4 (on CPU:
+    1e-11 on the MLL, 2e-9 on the gradient; at the training default of 1, 9e-5 on the gradient)."""
     x, y = data(2000, 8)
-    with gpytorch.settings.cg_tolerance(1e-8), gpytorch.settings.eval_cg_tolerance(1e-8), \
-            gpytorch.settings.max_cg_iterations(3000):
+    with gpytorch.settings.max_preconditioner_size(0), gpytorch.settings.cg_tolerance(1e-4), \
+            gpytorch.settings.max_cg_iterations(2000):
         a = step(RBFKernel(ard_num_dims=8), x, y, torch.float64)
         b = step(gpytorch.kernels.RBFKernel(ard_num_dims=8), x, y, torch.float64)
     for u, v in zip(a, b):

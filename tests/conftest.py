@@ -22,12 +22,57 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _session_cache_dir(tmp_path_factory) -> str | None:
+    """The kernel cache dir of this session (None: the forced KERMAC_LIKE_CACHE_DIR)."""
+    if os.environ.get("KERMAC_LIKE_TEST_KEEP_CACHE"):
+        return None
+    return str(tmp_path_factory.getbasetemp() / "kernel-cache")
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
     """Every test session uses its own kernel cache dir unless one is forced."""
-    if not os.environ.get("KERMAC_LIKE_TEST_KEEP_CACHE"):
-        d = tmp_path_factory.getbasetemp() / "kernel-cache"
-        monkeypatch.setenv("KERMAC_LIKE_CACHE_DIR", str(d))
+    d = _session_cache_dir(tmp_path_factory)
+    if d is not None:
+        monkeypatch.setenv("KERMAC_LIKE_CACHE_DIR", d)
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_shipped_once(request, tmp_path_factory):
+    """GPU sessions: every shipped kernel for this GPU compiled once, up front, in parallel
+    processes (many kernels per NVRTC program) into the session's cache, instead of one at a
+    time in whichever test first needs it. Tests then find them in the cache; instantiations
+    outside the shipped set still compile on demand. KERMAC_LIKE_TEST_PRECOMPILE=0 turns it off."""
+    if (os.environ.get("KERMAC_LIKE_TEST_PRECOMPILE", "1") == "0" or not cuda_ok()
+            or not any("gpu" in item.keywords for item in request.session.items)):
+        yield
+        return
+    import time
+
+    from kermac_like.runtime.compiler import arch_of_device, precompile_specs
+    from kermac_like.runtime.specs import shipped_specs
+
+    d = _session_cache_dir(tmp_path_factory)
+    saved = os.environ.get("KERMAC_LIKE_CACHE_DIR")
+    if d is not None:
+        os.environ["KERMAC_LIKE_CACHE_DIR"] = d
+    try:
+        from kermac_like.runtime import cache as _cache
+
+        t0 = time.perf_counter()
+        summary = precompile_specs(shipped_specs(), arch_of_device(torch.device("cuda", torch.cuda.current_device())))
+        print(f"\n[conftest] shipped kernels: {summary.get('compiled')} compiled, {summary.get('cached')} cached, "
+              f"{time.perf_counter() - t0:.1f} s")
+        reset = getattr(_cache, "reset_cache", None)
+        if reset is not None:
+            reset()
+    finally:
+        if d is not None:
+            if saved is None:
+                os.environ.pop("KERMAC_LIKE_CACHE_DIR", None)
+            else:
+                os.environ["KERMAC_LIKE_CACHE_DIR"] = saved
     yield
 
 

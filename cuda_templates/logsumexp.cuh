@@ -280,7 +280,6 @@ __device__ __forceinline__ void pairs_lazy(const float* ys, const float* ls, int
   }
   // Every row's sums first, then one test for the trip (the redo is rare; one branch per trip).
   float st[R][C];
-  bool redo = false;
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     if constexpr (kFoldPath) {
@@ -291,7 +290,6 @@ __device__ __forceinline__ void pairs_lazy(const float* ys, const float* ls, int
         s = math::add_rn(s, math::ex2_approx(math::fma_rn(e, la.scale2, lj[u][0])));
       }
       st[i][0] = s;
-      redo |= s > kLazyMax;
     } else {
       float d[U];
 #pragma unroll
@@ -304,11 +302,16 @@ __device__ __forceinline__ void pairs_lazy(const float* ys, const float* ls, int
         for (int u = 0; u < U; ++u)
           s = math::add_rn(s, math::ex2_approx(math::fma_rn(d[u], la.scale2, lj[u][c]) - ref));
         st[i][c] = s;
-        redo |= s > kLazyMax;
       }
     }
   }
-  if (redo) {
+  // One compare per trip: the largest sum (fmaxf drops NaN sums, which need no redo).
+  float smax = st[0][0];
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int c = 0; c < C; ++c) smax = fmaxf(smax, st[i][c]);
+  if (smax > kLazyMax) {
 #pragma unroll
     for (int i = 0; i < R; ++i)
 #pragma unroll

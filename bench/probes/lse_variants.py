@@ -31,7 +31,7 @@ from kermac_like.runtime.specs import logsumexp as specs  # noqa: E402
 VARIANTS = {
     "d3c1": [("shipped", None), ("v1 U4 R4", dict(variant=1)), ("v1 U8 R4", dict(variant=1, unroll_j=8)),
              ("v2 U4 R4", dict(variant=2)), ("v2 U8 R4", dict(variant=2, unroll_j=8)),
-             ("v2 U8 R2", dict(variant=2, unroll_j=8, rows=2))],
+             ("v2 U8 R8", dict(variant=2, unroll_j=8, rows=8)), ("v2 U8 R2", dict(variant=2, unroll_j=8, rows=2))],
     "d16c1": [("shipped", None), ("v1", dict(variant=1)), ("v2", dict(variant=2)),
               ("v2 U4", dict(variant=2, unroll_j=4))],
     "d3c4": [("shipped", None), ("v1", dict(variant=1)), ("v1 U4", dict(variant=1, unroll_j=4))],

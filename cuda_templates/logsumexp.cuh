@@ -10,6 +10,8 @@
 // the terms v seen so far, in base 2 (v = -phi log2(e) + lw log2(e)), kUnrollJ points at a time:
 // their maximum first, the sum rescaled once, then one exp2 per term (MUFU ex2.approx: ~2 ulp;
 // terms below 2^-126 of the maximum flush to 0). A NaN term leaves s NaN; -inf terms add nothing.
+// LseTraits' kVariant 1 / 2 (opt-in, bench/notes/logsumexp.md) keep these semantics with a lazy
+// reference in place of the running maximum (see lse_detail::kLazyMax): one exp2 per term.
 //
 // Structure as topk.cuh: each CTA owns kBlockM rows of x (kRows per thread, strided by kThreads;
 // x in registers, zero-padded to kK), walks its range of y in tiles of kBlockN points staged in

@@ -10,6 +10,8 @@
 // the terms v seen so far, in base 2 (v = -phi log2(e) + lw log2(e)), kUnrollJ points at a time:
 // their maximum first, the sum rescaled once, then one exp2 per term (MUFU ex2.approx: ~2 ulp;
 // terms below 2^-126 of the maximum flush to 0). A NaN term leaves s NaN; -inf terms add nothing.
+// LseTraits' kVariant 1 / 2 (opt-in, bench/notes/logsumexp.md) keep these semantics with a lazy
+// reference in place of the running maximum (see lse_detail::kLazyMax): one exp2 per term.
 //
 // Structure as topk.cuh: each CTA owns kBlockM rows of x (kRows per thread, strided by kThreads;
 // x in registers, zero-padded to kK), walks its range of y in tiles of kBlockN points staged in
@@ -28,7 +30,16 @@
 namespace kermac_like {
 
 // kK_: the padded K (1..64; x rows in registers); kC_: log-weight columns per launch (1..8).
-template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_>
+// kVariant_ (the pair loop; bench/notes/logsumexp.md, bench/probes/lse_variants.py):
+//   0: a running maximum per trip of kUnrollJ points (maximum first, one rescale per trip);
+//   1: a lazy reference: s += exp2(v - ref) with ref moved only when a trip leaves s > kLazyMax
+//      (then the trip is redone against the new reference), padded trips (no tail loop), the
+//      log-weight in y's first padding slot when kC = 1 and kK % 4 != 0;
+//   2: as 1, and for the Gaussian of the l2 distance with kC = 1 the reference and the scale
+//      folded into the distance: exp2(fma(d^2 + a, -S, lw)), ref = S a (one FFMA per pair less).
+// kUnrollJ_ / kRows_: 0 (the defaults below) or the points per trip / rows per thread.
+template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
+          int kVariant_ = 0, int kUnrollJ_ = 0, int kRows_ = 0>
 struct LseTraits {
   static_assert(kInner_ == Inner::Diff, "LseTraits: phi is a distance (Inner::Diff)");
   static_assert(kInnerPow_ != Power::Noop && kInnerPow_ != Power::Sqrt,
@@ -57,7 +68,7 @@ struct LseTraits {
   // Rows per thread: x and the (mx, s) pairs take kK + 2 kC registers per row; about 80 in all
   // (topk.cuh's rule).
   static constexpr int kRowRegs = kK_ + 2 * kC_;
-  static constexpr int kRows = kRowRegs * 4 <= 80 ? 4 : kRowRegs * 2 <= 80 ? 2 : 1;
+  static constexpr int kRows = kRows_ > 0 ? kRows_ : kRowRegs * 4 <= 80 ? 4 : kRowRegs * 2 <= 80 ? 2 : 1;
   static constexpr int kBlockM = kThreads * kRows;
   static constexpr int kKS = (kK_ + 3) / 4 * 4;  // shared row of a point (float4 reads)
   static constexpr int kBlockN = kKS <= 16 ? 256 : 128;  // y points per shared-memory tile
@@ -65,7 +76,16 @@ struct LseTraits {
   static constexpr int kSmemBytes = kBlockN * (kKS + kC_) * 4;
   // Points per trip of the pair loop (their maximum first, one rescale of the running sum): as
   // many as the y registers allow (kUnrollJ * kKS of them).
-  static constexpr int kUnrollJ = kKS <= 8 ? (kC_ <= 2 ? 4 : 2) : kKS <= 16 ? 2 : 1;
+  static constexpr int kUnrollJ = kUnrollJ_ > 0 ? kUnrollJ_ : kKS <= 8 ? (kC_ <= 2 ? 4 : 2) : kKS <= 16 ? 2 : 1;
+  static_assert(kVariant_ >= 0 && kVariant_ <= 2, "LseTraits: kVariant is 0, 1 or 2");
+  static_assert(kRows_ >= 0 && kRows_ <= 8 && kUnrollJ_ >= 0 && kUnrollJ_ <= 8, "LseTraits: kRows, kUnrollJ 0..8");
+  static_assert(kBlockN % kUnrollJ == 0, "LseTraits: kUnrollJ must divide kBlockN");
+  static constexpr int kVariant = kVariant_;
+  static constexpr bool kLazy = kVariant_ >= 1;
+  // The log-weight rides in y's first padding slot (one float4 read per point).
+  static constexpr bool kLInY = kLazy && kC_ == 1 && kK_ % 4 != 0;
+  // Reference and scale folded into the distance's FFMA chain (Gaussian-l2, one column).
+  static constexpr bool kFold = kVariant_ == 2 && kC_ == 1 && kSquared;
 
   // exact::accumulate's choice of pipe for |d|^p: MUFU throughout.
   __host__ __device__ static constexpr bool exp2_on_fma(int, int) { return false; }
@@ -77,6 +97,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 constexpr float kLowest = -3.40282347e38f;  // the running maximum of no term
+__device__ __forceinline__ float neg_inf() { return math::bits_float(int(0xff800000u)); }
 
 // log(sum) in natural units from the base-2 (mx, s): -inf where every term is (s = 0, log2 -inf),
 // NaN where one is (s NaN).
@@ -141,6 +162,171 @@ __device__ __forceinline__ void pairs(const float* ys, const float* ls, int j, c
   }
 }
 
+// ---------------------------------------------------------------- lazy reference (kVariant 1, 2)
+// Per row and column a reference ref and s = sum exp2(v - ref) over the terms v seen so far. ref
+// moves only when a trip leaves s above kLazyMax (a term above ref + 32, an overflow to inf, or
+// the first finite term against the initial lowest float): the trip is then redone from the s
+// before it against mn = max(the trip's terms, ref + log2 s), so s stays in [~1, 2^32] and no
+// term or sum overflows (N < 2^31 terms <= 1 each add less than 2^32). The moves depend on the
+// data only (fixed order): the same bits for the same inputs. NaN terms make s NaN (a NaN s
+// fails the compare: no redo); -inf terms add 0; padded points (y = 0, weight -inf) add +0.
+constexpr float kLazyMax = 4294967296.0f;  // 2^32
+
+// The pre-scale phi of (x row, y point): the sum of inner terms started at acc0 (the fold's a),
+// then the outer power / square unless phi is the squared sum itself.
+template <class Tr, int KS>
+__device__ __forceinline__ float pre_phi(const float (&xr)[Tr::kK], const float (&yv)[KS], float acc0, int i,
+                                         const math::PowArgs& pw, float inv_outer_p) {
+  float acc = acc0;
+#pragma unroll
+  for (int q = 0; q < Tr::kK; ++q) acc = exact::accumulate<Tr>(acc, xr[q], yv[q], i, q, pw);
+  float d = acc;
+  if constexpr (!Tr::kSquared) {
+    if constexpr (Tr::kOuterPow == Power::Sqrt) d = math::sqrt_approx(acc);
+    if constexpr (Tr::kOuterPow == Power::Pow) d = powf(acc, inv_outer_p);
+    if constexpr (Tr::kEpilogue == Epilogue::Gaussian) d = d * d;
+  }
+  return d;
+}
+
+// The lazy loop's constants of a batch entry: scale2 = -S (S = log2(e) / bw or log2(e) / (2 bw^2)),
+// 1 / S for the fold's a = ref / S.
+struct LazyArgs {
+  float scale2, inv_s;
+};
+
+// A pointer the compiler cannot prove equal to its argument: the redo re-reads the tile instead of
+// keeping the trip's differences and terms alive in registers for it.
+template <class P>
+__device__ __forceinline__ P* opaque(P* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("mov.b64 %0, %0;" : "+l"(p));
+#endif
+  return p;
+}
+
+// The trip of row i, column c redone against a new reference (rare: the first finite terms, a
+// term 2^32 above the reference), its points re-read from the tile; s0 is the sum before the
+// trip, ref is a = ref / S when kFoldPath.
+template <class Tr, int U, bool kFoldPath>
+__device__ __forceinline__ void lazy_redo(const float* ys, const float* ls, int j, const float (&xr)[Tr::kK], int i,
+                                          int c, const math::PowArgs& pw, float inv_outer_p, LazyArgs la, float s0,
+                                          float& ref, float& s) {
+  constexpr int KS = Tr::kKS, C = Tr::kC;
+  ys = opaque(ys), ls = opaque(ls);
+  float yj[U][KS], lj[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int q = 0; q < KS; ++q) yj[u][q] = ys[(j + u) * KS + q];
+    lj[u] = Tr::kLInY ? yj[u][Tr::kK] : ls[(j + u) * C + c];
+  }
+  float d[U], mn = neg_inf();
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    d[u] = pre_phi<Tr, KS>(xr, yj[u], 0.0f, i, pw, inv_outer_p);
+    mn = fmaxf(mn, math::fma_rn(d[u], la.scale2, lj[u]));
+  }
+  const float old = kFoldPath ? -la.scale2 * ref : ref;  // the reference in log2 units
+  mn = fmaxf(mn, math::add_rn(old, math::lg2_approx(s0)));  // s0 = 0: -inf
+  float acc;
+  if constexpr (kFoldPath) {
+    const float a = mn * la.inv_s;
+    const float now = -la.scale2 * a;
+    acc = s0 * math::ex2_approx(math::fma_rn(-la.scale2, ref, -now));
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float e = pre_phi<Tr, KS>(xr, yj[u], a, i, pw, inv_outer_p);
+      acc = math::add_rn(acc, math::ex2_approx(math::fma_rn(e, la.scale2, lj[u])));
+    }
+    ref = a;
+  } else {
+    acc = s0 * math::ex2_approx(math::sub_rn(old, mn));
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      acc = math::add_rn(acc, math::ex2_approx(math::sub_rn(math::fma_rn(d[u], la.scale2, lj[u]), mn)));
+    ref = mn;
+  }
+  s = acc;
+}
+
+// Points j .. j + U - 1 of the staged tile (whole trips: padded points add +0) against the
+// thread's rows. kFoldPath: the reference lives in mx as a = ref / S and starts the distance's
+// FFMA chain, the exponent one FFMA: fma(d^2 + a, -S, lw) (Gaussian-l2, one column).
+template <class Tr, int U, bool kFoldPath>
+__device__ __forceinline__ void pairs_lazy(const float* ys, const float* ls, int j,
+                                           const float (&xr)[Tr::kRows][Tr::kK], const math::PowArgs& pw,
+                                           float inv_outer_p, LazyArgs la, float (&mx)[Tr::kRows][Tr::kC],
+                                           float (&sm)[Tr::kRows][Tr::kC]) {
+  constexpr int R = Tr::kRows, KS = Tr::kKS, C = Tr::kC;
+  float yj[U][KS], lj[U][C];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int q = 0; q < KS / 4; ++q) {
+      const float4 f = reinterpret_cast<const float4*>(ys + (j + u) * KS)[q];
+      yj[u][4 * q] = f.x, yj[u][4 * q + 1] = f.y, yj[u][4 * q + 2] = f.z, yj[u][4 * q + 3] = f.w;
+    }
+    if constexpr (Tr::kLInY) {
+      lj[u][0] = yj[u][Tr::kK];
+    } else if constexpr (C == 1 && U % 4 == 0) {
+      if (u % 4 == 0) {
+        const float4 f = *reinterpret_cast<const float4*>(ls + j + u);
+        lj[u][0] = f.x, lj[u + 1 < U ? u + 1 : u][0] = f.y, lj[u + 2 < U ? u + 2 : u][0] = f.z,
+        lj[u + 3 < U ? u + 3 : u][0] = f.w;
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < C; ++c) lj[u][c] = ls[(j + u) * C + c];
+    }
+  }
+  // Every row's sums first, then one test for the trip (the redo is rare; one branch per trip).
+  float st[R][C];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if constexpr (kFoldPath) {
+      float s = sm[i][0];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float e = pre_phi<Tr, KS>(xr[i], yj[u], mx[i][0], i, pw, inv_outer_p);
+        s = math::add_rn(s, math::ex2_approx(math::fma_rn(e, la.scale2, lj[u][0])));
+      }
+      st[i][0] = s;
+    } else {
+      float d[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) d[u] = pre_phi<Tr, KS>(xr[i], yj[u], 0.0f, i, pw, inv_outer_p);
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        float s = sm[i][c];
+        const float ref = mx[i][c];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          s = math::add_rn(s, math::ex2_approx(math::fma_rn(d[u], la.scale2, lj[u][c]) - ref));
+        st[i][c] = s;
+      }
+    }
+  }
+  // One compare per trip: the largest sum (fmaxf drops NaN sums, which need no redo).
+  float smax = st[0][0];
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int c = 0; c < C; ++c) smax = fmaxf(smax, st[i][c]);
+  if (smax > kLazyMax) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int c = 0; c < C; ++c)
+        if (st[i][c] > kLazyMax)
+          lazy_redo<Tr, U, kFoldPath>(ys, ls, j, xr[i], i, c, pw, inv_outer_p, la, sm[i][c], mx[i][c], st[i][c]);
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int c = 0; c < C; ++c) sm[i][c] = st[i][c];
+}
+
 }  // namespace lse_detail
 
 extern __shared__ __align__(16) unsigned char kl_lse_smem[];
@@ -187,6 +373,9 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
     if constexpr (Tr::kOuterPow == Power::Pow) inv_outer_p = 1.0f / hp.outer_p.at(bi);
     const float bw = hp.bandwidth.at(bi);
     const float scale2 = (Tr::kEpilogue == Epilogue::Laplace ? -1.0f / bw : -0.5f / (bw * bw)) * kLog2e;
+    // The fold (kVariant 2) where S = -scale2 keeps a = ref / S and S a in range; else the plain loop.
+    const bool fold = Tr::kFold && -scale2 >= 0x1p-20f && -scale2 <= 0x1p40f;
+    const LazyArgs la{scale2, fold ? -1.0f / scale2 : 0.0f};
 
     float xr[R][KK], mx[R][KC], sm[R][KC];
 #pragma unroll
@@ -202,21 +391,50 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
     for (int n0 = n_begin; n0 < n_end; n0 += BN) {
       const int jn = min(BN, n_end - n0);
       __syncthreads();  // the previous tile is consumed
-      for (int e = tid; e < BN * KS; e += Tr::kThreads) {
-        const int j = e / KS, q = e - j * KS;
-        ys[e] = (j < jn && q < K) ? load_f(yl + i64(n0 + j) * sym + i64(q) * syk) : 0.0f;
-      }
-      for (int e = tid; e < BN * KC; e += Tr::kThreads) {
-        const int j = e / KC, c = e - j * KC;
-        ls[e] = (j < jn && c < C) ? load_f(ll + i64(n0 + j) * sln + i64(c) * slc) * kLog2e : 0.0f;
-      }
-      __syncthreads();
       constexpr int U = Tr::kUnrollJ;
-      const int jfull = jn - jn % U;
+      if constexpr (Tr::kLazy) {
+        // Whole trips: the points past jn have coordinates 0 and weights -inf (terms +0).
+        const int jround = (jn + U - 1) / U * U;
+        for (int e = tid; e < BN * KS; e += Tr::kThreads) {
+          const int j = e / KS, q = e - j * KS;
+          float v = (j < jn && q < K) ? load_f(yl + i64(n0 + j) * sym + i64(q) * syk) : 0.0f;
+          if (Tr::kLInY && q == KK) v = j < jn ? load_f(ll + i64(n0 + j) * sln) * kLog2e : neg_inf();
+          ys[e] = v;
+        }
+        if constexpr (!Tr::kLInY) {
+          for (int e = tid; e < BN * KC; e += Tr::kThreads) {
+            const int j = e / KC, c = e - j * KC;
+            ls[e] = j >= jn ? neg_inf() : c < C ? load_f(ll + i64(n0 + j) * sln + i64(c) * slc) * kLog2e : 0.0f;
+          }
+        }
+        __syncthreads();
+        if (fold) {
 #pragma unroll 1
-      for (int j = 0; j < jfull; j += U) pairs<Tr, U>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
+          for (int j = 0; j < jround; j += U) pairs_lazy<Tr, U, Tr::kFold>(ys, ls, j, xr, pw, inv_outer_p, la, mx, sm);
+        } else {
 #pragma unroll 1
-      for (int j = jfull; j < jn; ++j) pairs<Tr, 1>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
+          for (int j = 0; j < jround; j += U) pairs_lazy<Tr, U, false>(ys, ls, j, xr, pw, inv_outer_p, la, mx, sm);
+        }
+      } else {
+        for (int e = tid; e < BN * KS; e += Tr::kThreads) {
+          const int j = e / KS, q = e - j * KS;
+          ys[e] = (j < jn && q < K) ? load_f(yl + i64(n0 + j) * sym + i64(q) * syk) : 0.0f;
+        }
+        for (int e = tid; e < BN * KC; e += Tr::kThreads) {
+          const int j = e / KC, c = e - j * KC;
+          ls[e] = (j < jn && c < C) ? load_f(ll + i64(n0 + j) * sln + i64(c) * slc) * kLog2e : 0.0f;
+        }
+        __syncthreads();
+        const int jfull = jn - jn % U;
+#pragma unroll 1
+        for (int j = 0; j < jfull; j += U) pairs<Tr, U>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
+#pragma unroll 1
+        for (int j = jfull; j < jn; ++j) pairs<Tr, 1>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
+      }
+    }
+    if (fold) {  // mx holds a = ref / S: the reference itself (lowest float while no term)
+#pragma unroll
+      for (int i = 0; i < R; ++i) mx[i][0] = fmaxf(-scale2 * mx[i][0], kLowest);
     }
 
 #pragma unroll

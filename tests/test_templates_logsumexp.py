@@ -12,12 +12,19 @@ import numpy as np
 import pytest
 from cpu_shim import THREAD_SHIM, build_cpu_runner
 
-# (descriptor template arguments, kK, kC): instance i of the runner.
+# (descriptor template arguments, kK, kC[, kVariant, kUnrollJ, kRows]): instance i of the runner.
 INSTANCES = [
     ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Gaussian", 3, 1),   # squared: phi from the sum
     ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Laplace", 3, 4),    # kRows = 4
     ("Inner::Diff, Power::Abs, Power::Noop, Epilogue::Laplace", 16, 8),      # kRows = 1
     ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Gaussian", 48, 2),  # kBlockN = 128
+    # The lazy-reference variants (bench/notes/logsumexp.md): the fold with the weight in y's slot,
+    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Gaussian", 3, 1, 2, 8, 4),
+    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Gaussian", 3, 1, 1, 4, 4),  # no fold
+    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Laplace", 3, 4, 1, 0, 0),   # columns, sqrt
+    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Gaussian", 16, 1, 2, 4, 0),  # float4 weights
+    ("Inner::Diff, Power::Abs, Power::Noop, Epilogue::Laplace", 16, 8, 2, 0, 0),     # kVariant 2, no fold
+    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Gaussian", 3, 1, 2, 8, 8),  # kBlockM = 1024
 ]
 
 SHIM = THREAD_SHIM + r"""
@@ -70,7 +77,7 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    inst = [f"using T{i} = LseTraits<{d}, float, {kk}, {kc}>;" for i, (d, kk, kc) in enumerate(INSTANCES)]
+    inst = [f"using T{i} = LseTraits<{t[0]}, float, {', '.join(map(str, t[1:]))}>;" for i, t in enumerate(INSTANCES)]
     cases = [f"    case {i}: run<T{i}>(x, y, lw, out.data(), scratch.data(), M, N, K, C, n_split, per, bw); break;"
              for i in range(len(INSTANCES))]
     src = SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
@@ -105,9 +112,9 @@ def _run(runner, tmp_path, which, x, y, lw, n_split, per, bw):
 
 
 @pytest.mark.parametrize("which", range(len(INSTANCES)))
-@pytest.mark.parametrize("bw,n_split,per", [(1.0, 1, 8), (1e-3, 1, 8), (0.5, 3, 0), (1e-3, 2, 1)])
+@pytest.mark.parametrize("bw,n_split,per", [(1.0, 1, 8), (1e-3, 1, 8), (0.5, 3, 0), (1e-3, 2, 1), (3e3, 2, 1)])
 def test_lse_kernel_cpu(runner, which, bw, n_split, per, tmp_path):
-    _, kK, kC = INSTANCES[which]
+    _, kK, kC = INSTANCES[which][:3]
     K = kK - 1 if kK > 3 else kK  # padded coordinates zero-filled
     C = max(1, kC - 1)  # a column chunk below kC
     rng = np.random.default_rng(10 * which + n_split)

@@ -16,7 +16,7 @@ from .kernel_spec import CPP_TYPES, KernelSpec, LaunchShape, bucket
 from .topk import K_BUCKETS, MAX_K, k_bucket
 
 __all__ = ["K_BUCKETS", "C_BUCKETS", "MAX_K", "MAX_C", "MAX_SPLIT", "k_bucket", "c_bucket", "rows_per_thread",
-           "lse_spec", "lse_combine_spec", "shipped"]
+           "unroll_j", "lse_spec", "lse_combine_spec", "shipped", "trip_shape"]
 
 THREADS = 128
 # K_BUCKETS, MAX_K and k_bucket are topk's (x rows in registers); larger K: the blocked path.
@@ -32,33 +32,68 @@ def c_bucket(C: int) -> int:
     return bucket(C, C_BUCKETS, MAX_C)
 
 
+# The pair loop of the fused kernel: LseTraits' (kVariant, kUnrollJ, kRows); 0 = the template's
+# default. Variant 0: a running maximum per trip; 1: a lazy reference; 2: 1 with the reference and
+# the scale folded into the distance (Gaussian-l2, one column). bench/notes/logsumexp.md.
+# Probes override it: TUNING = {"variant": v, "unroll_j": u, "rows": r}; None: the default.
+DEFAULT_TUNING = {"variant": 0, "unroll_j": 0, "rows": 0}
+TUNING: dict | None = None
+
+
 def rows_per_thread(kK: int, kC: int) -> int:
-    """Mirror of LseTraits::kRows."""
+    """Mirror of LseTraits::kRows (the default)."""
     regs = kK + 2 * kC
     return 4 if regs * 4 <= 80 else 2 if regs * 2 <= 80 else 1
 
 
-def _launch(kK: int, kC: int) -> LaunchShape:
-    rows = rows_per_thread(kK, kC)
+def unroll_j(kK: int, kC: int) -> int:
+    """Mirror of LseTraits::kUnrollJ (the default)."""
+    ks = (kK + 3) // 4 * 4
+    return (4 if kC <= 2 else 2) if ks <= 8 else 2 if ks <= 16 else 1
+
+
+def _launch(kK: int, kC: int, rows: int = 0) -> LaunchShape:
+    rows = rows or rows_per_thread(kK, kC)
     ks = (kK + 3) // 4 * 4
     block_n = 256 if ks <= 16 else 128
     return LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=block_n, smem_bytes=block_n * (ks + kC) * 4)
 
 
-def _traits(desc: KernelDescriptor, dtype, kK: int, kC: int) -> str:
+def _traits(desc: KernelDescriptor, dtype, kK: int, kC: int, variant: int = 0, unroll: int = 0,
+            rows: int = 0) -> str:
     if dtype not in _T:
         raise ValueError(f"logsumexp: no kernel for dtype {dtype} (float32, float16, bfloat16)")
-    return f"kermac_like::LseTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {int(kC)}>"
+    extra = f", {int(variant)}, {int(unroll)}, {int(rows)}" if (variant or unroll or rows) else ""
+    return f"kermac_like::LseTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {int(kC)}{extra}>"
 
 
-def lse_spec(desc: KernelDescriptor, dtype, K: int, C: int) -> KernelSpec:
+def lse_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, variant: int | None = None,
+             unroll_j: int | None = None, rows: int | None = None) -> KernelSpec:
     """The kernel for ``desc`` (a Laplace or Gaussian distance kernel) over K coordinates
-    (K <= MAX_K) and C log-weight columns (one launch takes at most MAX_C of them)."""
+    (K <= MAX_K) and C log-weight columns (one launch takes at most MAX_C of them).
+    ``variant`` / ``unroll_j`` / ``rows``: LseTraits' kVariant / kUnrollJ / kRows (None: TUNING,
+    else DEFAULT_TUNING; 0: the template's default, left out of the name)."""
     kK = k_bucket(K)
     if kK == 0:
         raise ValueError(f"logsumexp: K = {K} is beyond the fused kernel's {MAX_K}")
     kC = c_bucket(C)
-    return KernelSpec("logsumexp.cuh", "kermac_like::lse_kernel", _traits(desc, dtype, kK, kC), _launch(kK, kC))
+    tune = dict(DEFAULT_TUNING if TUNING is None else TUNING)
+    v = tune.get("variant", 0) if variant is None else variant
+    u = tune.get("unroll_j", 0) if unroll_j is None else unroll_j
+    r = tune.get("rows", 0) if rows is None else rows
+    if v not in (0, 1, 2) or not 0 <= u <= 8 or not 0 <= r <= 8:
+        raise ValueError(f"logsumexp: variant {v}, unroll_j {u}, rows {r} out of range")
+    return KernelSpec("logsumexp.cuh", "kermac_like::lse_kernel", _traits(desc, dtype, kK, kC, v, u, r),
+                      _launch(kK, kC, r))
+
+
+def trip_shape(spec: KernelSpec) -> tuple:
+    """(points per trip, rows per thread) of an lse_kernel spec (from its traits' arguments)."""
+    args = [a.strip() for a in spec.traits.rstrip(">").split(",")]
+    kK, kC = int(args[5]), int(args[6])
+    u = int(args[8]) if len(args) > 8 else 0
+    r = int(args[9]) if len(args) > 9 else 0
+    return u or unroll_j(kK, kC), r or rows_per_thread(kK, kC)
 
 
 def lse_combine_spec(desc: KernelDescriptor, dtype, C: int) -> KernelSpec:

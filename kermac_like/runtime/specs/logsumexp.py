@@ -25,6 +25,7 @@ MAX_C = C_BUCKETS[-1]
 MAX_SPLIT = 1024  # N splits of one call (the combine loops over them)
 
 _T = CPP_TYPES
+_GAUSS_ARGS = PRESETS["gaussian_l2"].cpp_args()
 
 
 def c_bucket(C: int) -> int:
@@ -36,8 +37,20 @@ def c_bucket(C: int) -> int:
 # default. Variant 0: a running maximum per trip; 1: a lazy reference; 2: 1 with the reference and
 # the scale folded into the distance (Gaussian-l2, one column). bench/notes/logsumexp.md.
 # Probes override it: TUNING = {"variant": v, "unroll_j": u, "rows": r}; None: the default.
-DEFAULT_TUNING = {"variant": 0, "unroll_j": 0, "rows": 0}
+DEFAULT_TUNING = {"variant": 2, "unroll_j": 0, "rows": 0}
 TUNING: dict | None = None
+
+
+def default_tuning(kK: int, kC: int, desc: KernelDescriptor | None = None, dtype=torch.float32) -> dict:
+    """The shipped pair loop for padded K and the column bucket: the lazy reference with the fold
+    (variant 2; the plain lazy loop where the fold does not apply: Laplace, several columns), 8
+    points per trip for float32 Gaussian point clouds with one column (elsewhere 8 spills a few
+    registers on sm_90), 4 up to K = 16, the template's default beyond. Measured on an H200 at 10^6 x 10^6 (bench/probes/lse_variants.py, ms, kernel_matvec
+    beside): D = 3, C = 1: 537 (variant 0) -> 369 (v2, 8 per trip), matvec 274; D = 16, C = 1
+    (N = 2.5e5): 373 -> 341 (v2, 4), matvec 331; D = 3, C = 4 (N = 2.5e5): 440 -> 278 (v1, 4)."""
+    wide = kK <= 4 and kC == 1 and dtype == torch.float32 and (desc is None or desc.cpp_args() == _GAUSS_ARGS)
+    unroll = 8 if wide else 4 if kK <= 16 else 0
+    return dict(DEFAULT_TUNING, unroll_j=unroll)
 
 
 def rows_per_thread(kK: int, kC: int) -> int:
@@ -77,7 +90,7 @@ def lse_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, variant: int | No
     if kK == 0:
         raise ValueError(f"logsumexp: K = {K} is beyond the fused kernel's {MAX_K}")
     kC = c_bucket(C)
-    tune = dict(DEFAULT_TUNING if TUNING is None else TUNING)
+    tune = default_tuning(kK, kC, desc, dtype) if TUNING is None else dict(TUNING)
     v = tune.get("variant", 0) if variant is None else variant
     u = tune.get("unroll_j", 0) if unroll_j is None else unroll_j
     r = tune.get("rows", 0) if rows is None else rows

@@ -366,7 +366,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                     raise _Bad(ValueError, "y: contains NaN or infinity")
             meta = dict(n=int(Xt.shape[0]), d=int(Xt.shape[1]), y_dim=yt.dim(),
                         c=1 if yt.dim() == 1 else int(yt.shape[1]), dtype=str(Xt.dtype),
-                        device=dev.type, free=_free_bytes(dev), params=self._shared_params())
+                        device=dev.type, free=_free_bytes(dev), params=self._shared_params(), defer=defer_finite)
         except _Bad as e:
             err = (e.kind, e.message)
         except (TypeError, ValueError) as e:
@@ -377,6 +377,8 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         n_total = sum(counts)
         if n_total == 0:
             raise ValueError(f"X: found 0 sample(s) (shape={tuple(Xt.shape)}) while a minimum of 1 is required.")
+        # a rank that streams checks its data during the first pass: every rank joins that check's all_reduce
+        defer_finite = any(m["defer"] for m in metas)
         empty = [r for r, c in enumerate(counts) if c == 0]
         if empty:
             raise ValueError(f"X: rank {empty[0]} passes 0 rows (an empty shard; N = {n_total} over {comm.size} "

@@ -10,7 +10,7 @@
 
 The data have a known answer: X uniform in [-1, 1]^D, y = f(X) + noise with a smooth f
 (noise 0.1, so the best possible test MSE against the noisy y is 0.01, against f it is 0).
-The training rows come in fixed chunks (16384 rows; 2^20 above N = 10^8), each from its own
+The training rows come in fixed chunks (16384 rows; 2^20 above N = 10^8; N / 64 below 2^18), each from its own
 seed; rank r of R takes chunks r, r + R, ... and generates only those, on its own device
 (a CUDA generator on a GPU, the CPU one otherwise): the same data set whatever the number of
 processes (for a given device type), and no rank ever holds more than its share.
@@ -46,12 +46,21 @@ def target(x: torch.Tensor) -> torch.Tensor:
             + 0.5 * torch.tanh(x[:, 3] + x[:, 4] - x[:, 5]) + 0.25 * x[:, 6] * x[:, 7])
 
 
+def chunk_rows(n: int) -> int:
+    """Rows of one generator chunk: a function of n only (the data set does not depend on the number
+    of ranks); small n is cut into 64 chunks so that up to 64 ranks each hold some rows (an empty
+    shard is an error of the estimator)."""
+    if n > BIG_N:
+        return CHUNK_BIG
+    return CHUNK if n >= 16 * CHUNK else max(1, -(-n // 64))
+
+
 def make_data(n: int, d: int, *, rank: int = 0, world: int = 1, seed: int = 0, noise: float = 0.1,
               dtype=torch.float32, device="cpu", host: bool = False, pin: bool = False):
     """This rank's chunks of the n training rows: (X, y), each chunk generated in float64 on
     ``device`` and written into this rank's share (on the host with ``host``, pinned with ``pin``)."""
     device = torch.device(device)
-    chunk = CHUNK_BIG if n > BIG_N else CHUNK
+    chunk = chunk_rows(n)
     mine = list(range(rank, -(-n // chunk), world))
     rows = [min(chunk, n - k * chunk) for k in mine]
     where = torch.device("cpu") if host else device

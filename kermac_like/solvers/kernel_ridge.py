@@ -16,8 +16,10 @@ points, prediction ``K(X, X_fit) c``. Four solvers:
   (of the device holding X, on every rank), else nystrom when ``n_centers`` is given, else cg.
 
 Under torch.distributed (a process group initialised before ``fit``) each rank passes its
-own rows to ``fit(X, y)``; ranks exchange the N x D points and N x C vectors (all_gather)
-and the CG scalars, m x m and m x C blocks (all_reduce). ``predict(X)`` and ``score(X, y)``
+own rows to ``fit(X, y)``. nystrom never moves X or y: the m centres (one all_reduce of
+m x D) and one (m, C) block per pass over the rows (all_reduce) are all that cross ranks,
+whatever N (the per-rank memory bound is in KernelRidge's docstring); cg and cholesky
+exchange the N x D points and N x C vectors (all_gather) and CG scalars and m x m blocks. ``predict(X)`` and ``score(X, y)``
 are collective: every rank passes the same X and receives the full prediction, each rank
 contributing the products against its own share of the fitted points. The fitted
 ``X_fit_`` / ``dual_coef_`` are that share (all of it in a single process).

@@ -65,6 +65,7 @@ WORKLOADS = (
     "gauss_matvec_d256",
     "gauss_logsumexp_d3",
     "krr_1m",
+    "krr_1e9",
     "knn_d3",
     "knn_d128",
     "knn_p1_d64",
@@ -398,6 +399,77 @@ def krr_rows(bench):
         mse = float(out.split("test MSE vs f ")[1].split(",")[0])
         two = dict(fit_s=fit_s, n_iter=n_iter, residual=residual, test_mse=mse)
         rows.append(row("2 GPUs (NCCL)", two, f"{fit_s / one['fit_s']:.2f}x the 1-GPU fit time"))
+    return rows
+
+
+def _parse_krr_stdout(out):
+    """fit seconds, iterations, residual, test MSE, R^2 and peak GPU GB per rank from the example's stdout."""
+    fit_line = out.split("fit: ")[1].splitlines()[0]  # "10.92 s (cg), 33 iterations, relative residual 3.5e-05, ..."
+    r = dict(fit_s=float(fit_line.split(" s")[0]), n_iter=int(fit_line.split("), ")[1].split(" iterations")[0]),
+             residual=float(fit_line.split("relative residual ")[1].split()[0].rstrip(",")),
+             test_mse=float(out.split("test MSE vs f ")[1].split(",")[0]),
+             r2=float(out.split("R^2 ")[1].split(",")[0]))
+    if "peak GPU memory per rank: " in out:
+        line = out.split("peak GPU memory per rank: ")[1].splitlines()[0]
+        r["peak_gpu_gb"] = [float(t.split(" GB")[0].split()[-1]) for t in line.split(" (")[0].split(", ")]
+    return r
+
+
+def krr_1e9_rows(bench):
+    """Falkon-style kernel ridge regression at N = 10^9, D = 8, Gaussian, m = 20 000 centres, tol 1e-4
+    (examples/large_scale_krr.py, issue 28): one row per configuration: two GPUs (torchrun, NCCL;
+    skipped with a note without two GPUs), one GPU (data on the GPU), one GPU with the data in host
+    memory and max_gpu_bytes = 16 GB (streamed). Time = fit_time_ (kernels compiled by the example's
+    warm-up fit; data generation not included); error column = test MSE against the noise-free
+    target; R^2 and the peak GPU memory per rank in the note. --quick: N = 2000, m = 100 on this
+    device (a CPU runs the reference path), the streaming row with a small max_gpu_bytes."""
+    import large_scale_krr as ex
+
+    quick = bench.args.quick
+    n, m = (2000, 100) if quick else (1_000_000_000, 20000)
+    argv = ["-N", str(n), "--solver", "nystrom", "--n-centers", str(m), "--tol", "1e-4", "--seed",
+            str(bench.args.seed), "--n-test", "200" if quick else "10000"]
+    if quick:
+        argv += ["--lam", "1e-4", "--dtype", "float32"]
+    stream_bytes = (16 * m * m + 100_000) if quick else 16_000_000_000
+    size = f"N={n}, D=8, gaussian bw 1.5, m={m}, tol 1e-4" + (" (quick)" if quick else "")
+    gpu = bench.device.type == "cuda"
+
+    def row(label, r, note=""):
+        peak = r.get("peak_gpu_gb")
+        note = (f"{r['n_iter']} CG iterations to relative residual {r['residual']:.1e}; R^2 {r['r2']:.4f}"
+                + (f"; peak GPU GB per rank {peak}" if peak and peak[0] is not None else "") + (f"; {note}" if note else ""))
+        return dict(workload="krr_1e9", size=f"{size}, {label}", ours_ms=r["fit_s"] * 1e3, torch_ms=None,
+                    kermac_ms=None, error=r["test_mse"], torch_error=None, unit="ms", note=note, speedup=None,
+                    kermac_speedup=None, iterations=r["n_iter"], residual=r["residual"], r2=r["r2"],
+                    peak_gpu_gb=peak)
+
+    def skipped(label, why):
+        return dict(workload="krr_1e9", size=f"{size}, {label}", ours_ms=None, torch_ms=None, kermac_ms=None,
+                    error=None, torch_error=None, unit="ms", note=f"skipped: {why}", speedup=None,
+                    kermac_speedup=None)
+
+    rows = []
+    if gpu and torch.cuda.device_count() >= 2 and not quick:
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                            str(ROOT / "examples" / "large_scale_krr.py"), *argv], capture_output=True, text=True,
+                           env=env, timeout=1800)
+        if p.returncode != 0 or "fit: " not in p.stdout:
+            raise RuntimeError(f"2-GPU run failed: {(p.stdout + p.stderr)[-1500:]}")
+        rows.append(row("2 GPUs (NCCL)", _parse_krr_stdout(p.stdout)))
+    else:
+        rows.append(skipped("2 GPUs (NCCL)", "needs two GPUs and torchrun (torch.distributed.run)" if not quick
+                            else "--quick runs one process"))
+    one = ex.main(argv)
+    one.pop("model", None)
+    rows.append(row("1 GPU" if gpu else "1 process", one))
+    if gpu:
+        torch.cuda.empty_cache()
+    st = ex.main(argv + ["--host-data", "--max-gpu-bytes", str(stream_bytes), "--no-warmup"])
+    st.pop("model", None)
+    rows.append(row(("1 GPU" if gpu else "1 process") + f", host data streamed, max_gpu_bytes={stream_bytes:.3g}",
+                    st, f"{st['fit_s'] / one['fit_s']:.2f}x the in-memory fit; data {st.get('data_mode')}"))
     return rows
 
 
@@ -1020,6 +1092,8 @@ def main(argv=None):
             steps.append((w, lambda: gauss_logsumexp_rows(bench)))
         elif w == "krr_1m":
             steps.append((w, lambda: krr_rows(bench)))
+        elif w == "krr_1e9":
+            steps.append((w, lambda: krr_1e9_rows(bench)))
         elif w.startswith("knn_"):
             steps.append((w, lambda w=w: knn_rows(bench, w)))
         elif w == "kmeans":

@@ -5,11 +5,17 @@
     torchrun --nproc_per_node=2 examples/large_scale_krr.py            # two GPUs (NCCL)
     python examples/large_scale_krr.py --quick -d                      # small, seconds on a CPU
     torchrun --nproc_per_node=2 examples/large_scale_krr.py --quick    # two CPU processes (gloo)
+    torchrun --nproc_per_node=2 examples/large_scale_krr.py -N 1000000000 --solver nystrom --n-centers 20000
+    python examples/large_scale_krr.py -N 1000000000 --solver nystrom --host-data --max-gpu-bytes 16e9
 
 The data have a known answer: X uniform in [-1, 1]^D, y = f(X) + noise with a smooth f
 (noise 0.1, so the best possible test MSE against the noisy y is 0.01, against f it is 0).
-The training rows come in fixed chunks of 16384, each from its own seed; rank r of R takes
-chunks r, r + R, ...: the same data set whatever the number of processes. Prints the fit
+The training rows come in fixed chunks (16384 rows; 2^20 above N = 10^8; N / 64 below 2^18), each from its own
+seed; rank r of R takes chunks r, r + R, ... and generates only those, on its own device
+(a CUDA generator on a GPU, the CPU one otherwise): the same data set whatever the number of
+processes (for a given device type), and no rank ever holds more than its share.
+--host-data keeps the rows in host memory (the estimator runs on the GPU, device=, streaming
+row chunks when they do not fit or --max-gpu-bytes says so). Prints the fit
 time, CG iterations, relative residual and the test error; with --check-exact (default
 with --quick) also the exact solution (cholesky) on the same data and the relative
 difference of the two test errors.
@@ -30,6 +36,8 @@ import kermac_like as km  # noqa: F401
 from kermac_like.solvers import KernelRidge
 
 CHUNK = 16384
+CHUNK_BIG = 1 << 20  # above BIG_N rows: fewer generator seeds (a billion rows in 954 chunks)
+BIG_N = 10**8
 
 
 def target(x: torch.Tensor) -> torch.Tensor:
@@ -38,20 +46,36 @@ def target(x: torch.Tensor) -> torch.Tensor:
             + 0.5 * torch.tanh(x[:, 3] + x[:, 4] - x[:, 5]) + 0.25 * x[:, 6] * x[:, 7])
 
 
+def chunk_rows(n: int) -> int:
+    """Rows of one generator chunk: a function of n only (the data set does not depend on the number
+    of ranks); small n is cut into 64 chunks so that up to 64 ranks each hold some rows (an empty
+    shard is an error of the estimator)."""
+    if n > BIG_N:
+        return CHUNK_BIG
+    return CHUNK if n >= 16 * CHUNK else max(1, -(-n // 64))
+
+
 def make_data(n: int, d: int, *, rank: int = 0, world: int = 1, seed: int = 0, noise: float = 0.1,
-              dtype=torch.float32, device="cpu"):
-    """This rank's chunks of the n training rows: (X, y), generated in float64 on the CPU."""
-    xs, ys = [], []
-    for k in range(rank, -(-n // CHUNK), world):
-        rows = min(CHUNK, n - k * CHUNK)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + k)
-        x = torch.rand(rows, d, dtype=torch.float64, generator=g) * 2 - 1
-        y = target(x) + noise * torch.randn(rows, dtype=torch.float64, generator=g)
-        xs.append(x)
-        ys.append(y)
-    x = torch.cat(xs) if xs else torch.empty(0, d, dtype=torch.float64)
-    y = torch.cat(ys) if ys else torch.empty(0, dtype=torch.float64)
-    return x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+              dtype=torch.float32, device="cpu", host: bool = False, pin: bool = False):
+    """This rank's chunks of the n training rows: (X, y), each chunk generated in float64 on
+    ``device`` and written into this rank's share (on the host with ``host``, pinned with ``pin``)."""
+    device = torch.device(device)
+    chunk = chunk_rows(n)
+    mine = list(range(rank, -(-n // chunk), world))
+    rows = [min(chunk, n - k * chunk) for k in mine]
+    where = torch.device("cpu") if host else device
+    x = torch.empty((sum(rows), d), dtype=dtype, device=where, pin_memory=pin and host and device.type == "cuda")
+    y = torch.empty((sum(rows),), dtype=dtype, device=where, pin_memory=pin and host and device.type == "cuda")
+    g = torch.Generator(device=device)
+    at = 0
+    for k, r in zip(mine, rows):
+        g.manual_seed(seed * 1_000_003 + k)
+        xc = torch.rand(r, d, dtype=torch.float64, generator=g, device=device) * 2 - 1
+        yc = target(xc) + noise * torch.randn(r, dtype=torch.float64, generator=g, device=device)
+        x[at:at + r].copy_(xc)
+        y[at:at + r].copy_(yc)
+        at += r
+    return x, y
 
 
 def make_test(n: int, d: int, *, seed: int = 0, noise: float = 0.1, dtype=torch.float32, device="cpu"):
@@ -98,6 +122,11 @@ def main(argv=None):
     p.add_argument("--check-exact", action="store_true", help="also fit cholesky on the same data (N must fit)")
     p.add_argument("--no-warmup", action="store_true", help="skip the small warm-up fit (JIT compilation)")
     p.add_argument("--verbose", action="store_true", help="a tqdm bar of the CG iterations")
+    p.add_argument("--host-data", action="store_true",
+                   help="keep X, y in host memory; the estimator runs on the GPU (device=) and streams them")
+    p.add_argument("--pin", action="store_true", help="with --host-data: the rows in pinned host memory")
+    p.add_argument("--max-gpu-bytes", type=float, default=None,
+                   help="nystrom's per-rank device memory limit (e.g. 16e9): rows past it are streamed")
     args = p.parse_args(argv)
     if args.D < 8:
         p.error("-D: the target function uses 8 coordinates; pass -D >= 8")
@@ -124,15 +153,25 @@ def main(argv=None):
     say(f"N = {n}, D = {args.D}, {args.kernel} bandwidth {args.bandwidth}, alpha = {alpha:g} (lam {lam:g}), "
         f"{dtype}, solver {args.solver}, tol {args.tol:g}")
 
-    x, y = make_data(n, args.D, rank=rank, world=world, seed=args.seed, dtype=dtype, device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t_data = time.perf_counter()
+    x, y = make_data(n, args.D, rank=rank, world=world, seed=args.seed, dtype=dtype, device=device,
+                     host=args.host_data, pin=args.pin)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    share_gb = (x.numel() * x.element_size() + y.numel() * y.element_size()) / 1e9
+    say(f"data: {x.shape[0]} rows on rank 0 ({share_gb:.2f} GB of X and y{' in host memory' if args.host_data else ''}),"
+        f" generated in {time.perf_counter() - t_data:.2f} s")
     xt, yt, ft = make_test(n_test, args.D, seed=args.seed, dtype=dtype, device=device)
 
     def model(solver, **kw):
         return KernelRidge(args.kernel, bandwidth=args.bandwidth, alpha=alpha, solver=solver, tol=args.tol,
                            max_iter=args.max_iter, n_landmarks=n_landmarks, random_state=args.seed,
-                           debug=args.debug, verbose=args.verbose, **kw)
+                           debug=args.debug, verbose=args.verbose, device=device,
+                           max_gpu_bytes=None if args.max_gpu_bytes is None else int(args.max_gpu_bytes), **kw)
 
-    kw = {"n_centers": n_centers} if args.solver == "nystrom" else {}
+    kw = {"n_centers": n_centers} if args.solver in ("nystrom", "auto") else {}
     if not args.no_warmup and device.type == "cuda":  # compile the kernels on a small problem first
         # 2048 rows on every rank (a rank-sharded 2048 would leave ranks > 0 empty: one chunk), and
         # the same 16 rows to predict on every rank (predict is collective).
@@ -156,15 +195,28 @@ def main(argv=None):
     mse_f = float(((pred.double() - ft.double()) ** 2).mean())
     mse_y = float(((pred.double() - yt.double()) ** 2).mean())
     res = "-" if m.residual_ is None else f"{m.residual_:.2e}"
-    say(f"fit: {m.fit_time_:.2f} s ({m.solver_}), {m.n_iter_} iterations, relative residual {res}")
+    say(f"fit: {m.fit_time_:.2f} s ({m.solver_}), {m.n_iter_} iterations, relative residual {res}"
+        + (f", data {m.data_mode_}" if hasattr(m, "data_mode_") else ""))
     if world == 1 and m.solver_ == "cg":  # the true residual ||y - (K + alpha I) c|| / ||y||: one more product
         r = y - m.predict(x) - alpha * m.dual_coef_[:, 0]
         say(f"true relative residual {float(r.double().norm() / y.double().norm()):.2e}")
-    say(f"test MSE vs f {mse_f:.5f}, vs noisy y {mse_y:.5f} (noise floor 0.01), R^2 {m.score(xt, yt):.4f}, "
+    r2 = m.score(xt, yt)
+    say(f"test MSE vs f {mse_f:.5f}, vs noisy y {mse_y:.5f} (noise floor 0.01), R^2 {r2:.4f}, "
         f"predict {n_test} rows {t_pred:.3f} s")
+    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    peaks = [peak]
+    if world > 1:
+        import torch.distributed as dist
+
+        peaks = [None] * world
+        dist.all_gather_object(peaks, peak)
+    if device.type == "cuda":
+        say("peak GPU memory per rank: " + ", ".join(f"rank {r} {p:.2f} GB" for r, p in enumerate(peaks))
+            + f" (rank 0's share of X and y {share_gb:.2f} GB{', in host memory' if args.host_data else ''})")
     result = dict(model=m, fit_s=m.fit_time_, n_iter=m.n_iter_, residual=m.residual_, test_mse=mse_f,
-                  test_mse_noisy=mse_y, n=n, world=world)
-    if check_exact:
+                  test_mse_noisy=mse_y, n=n, world=world, r2=r2, peak_gpu_gb=peaks,
+                  data_mode=getattr(m, "data_mode_", None))
+    if check_exact and (args.check_exact or n <= 50_000):
         del m
         e = KernelRidge(args.kernel, bandwidth=args.bandwidth, alpha=alpha, solver="cholesky").fit(x, y)
         pe = e.predict(xt)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,7 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
     # With check_every: the best iterate by its true residual (x = 0 to begin with).
     best_x, best, best_res = (x.clone() if check_every else None), worst, res
     checks = []  # the true residuals of the checks
+    t_start = t_last = time.perf_counter()
     while True:
         if worst <= tol:
             if not verify or it == 0:
@@ -119,7 +121,11 @@ def pcg(apply_a, apply_p, b: torch.Tensor, *, tol: float, max_iter: int, dots=lo
         worst = float(res.max())  # the one host synchronisation of the iteration
         if progress is not None:
             progress(it, worst)
-        log.info("%s iteration %d: relative residual %.3e", label, it, worst)
+        if log.isEnabledFor(logging.DEBUG):  # the residual read above has synchronised the device
+            now = time.perf_counter()
+            log.debug("%s iteration %d: relative residual %.3e, %.3f s (%.2f s in all)", label, it, worst,
+                      now - t_last, now - t_start)
+            t_last = now
         if not math.isfinite(worst) and check_every is None:
             break
         if check_every and (it % check_every == 0 or not math.isfinite(worst)) and worst > tol:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from .. import linalg
@@ -31,38 +32,63 @@ __all__ = ["factor_upper", "LandmarkNystromPreconditioner", "FalkonPreconditione
 
 
 def sample_indices(n_total: int, m: int, seed: int) -> torch.Tensor:
-    """m distinct indices of [0, n_total), sorted, the same on every rank for the same seed."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randperm(n_total, generator=g)[:m].sort().values
+    """m distinct indices of [0, n_total), sorted: a function of (n_total, m, seed) only, the same on
+    every rank and for every number of ranks (the indices are global row numbers: the rows of the
+    ranks' shards concatenated in rank order).
+
+    O(m) memory and time whatever n_total (numpy's Generator.choice without replacement: Floyd's
+    set sampling for m much smaller than n_total, a permutation otherwise), so that N = 10^9 does
+    not build an N-element permutation on every rank.
+    """
+    rng = np.random.Generator(np.random.PCG64(int(seed)))
+    idx = rng.choice(int(n_total), size=int(m), replace=False, shuffle=False)
+    return torch.from_numpy(np.sort(idx).astype(np.int64))
 
 
-def gather_global_rows(comm, x_local: torch.Tensor, offset: int, idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` (global indices, rank blocks in rank order) of the distributed X, on every rank."""
+def gather_global_rows(comm, x_local: torch.Tensor, offset: int, idx: torch.Tensor, device=None) -> torch.Tensor:
+    """Rows ``idx`` (global indices, rank blocks in rank order) of the distributed X, on every rank,
+    on ``device`` (default: x_local's). Each rank fills the rows it holds into an (m, D) block of
+    zeros and one all_reduce sums the blocks: m * D numbers move, X itself never does."""
+    device = x_local.device if device is None else torch.device(device)
     if not comm.active:
-        return x_local[idx.to(x_local.device)]
+        return x_local[idx.to(x_local.device)].to(device)
     n = x_local.shape[0]
-    z = torch.zeros((idx.numel(), x_local.shape[1]), dtype=x_local.dtype, device=x_local.device)
     mine = (idx >= offset) & (idx < offset + n)
     pos = mine.nonzero().flatten()
-    z[pos.to(z.device)] = x_local[(idx[mine] - offset).to(x_local.device)]
+    z = torch.zeros((idx.numel(), x_local.shape[1]), dtype=x_local.dtype, device=device)
+    z[pos.to(device)] = x_local[(idx[mine] - offset).to(x_local.device)].to(device)
     return comm.all_reduce(z)
 
 
-def factor_upper(a: torch.Tensor, *, jitter: float, what: str) -> tuple[torch.Tensor, float]:
+def factor_upper(a: torch.Tensor, *, jitter: float, what: str, rebuild=None) -> tuple[torch.Tensor, float]:
     """Upper U with a + delta I = U^T U (float64), delta = jitter * mean(diag a), raised by
-    10x until the factorisation succeeds (at most 8 times). Returns (U, delta)."""
+    10x until the factorisation succeeds (at most 8 times). Returns (U, delta).
+
+    Without ``rebuild`` a copy of ``a`` is factored (``a`` is kept). With ``rebuild`` (a callable
+    returning a fresh ``a``), ``a`` itself is overwritten with U and a retry factors ``rebuild()``:
+    no second m x m matrix (no identity either: the shift goes on the diagonal in place), which
+    is what bounds the Nyström solver's memory at 16 m^2 bytes."""
     scale = float(a.diagonal().mean().abs()) or 1.0
     delta = jitter * scale
-    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    dtype = a.dtype
     rhs = torch.zeros((1, a.shape[0]), dtype=a.dtype, device=a.device)
-    for _ in range(8):
-        work = (a + delta * eye).contiguous()
+    for attempt in range(8):
+        if rebuild is None:
+            work = a.clone(memory_format=torch.contiguous_format)
+        else:
+            work = a if attempt == 0 else rebuild()
+        if not work.is_contiguous():
+            work = work.contiguous()
+        work.diagonal().add_(delta)
         try:
             linalg.solve_cholesky(work, rhs, overwrite_a=True, check_errors=True)
-            return work.triu(), delta
+            return work.triu_(), delta
         except torch.linalg.LinAlgError:
             log.info("%s: Cholesky failed with shift %.3e; retrying with %.3e", what, delta, max(delta * 10, 1e-300))
-            delta = delta * 10 if delta > 0 else torch.finfo(a.dtype).eps * scale
+            delta = delta * 10 if delta > 0 else torch.finfo(dtype).eps * scale
+            del work
+            if rebuild is not None:
+                a = None  # the overwritten a is garbage now: let it go before rebuilding
     raise torch.linalg.LinAlgError(f"{what}: not positive definite even with a diagonal shift of {delta:.3e}")
 
 
@@ -123,17 +149,28 @@ class LandmarkNystromPreconditioner:
 class FalkonPreconditioner:
     """B = N^-1/2 T^-1 A^-1 of Falkon (see the module docstring); float64, m x m."""
 
-    def __init__(self, kzz64: torch.Tensor, n_total: int, alpha: float, data_dtype: torch.dtype, *, debug=False):
+    def __init__(self, kzz64: torch.Tensor, n_total: int, alpha: float, data_dtype: torch.dtype, *, debug=False,
+                 rebuild_kzz=None):
+        """``kzz64``: K_ZZ in float64; with ``rebuild_kzz`` (a callable returning it again, for a
+        retried factorisation) it is overwritten by T, so that the preconditioner's build holds at most
+        two m x m float64 matrices (T and A: 16 m^2 bytes)."""
         m = kzz64.shape[0]
         # The shift of K_ZZ: the spectral size of its entries' rounding, eps sqrt(m), with float32/16-bit
         # data (Falkon's products run in float64 and its system takes T^T T = K_ZZ + delta I itself, so
         # delta is a ridge on beta: eps32 m, 2.4e-3 at m = 20 000, cost 8 % of test MSE at N = 10^6);
         # eps m with float64 data.
         jitter = _jitter(data_dtype, m) if data_dtype == torch.float64 else torch.finfo(data_dtype).eps * m ** 0.5
-        self.t, self.shift = factor_upper(kzz64, jitter=jitter, what="centre matrix K_ZZ")
+        self.t, self.shift = factor_upper(kzz64, jitter=jitter, what="centre matrix K_ZZ", rebuild=rebuild_kzz)
+        del kzz64
         lam = float(alpha) / n_total
-        inner = self.t @ self.t.T / m + lam * torch.eye(m, dtype=torch.float64, device=kzz64.device)
-        self.a, _ = factor_upper(inner, jitter=0.0, what="Falkon's T T^T / m + lambda I")
+
+        def inner():  # T T^T / m + lambda I, built in place (no identity matrix)
+            w = self.t @ self.t.T
+            w.div_(m)
+            w.diagonal().add_(lam)
+            return w
+
+        self.a, _ = factor_upper(inner(), jitter=0.0, what="Falkon's T T^T / m + lambda I", rebuild=inner)
         self.scale = n_total ** -0.5
         if debug:
             log.debug("Falkon preconditioner: m=%d, lambda=%.3e, K_ZZ shift %.3e", m, lam, self.shift)

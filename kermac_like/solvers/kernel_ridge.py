@@ -16,8 +16,10 @@ points, prediction ``K(X, X_fit) c``. Four solvers:
   (of the device holding X, on every rank), else nystrom when ``n_centers`` is given, else cg.
 
 Under torch.distributed (a process group initialised before ``fit``) each rank passes its
-own rows to ``fit(X, y)``; ranks exchange the N x D points and N x C vectors (all_gather)
-and the CG scalars, m x m and m x C blocks (all_reduce). ``predict(X)`` and ``score(X, y)``
+own rows to ``fit(X, y)``. nystrom never moves X or y: the m centres (one all_reduce of
+m x D) and one (m, C) block per pass over the rows (all_reduce) are all that cross ranks,
+whatever N (the per-rank memory bound is in KernelRidge's docstring); cg and cholesky
+exchange the N x D points and N x C vectors (all_gather) and CG scalars and m x m blocks. ``predict(X)`` and ``score(X, y)``
 are collective: every rank passes the same X and receives the full prediction, each rank
 contributing the products against its own share of the fitted points. The fitted
 ``X_fit_`` / ``dual_coef_`` are that share (all of it in a single process).
@@ -41,6 +43,7 @@ from ._cg import local_dots, pcg
 from ._dist import Comm
 from ._kernel import resolve_kernel
 from ._nystrom import FalkonPreconditioner, LandmarkNystromPreconditioner, gather_global_rows, sample_indices
+from ._rows import HostMemoryError, RowSource
 
 try:
     from sklearn.exceptions import ConvergenceWarning
@@ -130,8 +133,17 @@ def _shape_2d(name: str, t: torch.Tensor, n_features=None, estimator="KernelRidg
                                "features as input")
 
 
+FINITE_BLOCK = 1 << 26  # elements of one block of the finiteness check (no N x D temporary)
+
+
 def _finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all()) if t.numel() else True
+    """No NaN/inf in t, checked in row blocks (the boolean temporary of one block only)."""
+    if not t.numel():
+        return True
+    t2 = t.reshape(t.shape[0], -1)
+    rows = max(1, FINITE_BLOCK // max(1, t2.shape[1]))
+    ok = [torch.isfinite(t2[i:i + rows]).all() for i in range(0, t2.shape[0], rows)]
+    return bool(torch.stack(ok).all())
 
 
 def _raise_collectively(comm: Comm, local_error, meta):
@@ -217,10 +229,37 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
     p : float, optional
         The power of p-norm kernels (laplace_p).
     random_state : int, optional
-        Seed of the landmark / centre sampling (default: drawn once, shared by the ranks).
+        Seed of the landmark / centre sampling (default: drawn once, shared by the ranks). The
+        sampled indices are a function of (N, m, random_state) only: global row numbers of the
+        ranks' shards concatenated in rank order. The same random_state therefore picks the same
+        centres (the same rows of that concatenation, bit for bit) on any number of ranks; a
+        different split of the same rows over the ranks picks the same centres when the
+        concatenation is the same data set in the same order.
     debug, verbose : bool
-        debug: log every step (KERMAC_LIKE_DEBUG=1 does too); either shows a tqdm bar of the
-        CG iterations on rank 0.
+        debug: log every step (KERMAC_LIKE_DEBUG=1 does too; logger ``kermac_like.solvers``, the
+        residual and seconds of every CG iteration at DEBUG); either shows a tqdm bar of the CG
+        iterations on rank 0 (when tqdm is installed; quiet otherwise).
+    device : str or torch.device, optional
+        Where the products run (default: X's device). With X and y in host memory (numpy, CPU
+        tensors) and ``device="cuda"``, cholesky and cg copy the data to the device; nystrom keeps
+        it where it is and copies row chunks when it does not fit (see ``max_gpu_bytes``).
+    max_gpu_bytes : int, optional
+        nystrom: the bytes of the compute device one fit may hold (per rank): the preconditioner
+        (16 m^2), the centres, the data kept on the device and the stream buffers. When X and y do
+        not fit, a prefix of the rows stays on the device and the rest is streamed from host
+        memory every pass (two device buffers, pinned host staging, copies on their own CUDA
+        stream overlapped with the products). Without it, host data given to a CUDA ``device``
+        streams only when it does not fit 90 % of the free memory. predict streams X the same way.
+        On a CPU device it forces the same chunking (tests of the streaming path).
+
+    Sharded fits (torch.distributed): the nystrom solver never gathers X or y. What moves between
+    ranks: the m centre rows (one all_reduce of m x D), one all_reduce of an (m, C) float64 block
+    per product pass (one per CG iteration, plus the right-hand side, the periodic true-residual
+    checks and the final one), a few objects of validation metadata (O(ranks)), and nothing of
+    size N. Per-rank device memory of a nystrom fit: its rows (X and y, or the resident prefix and
+    two stream buffers under max_gpu_bytes) + 16 m^2 bytes (the float64 factors T and A of
+    Falkon's preconditioner; 6.4 GB at m = 20 000) + O(m (D + C)) + at most 1 GiB of float64
+    temporaries a pass. cg and cholesky gather X (N x D) and cg N x C vectors on every rank.
 
     Fitted attributes: ``X_fit_`` and ``dual_coef_`` (this rank's share of the points and
     coefficients; the centres and beta for nystrom, beta in float64 with float32/16-bit data
@@ -232,7 +271,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
 
     def __init__(self, kernel="laplace_l2", *, bandwidth=None, alpha=1.0, solver="auto", n_centers=None,
                  n_landmarks=None, tol=1e-6, max_iter=None, p=None, random_state=None, debug=False,
-                 verbose=False):
+                 verbose=False, device=None, max_gpu_bytes=None):
         self.kernel = kernel
         self.bandwidth = bandwidth
         self.alpha = alpha
@@ -245,6 +284,8 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         self.random_state = random_state
         self.debug = debug
         self.verbose = verbose
+        self.device = device
+        self.max_gpu_bytes = max_gpu_bytes
 
     # -- parameter checks (local: the same on every rank) ------------------------------------------
     def _check_params(self):
@@ -271,13 +312,35 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         if self.random_state is not None and (isinstance(self.random_state, bool) or
                                               not isinstance(self.random_state, (int, np.integer))):
             raise ValueError(f"random_state: expected an integer or None, got {self.random_state!r}")
+        mg = self.max_gpu_bytes
+        if mg is not None and (isinstance(mg, bool) or not isinstance(mg, (int, float, np.integer, np.floating))
+                               or not math.isfinite(mg) or mg < 1):
+            raise ValueError(f"max_gpu_bytes: expected a number of bytes >= 1 or None, got {mg!r}")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
         return kernel
+
+    def _compute_device(self, data_device: torch.device) -> torch.device:
+        if self.device is None:
+            return data_device
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+
+    def _streams(self, data_device, dev) -> bool:
+        """Whether a nystrom fit may stream this data (its finiteness is then checked on the device
+        during the first pass instead of on the host up front)."""
+        return self.solver == "nystrom" and (self.max_gpu_bytes is not None or data_device != dev)
 
     # -- fit ------------------------------------------------------------------------------------
     def fit(self, X, y):
         """Fit on (X, y): X (n, D), y (n,) or (n, C). Under torch.distributed: this rank's rows."""
         debug = _debug.resolve(self.debug)
-        for name in ("X_fit_", "dual_coef_", "centers_", "preconditioner_rank_", "n_iter_", "residual_"):
+        for name in ("X_fit_", "dual_coef_", "centers_", "preconditioner_rank_", "n_iter_", "residual_", "data_mode_"):
             self.__dict__.pop(name, None)  # a refit never keeps a previous solver's attributes
         comm = Comm()
         # Everything that can fail is checked locally first, then exchanged: every rank raises
@@ -286,6 +349,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         try:
             kernel = self._check_params()
             Xt, _ = _as_tensor("X", X)
+            dev = self._compute_device(Xt.device)
             _shape_2d("X", Xt)
             if y is None:
                 raise _Bad(ValueError, "y: KernelRidge requires y to be passed, but the target y is None")
@@ -296,13 +360,15 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                 raise _Bad(ValueError, f"y: expected shape (n_samples,) or (n_samples, n_targets), got {tuple(yt.shape)}")
             if yt.shape[0] != Xt.shape[0]:
                 raise _Bad(ValueError, f"y: has {yt.shape[0]} rows but X has {Xt.shape[0]}")
-            if not _finite(Xt):
-                raise _Bad(ValueError, "X: contains NaN or infinity")
-            if not _finite(yt):
-                raise _Bad(ValueError, "y: contains NaN or infinity")
+            defer_finite = self._streams(Xt.device, dev)
+            if not defer_finite:  # streamed data: checked chunk by chunk on the device (first pass)
+                if not _finite(Xt):
+                    raise _Bad(ValueError, "X: contains NaN or infinity")
+                if not _finite(yt):
+                    raise _Bad(ValueError, "y: contains NaN or infinity")
             meta = dict(n=int(Xt.shape[0]), d=int(Xt.shape[1]), y_dim=yt.dim(),
                         c=1 if yt.dim() == 1 else int(yt.shape[1]), dtype=str(Xt.dtype),
-                        device=Xt.device.type, free=_free_bytes(Xt.device))
+                        device=dev.type, free=_free_bytes(dev), params=self._shared_params(), defer=defer_finite)
         except _Bad as e:
             err = (e.kind, e.message)
         except (TypeError, ValueError) as e:
@@ -313,6 +379,12 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         n_total = sum(counts)
         if n_total == 0:
             raise ValueError(f"X: found 0 sample(s) (shape={tuple(Xt.shape)}) while a minimum of 1 is required.")
+        # a rank that streams checks its data during the first pass: every rank joins that check's all_reduce
+        defer_finite = any(m["defer"] for m in metas)
+        empty = [r for r, c in enumerate(counts) if c == 0]
+        if empty:
+            raise ValueError(f"X: rank {empty[0]} passes 0 rows (an empty shard; N = {n_total} over {comm.size} "
+                             "ranks); every rank must hold at least one training row")
         check_feature_names(self, X, reset=True)
         if self.n_centers is not None and self.n_centers > n_total:
             raise ValueError(f"n_centers: {self.n_centers} centres asked for {n_total} training samples")
@@ -324,6 +396,10 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             seed = comm.broadcast_object(int(torch.randint(0, 2**62, (1,)).item()))
         y2 = yt.reshape(-1, 1) if yt.dim() == 1 else yt
         offset = sum(counts[:comm.rank])
+        if solver != "nystrom" and Xt.device != dev:  # cholesky and cg take the data to the device
+            Xt, y2 = Xt.to(dev), y2.to(dev)
+        if solver == "nystrom":
+            rows = self._row_source(comm, kernel, Xt, y2, dev, n_total)  # collective: agreed errors
 
         t0 = time.perf_counter()
         if debug:
@@ -336,9 +412,13 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             elif solver == "cg":
                 self._fit_cg(kernel, comm, Xt, y2, counts, offset, seed, show, debug)
             else:
-                self._fit_nystrom(kernel, comm, Xt, y2, counts, offset, seed, show, debug)
-        if Xt.is_cuda:
-            torch.cuda.synchronize(Xt.device)
+                try:
+                    self._fit_nystrom(kernel, comm, Xt, y2, counts, offset, seed, show, debug, rows, dev,
+                                      defer_finite)
+                finally:
+                    rows.release()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         self.fit_time_ = time.perf_counter() - t0
         self.solver_ = solver
         self.n_features_in_ = int(Xt.shape[1])
@@ -348,7 +428,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         # float64, as scikit-learn's KernelRidge does); the products run in X's dtype
         self._out_dtype = torch.promote_types(Xt.dtype, y_dtype)
         self._kernel = kernel
-        self._device, self._dtype = Xt.device, Xt.dtype
+        self._device, self._dtype = dev, Xt.dtype
         if self.residual_ is not None and self.residual_ > self.tol:
             warnings.warn(
                 f"KernelRidge ({solver}): CG stopped after {self.n_iter_} iterations at relative residual "
@@ -359,9 +439,21 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                  self.n_iter_, "-" if self.residual_ is None else f"{self.residual_:.3e}", self.fit_time_)
         return self
 
+    # parameters every rank must share (verbose, debug and the per-rank memory limit may differ)
+    _PER_RANK_PARAMS = ("verbose", "debug", "max_gpu_bytes", "device")
+
+    def _shared_params(self) -> dict:
+        return {k: repr(v) for k, v in self.get_params(deep=False).items() if k not in self._PER_RANK_PARAMS}
+
     @staticmethod
     def _check_ranks_agree(comm, metas):
         first = metas[0]
+        for r, m in enumerate(metas):
+            diff = [k for k in first["params"] if m["params"].get(k) != first["params"][k]]
+            if diff:
+                k = diff[0]
+                raise ValueError(f"{k}: rank {r} passes {k}={m['params'][k]}, rank 0 passes {k}={first['params'][k]} "
+                                 "(every rank must fit the same estimator: same kernel and parameters)")
         for r, m in enumerate(metas):
             for key, name, what in (("d", "X", "features"), ("dtype", "X", "dtype"), ("device", "X", "device type"),
                                     ("y_dim", "y", "dimensions"), ("c", "y", "targets")):
@@ -440,18 +532,97 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         self.dual_coef_ = res.x.to(dt)
         self.n_iter_, self.residual_ = res.n_iter, res.residual
 
-    def _fit_nystrom(self, kernel, comm, X, y, counts, offset, seed, show, debug):
+    def _n_centers(self, n_total):
+        return min(n_total, 10000) if self.n_centers is None else int(self.n_centers)
+
+    def _row_source(self, comm, kernel, X, y, dev, n_total) -> RowSource:
+        """The chunk plan of this rank's rows and its buffers; an error of any rank (max_gpu_bytes
+        below the fixed needs, no host memory for the pinned buffers) is raised on every rank
+        before any of them starts the solve."""
+        err = None
+        rows = None
+        try:
+            m = self._n_centers(n_total)
+            c = y.shape[1]
+            fixed = 16 * m * m + 8 * m * (X.shape[1] + 4 * c)  # T, A, the centres, m x C vectors
+            budget = None
+            if self.max_gpu_bytes is not None:
+                budget = int(self.max_gpu_bytes) - fixed
+                if budget <= 0:
+                    raise _Bad(ValueError, f"max_gpu_bytes: {int(self.max_gpu_bytes)} bytes do not hold the "
+                                           f"preconditioner of {m} centres ({fixed} bytes: 16 m^2 + O(m (D + C)))")
+            elif X.device != dev and dev.type == "cuda":
+                budget = max(1, int(0.9 * _free_bytes(dev)) - fixed)
+            rows = RowSource(X, y, dev, budget=budget, c=c)
+            need = rows.host_bytes()
+            if need and need > _free_bytes(torch.device("cpu")):
+                raise HostMemoryError(f"not enough host memory for the chunk buffers: {need / 2**30:.2f} GiB of "
+                                      f"pinned memory needed, {_free_bytes(torch.device('cpu')) / 2**30:.2f} GiB free")
+            rows.allocate()
+        except _Bad as e:
+            err = (e.kind, e.message)
+        except (ValueError, HostMemoryError) as e:
+            err = (type(e), str(e))
+        except torch.OutOfMemoryError as e:
+            err = (MemoryError, f"max_gpu_bytes: the device ran out of memory for the resident rows ({e}); "
+                                "pass a smaller max_gpu_bytes")
+        if err is not None and rows is not None:
+            rows.release()
+        _raise_collectively(comm, err, None)
+        log.debug("nystrom data: %s, %d rows (%d on the device, chunks of %d, stream chunks of %d), device %s",
+                  rows.mode, rows.n, rows.n_res, rows.work_rows, rows.slot_rows, dev)
+        return rows
+
+    def _fit_nystrom(self, kernel, comm, X, y, counts, offset, seed, show, debug, rows, dev, check_finite):
         n_total = sum(counts)
         alpha = float(self.alpha)
-        m = min(n_total, 10000) if self.n_centers is None else int(self.n_centers)
-        idx = sample_indices(n_total, m, seed)
-        z = gather_global_rows(comm, X, offset, idx)
-        kzz = kernel.matrix(z, z)
-        kzz64 = kzz.to(torch.float64)
-        del kzz
-        pre = FalkonPreconditioner(kzz64, n_total, alpha, X.dtype, debug=debug)
-        del kzz64
+        m = self._n_centers(n_total)
         f64 = torch.float64
+        t0 = time.perf_counter()
+        idx = sample_indices(n_total, m, seed)
+        z = gather_global_rows(comm, X, offset, idx, device=dev)
+
+        # One pass over the rows = one (m, C) float64 block: sum over the chunks c of K_Zc (...).
+        def data_pass(v64=None, minus_y=False, flags=None):
+            """K_Zn K_nZ v (v64), K_Zn y (v64 None), or K_Zn (y - K_nZ v) (minus_y) over this rank's
+            rows; ``flags`` (a bool (2,) tensor) collects NaN/inf of the chunks of X and y."""
+            acc = torch.zeros((m, y.shape[1]), dtype=f64, device=dev)
+            for _, xc, yc in rows.chunks():
+                if flags is not None:
+                    flags[0] |= ~torch.isfinite(xc).all()
+                    flags[1] |= ~torch.isfinite(yc).all()
+                if v64 is None:
+                    u = yc.to(f64)
+                else:
+                    u = kernel.matvec(xc, z, v64)  # K_cZ v (rows, C)
+                    if minus_y:
+                        u = yc.to(f64) - u
+                acc += kernel.matvec(z, xc, u)
+            return comm.all_reduce(acc)
+
+        # The first pass: K_Zn y, and the finiteness of streamed data (agreed on by every rank with one
+        # all_reduce before the preconditioner's build and the solve).
+        flags = torch.zeros(2, dtype=torch.bool, device=dev) if check_finite else None
+        k_zn_y = data_pass(flags=flags)
+        if check_finite:
+            everyone = torch.zeros((comm.size, 2), dtype=f64, device=dev)
+            everyone[comm.rank] = flags.to(f64)
+            everyone = comm.all_reduce(everyone)
+            bad = everyone.nonzero().tolist()
+            if bad:
+                r, which = bad[0]
+                where = f" (on rank {r})" if comm.active else ""
+                raise ValueError(("X" if which == 0 else "y") + ": contains NaN or infinity" + where)
+
+        def make_kzz():
+            return kernel.matrix(z, z).to(f64)
+
+        pre = FalkonPreconditioner(make_kzz(), n_total, alpha, X.dtype, debug=debug, rebuild_kzz=make_kzz)
+        if debug:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            log.debug("nystrom: %d centres sampled and the preconditioner built in %.3f s (first pass included)",
+                      m, time.perf_counter() - t0)
 
         def k_zz(v64):  # (K_ZZ + delta I) v = T^T T v: the factored (jittered) K_ZZ, as Falkon takes it
             # Exactly symmetric positive definite: the K_ZZ of the kernel matrix itself can have
@@ -464,14 +635,8 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         # float64 mode (the kernel values in the data's dtype, every product and sum in float64). B
         # amplifies the rounding of either: the long coherent sum of K_Zn u, and K_nZ v, whose terms
         # cancel (v = B g oscillates); bench/notes/solvers.md.
-        def k_zn(u):  # K_Zn u summed over the ranks (u: this rank's rows)
-            return comm.all_reduce(kernel.matvec(z, X, u.to(f64)))
-
-        def k_nz(v64):  # K_nZ v for this rank's rows
-            return kernel.matvec(X, z, v64)
-
-        def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v
-            return k_zn(k_nz(v64)) + alpha * k_zz(v64)
+        def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v: one pass over the rows, one all_reduce of (m, C)
+            return data_pass(v64) + alpha * k_zz(v64)
 
         def apply_a(g):
             return pre.apply_t(h(pre.apply(g)))
@@ -481,9 +646,9 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             over the training points taken of the training residual y - K_nZ beta, not of K_nZ beta
             (see the notes)."""
             beta = pre.apply(g)
-            return pre.apply_t(k_zn(y - k_nz(beta)) - alpha * k_zz(beta))
+            return pre.apply_t(data_pass(beta, minus_y=True) - alpha * k_zz(beta))
 
-        b = pre.apply_t(k_zn(y))  # = residual(0)
+        b = pre.apply_t(k_zn_y)  # = residual(0)
 
         bar = _Progress(show, self._max_iter(), "KernelRidge nystrom")
         try:
@@ -505,6 +670,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         self.dual_coef_ = beta[share]
         self.centers_ = z
         self.n_iter_, self.residual_ = res.n_iter, res.residual
+        self.data_mode_ = rows.mode
 
     # -- predict / score --------------------------------------------------------------------------
     def predict(self, X):
@@ -519,7 +685,8 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             Xt, was_np = _as_tensor("X", X)
             src_device = Xt.device
             _shape_2d("X", Xt, self.n_features_in_, type(self).__name__)
-            Xt = Xt.to(device=self._device, dtype=self._dtype)
+            stream = getattr(self, "max_gpu_bytes", None) is not None or Xt.device != self._device
+            Xt = Xt.to(dtype=self._dtype) if stream else Xt.to(device=self._device, dtype=self._dtype)
             if not _finite(Xt):
                 raise _Bad(ValueError, "X: contains NaN or infinity")
             meta = (int(Xt.shape[0]),)
@@ -532,13 +699,37 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             raise ValueError(f"X: ranks pass different numbers of rows {[mm[0] for mm in metas]}; predict is "
                              "collective and takes the same X on every rank")
         with torch.no_grad():
-            out = self._kernel.matvec(Xt, self.X_fit_, self.dual_coef_)
+            if stream:  # row chunks of X through the device, the prediction gathered where X is
+                out = self._predict_chunks(Xt)
+            else:
+                out = self._kernel.matvec(Xt, self.X_fit_, self.dual_coef_)
             out = comm.all_reduce(out).to(self._out_dtype)
         if self._y_1d:
             out = out[:, 0]
         if was_np:
             return out.cpu().numpy()
         return out.to(src_device)
+
+    def _predict_chunks(self, Xt):
+        """K(X, X_fit) dual_coef with X's rows streamed through the device (RowSource) under
+        max_gpu_bytes, minus what the fitted model holds there; the output on X's device."""
+        coef = self.dual_coef_
+        out = torch.empty((Xt.shape[0], coef.shape[1]), dtype=torch.promote_types(self._dtype, coef.dtype),
+                          device=Xt.device)
+        budget = None
+        fitted = self.X_fit_.numel() * self.X_fit_.element_size() + coef.numel() * coef.element_size()
+        if self.max_gpu_bytes is not None:
+            budget = max(1, int(self.max_gpu_bytes) - fitted)
+        elif self._device.type == "cuda" and Xt.device != self._device:
+            budget = max(1, int(0.9 * _free_bytes(self._device)))
+        rows = RowSource(Xt, None, self._device, budget=budget, c=coef.shape[1])
+        try:
+            for s, xc, _ in rows.chunks():
+                o = self._kernel.matvec(xc, self.X_fit_, coef)
+                out[s:s + xc.shape[0]].copy_(o)
+        finally:
+            rows.release()
+        return out
 
     def score(self, X, y, sample_weight=None):
         """R^2 of predict(X) against y (scikit-learn's r2_score: weighted by ``sample_weight``,

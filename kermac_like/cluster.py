@@ -183,19 +183,38 @@ def _sq_dist_to(X: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, generator: torch.Generator):
+def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, generator: torch.Generator,
+                    debug: bool = False):
     """k-means++ seeding (Arthur and Vassilvitskii): the first centre drawn with probability
     proportional to the weight, each next one proportional to weight x squared distance to the
     nearest centre so far. The running minimum distance is updated per new centre, only for
     the points it can improve: a point whose nearest centre a lies at least twice its
-    distance from the new centre c (||c - a||^2 >= 4 d^2) cannot get closer, so one pass reads
-    the (N,) labels and distances and recomputes the few candidates' distances (one host
-    synchronisation per centre, for their number). Never N x n_clusters. Returns
-    (centres (C, D) in X's dtype, indices (C,) int64)."""
+    distance from the new centre c (||c - a||^2 >= 4 d^2) cannot get closer. Never
+    N x n_clusters. Returns (centres (C, D) in X's dtype, indices (C,) int64).
+
+    The uniforms of the draws, (C,) float64, come from ``generator`` first. On a CUDA device
+    (sm_80+) in float32 (16-bit data upcast) the fused kernels of cuda_templates/kmeans.cuh
+    draw (kermac_like.plan.kmeans: two launches per centre, no host synchronisation); else,
+    and as their oracle, the torch path :func:`_kmeans_plusplus_torch` (the same sampling
+    rule from the same uniforms)."""
+    u = torch.rand(n_clusters, dtype=torch.float64, device=X.device, generator=generator)
+    if X.is_cuda:
+        from .plan.kmeans import seed_plusplus
+
+        out = seed_plusplus(X, n_clusters, weights, u, debug=debug)
+        if out is not None:
+            return out
+    return _kmeans_plusplus_torch(X, n_clusters, weights, u)
+
+
+def _kmeans_plusplus_torch(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor):
+    """kmeans_plusplus by torch ops from the uniforms ``u`` (C,) float64: per centre one draw
+    (_Sampler), then one pass over the (N,) labels and distances for the candidates of the
+    triangle bound and their distances recomputed from gathered rows (one host
+    synchronisation per centre, for their number)."""
     N, D = X.shape
     dev = X.device
     w = None if weights is None else weights.to(X.dtype)
-    u = torch.rand(n_clusters, dtype=torch.float64, device=dev, generator=generator)
     sampler = _Sampler(N, X.dtype, dev)
     sampler.p[:N] = 1.0 if w is None else w
     idx = torch.empty(n_clusters, dtype=torch.int64, device=dev)
@@ -500,7 +519,10 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                     start = centres0
                 else:
                     g = torch.Generator(device=Xt.device).manual_seed(int(rs.randint(np.iinfo(np.int32).max)))
-                    start = (kmeans_plusplus if init == "k-means++" else _random_init)(Xt, C, w, g)[0]
+                    if init == "k-means++":
+                        start = kmeans_plusplus(Xt, C, w, g, debug=self.debug)[0]
+                    else:
+                        start = _random_init(Xt, C, w, g)[0]
                 if self.verbose:
                     print("Initialization complete")
                 labels, inertia, centres, n_iter = lloyd(Xt, w, start, max_iter, tol_abs, self.verbose, self.debug)

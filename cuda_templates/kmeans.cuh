@@ -217,35 +217,51 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_draw_kernel(
     float* __restrict__ cc, int N, int K, i64 sxm, i64 sxk, i64 ldc, int nb, int j) {
   using Tr = Traits;
   using namespace kmeans_detail;
-  constexpr int T = Tr::kThreads, BM = Tr::kBlockM, E = BM / T;
+  constexpr int T = Tr::kThreads, BM = Tr::kBlockM, E = BM / T, kBatch = 8;
   __shared__ double scan[2][T];
   __shared__ int imin[T];
   __shared__ double s_base;
   const int tid = threadIdx.x;
 
-  // 1. The block: thread t scans block sums [b0, b1), a contiguous chunk.
+  // 1. The block: thread t scans block sums [b0, b1), a contiguous chunk, kBatch loads at a time
+  // (issued together, then added in order).
   const int per = (nb + T - 1) / T;
   const int b0 = min(nb, tid * per), b1 = min(nb, b0 + per);
   double s = 0.0;
-  for (int b = b0; b < b1; ++b) s += bsum[b];
+  for (int b = b0; b < b1; b += kBatch) {
+    double v[kBatch];
+#pragma unroll
+    for (int e = 0; e < kBatch; ++e) v[e] = b + e < b1 ? bsum[b + e] : 0.0;
+#pragma unroll
+    for (int e = 0; e < kBatch; ++e) s += v[e];
+  }
   double total;
   const double excl = block_exclusive_scan<T>(scan, s, &total);
   const double r = u[j] * total;
+  // The first b of the chunk whose cumulative sum exceeds r; the same additions in the same order
+  // (v[e] = 0 past b1 adds nothing).
   int found = nb;
-  double run = excl;
-  for (int b = b0; b < b1; ++b) {
-    run += bsum[b];
-    if (run > r) {
-      found = b;
-      break;
+  double run = excl, at = 0.0;
+  for (int b = b0; b < b1 && found == nb; b += kBatch) {
+    double v[kBatch];
+#pragma unroll
+    for (int e = 0; e < kBatch; ++e) v[e] = b + e < b1 ? bsum[b + e] : 0.0;
+#pragma unroll
+    for (int e = 0; e < kBatch; ++e) {
+      if (found == nb && b + e < b1) {
+        run += v[e];
+        if (run > r) found = b + e, at = run - v[e];
+      }
     }
   }
   int bsel = block_min<T>(imin, found);
-  if (bsel >= nb) bsel = nb - 1;
-  if (bsel >= b0 && bsel < b1) {  // the owner: the cumulative sum before bsel, as the scan formed it
-    double c = excl;
-    for (int b = b0; b <= bsel; ++b) c += bsum[b];
-    s_base = c - bsum[bsel];
+  // The cumulative sum before bsel, as the scan formed it (cum[b] - bs[b], as _Sampler.draw):
+  // from the thread that found it, or where none did (bsel = nb - 1), the owner of the last block
+  // (its run went through its whole chunk).
+  if (found == bsel && found < nb) s_base = at;
+  if (bsel >= nb) {
+    bsel = nb - 1;
+    if (b0 < b1 && b1 == nb) s_base = run - bsum[nb - 1];
   }
   __syncthreads();
   const double rem = r - s_base;

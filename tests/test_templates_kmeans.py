@@ -48,7 +48,35 @@ void seed(const float* x, const float* w, const double* u, long long* idx, float
   }
 }
 
+// One draw (centre j) from given d2 and block sums: argv draw, N, K, j, input (x | d2 | bsum | u | centres[:j]),
+// output (idx[j] as double | centres[j] | cc[:j]).
+int draw_only(char** argv) {
+  using TD = KmeansTraits<float, 0>;
+  const int N = std::atoi(argv[2]), K = std::atoi(argv[3]), j = std::atoi(argv[4]);
+  const int nb = (N + TD::kBlockM - 1) / TD::kBlockM;
+  std::vector<float> x(size_t(N) * K), d2(N), centres(size_t(j + 1) * K), cc(j + 1, -7.0f);
+  std::vector<double> bsum(nb), u(j + 1);
+  std::vector<long long> idx(j + 1, -7);
+  FILE* f = std::fopen(argv[5], "rb");
+  if (std::fread(x.data(), 4, x.size(), f) != x.size() || std::fread(d2.data(), 4, N, f) != size_t(N) ||
+      std::fread(bsum.data(), 8, nb, f) != size_t(nb) || std::fread(&u[j], 8, 1, f) != 1 ||
+      std::fread(centres.data(), 4, size_t(j) * K, f) != size_t(j) * K)
+    return 3;
+  std::fclose(f);
+  gridDim = {1, 1, 1};
+  kl_run_grid(TD::kThreads, [&] {
+    kmeans_draw_kernel<TD>(x.data(), nullptr, d2.data(), bsum.data(), u.data(), idx.data(), centres.data(), cc.data(),
+                           N, K, K, 1, K, nb, j);
+  });
+  std::vector<double> out;
+  out.push_back(double(idx[j]));
+  for (int q = 0; q < K; ++q) out.push_back(centres[size_t(j) * K + q]);
+  for (int a = 0; a < j; ++a) out.push_back(cc[a]);
+  return kl_write(argv[6], out);
+}
+
 int main(int argc, char** argv) {
+  if (std::strcmp(argv[1], "draw") == 0) return draw_only(argv);
   // argv: instance, N, K, C, weighted, column-major, input (x | w | u), idx output, centres output
   const int which = std::atoi(argv[1]), N = std::atoi(argv[2]), K = std::atoi(argv[3]), C = std::atoi(argv[4]);
   const bool weighted = std::atoi(argv[5]) != 0, colmajor = std::atoi(argv[6]) != 0;
@@ -131,3 +159,46 @@ def test_seeding_same_as_torch(runner, tmp_path, case):
     np.testing.assert_array_equal(c, c_ref)
     if case == "int_d16_zero_w":
         assert set(idx[:5].tolist()) == {3, 700, 1030, 1031, 1499} and (idx[5:] == 1499).all()
+
+
+def _sampler_draw(p, bsum, u):
+    """cluster._Sampler.draw in numpy on the given block sums (exact for integer data)."""
+    cum = np.cumsum(bsum)
+    r = u * cum[-1]
+    b = min(int(np.searchsorted(cum, r, side="right")), len(bsum) - 1)
+    inner = np.cumsum(p[b * SAMPLE_BLOCK:(b + 1) * SAMPLE_BLOCK].astype(np.float64))
+    i = min(int(np.searchsorted(inner, r - (cum[b] - bsum[b]), side="right")), SAMPLE_BLOCK - 1)
+    return min(b * SAMPLE_BLOCK + i, len(p) - 1)
+
+
+@pytest.mark.parametrize("u", [0.0, 0.3, 0.999999, "zero", "tail"])
+def test_draw_many_blocks(runner, tmp_path, u):
+    """kmeans_draw_kernel alone on 1900 blocks (7 or 8 per thread: the batched chunk loops):
+    the right-searchsorted block and point, the clamps (every p zero: N - 1; zero blocks at the
+    end), the centre row and its squared distances to the earlier centres."""
+    rng = np.random.default_rng(3)
+    N, K, j = 1900 * SAMPLE_BLOCK - 77, 3, 5
+    X = rng.integers(-9, 10, size=(N, K)).astype(np.float32)
+    d2 = rng.integers(0, 50, size=N).astype(np.float32)
+    d2[rng.random(N) < 0.3] = 0
+    if u == "zero":
+        d2[:] = 0
+    if u == "tail":
+        d2[-5 * SAMPLE_BLOCK:] = 0
+    uu = {"zero": 0.5, "tail": 0.99999999}.get(u, u)
+    pad = np.zeros(1900 * SAMPLE_BLOCK, np.float64)
+    pad[:N] = d2
+    bsum = pad.reshape(1900, SAMPLE_BLOCK).sum(1)
+    cent = rng.integers(-9, 10, size=(j, K)).astype(np.float32)
+    inp = tmp_path / "in.bin"
+    with open(inp, "wb") as f:
+        f.write(X.tobytes() + d2.tobytes() + bsum.tobytes() + np.float64(uu).tobytes() + cent.tobytes())
+    outp = tmp_path / "out.bin"
+    subprocess.run([str(runner), "draw", str(N), str(K), str(j), str(inp), str(outp)], check=True)
+    out = np.fromfile(outp, dtype=np.float64)
+    want = _sampler_draw(d2, bsum, uu)
+    assert int(out[0]) == want
+    if u == "zero":
+        assert want == N - 1
+    np.testing.assert_array_equal(out[1:1 + K], X[want])
+    np.testing.assert_array_equal(out[1 + K:], ((cent - X[want]) ** 2).sum(1))

@@ -311,4 +311,87 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_draw_kernel(
   }
 }
 
+// -- Lloyd's update: the deterministic segmented sum --------------------------------------------
+//
+// The points sorted by label (perm: a stable sort of the labels, so index order within a cluster),
+// cluster c's rows perm[bounds[c] .. bounds[c + 1]) cut into items of at most rows_per_item rows:
+// items[c] .. items[c + 1] - 1 (an exclusive prefix of the clusters' item counts; the grid
+// ceil(N / rows_per_item) + C covers every item, CTAs past items[C] return). CTA b sums its item
+// in float64 by a fixed order (threads over (row group g, dimension q), rows strided by the
+// groups, then a fixed tree over the groups) into part[b][0 .. K) and its weight (sum of w, or
+// the row count) into part[b][K]; kmeans_segsum_combine_kernel adds a cluster's items in item
+// order. No atomics: the same labels give the same bits.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads) kmeans_segsum_kernel(
+    const float* __restrict__ x, const float* __restrict__ w, const i64* __restrict__ perm,
+    const i64* __restrict__ bounds, const i64* __restrict__ items, double* __restrict__ part, int K, int C, i64 sxm,
+    i64 sxk, int rows_per_item) {
+  using Tr = Traits;
+  using namespace kmeans_detail;
+  constexpr int T = Tr::kThreads;
+  __shared__ double red[T];
+  const int tid = threadIdx.x;
+  const i64 b = blockIdx.x;
+  if (b >= items[C]) return;
+  int lo = 0, hi = C;  // the cluster: the last c with items[c] <= b (items non-decreasing)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (items[mid] <= b) lo = mid;
+    else hi = mid;
+  }
+  const int c = lo;
+  const i64 r0 = bounds[c] + (b - items[c]) * rows_per_item;
+  const i64 r1 = min(bounds[c + 1], r0 + rows_per_item);
+  double* out = part + b * (K + 1);
+  int kd = 1;  // dimensions per row group: the power of two >= K, at most T
+  while (kd < K && kd < T) kd <<= 1;
+  const int G = T / kd, g = tid / kd, q0 = tid - g * kd;
+  for (int qc = 0; qc < K; qc += kd) {
+    const int q = qc + q0;
+    double acc = 0.0;
+    if (q < K) {
+#pragma unroll 4
+      for (i64 r = r0 + g; r < r1; r += G) {
+        const i64 i = perm[r];
+        double v = double(x[i * sxm + q * sxk]);
+        if (w) v *= double(w[i]);
+        acc += v;
+      }
+    }
+    red[tid] = acc;
+    __syncthreads();
+#pragma unroll 1
+    for (int s = G / 2; s > 0; s >>= 1) {
+      if (g < s) red[tid] = red[tid] + red[tid + s * kd];
+      __syncthreads();
+    }
+    if (g == 0 && q < K) out[q] = red[tid];
+    __syncthreads();
+  }
+  if (w) {
+    double acc = 0.0;
+    for (i64 r = r0 + tid; r < r1; r += T) acc += double(w[perm[r]]);
+    const double sw = block_sum<T>(red, acc);
+    if (tid == 0) out[K] = sw;
+  } else if (tid == 0) {
+    out[K] = double(r1 - r0);
+  }
+}
+
+// Grid-stride over the C (K + 1) outputs: sums[c][q] (q < K, row stride K) and wsum[c] (q = K),
+// cluster c's items added in item order (0 for a cluster without points).
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads) kmeans_segsum_combine_kernel(
+    const double* __restrict__ part, const i64* __restrict__ items, double* __restrict__ sums,
+    double* __restrict__ wsum, int K, int C) {
+  const int total = C * (K + 1);  // (< 2^31: the planner's check; int division, no 64-bit call)
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < total; e += gridDim.x * blockDim.x) {
+    const int c = e / (K + 1), q = e - c * (K + 1);
+    double s = 0.0;
+    for (i64 it = items[c]; it < items[c + 1]; ++it) s += part[it * (K + 1) + q];
+    if (q < K) sums[i64(c) * K + q] = s;
+    else wsum[c] = s;
+  }
+}
+
 }  // namespace kermac_like

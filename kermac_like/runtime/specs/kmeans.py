@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from .kernel_spec import KernelSpec, LaunchShape, bucket
 
-__all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "k_bucket", "update_spec", "draw_spec", "shipped"]
+__all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "SEGSUM_ROWS", "k_bucket", "update_spec", "draw_spec", "segsum_spec",
+           "segsum_combine_spec", "shipped"]
 
 THREADS = 256
 BLOCK_M = 1024  # points per block sum: cluster.SAMPLE_BLOCK
 K_BUCKETS = (4, 8, 16, 32)  # beyond: kK = 0, the runtime loop
+SEGSUM_ROWS = 4096  # rows per item of Lloyd's segmented sum (a cluster's rows in items of at most this)
 LAUNCH = LaunchShape(threads=THREADS, block_m=BLOCK_M, block_n=1, smem_bytes=0)
 
 
@@ -39,9 +41,21 @@ def draw_spec() -> KernelSpec:
     return KernelSpec("kmeans.cuh", "kermac_like::kmeans_draw_kernel", _traits(0), LAUNCH)
 
 
+def segsum_spec() -> KernelSpec:
+    """Lloyd's update: the float64 sums of a cluster's item of sorted rows (any K)."""
+    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_segsum_kernel", _traits(0), LAUNCH)
+
+
+def segsum_combine_spec() -> KernelSpec:
+    """Lloyd's update: each cluster's items added in order."""
+    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_segsum_combine_kernel", _traits(0), LAUNCH)
+
+
 def shipped():
-    """The draw, and the update for the point clouds and embeddings of KMeans' common inputs
+    """The draw, Lloyd's segmented sum and its combination, and the update for the point clouds and embeddings of KMeans' common inputs
     (K = 2, 3 -> kK 4; 8; 16; 32) and any larger K (kK = 0)."""
     yield draw_spec()
+    yield segsum_spec()
+    yield segsum_combine_spec()
     for kK in (4, 8, 16, 32, 0):
         yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK), LAUNCH)

@@ -102,12 +102,22 @@ def segment_sums(X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | 
     Each block is laid out feature-major, (D, rows) flattened, so that the reduction is 1-D with
     D x C segments (on CUDA one cub segmented reduction, a thread block per segment, each in a
     fixed order). The result is the same bitwise run to run. ``unsafe=True``: the lengths sum to
-    the block's rows by construction, and the check would synchronise the host."""
+    the block's rows by construction, and the check would synchronise the host.
+
+    On CUDA in float32 (sm_80+) the sorted rows go to one fused kernel instead
+    (cuda_templates/kmeans.cuh kmeans_segsum_kernel: each cluster's rows in items of at most 4096,
+    summed in float64 in a fixed order, the items added in order): no gather, no float64 copy."""
     N, D = X.shape
     C = n_clusters
     keys = _label_keys(labels, C)
     sorted_keys, perm = torch.sort(keys, stable=True)
     bounds = torch.searchsorted(sorted_keys, torch.arange(C + 1, device=X.device, dtype=keys.dtype))
+    if X.is_cuda:  # float32 on sm_80+: one fused segmented sum over the sorted rows
+        from .plan.kmeans import segment_sums_fused
+
+        out = segment_sums_fused(X, perm, bounds, weights, C)
+        if out is not None:
+            return out
     sums = torch.zeros((D, C), dtype=torch.float64, device=X.device)
     wsum = None if weights is None else torch.zeros(C, dtype=torch.float64, device=X.device)
     R = _block_rows(N, D)

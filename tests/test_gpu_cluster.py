@@ -117,3 +117,35 @@ def test_fused_seeding_zero_weights_and_16_bit_on_cuda():
     Xh = X.to(torch.bfloat16)
     ch, ih = kmeans_plusplus(Xh, 16, None, torch.Generator(device="cuda").manual_seed(2))
     assert ch.dtype == torch.bfloat16 and torch.equal(ch, Xh[ih])
+
+
+@pytest.mark.parametrize("K,weighted", [(16, False), (3, True), (300, True)])
+def test_fused_segment_sums_on_cuda(monkeypatch, K, weighted):
+    """Lloyd's update by kmeans_segsum_kernel against the torch path (sort + segment_reduce):
+    exact on integer data, within float64 rounding on Gaussian data; a cluster of most points
+    (many items), empty clusters; bitwise the same twice."""
+    from kermac_like.cluster import segment_sums
+    from kermac_like.plan import kmeans as plan_km
+
+    g = torch.Generator(device="cuda").manual_seed(K)
+    N, C = 300_001, 97
+    labels = torch.randint(0, C, (N,), device="cuda", generator=g)
+    labels[: N // 2] = 5  # one large cluster
+    labels[labels == 7] = 8  # an empty one
+    w = torch.rand(N, device="cuda", generator=g) if weighted else None
+    for integer in (True, False):
+        X = torch.randint(-50, 51, (N, K), device="cuda", generator=g).float() if integer else \
+            torch.randn(N, K, device="cuda", generator=g)
+        wi = None if w is None else ((w * 8).floor() / 4 if integer else w)
+        s, ws = segment_sums(X, labels, wi, C)
+        s2, ws2 = segment_sums(X, labels, wi, C)
+        assert torch.equal(s, s2) and torch.equal(ws, ws2)
+        monkeypatch.setattr(plan_km, "SEGSUM_FUSED", False)
+        r, rw = segment_sums(X, labels, wi, C)
+        monkeypatch.setattr(plan_km, "SEGSUM_FUSED", True)
+        if integer:
+            assert torch.equal(s, r) and torch.equal(ws, rw)
+        else:
+            torch.testing.assert_close(s, r, rtol=1e-12, atol=1e-9)
+            torch.testing.assert_close(ws, rw, rtol=1e-12, atol=0)
+        assert (s[7] == 0).all() and ws[7] == 0

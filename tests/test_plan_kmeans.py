@@ -52,3 +52,22 @@ def test_float64_keeps_the_torch_path_and_16_bit_is_upcast(as_gpu):
     plan = plan_seeding(torch.randn(100, 40, dtype=torch.float16), 3, None, u)
     assert plan.scratch[0].dtype == torch.float32  # the upcast x
     assert plan.launches[0].kernel.spec == update_spec(40) and "float, 0>" in update_spec(40).traits
+
+
+def test_segment_sums_plan(as_gpu):
+    from kermac_like.plan.kmeans import plan_segment_sums
+    from kermac_like.runtime.specs.kmeans import SEGSUM_ROWS, segsum_combine_spec, segsum_spec
+
+    N, K, C = 10000, 16, 5
+    labels = torch.tensor([0, 0, 0, 2, 4] * (N // 5))
+    keys, perm = torch.sort(labels.to(torch.int16), stable=True)
+    bounds = torch.searchsorted(keys, torch.arange(C + 1, dtype=torch.int16))
+    plan = plan_segment_sums(torch.randn(N, K), perm, bounds, torch.rand(N), C)
+    assert [launch.kernel.spec for launch in plan.launches] == [segsum_spec(), segsum_combine_spec()]
+    main, comb = plan.launches
+    assert len(main.args) == 11 and len(comb.args) == 6
+    assert main.grid == (-(-N // SEGSUM_ROWS) + C, 1, 1)
+    items = plan.scratch[3]
+    assert items.tolist() == [0, 2, 2, 3, 3, 4]  # 6000 rows: 2 items; 2000: 1; empty clusters: 0
+    assert plan.out.shape == (C * (K + 1),) and plan.out.dtype == torch.float64
+    assert plan_segment_sums(torch.randn(N, K, dtype=torch.float64), perm, bounds, None, C) is None

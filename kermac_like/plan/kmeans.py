@@ -22,16 +22,19 @@ import os
 import numpy as np
 import torch
 
-from ..runtime.specs.kmeans import BLOCK_M, draw_spec, update_spec
+from ..runtime.specs.kmeans import BLOCK_M, SEGSUM_ROWS, draw_spec, segsum_combine_spec, segsum_spec, update_spec
 from .core import Launch, Plan, _device_index, _gpu_ok
 
 log = logging.getLogger("kermac_like.kmeans")
 
-__all__ = ["plan_seeding", "seed_plusplus", "fused_serves", "FUSED"]
+__all__ = ["plan_seeding", "seed_plusplus", "fused_serves", "FUSED", "segsum_serves", "plan_segment_sums",
+           "segment_sums_fused", "SEGSUM_FUSED"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # KERMAC_LIKE_KMEANS_FUSED=0 sends CUDA seedings to the torch path (cluster._kmeans_plusplus_torch).
 FUSED = os.environ.get("KERMAC_LIKE_KMEANS_FUSED", "1") != "0"
+# KERMAC_LIKE_KMEANS_SEGSUM=0 sends Lloyd's update on CUDA to the torch path (sort + segment_reduce).
+SEGSUM_FUSED = os.environ.get("KERMAC_LIKE_KMEANS_SEGSUM", "1") != "0"
 
 
 def fused_serves(X: torch.Tensor) -> bool:
@@ -98,3 +101,57 @@ def seed_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None
     if X.dtype != torch.float32:  # the rows themselves, in X's dtype
         centres = X.index_select(0, idx)
     return centres, idx
+
+
+# -- Lloyd's update ------------------------------------------------------------------------------
+def segsum_serves(X: torch.Tensor, n_clusters: int) -> bool:
+    """Whether the fused segmented sum serves Lloyd's update of X (float32 on sm_80+)."""
+    N, K = X.shape
+    return (SEGSUM_FUSED and X.dtype == torch.float32 and 0 < N < 2 ** 31 and K > 0
+            and n_clusters * (K + 1) < 2 ** 31 and N // SEGSUM_ROWS + n_clusters < 2 ** 31 and _gpu_ok(X))
+
+
+def plan_segment_sums(X: torch.Tensor, perm: torch.Tensor, bounds: torch.Tensor, weights: torch.Tensor | None,
+                      n_clusters: int, debug: bool = False):
+    """The plan of the segmented sum from a stable sort of the labels (``perm`` (N,) int64) and
+    the clusters' row ranges in it (``bounds`` (C + 1,) int64): its run returns (sums (C, K)
+    float64, weight per cluster (C,) float64). None when the kernels do not serve X."""
+    if not segsum_serves(X, n_clusters):
+        return None
+    from ..runtime.launcher import get_kernel
+
+    device = _device_index(X.device)
+    dev = X.device
+    N, K = X.shape
+    C = int(n_clusters)
+    w = None if weights is None else weights.to(device=dev, dtype=torch.float32).contiguous()
+    perm = perm.to(torch.int64).contiguous()
+    bounds = bounds.to(torch.int64).contiguous()
+    items = torch.zeros(C + 1, dtype=torch.int64, device=dev)
+    torch.cumsum((bounds.diff() + (SEGSUM_ROWS - 1)) // SEGSUM_ROWS, 0, out=items[1:])
+    n_items = -(-N // SEGSUM_ROWS) + C  # at least every cluster's item count (no host synchronisation)
+    part = torch.empty(n_items * (K + 1), dtype=torch.float64, device=dev)
+    out = torch.empty(C * (K + 1), dtype=torch.float64, device=dev)
+    main = get_kernel(segsum_spec(), device, debug=debug)
+    comb = get_kernel(segsum_combine_spec(), device, debug=debug)
+    sxm, sxk = (np.int64(t) for t in X.stride())
+    args = (X.data_ptr(), 0 if w is None else w.data_ptr(), perm.data_ptr(), bounds.data_ptr(), items.data_ptr(),
+            part.data_ptr(), np.int32(K), np.int32(C), sxm, sxk, np.int32(SEGSUM_ROWS))
+    cgrid = (max(1, min(-(-(C * (K + 1)) // comb.spec.launch.threads), 1024)), 1, 1)
+    cargs = (part.data_ptr(), items.data_ptr(), out.data_ptr(), out.data_ptr() + C * K * 8, np.int32(K), np.int32(C))
+    if debug:
+        log.debug("kmeans segment sums: N=%d K=%d clusters=%d weighted=%s: grid (%d, 1, 1)", N, K, C, w is not None,
+                  n_items)
+    launches = (Launch(main, (n_items, 1, 1), args), Launch(comb, cgrid, cargs))
+    return Plan("kmeans_segsum", main.spec, launches, out, scratch=(w, perm, bounds, items, part), debug=debug)
+
+
+def segment_sums_fused(X: torch.Tensor, perm: torch.Tensor, bounds: torch.Tensor, weights: torch.Tensor | None,
+                       n_clusters: int, debug: bool = False):
+    """(sums (C, K) float64, weight per cluster (C,) float64) by the fused kernels, or None."""
+    plan = plan_segment_sums(X, perm, bounds, weights, n_clusters, debug)
+    if plan is None:
+        return None
+    out = plan.run()
+    C, K = int(n_clusters), X.shape[1]
+    return out[:C * K].view(C, K), out[C * K:]

@@ -197,12 +197,15 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_update_kernel(
         }
       }
     }
-    pv[e] = w ? old * w[i] : old;
+    pv[e] = old;
   }
   if (__syncthreads_and(!changed)) return;  // the block's p unchanged: its sum stands
   double part = 0.0;
 #pragma unroll
-  for (int e = 0; e < P; ++e) part += double(pv[e]);
+  for (int e = 0; e < P; ++e) {  // p = d2 w (w read only in blocks that changed)
+    const i64 i = base + tid + e * T;
+    part += double(w && i < N ? pv[e] * w[i] : pv[e]);
+  }
   const double s = block_sum<T>(red, part);
   if (tid == 0) bsum[blockIdx.x] = s;
 }

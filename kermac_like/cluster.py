@@ -8,8 +8,13 @@ parameters, stopping rule, final relabelling, empty-cluster rule and errors. Eac
   stored);
 * the update: one segmented sum of the points by label (a stable sort of the labels, then
   ``torch.segment_reduce`` over the sorted rows in row blocks, accumulated in float64 in a
-  fixed order): no one-hot matrix and no floating-point atomics, so the same data and initial
-  centres give bitwise the same centres run to run, on a CPU as on a GPU.
+  fixed order; on CUDA in float32 one fused kernel over the sorted rows instead,
+  cuda_templates/kmeans.cuh): no one-hot matrix and no floating-point atomics, so the same
+  data and initial centres give bitwise the same centres run to run, on a CPU as on a GPU.
+
+k-means++ seeding on CUDA in float32: two fused kernels per centre (cuda_templates/kmeans.cuh,
+kermac_like/plan/kmeans.py), no host synchronisation; elsewhere torch ops with one host
+synchronisation per centre (the same draws from the same uniforms).
 
 Memory beyond X: O(N) (labels, distances, the sort's permutation), one row block of X in
 float64 and the knn op's own blocks; never N x n_clusters (``transform``'s output aside).

@@ -71,3 +71,18 @@ def test_segment_sums_plan(as_gpu):
     assert items.tolist() == [0, 2, 2, 3, 3, 4]  # 6000 rows: 2 items; 2000: 1; empty clusters: 0
     assert plan.out.shape == (C * (K + 1),) and plan.out.dtype == torch.float64
     assert plan_segment_sums(torch.randn(N, K, dtype=torch.float64), perm, bounds, None, C) is None
+
+
+def test_per_centre_launches_patch_j_only(as_gpu):
+    import struct
+
+    plan = plan_seeding(torch.randn(3000, 3), 4, None, torch.rand(4, dtype=torch.float64))
+    assert plan.launches[0].block is None  # j = -1: cuda.core's launch
+    blocks = {id(launch.block) for launch in plan.launches[1:]}
+    assert len(blocks) == 2  # one ArgBlock per kernel, shared by the centres
+    for launch in plan.launches[1:]:
+        assert launch.block.positions == (len(launch.args) - 1,)
+        b = launch.block
+        b.fill([launch.args[i] for i in b.positions])
+        assert struct.unpack_from("<i", b.slots, 8 * (len(launch.args) - 1))[0] == int(launch.args[-1])
+        assert struct.unpack_from("<Q", b.slots, 0)[0] == launch.args[0]  # x, packed once

@@ -95,6 +95,14 @@ __device__ __forceinline__ float sub_rn(float a, float b) {
 #endif
 }
 
+__device__ __forceinline__ float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 __device__ __forceinline__ float fma_rn(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
   return __fmaf_rn(a, b, c);

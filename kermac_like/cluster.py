@@ -8,8 +8,13 @@ parameters, stopping rule, final relabelling, empty-cluster rule and errors. Eac
   stored);
 * the update: one segmented sum of the points by label (a stable sort of the labels, then
   ``torch.segment_reduce`` over the sorted rows in row blocks, accumulated in float64 in a
-  fixed order): no one-hot matrix and no floating-point atomics, so the same data and initial
-  centres give bitwise the same centres run to run, on a CPU as on a GPU.
+  fixed order; on CUDA in float32 one fused kernel over the sorted rows instead,
+  cuda_templates/kmeans.cuh): no one-hot matrix and no floating-point atomics, so the same
+  data and initial centres give bitwise the same centres run to run, on a CPU as on a GPU.
+
+k-means++ seeding on CUDA in float32: two fused kernels per centre (cuda_templates/kmeans.cuh,
+kermac_like/plan/kmeans.py), no host synchronisation; elsewhere torch ops with one host
+synchronisation per centre (the same draws from the same uniforms).
 
 Memory beyond X: O(N) (labels, distances, the sort's permutation), one row block of X in
 float64 and the knn op's own blocks; never N x n_clusters (``transform``'s output aside).
@@ -102,12 +107,22 @@ def segment_sums(X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | 
     Each block is laid out feature-major, (D, rows) flattened, so that the reduction is 1-D with
     D x C segments (on CUDA one cub segmented reduction, a thread block per segment, each in a
     fixed order). The result is the same bitwise run to run. ``unsafe=True``: the lengths sum to
-    the block's rows by construction, and the check would synchronise the host."""
+    the block's rows by construction, and the check would synchronise the host.
+
+    On CUDA in float32 (sm_80+) the sorted rows go to one fused kernel instead
+    (cuda_templates/kmeans.cuh kmeans_segsum_kernel: each cluster's rows in items of at most 4096,
+    summed in float64 in a fixed order, the items added in order): no gather, no float64 copy."""
     N, D = X.shape
     C = n_clusters
     keys = _label_keys(labels, C)
     sorted_keys, perm = torch.sort(keys, stable=True)
     bounds = torch.searchsorted(sorted_keys, torch.arange(C + 1, device=X.device, dtype=keys.dtype))
+    if X.is_cuda:  # float32 on sm_80+: one fused segmented sum over the sorted rows
+        from .plan.kmeans import segment_sums_fused
+
+        out = segment_sums_fused(X, perm, bounds, weights, C)
+        if out is not None:
+            return out
     sums = torch.zeros((D, C), dtype=torch.float64, device=X.device)
     wsum = None if weights is None else torch.zeros(C, dtype=torch.float64, device=X.device)
     R = _block_rows(N, D)
@@ -183,19 +198,38 @@ def _sq_dist_to(X: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, generator: torch.Generator):
+def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, generator: torch.Generator,
+                    debug: bool = False):
     """k-means++ seeding (Arthur and Vassilvitskii): the first centre drawn with probability
     proportional to the weight, each next one proportional to weight x squared distance to the
     nearest centre so far. The running minimum distance is updated per new centre, only for
     the points it can improve: a point whose nearest centre a lies at least twice its
-    distance from the new centre c (||c - a||^2 >= 4 d^2) cannot get closer, so one pass reads
-    the (N,) labels and distances and recomputes the few candidates' distances (one host
-    synchronisation per centre, for their number). Never N x n_clusters. Returns
-    (centres (C, D) in X's dtype, indices (C,) int64)."""
+    distance from the new centre c (||c - a||^2 >= 4 d^2) cannot get closer. Never
+    N x n_clusters. Returns (centres (C, D) in X's dtype, indices (C,) int64).
+
+    The uniforms of the draws, (C,) float64, come from ``generator`` first. On a CUDA device
+    (sm_80+) in float32 (16-bit data upcast) the fused kernels of cuda_templates/kmeans.cuh
+    draw (kermac_like.plan.kmeans: two launches per centre, no host synchronisation); else,
+    and as their oracle, the torch path :func:`_kmeans_plusplus_torch` (the same sampling
+    rule from the same uniforms)."""
+    u = torch.rand(n_clusters, dtype=torch.float64, device=X.device, generator=generator)
+    if X.is_cuda:
+        from .plan.kmeans import seed_plusplus
+
+        out = seed_plusplus(X, n_clusters, weights, u, debug=debug)
+        if out is not None:
+            return out
+    return _kmeans_plusplus_torch(X, n_clusters, weights, u)
+
+
+def _kmeans_plusplus_torch(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor):
+    """kmeans_plusplus by torch ops from the uniforms ``u`` (C,) float64: per centre one draw
+    (_Sampler), then one pass over the (N,) labels and distances for the candidates of the
+    triangle bound and their distances recomputed from gathered rows (one host
+    synchronisation per centre, for their number)."""
     N, D = X.shape
     dev = X.device
     w = None if weights is None else weights.to(X.dtype)
-    u = torch.rand(n_clusters, dtype=torch.float64, device=dev, generator=generator)
     sampler = _Sampler(N, X.dtype, dev)
     sampler.p[:N] = 1.0 if w is None else w
     idx = torch.empty(n_clusters, dtype=torch.int64, device=dev)
@@ -500,7 +534,10 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                     start = centres0
                 else:
                     g = torch.Generator(device=Xt.device).manual_seed(int(rs.randint(np.iinfo(np.int32).max)))
-                    start = (kmeans_plusplus if init == "k-means++" else _random_init)(Xt, C, w, g)[0]
+                    if init == "k-means++":
+                        start = kmeans_plusplus(Xt, C, w, g, debug=self.debug)[0]
+                    else:
+                        start = _random_init(Xt, C, w, g)[0]
                 if self.verbose:
                     print("Initialization complete")
                 labels, inertia, centres, n_iter = lloyd(Xt, w, start, max_iter, tol_abs, self.verbose, self.debug)

@@ -103,13 +103,13 @@ def as_gpu(monkeypatch):
     132 SMs): the device queries and the kernel loader are stubbed, the kernels are never
     run; KERMAC_LIKE_WGMMA=always (the wgmma kernels also for calls of a few tiles)."""
     from kermac_like import plan as P
-    from kermac_like.plan import cdist_grad, core, distance, logsumexp, matvec, matvec_wgmma
+    from kermac_like.plan import cdist_grad, core, distance, kmeans, logsumexp, matvec, matvec_wgmma
     from kermac_like.runtime import launcher
 
     def stub(name, fn):
         """``name`` replaced in every planner module that looks it up (each rule imports the
         device queries from plan.core by name)."""
-        for module in (P, core, distance, cdist_grad, matvec, matvec_wgmma, logsumexp):
+        for module in (P, core, distance, cdist_grad, matvec, matvec_wgmma, logsumexp, kmeans):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, fn)
 

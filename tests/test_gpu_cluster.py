@@ -64,3 +64,88 @@ def test_one_million_points_smoke():
     lab = m.predict(X[:4096])
     assert torch.equal(lab, m.labels_[:4096]) or (lab != m.labels_[:4096]).float().mean() < 1e-3
     assert d.square().sum().item() <= m.inertia_
+
+
+@pytest.mark.parametrize("N,D,C,weighted,integer", [(200_003, 16, 256, False, True), (50_001, 3, 64, True, True),
+                                                    (30_000, 40, 32, True, True), (1_000_000, 16, 1024, False, True),
+                                                    (200_003, 16, 256, True, False)])
+def test_fused_seeding_same_as_torch_on_cuda(N, D, C, weighted, integer):
+    """cuda_templates/kmeans.cuh's seeding against the torch path from the same uniforms. Integer
+    data and weights in quarters: every distance, product and sum exact in any order, so the
+    same indices and centres; Gaussian data: float32 distances summed in another order than
+    torch's may flip a draw whose uniform lands within rounding of a boundary (then every later
+    centre differs), so the same draws up to at least the 64th. Bitwise the same twice."""
+    from kermac_like.cluster import _kmeans_plusplus_torch, kmeans_plusplus
+    from kermac_like.plan.kmeans import fused_serves
+
+    g = torch.Generator(device="cuda").manual_seed(N + D)
+    if integer:
+        X = torch.randint(-20, 21, (N, D), device="cuda", generator=g).float()
+    else:
+        X = torch.randn(N, D, device="cuda", generator=g) * 2
+    w = None
+    if weighted:
+        w = torch.randint(0, 9, (N,), device="cuda", generator=g).float() / 4  # zeros among them
+    assert fused_serves(X)
+    c, idx = kmeans_plusplus(X, C, w, torch.Generator(device="cuda").manual_seed(7))
+    u = torch.rand(C, dtype=torch.float64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))
+    c_ref, idx_ref = _kmeans_plusplus_torch(X, C, w, u)
+    diff = (idx != idx_ref).nonzero()
+    first = C if diff.numel() == 0 else int(diff[0])
+    if integer:
+        assert first == C, f"first different draw: centre {first}"
+        assert torch.equal(c, c_ref)
+    else:
+        assert first >= 64, f"first different draw: centre {first}"
+        assert torch.equal(c[:first], c_ref[:first])
+    if weighted:
+        assert bool((w[idx] > 0).all())
+    c2, idx2 = kmeans_plusplus(X, C, w, torch.Generator(device="cuda").manual_seed(7))
+    assert torch.equal(idx, idx2) and torch.equal(c.view(torch.int32), c2.view(torch.int32))
+
+
+def test_fused_seeding_zero_weights_and_16_bit_on_cuda():
+    from kermac_like.cluster import _kmeans_plusplus_torch, kmeans_plusplus
+
+    X = torch.randn(5000, 8, device="cuda")
+    w = torch.zeros(5000, device="cuda")
+    w[[3, 1024, 4999]] = 1.0  # three weighted points, five centres: two degenerate draws (N - 1)
+    c, idx = kmeans_plusplus(X, 5, w, torch.Generator(device="cuda").manual_seed(1))
+    u = torch.rand(5, dtype=torch.float64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    assert torch.equal(idx, _kmeans_plusplus_torch(X, 5, w, u)[1])
+    assert set(idx[:3].tolist()) == {3, 1024, 4999} and idx[3:].tolist() == [4999, 4999]
+    Xh = X.to(torch.bfloat16)
+    ch, ih = kmeans_plusplus(Xh, 16, None, torch.Generator(device="cuda").manual_seed(2))
+    assert ch.dtype == torch.bfloat16 and torch.equal(ch, Xh[ih])
+
+
+@pytest.mark.parametrize("K,weighted", [(16, False), (3, True), (300, True)])
+def test_fused_segment_sums_on_cuda(monkeypatch, K, weighted):
+    """Lloyd's update by kmeans_segsum_kernel against the torch path (sort + segment_reduce):
+    exact on integer data, within float64 rounding on Gaussian data; a cluster of most points
+    (many items), empty clusters; bitwise the same twice."""
+    from kermac_like.cluster import segment_sums
+    from kermac_like.plan import kmeans as plan_km
+
+    g = torch.Generator(device="cuda").manual_seed(K)
+    N, C = 300_001, 97
+    labels = torch.randint(0, C, (N,), device="cuda", generator=g)
+    labels[: N // 2] = 5  # one large cluster
+    labels[labels == 7] = 8  # an empty one
+    w = torch.rand(N, device="cuda", generator=g) if weighted else None
+    for integer in (True, False):
+        X = torch.randint(-50, 51, (N, K), device="cuda", generator=g).float() if integer else \
+            torch.randn(N, K, device="cuda", generator=g)
+        wi = None if w is None else ((w * 8).floor() / 4 if integer else w)
+        s, ws = segment_sums(X, labels, wi, C)
+        s2, ws2 = segment_sums(X, labels, wi, C)
+        assert torch.equal(s, s2) and torch.equal(ws, ws2)
+        monkeypatch.setattr(plan_km, "SEGSUM_FUSED", False)
+        r, rw = segment_sums(X, labels, wi, C)
+        monkeypatch.setattr(plan_km, "SEGSUM_FUSED", True)
+        if integer:
+            assert torch.equal(s, r) and torch.equal(ws, rw)
+        else:
+            torch.testing.assert_close(s, r, rtol=1e-12, atol=1e-9)
+            torch.testing.assert_close(ws, rw, rtol=1e-12, atol=0)
+        assert (s[7] == 0).all() and ws[7] == 0

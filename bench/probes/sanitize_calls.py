@@ -274,7 +274,7 @@ def logsumexp():
 
 
 def kmeans():
-    """cluster.KMeans on the GPU: k-means++ seeding, the k = 1 assignment and the update."""
+    """cluster.KMeans on the GPU: k-means++ seeding (the fused kernels), the k = 1 assignment and the update."""
     from kermac_like.cluster import KMeans
     g = torch.Generator(device="cuda").manual_seed(12)
     x = torch.randn(3001, 16, device="cuda", generator=g)
@@ -282,6 +282,15 @@ def kmeans():
     d = torch.cdist(x.double(), km_.cluster_centers_.double())
     gap = d.gather(1, km_.labels_.long()[:, None]) - d.min(1, keepdim=True).values
     assert float(gap.abs().max()) < 1e-5, "KMeans labels are not the nearest centres"
+    # the fused k-means++ seeding (cuda_templates/kmeans.cuh): weights, the runtime-K update,
+    # N not a multiple of its 1024-point block
+    from kermac_like.cluster import kmeans_plusplus
+    w = torch.rand(3001, device="cuda", generator=g)
+    w[::3] = 0
+    for D in (3, 40):
+        xd = torch.randn(3001, D, device="cuda", generator=g)
+        c, idx = kmeans_plusplus(xd, 50, w, torch.Generator(device="cuda").manual_seed(1))
+        assert torch.equal(c, xd[idx]) and bool((w[idx] > 0).all()), "fused seeding drew a zero-weight point"
 
 
 # name -> (function, environment)

@@ -1,0 +1,167 @@
+"""The planner of the fused k-means++ seeding: cuda_templates/kmeans.cuh.
+
+``plan_seeding(X, n_clusters, weights, u, debug)`` returns a :class:`kermac_like.plan.Plan`
+whose run writes ``(centres, idx)`` of :func:`kermac_like.cluster.kmeans_plusplus` from the
+pre-drawn uniforms ``u`` ((n_clusters,) float64, the torch generator's draws), or None when the
+fused kernels do not serve the call (the torch path then runs). They serve CUDA tensors on
+sm_80 and newer in float32 (float16 / bfloat16 upcast here; float64 keeps the torch path) with
+fewer than 2^31 - 2^10 points.
+
+Launches, all in stream order with no host synchronisation: one kmeans_update_kernel with
+j = -1 (the block sums of the weights for the first draw), then per centre j a one-CTA
+kmeans_draw_kernel and (except after the last) one kmeans_update_kernel over every point:
+2 n_clusters launches. The same data and u give bitwise the same centres (fixed-order sums, no
+atomics).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from ..runtime.specs.kmeans import BLOCK_M, SEGSUM_ROWS, draw_spec, segsum_combine_spec, segsum_spec, update_spec
+from .core import Launch, Plan, _device_index, _gpu_ok
+
+log = logging.getLogger("kermac_like.kmeans")
+
+__all__ = ["plan_seeding", "seed_plusplus", "fused_serves", "FUSED", "segsum_serves", "plan_segment_sums",
+           "segment_sums_fused", "SEGSUM_FUSED"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# KERMAC_LIKE_KMEANS_FUSED=0 sends CUDA seedings to the torch path (cluster._kmeans_plusplus_torch).
+FUSED = os.environ.get("KERMAC_LIKE_KMEANS_FUSED", "1") != "0"
+# KERMAC_LIKE_KMEANS_SEGSUM=0 sends Lloyd's update on CUDA to the torch path (sort + segment_reduce).
+SEGSUM_FUSED = os.environ.get("KERMAC_LIKE_KMEANS_SEGSUM", "1") != "0"
+
+
+def fused_serves(X: torch.Tensor) -> bool:
+    """Whether the fused kernels serve a seeding of X (N, K) (else: the torch path)."""
+    return (FUSED and X.dim() == 2 and X.dtype in _DTYPES and 0 < X.shape[0] < 2 ** 31 - BLOCK_M
+            and X.shape[1] > 0 and _gpu_ok(X))
+
+
+def plan_seeding(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor,
+                 debug: bool = False):
+    if not fused_serves(X):
+        return None
+    from ..runtime.launcher import get_kernel, prefetch
+
+    device = _device_index(X.device)
+    dev = X.device
+    N, K = X.shape
+    C = int(n_clusters)
+    x = X if X.dtype == torch.float32 else X.float()
+    w = None if weights is None else weights.to(device=dev, dtype=torch.float32).contiguous()
+    u = u.to(device=dev, dtype=torch.float64).contiguous()
+    nb = -(-N // BLOCK_M)
+    centres = torch.empty((C, K), dtype=torch.float32, device=dev)
+    idx = torch.empty(C, dtype=torch.int64, device=dev)
+    d2 = torch.empty(N, dtype=torch.float32, device=dev)
+    near = torch.empty(N, dtype=torch.int32, device=dev)
+    bsum = torch.empty(nb, dtype=torch.float64, device=dev)
+    cc = torch.empty(max(C, 1), dtype=torch.float32, device=dev)
+    prefetch([update_spec(K), draw_spec()], device, debug=debug)  # compiled side by side on a first call
+    upd = get_kernel(update_spec(K), device, debug=debug)
+    draw = get_kernel(draw_spec(), device, debug=debug)
+    sxm, sxk = (np.int64(s) for s in x.stride())
+    ldc = np.int64(K)
+    wp = 0 if w is None else w.data_ptr()
+    n32, k32 = np.int32(N), np.int32(K)
+    if debug:
+        log.debug("kmeans++ seeding: N=%d K=%d clusters=%d weighted=%s: %d launches, update grid (%d, 1, 1)", N, K, C,
+                  w is not None, 2 * C, nb)
+
+    def update_args(j):
+        return (x.data_ptr(), wp, centres.data_ptr(), cc.data_ptr(), d2.data_ptr(), near.data_ptr(), bsum.data_ptr(),
+                n32, k32, sxm, sxk, ldc, np.int32(j))
+
+    def draw_args(j):
+        return (x.data_ptr(), wp, d2.data_ptr(), bsum.data_ptr(), u.data_ptr(), idx.data_ptr(), centres.data_ptr(),
+                cc.data_ptr(), n32, k32, sxm, sxk, ldc, np.int32(nb), np.int32(j))
+
+    # The per-centre launches through one ArgBlock per kernel (the raw driver launch, ~7 us
+    # instead of cuda.core's ~10 us): j, the last argument, is its one patched slot (written as 8
+    # little-endian bytes of which the kernel's int reads the low 4: j >= 0).
+    from ..runtime.launcher import ArgBlock
+
+    ub = ArgBlock(upd, (nb, 1, 1), update_args(0), (12,))
+    db = ArgBlock(draw, (1, 1, 1), draw_args(0), (14,))
+    launches = [Launch(upd, (nb, 1, 1), update_args(-1))]
+    for j in range(C):
+        launches.append(Launch(draw, (1, 1, 1), draw_args(j), db))
+        if j + 1 < C:
+            launches.append(Launch(upd, (nb, 1, 1), update_args(j), ub))
+    scratch = (x, w, u, idx, d2, near, bsum, cc)
+    return Plan("kmeans_seed", upd.spec, tuple(launches), centres, scratch=scratch, debug=debug)
+
+
+def seed_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor,
+                  debug: bool = False):
+    """(centres (C, K) in X's dtype, indices (C,) int64) of the fused seeding, or None when it
+    does not serve X."""
+    plan = plan_seeding(X, n_clusters, weights, u, debug)
+    if plan is None:
+        return None
+    centres = plan.run()
+    idx = plan.scratch[3]
+    if X.dtype != torch.float32:  # the rows themselves, in X's dtype
+        centres = X.index_select(0, idx)
+    return centres, idx
+
+
+# -- Lloyd's update ------------------------------------------------------------------------------
+def segsum_serves(X: torch.Tensor, n_clusters: int) -> bool:
+    """Whether the fused segmented sum serves Lloyd's update of X (float32 on sm_80+)."""
+    N, K = X.shape
+    return (SEGSUM_FUSED and X.dtype == torch.float32 and 0 < N < 2 ** 31 and K > 0
+            and n_clusters * (K + 1) < 2 ** 31 and N // SEGSUM_ROWS + n_clusters < 2 ** 31 and _gpu_ok(X))
+
+
+def plan_segment_sums(X: torch.Tensor, perm: torch.Tensor, bounds: torch.Tensor, weights: torch.Tensor | None,
+                      n_clusters: int, debug: bool = False):
+    """The plan of the segmented sum from a stable sort of the labels (``perm`` (N,) int64) and
+    the clusters' row ranges in it (``bounds`` (C + 1,) int64): its run returns (sums (C, K)
+    float64, weight per cluster (C,) float64). None when the kernels do not serve X."""
+    if not segsum_serves(X, n_clusters):
+        return None
+    from ..runtime.launcher import get_kernel, prefetch
+
+    device = _device_index(X.device)
+    dev = X.device
+    N, K = X.shape
+    C = int(n_clusters)
+    w = None if weights is None else weights.to(device=dev, dtype=torch.float32).contiguous()
+    perm = perm.to(torch.int64).contiguous()
+    bounds = bounds.to(torch.int64).contiguous()
+    items = torch.zeros(C + 1, dtype=torch.int64, device=dev)
+    torch.cumsum((bounds.diff() + (SEGSUM_ROWS - 1)) // SEGSUM_ROWS, 0, out=items[1:])
+    n_items = -(-N // SEGSUM_ROWS) + C  # at least every cluster's item count (no host synchronisation)
+    part = torch.empty(n_items * (K + 1), dtype=torch.float64, device=dev)
+    out = torch.empty(C * (K + 1), dtype=torch.float64, device=dev)
+    prefetch([segsum_spec(), segsum_combine_spec()], device, debug=debug)
+    main = get_kernel(segsum_spec(), device, debug=debug)
+    comb = get_kernel(segsum_combine_spec(), device, debug=debug)
+    sxm, sxk = (np.int64(t) for t in X.stride())
+    args = (X.data_ptr(), 0 if w is None else w.data_ptr(), perm.data_ptr(), bounds.data_ptr(), items.data_ptr(),
+            part.data_ptr(), np.int32(K), np.int32(C), sxm, sxk, np.int32(SEGSUM_ROWS))
+    cgrid = (max(1, min(-(-(C * (K + 1)) // comb.spec.launch.threads), 1024)), 1, 1)
+    cargs = (part.data_ptr(), items.data_ptr(), out.data_ptr(), out.data_ptr() + C * K * 8, np.int32(K), np.int32(C))
+    if debug:
+        log.debug("kmeans segment sums: N=%d K=%d clusters=%d weighted=%s: grid (%d, 1, 1)", N, K, C, w is not None,
+                  n_items)
+    launches = (Launch(main, (n_items, 1, 1), args), Launch(comb, cgrid, cargs))
+    return Plan("kmeans_segsum", main.spec, launches, out, scratch=(w, perm, bounds, items, part), debug=debug)
+
+
+def segment_sums_fused(X: torch.Tensor, perm: torch.Tensor, bounds: torch.Tensor, weights: torch.Tensor | None,
+                       n_clusters: int, debug: bool = False):
+    """(sums (C, K) float64, weight per cluster (C,) float64) by the fused kernels, or None."""
+    plan = plan_segment_sums(X, perm, bounds, weights, n_clusters, debug)
+    if plan is None:
+        return None
+    out = plan.run()
+    C, K = int(n_clusters), X.shape[1]
+    return out[:C * K].view(C, K), out[C * K:]

@@ -1,0 +1,61 @@
+"""The k-means++ seeding family (cuda_templates/kmeans.cuh): which instantiation of
+``kmeans_update_kernel`` / ``kmeans_draw_kernel`` over ``KmeansTraits<float, kK>`` serves a
+seeding, its mirrored launch constants, and the family's shipped set.
+
+Mirror of ``kermac_like::KmeansTraits``: kThreads = 256, kBlockM = 1024 (points per block sum,
+cluster.SAMPLE_BLOCK), kBlockN = 1, kSmemBytes = 0 (static shared memory only); the compile
+stub checks them with static_asserts. kK: the centre in registers for K <= 32 (buckets 4, 8,
+16, 32), a runtime loop over K (kK = 0) beyond.
+"""
+
+from __future__ import annotations
+
+from .kernel_spec import KernelSpec, LaunchShape, bucket
+
+__all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "SEGSUM_ROWS", "k_bucket", "update_spec", "draw_spec", "segsum_spec",
+           "segsum_combine_spec", "shipped"]
+
+THREADS = 256
+BLOCK_M = 1024  # points per block sum: cluster.SAMPLE_BLOCK
+K_BUCKETS = (4, 8, 16, 32)  # beyond: kK = 0, the runtime loop
+SEGSUM_ROWS = 4096  # rows per item of Lloyd's segmented sum (a cluster's rows in items of at most this)
+LAUNCH = LaunchShape(threads=THREADS, block_m=BLOCK_M, block_n=1, smem_bytes=0)
+
+
+def k_bucket(K: int) -> int:
+    """kK for K coordinates: the centre in registers up to 32, else 0 (a runtime loop)."""
+    return bucket(K, K_BUCKETS, 0)
+
+
+def _traits(kK: int) -> str:
+    return f"kermac_like::KmeansTraits<float, {int(kK)}>"
+
+
+def update_spec(K: int) -> KernelSpec:
+    """The per-centre update of (d2, near) and the block sums, for K coordinates."""
+    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(k_bucket(K)), LAUNCH)
+
+
+def draw_spec() -> KernelSpec:
+    """The one-CTA draw of a centre (any K: its loops are runtime loops), on the traits of kK = 0."""
+    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_draw_kernel", _traits(0), LAUNCH)
+
+
+def segsum_spec() -> KernelSpec:
+    """Lloyd's update: the float64 sums of a cluster's item of sorted rows (any K)."""
+    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_segsum_kernel", _traits(0), LAUNCH)
+
+
+def segsum_combine_spec() -> KernelSpec:
+    """Lloyd's update: each cluster's items added in order."""
+    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_segsum_combine_kernel", _traits(0), LAUNCH)
+
+
+def shipped():
+    """The draw, Lloyd's segmented sum and its combination, and the update for the point clouds and embeddings of KMeans' common inputs
+    (K = 2, 3 -> kK 4; 8; 16; 32) and any larger K (kK = 0)."""
+    yield draw_spec()
+    yield segsum_spec()
+    yield segsum_combine_spec()
+    for kK in (4, 8, 16, 32, 0):
+        yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK), LAUNCH)

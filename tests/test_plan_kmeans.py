@@ -1,0 +1,88 @@
+"""plan/kmeans.py on the CPU (tests/conftest.py's as_gpu: the device queries and the kernel
+loader stubbed, nothing launched): which seedings the fused kernels serve, the launch sequence
+(the first block sums, then draw and update per centre, no update after the last draw), the K
+buckets and argument tuples of the lengths cuda_templates/ABI.md gives."""
+
+import pytest
+import torch
+
+from kermac_like.plan import kmeans as plan_km
+from kermac_like.plan.kmeans import fused_serves, plan_seeding
+from kermac_like.runtime.specs.kmeans import draw_spec, k_bucket, update_spec
+
+
+@pytest.fixture(autouse=True)
+def _fused_on(monkeypatch):
+    monkeypatch.setattr(plan_km, "FUSED", True)  # on unless KERMAC_LIKE_KMEANS_FUSED=0 is set
+
+
+def test_cpu_tensors_take_the_torch_path():
+    assert not fused_serves(torch.zeros(10, 3))
+
+
+def test_k_buckets():
+    assert [k_bucket(k) for k in (1, 3, 4, 5, 16, 17, 32, 33, 256)] == [4, 4, 4, 8, 16, 32, 32, 0, 0]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_launch_sequence(as_gpu, weighted):
+    N, K, C = 5000, 16, 7
+    X = torch.randn(N, K)
+    w = torch.rand(N) if weighted else None
+    u = torch.rand(C, dtype=torch.float64)
+    plan = plan_seeding(X, C, w, u)
+    assert plan.family == "kmeans_seed" and plan.out.shape == (C, K) and plan.out.dtype == torch.float32
+    specs = [launch.kernel.spec for launch in plan.launches]
+    assert specs == [update_spec(K)] + [draw_spec(), update_spec(K)] * (C - 1) + [draw_spec()]
+    assert len(plan.launches) == 2 * C
+    ups = [launch for launch in plan.launches if launch.kernel.spec == update_spec(K)]
+    draws = [launch for launch in plan.launches if launch.kernel.spec == draw_spec()]
+    assert all(len(launch.args) == 13 and launch.grid == (5, 1, 1) for launch in ups)  # ceil(5000 / 1024)
+    assert all(len(launch.args) == 15 and launch.grid == (1, 1, 1) for launch in draws)
+    assert [int(launch.args[-1]) for launch in ups] == list(range(-1, C - 1))
+    assert [int(launch.args[-1]) for launch in draws] == list(range(C))
+    assert int(draws[0].args[-2]) == 5  # nb
+    assert (ups[0].args[1] != 0) == weighted  # w, or 0 for unit weights
+    assert [int(a) for a in ups[0].args[9:12]] == [K, 1, K]  # sxm, sxk, ldc
+
+
+def test_float64_keeps_the_torch_path_and_16_bit_is_upcast(as_gpu):
+    u = torch.rand(3, dtype=torch.float64)
+    assert plan_seeding(torch.randn(100, 3, dtype=torch.float64), 3, None, u) is None
+    plan = plan_seeding(torch.randn(100, 40, dtype=torch.float16), 3, None, u)
+    assert plan.scratch[0].dtype == torch.float32  # the upcast x
+    assert plan.launches[0].kernel.spec == update_spec(40) and "float, 0>" in update_spec(40).traits
+
+
+def test_segment_sums_plan(as_gpu):
+    from kermac_like.plan.kmeans import plan_segment_sums
+    from kermac_like.runtime.specs.kmeans import SEGSUM_ROWS, segsum_combine_spec, segsum_spec
+
+    N, K, C = 10000, 16, 5
+    labels = torch.tensor([0, 0, 0, 2, 4] * (N // 5))
+    keys, perm = torch.sort(labels.to(torch.int16), stable=True)
+    bounds = torch.searchsorted(keys, torch.arange(C + 1, dtype=torch.int16))
+    plan = plan_segment_sums(torch.randn(N, K), perm, bounds, torch.rand(N), C)
+    assert [launch.kernel.spec for launch in plan.launches] == [segsum_spec(), segsum_combine_spec()]
+    main, comb = plan.launches
+    assert len(main.args) == 11 and len(comb.args) == 6
+    assert main.grid == (-(-N // SEGSUM_ROWS) + C, 1, 1)
+    items = plan.scratch[3]
+    assert items.tolist() == [0, 2, 2, 3, 3, 4]  # 6000 rows: 2 items; 2000: 1; empty clusters: 0
+    assert plan.out.shape == (C * (K + 1),) and plan.out.dtype == torch.float64
+    assert plan_segment_sums(torch.randn(N, K, dtype=torch.float64), perm, bounds, None, C) is None
+
+
+def test_per_centre_launches_patch_j_only(as_gpu):
+    import struct
+
+    plan = plan_seeding(torch.randn(3000, 3), 4, None, torch.rand(4, dtype=torch.float64))
+    assert plan.launches[0].block is None  # j = -1: cuda.core's launch
+    blocks = {id(launch.block) for launch in plan.launches[1:]}
+    assert len(blocks) == 2  # one ArgBlock per kernel, shared by the centres
+    for launch in plan.launches[1:]:
+        assert launch.block.positions == (len(launch.args) - 1,)
+        b = launch.block
+        b.fill([launch.args[i] for i in b.positions])
+        assert struct.unpack_from("<i", b.slots, 8 * (len(launch.args) - 1))[0] == int(launch.args[-1])
+        assert struct.unpack_from("<Q", b.slots, 0)[0] == launch.args[0]  # x, packed once

@@ -722,7 +722,8 @@ COLD_CALLS = {
     "cdist_grad p=2 K=64 M=N=1024 O=16": "a = torch.randn(64, 1024, device=dev); b = torch.randn(1024, 64, device=dev)\n"
                                          "c = torch.randn(16, 64, device=dev); d = torch.randn(1024, 1024, device=dev)\n"
                                          "@ km.cdist_grad(a, b, c, d, p=2.0)",
-    "knn": None,  # once the op exists
+    "knn 3000x3000x8 k=10": "x = torch.randn(3000, 8, device=dev)\n@ km.knn(x, x, 10)",
+    "knn 3000x3000x128 k=10": "x = torch.randn(3000, 128, device=dev)\n@ km.knn(x, x, 10)",
 }
 WARM_CALL = "run_kernel laplace_l2 1024x1024x64"
 

@@ -80,21 +80,27 @@ __device__ __forceinline__ float sq_dist(const float* xi, i64 sxk, const float* 
   return acc;
 }
 
-// The sum of the block's kThreads values v, by a fixed tree (the result in red[0], read after the
-// final barrier by every thread).
-template <int T>
-__device__ __forceinline__ double block_sum(double* red, double v) {
+// The block's kThreads values v combined by `op` along a fixed tree (the result read after the final
+// barrier by every thread): block_sum and block_min below.
+template <int T, class V, class Op>
+__device__ __forceinline__ V block_reduce(V* red, V v, Op op) {
   const int tid = threadIdx.x;
   red[tid] = v;
   __syncthreads();
 #pragma unroll 1
   for (int s = T / 2; s > 0; s >>= 1) {
-    if (tid < s) red[tid] = red[tid] + red[tid + s];
+    if (tid < s) red[tid] = op(red[tid], red[tid + s]);
     __syncthreads();
   }
-  const double r = red[0];
+  const V r = red[0];
   __syncthreads();
   return r;
+}
+
+// The sum of the block's kThreads values v, by a fixed tree.
+template <int T>
+__device__ __forceinline__ double block_sum(double* red, double v) {
+  return block_reduce<T>(red, v, [](double a, double b) { return a + b; });
 }
 
 // Inclusive scan of the block's values v (Hillis-Steele, two buffers, a fixed order): returns
@@ -122,17 +128,7 @@ __device__ __forceinline__ double block_exclusive_scan(double (*buf)[T], double 
 // The smallest of the block's values v.
 template <int T>
 __device__ __forceinline__ int block_min(int* red, int v) {
-  const int tid = threadIdx.x;
-  red[tid] = v;
-  __syncthreads();
-#pragma unroll 1
-  for (int s = T / 2; s > 0; s >>= 1) {
-    if (tid < s) red[tid] = min(red[tid], red[tid + s]);
-    __syncthreads();
-  }
-  const int r = red[0];
-  __syncthreads();
-  return r;
+  return block_reduce<T>(red, v, [](int a, int b) { return min(a, b); });
 }
 
 }  // namespace kmeans_detail

@@ -108,6 +108,16 @@ struct Hypers {
   HyperParam inner_p, outer_p, bandwidth;
 };
 
+// Point j of the staged tile (KS floats, 16-byte aligned) into registers.
+template <int KS>
+__device__ __forceinline__ void stage_point(const float* src, float (&dst)[KS]) {
+#pragma unroll
+  for (int q = 0; q < KS / 4; ++q) {
+    const float4 f = reinterpret_cast<const float4*>(src)[q];
+    dst[4 * q] = f.x, dst[4 * q + 1] = f.y, dst[4 * q + 2] = f.z, dst[4 * q + 3] = f.w;
+  }
+}
+
 // Points j .. j + U - 1 of the staged tile against the thread's rows, FlashAttention's way: per
 // row and column the U terms v (base 2), their maximum, the running sum rescaled once to the new
 // maximum mn (one exp2), then s += exp2(v - mn) per term: 1 + 1/U exp2 per term. NaN terms drop
@@ -121,11 +131,7 @@ __device__ __forceinline__ void pairs(const float* ys, const float* ls, int j, c
   float yj[U][KS], lj[U][C];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-#pragma unroll
-    for (int q = 0; q < KS / 4; ++q) {
-      const float4 f = reinterpret_cast<const float4*>(ys + (j + u) * KS)[q];
-      yj[u][4 * q] = f.x, yj[u][4 * q + 1] = f.y, yj[u][4 * q + 2] = f.z, yj[u][4 * q + 3] = f.w;
-    }
+    stage_point<KS>(ys + (j + u) * KS, yj[u]);
 #pragma unroll
     for (int c = 0; c < C; ++c) lj[u][c] = ls[(j + u) * C + c];
   }
@@ -262,11 +268,7 @@ __device__ __forceinline__ void pairs_lazy(const float* ys, const float* ls, int
   float yj[U][KS], lj[U][C];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-#pragma unroll
-    for (int q = 0; q < KS / 4; ++q) {
-      const float4 f = reinterpret_cast<const float4*>(ys + (j + u) * KS)[q];
-      yj[u][4 * q] = f.x, yj[u][4 * q + 1] = f.y, yj[u][4 * q + 2] = f.z, yj[u][4 * q + 3] = f.w;
-    }
+    stage_point<KS>(ys + (j + u) * KS, yj[u]);
     if constexpr (Tr::kLInY) {
       lj[u][0] = yj[u][Tr::kK];
     } else if constexpr (C == 1 && U % 4 == 0) {

@@ -152,7 +152,7 @@ def test_random_data_matches_rescore(runner, tmp_path, which):
     inner, largest = INSTANCES[which]
     dot = inner == "Dot"
     g = torch.Generator().manual_seed(which)
-    M, N, K, k, sel = 70, 500, 132, 10, 24
+    M, N, K, k, sel = 42, 500, 132, 10, 24
     centres = torch.randn(6, K, generator=g)
     spread = torch.where(torch.arange(M) % 2 == 0, 1.0, 0.02)[:, None]  # thin margins on odd rows
     x = centres[torch.randint(0, 6, (M,), generator=g)] + spread * torch.randn(M, K, generator=g)
@@ -176,7 +176,7 @@ def test_integer_ties_and_pads_are_exact(runner, tmp_path, which):
     inner, largest = INSTANCES[which]
     dot = inner == "Dot"
     g = torch.Generator().manual_seed(10 + which)
-    M, N, K, sel = 41, 300, 96, 16
+    M, N, K, sel = 25, 300, 96, 16
     x = torch.randint(-3, 4, (M, K), generator=g).float()
     y = torch.randint(-3, 4, (N, K), generator=g).float()
     y[100:110] = y[3]

@@ -202,3 +202,84 @@ def test_integer_ties_and_pads_are_exact(runner, tmp_path, which):
     v, i, ok, yn = _run(runner, tmp_path, which, x2, y2, scratch, 4, 12)
     rv, ri, rok = _oracle(x2, y2, scratch, 4, 12, yn, dot, largest)
     assert torch.equal(i, ri) and torch.equal(ok, rok) and torch.equal(v, rv) and ok.all()
+
+
+def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch):
+    """plan.topk._run_mma end to end on CPU tensors with FUSED_RESCORE off and on: the launches
+    are stood in for (topk_mma_kernel: the lists of exact values written at its pointer and
+    packed layout; topk_rescore_kernel: this runner, reading and writing the planner's pointers
+    and strides), 128 rows a launch (a short last one), strided outputs. Same indices and
+    certificates as the torch path; the uncertified rows go to the blocked path either way."""
+    import ctypes
+
+    from kermac_like.ops.knn import prepare_knn
+    from kermac_like.plan import topk as P
+    from kermac_like.runtime import launcher
+
+    g = torch.Generator().manual_seed(5)
+    M, N, K, k = 140, 900, 128, 10
+    centres = torch.randn(4, K, generator=g)
+    x = centres[torch.randint(0, 4, (M,), generator=g)] + torch.randn(M, K, generator=g)
+    y = centres[torch.randint(0, 4, (N,), generator=g)] + torch.randn(N, K, generator=g)
+    x[17] = float("nan")
+    call = prepare_knn(x, y, k)
+    monkeypatch.setattr(P, "_device_index", lambda device: 0)
+    monkeypatch.setattr(P, "_sm_count", lambda device: 1)  # 128 rows a launch: 128, 12
+    monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
+    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
+
+    def read(ptr, count, dtype):
+        return torch.frombuffer(bytearray(ctypes.string_at(ptr, count * dtype.itemsize)), dtype=dtype)
+
+    def write(ptr, t):
+        t = t.contiguous()
+        ctypes.memmove(ptr, t.data_ptr(), t.numel() * t.element_size())
+
+    launches = []
+
+    def fake_launch(spec, grid, args, debug=False):
+        launches.append(spec.kernel.split("::")[-1])
+        if spec.kernel.endswith("topk_mma_kernel"):
+            xp, _, sp, rr, n, kp = args[:6]
+            split, per = int(args[-2]), int(args[-1])
+            assert int(n) == N and int(kp) == K and split == 1 and grid == (-(-int(rr) // 128), 1, 1)
+            r0 = (xp - x.data_ptr()) // (K * 4)
+            approx = (x[r0:r0 + int(rr), None, :] - y[None]).square().sum(-1)
+            write(sp, _lists(approx, 4 * split, P.mma_sel(k), False, False))
+            return
+        assert spec == P.topk_rescore_spec(False, False) and len(args) == 22
+        sp, xp, yp, xnp, ynp, vp, ip, op, rr, n, kp, kk, sel, lists = args[:14]
+        ldx, ldy, svm, svj, sim, sij, bound_k, root = args[14:]
+        rr, sel, lists, kk = int(rr), int(sel), int(lists), int(kk)
+        assert grid == (-(-rr // 4), 1, 1) and int(ldx) == int(ldy) == K and int(root) == 1
+        assert bound_k.dtype == np.float32 and float(bound_k) == K * 2.0 ** -22
+        xs = read(xp, rr * K, torch.float32).view(rr, K)
+        fin, kin, outp = tmp_path / "in.bin", tmp_path / "keys.bin", tmp_path / "out.bin"
+        torch.cat([xs.ravel(), y.ravel(), read(xnp, rr, torch.float32), read(ynp, 1, torch.float32)]).numpy().tofile(fin)
+        read(sp, lists * rr * sel, torch.int64).numpy().tofile(kin)
+        subprocess.run([str(runner), "0", str(rr), str(N), str(K), str(kk), str(sel), str(lists), "1",
+                        repr(float(bound_k)), str(fin), str(kin), str(outp)], check=True)
+        raw = torch.from_numpy(np.fromfile(outp, dtype=np.float64))
+        v, i, ok = raw[:rr * kk].view(rr, kk).float(), raw[rr * kk:2 * rr * kk].view(rr, kk).long(), raw[2 * rr * kk:]
+        for r in range(rr):
+            for j in range(kk):
+                write(vp + (r * int(svm) + j * int(svj)) * 4, v[r, j])
+                write(ip + (r * int(sim) + j * int(sij)) * 8, i[r, j])
+        write(op, ok.to(torch.uint8))
+        certified.append(int(ok.sum()))
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    certified = []
+    out = {}
+    for fused in (False, True):
+        monkeypatch.setattr(P, "FUSED_RESCORE", fused)
+        v = torch.full((k, M), -7.0).t()  # strided outputs
+        i = torch.full((M, 2 * k), -7, dtype=torch.int64)[:, ::2]
+        P._run_mma(call, v, i, False)
+        out[fused] = v, i
+    assert launches == ["topk_mma_kernel"] * 2 + ["topk_mma_kernel", "topk_rescore_kernel"] * 2
+    assert 0 < sum(certified) < M
+    want = torch.sort((x.double()[:, None] - y.double()[None]).square().sum(-1), dim=1, stable=True).indices[:, :k]
+    keep = torch.arange(M) != 17
+    assert torch.equal(out[True][1], out[False][1]) and torch.equal(out[True][1][keep], want[keep])
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=2e-6, atol=0, equal_nan=True)

@@ -105,6 +105,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       a = cur[lane];
       b = nxt[lane];
       ra = rb = lane;
+#pragma unroll 1  // (unrolled, ptxas spilled a few bytes on sm_90)
       for (int t = 0; t < sel; ++t) {
         ra += nxt[t] < a;   // the earlier list first on ties (pads)
         rb += cur[t] <= b;
@@ -116,35 +117,33 @@ __global__ void __launch_bounds__(Traits::kThreads)
     warp_sync();
   }
 
-  // 2. Exact values, four candidates per trip (sel % 4 == 0 not needed: trips past sel are pads).
+  // 2. Exact values, four candidates per trip (trips past sel are pads; a pad's sum is replaced).
   const float* xr = x + i64(mr) * ldx;
-  float mine = kPadValue;
-  int mine_n = 0;
+  float mine = 0.f;
   for (int s0 = 0; s0 < sel; s0 += 4) {
-    int n[4];
-    bool real[4];
+    int n[4];  // the point of candidate s0 + u, -1 for a pad
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const u64 key = s0 + u < sel ? cur[s0 + u] : ~0ull;
-      real[u] = key != ~0ull;
-      const unsigned lo = unsigned(key & 0xffffffffu);
-      n[u] = lo < unsigned(N) ? int(lo) : N - 1;
+      n[u] = key == ~0ull ? -1 : int(unsigned(key & 0xffffffffu));
     }
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int c = 4 * lane; c < K; c += 128) {
       const float4 xv = *reinterpret_cast<const float4*>(xr + c);
+      float4 yv[4];  // the four loads issued before any use
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        yv[u] = n[u] >= 0 ? *reinterpret_cast<const float4*>(y + i64(n[u]) * ldy + c) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        if (!real[u]) continue;
-        const float4 yv = *reinterpret_cast<const float4*>(y + i64(n[u]) * ldy + c);
         if constexpr (kDot) {
-          acc[u] = __fmaf_rn(yv.x, xv.x, acc[u]);
-          acc[u] = __fmaf_rn(yv.y, xv.y, acc[u]);
-          acc[u] = __fmaf_rn(yv.z, xv.z, acc[u]);
-          acc[u] = __fmaf_rn(yv.w, xv.w, acc[u]);
+          acc[u] = __fmaf_rn(yv[u].x, xv.x, acc[u]);
+          acc[u] = __fmaf_rn(yv[u].y, xv.y, acc[u]);
+          acc[u] = __fmaf_rn(yv[u].z, xv.z, acc[u]);
+          acc[u] = __fmaf_rn(yv[u].w, xv.w, acc[u]);
         } else {
-          const float d0 = math::sub_rn(yv.x, xv.x), d1 = math::sub_rn(yv.y, xv.y);
-          const float d2 = math::sub_rn(yv.z, xv.z), d3 = math::sub_rn(yv.w, xv.w);
+          const float d0 = math::sub_rn(yv[u].x, xv.x), d1 = math::sub_rn(yv[u].y, xv.y);
+          const float d2 = math::sub_rn(yv[u].z, xv.z), d3 = math::sub_rn(yv[u].w, xv.w);
           acc[u] = __fmaf_rn(d0, d0, acc[u]);
           acc[u] = __fmaf_rn(d1, d1, acc[u]);
           acc[u] = __fmaf_rn(d2, d2, acc[u]);
@@ -156,12 +155,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
     for (int u = 0; u < 4; ++u) {
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) acc[u] = math::add_rn(acc[u], __shfl_xor_sync(0xffffffffu, acc[u], o));
-      if (lane == s0 + u) {
-        mine = real[u] ? acc[u] : kPadValue;
-        mine_n = n[u];
-      }
+      if (lane == s0 + u) mine = acc[u];
     }
   }
+  // This lane's candidate: a pad is +inf (-inf when largest) at N - 1, as rescore() masks them.
+  const u64 my_key = lane < sel ? cur[lane] : ~0ull;
+  if (my_key == ~0ull) mine = kPadValue;
+  const unsigned my_lo = unsigned(my_key & 0xffffffffu);
+  const int mine_n = my_lo < unsigned(N) ? int(my_lo) : N - 1;
 
   // 3. Rank by (value, index), lane order on full ties (pads); the k first to the output row.
   if (lane < sel) {
@@ -171,6 +172,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   warp_sync();
   int rank = 0;
   if (lane < sel) {
+#pragma unroll 1
     for (int t = 0; t < sel; ++t) {
       const float vt = val[t];
       const int nt = idx[t];

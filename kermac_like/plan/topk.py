@@ -222,7 +222,10 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     beyond the candidates' last, and an approximate value is within the TF32 error bound B of
     the exact one (B = 2^-8 |x| max|y| + K 2^-22 (|x|^2 + max|y|^2) for distances, 2^-9 |x|
     max|y| for dot products, plus 2^-16 of the value for the float32 rescoring). Rows that are
-    not certified (NaN rows, near-ties across the margin) are recomputed by the blocked path."""
+    not certified (NaN rows, near-ties across the margin) are recomputed by the blocked path.
+    With FUSED_RESCORE, topk_rescore_kernel does the merge, the rescoring, the order and the
+    certificate of each launch's rows in one launch (same candidates, same bound; the float32
+    sums in another order: values within a few ulps)."""
     from ..ops.knn import topk_blocked
     from ..runtime.launcher import get_kernel, launch
 

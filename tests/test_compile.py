@@ -129,3 +129,16 @@ def test_kmeans_family_compiles_without_spills(arch):
     _, resources = compiler.compile_specs(specs, arch)
     assert len(resources) == len(specs)
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in resources.values()), resources
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_topk_rescore_compiles_without_spills(arch):
+    """The fused rescoring of the tensor-core top-k (cuda_templates/topk_rescore.cuh, shipped for
+    plan.topk.FUSED_RESCORE): its four instantiations (Diff / Dot x order) compile, mirror
+    checked, with no local-memory spills."""
+    specs = [s for s in render.FAMILIES["topk"]() if s.kernel == "kermac_like::topk_rescore_kernel"]
+    assert len(specs) == 4
+    _, resources = compiler.compile_specs(specs, arch)
+    assert len(resources) == len(specs)
+    assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0 for r in resources.values()), \
+        resources

@@ -222,3 +222,42 @@ def test_nccl_two_gpus_match_one(tmp_path):
     d1, i1 = NearestNeighbors(n_neighbors=20).fit(y.cuda()).kneighbors(x.cuda())
     assert_acceptable(d2, i2, _dense(x, y, 2.0), 20, False)
     assert (i1.cpu() == i2).float().mean() > 0.999  # the same up to float32 rounding of the shards' sums
+
+
+
+@pytest.mark.parametrize("name,largest", [("l2", False), ("squared_l2", False), ("dot", True), ("l2", True)])
+@pytest.mark.parametrize("integer", [False, True])
+def test_fused_rescore_matches_torch_rescore(monkeypatch, name, largest, integer):
+    """plan.topk.FUSED_RESCORE (cuda_templates/topk_rescore.cuh) against the torch rescore() it
+    replaces, on the tensor-core path (K = 128, M = 3000, N = 20000, k = 10), also with 128 rows
+    per launch (a short last launch). Integer data (exact sums): the same indices and values,
+    bitwise. Gaussian data: the float32 sums are reduced in another order, so values agree to
+    a few ulps and indices up to swaps of such near-ties; both within issue 25's rule."""
+    from kermac_like.plan import topk as plan_topk
+
+    x, y = _data(3000, 20000, 128, seed=25)
+    if integer:
+        x, y = (x * 1.5).round(), (y * 1.5).round()
+    desc = km.preset(name)
+    dense = (x.double() @ y.double().T if name == "dot" else
+             torch.cdist(x.double(), y.double(), compute_mode=EXACT) ** (2 if name == "squared_l2" else 1))
+    calls = []
+    rescore = plan_topk.rescore
+    monkeypatch.setattr(plan_topk, "rescore", lambda *a, **kw: calls.append(1) or rescore(*a, **kw))
+    for rows_per_launch in (None, 128):
+        if rows_per_launch:
+            monkeypatch.setattr(plan_topk, "_sm_count", lambda device: 1)  # one CTA per SM: 128 rows a launch
+        out = {}
+        for fused in (False, True):
+            monkeypatch.setattr(plan_topk, "FUSED_RESCORE", fused)
+            n = len(calls)
+            out[fused] = km.kernel_topk(desc, x, y, 10, largest=largest)
+            torch.cuda.synchronize()
+            assert (len(calls) == n) == fused  # the tensor-core path, rescored by torch or by the kernel
+            assert_acceptable(*out[fused], dense, 10, largest)
+        (v1, i1), (v0, i0) = out[True], out[False]
+        if integer:
+            assert torch.equal(i1, i0) and torch.equal(v1, v0)
+        else:
+            torch.testing.assert_close(v1, v0, rtol=1e-6, atol=1e-6)  # position by position: swaps are near-ties
+            assert int((i1 != i0).any(1).sum()) <= 15  # of 3000 rows

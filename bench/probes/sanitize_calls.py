@@ -252,6 +252,26 @@ def topk_mma():
             _knn_check(x, y, k)
 
 
+def topk_rescore():
+    """topk_rescore.cuh (plan.topk.FUSED_RESCORE): topk_mma's cases with the fused rescoring,
+    and several launches of one wave (a short last one) by a small SM count."""
+    from kermac_like.plan import topk as plan_topk
+    saved, sm = plan_topk.FUSED_RESCORE, plan_topk._sm_count
+    plan_topk.FUSED_RESCORE = True
+    try:
+        g = torch.Generator(device="cuda").manual_seed(12)
+        for M, N, K in ((131, 700, 128), (5, 3000, 96), (257, 513, 200)):
+            x = torch.randn(M, K, device="cuda", generator=g)
+            y = torch.randn(N, K, device="cuda", generator=g)
+            for k in (1, 10, 16):
+                _knn_check(x, y, k)
+        plan_topk._sm_count = lambda device: 1  # 128 rows per launch
+        x = torch.randn(300, 128, device="cuda", generator=g)
+        _knn_check(x, torch.randn(900, 128, device="cuda", generator=g), 10)
+    finally:
+        plan_topk.FUSED_RESCORE, plan_topk._sm_count = saved, sm
+
+
 def logsumexp():
     """logsumexp.cuh (the fused kernel): several column chunks, a -inf weight column, a batch,
     the underflowing bandwidth, few rows (split N)."""
@@ -305,6 +325,7 @@ FAMILIES = {
     "linalg": (linalg, {}),
     "topk": (topk, {}),
     "topk_mma": (topk_mma, {}),
+    "topk_rescore": (topk_rescore, {}),
     "logsumexp": (logsumexp, {}),
     "kmeans": (kmeans, {}),
 }

@@ -3,7 +3,7 @@ correctness against a float64 oracle (the acceptance rule of tests/test_gpu_knn.
 random data with poisoned outputs, then timings of the issue's workloads beside torch's way
 (row blocks of torch.cdist + torch.topk; timed on a slice of rows and scaled).
 
-    python3 bench/probes/topk_probe.py [--quick] [--only check|time]
+    python3 bench/probes/topk_probe.py [--quick] [--only check|time|variants|mma|rescore]
 """
 
 from __future__ import annotations
@@ -244,10 +244,86 @@ def run_mma_parts():
     print(f"kernel_topk (l2, k = 10) on the same {rows} rows: {t:.2f} ms")
 
 
+def run_rescore(M=10 ** 6):
+    """plan.topk.FUSED_RESCORE (cuda_templates/topk_rescore.cuh) against the torch rescoring:
+    one launch's wave of rows against 10^6 points (D = 128, k = 10) with the rescoring alone
+    timed on the same candidate scratch (and its extra memory), then knn_d128's whole call
+    (M = N = 10^6) with the flag off and on: CUDA events, median of 3, and the peak memory
+    beyond inputs and outputs."""
+    import numpy as np
+
+    from kermac_like.plan import core
+    from kermac_like.plan import topk as P
+    from kermac_like.runtime.launcher import get_kernel, launch
+    from kermac_like.runtime.specs.topk import RESCORE_WARPS, mma_sel, topk_mma_spec, topk_rescore_spec
+
+    dev = torch.device("cuda")
+    N, K, k = 10 ** 6, 128, 10
+    rows = core._sm_count(0) * 128
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(rows, K, device=dev, generator=g)
+    y = torch.randn(N, K, device=dev, generator=g)
+    sel = mma_sel(k)
+    kern = get_kernel(topk_mma_spec(False, False, k), 0)
+    split = 1
+    scratch = torch.empty((4 * split, rows, sel), dtype=torch.int64, device=dev)
+    launch(kern, (rows // 128, split, 1), (x.data_ptr(), y.data_ptr(), scratch.data_ptr(), np.int32(rows), np.int32(N),
+                                           np.int32(K), np.int64(K), np.int64(K), np.int32(1), np.int32(1), np.int32(1),
+                                           *(np.int64(0),) * 6, np.int32(split), np.int32(-(-N // 256))))
+    ynorm = torch.linalg.vector_norm(y, dim=1).max()
+    out = {f: (torch.empty(rows, k, device=dev), torch.empty(rows, k, dtype=torch.int64, device=dev),
+               torch.empty(rows, dtype=torch.bool, device=dev)) for f in (False, True)}
+    fused_k = get_kernel(topk_rescore_spec(False, False), 0)
+    flags = torch.empty(rows, dtype=torch.uint8, device=dev)
+
+    def torch_path():
+        v, i, ok = out[False]
+        idx, pad, last = P.merged_candidates(scratch, sel, N, False, False)
+        for s0 in range(0, rows, P.RESCORE_ROWS):
+            s1 = min(rows, s0 + P.RESCORE_ROWS)
+            vv, ii, oo = P.rescore(x[s0:s1], y, idx[s0:s1], pad[s0:s1], last[s0:s1], ynorm, k, dot=False,
+                                   largest=False)
+            v[s0:s1], i[s0:s1], ok[s0:s1] = vv.sqrt(), ii, oo
+
+    def fused_path():
+        v, i, ok = out[True]
+        xn = torch.linalg.vector_norm(x, dim=1)
+        launch(fused_k, (-(-rows // RESCORE_WARPS), 1, 1),
+               (scratch.data_ptr(), x.data_ptr(), y.data_ptr(), xn.data_ptr(), ynorm.data_ptr(), v.data_ptr(),
+                i.data_ptr(), flags.data_ptr(), np.int32(rows), np.int32(N), np.int32(K), np.int32(k), np.int32(sel),
+                np.int32(4 * split), np.int64(K), np.int64(K), np.int64(k), np.int64(1), np.int64(k), np.int64(1),
+                np.float32(K * 2.0 ** -22), np.int32(1)))
+        ok.copy_(flags != 0)
+
+    for name, fn in (("torch rescore()", torch_path), ("topk_rescore_kernel", fused_path)):
+        fn()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t = time_ms(fn, reps=3)
+        extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        print(f"{name}: {t:.2f} ms per launch of {rows} rows (kSel {sel}, {4 * split} lists), {extra:.1f} MiB extra")
+    (v0, i0, o0), (v1, i1, o1) = out[False], out[True]
+    print(f"  same indices in {int((i0 == i1).all(1).sum())} of {rows} rows, same certificates in "
+          f"{int((o0 == o1).sum())}, certified {int(o1.sum())}; max |dv|/v {float(((v1 - v0).abs() / v0).max()):.2e}")
+    del x, scratch, out
+    xm = torch.randn(M, K, device=dev, generator=g)
+    for flag in (False, True):
+        P.FUSED_RESCORE = flag
+        fused(km.PRESETS["l2"], xm[:rows], y, k, False)  # compiled and warm
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t = time_ms(lambda: km.knn(xm, y, k), reps=3, warm=0)
+        extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        print(f"knn_d128 M = N = 10^6, k = 10, FUSED_RESCORE={flag}: {t:.0f} ms, peak {extra:.0f} MiB beyond inputs "
+              f"(outputs {M * k * 12 / 2 ** 20:.0f} MiB included)")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["check", "time", "variants", "mma"])
+    ap.add_argument("--only", choices=["check", "time", "variants", "mma", "rescore"])
     ap.add_argument("--cases", default="", help="comma-separated timing rows (default: all)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(0))
@@ -260,4 +336,6 @@ if __name__ == "__main__":
         run_variants()
     if a.only == "mma":
         run_mma_parts()
+    if a.only == "rescore":
+        run_rescore()
     print(f"total {time.time() - t0:.1f} s")

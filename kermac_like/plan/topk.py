@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import numpy as np
 import torch
 
 from ..layout import batch_strides, plan_batch
 from ..descriptor import PRESETS
-from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, mma_sel,
-                                  topk_combine_spec, topk_mma_spec, topk_spec)
+from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, RESCORE_WARPS,
+                                  mma_sel, topk_combine_spec, topk_mma_spec, topk_rescore_spec, topk_spec)
 from .core import HYPERS, Launch, Plan, _add_hyper_tensors, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     choose_split
 
@@ -125,6 +126,10 @@ def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = F
 # -- K > MAX_K: candidates on tensor cores, rescored exactly -------------------------------------
 _MMA_DESCS = (PRESETS["l2"], PRESETS["squared_l2"], PRESETS["dot"])
 RESCORE_ROWS = 1024  # rows per rescoring block: (rows, kSel, K) gathered float32 points
+# The candidates rescored by topk_rescore_kernel (cuda_templates/topk_rescore.cuh: lists merged,
+# values, order and certificate in one launch, no gathered temporary) instead of rescore()'s
+# torch blocks. Off by default until timed on a GPU (bench/notes/knn.md, "Fused rescoring").
+FUSED_RESCORE = os.environ.get("KERMAC_LIKE_TOPK_FUSED_RESCORE", "0") not in ("", "0")
 _FLIP = -(1 << 63)  # the scratch keys' top bit (int64 order = key order)
 
 
@@ -196,6 +201,19 @@ def rescore(xs: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, pad: torch.Ten
     return ev, ii, ok | pad.any(1)
 
 
+def merged_candidates(cand: torch.Tensor, sel: int, N: int, dot: bool, largest: bool) -> tuple:
+    """Each row's kSel first candidates over topk_mma_kernel's lists ``cand`` (lists, rows, kSel)
+    (keys, top bit flipped): their indices (rows, kSel) (pads: N - 1), which are pads (lists
+    shorter than kSel: N small, every point a candidate), and the approximate value of the last."""
+    rr = cand.shape[1]
+    cand = cand.permute(1, 0, 2).reshape(rr, -1)
+    top = torch.topk(cand, sel, dim=1, largest=False, sorted=True).values ^ _FLIP  # (rr, sel) keys
+    pad = top == -1
+    idx = (top & 0xFFFFFFFF).clamp_max(N - 1)
+    last = _decode((top[:, -1] >> 32) & 0xFFFFFFFF, dot, largest)
+    return idx, pad, last
+
+
 def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     """Per launch of one wave of row tiles: topk_mma_kernel's candidate lists (kSel per row,
     TF32 dot products), their values recomputed in float32 by direct differences (as the
@@ -204,7 +222,10 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     beyond the candidates' last, and an approximate value is within the TF32 error bound B of
     the exact one (B = 2^-8 |x| max|y| + K 2^-22 (|x|^2 + max|y|^2) for distances, 2^-9 |x|
     max|y| for dot products, plus 2^-16 of the value for the float32 rescoring). Rows that are
-    not certified (NaN rows, near-ties across the margin) are recomputed by the blocked path."""
+    not certified (NaN rows, near-ties across the margin) are recomputed by the blocked path.
+    With FUSED_RESCORE, topk_rescore_kernel does the merge, the rescoring, the order and the
+    certificate of each launch's rows in one launch (same candidates, same bound; the float32
+    sums in another order: values within a few ulps)."""
     from ..ops.knn import topk_blocked
     from ..runtime.launcher import get_kernel, launch
 
@@ -225,6 +246,12 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     split = -(-n_tiles // per)
     scratch = torch.empty((4 * split, rows, sel), dtype=torch.int64, device=call.device)
     ynorm = torch.linalg.vector_norm(call.y.float(), dim=1).max()
+    fused = flags = None
+    if FUSED_RESCORE:  # the rows' certificates (uint8) of the fused rescoring
+        fused = get_kernel(topk_rescore_spec(dot, largest), device, debug=debug)
+        flags = torch.empty(M, dtype=torch.uint8, device=call.device)
+        svm, svj = values.stride()
+        sim, sij = indices.stride()
     if debug:
         log.debug("topk %r: M=%d N=%d K=%d k=%d on tensor cores: %d rows per launch, grid (%d, %d), %d y tiles per "
                   "split, %d candidates per row", call.desc, M, N, K, k, rows, m_tiles, split, per, sel)
@@ -235,11 +262,18 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
                 np.int32(Kp), np.int64(Kp), np.int64(Kp), np.int32(1), np.int32(1), np.int32(1),
                 *(np.int64(0),) * 6, np.int32(split), np.int32(per))
         launch(kernel, (-(-rr // MMA_BLOCK_M), split, 1), args, debug=debug)
-        cand = scratch[:, :rr].permute(1, 0, 2).reshape(rr, 4 * split * sel)
-        top = torch.topk(cand, sel, dim=1, largest=False, sorted=True).values ^ _FLIP  # (rr, sel) keys
-        pad = top == -1  # lists shorter than kSel (N small): every point is a candidate
-        idx = (top & 0xFFFFFFFF).clamp_max(N - 1)
-        last = _decode((top[:, -1] >> 32) & 0xFFFFFFFF, dot, largest)
+        if fused is not None:
+            xn = torch.linalg.vector_norm(call.x[r0:r0 + rr], dim=1)
+            launch(fused, (-(-rr // RESCORE_WARPS), 1, 1),
+                   (scratch.data_ptr(), x.data_ptr() + r0 * Kp * 4, y.data_ptr(), xn.data_ptr(), ynorm.data_ptr(),
+                    values.data_ptr() + r0 * svm * 4, indices.data_ptr() + r0 * sim * 8, flags.data_ptr() + r0,
+                    np.int32(rr), np.int32(N), np.int32(Kp), np.int32(k), np.int32(sel), np.int32(4 * split),
+                    np.int64(Kp), np.int64(Kp), np.int64(svm), np.int64(svj), np.int64(sim), np.int64(sij),
+                    np.float32(K * 2.0 ** -22), np.int32(call.desc == PRESETS["l2"])), debug=debug)
+            continue
+        # the kernel's layout is [4 * split][rr][sel]: a short last launch packs its lists
+        lists = scratch.view(-1)[:4 * split * rr * sel].view(4 * split, rr, sel)
+        idx, pad, last = merged_candidates(lists, sel, N, dot, largest)
         for s0 in range(0, rr, RESCORE_ROWS):
             s1 = min(rr, s0 + RESCORE_ROWS)
             v, ii, ok = rescore(call.x[r0 + s0:r0 + s1], call.y, idx[s0:s1], pad[s0:s1], last[s0:s1], ynorm, k,
@@ -247,7 +281,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
             values[r0 + s0:r0 + s1] = v.sqrt() if call.desc == PRESETS["l2"] else v
             indices[r0 + s0:r0 + s1] = ii
             bad.append((~ok).nonzero().squeeze(1) + (r0 + s0))
-    bad = torch.cat(bad)
+    bad = (flags == 0).nonzero().squeeze(1) if fused is not None else torch.cat(bad)
     if bad.numel():  # (one host synchronisation per call) the rows the bound does not certify
         sub = dataclasses.replace(call, x=call.x[bad], M=int(bad.numel()))
         v = torch.empty((sub.M, k), dtype=values.dtype, device=values.device)

@@ -16,7 +16,8 @@ from ...descriptor import PRESETS, KernelDescriptor
 from .kernel_spec import CPP_TYPES, KernelSpec, LaunchShape, bucket
 
 __all__ = ["K_BUCKETS", "SEL_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "MMA_MAX_SELECT", "k_bucket",
-           "sel_bucket", "mma_sel", "rows_per_thread", "topk_spec", "topk_combine_spec", "topk_mma_spec", "shipped"]
+           "sel_bucket", "mma_sel", "rows_per_thread", "topk_spec", "topk_combine_spec", "topk_mma_spec", "topk_rescore_spec",
+           "shipped"]
 
 THREADS = 128
 CAP = 16  # TopkTraits::kCap of the lists in memory (kSel = 0)
@@ -120,6 +121,20 @@ def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32") -> 
     return KernelSpec("topk_mma.cuh", "kermac_like::topk_mma_kernel", traits, shape)
 
 
+RESCORE_WARPS = 4  # TopkRescoreTraits::kWarps: rows per CTA, one warp each
+RESCORE_MAX_SEL = 32  # TopkRescoreTraits::kMaxSel: candidates per row, one a lane
+
+
+def topk_rescore_spec(dot: bool, largest: bool) -> KernelSpec:
+    """The fused exact rescoring of topk_mma_kernel's candidates (cuda_templates/topk_rescore.cuh):
+    one per inner operator and order; kSel, k and the square root (l2) are arguments, so four
+    instantiations serve every k <= MMA_MAX_SELECT of l2, squared_l2 and dot."""
+    traits = f"kermac_like::TopkRescoreTraits<kermac_like::Inner::{'Dot' if dot else 'Diff'}, {str(bool(largest)).lower()}>"
+    shape = LaunchShape(threads=32 * RESCORE_WARPS, block_m=RESCORE_WARPS, block_n=RESCORE_MAX_SEL,
+                        smem_bytes=RESCORE_WARPS * RESCORE_MAX_SEL * 24)
+    return KernelSpec("topk_rescore.cuh", "kermac_like::topk_rescore_kernel", traits, shape)
+
+
 def shipped():
     """The instantiations the public calls reach for common inputs: knn (l2, l1) at the point-
     cloud and embedding sizes, with their split merges, and kernel_topk of the Laplace and
@@ -140,3 +155,6 @@ def shipped():
         yield topk_combine_spec(PRESETS["l2"], dt, False)
     yield topk_mma_spec(False, False, 10)  # knn at K > 64
     yield topk_mma_spec(True, True, 10)  # the largest dot products
+    for dot in (False, True):  # their fused rescoring (plan.topk.FUSED_RESCORE): every k <= 16, either order
+        for largest in (False, True):
+            yield topk_rescore_spec(dot, largest)

@@ -261,3 +261,17 @@ def test_fused_rescore_matches_torch_rescore(monkeypatch, name, largest, integer
         else:
             torch.testing.assert_close(v1, v0, rtol=1e-6, atol=1e-6)  # position by position: swaps are near-ties
             assert int((i1 != i0).any(1).sum()) <= 15  # of 3000 rows
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_tensor_core_path_over_several_launches(monkeypatch, fused):
+    """K > 64: more rows than one launch of topk_mma_kernel takes (SMs x 128 rows), so the last
+    launch is short; its lists are packed at its own row count (the bug fixed in session 9 read
+    them at the full launch's stride). Every row against float64, both rescoring paths."""
+    from kermac_like.plan import topk as plan_topk
+
+    monkeypatch.setattr(plan_topk, "FUSED_RESCORE", fused)
+    rows = torch.cuda.get_device_properties(0).multi_processor_count * 128
+    x, y = _data(rows + 777, 1500, 96, seed=96)
+    v, i = km.knn(x, y, 10)
+    assert_acceptable(v, i, _dense(x, y, 2.0), 10, False)

@@ -24,6 +24,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "descriptor_traits.cuh"
 #include "storage16.cuh"
 #include "math.cuh"
 
@@ -40,25 +41,13 @@ namespace kermac_like {
 // kUnrollJ_ / kRows_: 0 (the defaults below) or the points per trip / rows per thread.
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
           int kVariant_ = 0, int kUnrollJ_ = 0, int kRows_ = 0>
-struct LseTraits {
+struct LseTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogue_, T_> {
   static_assert(kInner_ == Inner::Diff, "LseTraits: phi is a distance (Inner::Diff)");
-  static_assert(kInnerPow_ != Power::Noop && kInnerPow_ != Power::Sqrt,
-                "LseTraits: inner power Abs, Square or Pow");
-  static_assert(kOuterPow_ != Power::Abs && kOuterPow_ != Power::Square,
-                "LseTraits: outer power must be Noop, Sqrt or Pow");
   static_assert(kEpilogue_ == Epilogue::Laplace || kEpilogue_ == Epilogue::Gaussian,
                 "LseTraits: the kernel is exp(-phi): Epilogue::Laplace or Epilogue::Gaussian");
-  static_assert(SameType<T_, float>::value || SameType<T_, float16>::value ||
-                    SameType<T_, bfloat16>::value,
-                "LseTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");
   static_assert(kK_ >= 1 && kK_ <= 64, "LseTraits: kK is the padded K, 1..64");
   static_assert(kC_ >= 1 && kC_ <= 8, "LseTraits: kC is 1..8 columns");
 
-  using T = T_;
-  static constexpr Inner kInner = kInner_;
-  static constexpr Power kInnerPow = kInnerPow_;
-  static constexpr Power kOuterPow = kOuterPow_;
-  static constexpr Epilogue kEpilogue = kEpilogue_;
   static constexpr int kK = kK_;
   static constexpr int kC = kC_;
   // phi from the sum of squares itself (no square root, then no square).

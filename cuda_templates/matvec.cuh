@@ -48,6 +48,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "descriptor_traits.cuh"
 #include "storage16.cuh"
 #include "math.cuh"
 
@@ -104,18 +105,7 @@ __host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
           bool kExpand_ = false, int kPolyRows_ = 0, int kUnrollJ_ = 0, int kPolyPairs_ = -1,
           bool kPrefetch_ = false, class TOut_ = T_>
-struct MatvecTraits {
-  static_assert(kInner_ != Inner::Dot || (kInnerPow_ == Power::Noop && kOuterPow_ == Power::Noop &&
-                                          kEpilogue_ == Epilogue::None),
-                "MatvecTraits: Inner::Dot takes Noop powers and Epilogue::None");
-  static_assert(kInner_ != Inner::Diff || kInnerPow_ != Power::Noop,
-                "MatvecTraits: Inner::Diff requires an inner power (Abs, Square or Pow)");
-  static_assert(kInnerPow_ != Power::Sqrt, "MatvecTraits: inner power Power::Sqrt is not supported");
-  static_assert(kOuterPow_ != Power::Abs && kOuterPow_ != Power::Square,
-                "MatvecTraits: outer power must be Noop, Sqrt or Pow");
-  static_assert(SameType<T_, float>::value || SameType<T_, float16>::value ||
-                    SameType<T_, bfloat16>::value,
-                "MatvecTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");
+struct MatvecTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogue_, T_> {
   static_assert(kK_ >= 0 && kK_ <= 32, "MatvecTraits: kK is 0 (any K) or the padded K, at most 32");
   static_assert(kC_ == 1 || kC_ == 2 || kC_ == 4 || kC_ == 8 || kC_ == 16, "MatvecTraits: kC is 1, 2, 4, 8 or 16");
   static_assert(!kExpand_ || (kInner_ == Inner::Diff && kInnerPow_ == Power::Square &&
@@ -127,16 +117,11 @@ struct MatvecTraits {
 
   static_assert(SameType<TOut_, T_>::value || SameType<TOut_, double>::value,
                 "MatvecTraits: TOut must be T or double");
-  using T = T_;
   using TOut = TOut_;
   using TPart = typename matvec_detail::PartOf<TOut_>::type;  // split partial sums
   using TW = TPart;  // v as staged and the per-tile partial sums: float, or double (float64 mode)
   using TVIn = typename matvec_detail::VOf<TOut_, T_>::type;   // v in memory: T or double
   static constexpr bool kWide = SameType<TOut_, double>::value;
-  static constexpr Inner kInner = kInner_;
-  static constexpr Power kInnerPow = kInnerPow_;
-  static constexpr Power kOuterPow = kOuterPow_;
-  static constexpr Epilogue kEpilogue = kEpilogue_;
   static constexpr int kK = kK_;
   static constexpr int kC = kC_;
   static constexpr bool kExpand = kExpand_;

@@ -38,6 +38,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "descriptor_traits.cuh"
 #include "storage16.cuh"
 #include "math.cuh"
 
@@ -51,26 +52,10 @@ typedef unsigned long long u64;
 // kRows_ rows per thread (1, 2 or 4); kUnrollJ_ points per trip of the pair loop (1, 2 or 4).
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_,
           bool kLargest_, int kSel_ = 0, int kRows_ = 0, int kUnrollJ_ = 0>
-struct TopkTraits {
-  static_assert(kInner_ != Inner::Dot || (kInnerPow_ == Power::Noop && kOuterPow_ == Power::Noop &&
-                                          kEpilogue_ == Epilogue::None),
-                "TopkTraits: Inner::Dot takes Noop powers and Epilogue::None");
-  static_assert(kInner_ != Inner::Diff || kInnerPow_ != Power::Noop,
-                "TopkTraits: Inner::Diff requires an inner power (Abs, Square or Pow)");
-  static_assert(kInnerPow_ != Power::Sqrt, "TopkTraits: inner power Power::Sqrt is not supported");
-  static_assert(kOuterPow_ != Power::Abs && kOuterPow_ != Power::Square,
-                "TopkTraits: outer power must be Noop, Sqrt or Pow");
-  static_assert(SameType<T_, float>::value || SameType<T_, float16>::value ||
-                    SameType<T_, bfloat16>::value,
-                "TopkTraits: T must be float, kermac_like::float16 or kermac_like::bfloat16");
+struct TopkTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogue_, T_> {
   static_assert(kK_ >= 1 && kK_ <= 64, "TopkTraits: kK is the padded K, 1..64");
   static_assert(kSel_ >= 0 && kSel_ <= 32, "TopkTraits: kSel is 0 (lists in memory) or 1..32 (in registers)");
 
-  using T = T_;
-  static constexpr Inner kInner = kInner_;
-  static constexpr Power kInnerPow = kInnerPow_;
-  static constexpr Power kOuterPow = kOuterPow_;
-  static constexpr Epilogue kEpilogue = kEpilogue_;
   static constexpr int kK = kK_;
   static constexpr bool kLargest = kLargest_;
   // Values ordered by the sum itself (no epilogue: the outer power is monotone).

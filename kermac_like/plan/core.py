@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..layout import batch_strides
+from ..layout import batch_strides, plan_batch
 
 __all__ = ["HYPERS", "Settings", "Launch", "Plan", "choose_split", "MATVEC_SCRATCH_BYTES"]
 
@@ -146,6 +146,18 @@ def choose_split(m_tiles: int, n_tiles: int, slots: int, max_split: int) -> int:
         if eff >= 0.97:
             break
     return best
+
+
+def batch_plan(call, tensors: dict, *, extra_strides: dict | None = None, skip=()) -> tuple:
+    """A fused kernel's batch set-up: the call's hyper-parameters (tensors as float32; those named
+    in ``skip`` left out), the batch strides of ``tensors`` (then ``extra_strides``, then the tensor
+    hyper-parameters, which join ``tensors``) and their batch plan: (hypers, strides, plan)."""
+    hypers = {k: (h.float() if isinstance(h, torch.Tensor) and h.dtype != torch.float32 else h)
+              for k, h in call.hypers.items() if k not in skip}
+    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
+    strides.update(extra_strides or {})
+    _add_hyper_tensors(call, hypers, tensors, strides)
+    return hypers, strides, plan_batch(call.batch, strides)
 
 
 def _add_hyper_tensors(call, hypers: dict, tensors: dict, strides: dict) -> None:

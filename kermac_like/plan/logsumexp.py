@@ -21,9 +21,8 @@ import os
 import numpy as np
 import torch
 
-from ..layout import batch_strides, plan_batch
 from ..runtime.specs.logsumexp import MAX_C, MAX_K, MAX_SPLIT, c_bucket, lse_combine_spec, lse_spec
-from .core import HYPERS, Launch, Plan, _add_hyper_tensors, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
+from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     choose_split
 
 log = logging.getLogger("kermac_like.logsumexp")
@@ -53,12 +52,8 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
     device = _device_index(call.a.device)
     M, N, K, C = call.M, call.N, call.K, lw.shape[-1]
     dtype = call.a.dtype
-    hypers = {k: (h.float() if isinstance(h, torch.Tensor) and h.dtype != torch.float32 else h)
-              for k, h in call.hypers.items() if k != "regularization"}
     tensors = {"x": call.a, "y": call.b, "lw": lw, "out": out}
-    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
-    _add_hyper_tensors(call, hypers, tensors, strides)
-    bplan = plan_batch(call.batch, strides)
+    hypers, strides, bplan = batch_plan(call, tensors, skip=("regularization",))
     L = bplan.count
     spec = lse_spec(call.desc, dtype, K, min(C, MAX_C))
     if L == 0 or M == 0 or C == 0:

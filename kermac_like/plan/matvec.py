@@ -11,7 +11,6 @@ import math
 import numpy as np
 import torch
 
-from ..layout import batch_strides, plan_batch
 from .. import torch_path
 from ..runtime.specs.matvec import MAX_C, combine_spec, matvec_spec, part_bytes
 from .core import (
@@ -20,7 +19,7 @@ from .core import (
     Launch,
     Plan,
     Settings,
-    _add_hyper_tensors,
+    batch_plan,
     _blocks_per_sm,
     _device_index,
     _gpu_ok,
@@ -111,13 +110,9 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
 
     om = out.unsqueeze(-1) if call.vector else out
     device = _device_index(call.device)
-    hypers = {k: (h.float() if isinstance(h, torch.Tensor) and h.dtype != torch.float32 else h)
-              for k, h in call.hypers.items()}
     v = call.v.to(torch.float64) if wide_out else call.v  # the float64 mode reads v as float64
     tensors = {"x": call.x, "y": call.y, "v": v, "out": om}
-    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
-    _add_hyper_tensors(call, hypers, tensors, strides)
-    bplan = plan_batch(call.batch, strides)
+    hypers, strides, bplan = batch_plan(call, tensors)
     L = bplan.count
     M, N, K = call.M, call.N, call.K
     if L == 0 or M == 0 or call.C == 0:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..descriptor import KernelDescriptor
-from ..layout import batch_strides, plan_batch
+from ..layout import batch_strides
 from ..runtime.specs.matvec import MAX_C, c_bucket, combine_spec
 from ..runtime.specs import wgmma_prepare_needs, wgmma_prepare_spec
 from ..runtime.specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
@@ -22,7 +22,7 @@ from .core import (
     Launch,
     Plan,
     Settings,
-    _add_hyper_tensors,
+    batch_plan,
     _device_index,
     _reference_plan,
     _sm_count,
@@ -105,15 +105,10 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
         px = _pad_k(x, Kp).contiguous()
         x, y = px, (px if _same_memory(x, y) else _pad_k(y, Kp).contiguous())
     self_on = _same_memory(x, y)
-    hypers = {k: (h.float() if isinstance(h, torch.Tensor) and h.dtype != torch.float32 else h)
-              for k, h in call.hypers.items()}
     tensors = {"a": x, "b": y, "out": om}
-    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
     vb = tuple(call.v.shape[:-2])
     unit = torch.empty(vb, device="meta").stride() if vb else ()  # v tiles: one unit per entry
-    strides["v"] = batch_strides(call.batch, vb, unit)
-    _add_hyper_tensors(call, hypers, tensors, strides)
-    bplan = plan_batch(call.batch, strides)
+    hypers, strides, bplan = batch_plan(call, tensors, extra_strides={"v": batch_strides(call.batch, vb, unit)})
     Lk = bplan.count
     offsets = {k: list(bplan.outer_offsets(k)) for k in strides}
     tf32 = settings.tf32

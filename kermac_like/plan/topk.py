@@ -25,11 +25,10 @@ import os
 import numpy as np
 import torch
 
-from ..layout import batch_strides, plan_batch
 from ..descriptor import PRESETS
 from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, RESCORE_WARPS,
                                   mma_sel, topk_combine_spec, topk_mma_spec, topk_rescore_spec, topk_spec)
-from .core import HYPERS, Launch, Plan, _add_hyper_tensors, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
+from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     choose_split
 
 log = logging.getLogger("kermac_like.topk")
@@ -60,12 +59,8 @@ def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = F
     device = _device_index(call.device)
     spec = topk_spec(call.desc, call.dtype, call.K, call.largest, call.k)
     kernel = get_kernel(spec, device, debug=debug)
-    hypers = {k: (h.float() if isinstance(h, torch.Tensor) and h.dtype != torch.float32 else h)
-              for k, h in call.hypers.items() if k != "regularization"}
     tensors = {"x": call.x, "y": call.y, "values": values, "indices": indices}
-    strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()}
-    _add_hyper_tensors(call, hypers, tensors, strides)
-    bplan = plan_batch(call.batch, strides)
+    hypers, strides, bplan = batch_plan(call, tensors, skip=("regularization",))
     L = bplan.count
     M, N, K, k = call.M, call.N, call.K, call.k
     if L == 0 or M == 0:

@@ -122,6 +122,19 @@ def _feature_names(X):
     return names if len(names) and all(isinstance(c, str) for c in names) else None
 
 
+def check_n_features(estimator, n_features: int, *, reset: bool, forget_names: bool = False) -> None:
+    """scikit-learn's n_features_in_ protocol where its validate_data does not run (tensors, or no
+    scikit-learn): ``fit`` (reset=True) stores it (``forget_names``: and drops feature_names_in_,
+    which a tensor has none of); later calls need the same number of features."""
+    if reset:
+        estimator.n_features_in_ = int(n_features)
+        if forget_names:
+            estimator.__dict__.pop("feature_names_in_", None)
+    elif n_features != estimator.n_features_in_:
+        raise ValueError(f"X has {n_features} features, but {type(estimator).__name__} is expecting "
+                         f"{estimator.n_features_in_} features as input.")
+
+
 def check_feature_names(estimator, X, *, reset: bool) -> None:
     """scikit-learn's feature-name protocol: ``fit`` (reset=True) stores the columns of a data frame
     in ``feature_names_in_``; later calls check that X has the same ones (an error when they differ,

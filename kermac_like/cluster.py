@@ -31,7 +31,8 @@ import warnings
 import numpy as np
 import torch
 
-from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, TransformerMixin, check_is_fitted)
+from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, TransformerMixin, check_is_fitted,
+                         check_n_features)
 from .ops.knn import knn
 
 try:
@@ -425,12 +426,7 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         (n_features_in_, feature names, its messages); tensors here."""
         if _is_tensor(X):
             Xt = _check_tensor_X("X", X)
-            if reset:
-                self.n_features_in_ = int(Xt.shape[1])
-                self.__dict__.pop("feature_names_in_", None)
-            elif Xt.shape[1] != self.n_features_in_:
-                raise ValueError(f"X has {Xt.shape[1]} features, but {type(self).__name__} is expecting "
-                                 f"{self.n_features_in_} features as input.")
+            check_n_features(self, Xt.shape[1], reset=reset, forget_names=True)
             return Xt, True
         if HAVE_SKLEARN:
             from sklearn.utils.validation import validate_data
@@ -445,11 +441,7 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             if Xa.dtype not in (np.float32, np.float64):
                 Xa = Xa.astype(np.float64)
             Xt = _check_tensor_X("X", torch.from_numpy(np.ascontiguousarray(Xa)))
-            if reset:
-                self.n_features_in_ = int(Xa.shape[1])
-            elif Xa.shape[1] != self.n_features_in_:
-                raise ValueError(f"X has {Xa.shape[1]} features, but {type(self).__name__} is expecting "
-                                 f"{self.n_features_in_} features as input.")
+            check_n_features(self, Xa.shape[1], reset=reset)
         Xa = np.ascontiguousarray(Xa)
         return torch.from_numpy(Xa if Xa.flags.writeable else Xa.copy()), False
 

@@ -25,7 +25,8 @@ import numbers
 import numpy as np
 import torch
 
-from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClassifierMixin, RegressorMixin, check_is_fitted)
+from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClassifierMixin, RegressorMixin, check_is_fitted,
+                         check_n_features)
 from .ops.knn import knn, merge_order
 from .solvers._dist import Comm
 
@@ -102,12 +103,7 @@ class _KNeighborsBase(BaseEstimator):
         validate_data (n_features_in_, feature names, its messages); tensors here."""
         if _is_tensor(X):
             Xt = _tensor_X("X", X)
-            if reset:
-                self.n_features_in_ = int(Xt.shape[1])
-                self.__dict__.pop("feature_names_in_", None)
-            elif Xt.shape[1] != self.n_features_in_:
-                raise ValueError(f"X has {Xt.shape[1]} features, but {type(self).__name__} is expecting "
-                                 f"{self.n_features_in_} features as input.")
+            check_n_features(self, Xt.shape[1], reset=reset, forget_names=True)
             if y is not None:
                 if not _is_tensor(y):
                     y = np.asarray(y)
@@ -130,11 +126,7 @@ class _KNeighborsBase(BaseEstimator):
                 raise ValueError(f"Expected 2D array, got {Xa.ndim}D array instead")
             if not np.isfinite(Xa).all():
                 raise ValueError("Input X contains NaN or infinity.")
-            if reset:
-                self.n_features_in_ = int(Xa.shape[1])
-            elif Xa.shape[1] != self.n_features_in_:
-                raise ValueError(f"X has {Xa.shape[1]} features, but {type(self).__name__} is expecting "
-                                 f"{self.n_features_in_} features as input.")
+            check_n_features(self, Xa.shape[1], reset=reset)
             if y is not None:
                 y = np.asarray(y)
         Xa = np.ascontiguousarray(Xa)

@@ -54,6 +54,11 @@ BLOCK_ELEMENTS_CPU = 1 << 21
 BLOCK_ELEMENTS_GPU = 1 << 25
 # Columns of one block at least (more when M is small, so that few rows see all of N at once).
 MIN_BLOCK_COLUMNS = 4096
+# GPU blocks take at most this many bytes of y per block (float32, K coordinates), so that the
+# distance kernels' own copies of a block (the wgmma path's prepared b, 8 bytes per coordinate;
+# k-major copies) stay small when few rows see all of y, as the uncertified rows of the
+# tensor-core path do (one block of all 10^6 points at K = 128 prepared 1 GB).
+GPU_BLOCK_Y_BYTES = 8 << 20
 # Elements (rows x k x K over the batch) of one gathered block in the backward.
 BACKWARD_BLOCK_ELEMENTS = 1 << 22
 
@@ -315,12 +320,15 @@ def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_eleme
     """The top-k of a validated call by blocks: writes ``values`` and ``indices`` (checked by the
     caller). Memory beyond inputs and outputs: one block of at most ``block_elements`` values
     (BLOCK_ELEMENTS_CPU / _GPU by device) with its masks, each row block's running top-k, and
-    the block's rows of x and y in the work dtype (float64 on a CPU)."""
+    the block's rows of x and y in the work dtype (float64 on a CPU; on a GPU at most
+    GPU_BLOCK_Y_BYTES of y per block, so that the distance kernels' copies of it stay small)."""
     work = _work_dtype(call)
     budget = block_elements or (BLOCK_ELEMENTS_GPU if call.device.type == "cuda" else BLOCK_ELEMENTS_CPU)
     B = math.prod(call.batch) if call.batch else 1
     M, N, K, k = call.M, call.N, call.K, call.k
     nb = min(N, max(k, MIN_BLOCK_COLUMNS, budget // max(1, B * M)))
+    if call.device.type == "cuda":
+        nb = min(nb, max(k, MIN_BLOCK_COLUMNS, GPU_BLOCK_Y_BYTES // (4 * max(1, K))))
     mb = max(1, min(M, budget // max(1, B * nb)))
     x = call.x.expand(*call.batch, M, K)
     y = call.y.expand(*call.batch, N, K)

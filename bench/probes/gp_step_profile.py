@@ -108,6 +108,18 @@ def step(n_small=None):
 
 step(4096)  # compile
 calls.clear()
+if len(sys.argv) > 2 and sys.argv[2] == "profile":  # torch.profiler tables of one step, then stop
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    with profile(activities=acts, profile_memory=True) as prof:
+        step()
+    key = "self_cuda_time_total" if CUDA else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="self_cuda_memory_usage" if CUDA else "self_cpu_memory_usage",
+                                    row_limit=12, max_name_column_width=70))
+    sys.exit(0)
 tf, tb, pf, pb, loss = step()
 print(f"N={N}: forward {tf:.2f} s (peak extra {pf:.0f} MB), backward {tb:.2f} s (peak extra {pb:.0f} MB), loss {loss:.6f}")
 agg = collections.defaultdict(lambda: [0, 0.0])

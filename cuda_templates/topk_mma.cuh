@@ -23,8 +23,10 @@
 namespace kermac_like {
 
 // kInner_: Diff (squared l2 distances) or Dot; kPrecision_: Tf32 (candidates) or Tf32x3;
-// kSel_: list length per (row, quarter), 8 to 24.
-template <Inner kInner_, Precision kPrecision_, bool kLargest_, int kSel_>
+// kSel_: list length per (row, quarter), 8 to 24; kPipelined_: topk_mma_pipelined_kernel (v3,
+// below: the cp.async ring runs on across the y tiles) instead of topk_mma_kernel (v2), same
+// candidate lists bit for bit.
+template <Inner kInner_, Precision kPrecision_, bool kLargest_, int kSel_, bool kPipelined_ = false>
 struct TopkMmaTraits
     : DistanceMmaTraits<kInner_, Power::Noop, Epilogue::None, Layout::RowMajor, Layout::RowMajor,
                         Layout::RowMajor, kPrecision_, float> {
@@ -45,7 +47,19 @@ struct TopkMmaTraits
   static constexpr int kRowStride = kQuarters * kQuarterStride;
   static_assert(kHalfRows * kRowStride * 4 <= Base::kStages * Base::kStageBytes, "scan tile fits the stages");
   static_assert(Base::kThreads == kHalfRows * kQuarters, "one (row, quarter) per thread and pass");
-  static constexpr int kListOffset = Base::kSmemBytes;  // lists after the stages and norms
+  // v3 (kPipelined): the scan tile's rows are 1 KiB each (no padding: an XOR swizzle of the
+  // 16-byte slots keeps the accesses free of bank conflicts), rows 0..kStageRows-1 in stages 0
+  // and 1, the others in a region of their own after the norms; stages 2 and 3 receive the next
+  // y tile's first two k-tiles while the scan runs.
+  static constexpr bool kPipelined = kPipelined_;
+  static constexpr int kPrefetch = 2;                                  // k-tiles in flight over the scan
+  static constexpr int kScanRowBytes = Base::kBlockN * 4;              // 1024
+  static constexpr int kStageRows = (Base::kStages - kPrefetch) * Base::kStageBytes / kScanRowBytes;  // 48
+  static constexpr int kExtraOffset = Base::kSmemBytes;  // scan rows kStageRows.. (v3)
+  static constexpr int kExtraBytes = kPipelined_ ? (kHalfRows - kStageRows) * kScanRowBytes : 0;
+  static_assert(!kPipelined_ || (Base::kStages == 4 && kStageRows % 16 == 0 && kStageRows < kHalfRows),
+                "TopkMmaTraits: the pipelined scan tile spans stages 0, 1 and the extra rows");
+  static constexpr int kListOffset = Base::kSmemBytes + kExtraBytes;  // lists after the stages and norms
   static constexpr int kSmemBytes = kListOffset + Base::kBlockM * kQuarters * kSel_ * 8;
 };
 
@@ -61,6 +75,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                     int M, int N, int K, long long ldx, long long ldy, int batch, int batch_n1, int batch_n2,
                     long long x_bs0, long long x_bs1, long long x_bs2, long long y_bs0, long long y_bs1,
                     long long y_bs2, int n_split, int per) {
+  static_assert(!Traits::kPipelined, "topk_mma_kernel: kPipelined traits go to topk_mma_pipelined_kernel");
   using Tr = Traits;
   using namespace mma_detail;
   using topk_mma_detail::u64;
@@ -162,6 +177,340 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 
     // This split's lists of the thread's two rows to the scratch, top bit flipped.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + sr + h * HR;
+      if (m >= M) continue;
+      const u64* list = lists + ((h * HR + sr) * 4 + sq) * S;
+      long long* dst = scratch + ((i64(split * 4 + sq) * batch + l) * M + m) * S;
+      for (int s = 0; s < S; ++s) dst[s] = (long long)(list[s] ^ 0x8000000000000000ull);
+    }
+    __syncthreads();  // the lists are reset for the next batch entry
+  }
+}
+
+// ----------------------------------------------------------------------------------- v3
+// topk_mma_pipelined_kernel (TopkMmaTraits<..., kPipelined = true>): topk_mma_kernel's candidate
+// lists, bit for bit, with the cp.async ring kept running across a CTA's y tiles. In v2 every y
+// tile restarts the pipeline (block_tile_product's prologue: the first k-tile's load latency is
+// exposed once per tile, and K = 128 is only 8 k-tiles) and its scan tile covers three of the four
+// stages. Here the scan tile takes stages 0 and 1 plus 16 KiB of its own (rows 48..63 of a pass),
+// so the next tile's k-tiles 0 and 1 are issued into stages 2 and 3 right after the MMAs and load
+// during the two scan passes; the x tile's squared norms are summed in the first y tile only (the
+// same sums: every tile summed the same data in the same order). Unchanged: every accumulator's
+// MMAs (same fragments, same order), the y norms, the approximate values, and the scan itself
+// (the set of the kSel first keys of a (row, quarter) does not depend on the order of arrival, and
+// each list sees the same keys with the same thresholds).
+namespace topk_mma_detail {
+
+// block_tile_product's k-loop over a ring whose k-tile kt of a y tile sits in stage
+// (kt + kPrefetch) % kStages, so that the next tile's first kPrefetch k-tiles can be issued while
+// stages 0 .. kPrefetch - 1 hold the scan tile.
+template <class Tr>
+struct TileRing {
+  static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  static constexpr int kStages = Tr::kStages, kStageBytes = Tr::kStageBytes;
+  static constexpr int kRowBytes = Tr::kRowBytes, kBlockK = Tr::kBlockK, kChunkElems = Tr::kChunkElems;
+  static constexpr int kChunksA = kBlockM * kRowBytes / 16 / Tr::kThreads;  // 2
+  static constexpr int kChunksB = kBlockN * kRowBytes / 16 / Tr::kThreads;  // 4
+  static constexpr int kRowsPerPass = Tr::kThreads / 4;                     // 64
+  static_assert(Tr::kPrefetch >= 1 && Tr::kPrefetch <= kStages - 1, "TileRing: prefetch depth");
+
+  const float* a_l;
+  const float* b_l;
+  int M, N, K;
+  long long lda, ldb;
+  int m0, num_k_tiles, copy_row, copy_chunk;
+  unsigned smem_base, copy_dst;
+
+  __device__ __forceinline__ TileRing(const float* a_, const float* b_, int M_, int N_, int K_, long long lda_,
+                                      long long ldb_, int m0_, unsigned char* smem)
+      : a_l(a_), b_l(b_), M(M_), N(N_), K(K_), lda(lda_), ldb(ldb_), m0(m0_) {
+    num_k_tiles = ceil_div(K, kBlockK);
+    copy_row = threadIdx.x >> 2;
+    copy_chunk = threadIdx.x & 3;
+    smem_base = mma_detail::smem_u32(smem);
+    // block_tile_product's copy assignment and swizzle
+    copy_dst = (unsigned)(copy_row * kRowBytes + ((copy_chunk ^ (((copy_row >> 1) & 1) << 1)) * 16));
+  }
+
+  // k-tile kt of the y tile at n0 (and of the x tile) into its stage; no commit.
+  __device__ __forceinline__ void load(int kt, int n0) const {
+    const int k_left = K - kt * kBlockK - copy_chunk * kChunkElems;  // elements left in the row
+    const int bytes = k_left <= 0 ? 0 : (k_left >= kChunkElems ? 16 : k_left * 4);
+    const unsigned dst = smem_base + ((kt + Tr::kPrefetch) % kStages) * kStageBytes + copy_dst;
+#pragma unroll
+    for (int u = 0; u < kChunksA; ++u) {
+      const int row = m0 + copy_row + u * kRowsPerPass;
+      const bool ok = row < M && bytes > 0;
+      mma_detail::cp_async_16(dst + u * kRowsPerPass * kRowBytes,
+                              ok ? a_l + (long long)row * lda + copy_chunk * kChunkElems + kt * kBlockK : a_l,
+                              ok ? bytes : 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kChunksB; ++u) {
+      const int row = n0 + copy_row + u * kRowsPerPass;
+      const bool ok = row < N && bytes > 0;
+      mma_detail::cp_async_16(dst + kBlockM * kRowBytes + u * kRowsPerPass * kRowBytes,
+                              ok ? b_l + (long long)row * ldb + copy_chunk * kChunkElems + kt * kBlockK : b_l,
+                              ok ? bytes : 0);
+    }
+  }
+
+  // The first kPrefetch k-tiles of the y tile at n0, one commit group each. Stages kPrefetch ..
+  // must be free (after a barrier that follows every read of them).
+  __device__ __forceinline__ void prefetch(int n0) const {
+#pragma unroll
+    for (int s = 0; s < Tr::kPrefetch; ++s) {
+      if (s < num_k_tiles) load(s, n0);
+      mma_detail::cp_async_commit();
+    }
+  }
+
+  // The y tile at n0 (its first kPrefetch k-tiles already issued by prefetch): acc as
+  // block_tile_product leaves it, norm_b (and norm_a if first) in shared memory; ends with a
+  // barrier (norms visible, every stage read), then issues the tile at next_n0 (< 0: none).
+  __device__ __forceinline__ void product(int n0, bool first, int next_n0, unsigned char* smem,
+                                          float (&acc)[Tr::kTilesM][Tr::kTilesN][4]) const {
+    using namespace mma_detail;
+    constexpr int kTilesM = Tr::kTilesM, kTilesN = Tr::kTilesN;
+    constexpr bool kDiff = Tr::kInner == Inner::Diff;
+    float* norm_a = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // (kBlockM)
+    float* norm_b = norm_a + kBlockM;                                        // (kBlockN)
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = warp / Tr::kWarpsN, wn = warp % Tr::kWarpsN;
+    const int swz = ((g >> 1) & 1) << 1;
+    const int frag_a_row = (wm * Tr::kWarpM + g) * kRowBytes;
+    const int frag_b_row = kBlockM * kRowBytes + (wn * Tr::kWarpN + g) * kRowBytes;
+    const int frag_col[2] = {(((0 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8,
+                             (((2 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8};
+
+#pragma unroll
+    for (int i = 0; i < kTilesM; ++i)
+#pragma unroll
+      for (int j = 0; j < kTilesN; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+    float sq_a[kChunksA], sq_b[kChunksB];
+#pragma unroll
+    for (int u = 0; u < kChunksA; ++u) sq_a[u] = 0.f;
+#pragma unroll
+    for (int u = 0; u < kChunksB; ++u) sq_b[u] = 0.f;
+
+    // The rest of the prologue (stages 0 .. were the scan tile: free since the last barrier).
+#pragma unroll
+    for (int s = Tr::kPrefetch; s < kStages - 1; ++s) {
+      if (s < num_k_tiles) load(s, n0);
+      cp_async_commit();
+    }
+
+    for (int kt = 0; kt < num_k_tiles; ++kt) {
+      cp_async_wait<kStages - 2>();  // k-tile kt has landed (for this thread) ...
+      __syncthreads();               // ... for all threads; the stage of k-tile kt - 1 is free
+      {
+        const int kn = kt + kStages - 1;
+        if (kn < num_k_tiles) load(kn, n0);
+        cp_async_commit();
+      }
+      const unsigned char* stage = smem + ((kt + Tr::kPrefetch) % kStages) * kStageBytes;
+
+      if constexpr (kDiff) {
+        if (first) {
+#pragma unroll
+          for (int u = 0; u < kChunksA; ++u)
+            sq_a[u] += chunk_sumsq<float>(*reinterpret_cast<const uint4*>(stage + (tid + u * Tr::kThreads) * 16));
+        }
+#pragma unroll
+        for (int u = 0; u < kChunksB; ++u)
+          sq_b[u] += chunk_sumsq<float>(
+              *reinterpret_cast<const uint4*>(stage + kBlockM * kRowBytes + (tid + u * Tr::kThreads) * 16));
+      }
+
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        unsigned a_big[kTilesM][4], a_small[kTilesM][4];
+#pragma unroll
+        for (int i = 0; i < kTilesM; ++i) {
+          const uint2 r0 =
+              *reinterpret_cast<const uint2*>(stage + frag_a_row + (i * 16) * kRowBytes + frag_col[s]);
+          const uint2 r1 =
+              *reinterpret_cast<const uint2*>(stage + frag_a_row + (i * 16 + 8) * kRowBytes + frag_col[s]);
+          const unsigned raw[4] = {r0.x, r1.x, r0.y, r1.y};  // a0 a1 a2 a3
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            if constexpr (Tr::kPrecision == Precision::Tf32x3) {
+              split_tf32x3(raw[r], a_big[i][r], a_small[i][r]);
+            } else {
+              a_big[i][r] = tf32_rna(raw[r]);
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+          const uint2 rb =
+              *reinterpret_cast<const uint2*>(stage + frag_b_row + (j * 8) * kRowBytes + frag_col[s]);
+          if constexpr (Tr::kPrecision == Precision::Tf32x3) {
+            unsigned b0, b1, b0s, b1s;
+            split_tf32x3(rb.x, b0, b0s);
+            split_tf32x3(rb.y, b1, b1s);
+#pragma unroll
+            for (int i = 0; i < kTilesM; ++i) {
+              mma_tf32(acc[i][j], a_small[i], b0, b1);
+              mma_tf32(acc[i][j], a_big[i], b0s, b1s);
+              mma_tf32(acc[i][j], a_big[i], b0, b1);
+            }
+          } else {
+            const unsigned b0 = tf32_rna(rb.x), b1 = tf32_rna(rb.y);
+#pragma unroll
+            for (int i = 0; i < kTilesM; ++i) mma_tf32(acc[i][j], a_big[i], b0, b1);
+          }
+        }
+      }
+    }
+    // (only empty groups are left: no wait; the next ones are the next tile's)
+
+    if constexpr (kDiff) {
+      if (first) {
+#pragma unroll
+        for (int u = 0; u < kChunksA; ++u) {
+          sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 1);
+          sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 2);
+          if (copy_chunk == 0) norm_a[copy_row + u * kRowsPerPass] = sq_a[u];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kChunksB; ++u) {
+        sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 1);
+        sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 2);
+        if (copy_chunk == 0) norm_b[copy_row + u * kRowsPerPass] = sq_b[u];
+      }
+    }
+    __syncthreads();  // norms visible; every warp is past its last read of the stages
+    if (next_n0 >= 0) prefetch(next_n0);
+  }
+};
+
+}  // namespace topk_mma_detail
+
+// Same arguments, grid and scratch as topk_mma_kernel.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    topk_mma_pipelined_kernel(const float* __restrict__ x, const float* __restrict__ y,
+                              long long* __restrict__ scratch, int M, int N, int K, long long ldx, long long ldy,
+                              int batch, int batch_n1, int batch_n2, long long x_bs0, long long x_bs1,
+                              long long x_bs2, long long y_bs0, long long y_bs1, long long y_bs2, int n_split,
+                              int per) {
+  static_assert(Traits::kPipelined, "topk_mma_pipelined_kernel: TopkMmaTraits<..., kPipelined = true>");
+  using Tr = Traits;
+  using namespace mma_detail;
+  using topk_mma_detail::u64;
+  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, S = Tr::kSel, HR = Tr::kHalfRows;
+  constexpr int kRowB = Tr::kScanRowBytes, kQuarterB = Tr::kQuarterCols * 4;
+  constexpr bool kDiff = Tr::kInner == Inner::Diff;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* norm_a = reinterpret_cast<float*>(smem + Tr::kStages * Tr::kStageBytes);  // (kBlockM)
+  float* norm_b = norm_a + BM;                                                      // (kBlockN)
+  // Scan tile (kHalfRows rows of kBlockN floats): row r at smem + r kRowB (r < kStageRows, stages
+  // 0 and 1) or at scan_hi + r kRowB (the region after the norms). 16-byte slot s of quarter q of
+  // row r sits at slot s ^ (r % 8) ^ 2q of that quarter: a warp's float2 stores (8 rows x 4 lanes)
+  // and a quarter-warp's LDS.128 (2 rows x 4 quarters) each meet every bank equally often.
+  unsigned char* scan_hi = smem + Tr::kExtraOffset - Tr::kStageRows * kRowB;
+  u64* lists = reinterpret_cast<u64*>(smem + Tr::kListOffset);  // (kBlockM, 4, kSel)
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp / Tr::kWarpsN, wn = warp % Tr::kWarpsN;
+  const int m0 = blockIdx.x * BM;
+  const int split = blockIdx.y;
+  const int n_begin = split * per * BN, n_end = min(N, n_begin + per * BN);
+  // This thread's scan slots: row sr (+ HR in the second pass), quarter sq.
+  const int sr = tid >> 2, sq = tid & 3;
+  const unsigned char* scan_src = (sr < Tr::kStageRows ? smem : scan_hi) + sr * kRowB + sq * kQuarterB;
+  const int scan_swz = (sr & 7) ^ (2 * sq);
+
+  const BatchShape shape{batch_n1, batch_n2};
+  const BatchStride xb{x_bs0, x_bs1, x_bs2}, yb{y_bs0, y_bs1, y_bs2};
+
+  for (int l = blockIdx.z; l < batch; l += gridDim.z) {
+    const BatchIndex bi = shape.split(l);
+    const float* xl = x + xb.offset(bi);
+    const float* yl = y + yb.offset(bi);
+
+    unsigned thr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) thr[h] = m0 + sr + h * HR < M ? ~0u : 0u;
+    for (int e = tid; e < BM * 4 * S; e += Tr::kThreads) lists[e] = ~0ull;
+
+    const topk_mma_detail::TileRing<Tr> ring(xl, yl, M, N, K, ldx, ldy, m0, smem);
+    if (n_begin < n_end) ring.prefetch(n_begin);  // (stages free: kernel start or the last barrier)
+    bool first = true;
+    for (int n0 = n_begin; n0 < n_end; n0 += BN) {
+      float acc[Tr::kTilesM][Tr::kTilesN][4];
+      ring.product(n0, first, n0 + BN < n_end ? n0 + BN : -1, smem, acc);
+      first = false;
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        if (wm == pass) {
+#pragma unroll
+          for (int i = 0; i < Tr::kTilesM; ++i)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int row = g + 16 * i + 8 * hh;  // row of the half (row % 8 == g)
+              unsigned char* dst = (16 * i < Tr::kStageRows ? smem : scan_hi) + row * kRowB + wn * kQuarterB;
+              const int swz = g ^ (2 * wn);
+              const float na = kDiff ? norm_a[pass * HR + row] : 0.f;
+#pragma unroll
+              for (int j = 0; j < Tr::kTilesN; ++j) {
+                const int c = 2 * t + 8 * j;  // column in quarter wn
+                float v0 = acc[i][j][2 * hh], v1 = acc[i][j][2 * hh + 1];
+                if constexpr (kDiff) {
+                  const float2 nb = *reinterpret_cast<const float2*>(norm_b + wn * Tr::kQuarterCols + c);
+                  v0 = math::fmax_nan(fmaf(-2.f, v0, na + nb.x), 0.f);
+                  v1 = math::fmax_nan(fmaf(-2.f, v1, na + nb.y), 0.f);
+                }
+                *reinterpret_cast<float2*>(dst + ((((c >> 2) ^ swz)) << 4) + (c & 3) * 4) = make_float2(v0, v1);
+              }
+            }
+        }
+        __syncthreads();
+        // Scan: row sr of the half, quarter sq (64 columns, points n0 + 64 sq ..), as in v2.
+        const int nq = n0 + sq * Tr::kQuarterCols;
+        const int cols = min(Tr::kQuarterCols, n_end - nq);
+        u64* list = lists + ((pass * HR + sr) * 4 + sq) * S;
+        for (int c0 = 0; c0 < cols; c0 += 4) {
+          const float4 f = *reinterpret_cast<const float4*>(scan_src + (((c0 >> 2) ^ scan_swz) << 4));
+          const float v[4] = {f.x, f.y, f.z, f.w};
+          unsigned bits[4];
+          bool any = false;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            bits[u] = topk_detail::order_bits<Tr>(v[u]);
+            any |= bits[u] <= thr[pass] && c0 + u < cols;
+          }
+          if (any) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+              const u64 key = topk_detail::make_key(bits[u], unsigned(nq + c0 + u));
+              if (c0 + u < cols && key < list[S - 1]) {
+                int s = S - 1;  // insert: shift the larger keys up by one
+                while (s > 0 && list[s - 1] > key) {
+                  list[s] = list[s - 1];
+                  --s;
+                }
+                list[s] = key;
+                thr[pass] = unsigned(list[S - 1] >> 32);
+              }
+            }
+          }
+        }
+        __syncthreads();  // the scan tile is rewritten by the next pass / the next tile's stages
+      }
+    }
+
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = m0 + sr + h * HR;

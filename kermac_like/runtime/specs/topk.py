@@ -108,17 +108,24 @@ def mma_sel(k: int) -> int:
     return max(8, sel_bucket(k + MMA_MARGIN))
 
 
-def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32") -> KernelSpec:
+MMA_V3_EXTRA_SMEM = 16 * 1024  # TopkMmaTraits::kExtraBytes of kPipelined: scan rows 48..63
+
+
+def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32", *, pipelined: bool = False) -> KernelSpec:
     """The tensor-core candidate kernel: squared l2 distances (dot False) or dot products,
-    ``precision`` "Tf32" (the candidates, rescored exactly by the planner) or "Tf32x3"."""
+    ``precision`` "Tf32" (the candidates, rescored exactly by the planner) or "Tf32x3";
+    ``pipelined``: v3, topk_mma_pipelined_kernel (TopkMmaTraits' kPipelined: the cp.async ring
+    runs on across y tiles; same arguments, grid and candidate lists bit for bit)."""
     if not 1 <= k <= MMA_MAX_SELECT:
         raise ValueError(f"topk: k = {k} is outside the tensor-core kernel's 1..{MMA_MAX_SELECT}")
     sel = mma_sel(k)
+    knob = ", true" if pipelined else ""
     traits = (f"kermac_like::TopkMmaTraits<kermac_like::Inner::{'Dot' if dot else 'Diff'}, "
-              f"kermac_like::Precision::{precision}, {str(bool(largest)).lower()}, {sel}>")
+              f"kermac_like::Precision::{precision}, {str(bool(largest)).lower()}, {sel}{knob}>")
     shape = LaunchShape(threads=MMA_THREADS, block_m=MMA_BLOCK_M, block_n=MMA_BLOCK_N,
-                        smem_bytes=MMA_BASE_SMEM + MMA_BLOCK_M * 4 * sel * 8)
-    return KernelSpec("topk_mma.cuh", "kermac_like::topk_mma_kernel", traits, shape)
+                        smem_bytes=MMA_BASE_SMEM + (MMA_V3_EXTRA_SMEM if pipelined else 0) + MMA_BLOCK_M * 4 * sel * 8)
+    kernel = "kermac_like::topk_mma_pipelined_kernel" if pipelined else "kermac_like::topk_mma_kernel"
+    return KernelSpec("topk_mma.cuh", kernel, traits, shape)
 
 
 RESCORE_WARPS = 4  # TopkRescoreTraits::kWarps: rows per CTA, one warp each

@@ -1,0 +1,288 @@
+"""CPU tests of cuda_templates/topk_mma.cuh: topk_mma_pipelined_kernel (v3, TopkMmaTraits'
+kPipelined) leaves exactly topk_mma_kernel's (v2) candidate lists, bit for bit.
+
+Both kernels run under the host emulation of tests/test_templates_mma.py (g++, one fiber per
+CUDA thread, host versions of distance_mma.cuh's PTX primitives: cp.async copies land at
+wait_group, so a wrong commit-group count reads stale or poisoned stages; mma.sync's TF32
+products summed exactly and rounded once, the same for both kernels). The emulation is not the
+GPU's arithmetic, so what is compared is v2 against v3 on the same emulator: every accumulator
+must see the same MMAs in the same order, the same norms and values, and every (row, quarter)
+list the same keys. Cases: several y tiles per CTA (the ring runs on across tiles), a CTA with
+one tile (no prefetch), split N ranges, ragged M / N / K (K tails of 1..3 k-tiles: fewer k-tiles
+than the prefetch depth), a batch of two entries (x norms summed again per entry), Diff / Dot,
+largest, Tf32 / Tf32x3, kSel 8 / 16 / 24, integer data full of exact ties.
+Also: NVRTC compiles both kernels for sm_80 and sm_90 without spills (skipped without NVRTC).
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES = ROOT / "cuda_templates"
+
+# (Inner, Precision, largest, kSel): runner i runs v2 (2 i) and v3 (2 i + 1).
+CONFIGS = [
+    ("Diff", "Tf32", "false", 24),
+    ("Dot", "Tf32", "true", 8),
+    ("Diff", "Tf32x3", "false", 16),
+    ("Dot", "Tf32", "false", 16),
+]
+
+
+def _emulator_prelude() -> str:
+    """test_templates_mma.py's emulator source up to its driver (host primitives, fibers,
+    distance_mma.cuh), read without importing that module."""
+    tree = ast.parse((ROOT / "tests" / "test_templates_mma.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "EMULATOR_SOURCE" for t in node.targets):
+            src = ast.literal_eval(node.value)
+            break
+    else:  # pragma: no cover
+        raise AssertionError("EMULATOR_SOURCE not found in test_templates_mma.py")
+    marker = "// ------------------------------------------------------------------ driver"
+    assert marker in src
+    return src[:src.index(marker)]
+
+
+DRIVER = r'''
+struct float4 { float x, y, z, w; };
+#define __host__
+#define __noinline__ __attribute__((noinline))
+#define blockDim (emu::grid_dim)  // (topk.cuh's combine kernel, not run here)
+#include "topk_mma.cuh"
+
+using namespace kermac_like;
+typedef long long i64;
+
+struct TArgs { i64 M, N, K, ld, batch, n_split, per; };
+
+template <class Traits>
+void run(const TArgs& A, const float* x, const float* y, long long* scratch) {
+  emu::smem_limit = Traits::kSmemBytes;
+  emu::grid_dim = {(unsigned)((A.M + 127) / 128), (unsigned)A.n_split, 1};
+  emu::nthreads = Traits::kThreads;
+  static std::vector<emu::Fiber> fib(Traits::kThreads);
+  emu::fibers = fib.data();
+  struct Launch { const TArgs* A; const float *x, *y; long long* s; };
+  static Launch L;
+  L = {&A, x, y, scratch};
+  for (unsigned by = 0; by < emu::grid_dim.y; ++by)
+    for (unsigned bx = 0; bx < emu::grid_dim.x; ++bx) {
+      emu::block_idx = {bx, by, 0};
+      std::memset(kermac_like::smem, 0xff, sizeof(kermac_like::smem));  // NaN poison
+      emu::copies.clear();
+      static auto body = []() {
+        const TArgs& A = *L.A;
+        const i64 xbs = A.batch > 1 ? A.M * A.ld : 0, ybs = A.batch > 1 ? A.N * A.ld : 0;
+        if constexpr (Traits::kPipelined)
+          topk_mma_pipelined_kernel<Traits>(L.x, L.y, L.s, (int)A.M, (int)A.N, (int)A.K, A.ld, A.ld, (int)A.batch,
+                                            (int)A.batch, 1, 0, xbs, 0, 0, ybs, 0, (int)A.n_split, (int)A.per);
+        else
+          topk_mma_kernel<Traits>(L.x, L.y, L.s, (int)A.M, (int)A.N, (int)A.K, A.ld, A.ld, (int)A.batch,
+                                  (int)A.batch, 1, 0, xbs, 0, 0, ybs, 0, (int)A.n_split, (int)A.per);
+        emu::cur->done = true;
+        ++emu::progress;
+      };
+      static auto tramp = +[]() { body(); };
+      for (int i = 0; i < Traits::kThreads; ++i) {
+        auto& f = fib[i];
+        f.stack.resize(1 << 18);
+        f.tid = {(unsigned)i, 0, 0};
+        f.done = false;
+        f.groups.clear();
+        f.pending.clear();
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack.data();
+        f.ctx.uc_stack.ss_size = f.stack.size();
+        f.ctx.uc_link = &emu::sched;
+        makecontext(&f.ctx, tramp, 0);
+      }
+      for (;;) {
+        bool all_done = true;
+        const long before = emu::progress;
+        for (int i = 0; i < Traits::kThreads; ++i) {
+          if (fib[i].done) continue;
+          all_done = false;
+          emu::cur = &fib[i];
+          swapcontext(&emu::sched, &fib[i].ctx);
+        }
+        if (all_done) break;
+        if (emu::progress == before) fail("deadlock: no thread progressed (divergent barrier?)");
+      }
+      for (int i = 0; i < Traits::kThreads; ++i)
+        if (!fib[i].pending.empty()) fail("cp.async copies issued and never committed");
+    }
+}
+
+typedef void (*Runner)(const TArgs&, const float*, const float*, long long*);
+static const Runner kRunners[] = {
+@@RUNNERS@@
+};
+
+static std::vector<unsigned char> slurp(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) fail("cannot open input");
+  std::fseek(f, 0, SEEK_END);
+  long n = std::ftell(f);
+  std::fseek(f, 0, SEEK_SET);
+  std::vector<unsigned char> v(n);
+  if (n && std::fread(v.data(), 1, n, f) != (size_t)n) fail("short read");
+  std::fclose(f);
+  return v;
+}
+
+// usage: emu RUNNER DIR (DIR: args.bin x.bin y.bin; writes scratch.bin)
+int main(int argc, char** argv) {
+  if (argc != 3) fail("usage: emu RUNNER DIR");
+  const int r = std::atoi(argv[1]);
+  const std::string dir = argv[2];
+  auto args = slurp(dir + "/args.bin");
+  if (args.size() != sizeof(TArgs)) fail("args.bin has the wrong size");
+  TArgs A;
+  std::memcpy(&A, args.data(), sizeof(TArgs));
+  auto xs = slurp(dir + "/x.bin"), ys = slurp(dir + "/y.bin");
+  std::vector<float> x(xs.size() / 4 + 4), y(ys.size() / 4 + 4);  // (vectors of floats: 16-byte aligned)
+  std::memcpy(x.data(), xs.data(), xs.size());
+  std::memcpy(y.data(), ys.data(), ys.size());
+  if (r < 0 || r >= (int)(sizeof(kRunners) / sizeof(kRunners[0]))) fail("bad runner");
+  // room for kSel <= 24, the rest poisoned: writes beyond kSel per row show up
+  std::vector<long long> scratch((size_t)(4 * A.n_split * A.batch * A.M * 24), 0x5555555555555555ll);
+  kRunners[r](A, x.data(), y.data(), scratch.data());
+  FILE* f = std::fopen((dir + "/scratch.bin").c_str(), "wb");
+  std::fwrite(scratch.data(), 8, scratch.size(), f);
+  std::fclose(f);
+  return 0;
+}
+'''
+
+
+def _traits(inner, prec, largest, sel, pipelined):
+    return (f"TopkMmaTraits<Inner::{inner}, Precision::{prec}, {largest}, {sel}, "
+            f"{'true' if pipelined else 'false'}>")
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not installed")
+    d = tmp_path_factory.mktemp("topk_mma_emulator")
+    runners = ",\n".join(f"    &run<{_traits(*c, p)}>" for c in CONFIGS for p in (False, True))
+    (d / "emu.cpp").write_text(_emulator_prelude() + DRIVER.replace("@@RUNNERS@@", runners))
+    exe = d / "emu"
+    r = subprocess.run([gxx, "-std=c++17", "-O1", "-I", str(TEMPLATES), str(d / "emu.cpp"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return str(exe)
+
+
+def emulate(exe, runner, x, y, n_split=1, tmp=None):
+    """x (batch, M, K), y (batch, N, K) float32 -> scratch (4 n_split, batch, M, 24) int64 as the
+    kernel leaves it (entries past kSel untouched)."""
+    batch, M, K = x.shape
+    N = y.shape[1]
+    ld = -(-K // 4) * 4
+    xp = np.zeros((batch, M, ld), np.float32)
+    yp = np.zeros((batch, N, ld), np.float32)
+    xp[..., :K], yp[..., :K] = x, y
+    n_tiles = -(-N // 256)
+    per = -(-n_tiles // n_split)
+    assert -(-n_tiles // per) == n_split, "the planner's cover: every split non-empty"
+    d = Path(tmp)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "args.bin").write_bytes(struct.pack("<7q", M, N, K, ld, batch, n_split, per))
+    (d / "x.bin").write_bytes(xp.tobytes())
+    (d / "y.bin").write_bytes(yp.tobytes())
+    r = subprocess.run([exe, str(runner), str(d)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return np.frombuffer((d / "scratch.bin").read_bytes(), dtype=np.int64).copy()
+
+
+def _both(exe, cfg_index, x, y, tmp_path, n_split=1):
+    sel = CONFIGS[cfg_index][3]
+    batch, M, _ = x.shape
+    out = []
+    for p in (0, 1):
+        s = emulate(exe, 2 * cfg_index + p, x, y, n_split, tmp_path / f"v{2 + p}")
+        used = 4 * n_split * batch * M * sel
+        assert (s[used:] == 0x5555555555555555).all(), "writes beyond the scratch"
+        out.append(s[:used].reshape(4 * n_split, batch, M, sel))
+    return out
+
+
+def _nearest_among_candidates(lists, x, y, dot, largest):
+    """Fraction of rows whose float64 best point is among their candidates (sanity: the lists are
+    real candidate lists, not merely equal)."""
+    keys = lists ^ np.int64(-(1 << 63))
+    idx = (keys & 0xFFFFFFFF).transpose(1, 0, 2).reshape(x.shape[0], -1)
+    xd, yd = x.astype(np.float64), y.astype(np.float64)
+    v = xd @ yd.T if dot else ((xd[:, None, :] - yd[None, :, :]) ** 2).sum(-1)
+    best = v.argmax(1) if largest else v.argmin(1)
+    return np.mean([b in set(r.tolist()) for b, r in zip(best, idx)])
+
+
+CASES = [
+    # (config, batch, M, N, K, n_split, integer data)
+    pytest.param(0, 1, 130, 700, 132, 1, False, id="diff-tf32-sel24-3tiles-K132"),
+    pytest.param(0, 1, 64, 700, 37, 2, False, id="diff-tf32-sel24-split2-K37"),
+    pytest.param(1, 2, 40, 520, 20, 1, False, id="dot-largest-sel8-batch2-K20"),
+    pytest.param(2, 1, 70, 530, 8, 1, True, id="diff-tf32x3-sel16-int-ties-K8"),
+    pytest.param(3, 1, 33, 300, 69, 1, True, id="dot-smallest-sel16-int-ties-K69"),
+]
+
+
+@pytest.mark.parametrize("cfg, batch, M, N, K, n_split, integer", CASES)
+def test_pipelined_lists_equal_v2(emulator, tmp_path, cfg, batch, M, N, K, n_split, integer):
+    rng = np.random.default_rng(cfg * 100 + K)
+    if integer:
+        x = rng.integers(-3, 4, (batch, M, K)).astype(np.float32)
+        y = rng.integers(-3, 4, (batch, N, K)).astype(np.float32)
+    else:
+        x = rng.standard_normal((batch, M, K)).astype(np.float32)
+        y = rng.standard_normal((batch, N, K)).astype(np.float32)
+    v2, v3 = _both(emulator, cfg, x, y, tmp_path, n_split)
+    assert np.array_equal(v2, v3), f"{int((v2 != v3).sum())} keys differ"
+    filled = (v2 ^ np.int64(-(1 << 63))) != -1  # (lists past N stay empty: all ones)
+    assert filled.sum(axis=(0, 3)).min() >= CONFIGS[cfg][3], "every row has kSel candidates"
+    inner, _, largest, sel = CONFIGS[cfg]
+    if not integer:
+        for b in range(batch):
+            frac = _nearest_among_candidates(v2[:, b], x[b], y[b], inner == "Dot", largest == "true")
+            assert frac >= 0.95, frac
+
+
+# ------------------------------------------------------------------------------ NVRTC
+
+
+def _nvrtc():
+    try:
+        from kermac_like.runtime.compiler import compile_specs
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"no NVRTC: {e}")
+    return compile_specs
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_pipelined_compiles_without_spills(arch):
+    compile_specs = _nvrtc()
+    from kermac_like.runtime.specs.topk import topk_mma_spec
+
+    specs = [topk_mma_spec(False, False, 10, pipelined=True), topk_mma_spec(True, True, 10, pipelined=True)]
+    try:
+        _, res = compile_specs(specs, arch)
+    except Exception as e:
+        if "nvrtc" in str(e).lower() and "not found" in str(e).lower():  # pragma: no cover
+            pytest.skip(str(e))
+        raise
+    assert len(res) == 2
+    for name, r in res.items():
+        assert r.get("spill_stores", 0) == 0 and r.get("spill_loads", 0) == 0 and r.get("stack", 0) == 0, (name, r)
+        assert 0 < r["registers"] <= 255, (name, r)

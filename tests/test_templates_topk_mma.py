@@ -286,3 +286,41 @@ def test_pipelined_compiles_without_spills(arch):
     for name, r in res.items():
         assert r.get("spill_stores", 0) == 0 and r.get("spill_loads", 0) == 0 and r.get("stack", 0) == 0, (name, r)
         assert 0 < r["registers"] <= 255, (name, r)
+
+
+# ---------------------------------------------------------------------------- planner
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_planner_selects_v3_by_flag(monkeypatch, flag):
+    """plan.topk.MMA_PIPELINED (env KERMAC_LIKE_TOPK_MMA_V3) picks topk_mma_pipelined_kernel
+    with the same arguments and grid as topk_mma_kernel (the launch is stood in for)."""
+    import torch
+
+    from kermac_like.ops.knn import prepare_knn
+    from kermac_like.plan import topk as P
+    from kermac_like.runtime import launcher
+
+    x, y = torch.randn(140, 128), torch.randn(900, 128)
+    call = prepare_knn(x, y, 10)
+    monkeypatch.setattr(P, "_device_index", lambda device: 0)
+    monkeypatch.setattr(P, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
+    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
+    monkeypatch.setattr(P, "MMA_PIPELINED", flag)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_launch(spec, grid, args, debug=False):
+        seen.append((spec, grid, len(args)))
+        raise Stop
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    with pytest.raises(Stop):
+        P._run_mma(call, torch.empty(140, 10), torch.empty(140, 10, dtype=torch.int64), False)
+    (spec, grid, nargs), = seen
+    assert spec.kernel.endswith("topk_mma_pipelined_kernel" if flag else "topk_mma_kernel")
+    assert grid[0] == 1 and grid[2] == 1 and nargs == 19
+    assert spec.launch.smem_bytes == 99840 + (16384 if flag else 0) + 128 * 4 * 24 * 8

@@ -23,10 +23,10 @@
 namespace kermac_like {
 
 // kInner_: Diff (squared l2 distances) or Dot; kPrecision_: Tf32 (candidates) or Tf32x3;
-// kSel_: list length per (row, quarter), 8 to 24; kPipelined_: topk_mma_pipelined_kernel (v3,
-// below: the cp.async ring runs on across the y tiles) instead of topk_mma_kernel (v2), same
-// candidate lists bit for bit.
-template <Inner kInner_, Precision kPrecision_, bool kLargest_, int kSel_, bool kPipelined_ = false>
+// kSel_: list length per (row, quarter), 8 to 24; kVersion_: 2, topk_mma_kernel; 3 or 4,
+// topk_mma_pipelined_kernel (below: the cp.async ring runs on across the y tiles; 4 also scans
+// the values in registers), the same candidate lists bit for bit.
+template <Inner kInner_, Precision kPrecision_, bool kLargest_, int kSel_, int kVersion_ = 2>
 struct TopkMmaTraits
     : DistanceMmaTraits<kInner_, Power::Noop, Epilogue::None, Layout::RowMajor, Layout::RowMajor,
                         Layout::RowMajor, kPrecision_, float> {
@@ -47,19 +47,26 @@ struct TopkMmaTraits
   static constexpr int kRowStride = kQuarters * kQuarterStride;
   static_assert(kHalfRows * kRowStride * 4 <= Base::kStages * Base::kStageBytes, "scan tile fits the stages");
   static_assert(Base::kThreads == kHalfRows * kQuarters, "one (row, quarter) per thread and pass");
-  // v3 (kPipelined): the scan tile's rows are 1 KiB each (no padding: an XOR swizzle of the
-  // 16-byte slots keeps the accesses free of bank conflicts), rows 0..kStageRows-1 in stages 0
-  // and 1, the others in a region of their own after the norms; stages 2 and 3 receive the next
-  // y tile's first two k-tiles while the scan runs.
-  static constexpr bool kPipelined = kPipelined_;
-  static constexpr int kPrefetch = 2;                                  // k-tiles in flight over the scan
+  static_assert(kVersion_ >= 2 && kVersion_ <= 4, "TopkMmaTraits: kVersion is 2, 3 or 4");
+  static constexpr int kVersion = kVersion_;
+  static constexpr bool kPipelined = kVersion_ >= 3;
+  // The ring of topk_mma_pipelined_kernel: kRingStages stages, the next y tile's first kPrefetch
+  // k-tiles issued right after a tile's MMAs. v3: the scan tile's rows are 1 KiB each (no
+  // padding: an XOR swizzle of the 16-byte slots keeps the accesses free of bank conflicts), rows
+  // 0..kStageRows-1 in stages 0 and 1, the others in a region of their own after the norms;
+  // stages 2 and 3 receive the next tile's k-tiles 0 and 1 while the scan runs. v4: no scan tile
+  // (the values are filtered in registers), five stages, four k-tiles in flight over the scan.
+  static constexpr int kRingStages = kVersion_ == 4 ? 5 : Base::kStages;
+  static constexpr int kPrefetch = kVersion_ == 4 ? kRingStages - 1 : 2;
+  static constexpr int kNormOffset = kRingStages * Base::kStageBytes;  // norm_a, norm_b (v2: the same)
   static constexpr int kScanRowBytes = Base::kBlockN * 4;              // 1024
-  static constexpr int kStageRows = (Base::kStages - kPrefetch) * Base::kStageBytes / kScanRowBytes;  // 48
+  static constexpr int kStageRows = (Base::kStages - 2) * Base::kStageBytes / kScanRowBytes;  // 48 (v3)
   static constexpr int kExtraOffset = Base::kSmemBytes;  // scan rows kStageRows.. (v3)
-  static constexpr int kExtraBytes = kPipelined_ ? (kHalfRows - kStageRows) * kScanRowBytes : 0;
-  static_assert(!kPipelined_ || (Base::kStages == 4 && kStageRows % 16 == 0 && kStageRows < kHalfRows),
-                "TopkMmaTraits: the pipelined scan tile spans stages 0, 1 and the extra rows");
-  static constexpr int kListOffset = Base::kSmemBytes + kExtraBytes;  // lists after the stages and norms
+  static constexpr int kExtraBytes = kVersion_ == 3 ? (kHalfRows - kStageRows) * kScanRowBytes : 0;
+  static_assert(kVersion_ != 3 || (Base::kStages == 4 && kStageRows % 16 == 0 && kStageRows < kHalfRows),
+                "TopkMmaTraits: the v3 scan tile spans stages 0, 1 and the extra rows");
+  // lists after the stages, the norms (and v3's extra scan rows)
+  static constexpr int kListOffset = kNormOffset + Base::kNormBytes + kExtraBytes;
   static constexpr int kSmemBytes = kListOffset + Base::kBlockM * kQuarters * kSel_ * 8;
 };
 
@@ -75,7 +82,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                     int M, int N, int K, long long ldx, long long ldy, int batch, int batch_n1, int batch_n2,
                     long long x_bs0, long long x_bs1, long long x_bs2, long long y_bs0, long long y_bs1,
                     long long y_bs2, int n_split, int per) {
-  static_assert(!Traits::kPipelined, "topk_mma_kernel: kPipelined traits go to topk_mma_pipelined_kernel");
+  static_assert(!Traits::kPipelined, "topk_mma_kernel: kVersion 3 and 4 go to topk_mma_pipelined_kernel");
   using Tr = Traits;
   using namespace mma_detail;
   using topk_mma_detail::u64;
@@ -209,7 +216,7 @@ namespace topk_mma_detail {
 template <class Tr>
 struct TileRing {
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
-  static constexpr int kStages = Tr::kStages, kStageBytes = Tr::kStageBytes;
+  static constexpr int kStages = Tr::kRingStages, kStageBytes = Tr::kStageBytes;
   static constexpr int kRowBytes = Tr::kRowBytes, kBlockK = Tr::kBlockK, kChunkElems = Tr::kChunkElems;
   static constexpr int kChunksA = kBlockM * kRowBytes / 16 / Tr::kThreads;  // 2
   static constexpr int kChunksB = kBlockN * kRowBytes / 16 / Tr::kThreads;  // 4
@@ -275,8 +282,8 @@ struct TileRing {
     using namespace mma_detail;
     constexpr int kTilesM = Tr::kTilesM, kTilesN = Tr::kTilesN;
     constexpr bool kDiff = Tr::kInner == Inner::Diff;
-    float* norm_a = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // (kBlockM)
-    float* norm_b = norm_a + kBlockM;                                        // (kBlockN)
+      float* norm_a = reinterpret_cast<float*>(smem + Tr::kNormOffset);  // (kBlockM)
+    float* norm_b = norm_a + kBlockM;                                   // (kBlockN)
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -392,6 +399,85 @@ struct TileRing {
   }
 };
 
+// v4's scan of one y tile, straight from the accumulators: the thread's values (rows wm * 64 +
+// 16 i + 8 hh + g, columns 2 t + 8 j (+1) of quarter wn, as the MMA fragments hold them) are
+// compared in registers with their rows' thresholds (the high word of the lists' last keys).
+// Nearly every value fails; the survivors go into the lists as in v2, but the four lanes t of a
+// row group share their eight rows' lists, so they insert in turn (four rounds, __syncwarp
+// between). Each list belongs to one warp (rows of its half, its quarter): no block barrier.
+// The values' bits overwrite acc.
+template <class Tr>
+__device__ __forceinline__ void filter_tile(float (&acc)[Tr::kTilesM][Tr::kTilesN][4], const float* norm_a,
+                                            const float* norm_b, u64* lists, int n0, int n_end, int wm, int wn,
+                                            int g, int t) {
+  constexpr int S = Tr::kSel;
+  constexpr bool kDiff = Tr::kInner == Inner::Diff;
+  const int col0 = wn * Tr::kQuarterCols + 2 * t;  // tile column of j = 0
+  unsigned rows_hit = 0;                           // bit 2 i + hh: that row has a survivor
+#pragma unroll
+  for (int i = 0; i < Tr::kTilesM; ++i)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = wm * Tr::kWarpM + 16 * i + 8 * hh + g;
+      const unsigned thr = unsigned(lists[(row * 4 + wn) * S + S - 1] >> 32);
+      const float na = kDiff ? norm_a[row] : 0.f;
+      bool hit = false;
+#pragma unroll
+      for (int j = 0; j < Tr::kTilesN; ++j) {
+        const int c = col0 + 8 * j;
+        float v0 = acc[i][j][2 * hh], v1 = acc[i][j][2 * hh + 1];
+        if constexpr (kDiff) {
+          const float2 nb = *reinterpret_cast<const float2*>(norm_b + c);
+          v0 = math::fmax_nan(fmaf(-2.f, v0, na + nb.x), 0.f);
+          v1 = math::fmax_nan(fmaf(-2.f, v1, na + nb.y), 0.f);
+        }
+        const unsigned b0 = topk_detail::order_bits<Tr>(v0), b1 = topk_detail::order_bits<Tr>(v1);
+        acc[i][j][2 * hh] = __uint_as_float(b0);
+        acc[i][j][2 * hh + 1] = __uint_as_float(b1);
+        hit |= (b0 <= thr && n0 + c < n_end) || (b1 <= thr && n0 + c + 1 < n_end);
+      }
+      if (hit) rows_hit |= 1u << (2 * i + hh);
+    }
+  if (!__any_sync(0xffffffffu, rows_hit != 0)) return;
+  for (int r = 0; r < 4; ++r) {
+    if (t == r && rows_hit != 0) {
+#pragma unroll
+      for (int i = 0; i < Tr::kTilesM; ++i)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          if (!((rows_hit >> (2 * i + hh)) & 1u)) continue;
+          u64* list = lists + ((wm * Tr::kWarpM + 16 * i + 8 * hh + g) * 4 + wn) * S;
+          const unsigned thr = unsigned(list[S - 1] >> 32);
+          unsigned cand = 0;  // bit 2 j + e: value (j, e) at or below the threshold, in range
+#pragma unroll
+          for (int j = 0; j < Tr::kTilesN; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (__float_as_uint(acc[i][j][2 * hh + e]) <= thr && n0 + col0 + 8 * j + e < n_end)
+                cand |= 1u << (2 * j + e);
+          while (cand != 0) {  // (one insertion loop per row: the value picked by a select chain)
+            const int b = __ffs(cand) - 1;
+            cand &= cand - 1;
+            unsigned bits = 0;
+#pragma unroll
+            for (int q = 0; q < 2 * Tr::kTilesN; ++q)
+              if (q == b) bits = __float_as_uint(acc[i][q >> 1][2 * hh + (q & 1)]);
+            const u64 key = topk_detail::make_key(bits, unsigned(n0 + col0 + 8 * (b >> 1) + (b & 1)));
+            if (key < list[S - 1]) {
+              int s = S - 1;  // insert: shift the larger keys up by one
+              while (s > 0 && list[s - 1] > key) {
+                list[s] = list[s - 1];
+                --s;
+              }
+              list[s] = key;
+            }
+          }
+        }
+    }
+    __syncwarp();  // this round's insertions before the next lane's
+  }
+}
+
 }  // namespace topk_mma_detail
 
 // Same arguments, grid and scratch as topk_mma_kernel.
@@ -402,7 +488,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                               int batch, int batch_n1, int batch_n2, long long x_bs0, long long x_bs1,
                               long long x_bs2, long long y_bs0, long long y_bs1, long long y_bs2, int n_split,
                               int per) {
-  static_assert(Traits::kPipelined, "topk_mma_pipelined_kernel: TopkMmaTraits<..., kPipelined = true>");
+  static_assert(Traits::kPipelined, "topk_mma_pipelined_kernel: TopkMmaTraits<..., kVersion 3 or 4>");
   using Tr = Traits;
   using namespace mma_detail;
   using topk_mma_detail::u64;
@@ -411,8 +497,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr bool kDiff = Tr::kInner == Inner::Diff;
 
   extern __shared__ __align__(128) unsigned char smem[];
-  float* norm_a = reinterpret_cast<float*>(smem + Tr::kStages * Tr::kStageBytes);  // (kBlockM)
-  float* norm_b = norm_a + BM;                                                      // (kBlockN)
+  float* norm_a = reinterpret_cast<float*>(smem + Tr::kNormOffset);  // (kBlockM)
+  float* norm_b = norm_a + BM;                                        // (kBlockN)
   // Scan tile (kHalfRows rows of kBlockN floats): row r at smem + r kRowB (r < kStageRows, stages
   // 0 and 1) or at scan_hi + r kRowB (the region after the norms). 16-byte slot s of quarter q of
   // row r sits at slot s ^ (r % 8) ^ 2q of that quarter: a warp's float2 stores (8 rows x 4 lanes)
@@ -443,7 +529,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     unsigned thr[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) thr[h] = m0 + sr + h * HR < M ? ~0u : 0u;
-    for (int e = tid; e < BM * 4 * S; e += Tr::kThreads) lists[e] = ~0ull;
+    // (rows past M: lists of key 0, which nothing enters; v4 reads its thresholds from the lists)
+    for (int e = tid; e < BM * 4 * S; e += Tr::kThreads) lists[e] = m0 + e / (4 * S) < M ? ~0ull : 0ull;
 
     const topk_mma_detail::TileRing<Tr> ring(xl, yl, M, N, K, ldx, ldy, m0, smem);
     if (n_begin < n_end) ring.prefetch(n_begin);  // (stages free: kernel start or the last barrier)
@@ -452,65 +539,70 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       float acc[Tr::kTilesM][Tr::kTilesN][4];
       ring.product(n0, first, n0 + BN < n_end ? n0 + BN : -1, smem, acc);
       first = false;
+      if constexpr (Tr::kVersion == 4) {
+        topk_mma_detail::filter_tile<Tr>(acc, norm_a, norm_b, lists, n0, n_end, wm, wn, g, t);
+      } else {  // v3: the values through the scan tile, two passes of 64 rows
 #pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        if (wm == pass) {
+        for (int pass = 0; pass < 2; ++pass) {
+          if (wm == pass) {
 #pragma unroll
-          for (int i = 0; i < Tr::kTilesM; ++i)
+            for (int i = 0; i < Tr::kTilesM; ++i)
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const int row = g + 16 * i + 8 * hh;  // row of the half (row % 8 == g)
-              unsigned char* dst = (16 * i < Tr::kStageRows ? smem : scan_hi) + row * kRowB + wn * kQuarterB;
-              const int swz = g ^ (2 * wn);
-              const float na = kDiff ? norm_a[pass * HR + row] : 0.f;
+              for (int hh = 0; hh < 2; ++hh) {
+                const int row = g + 16 * i + 8 * hh;  // row of the half (row % 8 == g)
+                unsigned char* dst = (16 * i < Tr::kStageRows ? smem : scan_hi) + row * kRowB + wn * kQuarterB;
+                const int swz = g ^ (2 * wn);
+                const float na = kDiff ? norm_a[pass * HR + row] : 0.f;
 #pragma unroll
-              for (int j = 0; j < Tr::kTilesN; ++j) {
-                const int c = 2 * t + 8 * j;  // column in quarter wn
-                float v0 = acc[i][j][2 * hh], v1 = acc[i][j][2 * hh + 1];
-                if constexpr (kDiff) {
-                  const float2 nb = *reinterpret_cast<const float2*>(norm_b + wn * Tr::kQuarterCols + c);
-                  v0 = math::fmax_nan(fmaf(-2.f, v0, na + nb.x), 0.f);
-                  v1 = math::fmax_nan(fmaf(-2.f, v1, na + nb.y), 0.f);
+                for (int j = 0; j < Tr::kTilesN; ++j) {
+                  const int c = 2 * t + 8 * j;  // column in quarter wn
+                  float v0 = acc[i][j][2 * hh], v1 = acc[i][j][2 * hh + 1];
+                  if constexpr (kDiff) {
+                    const float2 nb = *reinterpret_cast<const float2*>(norm_b + wn * Tr::kQuarterCols + c);
+                    v0 = math::fmax_nan(fmaf(-2.f, v0, na + nb.x), 0.f);
+                    v1 = math::fmax_nan(fmaf(-2.f, v1, na + nb.y), 0.f);
+                  }
+                  *reinterpret_cast<float2*>(dst + ((((c >> 2) ^ swz)) << 4) + (c & 3) * 4) = make_float2(v0, v1);
                 }
-                *reinterpret_cast<float2*>(dst + ((((c >> 2) ^ swz)) << 4) + (c & 3) * 4) = make_float2(v0, v1);
               }
-            }
-        }
-        __syncthreads();
-        // Scan: row sr of the half, quarter sq (64 columns, points n0 + 64 sq ..), as in v2.
-        const int nq = n0 + sq * Tr::kQuarterCols;
-        const int cols = min(Tr::kQuarterCols, n_end - nq);
-        u64* list = lists + ((pass * HR + sr) * 4 + sq) * S;
-        for (int c0 = 0; c0 < cols; c0 += 4) {
-          const float4 f = *reinterpret_cast<const float4*>(scan_src + (((c0 >> 2) ^ scan_swz) << 4));
-          const float v[4] = {f.x, f.y, f.z, f.w};
-          unsigned bits[4];
-          bool any = false;
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            bits[u] = topk_detail::order_bits<Tr>(v[u]);
-            any |= bits[u] <= thr[pass] && c0 + u < cols;
           }
-          if (any) {
+          __syncthreads();
+          // Scan: row sr of the half, quarter sq (64 columns, points n0 + 64 sq ..), as in v2.
+          const int nq = n0 + sq * Tr::kQuarterCols;
+          const int cols = min(Tr::kQuarterCols, n_end - nq);
+          u64* list = lists + ((pass * HR + sr) * 4 + sq) * S;
+          for (int c0 = 0; c0 < cols; c0 += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(scan_src + (((c0 >> 2) ^ scan_swz) << 4));
+            const float v[4] = {f.x, f.y, f.z, f.w};
+            unsigned bits[4];
+            bool any = false;
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-              const u64 key = topk_detail::make_key(bits[u], unsigned(nq + c0 + u));
-              if (c0 + u < cols && key < list[S - 1]) {
-                int s = S - 1;  // insert: shift the larger keys up by one
-                while (s > 0 && list[s - 1] > key) {
-                  list[s] = list[s - 1];
-                  --s;
+              bits[u] = topk_detail::order_bits<Tr>(v[u]);
+              any |= bits[u] <= thr[pass] && c0 + u < cols;
+            }
+            if (any) {
+#pragma unroll
+              for (int u = 0; u < 4; ++u) {
+                const u64 key = topk_detail::make_key(bits[u], unsigned(nq + c0 + u));
+                if (c0 + u < cols && key < list[S - 1]) {
+                  int s = S - 1;  // insert: shift the larger keys up by one
+                  while (s > 0 && list[s - 1] > key) {
+                    list[s] = list[s - 1];
+                    --s;
+                  }
+                  list[s] = key;
+                  thr[pass] = unsigned(list[S - 1] >> 32);
                 }
-                list[s] = key;
-                thr[pass] = unsigned(list[S - 1] >> 32);
               }
             }
           }
+          __syncthreads();  // the scan tile is rewritten by the next pass / the next tile's stages
         }
-        __syncthreads();  // the scan tile is rewritten by the next pass / the next tile's stages
       }
     }
 
+    if constexpr (Tr::kVersion == 4) __syncthreads();  // every warp's lists are final
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = m0 + sr + h * HR;

@@ -1,5 +1,5 @@
-"""CPU tests of cuda_templates/topk_mma.cuh: topk_mma_pipelined_kernel (v3, TopkMmaTraits'
-kPipelined) leaves exactly topk_mma_kernel's (v2) candidate lists, bit for bit.
+"""CPU tests of cuda_templates/topk_mma.cuh: topk_mma_pipelined_kernel (TopkMmaTraits' kVersion 3
+and 4) leaves exactly topk_mma_kernel's (version 2) candidate lists, bit for bit.
 
 Both kernels run under the host emulation of tests/test_templates_mma.py (g++, one fiber per
 CUDA thread, host versions of distance_mma.cuh's PTX primitives: cp.async copies land at
@@ -7,7 +7,7 @@ wait_group, so a wrong commit-group count reads stale or poisoned stages; mma.sy
 products summed exactly and rounded once, the same for both kernels). The emulation is not the
 GPU's arithmetic, so what is compared is v2 against v3 on the same emulator: every accumulator
 must see the same MMAs in the same order, the same norms and values, and every (row, quarter)
-list the same keys. Cases: several y tiles per CTA (the ring runs on across tiles), a CTA with
+list the same keys (v4: filtered in registers, inserted lane by lane). Cases: several y tiles per CTA (the ring runs on across tiles), a CTA with
 one tile (no prefetch), split N ranges, ragged M / N / K (K tails of 1..3 k-tiles: fewer k-tiles
 than the prefetch depth), a batch of two entries (x norms summed again per entry), Diff / Dot,
 largest, Tf32 / Tf32x3, kSel 8 / 16 / 24, integer data full of exact ties.
@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "cuda_templates"
 
-# (Inner, Precision, largest, kSel): runner i runs v2 (2 i) and v3 (2 i + 1).
+# (Inner, Precision, largest, kSel): runner 3 i + v - 2 runs version v (2, 3, 4) of config i.
 CONFIGS = [
     ("Diff", "Tf32", "false", 24),
     ("Dot", "Tf32", "true", 8),
@@ -57,6 +57,18 @@ struct float4 { float x, y, z, w; };
 #define __host__
 #define __noinline__ __attribute__((noinline))
 #define blockDim (emu::grid_dim)  // (topk.cuh's combine kernel, not run here)
+// v4's warp primitives: every lane of the warp calls them together (the loops are warp-uniform)
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_sync(); }
+inline bool __any_sync(unsigned, bool p) {
+  auto& w = emu::warps[emu::warp()];
+  w.u[emu::lane()][7] = p;
+  emu::warp_sync();
+  bool any = false;
+  for (int l = 0; l < 32; ++l) any |= w.u[l][7] != 0;
+  emu::warp_sync();
+  return any;
+}
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 #include "topk_mma.cuh"
 
 using namespace kermac_like;
@@ -164,9 +176,11 @@ int main(int argc, char** argv) {
 '''
 
 
-def _traits(inner, prec, largest, sel, pipelined):
-    return (f"TopkMmaTraits<Inner::{inner}, Precision::{prec}, {largest}, {sel}, "
-            f"{'true' if pipelined else 'false'}>")
+VERSIONS = (2, 3, 4)
+
+
+def _traits(inner, prec, largest, sel, version):
+    return f"TopkMmaTraits<Inner::{inner}, Precision::{prec}, {largest}, {sel}, {version}>"
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +189,7 @@ def emulator(tmp_path_factory):
     if gxx is None:
         pytest.skip("g++ not installed")
     d = tmp_path_factory.mktemp("topk_mma_emulator")
-    runners = ",\n".join(f"    &run<{_traits(*c, p)}>" for c in CONFIGS for p in (False, True))
+    runners = ",\n".join(f"    &run<{_traits(*c, v)}>" for c in CONFIGS for v in VERSIONS)
     (d / "emu.cpp").write_text(_emulator_prelude() + DRIVER.replace("@@RUNNERS@@", runners))
     exe = d / "emu"
     r = subprocess.run([gxx, "-std=c++17", "-O1", "-I", str(TEMPLATES), str(d / "emu.cpp"), "-o", str(exe)],
@@ -210,8 +224,8 @@ def _both(exe, cfg_index, x, y, tmp_path, n_split=1):
     sel = CONFIGS[cfg_index][3]
     batch, M, _ = x.shape
     out = []
-    for p in (0, 1):
-        s = emulate(exe, 2 * cfg_index + p, x, y, n_split, tmp_path / f"v{2 + p}")
+    for v in VERSIONS:
+        s = emulate(exe, len(VERSIONS) * cfg_index + v - 2, x, y, n_split, tmp_path / f"v{v}")
         used = 4 * n_split * batch * M * sel
         assert (s[used:] == 0x5555555555555555).all(), "writes beyond the scratch"
         out.append(s[:used].reshape(4 * n_split, batch, M, sel))
@@ -241,6 +255,7 @@ CASES = [
 
 @pytest.mark.parametrize("cfg, batch, M, N, K, n_split, integer", CASES)
 def test_pipelined_lists_equal_v2(emulator, tmp_path, cfg, batch, M, N, K, n_split, integer):
+    """Versions 3 and 4 leave version 2's scratch, bit for bit."""
     rng = np.random.default_rng(cfg * 100 + K)
     if integer:
         x = rng.integers(-3, 4, (batch, M, K)).astype(np.float32)
@@ -248,8 +263,9 @@ def test_pipelined_lists_equal_v2(emulator, tmp_path, cfg, batch, M, N, K, n_spl
     else:
         x = rng.standard_normal((batch, M, K)).astype(np.float32)
         y = rng.standard_normal((batch, N, K)).astype(np.float32)
-    v2, v3 = _both(emulator, cfg, x, y, tmp_path, n_split)
-    assert np.array_equal(v2, v3), f"{int((v2 != v3).sum())} keys differ"
+    v2, v3, v4 = _both(emulator, cfg, x, y, tmp_path, n_split)
+    assert np.array_equal(v2, v3), f"v3: {int((v2 != v3).sum())} keys differ"
+    assert np.array_equal(v2, v4), f"v4: {int((v2 != v4).sum())} keys differ"
     filled = (v2 ^ np.int64(-(1 << 63))) != -1  # (lists past N stay empty: all ones)
     assert filled.sum(axis=(0, 3)).min() >= CONFIGS[cfg][3], "every row has kSel candidates"
     inner, _, largest, sel = CONFIGS[cfg]
@@ -275,14 +291,14 @@ def test_pipelined_compiles_without_spills(arch):
     compile_specs = _nvrtc()
     from kermac_like.runtime.specs.topk import topk_mma_spec
 
-    specs = [topk_mma_spec(False, False, 10, pipelined=True), topk_mma_spec(True, True, 10, pipelined=True)]
+    specs = [topk_mma_spec(dot, dot, 10, version=v) for v in (3, 4) for dot in (False, True)]
     try:
         _, res = compile_specs(specs, arch)
     except Exception as e:
         if "nvrtc" in str(e).lower() and "not found" in str(e).lower():  # pragma: no cover
             pytest.skip(str(e))
         raise
-    assert len(res) == 2
+    assert len(res) == 4
     for name, r in res.items():
         assert r.get("spill_stores", 0) == 0 and r.get("spill_loads", 0) == 0 and r.get("stack", 0) == 0, (name, r)
         assert 0 < r["registers"] <= 255, (name, r)
@@ -291,10 +307,10 @@ def test_pipelined_compiles_without_spills(arch):
 # ---------------------------------------------------------------------------- planner
 
 
-@pytest.mark.parametrize("flag", [False, True])
-def test_planner_selects_v3_by_flag(monkeypatch, flag):
-    """plan.topk.MMA_PIPELINED (env KERMAC_LIKE_TOPK_MMA_V3) picks topk_mma_pipelined_kernel
-    with the same arguments and grid as topk_mma_kernel (the launch is stood in for)."""
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_planner_selects_the_version(monkeypatch, version):
+    """plan.topk.MMA_VERSION (env KERMAC_LIKE_TOPK_MMA_VERSION) picks topk_mma_pipelined_kernel
+    for 3 and 4, with the same arguments and grid as topk_mma_kernel (the launch is stood in for)."""
     import torch
 
     from kermac_like.ops.knn import prepare_knn
@@ -307,7 +323,7 @@ def test_planner_selects_v3_by_flag(monkeypatch, flag):
     monkeypatch.setattr(P, "_sm_count", lambda device: 1)
     monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
     monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
-    monkeypatch.setattr(P, "MMA_PIPELINED", flag)
+    monkeypatch.setattr(P, "MMA_VERSION", version)
     seen = []
 
     class Stop(Exception):
@@ -321,6 +337,7 @@ def test_planner_selects_v3_by_flag(monkeypatch, flag):
     with pytest.raises(Stop):
         P._run_mma(call, torch.empty(140, 10), torch.empty(140, 10, dtype=torch.int64), False)
     (spec, grid, nargs), = seen
-    assert spec.kernel.endswith("topk_mma_pipelined_kernel" if flag else "topk_mma_kernel")
+    assert spec.kernel.endswith("topk_mma_pipelined_kernel" if version > 2 else "topk_mma_kernel")
     assert grid[0] == 1 and grid[2] == 1 and nargs == 19
-    assert spec.launch.smem_bytes == 99840 + (16384 if flag else 0) + 128 * 4 * 24 * 8
+    assert spec.launch.smem_bytes == 99840 + {2: 0, 3: 16384, 4: 24576}[version] + 128 * 4 * 24 * 8
+    assert (", %d>" % version in spec.traits) == (version > 2)

@@ -127,9 +127,10 @@ RESCORE_ROWS = 1024  # rows per rescoring block: (rows, kSel, K) gathered float3
 # certificates (bench/notes/knn.md, "Fused rescoring"). KERMAC_LIKE_TOPK_FUSED_RESCORE=0 restores
 # the torch rescoring (the oracle of the tests).
 FUSED_RESCORE = os.environ.get("KERMAC_LIKE_TOPK_FUSED_RESCORE", "1") not in ("", "0")
-# The candidates from topk_mma_pipelined_kernel (v3: the cp.async ring runs on across y tiles; the
-# same lists bit for bit) instead of topk_mma_kernel. Off until timed (bench/notes/knn.md, "v3").
-MMA_PIPELINED = os.environ.get("KERMAC_LIKE_TOPK_MMA_V3", "0") not in ("", "0")
+# topk_mma's version (runtime.specs.topk.topk_mma_spec): 2, topk_mma_kernel; 3 or 4,
+# topk_mma_pipelined_kernel (the cp.async ring runs on across y tiles; 4 also scans in registers),
+# the same candidate lists bit for bit. 2 until timed (bench/notes/knn.md, "topk_mma v3").
+MMA_VERSION = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_VERSION", "2") or 2)
 _FLIP = -(1 << 63)  # the scratch keys' top bit (int64 order = key order)
 
 
@@ -232,7 +233,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     dot = call.desc.inner_operator.name == "DOT"
     largest, k, M, N, K = call.largest, call.k, call.M, call.N, call.K
     device = _device_index(call.device)
-    spec = topk_mma_spec(dot, largest, k, pipelined=MMA_PIPELINED)
+    spec = topk_mma_spec(dot, largest, k, version=MMA_VERSION)
     sel = mma_sel(k)
     kernel = get_kernel(spec, device, debug=debug)
     x, y = _rows_ready(call.x), _rows_ready(call.y)

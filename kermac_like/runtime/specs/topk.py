@@ -108,23 +108,34 @@ def mma_sel(k: int) -> int:
     return max(8, sel_bucket(k + MMA_MARGIN))
 
 
-MMA_V3_EXTRA_SMEM = 16 * 1024  # TopkMmaTraits::kExtraBytes of kPipelined: scan rows 48..63
+MMA_V3_EXTRA_SMEM = 16 * 1024  # TopkMmaTraits::kExtraBytes of kVersion 3: scan rows 48..63
+MMA_STAGE_BYTES = (MMA_BLOCK_M + MMA_BLOCK_N) * 64  # DistanceMmaTraits::kStageBytes
+MMA_VERSIONS = (2, 3, 4)
 
 
-def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32", *, pipelined: bool = False) -> KernelSpec:
+def mma_smem(sel: int, version: int = 2) -> int:
+    """TopkMmaTraits::kSmemBytes: the stages (v4: five), the norms, v3's extra scan rows, the lists."""
+    base = MMA_BASE_SMEM + (MMA_STAGE_BYTES if version == 4 else 0) + (MMA_V3_EXTRA_SMEM if version == 3 else 0)
+    return base + MMA_BLOCK_M * 4 * sel * 8
+
+
+def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32", *, version: int = 2) -> KernelSpec:
     """The tensor-core candidate kernel: squared l2 distances (dot False) or dot products,
-    ``precision`` "Tf32" (the candidates, rescored exactly by the planner) or "Tf32x3";
-    ``pipelined``: v3, topk_mma_pipelined_kernel (TopkMmaTraits' kPipelined: the cp.async ring
-    runs on across y tiles; same arguments, grid and candidate lists bit for bit)."""
+    ``precision`` "Tf32" (the candidates, rescored exactly by the planner) or "Tf32x3".
+    ``version`` (TopkMmaTraits' kVersion): 2, topk_mma_kernel; 3, topk_mma_pipelined_kernel with
+    the cp.async ring running on across y tiles (the next tile's first k-tiles load during the
+    scan); 4, the same ring with five stages and the scan done in registers (no scan tile, no
+    block barrier). Same arguments, grid and candidate lists (bit for bit) in every version."""
     if not 1 <= k <= MMA_MAX_SELECT:
         raise ValueError(f"topk: k = {k} is outside the tensor-core kernel's 1..{MMA_MAX_SELECT}")
+    if version not in MMA_VERSIONS:
+        raise ValueError(f"topk: topk_mma version {version} is not one of {MMA_VERSIONS}")
     sel = mma_sel(k)
-    knob = ", true" if pipelined else ""
+    knob = f", {int(version)}" if version != 2 else ""
     traits = (f"kermac_like::TopkMmaTraits<kermac_like::Inner::{'Dot' if dot else 'Diff'}, "
               f"kermac_like::Precision::{precision}, {str(bool(largest)).lower()}, {sel}{knob}>")
-    shape = LaunchShape(threads=MMA_THREADS, block_m=MMA_BLOCK_M, block_n=MMA_BLOCK_N,
-                        smem_bytes=MMA_BASE_SMEM + (MMA_V3_EXTRA_SMEM if pipelined else 0) + MMA_BLOCK_M * 4 * sel * 8)
-    kernel = "kermac_like::topk_mma_pipelined_kernel" if pipelined else "kermac_like::topk_mma_kernel"
+    shape = LaunchShape(threads=MMA_THREADS, block_m=MMA_BLOCK_M, block_n=MMA_BLOCK_N, smem_bytes=mma_smem(sel, version))
+    kernel = "kermac_like::topk_mma_pipelined_kernel" if version >= 3 else "kermac_like::topk_mma_kernel"
     return KernelSpec("topk_mma.cuh", kernel, traits, shape)
 
 

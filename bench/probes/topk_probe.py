@@ -3,7 +3,7 @@ correctness against a float64 oracle (the acceptance rule of tests/test_gpu_knn.
 random data with poisoned outputs, then timings of the issue's workloads beside torch's way
 (row blocks of torch.cdist + torch.topk; timed on a slice of rows and scaled).
 
-    python3 bench/probes/topk_probe.py [--quick] [--only check|time|variants|mma|rescore]
+    python3 bench/probes/topk_probe.py [--quick] [--only check|time|variants|mma|mma3|rescore]
 """
 
 from __future__ import annotations
@@ -244,6 +244,101 @@ def run_mma_parts():
     print(f"kernel_topk (l2, k = 10) on the same {rows} rows: {t:.2f} ms")
 
 
+def run_mma3(M=10 ** 6):
+    """topk_mma versions 2 (topk_mma_kernel), 3 and 4 (topk_mma_pipelined_kernel; plan.topk.MMA_VERSION,
+    env KERMAC_LIKE_TOPK_MMA_VERSION): one launch of a wave of row tiles against 10^6 points at
+    knn_d128's shape (K = 128, k = 10), interleaved (2 3 4 4 3 2), median of 3 per round; the
+    scratch lists must be bitwise those of version 2 (also for the dot product, largest, and
+    3xTF32). Then knn_d128's whole call (M = N = 10^6) per version, with the outputs compared.
+    Each part reports its own failure and the probe goes on."""
+    import traceback
+
+    import numpy as np
+
+    from kermac_like.plan import core
+    from kermac_like.plan import topk as P
+    from kermac_like.runtime.launcher import get_kernel, launch
+    from kermac_like.runtime.specs.topk import MMA_VERSIONS, mma_sel, mma_smem, topk_mma_spec
+
+    dev = torch.device("cuda")
+    N, K, k = 10 ** 6, 128, 10
+    slots = core._sm_count(0)
+    rows = slots * 128
+    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 0)
+    sel = mma_sel(k)
+    versions = [v for v in MMA_VERSIONS if not optin or mma_smem(sel, v) <= optin]
+    print(f"{slots} SMs, {optin} B shared memory per block; versions {versions} "
+          f"(smem {[mma_smem(sel, v) for v in versions]})", flush=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(rows, K, device=dev, generator=g)
+    y = torch.randn(N, K, device=dev, generator=g)
+    tiles = rows // 128 * (-(-N // 256))
+
+    def launcher_of(v, dot=False, largest=False, prec="Tf32", n=N):
+        kern = get_kernel(topk_mma_spec(dot, largest, k, prec, version=v), 0)
+        scratch = torch.full((4, rows, sel), -3, dtype=torch.int64, device=dev)
+        args = (x.data_ptr(), y.data_ptr(), scratch.data_ptr(), np.int32(rows), np.int32(n), np.int32(K),
+                np.int64(K), np.int64(K), np.int32(1), np.int32(1), np.int32(1), *(np.int64(0),) * 6,
+                np.int32(1), np.int32(-(-n // 256)))
+        return (lambda: launch(kern, (rows // 128, 1, 1), args)), scratch
+
+    times, ok = {}, {}
+    for prec in ("Tf32", "Tf32x3"):
+        try:
+            runs = {v: launcher_of(v, prec=prec) for v in versions}
+            for v in versions:
+                runs[v][0]()
+            torch.cuda.synchronize()
+            for v in versions:
+                ok[(prec, v)] = torch.equal(runs[v][1], runs[versions[0]][1])
+            for v in versions + versions[::-1]:
+                times.setdefault((prec, v), []).append(time_ms(runs[v][0], reps=3))
+            base = min(times[(prec, versions[0])])
+            for v in versions:
+                t = min(times[(prec, v)])
+                print(f"topk_mma {prec} version {v}: {t:.2f} ms per launch ({rows} rows x 10^6, "
+                      f"{t * 1e3 / (tiles / slots):.2f} us per 128x256 tile per SM, {base / t:.2f}x of version "
+                      f"{versions[0]}; {t * M / rows / 1e3:.2f} s at M = 10^6); lists == version {versions[0]}: "
+                      f"{ok[(prec, v)]}", flush=True)
+            del runs
+        except Exception:
+            traceback.print_exc()
+    for dot, largest in ((True, True), (True, False), (False, True)):
+        try:
+            runs = {v: launcher_of(v, dot, largest, n=2 * 10 ** 5) for v in versions}
+            for v in versions:
+                runs[v][0]()
+            torch.cuda.synchronize()
+            same = [torch.equal(runs[v][1], runs[versions[0]][1]) for v in versions]
+            print(f"dot={dot} largest={largest} (N = 2e5): lists equal to version {versions[0]}: {same}", flush=True)
+            del runs
+        except Exception:
+            traceback.print_exc()
+    # knn_d128's whole call per version (the planner's switch), outputs compared with version 2's
+    try:
+        xm = torch.randn(M, K, device=dev, generator=g)
+        outs = {}
+        for v in versions:
+            P.MMA_VERSION = v
+            km.knn(xm[:rows], y, k)  # compiled and warm
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            res = []
+            t = time_ms(lambda: res.append(km.knn(xm, y, k)), reps=2, warm=0)
+            extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            outs[v] = res.pop()
+            res.clear()
+            same = (torch.equal(outs[v][0], outs[versions[0]][0]) and torch.equal(outs[v][1], outs[versions[0]][1]))
+            print(f"knn_d128 M = N = 10^6, k = 10, MMA_VERSION={v} (FUSED_RESCORE={P.FUSED_RESCORE}): {t:.0f} ms, "
+                  f"peak {extra:.0f} MiB beyond inputs; outputs == version {versions[0]}: {same}", flush=True)
+            if v != versions[0]:
+                del outs[v]
+        P.MMA_VERSION = 2
+    except Exception:
+        traceback.print_exc()
+
+
 def run_rescore(M=10 ** 6):
     """plan.topk.FUSED_RESCORE (cuda_templates/topk_rescore.cuh) against the torch rescoring:
     one launch's wave of rows against 10^6 points (D = 128, k = 10) with the rescoring alone
@@ -323,7 +418,7 @@ def run_rescore(M=10 ** 6):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["check", "time", "variants", "mma", "rescore"])
+    ap.add_argument("--only", choices=["check", "time", "variants", "mma", "mma3", "rescore"])
     ap.add_argument("--cases", default="", help="comma-separated timing rows (default: all)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(0))
@@ -336,6 +431,8 @@ if __name__ == "__main__":
         run_variants()
     if a.only == "mma":
         run_mma_parts()
+    if a.only == "mma3":
+        run_mma3()
     if a.only == "rescore":
         run_rescore()
     print(f"total {time.time() - t0:.1f} s")

@@ -55,7 +55,8 @@ struct TopkMmaTraits
   // padding: an XOR swizzle of the 16-byte slots keeps the accesses free of bank conflicts), rows
   // 0..kStageRows-1 in stages 0 and 1, the others in a region of their own after the norms;
   // stages 2 and 3 receive the next tile's k-tiles 0 and 1 while the scan runs. v4: no scan tile
-  // (the values are filtered in registers), five stages, four k-tiles in flight over the scan.
+  // (the values are filtered in registers), five stages and one stream of k-tiles over the whole
+  // y range (StreamRing): four in flight at all times, across tile boundaries too.
   static constexpr int kRingStages = kVersion_ == 4 ? 5 : Base::kStages;
   static constexpr int kPrefetch = kVersion_ == 4 ? kRingStages - 1 : 2;
   static constexpr int kNormOffset = kRingStages * Base::kStageBytes;  // norm_a, norm_b (v2: the same)
@@ -210,18 +211,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 // each list sees the same keys with the same thresholds).
 namespace topk_mma_detail {
 
-// block_tile_product's k-loop over a ring whose k-tile kt of a y tile sits in stage
-// (kt + kPrefetch) % kStages, so that the next tile's first kPrefetch k-tiles can be issued while
-// stages 0 .. kPrefetch - 1 hold the scan tile.
+// block_tile_product's k-loop, cut into what both rings share: the copies of one k-tile, the
+// MMAs and norm sums of one landed stage, and the norms' reduction.
 template <class Tr>
-struct TileRing {
+struct RingBase {
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   static constexpr int kStages = Tr::kRingStages, kStageBytes = Tr::kStageBytes;
   static constexpr int kRowBytes = Tr::kRowBytes, kBlockK = Tr::kBlockK, kChunkElems = Tr::kChunkElems;
   static constexpr int kChunksA = kBlockM * kRowBytes / 16 / Tr::kThreads;  // 2
   static constexpr int kChunksB = kBlockN * kRowBytes / 16 / Tr::kThreads;  // 4
   static constexpr int kRowsPerPass = Tr::kThreads / 4;                     // 64
-  static_assert(Tr::kPrefetch >= 1 && Tr::kPrefetch <= kStages - 1, "TileRing: prefetch depth");
+  typedef float Acc[Tr::kTilesM][Tr::kTilesN][4];
 
   const float* a_l;
   const float* b_l;
@@ -230,7 +230,7 @@ struct TileRing {
   int m0, num_k_tiles, copy_row, copy_chunk;
   unsigned smem_base, copy_dst;
 
-  __device__ __forceinline__ TileRing(const float* a_, const float* b_, int M_, int N_, int K_, long long lda_,
+  __device__ __forceinline__ RingBase(const float* a_, const float* b_, int M_, int N_, int K_, long long lda_,
                                       long long ldb_, int m0_, unsigned char* smem)
       : a_l(a_), b_l(b_), M(M_), N(N_), K(K_), lda(lda_), ldb(ldb_), m0(m0_) {
     num_k_tiles = ceil_div(K, kBlockK);
@@ -241,11 +241,11 @@ struct TileRing {
     copy_dst = (unsigned)(copy_row * kRowBytes + ((copy_chunk ^ (((copy_row >> 1) & 1) << 1)) * 16));
   }
 
-  // k-tile kt of the y tile at n0 (and of the x tile) into its stage; no commit.
-  __device__ __forceinline__ void load(int kt, int n0) const {
+  // k-tile kt of the y tile at n0 (and of the x tile) into `stage`; no commit.
+  __device__ __forceinline__ void load_to(int stage, int kt, int n0) const {
     const int k_left = K - kt * kBlockK - copy_chunk * kChunkElems;  // elements left in the row
     const int bytes = k_left <= 0 ? 0 : (k_left >= kChunkElems ? 16 : k_left * 4);
-    const unsigned dst = smem_base + ((kt + Tr::kPrefetch) % kStages) * kStageBytes + copy_dst;
+    const unsigned dst = smem_base + stage * kStageBytes + copy_dst;
 #pragma unroll
     for (int u = 0; u < kChunksA; ++u) {
       const int row = m0 + copy_row + u * kRowsPerPass;
@@ -264,26 +264,24 @@ struct TileRing {
     }
   }
 
-  // The first kPrefetch k-tiles of the y tile at n0, one commit group each. Stages kPrefetch ..
-  // must be free (after a barrier that follows every read of them).
-  __device__ __forceinline__ void prefetch(int n0) const {
+  __device__ __forceinline__ static void clear(Acc& acc, float (&sq_a)[kChunksA], float (&sq_b)[kChunksB]) {
 #pragma unroll
-    for (int s = 0; s < Tr::kPrefetch; ++s) {
-      if (s < num_k_tiles) load(s, n0);
-      mma_detail::cp_async_commit();
-    }
+    for (int i = 0; i < Tr::kTilesM; ++i)
+#pragma unroll
+      for (int j = 0; j < Tr::kTilesN; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+#pragma unroll
+    for (int u = 0; u < kChunksA; ++u) sq_a[u] = 0.f;
+#pragma unroll
+    for (int u = 0; u < kChunksB; ++u) sq_b[u] = 0.f;
   }
 
-  // The y tile at n0 (its first kPrefetch k-tiles already issued by prefetch): acc as
-  // block_tile_product leaves it, norm_b (and norm_a if first) in shared memory; ends with a
-  // barrier (norms visible, every stage read), then issues the tile at next_n0 (< 0: none).
-  __device__ __forceinline__ void product(int n0, bool first, int next_n0, unsigned char* smem,
-                                          float (&acc)[Tr::kTilesM][Tr::kTilesN][4]) const {
+  // One landed k-tile: block_tile_product's norm sums (x's only if first) and MMAs, same order.
+  __device__ __forceinline__ static void mma_stage(const unsigned char* stage, bool first, Acc& acc,
+                                                   float (&sq_a)[kChunksA], float (&sq_b)[kChunksB]) {
     using namespace mma_detail;
     constexpr int kTilesM = Tr::kTilesM, kTilesN = Tr::kTilesN;
-    constexpr bool kDiff = Tr::kInner == Inner::Diff;
-      float* norm_a = reinterpret_cast<float*>(smem + Tr::kNormOffset);  // (kBlockM)
-    float* norm_b = norm_a + kBlockM;                                   // (kBlockN)
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -293,92 +291,63 @@ struct TileRing {
     const int frag_b_row = kBlockM * kRowBytes + (wn * Tr::kWarpN + g) * kRowBytes;
     const int frag_col[2] = {(((0 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8,
                              (((2 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8};
-
+    if constexpr (Tr::kInner == Inner::Diff) {
+      if (first) {
 #pragma unroll
-    for (int i = 0; i < kTilesM; ++i)
+        for (int u = 0; u < kChunksA; ++u)
+          sq_a[u] += chunk_sumsq<float>(*reinterpret_cast<const uint4*>(stage + (tid + u * Tr::kThreads) * 16));
+      }
 #pragma unroll
-      for (int j = 0; j < kTilesN; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
-    float sq_a[kChunksA], sq_b[kChunksB];
-#pragma unroll
-    for (int u = 0; u < kChunksA; ++u) sq_a[u] = 0.f;
-#pragma unroll
-    for (int u = 0; u < kChunksB; ++u) sq_b[u] = 0.f;
-
-    // The rest of the prologue (stages 0 .. were the scan tile: free since the last barrier).
-#pragma unroll
-    for (int s = Tr::kPrefetch; s < kStages - 1; ++s) {
-      if (s < num_k_tiles) load(s, n0);
-      cp_async_commit();
+      for (int u = 0; u < kChunksB; ++u)
+        sq_b[u] += chunk_sumsq<float>(
+            *reinterpret_cast<const uint4*>(stage + kBlockM * kRowBytes + (tid + u * Tr::kThreads) * 16));
     }
-
-    for (int kt = 0; kt < num_k_tiles; ++kt) {
-      cp_async_wait<kStages - 2>();  // k-tile kt has landed (for this thread) ...
-      __syncthreads();               // ... for all threads; the stage of k-tile kt - 1 is free
-      {
-        const int kn = kt + kStages - 1;
-        if (kn < num_k_tiles) load(kn, n0);
-        cp_async_commit();
-      }
-      const unsigned char* stage = smem + ((kt + Tr::kPrefetch) % kStages) * kStageBytes;
-
-      if constexpr (kDiff) {
-        if (first) {
 #pragma unroll
-          for (int u = 0; u < kChunksA; ++u)
-            sq_a[u] += chunk_sumsq<float>(*reinterpret_cast<const uint4*>(stage + (tid + u * Tr::kThreads) * 16));
-        }
+    for (int s = 0; s < 2; ++s) {
+      unsigned a_big[kTilesM][4], a_small[kTilesM][4];
 #pragma unroll
-        for (int u = 0; u < kChunksB; ++u)
-          sq_b[u] += chunk_sumsq<float>(
-              *reinterpret_cast<const uint4*>(stage + kBlockM * kRowBytes + (tid + u * Tr::kThreads) * 16));
-      }
-
+      for (int i = 0; i < kTilesM; ++i) {
+        const uint2 r0 = *reinterpret_cast<const uint2*>(stage + frag_a_row + (i * 16) * kRowBytes + frag_col[s]);
+        const uint2 r1 =
+            *reinterpret_cast<const uint2*>(stage + frag_a_row + (i * 16 + 8) * kRowBytes + frag_col[s]);
+        const unsigned raw[4] = {r0.x, r1.x, r0.y, r1.y};  // a0 a1 a2 a3
 #pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        unsigned a_big[kTilesM][4], a_small[kTilesM][4];
-#pragma unroll
-        for (int i = 0; i < kTilesM; ++i) {
-          const uint2 r0 =
-              *reinterpret_cast<const uint2*>(stage + frag_a_row + (i * 16) * kRowBytes + frag_col[s]);
-          const uint2 r1 =
-              *reinterpret_cast<const uint2*>(stage + frag_a_row + (i * 16 + 8) * kRowBytes + frag_col[s]);
-          const unsigned raw[4] = {r0.x, r1.x, r0.y, r1.y};  // a0 a1 a2 a3
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            if constexpr (Tr::kPrecision == Precision::Tf32x3) {
-              split_tf32x3(raw[r], a_big[i][r], a_small[i][r]);
-            } else {
-              a_big[i][r] = tf32_rna(raw[r]);
-            }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kTilesN; ++j) {
-          const uint2 rb =
-              *reinterpret_cast<const uint2*>(stage + frag_b_row + (j * 8) * kRowBytes + frag_col[s]);
+        for (int r = 0; r < 4; ++r) {
           if constexpr (Tr::kPrecision == Precision::Tf32x3) {
-            unsigned b0, b1, b0s, b1s;
-            split_tf32x3(rb.x, b0, b0s);
-            split_tf32x3(rb.y, b1, b1s);
-#pragma unroll
-            for (int i = 0; i < kTilesM; ++i) {
-              mma_tf32(acc[i][j], a_small[i], b0, b1);
-              mma_tf32(acc[i][j], a_big[i], b0s, b1s);
-              mma_tf32(acc[i][j], a_big[i], b0, b1);
-            }
+            split_tf32x3(raw[r], a_big[i][r], a_small[i][r]);
           } else {
-            const unsigned b0 = tf32_rna(rb.x), b1 = tf32_rna(rb.y);
-#pragma unroll
-            for (int i = 0; i < kTilesM; ++i) mma_tf32(acc[i][j], a_big[i], b0, b1);
+            a_big[i][r] = tf32_rna(raw[r]);
           }
         }
       }
+#pragma unroll
+      for (int j = 0; j < kTilesN; ++j) {
+        const uint2 rb = *reinterpret_cast<const uint2*>(stage + frag_b_row + (j * 8) * kRowBytes + frag_col[s]);
+        if constexpr (Tr::kPrecision == Precision::Tf32x3) {
+          unsigned b0, b1, b0s, b1s;
+          split_tf32x3(rb.x, b0, b0s);
+          split_tf32x3(rb.y, b1, b1s);
+#pragma unroll
+          for (int i = 0; i < kTilesM; ++i) {
+            mma_tf32(acc[i][j], a_small[i], b0, b1);
+            mma_tf32(acc[i][j], a_big[i], b0s, b1s);
+            mma_tf32(acc[i][j], a_big[i], b0, b1);
+          }
+        } else {
+          const unsigned b0 = tf32_rna(rb.x), b1 = tf32_rna(rb.y);
+#pragma unroll
+          for (int i = 0; i < kTilesM; ++i) mma_tf32(acc[i][j], a_big[i], b0, b1);
+        }
+      }
     }
-    // (only empty groups are left: no wait; the next ones are the next tile's)
+  }
 
-    if constexpr (kDiff) {
+  // The squared norms to shared memory (x's only if first), as block_tile_product reduces them.
+  __device__ __forceinline__ void norms(bool first, float (&sq_a)[kChunksA], float (&sq_b)[kChunksB],
+                                        unsigned char* smem) const {
+    float* norm_a = reinterpret_cast<float*>(smem + Tr::kNormOffset);  // (kBlockM)
+    float* norm_b = norm_a + kBlockM;                                   // (kBlockN)
+    if constexpr (Tr::kInner == Inner::Diff) {
       if (first) {
 #pragma unroll
         for (int u = 0; u < kChunksA; ++u) {
@@ -394,8 +363,110 @@ struct TileRing {
         if (copy_chunk == 0) norm_b[copy_row + u * kRowsPerPass] = sq_b[u];
       }
     }
+  }
+};
+
+// v3's ring: k-tile kt of a y tile sits in stage (kt + kPrefetch) % kStages, so that the next
+// tile's first kPrefetch k-tiles can be issued (after the MMAs' last barrier) while stages
+// 0 .. kPrefetch - 1 hold the scan tile.
+template <class Tr>
+struct TileRing : RingBase<Tr> {
+  using B = RingBase<Tr>;
+  using B::B;
+  static_assert(Tr::kPrefetch >= 1 && Tr::kPrefetch <= B::kStages - 1, "TileRing: prefetch depth");
+
+  __device__ __forceinline__ void load(int kt, int n0) const {
+    B::load_to((kt + Tr::kPrefetch) % B::kStages, kt, n0);
+  }
+
+  // The first kPrefetch k-tiles of the y tile at n0, one commit group each. Stages kPrefetch ..
+  // must be free (after a barrier that follows every read of them).
+  __device__ __forceinline__ void prefetch(int n0) const {
+#pragma unroll
+    for (int s = 0; s < Tr::kPrefetch; ++s) {
+      if (s < B::num_k_tiles) load(s, n0);
+      mma_detail::cp_async_commit();
+    }
+  }
+
+  // The y tile at n0 (its first kPrefetch k-tiles already issued by prefetch): acc as
+  // block_tile_product leaves it, norm_b (and norm_a if first) in shared memory; ends with a
+  // barrier (norms visible, every stage read), then issues the tile at next_n0 (< 0: none).
+  __device__ __forceinline__ void product(int n0, bool first, int next_n0, unsigned char* smem,
+                                          typename B::Acc& acc) const {
+    using namespace mma_detail;
+    constexpr int kStages = B::kStages;
+    float sq_a[B::kChunksA], sq_b[B::kChunksB];
+    B::clear(acc, sq_a, sq_b);
+    // The rest of the prologue (stages 0 .. were the scan tile: free since the last barrier).
+#pragma unroll
+    for (int s = Tr::kPrefetch; s < kStages - 1; ++s) {
+      if (s < B::num_k_tiles) load(s, n0);
+      cp_async_commit();
+    }
+    for (int kt = 0; kt < B::num_k_tiles; ++kt) {
+      cp_async_wait<kStages - 2>();  // k-tile kt has landed (for this thread) ...
+      __syncthreads();               // ... for all threads; the stage of k-tile kt - 1 is free
+      {
+        const int kn = kt + kStages - 1;
+        if (kn < B::num_k_tiles) load(kn, n0);
+        cp_async_commit();
+      }
+      B::mma_stage(smem + ((kt + Tr::kPrefetch) % kStages) * B::kStageBytes, first, acc, sq_a, sq_b);
+    }
+    // (only empty groups are left: no wait; the next ones are the next tile's)
+    B::norms(first, sq_a, sq_b, smem);
     __syncthreads();  // norms visible; every warp is past its last read of the stages
     if (next_n0 >= 0) prefetch(next_n0);
+  }
+};
+
+// v4's ring: one stream of k-tiles over the CTA's whole y range, kStages - 1 always in flight:
+// the k-loop of a tile's last iterations already issues the next tile's first k-tiles, and the
+// stages rotate through the tiles (k-tile kt of the tile at n0 sits where the stream put it).
+template <class Tr>
+struct StreamRing : RingBase<Tr> {
+  using B = RingBase<Tr>;
+  int n_end, ld_n0, ld_kt, ld_stage, cs_stage;  // the next copy's tile, k-tile, stage; the next MMAs' stage
+
+  __device__ __forceinline__ StreamRing(const float* a_, const float* b_, int M_, int N_, int K_, long long lda_,
+                                        long long ldb_, int m0_, unsigned char* smem, int n_begin, int n_end_)
+      : B(a_, b_, M_, N_, K_, lda_, ldb_, m0_, smem), n_end(n_end_), ld_n0(n_begin), ld_kt(0), ld_stage(0),
+        cs_stage(0) {}
+
+  // The stream's next k-tile (none past the range: an empty group all the same) and one commit.
+  __device__ __forceinline__ void issue() {
+    if (ld_n0 < n_end) B::load_to(ld_stage, ld_kt, ld_n0);
+    mma_detail::cp_async_commit();
+    ld_stage = ld_stage + 1 == B::kStages ? 0 : ld_stage + 1;
+    if (++ld_kt == B::num_k_tiles) {
+      ld_kt = 0;
+      ld_n0 += B::kBlockN;
+    }
+  }
+
+  // The prologue, once per range (stages free: kernel start or the last barrier).
+  __device__ __forceinline__ void start() {
+#pragma unroll
+    for (int s = 0; s < B::kStages - 1; ++s) issue();
+  }
+
+  // The y tile at n0 (the stream's next one): acc and the norms as TileRing::product leaves them;
+  // ends with a barrier (norms visible). The stage issued at iteration kt is the one whose MMAs
+  // ran at iteration kt - 1 (of this tile or the last), free after iteration kt's barrier.
+  __device__ __forceinline__ void product(bool first, unsigned char* smem, typename B::Acc& acc) {
+    using namespace mma_detail;
+    float sq_a[B::kChunksA], sq_b[B::kChunksB];
+    B::clear(acc, sq_a, sq_b);
+    for (int kt = 0; kt < B::num_k_tiles; ++kt) {
+      cp_async_wait<B::kStages - 2>();  // this k-tile has landed (for this thread) ...
+      __syncthreads();                  // ... for all threads; the last k-tile's stage is free
+      issue();
+      B::mma_stage(smem + cs_stage * B::kStageBytes, first, acc, sq_a, sq_b);
+      cs_stage = cs_stage + 1 == B::kStages ? 0 : cs_stage + 1;
+    }
+    B::norms(first, sq_a, sq_b, smem);
+    __syncthreads();  // norms visible
   }
 };
 
@@ -533,11 +604,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int e = tid; e < BM * 4 * S; e += Tr::kThreads) lists[e] = m0 + e / (4 * S) < M ? ~0ull : 0ull;
 
     const topk_mma_detail::TileRing<Tr> ring(xl, yl, M, N, K, ldx, ldy, m0, smem);
-    if (n_begin < n_end) ring.prefetch(n_begin);  // (stages free: kernel start or the last barrier)
+    topk_mma_detail::StreamRing<Tr> stream(xl, yl, M, N, K, ldx, ldy, m0, smem, n_begin, n_end);
+    if constexpr (Tr::kVersion == 4) {
+      if (n_begin < n_end) stream.start();  // (stages free: kernel start or the last barrier)
+    } else {
+      if (n_begin < n_end) ring.prefetch(n_begin);
+    }
     bool first = true;
     for (int n0 = n_begin; n0 < n_end; n0 += BN) {
       float acc[Tr::kTilesM][Tr::kTilesN][4];
-      ring.product(n0, first, n0 + BN < n_end ? n0 + BN : -1, smem, acc);
+      if constexpr (Tr::kVersion == 4) {
+        stream.product(first, smem, acc);
+      } else {
+        ring.product(n0, first, n0 + BN < n_end ? n0 + BN : -1, smem, acc);
+      }
       first = false;
       if constexpr (Tr::kVersion == 4) {
         topk_mma_detail::filter_tile<Tr>(acc, norm_a, norm_b, lists, n0, n_end, wm, wn, g, t);

@@ -340,6 +340,10 @@ def test_spec_selection():
     assert "float, 4, 1, true, 0, 4, 4, true>" in ms.matvec_spec(g, f32, 3, 1).traits  # expanded, tuned (D <= 3, C = 1)
     assert "float, 8, 1, true, 0>" in ms.matvec_spec(g, f32, 7, 1).traits  # expanded, untuned
     assert "float, 4, 16, true, 0>" in ms.matvec_spec(g, f32, 3, 16).traits
+    # D = 8 expanded: 9 slots; 11 columns (GPyTorch's 1 + 10 probes): kC = 12, two rows per thread
+    spec = ms.matvec_spec(g, f32, 8, 11)
+    assert "float, 9, 12, true, 0>" in spec.traits and spec.launch.block_m == 2 * ms.THREADS
+    assert ms.c_bucket(11) == 16 and ms.simt_c_bucket(11) == 12  # the tensor-core kernel keeps 16
     assert "float, 3, 1>" in ms.matvec_spec(g, f32, 3, 1, epsilon=0.1).traits  # a cut needs the distance
     assert "float, 0, 4>" in ms.matvec_spec(km.preset("l1"), f32, 33, 3).traits
     assert ms.matvec_spec(g, torch.float16, 40, 20).traits.endswith("kermac_like::float16, 0, 16>")
@@ -399,6 +403,7 @@ def _gpu_specs():
         for K in (1, 3, 17, 300):
             for C in (1, 5, 16):
                 out.append(ms.matvec_spec(d, f32, K, C))
+        out.append(ms.matvec_spec(d, f32, 8, 11))
     for dt in (torch.float16, torch.bfloat16):
         for d in (km.preset("gaussian_l2"), km.preset("laplace_l1")):
             out.append(ms.matvec_spec(d, dt, 3, 2))
@@ -502,7 +507,7 @@ def test_gpu_odd_sizes_k_and_columns(gpu_warm, name):
     desc = km.preset(name)
     hs = _hypers(desc, 1, "cuda", tensor=False)
     for M, N, K, C in [(1, 1, 1, 1), (7, 1000, 3, 5), (127, 129, 17, 16), (129, 127, 300, 1), (1000, 7, 3, 20),
-                       (1000, 1000, 3, 1), (5, 3000, 1, 5)]:
+                       (1000, 1000, 3, 1), (5, 3000, 1, 5), (1000, 1500, 8, 11)]:
         x, y = _gpu_data((M, K), (N, K))
         scale = 1.0 / math.sqrt(K)  # distances of order 1 (no underflowing exponentials)
         x, y = x * scale, y * scale

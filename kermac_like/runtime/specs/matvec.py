@@ -21,6 +21,8 @@ __all__ = [
     "expandable",
     "k_bucket",
     "c_bucket",
+    "simt_c_bucket",
+    "SIMT_C_BUCKETS",
     "matvec_traits_spec",
     "TUNING",
     "matvec_spec",
@@ -33,9 +35,16 @@ __all__ = [
 THREADS = 256
 # Padded K of the registers strategy (x rows in registers); K beyond the last takes the
 # chunked strategy (kK = 0). Padding costs kK - K wasted inner operations per pair.
-K_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# 9: D = 8 in the expanded form (K + 1 slots): 8 FFMA per pair with the fold instead of 11 at 12.
+K_BUCKETS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 24, 32)
+# Columns per launch of the tensor-core kernel (matvec_wgmma.cuh) ...
 C_BUCKETS = (1, 2, 4, 8, 16)
 MAX_C = C_BUCKETS[-1]  # wider v runs in column chunks of MAX_C (one launch each)
+# ... and of the SIMT kernel (matvec.cuh), which also takes 12: GPyTorch's products have
+# 1 + 10 probe columns. Measured on an H200 (bench/probes/matvec_multicol_candidates.py,
+# bench/notes/matvec.md "Several columns"): Gaussian D = 8, C = 11, N = M = 10^6: kK = 12,
+# kC = 16, one row per thread 2201 ms; kK = 9, kC = 12, two rows per thread 1055 ms.
+SIMT_C_BUCKETS = (1, 2, 4, 8, 12, 16)
 
 _T = CPP_TYPES
 
@@ -94,7 +103,13 @@ def k_bucket(slots: int) -> int:
 
 
 def c_bucket(c: int) -> int:
+    """kC of the tensor-core kernel for c columns (at most MAX_C)."""
     return bucket(c, C_BUCKETS, MAX_C)
+
+
+def simt_c_bucket(c: int) -> int:
+    """kC of the SIMT kernel for c columns (at most MAX_C)."""
+    return bucket(c, SIMT_C_BUCKETS, MAX_C)
 
 
 # Rows of eight whose exponential runs on the FMA pipe in the expanded kernel. Measured on an
@@ -168,9 +183,10 @@ def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None, 
               and not wide)
     kK = k_bucket(K + 1 if expand else K)
     tuning = {}
-    if expand and dtype == torch.float32 and kK <= 8 and block_n(kK, c_bucket(C)) == THREADS:
-        tuning = _tuning(kK, c_bucket(C))
-    return matvec_traits_spec(desc, dtype, kK, c_bucket(C), expand=expand, out_dtype=out_dtype, **tuning)
+    kC = simt_c_bucket(C)
+    if expand and dtype == torch.float32 and kK <= 8 and block_n(kK, kC) == THREADS:
+        tuning = _tuning(kK, kC)
+    return matvec_traits_spec(desc, dtype, kK, kC, expand=expand, out_dtype=out_dtype, **tuning)
 
 
 COMBINE_LAUNCH = LaunchShape(threads=256, block_m=1, block_n=1, smem_bytes=0)
@@ -197,6 +213,7 @@ def shipped():
     yield matvec_traits_spec(g, f32, 4, 1, expand=True)  # the untuned loop (D <= 3 is tuned)
     yield matvec_traits_spec(g, f32, 4, 1, expand=True, poly_rows=1)  # the FMA-pipe exponential
     yield matvec_spec(g, f32, 3, 16)
+    yield matvec_spec(g, f32, 8, 11)  # kC = 12, two rows per thread (GPyTorch's 1 + 10 probe columns)
     for name in ("p_norm", "dot"):
         yield matvec_spec(PRESETS[name], f32, 3, 1)
     yield matvec_spec(PRESETS["laplace_l1"], f32, 64, 1)

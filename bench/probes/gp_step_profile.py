@@ -113,7 +113,9 @@ if len(sys.argv) > 2 and sys.argv[2] == "profile":  # torch.profiler tables of o
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
     with profile(activities=acts, profile_memory=True) as prof:
-        step()
+        res = step()
+    print(f"N={N}: forward {res[0]:.2f} s (peak extra {res[2]:.0f} MB), backward {res[1]:.2f} s (peak extra "
+          f"{res[3]:.0f} MB); kernel_matvec calls: {len(calls)}, {sum(c[3] for c in calls) / 1e3:.2f} s")
     key = "self_cuda_time_total" if CUDA else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))

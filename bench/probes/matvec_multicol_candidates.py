@@ -36,6 +36,8 @@ CANDIDATES = {
     "k9_c12_r2_u1": (9, 12, 2, 1),
     "k9_c16_r2_u1": (9, 16, 2, 1),
     "k12_c12_r2": (12, 12, 2, 0),
+    "k12_c1": (12, 1, 0, 0),  # the one-column kernel before kK = 9 (rows: the register rule)
+    "k9_c1": (9, 1, 0, 0),
 }
 
 

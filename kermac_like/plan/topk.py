@@ -127,10 +127,9 @@ RESCORE_ROWS = 1024  # rows per rescoring block: (rows, kSel, K) gathered float3
 # certificates (bench/notes/knn.md, "Fused rescoring"). KERMAC_LIKE_TOPK_FUSED_RESCORE=0 restores
 # the torch rescoring (the oracle of the tests).
 FUSED_RESCORE = os.environ.get("KERMAC_LIKE_TOPK_FUSED_RESCORE", "1") not in ("", "0")
-# topk_mma's version (runtime.specs.topk.topk_mma_spec): 2, topk_mma_kernel; 3, 4 or 5,
-# topk_mma_pipelined_kernel (the cp.async ring runs on across y tiles; 4 also scans in registers,
-# 5 also rounds the stages to TF32 in place), the same candidate lists bit for bit. 2 until timed
-# (bench/notes/knn.md, "topk_mma v3").
+# topk_mma's version (runtime.specs.topk.topk_mma_spec): 2, topk_mma_kernel; 3 or 4,
+# topk_mma_pipelined_kernel (the cp.async ring runs on across y tiles; 4 also scans in registers),
+# the same candidate lists bit for bit. 2 until timed (bench/notes/knn.md, "topk_mma v3").
 MMA_VERSION = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_VERSION", "2") or 2)
 _FLIP = -(1 << 63)  # the scratch keys' top bit (int64 order = key order)
 

@@ -23,10 +23,9 @@
 namespace kermac_like {
 
 // kInner_: Diff (squared l2 distances) or Dot; kPrecision_: Tf32 (candidates) or Tf32x3;
-// kSel_: list length per (row, quarter), 8 to 24; kVersion_: 2, topk_mma_kernel; 3, 4 or 5,
+// kSel_: list length per (row, quarter), 8 to 24; kVersion_: 2, topk_mma_kernel; 3 or 4,
 // topk_mma_pipelined_kernel (below: the cp.async ring runs on across the y tiles; 4 also scans
-// the values in registers; 5 also rounds each landed stage to TF32 once, in place), the same
-// candidate lists bit for bit.
+// the values in registers), the same candidate lists bit for bit.
 template <Inner kInner_, Precision kPrecision_, bool kLargest_, int kSel_, int kVersion_ = 2>
 struct TopkMmaTraits
     : DistanceMmaTraits<kInner_, Power::Noop, Epilogue::None, Layout::RowMajor, Layout::RowMajor,
@@ -48,7 +47,7 @@ struct TopkMmaTraits
   static constexpr int kRowStride = kQuarters * kQuarterStride;
   static_assert(kHalfRows * kRowStride * 4 <= Base::kStages * Base::kStageBytes, "scan tile fits the stages");
   static_assert(Base::kThreads == kHalfRows * kQuarters, "one (row, quarter) per thread and pass");
-  static_assert(kVersion_ >= 2 && kVersion_ <= 5, "TopkMmaTraits: kVersion is 2, 3, 4 or 5");
+  static_assert(kVersion_ >= 2 && kVersion_ <= 4, "TopkMmaTraits: kVersion is 2, 3 or 4");
   static constexpr int kVersion = kVersion_;
   static constexpr bool kPipelined = kVersion_ >= 3;
   // The ring of topk_mma_pipelined_kernel: kRingStages stages, the next y tile's first kPrefetch
@@ -58,12 +57,8 @@ struct TopkMmaTraits
   // stages 2 and 3 receive the next tile's k-tiles 0 and 1 while the scan runs. v4: no scan tile
   // (the values are filtered in registers), five stages and one stream of k-tiles over the whole
   // y range (StreamRing): four in flight at all times, across tile boundaries too.
-  static constexpr int kRingStages = kVersion_ >= 4 ? 5 : Base::kStages;
-  static constexpr int kPrefetch = kVersion_ >= 4 ? kRingStages - 1 : 2;
-  // v5 (Tf32 only): each thread rounds the chunks it copied to TF32 in place once they land (its
-  // norm sums taken from the raw chunks first), so the MMAs' fragments need no conversion: the
-  // same operands (tf32_rna is idempotent), 64 instead of 128 conversions per thread and k-tile.
-  static constexpr bool kPreRound = kVersion_ >= 5 && kPrecision_ == Precision::Tf32;
+  static constexpr int kRingStages = kVersion_ == 4 ? 5 : Base::kStages;
+  static constexpr int kPrefetch = kVersion_ == 4 ? kRingStages - 1 : 2;
   static constexpr int kNormOffset = kRingStages * Base::kStageBytes;  // norm_a, norm_b (v2: the same)
   static constexpr int kScanRowBytes = Base::kBlockN * 4;              // 1024
   static constexpr int kStageRows = (Base::kStages - 2) * Base::kStageBytes / kScanRowBytes;  // 48 (v3)
@@ -283,8 +278,6 @@ struct RingBase {
   }
 
   // One landed k-tile: block_tile_product's norm sums (x's only if first) and MMAs, same order.
-  // kPreRounded: the stage holds TF32 values already (round_own): no conversion, no norm sums.
-  template <bool kPreRounded = false>
   __device__ __forceinline__ static void mma_stage(const unsigned char* stage, bool first, Acc& acc,
                                                    float (&sq_a)[kChunksA], float (&sq_b)[kChunksB]) {
     using namespace mma_detail;
@@ -298,7 +291,7 @@ struct RingBase {
     const int frag_b_row = kBlockM * kRowBytes + (wn * Tr::kWarpN + g) * kRowBytes;
     const int frag_col[2] = {(((0 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8,
                              (((2 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8};
-    if constexpr (Tr::kInner == Inner::Diff && !kPreRounded) {
+    if constexpr (Tr::kInner == Inner::Diff) {
       if (first) {
 #pragma unroll
         for (int u = 0; u < kChunksA; ++u)
@@ -322,8 +315,6 @@ struct RingBase {
         for (int r = 0; r < 4; ++r) {
           if constexpr (Tr::kPrecision == Precision::Tf32x3) {
             split_tf32x3(raw[r], a_big[i][r], a_small[i][r]);
-          } else if constexpr (kPreRounded) {
-            a_big[i][r] = raw[r];
           } else {
             a_big[i][r] = tf32_rna(raw[r]);
           }
@@ -343,42 +334,11 @@ struct RingBase {
             mma_tf32(acc[i][j], a_big[i], b0, b1);
           }
         } else {
-          const unsigned b0 = kPreRounded ? rb.x : tf32_rna(rb.x), b1 = kPreRounded ? rb.y : tf32_rna(rb.y);
+          const unsigned b0 = tf32_rna(rb.x), b1 = tf32_rna(rb.y);
 #pragma unroll
           for (int i = 0; i < kTilesM; ++i) mma_tf32(acc[i][j], a_big[i], b0, b1);
         }
       }
-    }
-  }
-
-  // v5: the chunks this thread copied into `stage` (landed for it): first their squared sums,
-  // then the chunks rounded to TF32 in place; a barrier must follow before other threads read
-  // them. mma_stage sums physical chunk tid % 4 of row tid / 4 (+ 64 u), this thread copied
-  // physical chunk (tid % 4) ^ swz: in rows of swizzle 2, lanes l and l ^ 2 trade chunks, and
-  // norms()' butterfly (lanes l, l ^ 1, then l ^ 2) adds the same pairs in the same order up
-  // to one commutation of its last addition: the same norms, bit for bit.
-  __device__ __forceinline__ void round_own(unsigned char* stage, bool first, float (&sq_a)[kChunksA],
-                                            float (&sq_b)[kChunksB]) const {
-    using mma_detail::tf32_rna;
-#pragma unroll
-    for (int u = 0; u < kChunksA + kChunksB; ++u) {
-      const bool is_a = u < kChunksA;
-      const int v = is_a ? u : u - kChunksA;
-      uint4* p = reinterpret_cast<uint4*>(stage + (is_a ? 0 : kBlockM * kRowBytes) + copy_dst +
-                                          v * kRowsPerPass * kRowBytes);
-      uint4 c = *p;
-      if constexpr (Tr::kInner == Inner::Diff) {
-        if (is_a) {
-          if (first) sq_a[v] += mma_detail::chunk_sumsq<float>(c);
-        } else {
-          sq_b[v] += mma_detail::chunk_sumsq<float>(c);
-        }
-      }
-      c.x = tf32_rna(c.x);
-      c.y = tf32_rna(c.y);
-      c.z = tf32_rna(c.z);
-      c.w = tf32_rna(c.w);
-      *p = c;
     }
   }
 
@@ -500,10 +460,9 @@ struct StreamRing : RingBase<Tr> {
     B::clear(acc, sq_a, sq_b);
     for (int kt = 0; kt < B::num_k_tiles; ++kt) {
       cp_async_wait<B::kStages - 2>();  // this k-tile has landed (for this thread) ...
-      if constexpr (Tr::kPreRound) B::round_own(smem + cs_stage * B::kStageBytes, first, sq_a, sq_b);
       __syncthreads();                  // ... for all threads; the last k-tile's stage is free
       issue();
-      B::template mma_stage<Tr::kPreRound>(smem + cs_stage * B::kStageBytes, first, acc, sq_a, sq_b);
+      B::mma_stage(smem + cs_stage * B::kStageBytes, first, acc, sq_a, sq_b);
       cs_stage = cs_stage + 1 == B::kStages ? 0 : cs_stage + 1;
     }
     B::norms(first, sq_a, sq_b, smem);
@@ -600,7 +559,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                               int batch, int batch_n1, int batch_n2, long long x_bs0, long long x_bs1,
                               long long x_bs2, long long y_bs0, long long y_bs1, long long y_bs2, int n_split,
                               int per) {
-  static_assert(Traits::kPipelined, "topk_mma_pipelined_kernel: TopkMmaTraits<..., kVersion 3, 4 or 5>");
+  static_assert(Traits::kPipelined, "topk_mma_pipelined_kernel: TopkMmaTraits<..., kVersion 3 or 4>");
   using Tr = Traits;
   using namespace mma_detail;
   using topk_mma_detail::u64;
@@ -646,7 +605,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     const topk_mma_detail::TileRing<Tr> ring(xl, yl, M, N, K, ldx, ldy, m0, smem);
     topk_mma_detail::StreamRing<Tr> stream(xl, yl, M, N, K, ldx, ldy, m0, smem, n_begin, n_end);
-    if constexpr (Tr::kVersion >= 4) {
+    if constexpr (Tr::kVersion == 4) {
       if (n_begin < n_end) stream.start();  // (stages free: kernel start or the last barrier)
     } else {
       if (n_begin < n_end) ring.prefetch(n_begin);
@@ -654,13 +613,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     bool first = true;
     for (int n0 = n_begin; n0 < n_end; n0 += BN) {
       float acc[Tr::kTilesM][Tr::kTilesN][4];
-      if constexpr (Tr::kVersion >= 4) {
+      if constexpr (Tr::kVersion == 4) {
         stream.product(first, smem, acc);
       } else {
         ring.product(n0, first, n0 + BN < n_end ? n0 + BN : -1, smem, acc);
       }
       first = false;
-      if constexpr (Tr::kVersion >= 4) {
+      if constexpr (Tr::kVersion == 4) {
         topk_mma_detail::filter_tile<Tr>(acc, norm_a, norm_b, lists, n0, n_end, wm, wn, g, t);
       } else {  // v3: the values through the scan tile, two passes of 64 rows
 #pragma unroll
@@ -723,7 +682,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
 
-    if constexpr (Tr::kVersion >= 4) __syncthreads();  // every warp's lists are final
+    if constexpr (Tr::kVersion == 4) __syncthreads();  // every warp's lists are final
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = m0 + sr + h * HR;

@@ -428,21 +428,51 @@ template <class Tr>
 struct StreamRing : RingBase<Tr> {
   using B = RingBase<Tr>;
   int n_end, ld_n0, ld_kt, ld_stage, cs_stage;  // the next copy's tile, k-tile, stage; the next MMAs' stage
+  // This thread's copy sources at k-tile 0 (block_tile_product's src_a / src_b): x's rows (nullptr:
+  // out of range, zero-filled), and y's first row in the tile at ld_n0 (the others 64 ldb apart).
+  const float* src_a[B::kChunksA];
+  const float* ld_b;
 
   __device__ __forceinline__ StreamRing(const float* a_, const float* b_, int M_, int N_, int K_, long long lda_,
                                         long long ldb_, int m0_, unsigned char* smem, int n_begin, int n_end_)
       : B(a_, b_, M_, N_, K_, lda_, ldb_, m0_, smem), n_end(n_end_), ld_n0(n_begin), ld_kt(0), ld_stage(0),
-        cs_stage(0) {}
+        cs_stage(0) {
+#pragma unroll
+    for (int u = 0; u < B::kChunksA; ++u) {
+      const int row = B::m0 + B::copy_row + u * B::kRowsPerPass;
+      src_a[u] = row < B::M ? B::a_l + (long long)row * B::lda + B::copy_chunk * B::kChunkElems : nullptr;
+    }
+    ld_b = B::b_l + (long long)(n_begin + B::copy_row) * B::ldb + B::copy_chunk * B::kChunkElems;
+  }
 
   // The stream's next k-tile (none past the range: an empty group all the same) and one commit.
   __device__ __forceinline__ void issue() {
-    if (ld_n0 < n_end) B::load_to(ld_stage, ld_kt, ld_n0);
+    if (ld_n0 < n_end) {  // block_tile_product's load_tile
+      const int k_left = B::K - ld_kt * B::kBlockK - B::copy_chunk * B::kChunkElems;  // elements left in the row
+      const int bytes = k_left <= 0 ? 0 : (k_left >= B::kChunkElems ? 16 : k_left * 4);
+      const unsigned dst = B::smem_base + ld_stage * B::kStageBytes + B::copy_dst;
+      const int koff = ld_kt * B::kBlockK;
+#pragma unroll
+      for (int u = 0; u < B::kChunksA; ++u) {
+        const bool ok = src_a[u] != nullptr && bytes > 0;
+        mma_detail::cp_async_16(dst + u * B::kRowsPerPass * B::kRowBytes, ok ? src_a[u] + koff : B::a_l,
+                                ok ? bytes : 0);
+      }
+      const float* pb = ld_b + koff;
+#pragma unroll
+      for (int u = 0; u < B::kChunksB; ++u) {
+        const bool ok = ld_n0 + B::copy_row + u * B::kRowsPerPass < B::N && bytes > 0;
+        mma_detail::cp_async_16(dst + B::kBlockM * B::kRowBytes + u * B::kRowsPerPass * B::kRowBytes,
+                                ok ? pb : B::b_l, ok ? bytes : 0);
+        pb += B::kRowsPerPass * B::ldb;
+      }
+    }
     mma_detail::cp_async_commit();
     ld_stage = ld_stage + 1 == B::kStages ? 0 : ld_stage + 1;
-    if (++ld_kt == B::num_k_tiles) {
-      ld_kt = 0;
-      ld_n0 += B::kBlockN;
-    }
+    const bool wrap = ++ld_kt == B::num_k_tiles;
+    ld_kt = wrap ? 0 : ld_kt;
+    ld_n0 += wrap ? B::kBlockN : 0;
+    ld_b += wrap ? B::kBlockN * B::ldb : 0;
   }
 
   // The prologue, once per range (stages free: kernel start or the last barrier).

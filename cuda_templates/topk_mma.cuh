@@ -506,7 +506,7 @@ struct StreamRing : RingBase<Tr> {
 // Nearly every value fails; the survivors go into the lists as in v2, but the four lanes t of a
 // row group share their eight rows' lists, so they insert in turn (four rounds, __syncwarp
 // between). Each list belongs to one warp (rows of its half, its quarter): no block barrier.
-// The values' bits overwrite acc.
+// The values overwrite acc.
 template <class Tr>
 __device__ __forceinline__ void filter_tile(float (&acc)[Tr::kTilesM][Tr::kTilesN][4], const float* norm_a,
                                             const float* norm_b, u64* lists, int n0, int n_end, int wm, int wn,
@@ -520,7 +520,10 @@ __device__ __forceinline__ void filter_tile(float (&acc)[Tr::kTilesM][Tr::kTiles
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = wm * Tr::kWarpM + 16 * i + 8 * hh + g;
-      const unsigned thr = unsigned(lists[(row * 4 + wn) * S + S - 1] >> 32);
+      // The prefilter in the values' own order: order_bits is monotone, so every value whose
+      // bits are <= thr compares <= value_of(thr) (>= for the largest), and NaN (either one)
+      // passes; columns past n_end are left to the insertion's exact test.
+      const float thr_f = topk_detail::value_of<Tr>(unsigned(lists[(row * 4 + wn) * S + S - 1] >> 32));
       const float na = kDiff ? norm_a[row] : 0.f;
       bool hit = false;
 #pragma unroll
@@ -532,10 +535,13 @@ __device__ __forceinline__ void filter_tile(float (&acc)[Tr::kTilesM][Tr::kTiles
           v0 = math::fmax_nan(fmaf(-2.f, v0, na + nb.x), 0.f);
           v1 = math::fmax_nan(fmaf(-2.f, v1, na + nb.y), 0.f);
         }
-        const unsigned b0 = topk_detail::order_bits<Tr>(v0), b1 = topk_detail::order_bits<Tr>(v1);
-        acc[i][j][2 * hh] = __uint_as_float(b0);
-        acc[i][j][2 * hh + 1] = __uint_as_float(b1);
-        hit |= (b0 <= thr && n0 + c < n_end) || (b1 <= thr && n0 + c + 1 < n_end);
+        acc[i][j][2 * hh] = v0;
+        acc[i][j][2 * hh + 1] = v1;
+        if constexpr (Tr::kLargest) {
+          hit |= !(v0 < thr_f) || !(v1 < thr_f);
+        } else {
+          hit |= !(v0 > thr_f) || !(v1 > thr_f);
+        }
       }
       if (hit) rows_hit |= 1u << (2 * i + hh);
     }
@@ -554,15 +560,16 @@ __device__ __forceinline__ void filter_tile(float (&acc)[Tr::kTilesM][Tr::kTiles
           for (int j = 0; j < Tr::kTilesN; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              if (__float_as_uint(acc[i][j][2 * hh + e]) <= thr && n0 + col0 + 8 * j + e < n_end)
+              if (topk_detail::order_bits<Tr>(acc[i][j][2 * hh + e]) <= thr && n0 + col0 + 8 * j + e < n_end)
                 cand |= 1u << (2 * j + e);
           while (cand != 0) {  // (one insertion loop per row: the value picked by a select chain)
             const int b = __ffs(cand) - 1;
             cand &= cand - 1;
-            unsigned bits = 0;
+            float value = 0.f;
 #pragma unroll
             for (int q = 0; q < 2 * Tr::kTilesN; ++q)
-              if (q == b) bits = __float_as_uint(acc[i][q >> 1][2 * hh + (q & 1)]);
+              if (q == b) value = acc[i][q >> 1][2 * hh + (q & 1)];
+            const unsigned bits = topk_detail::order_bits<Tr>(value);
             const u64 key = topk_detail::make_key(bits, unsigned(n0 + col0 + 8 * (b >> 1) + (b & 1)));
             if (key < list[S - 1]) {
               int s = S - 1;  // insert: shift the larger keys up by one

@@ -10,7 +10,8 @@ must see the same MMAs in the same order, the same norms and values, and every (
 list the same keys (v4: filtered in registers, inserted lane by lane). Cases: several y tiles per CTA (the ring runs on across tiles), a CTA with
 one tile (no prefetch), split N ranges, ragged M / N / K (K tails of 1..3 k-tiles: fewer k-tiles
 than the prefetch depth), a batch of two entries (x norms summed again per entry), Diff / Dot,
-largest, Tf32 / Tf32x3, kSel 8 / 16 / 24, integer data full of exact ties.
+largest, Tf32 / Tf32x3, kSel 8 / 16 / 24, integer data full of exact ties, a NaN row and NaN
+points.
 Also: NVRTC compiles both kernels for sm_80 and sm_90 without spills (skipped without NVRTC).
 """
 
@@ -34,6 +35,7 @@ CONFIGS = [
     ("Dot", "Tf32", "true", 8),
     ("Diff", "Tf32x3", "false", 16),
     ("Dot", "Tf32", "false", 16),
+    ("Diff", "Tf32", "true", 8),
 ]
 
 
@@ -250,6 +252,8 @@ CASES = [
     pytest.param(1, 2, 40, 520, 20, 1, False, id="dot-largest-sel8-batch2-K20"),
     pytest.param(2, 1, 70, 530, 8, 1, True, id="diff-tf32x3-sel16-int-ties-K8"),
     pytest.param(3, 1, 33, 300, 69, 1, True, id="dot-smallest-sel16-int-ties-K69"),
+    pytest.param(4, 1, 20, 600, 33, 1, False, id="diff-largest-sel8-nan-K33"),
+    pytest.param(1, 1, 20, 600, 33, 1, False, id="dot-largest-sel8-nan-K33"),
 ]
 
 
@@ -263,13 +267,18 @@ def test_pipelined_lists_equal_v2(emulator, tmp_path, cfg, batch, M, N, K, n_spl
     else:
         x = rng.standard_normal((batch, M, K)).astype(np.float32)
         y = rng.standard_normal((batch, N, K)).astype(np.float32)
+    nan = K == 33  # the NaN cases: a NaN row and two NaN points
+    if nan:
+        x[0, 3, 5] = np.nan
+        y[0, 7, 1] = np.nan
+        y[0, 300, 0] = np.nan
     v2, v3, v4 = _both(emulator, cfg, x, y, tmp_path, n_split)
     assert np.array_equal(v2, v3), f"v3: {int((v2 != v3).sum())} keys differ"
     assert np.array_equal(v2, v4), f"v4: {int((v2 != v4).sum())} keys differ"
     filled = (v2 ^ np.int64(-(1 << 63))) != -1  # (lists past N stay empty: all ones)
     assert filled.sum(axis=(0, 3)).min() >= CONFIGS[cfg][3], "every row has kSel candidates"
     inner, _, largest, sel = CONFIGS[cfg]
-    if not integer:
+    if not integer and not nan:
         for b in range(batch):
             frac = _nearest_among_candidates(v2[:, b], x[b], y[b], inner == "Dot", largest == "true")
             assert frac >= 0.95, frac

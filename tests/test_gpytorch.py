@@ -121,6 +121,27 @@ def test_operator_pieces():
         KermacKernelLinearOperator(x, x, kernel="periodic")
 
 
+@pytest.mark.parametrize("kernel", ["rbf", "laplace"])
+def test_get_indices_entries_and_gradient(kernel, monkeypatch):
+    """Entries at broadcast index tensors (the pivoted-Cholesky backward's N x rank block) equal
+    the dense matrix's, with the same gradient; also when the coordinates go in several chunks."""
+    x1 = torch.randn(2, 60, 5, dtype=F64, requires_grad=True)
+    x2 = torch.randn(2, 45, 5, dtype=F64)
+    op = KermacKernelLinearOperator(x1, x2, kernel=kernel)
+    b = torch.arange(2).view(2, 1, 1)
+    rows, cols = torch.randint(0, 60, (1, 60, 1)), torch.randint(0, 45, (1, 1, 7))
+    ref = _operator.dense_covar(x1, x2, kernel=kernel)[b, rows, cols]
+    for budget in (None, 1):  # 1: math.prod reports 2^24 entries, so that each chunk is one coordinate
+        if budget:
+            monkeypatch.setattr(_operator.math, "prod", lambda s: 1 << 24)
+        got = op._get_indices(rows, cols, b)
+        assert got.shape == (2, 60, 7)
+        torch.testing.assert_close(got, ref)
+        g_got, = torch.autograd.grad(got.square().sum(), x1)
+        g_ref, = torch.autograd.grad(ref.square().sum(), x1, retain_graph=True)
+        torch.testing.assert_close(g_got, g_ref)
+
+
 def test_float64_rhs_of_float32_data():
     """A float64 right-hand side of float32 points takes kernel_matvec's float64 mode (no gradient
     asked for): float64 result, the float32 kernel values' accuracy."""

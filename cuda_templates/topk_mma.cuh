@@ -229,6 +229,8 @@ struct RingBase {
   long long lda, ldb;
   int m0, num_k_tiles, copy_row, copy_chunk;
   unsigned smem_base, copy_dst;
+  // This thread's x sources at k-tile 0 (block_tile_product's src_a; nullptr: a row past M, zero-filled)
+  const float* src_a[kChunksA];
 
   __device__ __forceinline__ RingBase(const float* a_, const float* b_, int M_, int N_, int K_, long long lda_,
                                       long long ldb_, int m0_, unsigned char* smem)
@@ -239,28 +241,37 @@ struct RingBase {
     smem_base = mma_detail::smem_u32(smem);
     // block_tile_product's copy assignment and swizzle
     copy_dst = (unsigned)(copy_row * kRowBytes + ((copy_chunk ^ (((copy_row >> 1) & 1) << 1)) * 16));
-  }
-
-  // k-tile kt of the y tile at n0 (and of the x tile) into `stage`; no commit.
-  __device__ __forceinline__ void load_to(int stage, int kt, int n0) const {
-    const int k_left = K - kt * kBlockK - copy_chunk * kChunkElems;  // elements left in the row
-    const int bytes = k_left <= 0 ? 0 : (k_left >= kChunkElems ? 16 : k_left * 4);
-    const unsigned dst = smem_base + stage * kStageBytes + copy_dst;
 #pragma unroll
     for (int u = 0; u < kChunksA; ++u) {
       const int row = m0 + copy_row + u * kRowsPerPass;
-      const bool ok = row < M && bytes > 0;
-      mma_detail::cp_async_16(dst + u * kRowsPerPass * kRowBytes,
-                              ok ? a_l + (long long)row * lda + copy_chunk * kChunkElems + kt * kBlockK : a_l,
-                              ok ? bytes : 0);
+      src_a[u] = row < M ? a_l + (long long)row * lda + copy_chunk * kChunkElems : nullptr;
     }
+  }
+
+  // This thread's first y source of the tile at n0 (its rows n0 + copy_row + 64 u lie 64 ldb apart).
+  __device__ __forceinline__ const float* row_b(int n0) const {
+    return b_l + (long long)(n0 + copy_row) * ldb + copy_chunk * kChunkElems;
+  }
+
+  // k-tile kt of the y tile at n0 (pb: row_b(n0)) and of the x tile into `stage`; no commit.
+  // block_tile_product's load_tile.
+  __device__ __forceinline__ void load_from(int stage, int kt, int n0, const float* pb) const {
+    const int k_left = K - kt * kBlockK - copy_chunk * kChunkElems;  // elements left in the row
+    const int bytes = k_left <= 0 ? 0 : (k_left >= kChunkElems ? 16 : k_left * 4);
+    const unsigned dst = smem_base + stage * kStageBytes + copy_dst;
+    const int koff = kt * kBlockK;
+#pragma unroll
+    for (int u = 0; u < kChunksA; ++u) {
+      const bool ok = src_a[u] != nullptr && bytes > 0;
+      mma_detail::cp_async_16(dst + u * kRowsPerPass * kRowBytes, ok ? src_a[u] + koff : a_l, ok ? bytes : 0);
+    }
+    pb += koff;
 #pragma unroll
     for (int u = 0; u < kChunksB; ++u) {
-      const int row = n0 + copy_row + u * kRowsPerPass;
-      const bool ok = row < N && bytes > 0;
-      mma_detail::cp_async_16(dst + kBlockM * kRowBytes + u * kRowsPerPass * kRowBytes,
-                              ok ? b_l + (long long)row * ldb + copy_chunk * kChunkElems + kt * kBlockK : b_l,
+      const bool ok = n0 + copy_row + u * kRowsPerPass < N && bytes > 0;
+      mma_detail::cp_async_16(dst + kBlockM * kRowBytes + u * kRowsPerPass * kRowBytes, ok ? pb : b_l,
                               ok ? bytes : 0);
+      pb += kRowsPerPass * ldb;
     }
   }
 
@@ -375,16 +386,17 @@ struct TileRing : RingBase<Tr> {
   using B::B;
   static_assert(Tr::kPrefetch >= 1 && Tr::kPrefetch <= B::kStages - 1, "TileRing: prefetch depth");
 
-  __device__ __forceinline__ void load(int kt, int n0) const {
-    B::load_to((kt + Tr::kPrefetch) % B::kStages, kt, n0);
+  __device__ __forceinline__ void load(int kt, int n0, const float* pb) const {
+    B::load_from((kt + Tr::kPrefetch) % B::kStages, kt, n0, pb);
   }
 
   // The first kPrefetch k-tiles of the y tile at n0, one commit group each. Stages kPrefetch ..
   // must be free (after a barrier that follows every read of them).
   __device__ __forceinline__ void prefetch(int n0) const {
+    const float* pb = B::row_b(n0);
 #pragma unroll
     for (int s = 0; s < Tr::kPrefetch; ++s) {
-      if (s < B::num_k_tiles) load(s, n0);
+      if (s < B::num_k_tiles) load(s, n0, pb);
       mma_detail::cp_async_commit();
     }
   }
@@ -398,10 +410,11 @@ struct TileRing : RingBase<Tr> {
     constexpr int kStages = B::kStages;
     float sq_a[B::kChunksA], sq_b[B::kChunksB];
     B::clear(acc, sq_a, sq_b);
+    const float* pb = B::row_b(n0);
     // The rest of the prologue (stages 0 .. were the scan tile: free since the last barrier).
 #pragma unroll
     for (int s = Tr::kPrefetch; s < kStages - 1; ++s) {
-      if (s < B::num_k_tiles) load(s, n0);
+      if (s < B::num_k_tiles) load(s, n0, pb);
       cp_async_commit();
     }
     for (int kt = 0; kt < B::num_k_tiles; ++kt) {
@@ -409,7 +422,7 @@ struct TileRing : RingBase<Tr> {
       __syncthreads();               // ... for all threads; the stage of k-tile kt - 1 is free
       {
         const int kn = kt + kStages - 1;
-        if (kn < B::num_k_tiles) load(kn, n0);
+        if (kn < B::num_k_tiles) load(kn, n0, pb);
         cp_async_commit();
       }
       B::mma_stage(smem + ((kt + Tr::kPrefetch) % kStages) * B::kStageBytes, first, acc, sq_a, sq_b);
@@ -428,45 +441,18 @@ template <class Tr>
 struct StreamRing : RingBase<Tr> {
   using B = RingBase<Tr>;
   int n_end, ld_n0, ld_kt, ld_stage, cs_stage;  // the next copy's tile, k-tile, stage; the next MMAs' stage
-  // This thread's copy sources at k-tile 0 (block_tile_product's src_a / src_b): x's rows (nullptr:
-  // out of range, zero-filled), and y's first row in the tile at ld_n0 (the others 64 ldb apart).
-  const float* src_a[B::kChunksA];
-  const float* ld_b;
+  const float* ld_b;  // row_b(ld_n0)
 
   __device__ __forceinline__ StreamRing(const float* a_, const float* b_, int M_, int N_, int K_, long long lda_,
                                         long long ldb_, int m0_, unsigned char* smem, int n_begin, int n_end_)
       : B(a_, b_, M_, N_, K_, lda_, ldb_, m0_, smem), n_end(n_end_), ld_n0(n_begin), ld_kt(0), ld_stage(0),
         cs_stage(0) {
-#pragma unroll
-    for (int u = 0; u < B::kChunksA; ++u) {
-      const int row = B::m0 + B::copy_row + u * B::kRowsPerPass;
-      src_a[u] = row < B::M ? B::a_l + (long long)row * B::lda + B::copy_chunk * B::kChunkElems : nullptr;
-    }
-    ld_b = B::b_l + (long long)(n_begin + B::copy_row) * B::ldb + B::copy_chunk * B::kChunkElems;
+    ld_b = B::row_b(n_begin);
   }
 
   // The stream's next k-tile (none past the range: an empty group all the same) and one commit.
   __device__ __forceinline__ void issue() {
-    if (ld_n0 < n_end) {  // block_tile_product's load_tile
-      const int k_left = B::K - ld_kt * B::kBlockK - B::copy_chunk * B::kChunkElems;  // elements left in the row
-      const int bytes = k_left <= 0 ? 0 : (k_left >= B::kChunkElems ? 16 : k_left * 4);
-      const unsigned dst = B::smem_base + ld_stage * B::kStageBytes + B::copy_dst;
-      const int koff = ld_kt * B::kBlockK;
-#pragma unroll
-      for (int u = 0; u < B::kChunksA; ++u) {
-        const bool ok = src_a[u] != nullptr && bytes > 0;
-        mma_detail::cp_async_16(dst + u * B::kRowsPerPass * B::kRowBytes, ok ? src_a[u] + koff : B::a_l,
-                                ok ? bytes : 0);
-      }
-      const float* pb = ld_b + koff;
-#pragma unroll
-      for (int u = 0; u < B::kChunksB; ++u) {
-        const bool ok = ld_n0 + B::copy_row + u * B::kRowsPerPass < B::N && bytes > 0;
-        mma_detail::cp_async_16(dst + B::kBlockM * B::kRowBytes + u * B::kRowsPerPass * B::kRowBytes,
-                                ok ? pb : B::b_l, ok ? bytes : 0);
-        pb += B::kRowsPerPass * B::ldb;
-      }
-    }
+    if (ld_n0 < n_end) B::load_from(ld_stage, ld_kt, ld_n0, ld_b);
     mma_detail::cp_async_commit();
     ld_stage = ld_stage + 1 == B::kStages ? 0 : ld_stage + 1;
     const bool wrap = ++ld_kt == B::num_k_tiles;

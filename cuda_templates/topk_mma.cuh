@@ -532,6 +532,7 @@ __device__ __forceinline__ void filter_tile(float (&acc)[Tr::kTilesM][Tr::kTiles
       if (hit) rows_hit |= 1u << (2 * i + hh);
     }
   if (!__any_sync(0xffffffffu, rows_hit != 0)) return;
+  __syncwarp();  // every lane's threshold reads before the first round's writes
   for (int r = 0; r < 4; ++r) {
     if (t == r && rows_hit != 0) {
 #pragma unroll

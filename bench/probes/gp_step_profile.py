@@ -108,6 +108,38 @@ def step(n_small=None):
 
 step(4096)  # compile
 calls.clear()
+if len(sys.argv) > 2 and sys.argv[2] == "pieces":  # seconds of each backward piece (synchronised)
+    import inspect
+
+    import linear_operator.functions._inv_quad_logdet as fiql
+    import linear_operator.functions._pivoted_cholesky as fpc
+    import linear_operator.operators as lo_ops
+    import kermac_like.ops.matvec_backward as mb
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            sync()
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            sync()
+            if time.perf_counter() - t > 0.005:
+                print(f"    {name}: {time.perf_counter() - t:.3f} s", flush=True)
+            return r
+        return wrapper
+
+    fpc.PivotedCholesky.backward = staticmethod(timed("PivotedCholesky.backward", fpc.PivotedCholesky.backward))
+    fpc.PivotedCholesky.forward = staticmethod(timed("PivotedCholesky.forward", fpc.PivotedCholesky.forward))
+    fiql.InvQuadLogdet.backward = staticmethod(timed("InvQuadLogdet.backward", fiql.InvQuadLogdet.backward))
+    mb.diff_contraction = timed("matvec_backward.diff_contraction", mb.diff_contraction)
+    for cname, cls in inspect.getmembers(lo_ops, inspect.isclass):
+        for meth in ("_bilinear_derivative", "_get_indices"):
+            if meth in cls.__dict__:
+                setattr(cls, meth, timed(f"{cname}.{meth}", cls.__dict__[meth]))
+    op.KermacKernelLinearOperator._get_indices = timed("Kermac._get_indices", op.KermacKernelLinearOperator._get_indices)
+    res = step()
+    print(f"N={N}: forward {res[0]:.2f} s (peak extra {res[2]:.0f} MB), backward {res[1]:.2f} s (peak extra "
+          f"{res[3]:.0f} MB); kernel_matvec calls: {len(calls)}, {sum(c[3] for c in calls) / 1e3:.2f} s")
+    sys.exit(0)
 if len(sys.argv) > 2 and sys.argv[2] == "profile":  # torch.profiler tables of one step, then stop
     from torch.profiler import ProfilerActivity, profile
 

@@ -43,6 +43,22 @@ def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str) -> torch.Ten
     return dist(x1, x2).neg_().exp_()
 
 
+def _outer_product(row_index: torch.Tensor, col_index: torch.Tensor):
+    """(rows, cols) when the flattened index pair is the outer product rows x cols (row-major:
+    each row index repeated for every column), else None. Three host synchronisations."""
+    n = row_index.numel()
+    if n == 0 or col_index.numel() != n or row_index.dim() != 1:
+        return None
+    change = (row_index != row_index[0]).nonzero()
+    C = int(change[0]) if change.numel() else n
+    if C == 0 or n % C:
+        return None
+    rv, cv = row_index.view(n // C, C), col_index.view(n // C, C)
+    if not bool(((rv == rv[:, :1]).all() & (cv == cv[:1]).all()).item()):
+        return None
+    return rv[:, 0], cv[0]
+
+
 class KermacKernelLinearOperator(KernelLinearOperator):
     """KernelLinearOperator with the matrix-free products of the package; see the module docstring."""
 
@@ -71,22 +87,32 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         return kernel_matvec(KERNELS[self.kernel], x1.contiguous(), x2.contiguous(), rhs.contiguous(), bandwidth=1.0)
 
     def _get_indices(self, row_index, col_index, *batch_indices) -> torch.Tensor:
-        # Entries k(x1[row], x2[col]) for broadcast index tensors, as the pivoted-Cholesky
-        # preconditioner's backward asks for them (all N rows x its rank columns). The base class
-        # gathers whole points per entry and runs GPyTorch's batched sq_dist on N x rank 1 x 1
-        # matrices: (N, rank, D) copies and padded temporaries, 4.6 GB at N = 10^6, D = 8. Here:
-        # direct differences summed over coordinate chunks, at most 2^24 gathered values at once.
-        shape = torch.broadcast_shapes(row_index.shape, col_index.shape, *(b.shape for b in batch_indices))
+        # Entries k(x1[row], x2[col]) at flattened index tensors (linear_operator flattens the
+        # broadcast indices), as the pivoted-Cholesky preconditioner's backward asks for all N rows
+        # x its rank columns. The base class gathers a whole point per entry and runs GPyTorch's
+        # batched sq_dist on N x rank 1 x 1 matrices: (N, rank, D) copies (4.6 GB at N = 10^6,
+        # D = 8), and its backward accumulates 10^6 duplicates into each pivot's row through
+        # index_put (17.8 s on an H200). When the indices are an outer product (rows x columns, as
+        # there), the block is formed from the distinct rows and columns by broadcasting: the
+        # gathers' backward then has no duplicates and the broadcast's is a plain sum. Direct
+        # differences, summed over coordinate chunks of at most 2^24 values.
+        outer = None if batch_indices else _outer_product(row_index, col_index)
+        if outer is not None:
+            rows, cols = outer
+            a, b = self.x1[..., rows, :], self.x2[..., cols, :]
+            pair = (lambda u, v: u.unsqueeze(-2) - v.unsqueeze(-3))
+            n = rows.numel() * cols.numel()
+        else:
+            a, b = self.x1[(*batch_indices, row_index)], self.x2[(*batch_indices, col_index)]
+            pair = (lambda u, v: u - v)
+            n = math.prod(torch.broadcast_shapes(a.shape[:-1], b.shape[:-1]))
         D = self.x1.shape[-1]
-        chunk = max(1, (1 << 24) // max(1, math.prod(shape)))
+        chunk = max(1, (1 << 24) // max(1, n))
         sq = None
         for k0 in range(0, D, chunk):
-            k1 = min(D, k0 + chunk)
-            a = self.x1[..., k0:k1][(*batch_indices, row_index)]
-            b = self.x2[..., k0:k1][(*batch_indices, col_index)]
-            part = (a - b).square().sum(-1)
+            part = pair(a[..., k0:k0 + chunk], b[..., k0:k0 + chunk]).square().sum(-1)
             sq = part if sq is None else sq + part
-        sq = sq.expand(shape)
+        sq = sq.reshape(-1) if outer is not None else sq
         if self.kernel == "rbf":
             return sq.div(-2.0).exp()
         return sq.clamp_min(1e-30).sqrt().neg().exp()

@@ -23,9 +23,10 @@
 namespace kermac_like {
 
 // kInner_: Diff (squared l2 distances) or Dot; kPrecision_: Tf32 (candidates) or Tf32x3;
-// kSel_: list length per (row, quarter), 8 to 24; kVersion_: 2, topk_mma_kernel; 3 or 4,
+// kSel_: list length per (row, quarter), 8 to 24; kVersion_: 2, topk_mma_kernel; 3, 4 or 5,
 // topk_mma_pipelined_kernel (below: the cp.async ring runs on across the y tiles; 4 also scans
-// the values in registers), the same candidate lists bit for bit.
+// the values in registers; 5 also keeps the x tile in shared memory, K <= 128), the same
+// candidate lists bit for bit.
 template <Inner kInner_, Precision kPrecision_, bool kLargest_, int kSel_, int kVersion_ = 2>
 struct TopkMmaTraits
     : DistanceMmaTraits<kInner_, Power::Noop, Epilogue::None, Layout::RowMajor, Layout::RowMajor,
@@ -47,7 +48,7 @@ struct TopkMmaTraits
   static constexpr int kRowStride = kQuarters * kQuarterStride;
   static_assert(kHalfRows * kRowStride * 4 <= Base::kStages * Base::kStageBytes, "scan tile fits the stages");
   static_assert(Base::kThreads == kHalfRows * kQuarters, "one (row, quarter) per thread and pass");
-  static_assert(kVersion_ >= 2 && kVersion_ <= 4, "TopkMmaTraits: kVersion is 2, 3 or 4");
+  static_assert(kVersion_ >= 2 && kVersion_ <= 5, "TopkMmaTraits: kVersion is 2, 3, 4 or 5");
   static constexpr int kVersion = kVersion_;
   static constexpr bool kPipelined = kVersion_ >= 3;
   // The ring of topk_mma_pipelined_kernel: kRingStages stages, the next y tile's first kPrefetch
@@ -56,10 +57,17 @@ struct TopkMmaTraits
   // 0..kStageRows-1 in stages 0 and 1, the others in a region of their own after the norms;
   // stages 2 and 3 receive the next tile's k-tiles 0 and 1 while the scan runs. v4: no scan tile
   // (the values are filtered in registers), five stages and one stream of k-tiles over the whole
-  // y range (StreamRing): four in flight at all times, across tile boundaries too.
+  // y range (StreamRing): four in flight at all times, across tile boundaries too. v5 (K <= 128
+  // only): v4 with the x tile resident in shared memory (loaded once per range, with the first y
+  // tile's k-tiles) and stages of y alone: a third less L2 traffic, four stages of 16 KiB.
+  static constexpr bool kXResident = kVersion_ == 5;
+  static constexpr int kMaxKTiles = 8;  // v5: K <= 128 (the planner's rule)
+  static constexpr int kXBytes = kXResident ? kMaxKTiles * Base::kBlockM * Base::kRowBytes : 0;  // 64 KiB
   static constexpr int kRingStages = kVersion_ == 4 ? 5 : Base::kStages;
-  static constexpr int kPrefetch = kVersion_ == 4 ? kRingStages - 1 : 2;
-  static constexpr int kNormOffset = kRingStages * Base::kStageBytes;  // norm_a, norm_b (v2: the same)
+  static constexpr int kPrefetch = kVersion_ >= 4 ? kRingStages - 1 : 2;
+  static constexpr int kRingStageBytes = kXResident ? Base::kBlockN * Base::kRowBytes : Base::kStageBytes;
+  static constexpr int kStagesOffset = kXBytes;  // v5: the stages after the x tile
+  static constexpr int kNormOffset = kStagesOffset + kRingStages * kRingStageBytes;  // norm_a, norm_b
   static constexpr int kScanRowBytes = Base::kBlockN * 4;              // 1024
   static constexpr int kStageRows = (Base::kStages - 2) * Base::kStageBytes / kScanRowBytes;  // 48 (v3)
   static constexpr int kExtraOffset = Base::kSmemBytes;  // scan rows kStageRows.. (v3)
@@ -216,7 +224,8 @@ namespace topk_mma_detail {
 template <class Tr>
 struct RingBase {
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
-  static constexpr int kStages = Tr::kRingStages, kStageBytes = Tr::kStageBytes;
+  static constexpr int kStages = Tr::kRingStages, kStageBytes = Tr::kRingStageBytes;
+  static constexpr int kBOffset = Tr::kXResident ? 0 : kBlockM * Tr::kRowBytes;  // y rows in a stage
   static constexpr int kRowBytes = Tr::kRowBytes, kBlockK = Tr::kBlockK, kChunkElems = Tr::kChunkElems;
   static constexpr int kChunksA = kBlockM * kRowBytes / 16 / Tr::kThreads;  // 2
   static constexpr int kChunksB = kBlockN * kRowBytes / 16 / Tr::kThreads;  // 4
@@ -253,24 +262,31 @@ struct RingBase {
     return b_l + (long long)(n0 + copy_row) * ldb + copy_chunk * kChunkElems;
   }
 
-  // k-tile kt of the y tile at n0 (pb: row_b(n0)) and of the x tile into `stage`; no commit.
-  // block_tile_product's load_tile.
-  __device__ __forceinline__ void load_from(int stage, int kt, int n0, const float* pb) const {
+  // Shared memory of stage `stage` (v5: y rows only) and of x's k-tile kt (v5: the resident x).
+  __device__ __forceinline__ static const unsigned char* stage_ptr(const unsigned char* smem, int stage) {
+    return smem + Tr::kStagesOffset + stage * kStageBytes;
+  }
+
+  // k-tile kt of the y tile at n0 (pb: row_b(n0)) and of the x tile (with_x; v5: into the
+  // resident x) into `stage`; no commit. block_tile_product's load_tile.
+  __device__ __forceinline__ void load_from(int stage, int kt, int n0, const float* pb, bool with_x = true) const {
     const int k_left = K - kt * kBlockK - copy_chunk * kChunkElems;  // elements left in the row
     const int bytes = k_left <= 0 ? 0 : (k_left >= kChunkElems ? 16 : k_left * 4);
-    const unsigned dst = smem_base + stage * kStageBytes + copy_dst;
+    const unsigned dst = smem_base + Tr::kStagesOffset + stage * kStageBytes + copy_dst;
     const int koff = kt * kBlockK;
+    if (!Tr::kXResident || with_x) {
+      const unsigned xdst = Tr::kXResident ? smem_base + kt * kBlockM * kRowBytes + copy_dst : dst;
 #pragma unroll
-    for (int u = 0; u < kChunksA; ++u) {
-      const bool ok = src_a[u] != nullptr && bytes > 0;
-      mma_detail::cp_async_16(dst + u * kRowsPerPass * kRowBytes, ok ? src_a[u] + koff : a_l, ok ? bytes : 0);
+      for (int u = 0; u < kChunksA; ++u) {
+        const bool ok = src_a[u] != nullptr && bytes > 0;
+        mma_detail::cp_async_16(xdst + u * kRowsPerPass * kRowBytes, ok ? src_a[u] + koff : a_l, ok ? bytes : 0);
+      }
     }
     pb += koff;
 #pragma unroll
     for (int u = 0; u < kChunksB; ++u) {
       const bool ok = n0 + copy_row + u * kRowsPerPass < N && bytes > 0;
-      mma_detail::cp_async_16(dst + kBlockM * kRowBytes + u * kRowsPerPass * kRowBytes, ok ? pb : b_l,
-                              ok ? bytes : 0);
+      mma_detail::cp_async_16(dst + kBOffset + u * kRowsPerPass * kRowBytes, ok ? pb : b_l, ok ? bytes : 0);
       pb += kRowsPerPass * ldb;
     }
   }
@@ -288,9 +304,10 @@ struct RingBase {
     for (int u = 0; u < kChunksB; ++u) sq_b[u] = 0.f;
   }
 
-  // One landed k-tile: block_tile_product's norm sums (x's only if first) and MMAs, same order.
-  __device__ __forceinline__ static void mma_stage(const unsigned char* stage, bool first, Acc& acc,
-                                                   float (&sq_a)[kChunksA], float (&sq_b)[kChunksB]) {
+  // One landed k-tile: block_tile_product's norm sums (x's only if first) and MMAs, same order;
+  // x's k-tile at xs, y's at ys (a v2 stage: xs = stage, ys = stage + kBlockM rows).
+  __device__ __forceinline__ static void mma_stage(const unsigned char* xs, const unsigned char* ys, bool first,
+                                                   Acc& acc, float (&sq_a)[kChunksA], float (&sq_b)[kChunksB]) {
     using namespace mma_detail;
     constexpr int kTilesM = Tr::kTilesM, kTilesN = Tr::kTilesN;
     const int tid = threadIdx.x;
@@ -299,28 +316,27 @@ struct RingBase {
     const int wm = warp / Tr::kWarpsN, wn = warp % Tr::kWarpsN;
     const int swz = ((g >> 1) & 1) << 1;
     const int frag_a_row = (wm * Tr::kWarpM + g) * kRowBytes;
-    const int frag_b_row = kBlockM * kRowBytes + (wn * Tr::kWarpN + g) * kRowBytes;
+    const int frag_b_row = (wn * Tr::kWarpN + g) * kRowBytes;
     const int frag_col[2] = {(((0 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8,
                              (((2 + (t >> 1)) ^ swz) * 16) + (t & 1) * 8};
     if constexpr (Tr::kInner == Inner::Diff) {
       if (first) {
 #pragma unroll
         for (int u = 0; u < kChunksA; ++u)
-          sq_a[u] += chunk_sumsq<float>(*reinterpret_cast<const uint4*>(stage + (tid + u * Tr::kThreads) * 16));
+          sq_a[u] += chunk_sumsq<float>(*reinterpret_cast<const uint4*>(xs + (tid + u * Tr::kThreads) * 16));
       }
 #pragma unroll
       for (int u = 0; u < kChunksB; ++u)
-        sq_b[u] += chunk_sumsq<float>(
-            *reinterpret_cast<const uint4*>(stage + kBlockM * kRowBytes + (tid + u * Tr::kThreads) * 16));
+        sq_b[u] += chunk_sumsq<float>(*reinterpret_cast<const uint4*>(ys + (tid + u * Tr::kThreads) * 16));
     }
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       unsigned a_big[kTilesM][4], a_small[kTilesM][4];
 #pragma unroll
       for (int i = 0; i < kTilesM; ++i) {
-        const uint2 r0 = *reinterpret_cast<const uint2*>(stage + frag_a_row + (i * 16) * kRowBytes + frag_col[s]);
+        const uint2 r0 = *reinterpret_cast<const uint2*>(xs + frag_a_row + (i * 16) * kRowBytes + frag_col[s]);
         const uint2 r1 =
-            *reinterpret_cast<const uint2*>(stage + frag_a_row + (i * 16 + 8) * kRowBytes + frag_col[s]);
+            *reinterpret_cast<const uint2*>(xs + frag_a_row + (i * 16 + 8) * kRowBytes + frag_col[s]);
         const unsigned raw[4] = {r0.x, r1.x, r0.y, r1.y};  // a0 a1 a2 a3
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -333,7 +349,7 @@ struct RingBase {
       }
 #pragma unroll
       for (int j = 0; j < kTilesN; ++j) {
-        const uint2 rb = *reinterpret_cast<const uint2*>(stage + frag_b_row + (j * 8) * kRowBytes + frag_col[s]);
+        const uint2 rb = *reinterpret_cast<const uint2*>(ys + frag_b_row + (j * 8) * kRowBytes + frag_col[s]);
         if constexpr (Tr::kPrecision == Precision::Tf32x3) {
           unsigned b0, b1, b0s, b1s;
           split_tf32x3(rb.x, b0, b0s);
@@ -425,7 +441,8 @@ struct TileRing : RingBase<Tr> {
         if (kn < B::num_k_tiles) load(kn, n0, pb);
         cp_async_commit();
       }
-      B::mma_stage(smem + ((kt + Tr::kPrefetch) % kStages) * B::kStageBytes, first, acc, sq_a, sq_b);
+      const unsigned char* stage = B::stage_ptr(smem, (kt + Tr::kPrefetch) % kStages);
+      B::mma_stage(stage, stage + B::kBOffset, first, acc, sq_a, sq_b);
     }
     // (only empty groups are left: no wait; the next ones are the next tile's)
     B::norms(first, sq_a, sq_b, smem);
@@ -440,19 +457,20 @@ struct TileRing : RingBase<Tr> {
 template <class Tr>
 struct StreamRing : RingBase<Tr> {
   using B = RingBase<Tr>;
-  int n_end, ld_n0, ld_kt, ld_stage, cs_stage;  // the next copy's tile, k-tile, stage; the next MMAs' stage
+  int n_begin, n_end, ld_n0, ld_kt, ld_stage, cs_stage;  // the next copy's tile, k-tile, stage; the next MMAs' stage
   const float* ld_b;  // row_b(ld_n0)
 
   __device__ __forceinline__ StreamRing(const float* a_, const float* b_, int M_, int N_, int K_, long long lda_,
-                                        long long ldb_, int m0_, unsigned char* smem, int n_begin, int n_end_)
-      : B(a_, b_, M_, N_, K_, lda_, ldb_, m0_, smem), n_end(n_end_), ld_n0(n_begin), ld_kt(0), ld_stage(0),
-        cs_stage(0) {
-    ld_b = B::row_b(n_begin);
+                                        long long ldb_, int m0_, unsigned char* smem, int n_begin_, int n_end_)
+      : B(a_, b_, M_, N_, K_, lda_, ldb_, m0_, smem), n_begin(n_begin_), n_end(n_end_), ld_n0(n_begin_), ld_kt(0),
+        ld_stage(0), cs_stage(0) {
+    ld_b = B::row_b(n_begin_);
   }
 
-  // The stream's next k-tile (none past the range: an empty group all the same) and one commit.
+  // The stream's next k-tile (none past the range: an empty group all the same) and one commit;
+  // v5: x's k-tiles go with the first y tile's (into the resident x, once per range).
   __device__ __forceinline__ void issue() {
-    if (ld_n0 < n_end) B::load_from(ld_stage, ld_kt, ld_n0, ld_b);
+    if (ld_n0 < n_end) B::load_from(ld_stage, ld_kt, ld_n0, ld_b, ld_n0 == n_begin);
     mma_detail::cp_async_commit();
     ld_stage = ld_stage + 1 == B::kStages ? 0 : ld_stage + 1;
     const bool wrap = ++ld_kt == B::num_k_tiles;
@@ -478,7 +496,9 @@ struct StreamRing : RingBase<Tr> {
       cp_async_wait<B::kStages - 2>();  // this k-tile has landed (for this thread) ...
       __syncthreads();                  // ... for all threads; the last k-tile's stage is free
       issue();
-      B::mma_stage(smem + cs_stage * B::kStageBytes, first, acc, sq_a, sq_b);
+      const unsigned char* stage = B::stage_ptr(smem, cs_stage);
+      const unsigned char* xs = Tr::kXResident ? smem + kt * B::kBlockM * B::kRowBytes : stage;
+      B::mma_stage(xs, stage + B::kBOffset, first, acc, sq_a, sq_b);
       cs_stage = cs_stage + 1 == B::kStages ? 0 : cs_stage + 1;
     }
     B::norms(first, sq_a, sq_b, smem);
@@ -583,7 +603,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                               int batch, int batch_n1, int batch_n2, long long x_bs0, long long x_bs1,
                               long long x_bs2, long long y_bs0, long long y_bs1, long long y_bs2, int n_split,
                               int per) {
-  static_assert(Traits::kPipelined, "topk_mma_pipelined_kernel: TopkMmaTraits<..., kVersion 3 or 4>");
+  static_assert(Traits::kPipelined, "topk_mma_pipelined_kernel: TopkMmaTraits<..., kVersion 3, 4 or 5>");
+  if constexpr (Traits::kXResident) {
+    if (ceil_div(K, Traits::kBlockK) > Traits::kMaxKTiles) __trap();  // v5: K <= 128 (the caller's rule)
+  }
   using Tr = Traits;
   using namespace mma_detail;
   using topk_mma_detail::u64;
@@ -629,7 +652,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     const topk_mma_detail::TileRing<Tr> ring(xl, yl, M, N, K, ldx, ldy, m0, smem);
     topk_mma_detail::StreamRing<Tr> stream(xl, yl, M, N, K, ldx, ldy, m0, smem, n_begin, n_end);
-    if constexpr (Tr::kVersion == 4) {
+    if constexpr (Tr::kVersion >= 4) {
       if (n_begin < n_end) stream.start();  // (stages free: kernel start or the last barrier)
     } else {
       if (n_begin < n_end) ring.prefetch(n_begin);
@@ -637,13 +660,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     bool first = true;
     for (int n0 = n_begin; n0 < n_end; n0 += BN) {
       float acc[Tr::kTilesM][Tr::kTilesN][4];
-      if constexpr (Tr::kVersion == 4) {
+      if constexpr (Tr::kVersion >= 4) {
         stream.product(first, smem, acc);
       } else {
         ring.product(n0, first, n0 + BN < n_end ? n0 + BN : -1, smem, acc);
       }
       first = false;
-      if constexpr (Tr::kVersion == 4) {
+      if constexpr (Tr::kVersion >= 4) {
         topk_mma_detail::filter_tile<Tr>(acc, norm_a, norm_b, lists, n0, n_end, wm, wn, g, t);
       } else {  // v3: the values through the scan tile, two passes of 64 rows
 #pragma unroll
@@ -706,7 +729,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
 
-    if constexpr (Tr::kVersion == 4) __syncthreads();  // every warp's lists are final
+    if constexpr (Tr::kVersion >= 4) __syncthreads();  // every warp's lists are final
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = m0 + sr + h * HR;

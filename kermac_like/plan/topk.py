@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from ..descriptor import PRESETS
-from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, RESCORE_WARPS,
-                                  mma_sel, topk_combine_spec, topk_mma_spec, topk_rescore_spec, topk_spec)
+from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
+                                  RESCORE_WARPS, mma_sel, topk_combine_spec, topk_mma_spec, topk_rescore_spec, topk_spec)
 from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     choose_split
 
@@ -127,9 +127,10 @@ RESCORE_ROWS = 1024  # rows per rescoring block: (rows, kSel, K) gathered float3
 # certificates (bench/notes/knn.md, "Fused rescoring"). KERMAC_LIKE_TOPK_FUSED_RESCORE=0 restores
 # the torch rescoring (the oracle of the tests).
 FUSED_RESCORE = os.environ.get("KERMAC_LIKE_TOPK_FUSED_RESCORE", "1") not in ("", "0")
-# topk_mma's version (runtime.specs.topk.topk_mma_spec): 2, topk_mma_kernel; 3 or 4,
-# topk_mma_pipelined_kernel (the cp.async ring runs on across y tiles; 4 also scans in registers),
-# the same candidate lists bit for bit. 2 until timed (bench/notes/knn.md, "topk_mma v3").
+# topk_mma's version (runtime.specs.topk.topk_mma_spec): 2, topk_mma_kernel; 3, 4 or 5,
+# topk_mma_pipelined_kernel (the cp.async ring runs on across y tiles; 4 also scans in registers;
+# 5 also keeps x in shared memory, K <= 128, else 4), the same candidate lists bit for bit. 2
+# until timed (bench/notes/knn.md, "topk_mma v3").
 MMA_VERSION = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_VERSION", "2") or 2)
 _FLIP = -(1 << 63)  # the scratch keys' top bit (int64 order = key order)
 
@@ -233,7 +234,8 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     dot = call.desc.inner_operator.name == "DOT"
     largest, k, M, N, K = call.largest, call.k, call.M, call.N, call.K
     device = _device_index(call.device)
-    spec = topk_mma_spec(dot, largest, k, version=MMA_VERSION)
+    version = 4 if MMA_VERSION == 5 and -(-K // 4) * 4 > MMA_V5_MAX_K else MMA_VERSION  # v5: x resident, K <= 128
+    spec = topk_mma_spec(dot, largest, k, version=version)
     sel = mma_sel(k)
     kernel = get_kernel(spec, device, debug=debug)
     x, y = _rows_ready(call.x), _rows_ready(call.y)

@@ -110,12 +110,15 @@ def mma_sel(k: int) -> int:
 
 MMA_V3_EXTRA_SMEM = 16 * 1024  # TopkMmaTraits::kExtraBytes of kVersion 3: scan rows 48..63
 MMA_STAGE_BYTES = (MMA_BLOCK_M + MMA_BLOCK_N) * 64  # DistanceMmaTraits::kStageBytes
-MMA_VERSIONS = (2, 3, 4)
+MMA_V5_MAX_K = 128  # TopkMmaTraits::kMaxKTiles * 16: the resident x tile of version 5
+MMA_VERSIONS = (2, 3, 4, 5)
 
 
 def mma_smem(sel: int, version: int = 2) -> int:
     """TopkMmaTraits::kSmemBytes: the stages (v4: five), the norms, v3's extra scan rows, the lists."""
     base = MMA_BASE_SMEM + (MMA_STAGE_BYTES if version == 4 else 0) + (MMA_V3_EXTRA_SMEM if version == 3 else 0)
+    if version == 5:  # the resident x tile, four stages of y alone, the norms
+        base = MMA_V5_MAX_K // 16 * MMA_BLOCK_M * 64 + 4 * MMA_BLOCK_N * 64 + (MMA_BLOCK_M + MMA_BLOCK_N) * 4
     return base + MMA_BLOCK_M * 4 * sel * 8
 
 
@@ -125,7 +128,9 @@ def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32", *, 
     ``version`` (TopkMmaTraits' kVersion): 2, topk_mma_kernel; 3, topk_mma_pipelined_kernel with
     the cp.async ring running on across y tiles (the next tile's first k-tiles load during the
     scan); 4, the same ring with five stages and the scan done in registers (no scan tile, no
-    block barrier). Same arguments, grid and candidate lists (bit for bit) in every version."""
+    block barrier); 5, version 4 with the x tile resident in shared memory and four stages of y
+    alone (K <= MMA_V5_MAX_K only: the caller's rule). Same arguments, grid and candidate lists
+    (bit for bit) in every version."""
     if not 1 <= k <= MMA_MAX_SELECT:
         raise ValueError(f"topk: k = {k} is outside the tensor-core kernel's 1..{MMA_MAX_SELECT}")
     if version not in MMA_VERSIONS:

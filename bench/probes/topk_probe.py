@@ -245,9 +245,9 @@ def run_mma_parts():
 
 
 def run_mma3(M=10 ** 6):
-    """topk_mma versions 2 (topk_mma_kernel), 3 and 4 (topk_mma_pipelined_kernel; plan.topk.MMA_VERSION,
+    """topk_mma versions 2 (topk_mma_kernel), 3, 4 and 5 (topk_mma_pipelined_kernel; plan.topk.MMA_VERSION,
     env KERMAC_LIKE_TOPK_MMA_VERSION): one launch of a wave of row tiles against 10^6 points at
-    knn_d128's shape (K = 128, k = 10), interleaved (2 3 4 4 3 2), median of 3 per round; the
+    knn_d128's shape (K = 128, k = 10), interleaved (2 3 4 5 5 4 3 2), best of two medians of 3; the
     scratch lists must be bitwise those of version 2 (also for the dot product, largest, and
     3xTF32). Then knn_d128's whole call (M = N = 10^6) per version, with the outputs compared.
     Each part reports its own failure and the probe goes on."""

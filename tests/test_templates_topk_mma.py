@@ -388,3 +388,22 @@ def test_version5_falls_back_beyond_k128(monkeypatch, emulator, tmp_path):
     x = np.ones((1, 8, 132), np.float32)
     with pytest.raises(AssertionError, match="__trap"):
         emulate(emulator, len(VERSIONS) * 0 + 3, x, x, 1, tmp_path / "trap")
+
+
+def test_version_fits_the_device_shared_memory(monkeypatch):
+    """The planner takes the highest version up to MMA_VERSION whose shared memory fits the
+    device's opt-in limit per block, and no tensor-core path where none fits (an A100's 163 KiB
+    at kSel 24): those calls take the blocked path."""
+    import torch
+
+    from kermac_like.ops.knn import prepare_knn
+    from kermac_like.plan import topk as P
+
+    call = prepare_knn(torch.randn(40, 128), torch.randn(90, 128), 10)  # kSel 24
+    monkeypatch.setattr(P, "MMA_VERSION", 5)
+    for optin, want in ((232448, 5), (226000, 4), (220000, 3), (200 * 1024, 2), (163 * 1024, None)):
+        monkeypatch.setattr(P, "_smem_optin", lambda device, _o=optin: _o)
+        assert P.mma_version(call) == want, optin
+    wide = prepare_knn(torch.randn(40, 256), torch.randn(90, 256), 10)  # K > 128: version 4 at most
+    monkeypatch.setattr(P, "_smem_optin", lambda device: 232448)
+    assert P.mma_version(wide) == 4

@@ -227,6 +227,7 @@ def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch):
     monkeypatch.setattr(P, "_sm_count", lambda device: 1)  # 128 rows a launch: 128, 12
     monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
     monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
+    monkeypatch.setattr(P, "MMA_VERSION", 2)  # the stand-in below answers topk_mma_kernel (every version: same ABI)
 
     def read(ptr, count, dtype):
         return torch.frombuffer(bytearray(ctypes.string_at(ptr, count * dtype.itemsize)), dtype=dtype)

@@ -27,7 +27,7 @@ import torch
 
 from ..descriptor import PRESETS
 from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
-                                  RESCORE_WARPS, mma_sel, topk_combine_spec, topk_mma_spec, topk_rescore_spec, topk_spec)
+                                  MMA_VERSIONS, RESCORE_WARPS, mma_sel, mma_smem, topk_combine_spec, topk_mma_spec, topk_rescore_spec, topk_spec)
 from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     choose_split
 
@@ -129,20 +129,42 @@ RESCORE_ROWS = 1024  # rows per rescoring block: (rows, kSel, K) gathered float3
 FUSED_RESCORE = os.environ.get("KERMAC_LIKE_TOPK_FUSED_RESCORE", "1") not in ("", "0")
 # topk_mma's version (runtime.specs.topk.topk_mma_spec): 2, topk_mma_kernel; 3, 4 or 5,
 # topk_mma_pipelined_kernel (the cp.async ring runs on across y tiles; 4 also scans in registers;
-# 5 also keeps x in shared memory, K <= 128, else 4), the same candidate lists bit for bit. 2
-# until timed (bench/notes/knn.md, "topk_mma v3").
-MMA_VERSION = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_VERSION", "2") or 2)
+# 5 also keeps x in shared memory, K <= 128, else 4), the same candidate lists bit for bit.
+# Measured on an H200 at knn_d128 (bench/notes/knn.md, "topk_mma v3"): 66.3 / 70.8 / 50.0 / 49.1 ms
+# per TF32 launch for versions 2 / 3 / 4 / 5, the whole call 5.77 / 4.57 / 3.37 / 3.32 s: 5.
+MMA_VERSION = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_VERSION", "5") or 5)
 _FLIP = -(1 << 63)  # the scratch keys' top bit (int64 order = key order)
 
 
 def mma_serves(call) -> bool:
     """Whether the tensor-core candidate path serves this call: float32 Euclidean or dot-product
-    selection at K > MAX_K with k <= MMA_MAX_SELECT, no batch modes, on sm_80 and newer."""
+    selection at K > MAX_K with k <= MMA_MAX_SELECT, no batch modes, on sm_80 and newer, where
+    some version's shared memory fits the device (:func:`mma_version`)."""
     reg = call.hypers.get("regularization")
     return (call.K > MAX_K and call.dtype == torch.float32 and call.desc in _MMA_DESCS
             and 1 <= call.k <= min(MMA_MAX_SELECT, call.N) and not call.batch and call.N < 2 ** 31 - 1
             and (reg is None or (not isinstance(reg, torch.Tensor) and reg == 0))
-            and (call.epsilon is None or call.epsilon <= 0) and _gpu_ok(call.x))
+            and (call.epsilon is None or call.epsilon <= 0) and _gpu_ok(call.x)
+            and mma_version(call) is not None)
+
+
+def _smem_optin(device: torch.device) -> int:
+    """Shared memory one block may opt in to (bytes); unbounded off CUDA (the CPU shim tests)."""
+    if device.type != "cuda":
+        return 1 << 30
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0) or (227 << 10)
+
+
+def mma_version(call):
+    """The topk_mma version a call runs: MMA_VERSION (5 only where K <= MMA_V5_MAX_K, else 4),
+    or the highest lower one whose shared memory fits the device's opt-in limit per block (an
+    A100's 163 KiB holds none at kSel 24: those calls take the blocked path); None if none fits."""
+    want = 4 if MMA_VERSION == 5 and -(-call.K // 4) * 4 > MMA_V5_MAX_K else MMA_VERSION
+    optin = _smem_optin(call.x.device)
+    sel = mma_sel(call.k)
+    fits = [v for v in MMA_VERSIONS if v <= want and (v != 5 or want == 5) and mma_smem(sel, v) <= optin]
+    return max(fits) if fits else None
 
 
 def _rows_ready(t: torch.Tensor) -> torch.Tensor:
@@ -234,7 +256,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     dot = call.desc.inner_operator.name == "DOT"
     largest, k, M, N, K = call.largest, call.k, call.M, call.N, call.K
     device = _device_index(call.device)
-    version = 4 if MMA_VERSION == 5 and -(-K // 4) * 4 > MMA_V5_MAX_K else MMA_VERSION  # v5: x resident, K <= 128
+    version = mma_version(call)
     spec = topk_mma_spec(dot, largest, k, version=version)
     sel = mma_sel(k)
     kernel = get_kernel(spec, device, debug=debug)

@@ -81,6 +81,36 @@ struct TopkMmaTraits
 
 namespace topk_mma_detail {
 typedef unsigned long long u64;
+
+// Four approximate values of one row (columns c0 .. c0 + 3 of a 64-column quarter starting at
+// point nq; columns at or past `cols` ignored) into the row's sorted list of S keys; thr is the
+// list's last key's value bits (a value above it cannot enter). The scan of versions 2 and 3.
+template <class Tr, int S>
+__device__ __forceinline__ void scan_four(const float4 f, int c0, int cols, int nq, u64* list, unsigned& thr) {
+  const float v[4] = {f.x, f.y, f.z, f.w};
+  unsigned bits[4];
+  bool any = false;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    bits[u] = topk_detail::order_bits<Tr>(v[u]);
+    any |= bits[u] <= thr && c0 + u < cols;
+  }
+  if (any) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const u64 key = topk_detail::make_key(bits[u], unsigned(nq + c0 + u));
+      if (c0 + u < cols && key < list[S - 1]) {
+        int s = S - 1;  // insert: shift the larger keys up by one
+        while (s > 0 && list[s - 1] > key) {
+          list[s] = list[s - 1];
+          --s;
+        }
+        list[s] = key;
+        thr = unsigned(list[S - 1] >> 32);
+      }
+    }
+  }
+}
 }  // namespace topk_mma_detail
 
 // Grid (row tiles, N splits, batch entries (looped)); each CTA walks `per` y tiles from
@@ -162,32 +192,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const int cols = min(Tr::kQuarterCols, n_end - nq);
         const float* src = scan + sr * Tr::kRowStride + sq * Tr::kQuarterStride;
         u64* list = lists + ((pass * HR + sr) * 4 + sq) * S;
-        for (int c0 = 0; c0 < cols; c0 += 4) {
-          const float4 f = *reinterpret_cast<const float4*>(src + c0);
-          const float v[4] = {f.x, f.y, f.z, f.w};
-          unsigned bits[4];
-          bool any = false;
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            bits[u] = topk_detail::order_bits<Tr>(v[u]);
-            any |= bits[u] <= thr[pass] && c0 + u < cols;
-          }
-          if (any) {
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-              const u64 key = topk_detail::make_key(bits[u], unsigned(nq + c0 + u));
-              if (c0 + u < cols && key < list[S - 1]) {
-                int s = S - 1;  // insert: shift the larger keys up by one
-                while (s > 0 && list[s - 1] > key) {
-                  list[s] = list[s - 1];
-                  --s;
-                }
-                list[s] = key;
-                thr[pass] = unsigned(list[S - 1] >> 32);
-              }
-            }
-          }
-        }
+        for (int c0 = 0; c0 < cols; c0 += 4)
+          topk_mma_detail::scan_four<Tr, S>(*reinterpret_cast<const float4*>(src + c0), c0, cols, nq, list, thr[pass]);
         __syncthreads();  // the scan tile is rewritten by the next pass / the next tile's stages
       }
     }
@@ -698,32 +704,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           const int nq = n0 + sq * Tr::kQuarterCols;
           const int cols = min(Tr::kQuarterCols, n_end - nq);
           u64* list = lists + ((pass * HR + sr) * 4 + sq) * S;
-          for (int c0 = 0; c0 < cols; c0 += 4) {
-            const float4 f = *reinterpret_cast<const float4*>(scan_src + (((c0 >> 2) ^ scan_swz) << 4));
-            const float v[4] = {f.x, f.y, f.z, f.w};
-            unsigned bits[4];
-            bool any = false;
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-              bits[u] = topk_detail::order_bits<Tr>(v[u]);
-              any |= bits[u] <= thr[pass] && c0 + u < cols;
-            }
-            if (any) {
-#pragma unroll
-              for (int u = 0; u < 4; ++u) {
-                const u64 key = topk_detail::make_key(bits[u], unsigned(nq + c0 + u));
-                if (c0 + u < cols && key < list[S - 1]) {
-                  int s = S - 1;  // insert: shift the larger keys up by one
-                  while (s > 0 && list[s - 1] > key) {
-                    list[s] = list[s - 1];
-                    --s;
-                  }
-                  list[s] = key;
-                  thr[pass] = unsigned(list[S - 1] >> 32);
-                }
-              }
-            }
-          }
+          for (int c0 = 0; c0 < cols; c0 += 4)
+            topk_mma_detail::scan_four<Tr, S>(
+                *reinterpret_cast<const float4*>(scan_src + (((c0 >> 2) ^ scan_swz) << 4)), c0, cols, nq, list, thr[pass]);
           __syncthreads();  // the scan tile is rewritten by the next pass / the next tile's stages
         }
       }

@@ -834,6 +834,36 @@ inline float exp2_approx(float x) { return std::exp2(x); }
 
 #include "distance_mma.cuh"
 
+// One block: thread i is fiber i running tramp (which marks its fiber done at the end), the fibers
+// scheduled round-robin until every one is done; a round in which none progressed is a deadlock.
+inline void run_block(std::vector<emu::Fiber>& fib, int threads, void (*tramp)()) {
+  for (int i = 0; i < threads; ++i) {
+    auto& f = fib[i];
+    f.stack.resize(1 << 18);
+    f.tid = {(unsigned)i, 0, 0};
+    f.done = false;
+    f.groups.clear();
+    f.pending.clear();
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = &emu::sched;
+    makecontext(&f.ctx, tramp, 0);
+  }
+  for (;;) {
+    bool all_done = true;
+    const long before = emu::progress;
+    for (int i = 0; i < threads; ++i) {
+      if (fib[i].done) continue;
+      all_done = false;
+      emu::cur = &fib[i];
+      swapcontext(&emu::sched, &fib[i].ctx);
+    }
+    if (all_done) break;
+    if (emu::progress == before) fail("deadlock: no thread progressed (divergent barrier?)");
+  }
+}
+
 // ------------------------------------------------------------------ driver
 using namespace kermac_like;
 typedef long long i64;
@@ -876,31 +906,7 @@ void run(const Args& A, const void* a, const void* b, void* out, const float* bw
           ++emu::progress;
         };
         static auto tramp = +[]() { body(); };
-        for (int i = 0; i < Traits::kThreads; ++i) {
-          auto& f = fib[i];
-          f.stack.resize(1 << 18);
-          f.tid = {(unsigned)i, 0, 0};
-          f.done = false;
-          f.groups.clear();
-          f.pending.clear();
-          getcontext(&f.ctx);
-          f.ctx.uc_stack.ss_sp = f.stack.data();
-          f.ctx.uc_stack.ss_size = f.stack.size();
-          f.ctx.uc_link = &emu::sched;
-          makecontext(&f.ctx, tramp, 0);
-        }
-        for (;;) {
-          bool all_done = true;
-          const long before = emu::progress;
-          for (int i = 0; i < Traits::kThreads; ++i) {
-            if (fib[i].done) continue;
-            all_done = false;
-            emu::cur = &fib[i];
-            swapcontext(&emu::sched, &fib[i].ctx);
-          }
-          if (all_done) break;
-          if (emu::progress == before) fail("deadlock: no thread progressed (divergent barrier?)");
-        }
+        run_block(fib, Traits::kThreads, tramp);
       }
 }
 

@@ -107,31 +107,7 @@ void run(const TArgs& A, const float* x, const float* y, long long* scratch) {
         ++emu::progress;
       };
       static auto tramp = +[]() { body(); };
-      for (int i = 0; i < Traits::kThreads; ++i) {
-        auto& f = fib[i];
-        f.stack.resize(1 << 18);
-        f.tid = {(unsigned)i, 0, 0};
-        f.done = false;
-        f.groups.clear();
-        f.pending.clear();
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack.data();
-        f.ctx.uc_stack.ss_size = f.stack.size();
-        f.ctx.uc_link = &emu::sched;
-        makecontext(&f.ctx, tramp, 0);
-      }
-      for (;;) {
-        bool all_done = true;
-        const long before = emu::progress;
-        for (int i = 0; i < Traits::kThreads; ++i) {
-          if (fib[i].done) continue;
-          all_done = false;
-          emu::cur = &fib[i];
-          swapcontext(&emu::sched, &fib[i].ctx);
-        }
-        if (all_done) break;
-        if (emu::progress == before) fail("deadlock: no thread progressed (divergent barrier?)");
-      }
+      run_block(fib, Traits::kThreads, tramp);
       for (int i = 0; i < Traits::kThreads; ++i)
         if (!fib[i].pending.empty()) fail("cp.async copies issued and never committed");
     }

@@ -140,14 +140,12 @@ def test_get_indices_entries_and_gradient(kernel, monkeypatch):
         g_got, = torch.autograd.grad(got.square().sum(), x1)
         g_ref, = torch.autograd.grad(ref.square().sum(), x1, retain_graph=True)
         torch.testing.assert_close(g_got, g_ref)
-    # flattened indices as linear_operator passes them: an outer product (the pivoted-Cholesky
-    # backward's rows x pivots, formed by broadcasting) and a general pair list
+    # flattened indices as linear_operator passes them: rows x pivots (the pivoted-Cholesky
+    # backward's block) and a general pair list
     y1 = torch.randn(60, 5, dtype=F64, requires_grad=True)
     op = KermacKernelLinearOperator(y1, x2[0], kernel=kernel)
     perm, piv = torch.randperm(60), torch.randint(0, 45, (7,))
     flat_rows, flat_cols = perm[:, None].expand(60, 7).reshape(-1), piv[None].expand(60, 7).reshape(-1)
-    assert _operator._outer_product(flat_rows, flat_cols) is not None
-    assert _operator._outer_product(flat_cols, flat_rows) is None
     for r, c in ((flat_rows, flat_cols), (torch.randint(0, 60, (50,)), torch.randint(0, 45, (50,)))):
         got = op._get_indices(r, c)
         ref = _operator.dense_covar(y1, x2[0], kernel=kernel)[r, c]

@@ -43,22 +43,6 @@ def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str) -> torch.Ten
     return dist(x1, x2).neg_().exp_()
 
 
-def _outer_product(row_index: torch.Tensor, col_index: torch.Tensor):
-    """(rows, cols) when the flattened index pair is the outer product rows x cols (row-major:
-    each row index repeated for every column), else None. Three host synchronisations."""
-    n = row_index.numel()
-    if n == 0 or col_index.numel() != n or row_index.dim() != 1:
-        return None
-    change = (row_index != row_index[0]).nonzero()
-    C = int(change[0]) if change.numel() else n
-    if C == 0 or n % C:
-        return None
-    rv, cv = row_index.view(n // C, C), col_index.view(n // C, C)
-    if not bool(((rv == rv[:, :1]).all() & (cv == cv[:1]).all()).item()):
-        return None
-    return rv[:, 0], cv[0]
-
-
 class KermacKernelLinearOperator(KernelLinearOperator):
     """KernelLinearOperator with the matrix-free products of the package; see the module docstring."""
 
@@ -87,39 +71,27 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         return kernel_matvec(KERNELS[self.kernel], x1.contiguous(), x2.contiguous(), rhs.contiguous(), bandwidth=1.0)
 
     def _get_indices(self, row_index, col_index, *batch_indices) -> torch.Tensor:
-        # Entries k(x1[row], x2[col]) at flattened index tensors (linear_operator flattens the
-        # broadcast indices), as the pivoted-Cholesky preconditioner's backward asks for all N rows
-        # x its rank columns. The base class gathers a whole point per entry and runs GPyTorch's
-        # batched sq_dist on N x rank 1 x 1 matrices: (N, rank, D) copies (4.6 GB at N = 10^6,
-        # D = 8), and its backward accumulates 10^6 duplicates into each pivot's row through
-        # index_put (17.8 s on an H200). When the indices are an outer product (rows x columns, as
-        # there), the block is formed from the distinct rows and columns by broadcasting: the
-        # gathers' backward then has no duplicates and the broadcast's is a plain sum. Direct
-        # differences, summed over coordinate chunks of at most 2^24 values.
-        outer = None if batch_indices else _outer_product(row_index, col_index)
-        if outer is not None:
-            rows, cols = outer
-            a, b = self.x1[..., rows, :], self.x2[..., cols, :]
-            pair = (lambda u, v: u.unsqueeze(-2) - v.unsqueeze(-3))
-            n = rows.numel() * cols.numel()
-        else:
-            a, b = self.x1[(*batch_indices, row_index)], self.x2[(*batch_indices, col_index)]
-            pair = (lambda u, v: u - v)
-            n = math.prod(torch.broadcast_shapes(a.shape[:-1], b.shape[:-1]))
-        D = self.x1.shape[-1]
+        # Entries k(x1[row], x2[col]) at index tensors, as the pivoted-Cholesky preconditioner's
+        # backward asks for them (all N rows x its rank columns). The base class runs GPyTorch's
+        # batched sq_dist on N x rank 1 x 1 matrices, whose padded temporaries took 4.6 GB at
+        # N = 10^6, D = 8: here direct differences, summed over coordinate chunks of at most 2^24
+        # values.
+        a, b = self.x1[(*batch_indices, row_index)], self.x2[(*batch_indices, col_index)]
+        n = math.prod(torch.broadcast_shapes(a.shape[:-1], b.shape[:-1]))
         chunk = max(1, (1 << 24) // max(1, n))
         sq = None
-        for k0 in range(0, D, chunk):
-            part = pair(a[..., k0:k0 + chunk], b[..., k0:k0 + chunk]).square().sum(-1)
+        for k0 in range(0, a.shape[-1], chunk):
+            part = (a[..., k0:k0 + chunk] - b[..., k0:k0 + chunk]).square().sum(-1)
             sq = part if sq is None else sq + part
-        sq = sq.reshape(-1) if outer is not None else sq
-        if self.kernel == "rbf":
-            return sq.div(-2.0).exp()
-        return sq.clamp_min(1e-30).sqrt().neg().exp()
+        return self._of_squared_distance(sq)
 
     def _diagonal(self) -> torch.Tensor:
-        # k(x1_i, x2_i): (*batch, N); sqrt of a clamped square as GPyTorch's dist (gradient 0 at 0)
-        sq = (self.x1 - self.x2).square().sum(-1)
+        # k(x1_i, x2_i): (*batch, N)
+        return self._of_squared_distance((self.x1 - self.x2).square().sum(-1))
+
+    def _of_squared_distance(self, sq: torch.Tensor) -> torch.Tensor:
+        """k from squared distances; the Laplace kernel's distance is the square root of a clamped
+        square, as GPyTorch's dist forms it (gradient 0 at 0)."""
         if self.kernel == "rbf":
             return sq.div(-2.0).exp()
         return sq.clamp_min(1e-30).sqrt().neg().exp()

@@ -93,6 +93,12 @@ def _smem_per_sm(device: int) -> int:
     return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0) or 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_per_block_optin(device: int) -> int:
+    """Shared memory one block may opt in to, in bytes; 0 where torch does not report it."""
+    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0) or 0)
+
+
 _occupancy: dict = {}
 
 

@@ -27,9 +27,10 @@ import torch
 
 from ..descriptor import PRESETS
 from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
-                                  MMA_VERSIONS, RESCORE_WARPS, mma_sel, mma_smem, topk_combine_spec, topk_mma_spec, topk_rescore_spec, topk_spec)
+                                  MMA_VERSIONS, RESCORE_WARPS, mma_sel, mma_smem, topk_combine_spec, topk_mma_spec,
+                                  topk_rescore_spec, topk_spec)
 from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
-    choose_split
+    _smem_per_block_optin, choose_split
 
 log = logging.getLogger("kermac_like.topk")
 
@@ -152,8 +153,7 @@ def _smem_optin(device: torch.device) -> int:
     """Shared memory one block may opt in to (bytes); unbounded off CUDA (the CPU shim tests)."""
     if device.type != "cuda":
         return 1 << 30
-    props = torch.cuda.get_device_properties(device)
-    return getattr(props, "shared_memory_per_block_optin", 0) or (227 << 10)
+    return _smem_per_block_optin(_device_index(device)) or (227 << 10)
 
 
 def mma_version(call):

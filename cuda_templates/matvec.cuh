@@ -104,13 +104,11 @@ __host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4
 //   and sums, `part` in double).
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
           bool kExpand_ = false, int kPolyRows_ = 0, int kUnrollJ_ = 0, int kPolyPairs_ = -1,
-          bool kPrefetch_ = false, class TOut_ = T_, int kRowsArg_ = 0>
+          bool kPrefetch_ = false, class TOut_ = T_>
 struct MatvecTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogue_, T_> {
   static_assert(kK_ >= 0 && kK_ <= 32, "MatvecTraits: kK is 0 (any K) or the padded K, at most 32");
   static_assert(kC_ == 1 || kC_ == 2 || kC_ == 4 || kC_ == 8 || kC_ == 12 || kC_ == 16,
                 "MatvecTraits: kC is 1, 2, 4, 8, 12 or 16");
-  static_assert(kRowsArg_ == 0 || kRowsArg_ == 1 || kRowsArg_ == 2 || kRowsArg_ == 4 || kRowsArg_ == 8,
-                "MatvecTraits: kRowsArg is 0 (the register rule) or 1, 2, 4, 8");
   static_assert(!kExpand_ || (kInner_ == Inner::Diff && kInnerPow_ == Power::Square &&
                               ((kOuterPow_ == Power::Sqrt && kEpilogue_ == Epilogue::Gaussian) ||
                                (kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::Laplace))),
@@ -137,8 +135,7 @@ struct MatvecTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogu
   static constexpr int kRows16 =
       matvec_detail::floor_pow2(96 / (kRegK + (kWide ? 4 : 3) * kC_ + (kChunked ? 32 : 1)));
   // 16-bit inputs: their conversions cost registers; 8 rows would spill at 128.
-  // kRowsArg_ > 0 overrides the rule (the multi-column tuning: runtime/specs/matvec.py).
-  static constexpr int kRows = kRowsArg_ > 0 ? kRowsArg_ : (!SameType<T_, float>::value && kRows16 == 8) ? 4 : kRows16;
+  static constexpr int kRows = (!SameType<T_, float>::value && kRows16 == 8) ? 4 : kRows16;
   static constexpr int kPolyRows = kPolyRows_;
   static_assert(kPolyRows_ >= 0 && kPolyRows_ < kRows, "MatvecTraits: kPolyRows must leave a MUFU row");
   static constexpr int kBlockM = kThreads * kRows;

@@ -1,8 +1,9 @@
 """Candidates for kernel_matvec with several right-hand-side columns at small D (GPyTorch's
 CG/Lanczos products: C = 1 + 10 probe vectors = 11 at D = 8, issue 29's gp_step): the
-MatvecTraits (kK, kC, kRows, kUnrollJ) of the expanded Gaussian kernel, selected by patching
-plan.matvec.matvec_spec. Today's rule takes kK = 12 (K + 1 = 9 slots rounded up), kC = 16
-(11 columns padded) and one row per thread (the register rule: 96 // (kK + 3 kC + 1)).
+MatvecTraits (kK, kC, kUnrollJ) of the expanded Gaussian kernel, selected by patching
+plan.matvec.matvec_spec. The rule before session 10 took kK = 12 (K + 1 = 9 slots rounded up),
+kC = 16 (11 columns padded) and one row per thread (the register rule: 96 // (kK + 3 kC + 1));
+the shipped rule now takes kK = 9, kC = 12, two rows per thread.
 
 CUDA events, median of --reps after one warm-up, on fresh points; relative error against
 float64 on 256 sampled rows.
@@ -27,17 +28,14 @@ import kermac_like.plan.matvec as pm  # noqa: E402
 from kermac_like.runtime.specs.matvec import matvec_traits_spec  # noqa: E402
 from try_matvec import error  # noqa: E402
 
-# name: (kK, kC, rows, unroll_j); None: the shipped rule. sm_90 ptxas (NVRTC 13, this tree):
-# 12/16/1 126 regs; 9/12/1 126; 9/12/2 128, no spill; 9/12/2 u1 128, no spill; 9/16/2 u1 spills 4 B.
+# name: (kK, kC, unroll_j); None: the shipped rule. Rows per thread follow the register rule
+# (9 / 12: two). The one-row and forced-two-row candidates of session 10's run 2 (k9_c12_r1,
+# k9_c16_r2_u1, k12_c12_r2) used a kRowsArg template knob, removed after the run (git 04e4a41).
 CANDIDATES = {
     "shipped": None,
-    "k9_c12_r1": (9, 12, 1, 0),
-    "k9_c12_r2": (9, 12, 2, 0),
-    "k9_c12_r2_u1": (9, 12, 2, 1),
-    "k9_c16_r2_u1": (9, 16, 2, 1),
-    "k12_c12_r2": (12, 12, 2, 0),
-    "k12_c1": (12, 1, 0, 0),  # the one-column kernel before kK = 9 (rows: the register rule)
-    "k9_c1": (9, 1, 0, 0),
+    "k9_c12_u1": (9, 12, 1),
+    "k12_c1": (12, 1, 0),  # the one-column kernel before kK = 9
+    "k9_c1": (9, 1, 0),
 }
 
 
@@ -60,12 +58,10 @@ def main():
         if cand is None:
             pm.matvec_spec = shipped_spec
         else:
-            kK, kC, rows, u = cand
-
             def spec(d, dtype, K, C, *, epsilon=None, out_dtype=None, _c=cand):
                 if out_dtype is not None or K + 1 > _c[0] or C > _c[1]:
                     return shipped_spec(d, dtype, K, C, epsilon=epsilon, out_dtype=out_dtype)
-                return matvec_traits_spec(d, dtype, _c[0], _c[1], expand=True, rows=_c[2], unroll_j=_c[3])
+                return matvec_traits_spec(d, dtype, _c[0], _c[1], expand=True, unroll_j=_c[2])
 
             pm.matvec_spec = spec
         try:

@@ -138,16 +138,14 @@ def _tuning(kK: int, kC: int) -> dict:
 
 def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expand: bool = False,
                        poly_rows: int | None = None, unroll_j: int = 0, poly_pairs: int = -1,
-                       prefetch: bool = False, out_dtype=None, rows: int = 0) -> KernelSpec:
+                       prefetch: bool = False, out_dtype=None) -> KernelSpec:
     """``unroll_j`` / ``poly_pairs`` / ``prefetch``: MatvecTraits' kUnrollJ / kPolyPairs / kPrefetch
     (expanded kernel only; defaults leave the template arguments out). ``out_dtype``: torch.float64
     selects TOut = double, the float64 mode (v read as float64, float64 products and sums, the
     totals stored without rounding); None or ``dtype``: the default TOut = T (the template
-    argument left out, so that those names do not change). ``rows``: MatvecTraits' kRowsArg, rows
-    of x per thread (0: the register rule, :func:`rows_per_thread`; the argument left out)."""
+    argument left out, so that those names do not change)."""
     tout = _out_arg(dtype, out_dtype)
-    rows_arg = int(rows)
-    rows = rows_arg or rows_per_thread(kK, kC, dtype, wide=bool(tout))
+    rows = rows_per_thread(kK, kC, dtype, wide=bool(tout))
     if poly_rows is None:
         poly_rows = POLY_ROWS if expand and rows >= 8 else 0
     tuned = bool(unroll_j) or poly_pairs >= 0 or prefetch
@@ -160,12 +158,6 @@ def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expan
         extra += f", {int(unroll_j)}, {int(poly_pairs)}, {str(bool(prefetch)).lower()}"
     if tout:
         extra += f", {tout}"
-    if rows_arg:  # every earlier argument spelled out
-        if not (expand or poly_rows or tout):
-            extra = f", {str(bool(expand)).lower()}, {int(poly_rows)}"
-        if not (tuned or tout):
-            extra += f", {int(unroll_j)}, {int(poly_pairs)}, {str(bool(prefetch)).lower()}"
-        extra += f", {tout or _T[dtype]}, {rows_arg}"
     traits = f"kermac_like::MatvecTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {int(kC)}{extra}>"
     shape = LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=block_n(kK, kC), smem_bytes=0)
     return KernelSpec("matvec.cuh", "kermac_like::matvec_kernel", traits, shape)

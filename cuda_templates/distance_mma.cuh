@@ -216,6 +216,19 @@ __device__ __forceinline__ float chunk_sumsq(uint4 v) {
   }
 }
 
+// The 4 lanes tid % 4 = 0..3 hold partial squared norms of the same rows (one per 16-byte chunk
+// of a row): add them and let lane 0 of the four store each row's norm (rows copy_row + u *
+// kRowsPerPass of the tile).
+template <int kRowsPerPass, int kChunks>
+__device__ __forceinline__ void store_quad_norms(float (&sq)[kChunks], float* norm, int copy_row, int copy_chunk) {
+#pragma unroll
+  for (int u = 0; u < kChunks; ++u) {
+    sq[u] += __shfl_xor_sync(0xffffffffu, sq[u], 1);
+    sq[u] += __shfl_xor_sync(0xffffffffu, sq[u], 2);
+    if (copy_chunk == 0) norm[copy_row + u * kRowsPerPass] = sq[u];
+  }
+}
+
 template <class T>
 __device__ __forceinline__ void store_one(T* p, float y) {
   if constexpr (sizeof(T) == 4) {
@@ -558,19 +571,8 @@ __device__ __forceinline__ void block_tile_product(const typename Traits::T* a_l
   cp_async_wait<0>();  // only empty groups can be left; drain them anyway
 
   if constexpr (kDiff) {
-    // The 4 lanes tid % 4 = 0..3 hold the partial norms of the same rows.
-#pragma unroll
-    for (int u = 0; u < kChunksA; ++u) {
-      sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 1);
-      sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 2);
-      if (copy_chunk == 0) norm_a[copy_row + u * kRowsPerPass] = sq_a[u];
-    }
-#pragma unroll
-    for (int u = 0; u < kChunksB; ++u) {
-      sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 1);
-      sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 2);
-      if (copy_chunk == 0) norm_b[copy_row + u * kRowsPerPass] = sq_b[u];
-    }
+    store_quad_norms<kRowsPerPass>(sq_a, norm_a, copy_row, copy_chunk);
+    store_quad_norms<kRowsPerPass>(sq_b, norm_b, copy_row, copy_chunk);
   }
   // Norms visible to all; every warp is past its last read of the stages,
   // so the next batch entry may refill them.

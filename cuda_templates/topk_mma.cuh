@@ -381,20 +381,8 @@ struct RingBase {
     float* norm_a = reinterpret_cast<float*>(smem + Tr::kNormOffset);  // (kBlockM)
     float* norm_b = norm_a + kBlockM;                                   // (kBlockN)
     if constexpr (Tr::kInner == Inner::Diff) {
-      if (first) {
-#pragma unroll
-        for (int u = 0; u < kChunksA; ++u) {
-          sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 1);
-          sq_a[u] += __shfl_xor_sync(0xffffffffu, sq_a[u], 2);
-          if (copy_chunk == 0) norm_a[copy_row + u * kRowsPerPass] = sq_a[u];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kChunksB; ++u) {
-        sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 1);
-        sq_b[u] += __shfl_xor_sync(0xffffffffu, sq_b[u], 2);
-        if (copy_chunk == 0) norm_b[copy_row + u * kRowsPerPass] = sq_b[u];
-      }
+      if (first) mma_detail::store_quad_norms<kRowsPerPass>(sq_a, norm_a, copy_row, copy_chunk);
+      mma_detail::store_quad_norms<kRowsPerPass>(sq_b, norm_b, copy_row, copy_chunk);
     }
   }
 };

@@ -864,6 +864,19 @@ inline void run_block(std::vector<emu::Fiber>& fib, int threads, void (*tramp)()
   }
 }
 
+// A whole file's bytes (the drivers' inputs).
+static std::vector<unsigned char> slurp(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) fail("cannot open input");
+  std::fseek(f, 0, SEEK_END);
+  long n = std::ftell(f);
+  std::fseek(f, 0, SEEK_SET);
+  std::vector<unsigned char> v(n);
+  if (n && std::fread(v.data(), 1, n, f) != (size_t)n) fail("short read");
+  std::fclose(f);
+  return v;
+}
+
 // ------------------------------------------------------------------ driver
 using namespace kermac_like;
 typedef long long i64;
@@ -915,32 +928,20 @@ static const Runner kRunners[] = {
 @@RUNNERS@@
 };
 
-static std::vector<unsigned char> slurp(const char* path) {
-  FILE* f = std::fopen(path, "rb");
-  if (!f) fail("cannot open input");
-  std::fseek(f, 0, SEEK_END);
-  long n = std::ftell(f);
-  std::fseek(f, 0, SEEK_SET);
-  std::vector<unsigned char> v(n);
-  if (n && std::fread(v.data(), 1, n, f) != (size_t)n) fail("short read");
-  std::fclose(f);
-  return v;
-}
-
 // usage: emu CFG DEFERRED DIR  (DIR holds args.bin a.bin b.bin out.bin bw.bin reg.bin)
 int main(int argc, char** argv) {
   if (argc != 4) fail("usage: emu CFG DEFERRED DIR");
   const int cfg = std::atoi(argv[1]);
   emu::deferred = std::atoi(argv[2]) != 0;
   std::string dir = argv[3];
-  auto args = slurp((dir + "/args.bin").c_str());
+  auto args = slurp(dir + "/args.bin");
   if (args.size() != sizeof(Args)) fail("args.bin has the wrong size");
   Args A;
   std::memcpy(&A, args.data(), sizeof(Args));
   // Each array goes to 256-byte aligned memory plus the byte offset that its
   // file names in its first 8 bytes (for the alignment tests).
   auto place = [&](const char* name, std::vector<unsigned char>& store) -> unsigned char* {
-    auto raw = slurp((dir + "/" + name).c_str());
+    auto raw = slurp(dir + "/" + name);
     i64 offset;
     std::memcpy(&offset, raw.data(), 8);
     store.assign(raw.size() - 8 + offset + 512, 0);
@@ -958,7 +959,7 @@ int main(int argc, char** argv) {
   if (cfg < 0 || cfg >= (int)(sizeof(kRunners) / sizeof(kRunners[0]))) fail("bad config");
   kRunners[cfg](A, a, A.b_is_a ? a : b, out, A.use_bw_ptr ? (const float*)bw : nullptr,
                 A.use_reg_ptr ? (const float*)reg : nullptr);
-  auto raw = slurp((dir + "/out.bin").c_str());
+  auto raw = slurp(dir + "/out.bin");
   FILE* f = std::fopen((dir + "/result.bin").c_str(), "wb");
   std::fwrite(out, 1, raw.size() - 8, f);
   std::fclose(f);

@@ -118,18 +118,6 @@ static const Runner kRunners[] = {
 @@RUNNERS@@
 };
 
-static std::vector<unsigned char> slurp(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) fail("cannot open input");
-  std::fseek(f, 0, SEEK_END);
-  long n = std::ftell(f);
-  std::fseek(f, 0, SEEK_SET);
-  std::vector<unsigned char> v(n);
-  if (n && std::fread(v.data(), 1, n, f) != (size_t)n) fail("short read");
-  std::fclose(f);
-  return v;
-}
-
 // usage: emu RUNNER DIR (DIR: args.bin x.bin y.bin; writes scratch.bin)
 int main(int argc, char** argv) {
   if (argc != 3) fail("usage: emu RUNNER DIR");

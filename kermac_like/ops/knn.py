@@ -326,9 +326,10 @@ def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_eleme
     budget = block_elements or (BLOCK_ELEMENTS_GPU if call.device.type == "cuda" else BLOCK_ELEMENTS_CPU)
     B = math.prod(call.batch) if call.batch else 1
     M, N, K, k = call.M, call.N, call.K, call.k
-    nb = min(N, max(k, MIN_BLOCK_COLUMNS, budget // max(1, B * M)))
+    columns = budget // max(1, B * M)
     if call.device.type == "cuda":
-        nb = min(nb, max(k, MIN_BLOCK_COLUMNS, GPU_BLOCK_Y_BYTES // (4 * max(1, K))))
+        columns = min(columns, GPU_BLOCK_Y_BYTES // (4 * max(1, K)))
+    nb = min(N, max(k, MIN_BLOCK_COLUMNS, columns))
     mb = max(1, min(M, budget // max(1, B * nb)))
     x = call.x.expand(*call.batch, M, K)
     y = call.y.expand(*call.batch, N, K)

@@ -163,7 +163,7 @@ def mma_version(call):
     want = 4 if MMA_VERSION == 5 and -(-call.K // 4) * 4 > MMA_V5_MAX_K else MMA_VERSION
     optin = _smem_optin(call.x.device)
     sel = mma_sel(call.k)
-    fits = [v for v in MMA_VERSIONS if v <= want and (v != 5 or want == 5) and mma_smem(sel, v) <= optin]
+    fits = [v for v in MMA_VERSIONS if v <= want and mma_smem(sel, v) <= optin]
     return max(fits) if fits else None
 
 

@@ -38,6 +38,16 @@
 // ([split][batch][M][C]) and matvec_combine_kernel adds the splits in split order: the
 // result is bitwise identical from run to run (no atomics).
 //
+// The float64 mode's expanded form (kExpand with TOut = double) is symmetric, so that K(x, y)
+// and K(y, x) are bitwise transposes (Falkon's two products K_nZ v and K_Zn u must be one
+// operator and its transpose): every coordinate is centred on one vector `centre` given by the
+// caller for both operands (no CTA mean), a row keeps x' = 2 (x - centre) (exact doubling) and
+// a_m = -|x - centre|^2, a point b_n = -|y - centre|^2 (the same sum of squares either way),
+// and a pair forms t = (a_m + b_n) + sum_k x'_k y'_k (one FADD, commutative, then the FFMA
+// chain, whose products 2 x_k y_k are the same either way), k = 2^(s t): K + 1 FFMA/FADD, one
+// FMUL and the exponential per pair against the direct form's 2K + 2. No fold (2^a_m would be
+// rounded on one side only).
+//
 // Output type (kTOut = TOut_, default T): T rounds the float64 totals once at the store.
 // double is the float64 mode (kernel_matvec with a float64 `out` for float32/16-bit inputs,
 // e.g. Falkon's products, whose float32 rounding its preconditioner amplifies): v is read as
@@ -161,6 +171,8 @@ struct MatvecTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogu
   static_assert(!kPrefetch_ || (kBlockN == kThreads && kBlockN % kUnrollJ == 0 && kK_ <= 8),
                 "MatvecTraits: kPrefetch needs one point per thread (kBlockN == kThreads) and kK <= 8");
   static_assert(!kTrips || kBlockN % kUnrollJ == 0, "MatvecTraits: kUnrollJ must divide kBlockN");
+  static_assert(!(kExpand_ && kWide) || (!kTrips && !kPrefetch_ && kPolyRows_ == 0),
+                "MatvecTraits: the float64 mode's (symmetric) expanded form takes no tuning knobs");
 };
 
 namespace matvec_detail {
@@ -171,6 +183,7 @@ struct KernelArgs {
   float inner_p;      // Power::Pow inner
   float epsilon;      // <= 0: no cut
   float exp2_scale;   // Laplace: -log2(e)/bw; Gaussian: -log2(e)/(2 bw^2)
+  float sym_scale;    // the float64 mode's expanded form: s = -exp2_scale, applied per pair
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -267,7 +280,12 @@ __device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TW
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       float kv;
-      if constexpr (Tr::kExpand) {
+      if constexpr (Tr::kExpand && Tr::kWide) {  // symmetric: (a_m + b_n) first, then x'.y', times s
+        float e = __fadd_rn(xa[i], yj[Tr::kK - 1]);
+#pragma unroll
+        for (int k = 0; k < Tr::kK - 1; ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
+        kv = math::ex2_approx(e * ka.sym_scale);
+      } else if constexpr (Tr::kExpand) {
         float e = kFold ? yj[Tr::kK - 1] : xa[i];
 #pragma unroll
         for (int k = 0; k < (kFold ? Tr::kK - 1 : Tr::kK); ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
@@ -411,7 +429,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
     long long outer_p_bs2, float outer_p, const float *bw_ptr, long long bw_bs0, long long bw_bs1,
     long long bw_bs2, float bandwidth, const float *reg_ptr, long long reg_bs0, long long reg_bs1,
     long long reg_bs2, float regularization, long long reg_diag, float epsilon, int n_split,
-    int tiles_per_split) {
+    int tiles_per_split, const float* __restrict__ centre_ptr) {
   using Tr = Traits;
   using T = typename Tr::T;
   using TW = typename Tr::TW;
@@ -454,6 +472,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
     }
     // Expanded form: exponent = -s d^2 with s = -exp2_scale (Laplace of d^2: d = acc).
     const float s = -ka.exp2_scale;
+    ka.sym_scale = s;
 
     // Rows of this thread: m0 + tid + NT * i (clamped; the clamped ones are never stored).
     int rows[R];
@@ -472,7 +491,26 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         for (int k = 0; k < Tr::kK; ++k) xr[i][k] = k < K ? load_f(xl + i64(rows[i]) * sxm + k * sxk) : 0.0f;
 #pragma unroll
       for (int k = 0; k < Tr::kK; ++k) centre[k] = 0.0f;
-      if constexpr (Tr::kExpand) {
+      if constexpr (Tr::kExpand && Tr::kWide) {
+        // Symmetric form: the caller's centre, x' = 2 (x - centre), a_m = -|x - centre|^2 (no s).
+#pragma unroll
+        for (int k = 0; k < Tr::kK; ++k) centre[k] = k < K ? centre_ptr[k] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          float n2 = 0.0f;
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) {
+            const float xv = __fsub_rn(xr[i][k], centre[k]);
+            n2 = __fmaf_rn(xv, xv, n2);
+            xr[i][k] = xv;
+          }
+          const float a = -n2;
+          const bool finite = fabsf(a) <= 3.402823466e38f;
+#pragma unroll
+          for (int k = 0; k < Tr::kK; ++k) xr[i][k] = (finite && k < K) ? 2.0f * xr[i][k] : 0.0f;
+          xa[i] = finite ? a : (a != a ? a : -__int_as_float(0x7f800000));
+        }
+      } else if constexpr (Tr::kExpand) {
         float cnt = 0.0f;
 #pragma unroll
         for (int i = 0; i < R; ++i) {
@@ -603,7 +641,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
               if (k < K) n2 = __fmaf_rn(yv, yv, n2);
               yj[k] = k < K ? yv : 0.0f;
             }
-            const float b = -s * n2;
+            const float b = Tr::kWide ? -n2 : -s * n2;
             const bool finite = fabsf(b) <= 3.402823466e38f;
             if (!finite) {
 #pragma unroll

@@ -150,6 +150,21 @@ def analyse_output(name: str, out: torch.Tensor, shape: tuple, dtype: torch.dtyp
     return view
 
 
+def broadcast_shapes(*shapes) -> tuple:
+    """torch.broadcast_shapes of shapes that are known to broadcast, in plain Python: torch's
+    imports sympy on its first call (0.7-2 s of a first call; bench/notes/jit.md). Symbolic
+    sizes (fake tensors under torch.compile) go to torch's."""
+    if not all(isinstance(d, int) for s in shapes for d in s):
+        return tuple(torch.broadcast_shapes(*shapes))
+    nd = max(map(len, shapes), default=0)
+    out = [1] * nd
+    for s in shapes:
+        for i, d in enumerate(s, nd - len(s)):
+            if d != 1:
+                out[i] = d
+    return tuple(out)
+
+
 def broadcast_batch_shape(shapes: "dict[str, tuple]") -> tuple:
     """torch-style broadcast of several batch shapes; the error names the arguments."""
     ndim = max([len(s) for s in shapes.values()] + [0])

@@ -15,6 +15,7 @@ import math
 import torch
 
 from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from .layout import broadcast_shapes
 
 __all__ = ["distance_reference", "cdist_reference", "cdist_grad_reference", "matvec_reference", "BLOCK_ELEMENTS"]
 
@@ -52,7 +53,7 @@ def distance_reference(desc: KernelDescriptor, a, b, *, inner_p=None, outer_p=No
     """
     dtype, device = a.dtype, a.device
     hypers = [inner_p, outer_p, bandwidth, regularization]
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], *(_batch_of(h) for h in hypers))
+    batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], *(_batch_of(h) for h in hypers))
     M, N, K = a.shape[-2], b.shape[-2], a.shape[-1]
     a = a.expand(*batch, M, K)
     b = b.expand(*batch, N, K)
@@ -95,7 +96,7 @@ def cdist_reference(x1, x2, p: float = 2.0, *, skip_epilogue: bool = False, out=
     """torch.cdist semantics (any p >= 0 and inf), plus ``skip_epilogue``
     (sum |x - y|^p without the 1/p root)."""
     dtype, device = x1.dtype, x1.device
-    batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    batch = broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
     M, N, K = x1.shape[-2], x2.shape[-2], x1.shape[-1]
     x1 = x1.expand(*batch, M, K)
     x2 = x2.expand(*batch, N, K)
@@ -129,7 +130,7 @@ def cdist_grad_reference(a, b, c, d, p=2.0, *, out=None):
     where d[n,m] - b[n,k] is NaN (any p).
     """
     dtype, device = a.dtype, a.device
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2], d.shape[:-2], _batch_of(p))
+    batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2], d.shape[:-2], _batch_of(p))
     K, M = a.shape[-2], a.shape[-1]
     N, O = b.shape[-2], c.shape[-2]
     a = a.expand(*batch, K, M)

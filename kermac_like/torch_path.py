@@ -29,6 +29,7 @@ import math
 import torch
 
 from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from .layout import broadcast_shapes
 from .runtime.autotune import uses_mm
 
 __all__ = ["distance", "matvec", "work_dtype", "block_elements", "DIRECT", "MATVEC_COLUMNS"]
@@ -57,15 +58,6 @@ def block_elements(device: torch.device) -> int:
     return CPU_BLOCK_ELEMENTS if device.type == "cpu" else GPU_BLOCK_ELEMENTS
 
 
-def _broadcast(*shapes) -> tuple:
-    """torch.broadcast_shapes of shapes already checked to broadcast (without its cost per call)."""
-    nd = max(map(len, shapes), default=0)
-    out = [1] * nd
-    for s in shapes:
-        for i, d in enumerate(s, nd - len(s)):
-            if d != 1:
-                out[i] = d
-    return tuple(out)
 
 
 def _shape_of(h) -> tuple:
@@ -106,7 +98,7 @@ class _Sums:
             shapes.append(inner_p.shape)
         else:
             self.kind, self.p, self.root = "cdist", float(inner_p), float(inner_p)
-        self.batch = _broadcast(*shapes)
+        self.batch = broadcast_shapes(*shapes)
 
     def _padded(self):
         """a and b for torch.cdist's matrix-product form (aten _euclidean_dist):
@@ -158,7 +150,7 @@ class _Epilogue:
             self.denominator = -(2.0 * bw * bw)
         lam = hypers["regularization"]
         self.lam = lam.to(dtype=work).reshape(*lam.shape, 1) if isinstance(lam, torch.Tensor) else lam
-        self.batch = _broadcast(*(_shape_of(h) for h in hypers.values()))
+        self.batch = broadcast_shapes(*(_shape_of(h) for h in hypers.values()))
 
     def apply(self, t: torch.Tensor, root, batch: tuple, diag: int, target: torch.Tensor | None):
         """The kernel values of the block ``t = acc ** (1 / root)`` (batch modes ``batch``, the
@@ -263,7 +255,7 @@ def matvec(call, out: torch.Tensor) -> torch.Tensor:
     mm = not wide and uses_mm(DEFAULT_MODE, M, N)
     sums = _Sums(call.desc, call.x, call.y, call.hypers["inner_p"], mm, work)
     epi = _Epilogue(call.desc, call.hypers, call.epsilon, work)
-    kbatch = _broadcast(sums.batch, epi.batch)  # the kernel's batch (v's may add modes)
+    kbatch = broadcast_shapes(sums.batch, epi.batch)  # the kernel's batch (v's may add modes)
     Lk = math.prod(kbatch)
     v = call.v.to(acc_dt)
     nb = max(1, min(N, MATVEC_COLUMNS))

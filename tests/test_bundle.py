@@ -67,3 +67,36 @@ def test_miss_compiles_and_stores(isolated, spec):
     assert warm.read_kernel_status("0" * 64) == (None, True)  # a sound file without the row
     again, source = launcher._find_or_compile(spec, ARCH, key, False)
     assert source == "cache" and again == found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cold_calls_take_only_shipped_kernels():
+    """Every first call that bench/run.py's cold_compile rows time (issue 26's list) launches only
+    instantiations of the shipped set, so that a bundle of `precompile --all` serves it without
+    compiling (a topk_mma version outside the set once cost the knn K = 128 row 1.2 s)."""
+    import sys
+    from pathlib import Path
+
+    from kermac_like.runtime.specs import shipped_specs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        from run import COLD_CALLS
+    finally:
+        sys.path.pop(0)
+    import kermac_like as km  # noqa: F401  (the calls' namespace)
+
+    shipped = set(shipped_specs())
+    dev = torch.device("cuda")
+    for name, code in COLD_CALLS.items():
+        launcher.clear_loaded()  # each call loads its kernels again (from the cache)
+        setup, timed = code.split("@ ")
+        scope = {"torch": torch, "km": km, "dev": dev}
+        exec(setup, scope)
+        exec(timed, scope)
+        torch.cuda.synchronize()
+        used = {spec for (_, spec) in launcher._functions}
+        assert used, name
+        missing = [s.name_expression for s in used if s not in shipped]
+        assert not missing, f"{name}: not in the shipped set: {missing}"

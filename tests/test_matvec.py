@@ -186,9 +186,12 @@ def test_float64_out_of_float32_inputs_cpu():
 def test_float64_out_specs_and_split_budget():
     g = km.preset("gaussian_l2")
     f32, f64 = torch.float32, torch.float64
-    # the float64 mode takes the direct form (no expanded exponent): kK = K, not K + 1
-    assert ms.matvec_spec(g, f32, 3, 1, out_dtype=f64).traits.endswith("float, 3, 1, false, 0, 0, -1, false, double>")
-    assert ms.matvec_spec(g, f32, 8, 1, out_dtype=f64).traits.endswith("float, 8, 1, false, 0, 0, -1, false, double>")
+    # the float64 mode takes the symmetric expanded exponent (kK = K + 1 rounded up, no tuning
+    # knobs) where the float32 mode expands; the direct form under an epsilon cut
+    assert ms.matvec_spec(g, f32, 3, 1, out_dtype=f64).traits.endswith("float, 4, 1, true, 0, 0, -1, false, double>")
+    assert ms.matvec_spec(g, f32, 8, 1, out_dtype=f64).traits.endswith("float, 9, 1, true, 0, 0, -1, false, double>")
+    assert ms.matvec_spec(g, f32, 8, 1, epsilon=0.1, out_dtype=f64).traits.endswith(
+        "float, 8, 1, false, 0, 0, -1, false, double>")
     assert ms.matvec_spec(km.preset("l1"), torch.float16, 40, 3, out_dtype=f64).traits.endswith(
         "float16, 0, 4, false, 0, 0, -1, false, double>")
     assert ms.matvec_spec(g, f32, 3, 1, out_dtype=f32) == ms.matvec_spec(g, f32, 3, 1)  # the default TOut
@@ -666,7 +669,8 @@ def test_gpu_float64_out_two_million_positive_terms(gpu_warm, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gaussian_l2", "laplace_l2"])
 def test_gpu_float64_mode_kernel_values_are_transposes(gpu_warm, name):
-    """The float64 mode computes k by the direct form: K(x, y) read off with one-hot float64
+    """The float64 mode computes k symmetrically (the direct form, or the expanded one centred on
+    the same vector for both operands): K(x, y) read off with one-hot float64
     columns of v is bitwise the transpose of K(y, x) (Falkon's K_nZ and K_Zn products must be
     transposes, or its CG stalls), and within float32 rounding of the float64 kernel."""
     desc = km.preset(name)

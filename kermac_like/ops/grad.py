@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .. import _debug
 from .._args import check_same, check_scalar_or_tensor, check_tensor
-from ..layout import Layout, analyse_output, broadcast_batch_shape
+from ..layout import Layout, analyse_output, broadcast_batch_shape, broadcast_shapes
 from ..plan import plan_cdist_grad
 from ._library import direct_call, join_hyper, split_hyper
 
@@ -79,7 +79,7 @@ def _batch(a, b, c, d, p) -> tuple:
     shapes = [a.shape[:-2], b.shape[:-2], c.shape[:-2], d.shape[:-2]]
     if isinstance(p, torch.Tensor):
         shapes.append(p.shape)
-    return tuple(torch.broadcast_shapes(*shapes))
+    return tuple(broadcast_shapes(*shapes))
 
 
 def _run(a, b, c, d, p, out, debug: bool) -> Tensor:

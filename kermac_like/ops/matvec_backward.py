@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from ..layout import broadcast_shapes
 from ..reference import BLOCK_ELEMENTS
 from ._library import descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
 from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, matvec_grad_spec
@@ -148,7 +149,7 @@ def diff_contraction_reference(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=
     q = _q_of(desc, inner_p)
     hyp = {"q": q, "r": outer_p, "bw": bandwidth}
     hshapes = [tuple(h.shape) for h in hyp.values() if isinstance(h, torch.Tensor)]
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hshapes)
+    batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hshapes)
     M, N, K = a.shape[-2], b.shape[-2], a.shape[-1]
     C = ga.shape[-1]
     if out is None:
@@ -192,7 +193,7 @@ def diff_contraction_reference(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=
 def _dot_contraction_reference(a, b, ga, vb, *, epsilon):
     """DOT with an epsilon: out[m,k] = sum_n [a_m . b_n >= epsilon] (ga_m . vb_n) b[n,k], in blocks
     (the thresholded product is not separable)."""
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2])
+    batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2])
     M, N, K, C = a.shape[-2], b.shape[-2], a.shape[-1], ga.shape[-1]
     out = torch.zeros(*batch, M, K, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0 or K == 0:
@@ -282,7 +283,7 @@ def diff_contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, oute
     q = _q_of(desc, inner_p)
     hyp = (q, outer_p, bandwidth)
     hshapes = [tuple(h.shape) for h in hyp if isinstance(h, torch.Tensor)]
-    batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hshapes))
+    batch = tuple(broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hshapes))
     K, C = a.shape[-1], ga.shape[-1]
     widths = fused_widths(K, C)
     if widths is not None and a.dtype != torch.float64 and _gpu_ok(a) and math.prod(batch) <= 2**31 - 1:
@@ -314,7 +315,7 @@ def _contraction_op(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, vb: torc
 def _(a, b, ga, vb, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
       epsilon, debug):
     hs = [tuple(t.shape) for t in (inner_p_tensor, outer_p_tensor, bandwidth_tensor) if t is not None]
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hs)
+    batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hs)
     return a.new_empty((*batch, a.shape[-2], a.shape[-1]))
 
 

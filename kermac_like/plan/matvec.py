@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .. import torch_path
-from ..runtime.specs.matvec import MAX_C, combine_spec, matvec_spec, part_bytes
+from ..runtime.specs.matvec import MAX_C, combine_spec, expands, matvec_spec, part_bytes
 from .core import (
     HYPERS,
     MATVEC_SCRATCH_BYTES,
@@ -79,6 +79,17 @@ def matvec_blocked(call, out: torch.Tensor, debug: bool = False, compute_mode: s
     return out
 
 
+def _symmetric_centre(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The float64 mode's centre of both operands (matvec.cuh's symmetric expanded form): the
+    mean of x's rows and y's rows, averaged in an order that does not depend on which is which,
+    so that K(x, y) and K(y, x) see the same centre; zeros where a mean is not finite."""
+    def mean(t):
+        return t.mean(dim=tuple(range(t.dim() - 1)), dtype=torch.float64)
+
+    c = (mean(x) + mean(y)) * 0.5
+    return torch.where(torch.isfinite(c), c, 0.0).to(torch.float32)
+
+
 def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     """The plan of a validated kernel_matvec call (``ops.matvec.MatvecCall``) writing ``out``
     (the call's output tensor): matvec_kernel over row tiles x N splits x batch, one
@@ -134,6 +145,11 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     out_dtype = torch.float64 if wide_out else None
     pbytes = part_bytes(call.dtype, out_dtype)  # float64 split sums for a float64 out
     part_dtype = torch.float64 if pbytes == 8 else torch.float32
+    centre = 0
+    if wide_out and expands(call.desc, K, call.epsilon):
+        c = _symmetric_centre(call.x, call.y)
+        scratch.append(c)
+        centre = c.data_ptr()
     for c0 in range(0, call.C, MAX_C):
         cc = min(MAX_C, call.C - c0)
         spec = matvec_spec(call.desc, call.dtype, K, cc, epsilon=call.epsilon, out_dtype=out_dtype)
@@ -177,7 +193,7 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
                 else:
                     hyper_args.append([0, np.int64(0), np.int64(0), np.int64(0), np.float32(0.0 if h is None else h)])
             args += [a for h in hyper_args for a in h]
-            args += [np.int64(call.reg_diag), eps, np.int32(split), np.int32(per)]
+            args += [np.int64(call.reg_diag), eps, np.int32(split), np.int32(per), centre]
             launches.append(Launch(kernel, grid, tuple(args)))
             if split > 1:
                 total = L * M * cc

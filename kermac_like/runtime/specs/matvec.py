@@ -163,20 +163,25 @@ def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expan
     return KernelSpec("matvec.cuh", "kermac_like::matvec_kernel", traits, shape)
 
 
+def expands(desc: KernelDescriptor, K: int, epsilon=None) -> bool:
+    """Whether matvec_spec takes the expanded exponent for a call (either output mode): an
+    exponential of the squared l2 distance, no epsilon cut (the expanded exponent never forms
+    the distance), and K + 1 slots within the register buckets."""
+    return expandable(desc) and not (epsilon is not None and epsilon > 0) and k_bucket(K + 1) != 0
+
+
 def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None, out_dtype=None) -> KernelSpec:
     """The instantiation serving a call: K and C (columns of one launch, at most MAX_C) of
-    the data, ``epsilon`` as validated (None or a float; a cut > 0 disables the expanded
-    form, whose exponent never forms the distance), ``out_dtype`` the output's dtype (None:
-    ``dtype``; torch.float64 with float32/16-bit data: the float64 mode, TOut = double, which
-    also takes the direct form: differences, so that K(x, y) and K(y, x) are bitwise transposes
-    and carry no rounding of the expanded exponent (its centring differs between the two)."""
+    the data, ``epsilon`` as validated (None or a float), ``out_dtype`` the output's dtype (None:
+    ``dtype``; torch.float64 with float32/16-bit data: the float64 mode, TOut = double, whose
+    expanded form is the symmetric one: the caller's centre for both operands, so that K(x, y)
+    and K(y, x) are bitwise transposes; no tuning knobs)."""
     wide = bool(_out_arg(dtype, out_dtype))
-    expand = (expandable(desc) and not (epsilon is not None and epsilon > 0) and k_bucket(K + 1) != 0
-              and not wide)
+    expand = expands(desc, K, epsilon)
     kK = k_bucket(K + 1 if expand else K)
     tuning = {}
     kC = simt_c_bucket(C)
-    if expand and dtype == torch.float32 and kK <= 8 and block_n(kK, kC) == THREADS:
+    if expand and not wide and dtype == torch.float32 and kK <= 8 and block_n(kK, kC) == THREADS:
         tuning = _tuning(kK, kC)
     return matvec_traits_spec(desc, dtype, kK, kC, expand=expand, out_dtype=out_dtype, **tuning)
 
@@ -196,8 +201,8 @@ def shipped():
     """The lean shipped set: one instantiation per code path of the template (the
     Gaussian's expanded kernel at D = 3 with 1 and 16 columns, the registers strategy for
     the p-norm (inner and outer powers) and DOT, the chunked strategy, float16 and bfloat16 loads)
-    and the combination kernels; the float64 mode (TOut = double, direct form, as Falkon's
-    products take it): the D = 3 and D = 8 one-column kernels and the float32 -> float64
+    and the combination kernels; the float64 mode (TOut = double, the symmetric expanded form, as
+    Falkon's products take it): the D = 3 and D = 8 one-column kernels and the float32 -> float64
     combination."""
     f32 = torch.float32
     g = PRESETS["gaussian_l2"]

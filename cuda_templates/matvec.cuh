@@ -41,12 +41,12 @@
 // The float64 mode's expanded form (kExpand with TOut = double) is symmetric, so that K(x, y)
 // and K(y, x) are bitwise transposes (Falkon's two products K_nZ v and K_Zn u must be one
 // operator and its transpose): every coordinate is centred on one vector `centre` given by the
-// caller for both operands (no CTA mean), a row keeps x' = 2 (x - centre) (exact doubling) and
-// a_m = -|x - centre|^2, a point b_n = -|y - centre|^2 (the same sum of squares either way),
-// and a pair forms t = (a_m + b_n) + sum_k x'_k y'_k (one FADD, commutative, then the FFMA
-// chain, whose products 2 x_k y_k are the same either way), k = 2^(s t): K + 1 FFMA/FADD, one
-// FMUL and the exponential per pair against the direct form's 2K + 2. No fold (2^a_m would be
-// rounded on one side only).
+// caller for both operands (no CTA mean) and scaled by r = sqrt(s) (the same rounding on
+// either side): u = r (x - centre), w = r (y - centre); a row keeps x' = 2 u (exact doubling)
+// and a_m = -|u|^2, a point b_n = -|w|^2 (the same sum of squares either way), and a pair
+// forms t = (a_m + b_n) + sum_k x'_k w_k (one FADD, commutative, then the FFMA chain, whose
+// products 2 u_k w_k are the same either way), k = 2^t: K + 1 FFMA/FADD and the exponential per
+// pair against the direct form's 2K + 2. No fold (2^a_m would be rounded on one side only).
 //
 // Output type (kTOut = TOut_, default T): T rounds the float64 totals once at the store.
 // double is the float64 mode (kernel_matvec with a float64 `out` for float32/16-bit inputs,
@@ -183,7 +183,6 @@ struct KernelArgs {
   float inner_p;      // Power::Pow inner
   float epsilon;      // <= 0: no cut
   float exp2_scale;   // Laplace: -log2(e)/bw; Gaussian: -log2(e)/(2 bw^2)
-  float sym_scale;    // the float64 mode's expanded form: s = -exp2_scale, applied per pair
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -284,7 +283,7 @@ __device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TW
         float e = __fadd_rn(xa[i], yj[Tr::kK - 1]);
 #pragma unroll
         for (int k = 0; k < Tr::kK - 1; ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
-        kv = math::ex2_approx(e * ka.sym_scale);
+        kv = math::ex2_approx(e);
       } else if constexpr (Tr::kExpand) {
         float e = kFold ? yj[Tr::kK - 1] : xa[i];
 #pragma unroll
@@ -472,7 +471,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
     }
     // Expanded form: exponent = -s d^2 with s = -exp2_scale (Laplace of d^2: d = acc).
     const float s = -ka.exp2_scale;
-    ka.sym_scale = s;
+    const float r = Tr::kWide ? sqrtf(s) : 1.0f;  // the symmetric form's coordinate scale
 
     // Rows of this thread: m0 + tid + NT * i (clamped; the clamped ones are never stored).
     int rows[R];
@@ -492,7 +491,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 #pragma unroll
       for (int k = 0; k < Tr::kK; ++k) centre[k] = 0.0f;
       if constexpr (Tr::kExpand && Tr::kWide) {
-        // Symmetric form: the caller's centre, x' = 2 (x - centre), a_m = -|x - centre|^2 (no s).
+        // Symmetric form: u = r (x - centre) with the caller's centre, x' = 2 u, a_m = -|u|^2.
 #pragma unroll
         for (int k = 0; k < Tr::kK; ++k) centre[k] = k < K ? centre_ptr[k] : 0.0f;
 #pragma unroll
@@ -500,7 +499,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
           float n2 = 0.0f;
 #pragma unroll
           for (int k = 0; k < Tr::kK; ++k) {
-            const float xv = __fsub_rn(xr[i][k], centre[k]);
+            const float xv = __fmul_rn(__fsub_rn(xr[i][k], centre[k]), r);
             n2 = __fmaf_rn(xv, xv, n2);
             xr[i][k] = xv;
           }
@@ -631,13 +630,14 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         }
         if constexpr (Tr::kExpand) {
           __syncthreads();
-          // One thread per point: centre, b_n = -s |y_n - centre|^2 into the last slot.
+          // One thread per point: centre, b_n = -s |y_n - centre|^2 into the last slot (the
+          // symmetric form: w = r (y - centre), b_n = -|w|^2).
           for (int j = tid; j < BN; j += NT) {
             float n2 = 0.0f;
             float* yj = ys + j * KS;
 #pragma unroll
             for (int k = 0; k < Tr::kK; ++k) {
-              const float yv = __fsub_rn(yj[k], centre[k]);
+              const float yv = Tr::kWide ? __fmul_rn(__fsub_rn(yj[k], centre[k]), r) : __fsub_rn(yj[k], centre[k]);
               if (k < K) n2 = __fmaf_rn(yv, yv, n2);
               yj[k] = k < K ? yv : 0.0f;
             }

@@ -232,9 +232,11 @@ def test_preconditioned_step_matches_gpytorch(case):
     """With the preconditioner (rank 15, Woodbury with the noise, its logdet correction), float64:
     ours (its own pivoted Cholesky and QR gradient on the scaled operator) against linear_operator's
     on GPyTorch's dense ScaleKernel: the MLL, the gradients of the raw lengthscale, outputscale,
-    noise and constant mean, and the predictions agree to 1e-6 (CPU, N = 200: <= 1e-8). The noise
-    is constant (GaussianLikelihood) or not (fixed heteroscedastic noise plus a learned one)."""
-    x, y = data(n=200, batch=(2,) if case == "batch" else ())
+    noise and constant mean, and the predictions agree to 1e-6 (CPU, N = 150: <= 3e-9, Matern's
+    distances). The noise is constant (GaussianLikelihood) or not (fixed heteroscedastic noise plus a
+    learned one). The first pivot is a tie of equal diagonal entries, which GPyTorch's distances
+    break by their rounding: index 0 on both sides for this data (see the same-operator test)."""
+    x, y = data(n=150, batch=(2,) if case == "batch" else ())
     ours, ref = {
         "rbf_ard": (lambda: RBFKernel(ard_num_dims=3), lambda: gpytorch.kernels.RBFKernel(ard_num_dims=3)),
         "matern": (lambda: MaternKernel(nu=0.5), lambda: gpytorch.kernels.MaternKernel(nu=0.5)),

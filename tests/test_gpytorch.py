@@ -1,7 +1,9 @@
 """kermac_like.gpytorch against GPyTorch's own kernels (CPU, float64, N <= 200): the exact
 marginal log likelihood of an ExactGP, its gradient with respect to the raw lengthscale and
 the predictions, on the Cholesky path and on CG / Lanczos (max_cholesky_size 0, the same
-random probes for both); the operator's pieces; no N x N block ever built on the CG path.
+random probes for both); the same with the pivoted-Cholesky preconditioner (gradients of every
+parameter), which never solves with more than its rank of right-hand sides; the operator's
+pieces; no N x N block ever built on the CG path.
 """
 
 import pytest
@@ -9,6 +11,8 @@ import torch
 
 gpytorch = pytest.importorskip("gpytorch")
 pytest.importorskip("linear_operator")
+
+from linear_operator.operators import DiagLinearOperator, LinearOperator  # noqa: E402
 
 from kermac_like.gpytorch import KermacKernelLinearOperator, MaternKernel, RBFKernel, ScaledExactGP  # noqa: E402
 from kermac_like.gpytorch import _operator  # noqa: E402
@@ -189,3 +193,186 @@ def test_is_a_drop_in():
     k = RBFKernel(ard_num_dims=4)
     assert isinstance(k, gpytorch.kernels.RBFKernel) and k.lengthscale.shape == (1, 4)
     assert isinstance(MaternKernel(), gpytorch.kernels.MaternKernel)
+
+
+# ---- the pivoted-Cholesky preconditioner (KermacAddedDiagLinearOperator) ----
+
+PRECONDITIONED = 100  # min_preconditioning_size below the tests' N: rank 15 (GPyTorch's default) from N = 100
+RANK = gpytorch.settings.max_preconditioner_size.value()
+
+
+def preconditioned_step(kernel, x, y, likelihood=None):
+    """(MLL, every parameter's gradient flattened in name order, predictive mean, variance) on CG /
+    Lanczos with the preconditioner, at fixed seeds; the likelihood's preconditioner must be built."""
+    likelihood = likelihood or gpytorch.likelihoods.GaussianLikelihood(batch_shape=kernel.batch_shape)
+    model = ScaledExactGP(x, y, likelihood.to(F64), kernel).to(F64)
+    kernel.lengthscale = torch.full_like(kernel.lengthscale, 0.7)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+    model.train()
+    likelihood.train()
+    torch.manual_seed(1)
+    with gpytorch.settings.max_cholesky_size(CG), gpytorch.settings.min_preconditioning_size(PRECONDITIONED):
+        covar = likelihood(model(x)).lazy_covariance_matrix.evaluate_kernel()
+        assert covar._preconditioner()[0] is not None
+        torch.manual_seed(1)
+        loss = mll(model(x), y).sum()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for _, p in sorted(model.named_parameters())])
+        model.eval()
+        likelihood.eval()
+        torch.manual_seed(2)
+        with torch.no_grad():
+            f = model(x[..., :15, :] + 0.01)
+            pred = f if isinstance(likelihood, gpytorch.likelihoods.FixedNoiseGaussianLikelihood) else likelihood(f)
+    return loss.detach(), grads, pred.mean, pred.variance
+
+
+@pytest.mark.parametrize("case", ["rbf_ard", "matern", "batch", "fixed_noise"])
+def test_preconditioned_step_matches_gpytorch(case):
+    """With the preconditioner (rank 15, Woodbury with the noise, its logdet correction), float64:
+    ours (its own pivoted Cholesky and QR gradient on the scaled operator) against linear_operator's
+    on GPyTorch's dense ScaleKernel: the MLL, the gradients of the raw lengthscale, outputscale,
+    noise and constant mean, and the predictions agree to 1e-6 (CPU, N = 150: <= 3e-9, Matern's
+    distances). The noise is constant (GaussianLikelihood) or not (fixed heteroscedastic noise plus a
+    learned one). The first pivot is a tie of equal diagonal entries, which GPyTorch's distances
+    break by their rounding: index 0 on both sides for this data (see the same-operator test)."""
+    x, y = data(n=150, batch=(2,) if case == "batch" else ())
+    ours, ref = {
+        "rbf_ard": (lambda: RBFKernel(ard_num_dims=3), lambda: gpytorch.kernels.RBFKernel(ard_num_dims=3)),
+        "matern": (lambda: MaternKernel(nu=0.5), lambda: gpytorch.kernels.MaternKernel(nu=0.5)),
+        "batch": (lambda: RBFKernel(batch_shape=torch.Size([2])),
+                  lambda: gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2]))),
+        "fixed_noise": (RBFKernel, gpytorch.kernels.RBFKernel),
+    }[case]
+
+    def likelihood():
+        if case == "fixed_noise":
+            noise = 0.01 + 0.02 * x[:, 0].abs()
+            return gpytorch.likelihoods.FixedNoiseGaussianLikelihood(noise, learn_additional_noise=True)
+        return None
+
+    a = preconditioned_step(ours(), x, y, likelihood())
+    b = preconditioned_step(ref(), x, y, likelihood())
+    for u, v in zip(a, b):
+        assert rel(u, v) <= 1e-6, (u, v)
+
+
+def _graph(fn):
+    """The names of the autograd nodes behind fn."""
+    names, todo, seen = set(), [fn], set()
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        names.add(type(f).__name__)
+        todo.extend(g for g, _ in f.next_functions)
+    return names
+
+
+def test_preconditioner_solves_with_at_most_rank_right_hand_sides(monkeypatch):
+    """One training step (MLL + backward) with the preconditioner: ours never calls
+    torch.linalg.solve_triangular with more right-hand sides than the rank, and its graph holds neither
+    linear_operator's PivotedCholesky nor torch's QR backward (which solves with R^H for all N rows);
+    GPyTorch's dense ScaleKernel(RBFKernel) does all three (the spy sees them)."""
+    x, y = data(n=150)
+    solves = []
+    solve = torch.linalg.solve_triangular
+
+    def spy(A, B, *, upper, left=True, unitriangular=False, out=None):
+        solves.append(B.shape[-1] if left else B.shape[-2])
+        return solve(A, B, upper=upper, left=left, unitriangular=unitriangular, out=out)
+
+    monkeypatch.setattr(torch.linalg, "solve_triangular", spy)
+    seen = []
+    for kernel in (RBFKernel(), gpytorch.kernels.RBFKernel()):
+        solves.clear()
+        likelihood = gpytorch.likelihoods.GaussianLikelihood().to(F64)
+        model = ScaledExactGP(x, y, likelihood, kernel).to(F64)
+        mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+        with gpytorch.settings.max_cholesky_size(CG), gpytorch.settings.min_preconditioning_size(PRECONDITIONED):
+            loss = mll(model(x), y)
+            names = _graph(loss.grad_fn)
+            loss.backward()
+        seen.append((max(solves, default=0), "PivotedCholeskyBackward" in names, "LinalgQrBackward0" in names))
+    assert seen[0] == (RANK, False, False), seen  # ours: the rank x rank inverse of the pivots' Cholesky factor
+    assert seen[1] == (150 - RANK, True, True), seen
+
+
+def test_preconditioner_matches_linear_operators_on_the_same_operator(monkeypatch):
+    """Our operator with and without this module's preconditioner pieces (the outputscale folded in,
+    its AddedDiag, pivoted Cholesky and QR gradient): the same pivots and factor, so the same MLL to
+    rounding, and the same gradients."""
+    x, y = data(n=150)
+    a = preconditioned_step(RBFKernel(ard_num_dims=3), x, y)
+    for name in ("_mul_constant", "__add__", "add_diagonal", "pivoted_cholesky"):
+        monkeypatch.delattr(KermacKernelLinearOperator, name)
+    b = preconditioned_step(RBFKernel(ard_num_dims=3), x, y)
+    for u, v in zip(a, b):
+        assert rel(u, v) <= 1e-10, (u, v)
+
+
+def test_outputscale_folds_into_the_operator():
+    """mul by a constant (ScaleKernel's outputscale, batched or not) keeps the operator, with the
+    outputscale in its products, entries, diagonal and dense blocks and differentiable; + a diagonal
+    gives the AddedDiag with this module's preconditioner."""
+    x, _ = data(n=30, batch=(2,))
+    s = torch.tensor([0.5, 2.0], dtype=F64, requires_grad=True)
+    op = KermacKernelLinearOperator(x, x + 0.1, kernel="laplace").mul(s.view(2, 1, 1)).mul(torch.tensor(3.0, dtype=F64))
+    assert isinstance(op, KermacKernelLinearOperator)
+    ref = 3 * s.view(2, 1, 1) * torch.exp(-torch.cdist(x, x + 0.1))
+    v = torch.randn(2, 30, 3, dtype=F64)
+    torch.testing.assert_close(op @ v, ref @ v)
+    torch.testing.assert_close(op.to_dense(), ref)
+    torch.testing.assert_close(op.diagonal(), ref.diagonal(dim1=-2, dim2=-1))
+    b, r, c = torch.tensor([1, 0, 1]), torch.tensor([3, 7, 29]), torch.tensor([0, 7, 5])
+    torch.testing.assert_close(op._get_indices(r, c, b), ref[b, r, c])
+    torch.testing.assert_close(op[1, 2:9, 4:6].to_dense(), ref[1, 2:9, 4:6])
+    g, = torch.autograd.grad((op @ v).sum(), s)
+    torch.testing.assert_close(g, torch.autograd.grad((ref @ v).sum(), s)[0])
+    for added in (op + DiagLinearOperator(torch.ones(2, 30, dtype=F64)), op.add_diagonal(torch.tensor(0.1, dtype=F64))):
+        assert isinstance(added, _operator.KermacAddedDiagLinearOperator) and added._linear_op is op
+    with pytest.raises(TypeError, match="^outputscale: expected a tensor"):
+        KermacKernelLinearOperator(x, x, kernel="rbf", outputscale=2.0)
+    with pytest.raises(ValueError, match="^rank: expected a positive int"):
+        op.pivoted_cholesky(0)
+
+
+@pytest.mark.parametrize("batch, error_tol", [((), None), ((2,), None), ((), 1.0)])
+def test_pivoted_cholesky_matches_linear_operator(batch, error_tol):
+    """The factor, pivots and gradient (lengthscale, outputscale) of the operator's pivoted Cholesky
+    against linear_operator's PivotedCholesky Function on the same operator (the same rows, so the
+    same pivots: against a dense copy, equal diagonal entries would be ties broken by the rounding
+    of its distances); also when error_tol stops it early (at 7 of 10 here). The factor is the
+    dense matrix's: F F^T equals K on the pivots' rows and columns."""
+    x, _ = data(n=60, batch=batch)
+    w = torch.randn(*batch, 60, 10, dtype=F64)
+    out = []
+    for ours in (True, False):
+        ls = torch.tensor(2.0, dtype=F64, requires_grad=True)
+        s = torch.full(batch, 1.7, dtype=F64, requires_grad=True)
+        op = KermacKernelLinearOperator(x / ls, x / ls, kernel="rbf", outputscale=s)
+        pivoted_cholesky = (KermacKernelLinearOperator if ours else LinearOperator).pivoted_cholesky
+        factor, perm = pivoted_cholesky(op, 10, error_tol=error_tol, return_pivots=True)
+        out.append((factor, perm, *torch.autograd.grad((factor * w[..., :factor.shape[-1]]).sum(), (ls, s))))
+    factor, perm = out[0][:2]
+    assert factor.shape[-1] == (7 if error_tol else 10)
+    assert torch.equal(perm, out[1][1])
+    for u, v in zip(out[0], out[1]):
+        torch.testing.assert_close(u, v, rtol=1e-10, atol=1e-12)
+    cols = perm[..., None, :factor.shape[-1]].expand(*batch, 60, -1)
+    torch.testing.assert_close((factor @ factor.mT).detach().gather(-1, cols), op.to_dense().detach().gather(-1, cols))
+
+
+def test_shifted_qr_gradient():
+    """_ShiftedQR's logdet gradient (k x k work) equals torch's QR autograd; Q and R equal torch's."""
+    a = torch.randn(2, 40, 6, dtype=F64, requires_grad=True)
+    c = torch.tensor([[[0.3]], [[1.2]]], dtype=F64, requires_grad=True)
+    q, r, logdet = _operator._ShiftedQR.apply(a, c)
+    q_ref, r_ref = torch.linalg.qr(torch.cat((a, c * torch.eye(6, dtype=F64)), dim=-2))
+    torch.testing.assert_close(q, q_ref[..., :40, :])
+    torch.testing.assert_close(r, r_ref)
+    w = torch.tensor([0.7, -1.3], dtype=F64)
+    ref = r_ref.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1).mul(2)
+    for u, v in zip(torch.autograd.grad((w * logdet).sum(), (a, c)), torch.autograd.grad((w * ref).sum(), (a, c))):
+        torch.testing.assert_close(u, v)

@@ -127,8 +127,11 @@ if len(sys.argv) > 2 and sys.argv[2] == "pieces":  # seconds of each backward pi
             return r
         return wrapper
 
-    fpc.PivotedCholesky.backward = staticmethod(timed("PivotedCholesky.backward", fpc.PivotedCholesky.backward))
-    fpc.PivotedCholesky.forward = staticmethod(timed("PivotedCholesky.forward", fpc.PivotedCholesky.forward))
+    # linear_operator's (no longer reached by our operator) and ours (kermac_like.gpytorch._operator)
+    for name, fn in (("PivotedCholesky", fpc.PivotedCholesky), ("Kermac._PivotedCholesky", op._PivotedCholesky),
+                     ("Kermac._ShiftedQR", op._ShiftedQR)):
+        for meth in ("forward", "backward"):
+            setattr(fn, meth, staticmethod(timed(f"{name}.{meth}", getattr(fn, meth))))
     fiql.InvQuadLogdet.backward = staticmethod(timed("InvQuadLogdet.backward", fiql.InvQuadLogdet.backward))
     mb.diff_contraction = timed("matvec_backward.diff_contraction", mb.diff_contraction)
     for cname, cls in inspect.getmembers(lo_ops, inspect.isclass):

@@ -1,11 +1,12 @@
 """The covariance of the package's GPyTorch kernels: a linear_operator LinearOperator whose
 products run through :func:`kermac_like.kernel_matvec` and never store the matrix.
 
-``KermacKernelLinearOperator(x1, x2, kernel="rbf")`` stands for
-``k(x1_m, x2_n)`` with x1, x2 already divided by the lengthscale (``(*batch, M, D)``,
+``KermacKernelLinearOperator(x1, x2, kernel="rbf", outputscale=None)`` stands for
+``s k(x1_m, x2_n)`` with x1, x2 already divided by the lengthscale (``(*batch, M, D)``,
 ``(*batch, N, D)``): ``exp(-|x1 - x2|^2 / 2)`` ("rbf") or ``exp(-|x1 - x2|)`` ("laplace",
-Matern nu = 1/2). It is linear_operator's KernelLinearOperator (indexing, batch shapes,
-transposes, the representation the autograd Functions rebuild it from) with
+Matern nu = 1/2), s the outputscale (``(*batch)``, 1 when None). It is linear_operator's
+KernelLinearOperator (indexing, batch shapes, transposes, the representation the autograd
+Functions rebuild it from) with
 
 * ``_matmul``: ``kernel_matvec`` (O((M + N) C) memory). A float64 right-hand side of float32
   data takes kernel_matvec's float64 mode (float64 products and sums) where no gradient is
@@ -15,8 +16,17 @@ transposes, the representation the autograd Functions rebuild it from) with
   lengthscale through ``x / lengthscale``;
 * ``_diagonal``: O(N) from the paired rows;
 * ``to_dense``: the dense matrix with GPyTorch's own distance functions (differentiable),
-  only for the small blocks that linear_operator densifies (pivoted-Cholesky rows, the
-  Cholesky path below ``gpytorch.settings.max_cholesky_size``).
+  only for the small blocks that linear_operator densifies (the Cholesky path below
+  ``gpytorch.settings.max_cholesky_size``, test blocks of predictions);
+* ``mul`` by a constant (ScaleKernel's outputscale): the same operator with the outputscale
+  folded in, so that the likelihood's noise is added to this operator and not to a
+  ConstantMulLinearOperator around it;
+* ``+`` a diagonal (the likelihood's noise): a :class:`KermacAddedDiagLinearOperator`, whose
+  pivoted-Cholesky preconditioner is linear_operator's (same pivots, factor, Woodbury solve and
+  logdet, same settings) with its forward and backward in rank x rank solves and N x rank
+  products. linear_operator's own backward solves triangular systems with all N rows as
+  right-hand sides (its PivotedCholesky Function, torch's QR backward): PivotedCholesky.backward
+  took 17 s of a gp_step at N = 10^6 on an H200 (bench/notes/gpytorch.md).
 """
 
 from __future__ import annotations
@@ -25,22 +35,24 @@ import math
 
 import torch
 from gpytorch.kernels.kernel import dist, sq_dist
-from linear_operator.operators import KernelLinearOperator
+from linear_operator import settings
+from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, KernelLinearOperator
+from linear_operator.utils.cholesky import psd_safe_cholesky
+from linear_operator.utils.permutation import apply_permutation
 
 from ..descriptor import preset
 from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec
 
-__all__ = ["KermacKernelLinearOperator", "dense_covar", "KERNELS"]
+__all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS"]
 
 # name -> the package's descriptor, evaluated at bandwidth 1 on x / lengthscale
 KERNELS = {"rbf": preset("gaussian_l2"), "laplace": preset("laplace_l2")}
 
 
-def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str) -> torch.Tensor:
+def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str, outputscale=None) -> torch.Tensor:
     """The dense kernel matrix (GPyTorch's formulas), for small blocks."""
-    if kernel == "rbf":
-        return sq_dist(x1, x2).div_(-2.0).exp_()
-    return dist(x1, x2).neg_().exp_()
+    k = sq_dist(x1, x2).div_(-2.0).exp_() if kernel == "rbf" else dist(x1, x2).neg_().exp_()
+    return k if outputscale is None else k * outputscale[..., None, None]
 
 
 class KermacKernelLinearOperator(KernelLinearOperator):
@@ -54,12 +66,57 @@ class KermacKernelLinearOperator(KernelLinearOperator):
             raise ValueError(f"kernel: expected one of {sorted(KERNELS)}, got {kernel!r}")
         if tuple(num_outputs_per_input) != (1, 1):
             raise ValueError(f"num_outputs_per_input: expected (1, 1), got {num_outputs_per_input!r}")
+        if params.get("outputscale") is None:
+            params.pop("outputscale", None)
+        elif not torch.is_tensor(params["outputscale"]):
+            got = type(params["outputscale"]).__name__
+            raise TypeError(f"outputscale: expected a tensor (*batch) or None, got {got}")
+        num_nonbatch_dimensions = {"outputscale": 0, **(num_nonbatch_dimensions or {})}
         super().__init__(x1, x2, covar_func=covar_func, num_outputs_per_input=num_outputs_per_input,
                          num_nonbatch_dimensions=num_nonbatch_dimensions, **params)
 
     @property
     def kernel(self) -> str:
         return self.nontensor_params["kernel"]
+
+    @property
+    def outputscale(self) -> torch.Tensor | None:
+        """The scale s (``(*batch)``), None for 1."""
+        return self.tensor_params.get("outputscale")
+
+    def _scaled(self, k: torch.Tensor, *batch_indices) -> torch.Tensor:
+        """k times the outputscale: at ``batch_indices`` (index tensors that broadcast with k), or without
+        them over k's trailing dimensions (k ``(*batch, ...)``)."""
+        s = self.outputscale
+        if s is None:
+            return k
+        return k * (s[batch_indices] if batch_indices else s.reshape(*s.shape, *[1] * (k.dim() - s.dim())))
+
+    def _mul_constant(self, other) -> KermacKernelLinearOperator:
+        # ScaleKernel's orig_output.mul(outputscale): other () or (*batch), differentiable
+        other = torch.as_tensor(other, dtype=self.dtype, device=self.device)
+        s = other if self.outputscale is None else self.outputscale * other
+        return self.__class__(self.x1, self.x2, covar_func=self.covar_func,
+                              num_outputs_per_input=self.num_outputs_per_input,
+                              num_nonbatch_dimensions=self.num_nonbatch_dimensions,
+                              **{**self.tensor_params, "outputscale": s}, **self.nontensor_params)
+
+    def __add__(self, other):
+        if isinstance(other, DiagLinearOperator):
+            return KermacAddedDiagLinearOperator(self, other)
+        return super().__add__(other)
+
+    def add_diagonal(self, diag: torch.Tensor):
+        added = super().add_diagonal(diag)
+        return KermacAddedDiagLinearOperator(self, added._diag_tensor)
+
+    def pivoted_cholesky(self, rank: int, error_tol: float | None = None, return_pivots: bool = False):
+        """linear_operator's partial pivoted Cholesky factor (N x rank, the same pivots and values), whose
+        backward solves only rank x rank triangular systems (see :class:`_PivotedCholesky`)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank: expected a positive int, got {rank!r}")
+        factor, pivots = _PivotedCholesky.apply(self.representation_tree(), rank, error_tol, *self.representation())
+        return (factor, pivots) if return_pivots else factor
 
     def _matmul(self, rhs: torch.Tensor) -> torch.Tensor:
         # rhs: (*batch2, N, C) or (N,) -> (..., M, C) or (..., M)
@@ -68,13 +125,14 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         wide = rhs.dtype == torch.float64 and x1.dtype in WIDE_OUT_INPUTS and not grad
         if not wide and rhs.dtype != x1.dtype:
             rhs = rhs.to(x1.dtype)
-        return kernel_matvec(KERNELS[self.kernel], x1.contiguous(), x2.contiguous(), rhs.contiguous(), bandwidth=1.0)
+        out = kernel_matvec(KERNELS[self.kernel], x1.contiguous(), x2.contiguous(), rhs.contiguous(), bandwidth=1.0)
+        return self._scaled(out)
 
     def _get_indices(self, row_index, col_index, *batch_indices) -> torch.Tensor:
-        # Entries k(x1[row], x2[col]) at index tensors, as the pivoted-Cholesky preconditioner's
-        # backward asks for them (all N rows x its rank columns). The base class runs GPyTorch's
-        # batched sq_dist on N x rank 1 x 1 matrices, whose padded temporaries took 4.6 GB at
-        # N = 10^6, D = 8: here direct differences, summed over coordinate chunks of at most 2^24
+        # Entries s k(x1[row], x2[col]) at index tensors, as the pivoted-Cholesky preconditioner asks
+        # for them (its rows, and in its backward all N rows x its rank columns). The base class runs
+        # GPyTorch's batched sq_dist on N x rank 1 x 1 matrices, whose padded temporaries took 4.6 GB
+        # at N = 10^6, D = 8: here direct differences, summed over coordinate chunks of at most 2^24
         # values.
         a, b = self.x1[(*batch_indices, row_index)], self.x2[(*batch_indices, col_index)]
         n = math.prod(torch.broadcast_shapes(a.shape[:-1], b.shape[:-1]))
@@ -83,11 +141,11 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         for k0 in range(0, a.shape[-1], chunk):
             part = (a[..., k0:k0 + chunk] - b[..., k0:k0 + chunk]).square().sum(-1)
             sq = part if sq is None else sq + part
-        return self._of_squared_distance(sq)
+        return self._scaled(self._of_squared_distance(sq), *batch_indices)
 
     def _diagonal(self) -> torch.Tensor:
-        # k(x1_i, x2_i): (*batch, N)
-        return self._of_squared_distance((self.x1 - self.x2).square().sum(-1))
+        # s k(x1_i, x2_i): (*batch, N)
+        return self._scaled(self._of_squared_distance((self.x1 - self.x2).square().sum(-1)))
 
     def _of_squared_distance(self, sq: torch.Tensor) -> torch.Tensor:
         """k from squared distances; the Laplace kernel's distance is the square root of a clamped
@@ -98,3 +156,110 @@ class KermacKernelLinearOperator(KernelLinearOperator):
 
     def to_dense(self) -> torch.Tensor:
         return self.covar_mat
+
+
+class _PivotedCholesky(torch.autograd.Function):
+    """linear_operator's PivotedCholesky (functions/_pivoted_cholesky.py) for this module's operator: the
+    same greedy pivots (largest residual diagonal, ties in its permutation order, its error_tol stop)
+    and the same factor, computed row by row; the same gradient, that of ``K[:, p] L^-T`` with
+    ``L = chol(K[p, p])`` at fixed pivots p, but as ``K[:, p] @ inv(L)^T``: linear_operator's backward
+    solves ``L X = K[p', p]^T`` with all N - rank rows p' as right-hand sides (cuBLAS trsm at rank x N:
+    9.1 s forward and as much backward at N = 10^6, rank 15, on an H200)."""
+
+    @staticmethod
+    def forward(ctx, representation_tree, rank, error_tol, *matrix_args):
+        matrix = representation_tree(*matrix_args)
+        *batch, n = matrix.shape[:-1]
+        tol = settings.preconditioner_tolerance.value() if error_tol is None else error_tol
+        diag = matrix._approx_diagonal().clone()  # the residual diagonal, updated in place
+        rank = min(rank, n)
+        L = diag.new_zeros(*batch, rank, n)
+        orig_error = diag.max(-1).values
+        errors = diag.norm(1, dim=-1) / orig_error
+        perm = torch.arange(n, device=diag.device).repeat(*batch, 1)
+        m = 0
+        while m == 0 or (m < rank and errors.max() > tol):
+            values, at = diag.gather(-1, perm[..., m:]).max(-1)
+            at = (at + m).unsqueeze(-1)
+            pi_m = perm.gather(-1, at)  # (*batch, 1)
+            perm.scatter_(-1, at, perm[..., m:m + 1].clone())
+            perm[..., m:m + 1] = pi_m
+            L_m = L[..., m, :]
+            L_m.scatter_(-1, pi_m, values.sqrt().unsqueeze(-1))
+            if m + 1 < n:
+                rest = perm[..., m + 1:]
+                new = apply_permutation(matrix, pi_m, None).squeeze(-2).gather(-1, rest)
+                if m > 0:
+                    prev = L[..., :m, :]
+                    new -= (prev.gather(-1, pi_m.unsqueeze(-2).expand(*batch, m, 1))
+                            * prev.gather(-1, rest.unsqueeze(-2).expand(*batch, m, n - m - 1))).sum(-2)
+                new /= L_m.gather(-1, pi_m)
+                L_m.scatter_(-1, rest, new)
+                diag.scatter_(-1, rest, diag.gather(-1, rest) - new**2)
+                errors = diag.gather(-1, rest).norm(1, dim=-1) / orig_error
+            m += 1
+        ctx.representation_tree = representation_tree
+        ctx.save_for_backward(perm[..., :m].contiguous(), *matrix_args)
+        ctx.mark_non_differentiable(perm)
+        return L[..., :m, :].mT.contiguous(), perm
+
+    @staticmethod
+    def backward(ctx, grad_factor, _):
+        pivots, *args = ctx.saved_tensors
+        with torch.enable_grad():
+            args = [a.detach().requires_grad_(True) if a.is_floating_point() else a for a in args]
+            cols = apply_permutation(ctx.representation_tree(*args), None, pivots)  # K[..., :, p]: (*batch, N, m)
+            m = pivots.shape[-1]
+            L = psd_safe_cholesky(cols.gather(-2, pivots.unsqueeze(-1).expand(*pivots.shape, m)))
+            eye = torch.eye(m, dtype=L.dtype, device=L.device).expand_as(L)
+            factor = cols @ torch.linalg.solve_triangular(L, eye, upper=False).mT
+            wrt = [a for a in args if a.requires_grad]
+            grads = iter(torch.autograd.grad(factor, wrt, grad_factor, allow_unused=True))
+        return (None, None, None, *(next(grads) if a.requires_grad else None for a in args))
+
+
+class _ShiftedQR(torch.autograd.Function):
+    """``Q[..., :N, :]``, R and ``2 log|det R|`` of the QR ``[A; c I] = Q R`` (A ``(*batch, N, k)``, c
+    ``(*batch, 1, 1)``), as AddedDiagLinearOperator._init_cache forms it for the Woodbury solve and
+    the logdet. ``2 log|det R| = logdet(A^T A + c^2 I)`` is differentiable in k x k work:
+    ``d/dA = 2 Q[:N] R^-T``, ``d/dc = 2 c |R^-1|_F^2``; Q and R are constants, as the preconditioner
+    only applies them inside linear_operator's Functions (torch's QR backward would solve
+    ``X R^H = G`` for all N + k rows)."""
+
+    @staticmethod
+    def forward(ctx, a, c):
+        n, k = a.shape[-2:]
+        eye = torch.eye(k, dtype=a.dtype, device=a.device)
+        q, r = torch.linalg.qr(torch.cat((a, c * eye), dim=-2))
+        q = q[..., :n, :]
+        ctx.save_for_backward(q, torch.linalg.solve_triangular(r, eye.expand_as(r), upper=True), c)
+        ctx.mark_non_differentiable(q, r)
+        return q, r, r.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1).mul(2)
+
+    @staticmethod
+    def backward(ctx, _q, _r, grad):
+        q, r_inv, c = ctx.saved_tensors
+        grad = grad[..., None, None]
+        grad_c = grad * 2 * c * r_inv.square().sum((-2, -1), keepdim=True) if ctx.needs_input_grad[1] else None
+        return grad * 2 * (q @ r_inv.mT), grad_c
+
+
+class KermacAddedDiagLinearOperator(AddedDiagLinearOperator):
+    """``K + D`` for a :class:`KermacKernelLinearOperator` K (the likelihood's noise D): linear_operator's
+    AddedDiagLinearOperator, whose preconditioner (``_preconditioner``: the rank
+    ``max_preconditioner_size`` pivoted Cholesky factor F of K, ``(F F^T + D)^-1`` by Woodbury through
+    the QR of ``[F; D^1/2]``, its logdet) takes F from K.pivoted_cholesky and the QR from
+    :class:`_ShiftedQR`: no triangular solve with N right-hand sides, forward or backward."""
+
+    def _init_cache_for_constant_diag(self, eye, batch_shape, n, k):
+        self._noise = self._noise.narrow(-2, 0, 1)
+        self._q_cache, self._r_cache, logdet = _ShiftedQR.apply(self._piv_chol_self, self._noise.sqrt())
+        logdet = logdet + (n - k) * self._noise.squeeze(-2).squeeze(-1).log()
+        self._precond_logdet_cache = logdet.view(*batch_shape) if len(batch_shape) else logdet.squeeze()
+
+    def _init_cache_for_non_constant_diag(self, eye, batch_shape, n):
+        ones = self._noise.new_ones(*self._noise.shape[:-2], 1, 1)
+        self._q_cache, self._r_cache, logdet = _ShiftedQR.apply(self._piv_chol_self / self._noise.sqrt(), ones)
+        self._q_cache = self._q_cache / self._noise.detach().sqrt()
+        logdet = logdet - (1.0 / self._noise).log().sum([-1, -2])
+        self._precond_logdet_cache = logdet.view(*batch_shape) if len(batch_shape) else logdet.squeeze()

@@ -389,6 +389,9 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     The assignment is ``knn(X, centres, 1)``: on a CPU (and for float64 on a GPU) exact in
     float64; on a GPU in float32 for float32 data, so points whose two nearest centres are
     within float32 rounding of each other may take the other one. Inertia is summed in float64.
+    On a GPU with 16 <= n_features <= 64 the candidates come from tensor cores and are rescored
+    with the float32 kernel's own arithmetic: the same labels and distances as the float32
+    kernel alone (``KERMAC_LIKE_KMEANS_TC=0``).
     """
 
     def __init__(self, n_clusters=8, *, init="k-means++", n_init=1, max_iter=300, tol=1e-4, random_state=None,

@@ -203,4 +203,102 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
 }
 
+// -------------------------------------------------------------------------- k = 1, a row a thread
+// topk_rescore_best_kernel: the best candidate of each row where rows are many and candidates
+// few (plan.topk below MAX_K: KMeans' assignment, topk_mma's merged lists of kSel keys). One
+// thread per row: every candidate of its `lists` lists (entries up to a list's first pad) gets
+// its float32 value with topk.cuh's arithmetic in topk.cuh's order (x - y, then fmaf(d, d, acc),
+// or fmaf(x, y, acc), over k in order; acc_split == 2: TopkTraits::kAcc's two interleaved partial
+// sums, added at the end), so the value is the SIMT kernel's bit for bit; the best in the (value,
+// index) order goes to the output (its square root for l2). Certificate: every point left out of
+// a list lies beyond that list's last key, so the best must be clear of the tightest last
+// approximate value by candidate_bound (|x| summed here in float32: the bound is twice the TF32
+// error, a few ulps of |x| do not matter); every list short of kSel (all its points candidates)
+// certifies the row.
+template <Inner kInner_, bool kLargest_>
+struct TopkRescoreBestTraits : TopkRescoreTraits<kInner_, kLargest_> {
+  static constexpr int kThreads = 128;
+  static constexpr int kBlockM = kThreads;  // rows per CTA
+  static constexpr int kBlockN = 1;
+  static constexpr int kSmemBytes = 0;
+};
+
+// Grid (ceil(M / kThreads)); scratch [lists][M][sel] int64; x (M, K), y (N, K) row-major, K % 4
+// == 0, 16-byte aligned rows; ynorm: one f32, max |y|; values (M) at stride svm, indices at sim.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    topk_rescore_best_kernel(const long long* __restrict__ scratch, const float* __restrict__ x,
+                             const float* __restrict__ y, const float* __restrict__ ynorm,
+                             float* __restrict__ values, long long* __restrict__ indices,
+                             unsigned char* __restrict__ ok, int M, int N, int K, int sel, int lists, long long ldx,
+                             long long ldy, long long svm, long long sim, float bound_k, int root, int acc_split) {
+  using Tr = Traits;
+  using namespace topk_rescore_detail;
+  constexpr bool kDot = Tr::kInner == Inner::Dot;
+  const int m = blockIdx.x * Tr::kThreads + threadIdx.x;
+  if (m >= M) return;
+  const float* xr = x + i64(m) * ldx;
+  float best = 0.f;
+  int best_n = -1;
+  unsigned last_bits = ~0u;  // the tightest last key's order bits over the full lists
+  bool bounded = false;
+  for (int j = 0; j < lists; ++j) {
+    const long long* src = scratch + (i64(j) * M + m) * sel;
+    for (int s = 0; s < sel; ++s) {
+      const u64 key = u64(src[s]) ^ 0x8000000000000000ull;
+      if (key == ~0ull) break;  // pads only at a list's tail
+      if (s == sel - 1) {
+        bounded = true;
+        last_bits = min(last_bits, unsigned(key >> 32));
+      }
+      const int n = int(unsigned(key & 0xffffffffu));
+      const float* yr = y + i64(n) * ldy;
+      float a0 = 0.f, a1 = 0.f;
+      for (int c = 0; c < K; c += 4) {
+        const float4 xv = *reinterpret_cast<const float4*>(xr + c), yv = *reinterpret_cast<const float4*>(yr + c);
+        const float xs[4] = {xv.x, xv.y, xv.z, xv.w}, ys[4] = {yv.x, yv.y, yv.z, yv.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const bool odd = acc_split == 2 && (u & 1);  // (c is even: coordinate c + u's parity)
+          float a = odd ? a1 : a0;
+          if constexpr (kDot) {
+            a = math::fma_rn(xs[u], ys[u], a);
+          } else {
+            const float d = math::sub_rn(xs[u], ys[u]);
+            a = math::fma_rn(d, d, a);
+          }
+          a1 = odd ? a : a1;
+          a0 = odd ? a0 : a;
+        }
+      }
+      const float v = acc_split == 2 ? math::add_rn(a0, a1) : a0;
+      if (best_n < 0 || before<Tr::kLargest>(v, best) || (same(v, best) && n < best_n)) best = v, best_n = n;
+    }
+  }
+  bool clear = !bounded;
+  if (bounded && best_n >= 0) {  // candidate_bound(|x|, ynorm, last, K, dot), as topk_rescore_kernel
+    float xn = 0.f;
+    for (int c = 0; c < K; c += 4) {
+      const float4 xv = *reinterpret_cast<const float4*>(xr + c);
+      xn = math::fma_rn(xv.x, xv.x, xn);
+      xn = math::fma_rn(xv.y, xv.y, xn);
+      xn = math::fma_rn(xv.z, xv.z, xn);
+      xn = math::fma_rn(xv.w, xv.w, xn);
+    }
+    xn = sqrtf(xn);
+    const float last = topk_detail::value_of<Tr>(last_bits), yn = *ynorm;
+    float bound = math::mul_rn(math::mul_rn(kDot ? 0x1p-9f : 0x1p-8f, xn), yn);
+    if constexpr (!kDot)
+      bound = math::add_rn(bound, math::mul_rn(bound_k, math::add_rn(math::mul_rn(xn, xn), math::mul_rn(yn, yn))));
+    bound = math::add_rn(bound, math::mul_rn(0x1p-16f, fabsf(last)));
+    clear = Tr::kLargest ? best > math::add_rn(last, bound) : best < math::sub_rn(last, bound);
+  }
+  if (best_n >= 0) {  // reported as topk.cuh reports it: through its order bits (NaN canonical, -0 as +0)
+    best = topk_detail::value_of<Tr>(topk_detail::order_bits<Tr>(best));
+    values[i64(m) * svm] = root ? sqrtf(best) : best;
+    indices[i64(m) * sim] = best_n;
+  }
+  ok[m] = clear && best_n >= 0 ? 1 : 0;
+}
+
 }  // namespace kermac_like

@@ -149,3 +149,56 @@ def test_fused_segment_sums_on_cuda(monkeypatch, K, weighted):
             torch.testing.assert_close(s, r, rtol=1e-12, atol=1e-9)
             torch.testing.assert_close(ws, rw, rtol=1e-12, atol=0)
         assert (s[7] == 0).all() and ws[7] == 0
+
+
+@pytest.mark.parametrize("D, C", [(16, 1024), (24, 300), (50, 1000)])
+def test_tensor_core_assignment_is_the_simt_one(monkeypatch, D, C):
+    """KMeans' assignment with tensor-core candidates (TopkCall.tensor_cores: topk_mma's merged
+    lists, topk_rescore_best_kernel) against the SIMT kernel alone (KERMAC_LIKE_KMEANS_TC=0): the
+    same labels and the same distance bits at N = 2e5 (D = 50: the SIMT kernel's two partial
+    sums), duplicated centres (exact ties: the smaller index), then the uncertified rows' route."""
+    from kermac_like import cluster
+    from kermac_like.plan import topk as P
+
+    g = torch.Generator(device="cuda").manual_seed(D)
+    X = torch.randn(200_000, D, device="cuda", generator=g)
+    centres = X[torch.randperm(200_000, device="cuda", generator=g)[:C]].clone()
+    centres[5] = centres[3]  # ties: label 3, never 5
+    monkeypatch.setattr(P, "MMA_MIN_K", 16)
+    monkeypatch.setattr(cluster, "TENSOR_CORES", False)
+    lab0, d0 = cluster._assign(X, centres, False)
+    monkeypatch.setattr(cluster, "TENSOR_CORES", True)
+    call = cluster.replace(cluster.prepare_knn(X, centres, 1), tensor_cores=True)
+    assert P.mma_serves(call)
+    lab1, d1 = cluster._assign(X, centres, False)
+    assert torch.equal(lab0, lab1) and torch.equal(d0, d1)
+    assert not (lab1 == 5).any()
+    # every row uncertified (max |y| NaN-free but huge: the bound certifies nothing): all rows through the SIMT kernel
+    far = centres.clone()
+    far[-1] = 1e18
+    monkeypatch.setattr(cluster, "TENSOR_CORES", False)
+    lab0, d0 = cluster._assign(X[:5000], far, False)
+    monkeypatch.setattr(cluster, "TENSOR_CORES", True)
+    lab1, d1 = cluster._assign(X[:5000], far, False)
+    assert torch.equal(lab0, lab1) and torch.equal(d0, d1)
+
+
+def test_tensor_core_fit_same_as_sklearn_on_cuda(monkeypatch):
+    """A float32 fit on the tensor-core assignment from scikit-learn's initial centres: labels as
+    scikit-learn's float64 Lloyd up to float32 near-ties, inertia within 1e-5; and equal to the fit
+    with the SIMT assignment alone (the same labels every iteration: bitwise the same centres)."""
+    from kermac_like import cluster
+
+    X, _ = make_blobs(200_000, 16, centers=1024, cluster_std=2.0, random_state=1)
+    init = _init(X, 1024, seed=1)
+    ref = SkKMeans(1024, init=init, n_init=1, max_iter=20, tol=0.0, algorithm="lloyd").fit(X)
+    Xc, ic = torch.from_numpy(X).float().cuda(), torch.from_numpy(init).float().cuda()
+    fits = []
+    for tc in (False, True):
+        monkeypatch.setattr(cluster, "TENSOR_CORES", tc)
+        fits.append(KMeans(1024, init=ic, max_iter=20, tol=0.0).fit(Xc))
+    simt, ours = fits
+    assert torch.equal(simt.labels_, ours.labels_) and torch.equal(simt.cluster_centers_, ours.cluster_centers_)
+    assert simt.inertia_ == ours.inertia_
+    assert (ours.labels_.cpu().numpy() == ref.labels_).mean() >= 0.999
+    assert abs(ours.inertia_ / ref.inertia_ - 1) <= 1e-5

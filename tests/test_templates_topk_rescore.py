@@ -284,3 +284,117 @@ def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch):
     keep = torch.arange(M) != 17
     assert torch.equal(out[True][1], out[False][1]) and torch.equal(out[True][1][keep], want[keep])
     torch.testing.assert_close(out[True][0], out[False][0], rtol=2e-6, atol=0, equal_nan=True)
+
+
+# -- topk_rescore_best_kernel (k = 1, a row a thread: KMeans' assignment below MAX_K) --------------
+# (SIMT traits, kK, best traits, largest, acc_split): the SIMT kernel topk_kernel<...> with kSel 1 is
+# the oracle, run by the same runner; kK 48 has one row per thread, two partial sums (kAcc 2).
+BEST = [("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::None", 16, "Diff", "false", 1),
+        ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::None", 48, "Diff", "false", 2),
+        ("Inner::Dot, Power::Noop, Power::Noop, Epilogue::None", 16, "Dot", "true", 1)]
+
+BEST_SHIM = THREAD_SHIM + r"""
+#undef __shared__
+#define __shared__
+#include "topk_rescore.cuh"
+namespace kermac_like {
+alignas(16) unsigned char kl_topk_smem[1 << 16];
+}
+using namespace kermac_like;
+@@INSTANCES@@
+
+template <class S, class B>
+void run(const float* x, const float* y, const long long* keys, float* sv, long long* si, float* bv, long long* bi,
+         unsigned char* ok, int M, int N, int K, int sel, int lists, int acc_split, int root) {
+  gridDim = {unsigned((M + S::kBlockM - 1) / S::kBlockM), 1, 1};
+  kl_run_grid(S::kThreads, [&] {
+    topk_kernel<S>(x, y, sv, si, M, N, K, 1, K, 1, K, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                   nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 0.f, nullptr, 0, 0, 0, 0.f, 1, (N + S::kBlockN - 1) / S::kBlockN);
+  });
+  const float yn = 1e30f;  // (the certificate: checked by the planner tests; here every full list is "tight")
+  gridDim = {unsigned((M + B::kThreads - 1) / B::kThreads), 1, 1};
+  kl_run_grid(B::kThreads, [&] {
+    topk_rescore_best_kernel<B>(keys, x, y, &yn, bv, bi, ok, M, N, K, sel, lists, K, K, 1, 1, 0.f, root, acc_split);
+  });
+}
+
+int main(int argc, char** argv) {
+  // argv: instance, M, N, K, sel, lists, floats (x | y), keys, output (SIMT values | indices | best values | indices | ok)
+  const int which = std::atoi(argv[1]), M = std::atoi(argv[2]), N = std::atoi(argv[3]), K = std::atoi(argv[4]);
+  const int sel = std::atoi(argv[5]), lists = std::atoi(argv[6]);
+  std::vector<float> in(size_t(M + N) * K);
+  std::vector<long long> keys(size_t(lists) * M * sel);
+  FILE* f = std::fopen(argv[7], "rb");
+  if (std::fread(in.data(), 4, in.size(), f) != in.size()) return 3;
+  std::fclose(f);
+  f = std::fopen(argv[8], "rb");
+  if (std::fread(keys.data(), 8, keys.size(), f) != keys.size()) return 3;
+  std::fclose(f);
+  std::vector<float> sv(M, -7.f), bv(M, -7.f);
+  std::vector<long long> si(M, -7), bi(M, -7);
+  std::vector<unsigned char> ok(M, 7);
+  const float* x = in.data();
+  const float* y = x + size_t(M) * K;
+  switch (which) {
+@@CASES@@
+    default: return 4;
+  }
+  std::vector<double> out;
+  for (int m = 0; m < M; ++m) {
+    unsigned a, b;
+    std::memcpy(&a, &sv[m], 4);
+    std::memcpy(&b, &bv[m], 4);
+    out.push_back(double(a)), out.push_back(double(si[m])), out.push_back(double(b)), out.push_back(double(bi[m]));
+    out.push_back(double(ok[m]));
+  }
+  return kl_write(argv[9], out);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def best_runner(tmp_path_factory):
+    inst = [f"using S{i} = TopkTraits<{d}, float, {kk}, {lg}, 1>; using B{i} = TopkRescoreBestTraits<Inner::{b}, {lg}>;"
+            for i, (d, kk, b, lg, _) in enumerate(BEST)]
+    cases = [f"    case {i}: run<S{i}, B{i}>(x, y, keys.data(), sv.data(), si.data(), bv.data(), bi.data(), ok.data(), M, "
+             f"N, K, sel, lists, {a}, {int(b == 'Diff')}); break;" for i, (_, _, b, _, a) in enumerate(BEST)]
+    src = BEST_SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
+    return build_cpu_runner(tmp_path_factory, "topk_rescore_best_cpu", src)
+
+
+@pytest.mark.parametrize("which", range(len(BEST)))
+def test_best_is_the_simt_kernel_bit_for_bit(best_runner, tmp_path, which):
+    """topk_rescore_best_kernel over candidate lists (4 lists of kSel 12, approximate values within
+    0.9 of candidate_bound; then one merged list as kMerge leaves it) against topk_kernel itself
+    (k = 1): the same index and the same value bits (square root for l2) in every row, on random
+    float32 data (the summation order shows in the last bits) with duplicated points (exact ties:
+    the smaller index) and a NaN point; lists shorter than kSel (N = 9): every point a candidate."""
+    _, K, _, largest, _ = BEST[which]
+    dot, largest = BEST[which][2] == "Dot", largest == "true"
+    g = torch.Generator().manual_seed(20 + which)
+    K = K - 3  # padded coordinates: zeros in both kernels (the planner pads the rows to K % 4 == 0)
+    Kp = -(-K // 4) * 4
+    for M, N in ((300, 700), (37, 9)):
+        x = torch.randn(M, K, generator=g)
+        y = torch.randn(N, K, generator=g)
+        if N > 100:
+            y[400:405] = y[2]
+            x[:6] = y[2] + 1e-3 * torch.randn(6, K, generator=g)
+        approx = _approx(x, y, dot, which)
+        if N > 100:  # a NaN point: NaN values, approximate ones too
+            y[600, 1] = float("nan")
+            approx[:, 600] = float("nan")
+        xp, yp = torch.zeros(M, Kp), torch.zeros(N, Kp)
+        xp[:, :K], yp[:, :K] = x, y
+        fin, kin, outp = tmp_path / "in.bin", tmp_path / "keys.bin", tmp_path / "out.bin"
+        torch.cat([xp.ravel(), yp.ravel()]).numpy().tofile(fin)
+        four = _lists(approx, 4, 12, dot, largest)
+        for scratch in (four, torch.sort(four.permute(1, 0, 2).reshape(M, -1), dim=1).values[None, :, :12]):
+            scratch.contiguous().numpy().tofile(kin)
+            subprocess.run([str(best_runner), str(which), str(M), str(N), str(Kp), "12", str(scratch.shape[0]), str(fin),
+                            str(kin), str(outp)], check=True)
+            sv, si, bv, bi, ok = torch.from_numpy(np.fromfile(outp, dtype=np.float64)).view(M, 5).long().T
+            assert torch.equal(si, bi) and torch.equal(sv, bv), int((sv != bv).sum())
+            assert bool(ok.all()) == bool(ok.any()) == (N < 12)  # (ynorm 1e30: only short lists certify)
+        if N > 100:
+            assert (si == 600).all() if largest else (si[:6] == 2).all()  # NaN first when largest; ties: the smaller

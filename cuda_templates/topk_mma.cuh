@@ -26,9 +26,8 @@ namespace kermac_like {
 // kSel_: list length per (row, quarter), 8 to 24; kVersion_: 2, topk_mma_kernel; 3, 4 or 5,
 // topk_mma_pipelined_kernel (below: the cp.async ring runs on across the y tiles; 4 also scans
 // the values in registers; 5 also keeps the x tile in shared memory, K <= 128), the same
-// candidate lists bit for bit. kMerge_: each row's four quarter lists leave merged into its kSel
-// first keys (scratch [split][batch][M][kSel]: a quarter of the traffic where rows are many).
-template <Inner kInner_, Precision kPrecision_, bool kLargest_, int kSel_, int kVersion_ = 2, bool kMerge_ = false>
+// candidate lists bit for bit.
+template <Inner kInner_, Precision kPrecision_, bool kLargest_, int kSel_, int kVersion_ = 2>
 struct TopkMmaTraits
     : DistanceMmaTraits<kInner_, Power::Noop, Epilogue::None, Layout::RowMajor, Layout::RowMajor,
                         Layout::RowMajor, kPrecision_, float> {
@@ -51,7 +50,6 @@ struct TopkMmaTraits
   static_assert(Base::kThreads == kHalfRows * kQuarters, "one (row, quarter) per thread and pass");
   static_assert(kVersion_ >= 2 && kVersion_ <= 5, "TopkMmaTraits: kVersion is 2, 3, 4 or 5");
   static constexpr int kVersion = kVersion_;
-  static constexpr bool kMerge = kMerge_;
   static constexpr bool kPipelined = kVersion_ >= 3;
   // The ring of topk_mma_pipelined_kernel: kRingStages stages, the next y tile's first kPrefetch
   // k-tiles issued right after a tile's MMAs. v3: the scan tile's rows are 1 KiB each (no
@@ -113,48 +111,10 @@ __device__ __forceinline__ void scan_four(const float4 f, int c0, int cols, int 
     }
   }
 }
-// The CTA's lists to the scratch, top bit flipped (after a barrier: every list is final). Per
-// (split, quarter): [n_split * 4 + quarter][batch][M][kSel], thread (sr, sq) writes quarter sq of
-// rows sr and sr + kHalfRows. kMerge: [n_split][batch][M][kSel], threads sq = 0 and 1 write rows sr
-// and sr + kHalfRows, each the kSel smallest of its row's four sorted lists (a 4-way merge; keys are
-// distinct but for the all-ones pads, so this is the planner's torch.topk over the lists).
-template <class Tr>
-__device__ __forceinline__ void write_lists(const u64* lists, long long* scratch, int split, int batch, int l,
-                                            int M, int m0, int sr, int sq) {
-  constexpr int S = Tr::kSel, HR = Tr::kHalfRows;
-  if constexpr (Tr::kMerge) {
-    const int r = sr + sq * HR;
-    if (sq >= 2 || m0 + r >= M) return;
-    const u64* q = lists + r * 4 * S;
-    long long* dst = scratch + ((i64(split) * batch + l) * M + m0 + r) * S;
-    int h[4] = {0, 0, 0, 0};
-    for (int s = 0; s < S; ++s) {  // (h[j] < S while s < S: at most s entries taken from a list)
-      u64 best = q[h[0]];
-      int b = 0;
-#pragma unroll
-      for (int j = 1; j < 4; ++j) {
-        const u64 v = q[j * S + h[j]];
-        if (v < best) best = v, b = j;
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) h[j] += b == j;
-      dst[s] = (long long)(best ^ 0x8000000000000000ull);
-    }
-  } else {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int m = m0 + sr + hh * HR;
-      if (m >= M) continue;
-      const u64* list = lists + ((hh * HR + sr) * 4 + sq) * S;
-      long long* dst = scratch + ((i64(split * 4 + sq) * batch + l) * M + m) * S;
-      for (int s = 0; s < S; ++s) dst[s] = (long long)(list[s] ^ 0x8000000000000000ull);
-    }
-  }
-}
 }  // namespace topk_mma_detail
 
 // Grid (row tiles, N splits, batch entries (looped)); each CTA walks `per` y tiles from
-// split * per. scratch: [n_split * 4][batch][M][kSel] int64 ([n_split][batch][M][kSel] with kMerge).
+// split * per. scratch: [n_split * 4][batch][M][kSel] int64.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     topk_mma_kernel(const float* __restrict__ x, const float* __restrict__ y, long long* __restrict__ scratch,
@@ -238,8 +198,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
 
-    // This split's lists of the thread's two rows to the scratch (the scan's last barrier passed).
-    topk_mma_detail::write_lists<Tr>(lists, scratch, split, batch, l, M, m0, sr, sq);
+    // This split's lists of the thread's two rows to the scratch, top bit flipped.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + sr + h * HR;
+      if (m >= M) continue;
+      const u64* list = lists + ((h * HR + sr) * 4 + sq) * S;
+      long long* dst = scratch + ((i64(split * 4 + sq) * batch + l) * M + m) * S;
+      for (int s = 0; s < S; ++s) dst[s] = (long long)(list[s] ^ 0x8000000000000000ull);
+    }
     __syncthreads();  // the lists are reset for the next batch entry
   }
 }
@@ -734,7 +701,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 
     if constexpr (Tr::kVersion >= 4) __syncthreads();  // every warp's lists are final
-    topk_mma_detail::write_lists<Tr>(lists, scratch, split, batch, l, M, m0, sr, sq);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + sr + h * HR;
+      if (m >= M) continue;
+      const u64* list = lists + ((h * HR + sr) * 4 + sq) * S;
+      long long* dst = scratch + ((i64(split * 4 + sq) * batch + l) * M + m) * S;
+      for (int s = 0; s < S; ++s) dst[s] = (long long)(list[s] ^ 0x8000000000000000ull);
+    }
     __syncthreads();  // the lists are reset for the next batch entry
   }
 }

@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import warnings
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, TransformerMixin, check_is_fitted,
                          check_n_features)
-from . import _debug
-from .ops.knn import knn, prepare_knn, topk_forward
+from .ops.knn import knn
 
 try:
     from sklearn.exceptions import ConvergenceWarning
@@ -56,9 +53,6 @@ SAMPLE_BLOCK = 1024
 # distances without the matrix-product formula's cancellation.
 _DIRECT = "donot_use_mm_for_euclid_dist"
 INITS = ("k-means++", "random")
-# The assignment's candidates on tensor cores (plan.topk.MMA_MIN_K, float32 CUDA data), the
-# values and labels those of the SIMT kernel; KERMAC_LIKE_KMEANS_TC=0: the SIMT kernel alone.
-TENSOR_CORES = os.environ.get("KERMAC_LIKE_KMEANS_TC", "1") not in ("", "0")
 
 
 def _is_tensor(a) -> bool:
@@ -280,13 +274,8 @@ def _random_init(X, n_clusters, weights, generator):
 
 # -- one Lloyd run ------------------------------------------------------------------------------
 def _assign(X, centres, debug):
-    """(labels (N,) int64, squared distances (N,) float64) to the nearest centre. On CUDA with
-    TENSOR_CORES the knn call may take the tensor-core candidates (TopkCall.tensor_cores)."""
-    if TENSOR_CORES and X.is_cuda:
-        call = replace(prepare_knn(X, centres, 1, compute_mode=_DIRECT), tensor_cores=True)
-        dist, lab = topk_forward(call, debug=_debug.resolve(debug))
-    else:
-        dist, lab = knn(X, centres, 1, compute_mode=_DIRECT, debug=debug)
+    """(labels (N,) int64, squared distances (N,) float64) to the nearest centre."""
+    dist, lab = knn(X, centres, 1, compute_mode=_DIRECT, debug=debug)
     return lab[:, 0], dist[:, 0].to(torch.float64).square_()
 
 
@@ -389,9 +378,6 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     The assignment is ``knn(X, centres, 1)``: on a CPU (and for float64 on a GPU) exact in
     float64; on a GPU in float32 for float32 data, so points whose two nearest centres are
     within float32 rounding of each other may take the other one. Inertia is summed in float64.
-    On a GPU with 16 <= n_features <= 64 the candidates come from tensor cores and are rescored
-    with the float32 kernel's own arithmetic: the same labels and distances as the float32
-    kernel alone (``KERMAC_LIKE_KMEANS_TC=0``).
     """
 
     def __init__(self, n_clusters=8, *, init="k-means++", n_init=1, max_iter=300, tol=1e-4, random_state=None,

@@ -144,10 +144,6 @@ int main(int argc, char** argv) {
 
 
 VERSIONS = (2, 3, 4, 5)  # 5: K <= 128 only (the resident x tile)
-# KMeans' assignment (k = 1, kSel 12): runner MERGE0 + i; version 5 unmerged, then kMerge in versions 5 and 2
-MERGED = ["TopkMmaTraits<Inner::Diff, Precision::Tf32, false, 12, 5>",
-          "TopkMmaTraits<Inner::Diff, Precision::Tf32, false, 12, 5, true>",
-          "TopkMmaTraits<Inner::Diff, Precision::Tf32, false, 12, 2, true>"]
 
 
 def _traits(inner, prec, largest, sel, version):
@@ -160,8 +156,7 @@ def emulator(tmp_path_factory):
     if gxx is None:
         pytest.skip("g++ not installed")
     d = tmp_path_factory.mktemp("topk_mma_emulator")
-    runners = ",\n".join([f"    &run<{_traits(*c, v)}>" for c in CONFIGS for v in VERSIONS]
-                          + [f"    &run<{t}>" for t in MERGED])
+    runners = ",\n".join(f"    &run<{_traits(*c, v)}>" for c in CONFIGS for v in VERSIONS)
     (d / "emu.cpp").write_text(_emulator_prelude() + DRIVER.replace("@@RUNNERS@@", runners))
     exe = d / "emu"
     r = subprocess.run([gxx, "-std=c++17", "-O1", "-I", str(TEMPLATES), str(d / "emu.cpp"), "-o", str(exe)],
@@ -255,27 +250,6 @@ def test_pipelined_lists_equal_v2(emulator, tmp_path, cfg, batch, M, N, K, n_spl
         for b in range(batch):
             frac = _nearest_among_candidates(v2[:, b], x[b], y[b], inner == "Dot", largest == "true")
             assert frac >= 0.95, frac
-
-
-@pytest.mark.parametrize("M, N, n_split", [(200, 1000, 1), (70, 1000, 2), (40, 10, 1)])
-def test_merged_lists_are_the_first_keys(emulator, tmp_path, M, N, n_split):
-    """kMerge (versions 5 and 2) leaves per (split, row) the kSel first keys of the row's four
-    quarter lists as the unmerged kernel leaves them (merged_candidates' torch.topk), pads
-    included (N = 10: lists shorter than kSel); K = 16, kSel 12 (KMeans' assignment)."""
-    merge0, sel = len(CONFIGS) * len(VERSIONS), 12
-    rng = np.random.default_rng(M + N)
-    x = rng.standard_normal((1, M, 16)).astype(np.float32)
-    y = rng.standard_normal((1, N, 16)).astype(np.float32)
-    lists = emulate(emulator, merge0, x, y, n_split, tmp_path / "lists")[:4 * n_split * M * sel]
-    want = np.sort(lists.reshape(n_split, 4, M, sel).transpose(0, 2, 1, 3).reshape(n_split, M, 4 * sel), axis=2)
-    want = want[..., :sel]
-    if N == 20:
-        assert (want == np.int64((1 << 63) - 1)).any(), "pads (all ones, flipped)"
-    for r in (1, 2):
-        s = emulate(emulator, merge0 + r, x, y, n_split, tmp_path / f"merged{r}")
-        used = n_split * M * sel
-        assert (s[used:] == 0x5555555555555555).all(), "writes beyond the merged scratch"
-        assert np.array_equal(s[:used].reshape(n_split, M, sel), want), MERGED[r]
 
 
 # ------------------------------------------------------------------------------ NVRTC
@@ -397,64 +371,3 @@ def test_version_fits_the_device_shared_memory(monkeypatch):
     wide = prepare_knn(torch.randn(40, 256), torch.randn(90, 256), 10)  # K > 128: version 4 at most
     monkeypatch.setattr(P, "_smem_optin", lambda device: 232448)
     assert P.mma_version(wide) == 4
-
-
-def test_low_k_planner_wiring(monkeypatch):
-    """Below MAX_K (TopkCall.tensor_cores, k = 1; KMeans' assignment) the planner launches the
-    merged-list kernel and topk_rescore_best_kernel per launch of as many row tiles as
-    SCRATCH_BYTES hold (split 1), and sends the uncertified rows to the SIMT planner with
-    tensor_cores off. The launches are stood in for (the best kernel: the float64 argmin,
-    rows 3 and 200 uncertified); public calls (tensor_cores off) never take this path."""
-    import ctypes
-    from dataclasses import replace
-
-    import torch
-
-    from kermac_like.ops.knn import prepare_knn
-    from kermac_like.plan import topk as P
-    from kermac_like.runtime import launcher
-
-    M, N, K = 300, 1000, 16
-    x, y = torch.randn(M, K), torch.randn(N, K)
-    call = replace(prepare_knn(x, y, 1), tensor_cores=True)
-    monkeypatch.setattr(P, "_gpu_ok", lambda t: True)
-    assert P.mma_serves(call) and not P.mma_serves(replace(call, tensor_cores=False))
-    assert not P.mma_serves(replace(prepare_knn(x, y, 2), tensor_cores=True))
-    monkeypatch.setattr(P, "MMA_MIN_K", 17)
-    assert not P.mma_serves(call)
-    monkeypatch.setattr(P, "MMA_MIN_K", 16)
-    monkeypatch.setattr(P, "_device_index", lambda device: 0)
-    monkeypatch.setattr(P, "_sm_count", lambda device: 1)
-    monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
-    monkeypatch.setattr(P, "SCRATCH_BYTES", 128 * 12 * 8)  # one row tile a launch: 128, 128, 44
-    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
-    want = (x.double()[:, None] - y.double()[None]).square().sum(-1).argmin(1)
-    seen, fallback = [], []
-
-    def fake_launch(spec, grid, args, debug=False):
-        seen.append((spec.kernel.split("::")[-1], grid, int(args[3] if "mma" in spec.kernel else args[7])))
-        if "mma" in spec.kernel:
-            assert spec.traits.endswith(", 5, true>") and int(args[-2]) == 1 and len(args) == 19
-            return
-        assert len(args) == 19 and int(args[-1]) == 1 and int(args[-2]) == 1 and int(args[11]) == 1  # acc 1, root, lists
-        r0 = (args[1] - x.data_ptr()) // (K * 4)
-        rr = int(args[7])
-        idx = want[r0:r0 + rr].clone()
-        ok = torch.tensor([0 if r in (3, 200) else 1 for r in range(r0, r0 + rr)], dtype=torch.uint8)
-        ctypes.memmove(args[5], idx.data_ptr(), 8 * rr)
-        ctypes.memmove(args[6], ok.data_ptr(), rr)
-
-    def fake_plan(sub, v, i, debug=False):
-        assert not sub.tensor_cores and sub.M == 2 and torch.equal(sub.x, x[[3, 200]])
-        fallback.append(sub.M)
-        i.copy_(want[[3, 200]][:, None])
-        return None
-
-    monkeypatch.setattr(launcher, "launch", fake_launch)
-    monkeypatch.setattr(P, "plan_topk", fake_plan)
-    monkeypatch.setattr("kermac_like.ops.knn.topk_blocked", lambda sub, v, i, debug=False: (v, i))
-    v, i = torch.zeros(M, 1), torch.full((M, 1), -1, dtype=torch.int64)
-    P._run_mma(call, v, i, False)
-    assert [s[0] for s in seen] == ["topk_mma_pipelined_kernel", "topk_rescore_best_kernel"] * 3
-    assert [s[2] for s in seen] == [128, 128, 128, 128, 44, 44] and seen[1][1] == (1, 1, 1)
-    assert fallback == [2] and torch.equal(i[:, 0], want)

@@ -72,9 +72,7 @@ class TopkCall:
     ``desc`` is None only for knn with p = 0 or p = inf (torch.cdist's counting and maximum
     norms, which no descriptor expresses; such calls never reach the fused planner). ``p`` is
     knn's p (None for kernel_topk): the blocked path then computes torch.cdist's distances
-    under ``compute_mode`` (its matrix product for p = 2 where torch takes it). ``tensor_cores``
-    (private: KMeans' assignment, never set by the public calls): at K <= MAX_K and k = 1 the
-    candidates may come from tensor cores (plan.topk.MMA_MIN_K), with the SIMT kernel's values.
+    under ``compute_mode`` (its matrix product for p = 2 where torch takes it).
     """
 
     desc: Optional[KernelDescriptor]
@@ -92,7 +90,6 @@ class TopkCall:
     distance: bool  # values are distances (no epilogue, DIFF inner): largest defaults to False
     p: float | None = None
     compute_mode: str = COMPUTE_MODES[0]
-    tensor_cores: bool = False
 
     @property
     def out_shape(self) -> tuple:

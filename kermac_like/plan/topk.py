@@ -27,8 +27,8 @@ import torch
 
 from ..descriptor import PRESETS
 from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
-                                  MMA_VERSIONS, RESCORE_BEST_THREADS, RESCORE_WARPS, mma_sel, mma_smem,
-                                  topk_combine_spec, topk_mma_spec, topk_rescore_best_spec, topk_rescore_spec, topk_spec)
+                                  MMA_VERSIONS, RESCORE_WARPS, mma_sel, mma_smem, topk_combine_spec, topk_mma_spec,
+                                  topk_rescore_spec, topk_spec)
 from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     _smem_per_block_optin, choose_split
 
@@ -137,24 +137,12 @@ MMA_VERSION = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_VERSION", "5") or 5)
 _FLIP = -(1 << 63)  # the scratch keys' top bit (int64 order = key order)
 
 
-# Below MAX_K the tensor-core path serves only calls that ask for it (TopkCall.tensor_cores: KMeans'
-# assignment), k = 1 and K >= MMA_MIN_K: topk_mma's merged lists, then topk_rescore_best_kernel,
-# whose values are the SIMT kernel's bit for bit (bench/notes/kmeans.md, "Assignment on tensor cores").
-MMA_MIN_K = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_MIN_K", "16") or 16)
-
-
-def _mma_low_k(call) -> bool:
-    """The call takes the tensor-core path below MAX_K (see MMA_MIN_K)."""
-    return getattr(call, "tensor_cores", False) and MMA_MIN_K <= call.K <= MAX_K and call.k == 1
-
-
 def mma_serves(call) -> bool:
     """Whether the tensor-core candidate path serves this call: float32 Euclidean or dot-product
-    selection at K > MAX_K with k <= MMA_MAX_SELECT (or below MAX_K where the call asks for it:
-    :data:`MMA_MIN_K`), no batch modes, on sm_80 and newer, where some version's shared memory
-    fits the device (:func:`mma_version`)."""
+    selection at K > MAX_K with k <= MMA_MAX_SELECT, no batch modes, on sm_80 and newer, where
+    some version's shared memory fits the device (:func:`mma_version`)."""
     reg = call.hypers.get("regularization")
-    return ((call.K > MAX_K or _mma_low_k(call)) and call.dtype == torch.float32 and call.desc in _MMA_DESCS
+    return (call.K > MAX_K and call.dtype == torch.float32 and call.desc in _MMA_DESCS
             and 1 <= call.k <= min(MMA_MAX_SELECT, call.N) and not call.batch and call.N < 2 ** 31 - 1
             and (reg is None or (not isinstance(reg, torch.Tensor) and reg == 0))
             and (call.epsilon is None or call.epsilon <= 0) and _gpu_ok(call.x)
@@ -265,8 +253,6 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     from ..ops.knn import topk_blocked
     from ..runtime.launcher import get_kernel, launch
 
-    if call.K <= MAX_K:
-        return _run_mma_best(call, values, indices, debug)
     dot = call.desc.inner_operator.name == "DOT"
     largest, k, M, N, K = call.largest, call.k, call.M, call.N, call.K
     device = _device_index(call.device)
@@ -330,72 +316,4 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
         indices[bad] = i
         if debug:
             log.debug("topk: %d of %d rows recomputed by the blocked path", sub.M, M)
-    return values
-
-
-def _run_mma_best(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
-    """The tensor-core path below MAX_K at k = 1 (call.tensor_cores; KMeans' assignment: many rows,
-    few points). Per launch of as many row tiles as SCRATCH_BYTES of lists hold: topk_mma_kernel's
-    lists, each row's four merged into its kSel first keys (kMerge), then topk_rescore_best_kernel
-    (a thread per row): every candidate's value in the SIMT kernel's arithmetic and order (its
-    kAcc partial sums mirrored from topk_spec), the best by (value, index), the certificate of
-    _run_mma. Uncertified rows go to the SIMT kernel itself (else the blocked path): the result
-    is the SIMT kernel's wherever its best point is unique in value, and at exact float32 ties
-    the same smaller index."""
-    from ..runtime.launcher import get_kernel, launch
-
-    dot = call.desc.inner_operator.name == "DOT"
-    largest, M, N, K = call.largest, call.M, call.N, call.K
-    device = _device_index(call.device)
-    sel = mma_sel(1)
-    kernel = get_kernel(topk_mma_spec(dot, largest, 1, version=mma_version(call), merge=True), device, debug=debug)
-    best = get_kernel(topk_rescore_best_spec(dot, largest), device, debug=debug)
-    simt = topk_spec(call.desc, call.dtype, K, largest, 1)  # its kAcc: two partial sums at one row per thread
-    acc_split = 2 if simt.launch.block_m == simt.launch.threads and K >= 8 else 1
-    x, y = _rows_ready(call.x), _rows_ready(call.y)
-    Kp = x.shape[1]
-    slots = _sm_count(device) * _blocks_per_sm(kernel)
-    rows = min(M, slots * MMA_BLOCK_M)
-    n_tiles = -(-N // MMA_BLOCK_N)
-    split = choose_split(-(-rows // MMA_BLOCK_M), n_tiles, slots,
-                         max(1, min(MAX_SPLIT, SCRATCH_BYTES // (rows * sel * 8))))
-    per = -(-n_tiles // split)
-    split = -(-n_tiles // per)
-    if split == 1:  # many rows: launches of as many row tiles as the scratch holds
-        rows = min(M, max(rows, SCRATCH_BYTES // (sel * 8) // MMA_BLOCK_M * MMA_BLOCK_M))
-    scratch = torch.empty((split, rows, sel), dtype=torch.int64, device=call.device)
-    ynorm = torch.linalg.vector_norm(call.y.float(), dim=1).max()
-    flags = torch.empty(M, dtype=torch.uint8, device=call.device)
-    svm, sim = values.stride(0), indices.stride(0)
-    if debug:
-        log.debug("topk %r: M=%d N=%d K=%d k=1 on tensor cores (merged lists): %d rows per launch, %d splits of %d "
-                  "y tiles, %d candidates per row", call.desc, M, N, K, rows, split, per, sel)
-    for r0 in range(0, M, rows):
-        rr = min(rows, M - r0)
-        launch(kernel, (-(-rr // MMA_BLOCK_M), split, 1),
-               (x.data_ptr() + r0 * Kp * 4, y.data_ptr(), scratch.data_ptr(), np.int32(rr), np.int32(N), np.int32(Kp),
-                np.int64(Kp), np.int64(Kp), np.int32(1), np.int32(1), np.int32(1), *(np.int64(0),) * 6,
-                np.int32(split), np.int32(per)), debug=debug)
-        launch(best, (-(-rr // RESCORE_BEST_THREADS), 1, 1),
-               (scratch.data_ptr(), x.data_ptr() + r0 * Kp * 4, y.data_ptr(), ynorm.data_ptr(),
-                values.data_ptr() + r0 * svm * 4, indices.data_ptr() + r0 * sim * 8, flags.data_ptr() + r0,
-                np.int32(rr), np.int32(N), np.int32(Kp), np.int32(sel), np.int32(split), np.int64(Kp), np.int64(Kp),
-                np.int64(svm), np.int64(sim), np.float32(K * 2.0 ** -22), np.int32(call.desc == PRESETS["l2"]),
-                np.int32(acc_split)), debug=debug)
-    bad = (flags == 0).nonzero().squeeze(1)
-    if bad.numel():  # (one host synchronisation per call) the SIMT kernel for the rows not certified
-        from ..ops.knn import topk_blocked
-
-        sub = dataclasses.replace(call, x=call.x[bad], M=int(bad.numel()), tensor_cores=False)
-        v = torch.empty((sub.M, 1), dtype=values.dtype, device=values.device)
-        i = torch.empty((sub.M, 1), dtype=torch.int64, device=values.device)
-        plan = plan_topk(sub, v, i, debug)
-        if plan is None:
-            topk_blocked(sub, v, i, debug=debug)
-        else:
-            plan.run()
-        values[bad] = v
-        indices[bad] = i
-        if debug:
-            log.debug("topk: %d of %d rows recomputed by the SIMT kernel", sub.M, M)
     return values

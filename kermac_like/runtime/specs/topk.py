@@ -17,7 +17,7 @@ from .kernel_spec import CPP_TYPES, KernelSpec, LaunchShape, bucket
 
 __all__ = ["K_BUCKETS", "SEL_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "MMA_MAX_SELECT", "k_bucket",
            "sel_bucket", "mma_sel", "rows_per_thread", "topk_spec", "topk_combine_spec", "topk_mma_spec", "topk_rescore_spec",
-           "topk_rescore_best_spec", "shipped"]
+           "shipped"]
 
 THREADS = 128
 CAP = 16  # TopkTraits::kCap of the lists in memory (kSel = 0)
@@ -122,8 +122,7 @@ def mma_smem(sel: int, version: int = 2) -> int:
     return base + MMA_BLOCK_M * 4 * sel * 8
 
 
-def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32", *, version: int = 2,
-                  merge: bool = False) -> KernelSpec:
+def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32", *, version: int = 2) -> KernelSpec:
     """The tensor-core candidate kernel: squared l2 distances (dot False) or dot products,
     ``precision`` "Tf32" (the candidates, rescored exactly by the planner) or "Tf32x3".
     ``version`` (TopkMmaTraits' kVersion): 2, topk_mma_kernel; 3, topk_mma_pipelined_kernel with
@@ -131,14 +130,13 @@ def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32", *, 
     scan); 4, the same ring with five stages and the scan done in registers (no scan tile, no
     block barrier); 5, version 4 with the x tile resident in shared memory and four stages of y
     alone (K <= MMA_V5_MAX_K only: the caller's rule). Same arguments, grid and candidate lists
-    (bit for bit) in every version. ``merge`` (TopkMmaTraits' kMerge): each row's four quarter
-    lists leave merged into its kSel first keys, scratch [split][M][kSel] instead of [4 split]."""
+    (bit for bit) in every version."""
     if not 1 <= k <= MMA_MAX_SELECT:
         raise ValueError(f"topk: k = {k} is outside the tensor-core kernel's 1..{MMA_MAX_SELECT}")
     if version not in MMA_VERSIONS:
         raise ValueError(f"topk: topk_mma version {version} is not one of {MMA_VERSIONS}")
     sel = mma_sel(k)
-    knob = f", {int(version)}, true" if merge else f", {int(version)}" if version != 2 else ""
+    knob = f", {int(version)}" if version != 2 else ""
     traits = (f"kermac_like::TopkMmaTraits<kermac_like::Inner::{'Dot' if dot else 'Diff'}, "
               f"kermac_like::Precision::{precision}, {str(bool(largest)).lower()}, {sel}{knob}>")
     shape = LaunchShape(threads=MMA_THREADS, block_m=MMA_BLOCK_M, block_n=MMA_BLOCK_N, smem_bytes=mma_smem(sel, version))
@@ -158,18 +156,6 @@ def topk_rescore_spec(dot: bool, largest: bool) -> KernelSpec:
     shape = LaunchShape(threads=32 * RESCORE_WARPS, block_m=RESCORE_WARPS, block_n=RESCORE_MAX_SEL,
                         smem_bytes=RESCORE_WARPS * RESCORE_MAX_SEL * 24)
     return KernelSpec("topk_rescore.cuh", "kermac_like::topk_rescore_kernel", traits, shape)
-
-
-RESCORE_BEST_THREADS = 128  # TopkRescoreBestTraits::kThreads: rows per CTA, one thread each
-
-
-def topk_rescore_best_spec(dot: bool, largest: bool) -> KernelSpec:
-    """The best candidate of each row (k = 1) of topk_mma's lists, one thread per row, values in
-    topk.cuh's arithmetic and order (the SIMT kernel's bits; cuda_templates/topk_rescore.cuh)."""
-    traits = (f"kermac_like::TopkRescoreBestTraits<kermac_like::Inner::{'Dot' if dot else 'Diff'}, "
-              f"{str(bool(largest)).lower()}>")
-    shape = LaunchShape(threads=RESCORE_BEST_THREADS, block_m=RESCORE_BEST_THREADS, block_n=1, smem_bytes=0)
-    return KernelSpec("topk_rescore.cuh", "kermac_like::topk_rescore_best_kernel", traits, shape)
 
 
 def shipped():
@@ -196,7 +182,3 @@ def shipped():
     for dot in (False, True):  # their fused rescoring (plan.topk.FUSED_RESCORE): every k <= 16, either order
         for largest in (False, True):
             yield topk_rescore_spec(dot, largest)
-    # KMeans' assignment (plan.topk, tensor-core candidates below MAX_K, k = 1): the merged lists
-    # of version 5 (H100 / H200) and their best candidate
-    yield topk_mma_spec(False, False, 1, version=5, merge=True)
-    yield topk_rescore_best_spec(False, False)

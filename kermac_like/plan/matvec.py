@@ -83,11 +83,11 @@ def _symmetric_centre(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The float64 mode's centre of both operands (matvec.cuh's symmetric expanded form): the
     mean of x's rows and y's rows, averaged in an order that does not depend on which is which,
     so that K(x, y) and K(y, x) see the same centre; zeros where a mean is not finite."""
-    def mean(t):
-        return t.mean(dim=tuple(range(t.dim() - 1)), dtype=torch.float64)
+    def mean(t):  # float32 (no float64 copy of the data: any centre is exact, this one is accurate)
+        return t.mean(dim=tuple(range(t.dim() - 1)), dtype=torch.float32)
 
     c = (mean(x) + mean(y)) * 0.5
-    return torch.where(torch.isfinite(c), c, 0.0).to(torch.float32)
+    return torch.where(torch.isfinite(c), c, 0.0)
 
 
 def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:

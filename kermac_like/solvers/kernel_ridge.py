@@ -42,7 +42,7 @@ from .._estimator import BaseEstimator, MultiOutputMixin, RegressorMixin, check_
 from ._cg import local_dots, pcg
 from ._dist import Comm
 from ._kernel import resolve_kernel
-from ._nystrom import FalkonPreconditioner, LandmarkNystromPreconditioner, gather_global_rows, sample_indices
+from ._nystrom import FalkonPreconditioner, LandmarkNystromPreconditioner, build_bytes, gather_global_rows, sample_indices
 from ._rows import HostMemoryError, RowSource
 
 try:
@@ -544,13 +544,13 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         try:
             m = self._n_centers(n_total)
             c = y.shape[1]
-            fixed = 16 * m * m + 8 * m * (X.shape[1] + 4 * c)  # T, A, the centres, m x C vectors
+            fixed = build_bytes(m) + 8 * m * (X.shape[1] + 4 * c)  # T and A in one buffer, the centres, m x C vectors
             budget = None
             if self.max_gpu_bytes is not None:
                 budget = int(self.max_gpu_bytes) - fixed
                 if budget <= 0:
                     raise _Bad(ValueError, f"max_gpu_bytes: {int(self.max_gpu_bytes)} bytes do not hold the "
-                                           f"preconditioner of {m} centres ({fixed} bytes: 16 m^2 + O(m (D + C)))")
+                                           f"preconditioner of {m} centres ({fixed} bytes: 8 m^2 + O(m (D + C)) + its build's blocks)")
             elif X.device != dev and dev.type == "cuda":
                 budget = max(1, int(0.9 * _free_bytes(dev)) - fixed)
             rows = RowSource(X, y, dev, budget=budget, c=c)
@@ -614,39 +614,30 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                 where = f" (on rank {r})" if comm.active else ""
                 raise ValueError(("X" if which == 0 else "y") + ": contains NaN or infinity" + where)
 
-        def make_kzz():
-            return kernel.matrix(z, z).to(f64)
-
-        pre = FalkonPreconditioner(make_kzz(), n_total, alpha, X.dtype, debug=debug, rebuild_kzz=make_kzz)
+        pre = FalkonPreconditioner(kernel, z, n_total, alpha, debug=debug)
         if debug:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             log.debug("nystrom: %d centres sampled and the preconditioner built in %.3f s (first pass included)",
                       m, time.perf_counter() - t0)
 
-        def k_zz(v64):  # (K_ZZ + delta I) v = T^T T v: the factored (jittered) K_ZZ, as Falkon takes it
-            # Exactly symmetric positive definite: the K_ZZ of the kernel matrix itself can have
-            # rounding-sized negative eigenvalues, which the preconditioner amplifies into an
-            # indefinite system on which CG diverges once the residual reaches ~2e-4
-            # (bench/notes/solvers.md, N = 10^6).
-            return pre.t.T @ (pre.t @ v64)
-
+        # The system is (K_Zn K_nZ + alpha T^T T) beta = K_Zn y with T^T T = K_ZZ + delta I, the factored
+        # (jittered) K_ZZ, as Falkon takes it: exactly symmetric positive definite (the K_ZZ of the kernel
+        # matrix itself can have rounding-sized negative eigenvalues, which the preconditioner amplifies
+        # into an indefinite system on which CG diverges once the residual reaches ~2e-4;
+        # bench/notes/solvers.md, N = 10^6). Its term of B^T (...) B is A^-T A^-1 / N (pre.normal).
         # Every vector is float64, so with float32/16-bit data both products run in kernel_matvec's
         # float64 mode (the kernel values in the data's dtype, every product and sum in float64). B
         # amplifies the rounding of either: the long coherent sum of K_Zn u, and K_nZ v, whose terms
         # cancel (v = B g oscillates); bench/notes/solvers.md.
-        def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v: one pass over the rows, one all_reduce of (m, C)
-            return data_pass(v64) + alpha * k_zz(v64)
-
-        def apply_a(g):
-            return pre.apply_t(h(pre.apply(g)))
+        def apply_a(g):  # one pass over the rows, one all_reduce of (m, C)
+            return pre.normal(g, data_pass, alpha)
 
         def residual(g):
-            """B^T (K_Zn (y - K_nZ beta) - alpha K_ZZ beta) for beta = B g: b - A g with the long sum
+            """B^T (K_Zn (y - K_nZ beta) - alpha T^T T beta) for beta = B g: b - A g with the long sum
             over the training points taken of the training residual y - K_nZ beta, not of K_nZ beta
             (see the notes)."""
-            beta = pre.apply(g)
-            return pre.apply_t(data_pass(beta, minus_y=True) - alpha * k_zz(beta))
+            return pre.normal(g, lambda beta: data_pass(beta, minus_y=True), -alpha)
 
         b = pre.apply_t(k_zn_y)  # = residual(0)
 

@@ -31,8 +31,9 @@ __all__ = ["factor_upper", "LandmarkNystromPreconditioner", "FalkonPreconditione
            "gather_global_rows", "build_bytes", "BLOCK_BYTES"]
 
 # Row blocks of the Falkon preconditioner's m x m work (K_ZZ rows, T T^T) hold at most about this
-# many bytes: 838 float64 rows of m = 20 000.
+# many bytes and rows: 838 float64 rows of m = 20 000.
 BLOCK_BYTES = 1 << 27
+BLOCK_ROWS = 1024
 
 
 def sample_indices(n_total: int, m: int, seed: int) -> torch.Tensor:
@@ -243,8 +244,9 @@ class FalkonPreconditioner:
 
 
 def _block_rows(m: int) -> int:
-    """Rows of the blocks of the m x m work (float64 rows of m: at most BLOCK_BYTES)."""
-    return max(1, min(m, BLOCK_BYTES // (8 * max(1, m))))
+    """Rows of the blocks of the m x m work: float64 rows of m of at most BLOCK_BYTES, at most
+    BLOCK_ROWS (the rows x rows temporaries stay small for m of a few thousand)."""
+    return max(1, min(m, BLOCK_ROWS, BLOCK_BYTES // (8 * max(1, m))))
 
 
 def build_bytes(m: int) -> int:

@@ -32,11 +32,12 @@ log = logging.getLogger("kermac_like.solvers")
 
 __all__ = ["RowSource", "HostMemoryError", "WORK_BYTES", "SLOT_BYTES", "plan_rows"]
 
-# float64 temporaries of one pass over one chunk (three (rows, C) float64 vectors a row).
-WORK_BYTES = 1 << 30
+# float64 temporaries of one pass over one chunk (one (rows, C) float64 vector: 3.4e7 rows at C = 1,
+# so N = 10^7 is one chunk; 0.27 GB beside the preconditioner's 8 m^2 at N = 10^9).
+WORK_BYTES = 1 << 28
 # Largest stream buffer (data bytes of one chunk): larger chunks do not copy faster.
 SLOT_BYTES = 1 << 30
-TEMP_VECTORS = 3  # (rows, C) float64 temporaries of a pass a chunk row
+TEMP_VECTORS = 1  # (rows, C) float64 temporaries of a pass a chunk row (K_cZ v, y_c - K_cZ v in place)
 
 
 class HostMemoryError(MemoryError):

@@ -596,7 +596,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                 else:
                     u = kernel.matvec(xc, z, v64)  # K_cZ v (rows, C)
                     if minus_y:
-                        u = yc.to(f64) - u
+                        u.neg_().add_(yc)  # y_c - K_cZ v, bit for bit, in place: one (rows, C) temporary
                 acc += kernel.matvec(z, xc, u)
             return comm.all_reduce(acc)
 

@@ -245,7 +245,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         it where it is and copies row chunks when it does not fit (see ``max_gpu_bytes``).
     max_gpu_bytes : int, optional
         nystrom: the bytes of the compute device one fit may hold (per rank): the preconditioner
-        (16 m^2), the centres, the data kept on the device and the stream buffers. When X and y do
+        (8 m^2 and the blocks of its build), the centres, the data kept on the device and the stream buffers. When X and y do
         not fit, a prefix of the rows stays on the device and the rest is streamed from host
         memory every pass (two device buffers, pinned host staging, copies on their own CUDA
         stream overlapped with the products). Without it, host data given to a CUDA ``device``
@@ -257,9 +257,10 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
     per product pass (one per CG iteration, plus the right-hand side, the periodic true-residual
     checks and the final one), a few objects of validation metadata (O(ranks)), and nothing of
     size N. Per-rank device memory of a nystrom fit: its rows (X and y, or the resident prefix and
-    two stream buffers under max_gpu_bytes) + 16 m^2 bytes (the float64 factors T and A of
-    Falkon's preconditioner; 6.4 GB at m = 20 000) + O(m (D + C)) + at most 1 GiB of float64
-    temporaries a pass. cg and cholesky gather X (N x D) and cg N x C vectors on every rank.
+    two stream buffers under max_gpu_bytes) + 8 m^2 bytes (the float64 factors T and A of
+    Falkon's preconditioner in one m x m buffer; 3.2 GB at m = 20 000) + O(m (D + C)) + the larger
+    of the build's row blocks (~0.15 GB at m = 20 000, and cuSOLVER's potrf workspace) and a pass's
+    float64 temporaries (256 MiB) and kernel_matvec's split scratch (32 MiB). cg and cholesky gather X (N x D) and cg N x C vectors on every rank.
 
     Fitted attributes: ``X_fit_`` and ``dual_coef_`` (this rank's share of the points and
     coefficients; the centres and beta for nystrom, beta in float64 with float32/16-bit data

@@ -260,7 +260,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
     two stream buffers under max_gpu_bytes) + 8 m^2 bytes (the float64 factors T and A of
     Falkon's preconditioner in one m x m buffer; 3.2 GB at m = 20 000) + O(m (D + C)) + the larger
     of the build's row blocks (~0.15 GB at m = 20 000, and cuSOLVER's potrf workspace) and a pass's
-    float64 temporaries (256 MiB) and kernel_matvec's split scratch (32 MiB). cg and cholesky gather X (N x D) and cg N x C vectors on every rank.
+    temporaries (512 MiB a chunk, kernel_matvec's included: 3.2 + 0.54 GB at m = 20 000). cg and cholesky gather X (N x D) and cg N x C vectors on every rank.
 
     Fitted attributes: ``X_fit_`` and ``dual_coef_`` (this rank's share of the points and
     coefficients; the centres and beta for nystrom, beta in float64 with float32/16-bit data

@@ -16,7 +16,7 @@ import torch
 from gloo_spawn import spawn_workers
 
 from kermac_like.solvers import KernelRidge
-from kermac_like.solvers._nystrom import sample_indices
+from kermac_like.solvers._nystrom import build_bytes, sample_indices
 from kermac_like.solvers._rows import RowSource, plan_rows
 
 
@@ -29,7 +29,7 @@ def data(n, n_test=50, d=3, targets=2, seed=0, dtype=torch.float64):
 
 
 KW = dict(bandwidth=1.0, alpha=0.5, solver="nystrom", n_centers=60, tol=1e-9, random_state=3)
-FIXED = 16 * 60 * 60 + 8 * 60 * (3 + 4 * 2)  # the preconditioner's part of max_gpu_bytes (m = 60, D = 3, C = 2)
+FIXED = build_bytes(60) + 8 * 60 * (3 + 4 * 2)  # the preconditioner's part of max_gpu_bytes (m = 60, D = 3, C = 2)
 STREAM = FIXED + 40000  # 1000 rows of 40 bytes: ~750 resident rows, the rest streamed
 
 

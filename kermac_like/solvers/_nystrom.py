@@ -28,7 +28,12 @@ from .. import linalg
 log = logging.getLogger("kermac_like.solvers")
 
 __all__ = ["factor_upper", "LandmarkNystromPreconditioner", "FalkonPreconditioner", "sample_indices",
-           "gather_global_rows"]
+           "gather_global_rows", "build_bytes", "BLOCK_BYTES"]
+
+# Row blocks of the Falkon preconditioner's m x m work (K_ZZ rows, T T^T) hold at most about this
+# many bytes and rows: 838 float64 rows of m = 20 000.
+BLOCK_BYTES = 1 << 27
+BLOCK_ROWS = 1024
 
 
 def sample_indices(n_total: int, m: int, seed: int) -> torch.Tensor:
@@ -64,10 +69,11 @@ def factor_upper(a: torch.Tensor, *, jitter: float, what: str, rebuild=None) -> 
     """Upper U with a + delta I = U^T U (float64), delta = jitter * mean(diag a), raised by
     10x until the factorisation succeeds (at most 8 times). Returns (U, delta).
 
-    Without ``rebuild`` a copy of ``a`` is factored (``a`` is kept). With ``rebuild`` (a callable
-    returning a fresh ``a``), ``a`` itself is overwritten with U and a retry factors ``rebuild()``:
-    no second m x m matrix (no identity either: the shift goes on the diagonal in place), which
-    is what bounds the Nyström solver's memory at 16 m^2 bytes."""
+    Without ``rebuild`` a copy of ``a`` is factored (``a`` is kept; U has zeros below its diagonal). With
+    ``rebuild`` (a callable returning a fresh ``a``), only ``a``'s upper triangle is read, it is
+    overwritten with U (the strict lower triangle kept: Falkon's one-buffer preconditioner holds
+    T^T there) and a retry factors ``rebuild()``: no second m x m matrix (no identity either: the
+    shift goes on the diagonal in place)."""
     scale = float(a.diagonal().mean().abs()) or 1.0
     delta = jitter * scale
     dtype = a.dtype
@@ -82,7 +88,7 @@ def factor_upper(a: torch.Tensor, *, jitter: float, what: str, rebuild=None) -> 
         work.diagonal().add_(delta)
         try:
             linalg.solve_cholesky(work, rhs, overwrite_a=True, check_errors=True)
-            return work.triu_(), delta
+            return (work.triu_() if rebuild is None else work), delta
         except torch.linalg.LinAlgError:
             log.info("%s: Cholesky failed with shift %.3e; retrying with %.3e", what, delta, max(delta * 10, 1e-300))
             delta = delta * 10 if delta > 0 else torch.finfo(dtype).eps * scale
@@ -147,40 +153,129 @@ class LandmarkNystromPreconditioner:
 
 
 class FalkonPreconditioner:
-    """B = N^-1/2 T^-1 A^-1 of Falkon (see the module docstring); float64, m x m."""
+    """B = N^-1/2 T^-1 A^-1 of Falkon (see the module docstring), float64, in one m x m buffer.
 
-    def __init__(self, kzz64: torch.Tensor, n_total: int, alpha: float, data_dtype: torch.dtype, *, debug=False,
-                 rebuild_kzz=None):
-        """``kzz64``: K_ZZ in float64; with ``rebuild_kzz`` (a callable returning it again, for a
-        retried factorisation) it is overwritten by T, so that the preconditioner's build holds at most
-        two m x m float64 matrices (T and A: 16 m^2 bytes)."""
-        m = kzz64.shape[0]
+    Falkon's layout (falkon/preconditioner/falkon_preconditioner.py): ``w``'s upper triangle holds
+    A, its strict lower triangle T^T; the two diagonals are kept as vectors and the one a triangular
+    solve needs is copied onto ``w``'s diagonal first (torch.linalg.solve_triangular reads one
+    triangle and the diagonal). The build holds ``w`` and row blocks of at most about BLOCK_BYTES:
+
+    1. K_ZZ in row blocks of ``kernel.matrix`` (the data's dtype) converted into ``w``;
+    2. T: K_ZZ + delta I = T^T T in place (linalg.solve_cholesky: ``w``'s upper triangle); T^T
+       copied into the strict lower triangle, T's diagonal into ``dt``;
+    3. T T^T / m + lambda I into the upper triangle (:func:`_lauum_upper`, blocked, from the lower
+       triangle and ``dt``), factored in place: A in the upper triangle, the lower one kept.
+
+    A failed factorisation rebuilds its input (K_ZZ, or T T^T from the lower triangle) with a
+    larger shift (:func:`factor_upper`). Device bytes: 8 m^2 + 16 m + :func:`build_bytes`'s
+    temporaries (and cuSOLVER's potrf workspace), against 16 m^2 + a float32 and a float64 copy
+    of K_ZZ for the two-matrix build.
+    """
+
+    def __init__(self, kernel, z: torch.Tensor, n_total: int, alpha: float, *, debug=False, block_rows=None):
+        m = z.shape[0]
+        self.scale = n_total ** -0.5
+        rows = block_rows or _block_rows(m)
+        self.w = w = torch.empty((m, m), dtype=torch.float64, device=z.device)
+
+        def kzz():  # K_ZZ in row blocks: no m x m matrix but w
+            for r0 in range(0, m, rows):
+                w[r0:r0 + rows].copy_(kernel.matrix(z[r0:r0 + rows], z))
+            return w
+
         # The shift of K_ZZ: the spectral size of its entries' rounding, eps sqrt(m), with float32/16-bit
         # data (Falkon's products run in float64 and its system takes T^T T = K_ZZ + delta I itself, so
         # delta is a ridge on beta: eps32 m, 2.4e-3 at m = 20 000, cost 8 % of test MSE at N = 10^6);
         # eps m with float64 data.
-        jitter = _jitter(data_dtype, m) if data_dtype == torch.float64 else torch.finfo(data_dtype).eps * m ** 0.5
-        self.t, self.shift = factor_upper(kzz64, jitter=jitter, what="centre matrix K_ZZ", rebuild=rebuild_kzz)
-        del kzz64
+        jitter = _jitter(z.dtype, m) if z.dtype == torch.float64 else torch.finfo(z.dtype).eps * m ** 0.5
+        _, self.shift = factor_upper(kzz(), jitter=jitter, what="centre matrix K_ZZ", rebuild=kzz)
+        self.dt = w.diagonal().clone()
+        for r0 in range(0, m, rows):  # T^T into the strict lower triangle
+            r1 = min(r0 + rows, m)
+            w[r1:, r0:r1].copy_(w[r0:r1, r1:].mT)
+            blk = w[r0:r1, r0:r1]
+            blk.copy_(torch.triu(blk) + torch.triu(blk, 1).mT)
         lam = float(alpha) / n_total
 
-        def inner():  # T T^T / m + lambda I, built in place (no identity matrix)
-            w = self.t @ self.t.T
-            w.div_(m)
+        def inner():  # T T^T / m + lambda I into the upper triangle
+            _lauum_upper(w, self.dt, 1.0 / m, rows)
             w.diagonal().add_(lam)
             return w
 
-        self.a, _ = factor_upper(inner(), jitter=0.0, what="Falkon's T T^T / m + lambda I", rebuild=inner)
-        self.scale = n_total ** -0.5
+        factor_upper(inner(), jitter=0.0, what="Falkon's T T^T / m + lambda I", rebuild=inner)
+        self.da = w.diagonal().clone()
+        self._on = "a"  # whose diagonal w holds
         if debug:
             log.debug("Falkon preconditioner: m=%d, lambda=%.3e, K_ZZ shift %.3e", m, lam, self.shift)
 
+    def _diag(self, which: str) -> torch.Tensor:
+        if self._on != which:
+            self.w.diagonal().copy_(self.dt if which == "t" else self.da)
+            self._on = which
+        return self.w
+
+    # A = triu(w) and T^T = tril(w) with their own diagonals; w.mT's upper triangle is T.
+    def _a_inv(self, g):
+        return torch.linalg.solve_triangular(self._diag("a"), g, upper=True)
+
+    def _a_inv_t(self, g):
+        return torch.linalg.solve_triangular(self._diag("a").mT, g, upper=False)
+
+    def _t_inv(self, g):
+        return torch.linalg.solve_triangular(self._diag("t").mT, g, upper=True)
+
+    def _t_inv_t(self, g):
+        return torch.linalg.solve_triangular(self._diag("t"), g, upper=False)
+
     def apply(self, g: torch.Tensor) -> torch.Tensor:
         """B g."""
-        h = torch.linalg.solve_triangular(self.a, g, upper=True)
-        return torch.linalg.solve_triangular(self.t, h, upper=True) * self.scale
+        return self._t_inv(self._a_inv(g)) * self.scale
 
     def apply_t(self, v: torch.Tensor) -> torch.Tensor:
         """B^T v."""
-        h = torch.linalg.solve_triangular(self.t.T, v, upper=False)
-        return torch.linalg.solve_triangular(self.a.T, h, upper=False) * self.scale
+        return self._a_inv_t(self._t_inv_t(v)) * self.scale
+
+    def normal(self, g: torch.Tensor, products, alpha: float) -> torch.Tensor:
+        """B^T (products(B g) + alpha T^T T B g), where T^T T = K_ZZ + delta I: Falkon's form,
+        B^T T^T T B = A^-T A^-1 / N, with no product by T (four triangular solves)."""
+        u = self._a_inv(g)
+        p = products(self._t_inv(u) * self.scale)
+        return self._a_inv_t(self._t_inv_t(p) * self.scale + (alpha * self.scale ** 2) * u)
+
+
+def _block_rows(m: int) -> int:
+    """Rows of the blocks of the m x m work: float64 rows of m of at most BLOCK_BYTES, at most
+    BLOCK_ROWS (the rows x rows temporaries stay small for m of a few thousand)."""
+    return max(1, min(m, BLOCK_ROWS, BLOCK_BYTES // (8 * max(1, m))))
+
+
+def build_bytes(m: int) -> int:
+    """Device bytes of the Falkon preconditioner: the m x m float64 buffer and two diagonals, plus
+    the largest temporaries of its build (one m x rows float64 block and three rows x rows ones
+    of :func:`_lauum_upper`; K_ZZ's float32 rows x m block comes before them). cuSOLVER's potrf
+    workspace is not included."""
+    b = _block_rows(m)
+    return 8 * m * m + 16 * m + 8 * m * b + 24 * b * b
+
+
+def _lauum_upper(w: torch.Tensor, d: torch.Tensor, scale: float, rows: int) -> None:
+    """LAPACK lauum with the factor and the result in opposite triangles: the upper triangle of
+    ``w`` (its diagonal included) receives scale T T^T, where T^T is ``w``'s strict lower triangle
+    with the diagonal ``d``; the strict lower triangle is only read.
+
+    Column blocks J of the result: S[:J1, J] = L[J0:, :J1]^T L[J0:, J] (L = T^T, zero above its
+    diagonal) reads L below row J0 and writes above the diagonal of w (and the upper part of the
+    diagonal block J, whose L part is taken from tril(w, -1) and d): the blocks are independent.
+    Temporaries: a (J1, rows) block and three (rows, rows) ones."""
+    m = w.shape[0]
+    for j0 in range(0, m, rows):
+        j1 = min(j0 + rows, m)
+        blk = w[j0:j1, j0:j1]
+        ljj = torch.tril(blk, -1)
+        ljj.diagonal().copy_(d[j0:j1])
+        out = torch.mm(w[j1:, :j1].mT, w[j1:, j0:j1])  # rows below block J
+        out[:j0].addmm_(w[j0:j1, :j0].mT, ljj)
+        out[j0:].addmm_(ljj.mT, ljj)
+        out.mul_(scale)
+        w[:j0, j0:j1].copy_(out[:j0])
+        blk.copy_(torch.triu(out[j0:]) + torch.tril(blk, -1))

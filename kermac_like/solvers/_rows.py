@@ -6,7 +6,7 @@ an (m, C) block. :class:`RowSource` hands out those chunks, in row order, from o
 three places:
 
 * ``memory``: X and y already on the compute device; chunks are views, sized so that the
-  pass's float64 temporaries stay below ``WORK_BYTES`` (one chunk up to N = 10^7 at C = 1).
+  pass's temporaries stay below ``WORK_BYTES`` (7.5e6 rows a chunk at C = 1).
 * ``resident`` (a prefix of the rows copied to the device once) followed by
 * ``stream``: the rest, copied per pass through two device buffers (double buffering).
   On CUDA the copies run on their own stream from two pinned host buffers, which a helper
@@ -32,11 +32,17 @@ log = logging.getLogger("kermac_like.solvers")
 
 __all__ = ["RowSource", "HostMemoryError", "WORK_BYTES", "SLOT_BYTES", "plan_rows"]
 
-# float64 temporaries of one pass over one chunk (three (rows, C) float64 vectors a row).
-WORK_BYTES = 1 << 30
+# Device temporaries of one pass over one chunk: at most this many bytes (with MATVEC_ROW_BYTES:
+# 7.5e6 rows at C = 1; 0.54 GB beside the preconditioner's 8 m^2 at m = 20 000).
+WORK_BYTES = 1 << 29
+# Per chunk row, what the two kernel_matvec products of a pass allocate beside our (rows, C) vector:
+# measured, not derived (one H200, D = 8, C = 1, float32 data, float64 vectors: the peak of a pass
+# above the preconditioner was 72 bytes a chunk row, 0.72 GB for a 10^7-row chunk); its source
+# inside kernel_matvec is not identified.
+MATVEC_ROW_BYTES = 64
 # Largest stream buffer (data bytes of one chunk): larger chunks do not copy faster.
 SLOT_BYTES = 1 << 30
-TEMP_VECTORS = 3  # (rows, C) float64 temporaries of a pass a chunk row
+TEMP_VECTORS = 1  # (rows, C) float64 temporaries of a pass a chunk row (K_cZ v, y_c - K_cZ v in place)
 
 
 class HostMemoryError(MemoryError):
@@ -91,7 +97,7 @@ class RowSource:
         self.device = torch.device(device)
         self.n = int(x.shape[0])
         self.row_bytes = _row_bytes(x, y)
-        self.work_row_bytes = TEMP_VECTORS * 8 * max(1, c)
+        self.work_row_bytes = TEMP_VECTORS * 8 * max(1, c) + MATVEC_ROW_BYTES
         on_device = x.device == self.device and (y is None or y.device == self.device)
         self.n_res, self.work_rows, self.slot_rows = plan_rows(self.n, self.row_bytes, self.work_row_bytes,
                                                                budget, on_device)

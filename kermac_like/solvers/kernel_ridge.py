@@ -42,7 +42,7 @@ from .._estimator import BaseEstimator, MultiOutputMixin, RegressorMixin, check_
 from ._cg import local_dots, pcg
 from ._dist import Comm
 from ._kernel import resolve_kernel
-from ._nystrom import FalkonPreconditioner, LandmarkNystromPreconditioner, gather_global_rows, sample_indices
+from ._nystrom import FalkonPreconditioner, LandmarkNystromPreconditioner, build_bytes, gather_global_rows, sample_indices
 from ._rows import HostMemoryError, RowSource
 
 try:
@@ -245,7 +245,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         it where it is and copies row chunks when it does not fit (see ``max_gpu_bytes``).
     max_gpu_bytes : int, optional
         nystrom: the bytes of the compute device one fit may hold (per rank): the preconditioner
-        (16 m^2), the centres, the data kept on the device and the stream buffers. When X and y do
+        (8 m^2 and the blocks of its build), the centres, the data kept on the device and the stream buffers. When X and y do
         not fit, a prefix of the rows stays on the device and the rest is streamed from host
         memory every pass (two device buffers, pinned host staging, copies on their own CUDA
         stream overlapped with the products). Without it, host data given to a CUDA ``device``
@@ -257,9 +257,10 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
     per product pass (one per CG iteration, plus the right-hand side, the periodic true-residual
     checks and the final one), a few objects of validation metadata (O(ranks)), and nothing of
     size N. Per-rank device memory of a nystrom fit: its rows (X and y, or the resident prefix and
-    two stream buffers under max_gpu_bytes) + 16 m^2 bytes (the float64 factors T and A of
-    Falkon's preconditioner; 6.4 GB at m = 20 000) + O(m (D + C)) + at most 1 GiB of float64
-    temporaries a pass. cg and cholesky gather X (N x D) and cg N x C vectors on every rank.
+    two stream buffers under max_gpu_bytes) + 8 m^2 bytes (the float64 factors T and A of
+    Falkon's preconditioner in one m x m buffer; 3.2 GB at m = 20 000) + O(m (D + C)) + the larger
+    of the build's row blocks (~0.15 GB at m = 20 000, and cuSOLVER's potrf workspace) and a pass's
+    temporaries (512 MiB a chunk, kernel_matvec's included: 3.2 + 0.54 GB at m = 20 000). cg and cholesky gather X (N x D) and cg N x C vectors on every rank.
 
     Fitted attributes: ``X_fit_`` and ``dual_coef_`` (this rank's share of the points and
     coefficients; the centres and beta for nystrom, beta in float64 with float32/16-bit data
@@ -544,13 +545,13 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         try:
             m = self._n_centers(n_total)
             c = y.shape[1]
-            fixed = 16 * m * m + 8 * m * (X.shape[1] + 4 * c)  # T, A, the centres, m x C vectors
+            fixed = build_bytes(m) + 8 * m * (X.shape[1] + 4 * c)  # T and A in one buffer, the centres, m x C vectors
             budget = None
             if self.max_gpu_bytes is not None:
                 budget = int(self.max_gpu_bytes) - fixed
                 if budget <= 0:
                     raise _Bad(ValueError, f"max_gpu_bytes: {int(self.max_gpu_bytes)} bytes do not hold the "
-                                           f"preconditioner of {m} centres ({fixed} bytes: 16 m^2 + O(m (D + C)))")
+                                           f"preconditioner of {m} centres ({fixed} bytes: 8 m^2 + O(m (D + C)) + its build's blocks)")
             elif X.device != dev and dev.type == "cuda":
                 budget = max(1, int(0.9 * _free_bytes(dev)) - fixed)
             rows = RowSource(X, y, dev, budget=budget, c=c)
@@ -596,7 +597,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                 else:
                     u = kernel.matvec(xc, z, v64)  # K_cZ v (rows, C)
                     if minus_y:
-                        u = yc.to(f64) - u
+                        u.neg_().add_(yc)  # y_c - K_cZ v, bit for bit, in place: one (rows, C) temporary
                 acc += kernel.matvec(z, xc, u)
             return comm.all_reduce(acc)
 
@@ -614,39 +615,30 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                 where = f" (on rank {r})" if comm.active else ""
                 raise ValueError(("X" if which == 0 else "y") + ": contains NaN or infinity" + where)
 
-        def make_kzz():
-            return kernel.matrix(z, z).to(f64)
-
-        pre = FalkonPreconditioner(make_kzz(), n_total, alpha, X.dtype, debug=debug, rebuild_kzz=make_kzz)
+        pre = FalkonPreconditioner(kernel, z, n_total, alpha, debug=debug)
         if debug:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             log.debug("nystrom: %d centres sampled and the preconditioner built in %.3f s (first pass included)",
                       m, time.perf_counter() - t0)
 
-        def k_zz(v64):  # (K_ZZ + delta I) v = T^T T v: the factored (jittered) K_ZZ, as Falkon takes it
-            # Exactly symmetric positive definite: the K_ZZ of the kernel matrix itself can have
-            # rounding-sized negative eigenvalues, which the preconditioner amplifies into an
-            # indefinite system on which CG diverges once the residual reaches ~2e-4
-            # (bench/notes/solvers.md, N = 10^6).
-            return pre.t.T @ (pre.t @ v64)
-
+        # The system is (K_Zn K_nZ + alpha T^T T) beta = K_Zn y with T^T T = K_ZZ + delta I, the factored
+        # (jittered) K_ZZ, as Falkon takes it: exactly symmetric positive definite (the K_ZZ of the kernel
+        # matrix itself can have rounding-sized negative eigenvalues, which the preconditioner amplifies
+        # into an indefinite system on which CG diverges once the residual reaches ~2e-4;
+        # bench/notes/solvers.md, N = 10^6). Its term of B^T (...) B is A^-T A^-1 / N (pre.normal).
         # Every vector is float64, so with float32/16-bit data both products run in kernel_matvec's
         # float64 mode (the kernel values in the data's dtype, every product and sum in float64). B
         # amplifies the rounding of either: the long coherent sum of K_Zn u, and K_nZ v, whose terms
         # cancel (v = B g oscillates); bench/notes/solvers.md.
-        def h(v64):  # (K_Zn K_nZ + alpha K_ZZ) v: one pass over the rows, one all_reduce of (m, C)
-            return data_pass(v64) + alpha * k_zz(v64)
-
-        def apply_a(g):
-            return pre.apply_t(h(pre.apply(g)))
+        def apply_a(g):  # one pass over the rows, one all_reduce of (m, C)
+            return pre.normal(g, data_pass, alpha)
 
         def residual(g):
-            """B^T (K_Zn (y - K_nZ beta) - alpha K_ZZ beta) for beta = B g: b - A g with the long sum
+            """B^T (K_Zn (y - K_nZ beta) - alpha T^T T beta) for beta = B g: b - A g with the long sum
             over the training points taken of the training residual y - K_nZ beta, not of K_nZ beta
             (see the notes)."""
-            beta = pre.apply(g)
-            return pre.apply_t(data_pass(beta, minus_y=True) - alpha * k_zz(beta))
+            return pre.normal(g, lambda beta: data_pass(beta, minus_y=True), -alpha)
 
         b = pre.apply_t(k_zn_y)  # = residual(0)
 

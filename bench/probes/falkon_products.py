@@ -11,22 +11,10 @@ import sys
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "bench")]
 
 import kermac_like as km  # noqa: E402
-
-
-def cuda_time(fn, reps=3):
-    fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return sorted(ts)[len(ts) // 2]
+from _timing import time_calls  # noqa: E402
 
 
 def main():
@@ -37,24 +25,25 @@ def main():
     ap.add_argument("--fit", type=int, default=0)
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
-    g = km.PRESETS["gaussian_l2"] if hasattr(km, "PRESETS") else km.preset("gaussian_l2")
+    g = km.preset("gaussian_l2")
     torch.manual_seed(0)
     x = torch.rand(args.n, args.d, device=dev) * 2 - 1
     z = x[torch.randperm(args.n, device=dev)[:args.m]].contiguous()
     rows = []
     pairs = args.n * args.m
-    for mode in ("float32", "float64"):
+    for mode in ("float32", "float64"):  # fresh v and u for every call (time_calls)
         dt = getattr(torch, mode)
-        v = torch.randn(args.m, 1, device=dev, dtype=dt)
-        u = torch.randn(args.n, 1, device=dev, dtype=dt)
         o1 = torch.empty(args.n, 1, device=dev, dtype=dt)
         o2 = torch.empty(args.m, 1, device=dev, dtype=dt)
-        t1 = cuda_time(lambda: km.kernel_matvec(g, x, z, v, out=o1, bandwidth=1.5))
-        t2 = cuda_time(lambda: km.kernel_matvec(g, z, x, u, out=o2, bandwidth=1.5))
-        # error of a few rows against float64
+        t1 = time_calls(lambda v: km.kernel_matvec(g, x, z, v, out=o1, bandwidth=1.5),
+                        lambda: (torch.randn(args.m, 1, device=dev, dtype=dt),), dev, repeats=3, warmup=1,
+                        keep_last=True)
+        t2 = time_calls(lambda u: km.kernel_matvec(g, z, x, u, out=o2, bandwidth=1.5),
+                        lambda: (torch.randn(args.n, 1, device=dev, dtype=dt),), dev, repeats=3, warmup=1)
+        v = t1.last_inputs[0]  # error of a few rows against float64
         ref = torch.exp(-torch.cdist(x[:64].double(), z.double()) ** 2 / (2 * 1.5 ** 2)) @ v.double()
         e1 = float(((o1[:64].double() - ref).norm() / ref.norm()))
-        for name, t in ((f"K(x,z) v  {mode}", t1), (f"K(z,x) u  {mode}", t2)):
+        for name, t in ((f"K(x,z) v  {mode}", t1.median_ms / 1e3), (f"K(z,x) u  {mode}", t2.median_ms / 1e3)):
             rows.append((name, f"{t * 1e3:9.1f} ms", f"{pairs / t / 1e12:6.2f}e12 pairs/s"))
         rows.append((f"  err K(x,z) v {mode}", f"{e1:.2e}", ""))
         print(rows[-3:], flush=True)

@@ -104,7 +104,8 @@ def _phi(which: int, x, y, bw: float):
     x, y = x.astype(np.float64), y.astype(np.float64)
     desc = INSTANCES[which][0]
     diff = x[:, None, :] - y[None, :, :]
-    d = np.abs(diff).sum(-1) if "Abs" in desc else (diff ** 2).sum(-1) if "Noop" in desc else np.sqrt((diff ** 2).sum(-1))
+    d2 = (diff ** 2).sum(-1)
+    d = np.abs(diff).sum(-1) if "Abs" in desc else d2 if "Noop" in desc else np.sqrt(d2)
     return d / bw if "Laplace" in desc else d * d / (2 * bw * bw)
 
 

@@ -37,7 +37,9 @@ namespace kermac_like {
 //      (then the trip is redone against the new reference), padded trips (no tail loop), the
 //      log-weight in y's first padding slot when kC = 1 and kK % 4 != 0;
 //   2: as 1, and for the Gaussian of the l2 distance with kC = 1 the reference and the scale
-//      folded into the distance: exp2(fma(d^2 + a, -S, lw)), ref = S a (one FFMA per pair less).
+//      folded into the distance: exp2(fma(d^2 + a, -S, lw)), ref = S a (one FFMA per pair less);
+//   3: as 2, and for an exponential of the squared l2 distance (Gaussian-l2, Laplace of the squared
+//      l2) with kC = 1 the expanded exponent where the planner allows it (lse_detail::kPathExpand).
 // kUnrollJ_ / kRows_: 0 (the defaults below) or the points per trip / rows per thread.
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
           int kVariant_ = 0, int kUnrollJ_ = 0, int kRows_ = 0>
@@ -66,7 +68,7 @@ struct LseTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogue_,
   // Points per trip of the pair loop (their maximum first, one rescale of the running sum): as
   // many as the y registers allow (kUnrollJ * kKS of them).
   static constexpr int kUnrollJ = kUnrollJ_ > 0 ? kUnrollJ_ : kKS <= 8 ? (kC_ <= 2 ? 4 : 2) : kKS <= 16 ? 2 : 1;
-  static_assert(kVariant_ >= 0 && kVariant_ <= 2, "LseTraits: kVariant is 0, 1 or 2");
+  static_assert(kVariant_ >= 0 && kVariant_ <= 3, "LseTraits: kVariant is 0..3");
   static_assert(kRows_ >= 0 && kRows_ <= 8 && kUnrollJ_ >= 0 && kUnrollJ_ <= 8, "LseTraits: kRows, kUnrollJ 0..8");
   static_assert(kBlockN % kUnrollJ == 0, "LseTraits: kUnrollJ must divide kBlockN");
   static constexpr int kVariant = kVariant_;
@@ -74,7 +76,10 @@ struct LseTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogue_,
   // The log-weight rides in y's first padding slot (one float4 read per point).
   static constexpr bool kLInY = kLazy && kC_ == 1 && kK_ % 4 != 0;
   // Reference and scale folded into the distance's FFMA chain (Gaussian-l2, one column).
-  static constexpr bool kFold = kVariant_ == 2 && kC_ == 1 && kSquared;
+  static constexpr bool kFold = kVariant_ >= 2 && kC_ == 1 && kSquared;
+  // The expanded exponent (kVariant 3, one column, exp(-S d^2) of the squared l2 distance d^2).
+  static constexpr bool kExpand = kVariant_ == 3 && kC_ == 1 && kInnerPow_ == Power::Square &&
+                                  ((kSquared) || (kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::Laplace));
 
   // exact::accumulate's choice of pipe for |d|^p: MUFU throughout.
   __host__ __device__ static constexpr bool exp2_on_fma(int, int) { return false; }
@@ -167,6 +172,19 @@ __device__ __forceinline__ void pairs(const float* ys, const float* ls, int j, c
 // fails the compare: no redo); -inf terms add 0; padded points (y = 0, weight -inf) add +0.
 constexpr float kLazyMax = 4294967296.0f;  // 2^32
 
+// The lazy loop's exponent (CTA uniform): the plain v = fma(d, -S, lw) - ref; the fold (kVariant 2);
+// the expanded exponent (kVariant 3): with u = x - c, w = y - c about the planner's centre c
+// (distances are translation invariant), -S |u - w|^2 + lw = a_m + bl_n + sum_k x'_k w_k with
+// x' = 2 S u and a_m = -S |u|^2 per row (registers), bl_n = -S |w|^2 + lw per point (staged with
+// w: y's padding slot or the weight array). The row keeps c_m = a_m - ref in mx and a pair costs
+// K FFMA + 1 FADD: e = (c_m + x'.w) + bl_n = v - ref; the result's reference is a_m - c_m. Its
+// rounding error is ~2^-24 S (|u|^2 + |w|^2) instead of the direct form's ~2^-24 S |u - w|^2: the
+// planner (plan/logsumexp.py expand_params) takes it only where that stays below its tolerance,
+// and a CTA with a non-finite row keeps the direct loop (an infinite row against an infinite
+// point is NaN there; the expansion cannot tell).
+constexpr int kPathPlain = 0, kPathFold = 1, kPathExpand = 2;
+constexpr float kHighest = 3.40282347e38f;  // the expanded path's c_m of no term (ref = lowest)
+
 // The pre-scale phi of (x row, y point): the sum of inner terms started at acc0 (the fold's a),
 // then the outer power / square unless phi is the squared sum itself.
 template <class Tr, int KS>
@@ -202,8 +220,8 @@ __device__ __forceinline__ P* opaque(P* p) {
 
 // The trip of row i, column c redone against a new reference (rare: the first finite terms, a
 // term 2^32 above the reference), its points re-read from the tile; s0 is the sum before the
-// trip, ref is a = ref / S when kFoldPath.
-template <class Tr, int U, bool kFoldPath>
+// trip, ref is a = ref / S on the fold's path, c_m = a_m - ref on the expanded one.
+template <class Tr, int U, int kPath>
 __device__ __forceinline__ void lazy_redo(const float* ys, const float* ls, int j, const float (&xr)[Tr::kK], int i,
                                           int c, const math::PowArgs& pw, float inv_outer_p, LazyArgs la, float s0,
                                           float& ref, float& s) {
@@ -217,11 +235,33 @@ __device__ __forceinline__ void lazy_redo(const float* ys, const float* ls, int 
     lj[u] = Tr::kLInY ? yj[u][Tr::kK] : ls[(j + u) * C + c];
   }
   float d[U], mn = neg_inf();
+  if constexpr (kPath == kPathExpand) {  // the terms minus a_m, against -c_m (the old reference minus a_m)
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float e = 0.0f;
+#pragma unroll
+      for (int q = 0; q < Tr::kK; ++q) e = math::fma_rn(xr[q], yj[u][q], e);
+      mn = fmaxf(mn, math::add_rn(e, lj[u]));
+    }
+    mn = fmaxf(mn, math::add_rn(-ref, math::lg2_approx(s0)));
+    const float cn = -mn;
+    float acc = s0 * math::ex2_approx(math::sub_rn(cn, ref));
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float e = cn;
+#pragma unroll
+      for (int q = 0; q < Tr::kK; ++q) e = math::fma_rn(xr[q], yj[u][q], e);
+      acc = math::add_rn(acc, math::ex2_approx(math::add_rn(e, lj[u])));
+    }
+    ref = cn, s = acc;
+    return;
+  }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     d[u] = pre_phi<Tr, KS>(xr, yj[u], 0.0f, i, pw, inv_outer_p);
     mn = fmaxf(mn, math::fma_rn(d[u], la.scale2, lj[u]));
   }
+  constexpr bool kFoldPath = kPath == kPathFold;
   const float old = kFoldPath ? -la.scale2 * ref : ref;  // the reference in log2 units
   mn = fmaxf(mn, math::add_rn(old, math::lg2_approx(s0)));  // s0 = 0: -inf
   float acc;
@@ -246,9 +286,10 @@ __device__ __forceinline__ void lazy_redo(const float* ys, const float* ls, int 
 }
 
 // Points j .. j + U - 1 of the staged tile (whole trips: padded points add +0) against the
-// thread's rows. kFoldPath: the reference lives in mx as a = ref / S and starts the distance's
+// thread's rows. kPathFold: the reference lives in mx as a = ref / S and starts the distance's
 // FFMA chain, the exponent one FFMA: fma(d^2 + a, -S, lw) (Gaussian-l2, one column).
-template <class Tr, int U, bool kFoldPath>
+// kPathExpand: mx holds c_m = a_m - ref, xr the rows' x', the tile w and bl (see kPathExpand).
+template <class Tr, int U, int kPath>
 __device__ __forceinline__ void pairs_lazy(const float* ys, const float* ls, int j,
                                            const float (&xr)[Tr::kRows][Tr::kK], const math::PowArgs& pw,
                                            float inv_outer_p, LazyArgs la, float (&mx)[Tr::kRows][Tr::kC],
@@ -275,7 +316,17 @@ __device__ __forceinline__ void pairs_lazy(const float* ys, const float* ls, int
   float st[R][C];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
-    if constexpr (kFoldPath) {
+    if constexpr (kPath == kPathExpand) {
+      float s = sm[i][0];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float e = mx[i][0];
+#pragma unroll
+        for (int q = 0; q < Tr::kK; ++q) e = math::fma_rn(xr[i][q], yj[u][q], e);
+        s = math::add_rn(s, math::ex2_approx(math::add_rn(e, lj[u][0])));
+      }
+      st[i][0] = s;
+    } else if constexpr (kPath == kPathFold) {
       float s = sm[i][0];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -310,7 +361,7 @@ __device__ __forceinline__ void pairs_lazy(const float* ys, const float* ls, int
 #pragma unroll
       for (int c = 0; c < C; ++c)
         if (st[i][c] > kLazyMax)
-          lazy_redo<Tr, U, kFoldPath>(ys, ls, j, xr[i], i, c, pw, inv_outer_p, la, sm[i][c], mx[i][c], st[i][c]);
+          lazy_redo<Tr, U, kPath>(ys, ls, j, xr[i], i, c, pw, inv_outer_p, la, sm[i][c], mx[i][c], st[i][c]);
   }
 #pragma unroll
   for (int i = 0; i < R; ++i)
@@ -324,6 +375,8 @@ extern __shared__ __align__(16) unsigned char kl_lse_smem[];
 
 // Grid: (row tiles, N splits, batch entries (looped beyond gridDim.z)). n_split CTAs share a
 // row tile, each over `per` y tiles. C <= kC columns of lw and out (the planner's chunk).
+// expand (kVariant 3): null, or the planner's [flag, centre (K)]: flag > 0 takes the expanded
+// exponent (lse_detail::kPathExpand) about that centre in every CTA whose rows are finite.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
     const typename Traits::T* __restrict__ x, const typename Traits::T* __restrict__ y,
@@ -333,7 +386,7 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
     i64 l_bs1, i64 l_bs2, i64 o_bs0, i64 o_bs1, i64 o_bs2, const float* inner_p_ptr, i64 inner_p_bs0,
     i64 inner_p_bs1, i64 inner_p_bs2, float inner_p, const float* outer_p_ptr, i64 outer_p_bs0, i64 outer_p_bs1,
     i64 outer_p_bs2, float outer_p, const float* bw_ptr, i64 bw_bs0, i64 bw_bs1, i64 bw_bs2, float bandwidth,
-    int n_split, int per) {
+    int n_split, int per, const float* __restrict__ expand) {
   using Tr = Traits;
   using namespace lse_detail;
   constexpr int R = Tr::kRows, BM = Tr::kBlockM, BN = Tr::kBlockN, KS = Tr::kKS, KK = Tr::kK, KC = Tr::kC;
@@ -368,7 +421,7 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
     const bool fold = Tr::kFold && -scale2 >= 0x1p-20f && -scale2 <= 0x1p40f;
     const LazyArgs la{scale2, fold ? -1.0f / scale2 : 0.0f};
 
-    float xr[R][KK], mx[R][KC], sm[R][KC];
+    float xr[R][KK], mx[R][KC], sm[R][KC], xa[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const int m = m0 + tid + i * Tr::kThreads;
@@ -377,6 +430,35 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
       for (int q = 0; q < KK; ++q) xr[i][q] = (live && q < K) ? load_f(xl + i64(m) * sxm + i64(q) * sxk) : 0.0f;
 #pragma unroll
       for (int c = 0; c < KC; ++c) mx[i][c] = kLowest, sm[i][c] = 0.0f;
+    }
+    // The expanded exponent (CTA uniform): the planner's flag and every row's |x - c|^2 finite.
+    bool expand_cta = false;
+    if constexpr (Tr::kExpand) {
+      if (expand != nullptr && expand[0] > 0.0f) {  // the same for every CTA
+        bool ok = true;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          float n2 = 0.0f;
+#pragma unroll
+          for (int q = 0; q < KK; ++q) {
+            const float u = math::sub_rn(xr[i][q], q < K ? expand[1 + q] : 0.0f);
+            n2 = math::fma_rn(u, u, n2);
+          }
+          xa[i] = math::mul_rn(scale2, n2);  // a_m = -S |u|^2
+          ok = ok && fabsf(xa[i]) <= -kLowest;  // NaN fails
+        }
+        expand_cta = __syncthreads_and(ok) != 0;
+      }
+      if (expand_cta) {
+        const float s2 = -2.0f * scale2;  // x' = 2 S u
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+#pragma unroll
+          for (int q = 0; q < KK; ++q)
+            xr[i][q] = math::mul_rn(s2, math::sub_rn(xr[i][q], q < K ? expand[1 + q] : 0.0f));
+          mx[i][0] = kHighest;  // c_m = a_m - ref with ref the lowest float: the first terms redo
+        }
+      }
     }
 
     for (int n0 = n_begin; n0 < n_end; n0 += BN) {
@@ -399,12 +481,38 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
           }
         }
         __syncthreads();
+        if constexpr (Tr::kExpand) {
+          if (expand_cta) {
+            // One thread per point: w = y - c and bl = -S |w|^2 + lw in place of y and lw (a
+            // non-finite |w|^2: zero coordinates, bl = -inf + lw or NaN, as the direct form gives).
+            for (int j = tid; j < BN; j += Tr::kThreads) {
+              float* p = ys + j * KS;
+              float w[KK], n2 = 0.0f;
+#pragma unroll
+              for (int q = 0; q < KK; ++q) {
+                w[q] = math::sub_rn(p[q], q < K ? expand[1 + q] : 0.0f);
+                n2 = math::fma_rn(w[q], w[q], n2);
+              }
+              const float b = math::mul_rn(scale2, n2);
+              const bool finite = fabsf(b) <= -kLowest;
+#pragma unroll
+              for (int q = 0; q < KK; ++q) p[q] = finite ? w[q] : 0.0f;
+              float& l = Tr::kLInY ? p[KK] : ls[j];
+              l = math::add_rn(b, l);
+            }
+            __syncthreads();
+#pragma unroll 1
+            for (int j = 0; j < jround; j += U) pairs_lazy<Tr, U, kPathExpand>(ys, ls, j, xr, pw, inv_outer_p, la, mx, sm);
+            continue;
+          }
+        }
         if (fold) {
 #pragma unroll 1
-          for (int j = 0; j < jround; j += U) pairs_lazy<Tr, U, Tr::kFold>(ys, ls, j, xr, pw, inv_outer_p, la, mx, sm);
+          for (int j = 0; j < jround; j += U)
+            pairs_lazy<Tr, U, Tr::kFold ? kPathFold : kPathPlain>(ys, ls, j, xr, pw, inv_outer_p, la, mx, sm);
         } else {
 #pragma unroll 1
-          for (int j = 0; j < jround; j += U) pairs_lazy<Tr, U, false>(ys, ls, j, xr, pw, inv_outer_p, la, mx, sm);
+          for (int j = 0; j < jround; j += U) pairs_lazy<Tr, U, kPathPlain>(ys, ls, j, xr, pw, inv_outer_p, la, mx, sm);
         }
       } else {
         for (int e = tid; e < BN * KS; e += Tr::kThreads) {
@@ -423,7 +531,10 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
         for (int j = jfull; j < jn; ++j) pairs<Tr, 1>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
       }
     }
-    if (fold) {  // mx holds a = ref / S: the reference itself (lowest float while no term)
+    if (expand_cta) {  // mx holds c_m = a_m - ref: the reference (lowest float while no term)
+#pragma unroll
+      for (int i = 0; i < R; ++i) mx[i][0] = fmaxf(math::sub_rn(xa[i], mx[i][0]), kLowest);
+    } else if (fold) {  // mx holds a = ref / S: the reference itself (lowest float while no term)
 #pragma unroll
       for (int i = 0; i < R; ++i) mx[i][0] = fmaxf(-scale2 * mx[i][0], kLowest);
     }

@@ -81,3 +81,44 @@ def test_fused_million_points_smoke():
     assert out.shape == (10 ** 6,) and torch.isfinite(out).all()
     # the nearest point dominates at this bandwidth: out >= -phi(nearest) and <= log N
     assert (out <= torch.log(torch.tensor(1e6))).all()
+
+
+def test_expanded_exponent_against_float64():
+    """kVariant 3 (the expanded exponent) where the planner's bound allows it: randn D = 3 and 8 at
+    bandwidths 1.0 and 3.0 (Gaussian of l2, Laplace of squared l2), an infinite row, a NaN point,
+    -inf weights; the same bits twice; KERMAC_LIKE_LSE_EXPAND's direct kernel beside it."""
+    import dataclasses
+
+    from kermac_like.descriptor import KernelType
+    from kermac_like.plan import logsumexp as plan_lse
+    from kermac_like.plan.logsumexp import expand_params
+
+    g = torch.Generator().manual_seed(3)
+    lap2 = dataclasses.replace(km.preset("squared_l2"), kernel_type=KernelType.LAPLACE)
+    for K in (3, 8):
+        x, y = torch.randn(3000, K, generator=g).cuda(), torch.randn(200000, K, generator=g).cuda()
+        lw = torch.randn(200000, generator=g).cuda()
+        lw[::7] = -float("inf")
+        x[1700, 0] = float("inf")
+        y[123, 1] = float("nan")
+        for desc, bw in ((km.preset("gaussian_l2"), 1.0), (km.preset("gaussian_l2"), 3.0), (lap2, 3.0)):
+            assert expand_params(desc, x, y, bw)[0].item() == 1.0
+            got = km.kernel_logsumexp(desc, x, y, lw, bandwidth=bw)
+            again = km.kernel_logsumexp(desc, x, y, lw, bandwidth=bw)
+            assert torch.equal(got.view(torch.int32), again.view(torch.int32))
+            want = _blocked(desc, x, y, lw, bandwidth=bw)
+            assert torch.isnan(want).all() and torch.isnan(got).all()  # the NaN point
+            y2 = y.clone()
+            y2[123, 1] = 0.0
+            got = km.kernel_logsumexp(desc, x, y2, lw, bandwidth=bw).double()
+            want = _blocked(desc, x, y2, lw, bandwidth=bw)
+            fin = torch.isfinite(want)
+            assert not fin[1700] and torch.equal(fin, torch.isfinite(got)) and fin.sum() == 2999
+            err = ((got - want).abs() / want.abs().clamp_min(1))[fin].max().item()
+            assert err < 1e-5, (K, desc, bw, err)
+            plan_lse.EXPAND = False
+            try:
+                direct = km.kernel_logsumexp(desc, x, y2, lw, bandwidth=bw).double()
+            finally:
+                plan_lse.EXPAND = True
+            assert ((direct - want).abs() / want.abs().clamp_min(1))[fin].max() < 1e-5

@@ -36,7 +36,7 @@ def loops(instrs):
     return sorted(out, key=lambda t: -len(t[2]))
 
 
-def report(name, instrs, pairs_per_trip, dump):
+def report(name, instrs, pairs_per_trip, dump, _nested=False):
     ls = loops(instrs)
     if not ls:
         print(name, ": no loop")
@@ -44,6 +44,11 @@ def report(name, instrs, pairs_per_trip, dump):
     # The pair loop: the innermost backward branch (no other backward branch inside) with the
     # most MUFU.EX2. Forward-branched cold code inside its range (the lazy redo) is counted apart.
     inner = [t for t in ls if not any(o is not t and t[0] <= o[0] and o[1] < t[1] for o in ls)]
+    hot = [t for t in inner if sum("MUFU.EX2" in i for _, i in t[2]) >= pairs_per_trip]
+    if len(hot) > 1 and not _nested:  # several pair loops (variant 3: expanded, fold, plain): each
+        for t in hot:
+            report(name, [(a, i) for a, i in instrs if t[0] <= a <= t[1]], pairs_per_trip, dump, _nested=True)
+        return
     start, end, body = max(inner, key=lambda t: sum("MUFU.EX2" in i for _, i in t[2]))
     # Cold: the ranges that forward branches of the loop skip when they hold MUFU.LG2 (the lazy
     # redo's log2 of the old sum; the hot path has none). The widest such range per branch.

@@ -11,23 +11,31 @@ tiles, N splits, batch). When the row tiles alone cannot fill the GPU, the N ran
 (kernel_matvec's rule, choose_split: it depends on the shapes and the device only), each split
 leaves its (max, sum) pairs in a scratch of at most SCRATCH_BYTES and lse_combine_kernel
 combines them in split order: the same inputs give the same bits on the same device.
+
+The expanded exponent (LseTraits kVariant 3, one column, an exponential of the squared l2
+distance, no batch): expand_params computes on the device, without a host synchronisation, a
+bound on its rounding error from the data and passes the kernel [flag, centre]; the kernel takes
+the expanded loop where the flag is set (and keeps the direct one where it is not).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import numpy as np
 import torch
 
+from ..descriptor import InnerOperator, KernelType, PowerType
+from ..runtime.specs import logsumexp as specs
 from ..runtime.specs.logsumexp import MAX_C, MAX_K, MAX_SPLIT, c_bucket, lse_combine_spec, lse_spec
 from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     choose_split
 
 log = logging.getLogger("kermac_like.logsumexp")
 
-__all__ = ["plan_logsumexp", "fused_serves", "SCRATCH_BYTES"]
+__all__ = ["plan_logsumexp", "fused_serves", "expandable", "expand_params", "SCRATCH_BYTES", "EXPAND_TOL"]
 
 SCRATCH_BYTES = 32 << 20  # largest split scratch of one launch ([split][batch][M][kC][2] float32)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -35,6 +43,13 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # logsumexp family passed on an H100, 2026-11-26); KERMAC_LIKE_LSE_FUSED=0 sends them to the
 # blocked path (running maximum over run_kernel blocks) instead.
 FUSED = os.environ.get("KERMAC_LIKE_LSE_FUSED", "1") != "0"
+# The expanded exponent where the data allow it; KERMAC_LIKE_LSE_EXPAND=0: the direct form's kernel
+# (kVariant 2) for every call, as before it.
+EXPAND = os.environ.get("KERMAC_LIKE_LSE_EXPAND", "1") != "0"
+# The expanded exponent's error bound (natural log units) at which the kernel takes it: 2.5x below
+# the 1e-5 target of max(1, |value|) (see expand_params for the bound and its constant).
+EXPAND_TOL = 4e-6
+_LN2_U32 = math.log(2.0) * 2.0 ** -24  # unit roundoff of float32, log2 -> natural units
 
 
 def fused_serves(call, lw: torch.Tensor) -> bool:
@@ -42,6 +57,47 @@ def fused_serves(call, lw: torch.Tensor) -> bool:
     return (FUSED and call.a.dtype in _DTYPES and lw.dtype == call.a.dtype and 0 < call.K <= MAX_K
             and call.N < 2 ** 31 - 1 and call.M < 2 ** 31 - 1
             and (call.epsilon is None or call.epsilon <= 0) and _gpu_ok(call.a))
+
+
+def expandable(desc) -> bool:
+    """Whether the descriptor's kernel is exp(-S d^2) of the squared l2 distance d^2 (the Gaussian of
+    the l2 distance, the Laplace of the squared one): the expanded exponent applies."""
+    return (desc.inner_operator is InnerOperator.DIFF and desc.inner_power is PowerType.SQUARE
+            and ((desc.kernel_type is KernelType.GAUSSIAN and desc.outer_power is PowerType.SQRT)
+                 or (desc.kernel_type is KernelType.LAPLACE and desc.outer_power is PowerType.NOOP)))
+
+
+def expand_params(desc, x: torch.Tensor, y: torch.Tensor, bandwidth) -> torch.Tensor:
+    """[flag, centre (K)] (float32, x's device) for lse_kernel's `expand` argument: the centre c
+    is the mean of x's finite rows, flag = 1.0 where the expanded exponent's error bound is at
+    most EXPAND_TOL, else 0.0. Device operations only (no host synchronisation): a few reductions
+    over x and y, ~1e-4 of the pair loop's time at M = N = 10^6.
+
+    Bound: the kernel forms v - ref = (c_m + sum_k x'_k w_k) + bl_n with u = x - c, w = y - c,
+    x' = 2 S u, c_m = -S |u|^2 - ref, bl_n = -S |w|^2 + lw (base 2, S = log2(e) / (2 bw^2) or
+    log2(e) / bw); its K + 3 roundings fall on partial sums of size up to ~S (|u|^2 + |w|^2) (those of
+    the direct form on ~S |u - w|^2), so its absolute error is about 2^-24 S (|u|^2 + |w|^2) times
+    a small constant, in log2 units. The bound takes the constant 1 over the largest |u|^2 and
+    |w|^2 of the finite rows (the kernel centres on the same c, so they bound every pair's):
+    ln 2 2^-24 S (max |u|^2 + max |w|^2). Calibration (float32 emulation of the loop, randn D = 3,
+    10^6 points, the 64 rows farthest from c): the worst result error was 0.75x the bound at
+    bandwidth 0.3 (terms from few points) and 0.14x at 1.0 (errors average over many terms), so at
+    EXPAND_TOL = 4e-6 the result stays within ~3e-6 of max(1, |value|). randn D = 3, 10^6 points:
+    max |u|^2 + max |w|^2 ~ 62, bound 1.9e-6 / bw^2: the expanded form from bw ~ 0.7 up.
+    Non-finite rows and points are left out of the maxima: the kernel keeps the direct loop in a
+    CTA with a non-finite row and gives non-finite points the direct form's term."""
+    K = x.shape[-1]
+    xf, yf = x.reshape(-1, K).float(), y.reshape(-1, K).float()
+    fx, fy = torch.isfinite(xf).all(-1), torch.isfinite(yf).all(-1)
+    centre = torch.where(fx[:, None], xf, 0).sum(0) / fx.sum().clamp_min(1)
+    rx = torch.where(fx, (xf - centre).square().sum(-1), 0).amax() if xf.shape[0] else xf.new_zeros(())
+    ry = torch.where(fy, (yf - centre).square().sum(-1), 0).amax() if yf.shape[0] else yf.new_zeros(())
+    bw = torch.as_tensor(bandwidth, dtype=torch.float64, device=x.device).abs().amin()
+    gauss = desc.kernel_type is KernelType.GAUSSIAN
+    s = (math.log2(math.e) / (2.0 * bw * bw)) if gauss else (math.log2(math.e) / bw)
+    bound = _LN2_U32 * s * (rx.double() + ry.double())
+    flag = (bound <= EXPAND_TOL).float()  # NaN / inf bounds: 0
+    return torch.cat([flag.reshape(1), centre])
 
 
 def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = False):
@@ -55,7 +111,14 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
     tensors = {"x": call.a, "y": call.b, "lw": lw, "out": out}
     hypers, strides, bplan = batch_plan(call, tensors, skip=("regularization",))
     L = bplan.count
-    spec = lse_spec(call.desc, dtype, K, min(C, MAX_C))
+    # The expanded exponent (kVariant 3's spec, flag and centre on the device): one column, one
+    # batch entry, the shipped pair loop (probes' TUNING choose their own) and EXPAND; else the
+    # direct form's kernel (kVariant 2).
+    tune = specs.TUNING or specs.default_tuning(specs.k_bucket(K), c_bucket(min(C, MAX_C)), call.desc, dtype)
+    expand = (EXPAND and C == 1 and L == 1 and expandable(call.desc) and tune.get("variant") == 3
+              and M > 0 and N > 0)
+    variant = None if expand or specs.TUNING is not None else 2
+    spec = lse_spec(call.desc, dtype, K, min(C, MAX_C), variant=variant)
     if L == 0 or M == 0 or C == 0:
         return Plan("logsumexp", spec, (), out, debug=debug)
     if N == 0:  # no terms: log 0
@@ -68,9 +131,13 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
     bs = {name: bplan.strides[name][1] for name in tensors}
     dims = (np.int32(L), np.int32(bplan.modes[1]), np.int32(bplan.modes[2]))
     launches, scratch = [], [h for h in hypers.values() if isinstance(h, torch.Tensor)]  # float32 copies stay alive
+    params = None
+    if expand:
+        params = expand_params(call.desc, call.a, call.b, call.hypers["bandwidth"])
+        scratch.append(params)
     for c0 in range(0, C, MAX_C):
         cc = min(MAX_C, C - c0)
-        spec_c = lse_spec(call.desc, dtype, K, cc)
+        spec_c = lse_spec(call.desc, dtype, K, cc, variant=variant)
         kernel = get_kernel(spec_c, device, debug=debug)
         kC = c_bucket(cc)
         m_tiles = -(-M // spec_c.launch.block_m)
@@ -106,7 +173,7 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
                     *(np.int64(s) for name in ("x", "y", "lw", "out") for s in bs[name])]
             for name in HYPERS[:3]:  # inner_p, outer_p, bandwidth
                 args += hyper(name)
-            args += [np.int32(split), np.int32(per)]
+            args += [np.int32(split), np.int32(per), 0 if params is None else params.data_ptr()]
             launches.append(Launch(kernel, grid, tuple(args)))
             if combine is not None:
                 cgrid = (max(1, min(-(-(L * M * cc) // combine.spec.launch.threads), _sm_count(device) * 8)), 1, 1)

@@ -9,9 +9,11 @@ tile and its log-weight columns); the compile stub checks them with static_asser
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ...descriptor import PRESETS, KernelDescriptor
+from ...descriptor import PRESETS, KernelDescriptor, KernelType
 from .kernel_spec import CPP_TYPES, KernelSpec, LaunchShape, bucket
 from .topk import K_BUCKETS, MAX_K, k_bucket
 
@@ -26,6 +28,8 @@ MAX_SPLIT = 1024  # N splits of one call (the combine loops over them)
 
 _T = CPP_TYPES
 _GAUSS_ARGS = PRESETS["gaussian_l2"].cpp_args()
+# exp(-S d^2) of the squared l2 distance: the Gaussian of the l2 distance, the Laplace of the squared one.
+_EXPANDABLE = (_GAUSS_ARGS, dataclasses.replace(PRESETS["squared_l2"], kernel_type=KernelType.LAPLACE).cpp_args())
 
 
 def c_bucket(C: int) -> int:
@@ -35,7 +39,9 @@ def c_bucket(C: int) -> int:
 
 # The pair loop of the fused kernel: LseTraits' (kVariant, kUnrollJ, kRows); 0 = the template's
 # default. Variant 0: a running maximum per trip; 1: a lazy reference; 2: 1 with the reference and
-# the scale folded into the distance (Gaussian-l2, one column). bench/notes/logsumexp.md.
+# the scale folded into the distance (Gaussian-l2, one column); 3: 2 with the expanded exponent
+# where plan/logsumexp.py's bound allows it (exp(-S d^2) of the squared l2 distance, one column).
+# bench/notes/logsumexp.md.
 # Probes override it: TUNING = {"variant": v, "unroll_j": u, "rows": r}; None: the default.
 DEFAULT_TUNING = {"variant": 2, "unroll_j": 0, "rows": 0}
 TUNING: dict | None = None
@@ -43,14 +49,20 @@ TUNING: dict | None = None
 
 def default_tuning(kK: int, kC: int, desc: KernelDescriptor | None = None, dtype=torch.float32) -> dict:
     """The shipped pair loop for padded K and the column bucket: the lazy reference with the fold
-    (variant 2; the plain lazy loop where the fold does not apply: Laplace, several columns), 8
+    and, for one column of an exponential of the squared l2 distance, the expanded exponent where
+    the planner allows it (variant 3; else 2, whose plain lazy loop serves where the fold does not
+    apply: Laplace, several columns), 8
     points per trip for float32 Gaussian point clouds with one column (elsewhere 8 spills a few
     registers on sm_90), 4 up to K = 16, the template's default beyond. Measured on an H200 at 10^6 x 10^6 (bench/probes/lse_variants.py, ms, kernel_matvec
     beside): D = 3, C = 1: 537 (variant 0) -> 369 (v2, 8 per trip), matvec 274; D = 16, C = 1
     (N = 2.5e5): 373 -> 341 (v2, 4), matvec 331; D = 3, C = 4 (N = 2.5e5): 440 -> 278 (v1, 4)."""
     wide = kK <= 4 and kC == 1 and dtype == torch.float32 and (desc is None or desc.cpp_args() == _GAUSS_ARGS)
     unroll = 8 if wide else 4 if kK <= 16 else 0
-    return dict(DEFAULT_TUNING, unroll_j=unroll)
+    # (float32, K 3..16: there ptxas spills nothing on sm_80 / sm_90; at K = 2, 64 and for 16-bit
+    # inputs variant 3 spilled 12-36 bytes, so they keep variant 2)
+    expand = (kC == 1 and 3 <= kK <= 16 and dtype == torch.float32
+              and (desc is None or desc.cpp_args() in _EXPANDABLE))
+    return dict(DEFAULT_TUNING, variant=3 if expand else DEFAULT_TUNING["variant"], unroll_j=unroll)
 
 
 def rows_per_thread(kK: int, kC: int) -> int:
@@ -94,7 +106,7 @@ def lse_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, variant: int | No
     v = tune.get("variant", 0) if variant is None else variant
     u = tune.get("unroll_j", 0) if unroll_j is None else unroll_j
     r = tune.get("rows", 0) if rows is None else rows
-    if v not in (0, 1, 2) or not 0 <= u <= 8 or not 0 <= r <= 8:
+    if v not in (0, 1, 2, 3) or not 0 <= u <= 8 or not 0 <= r <= 8:
         raise ValueError(f"logsumexp: variant {v}, unroll_j {u}, rows {r} out of range")
     return KernelSpec("logsumexp.cuh", "kermac_like::lse_kernel", _traits(desc, dtype, kK, kC, v, u, r),
                       _launch(kK, kC, r))
@@ -120,12 +132,15 @@ def lse_combine_spec(desc: KernelDescriptor, dtype, C: int) -> KernelSpec:
 def shipped():
     """The instantiations the public calls reach for common inputs: the Gaussian and Laplace
     kernels of point clouds (K = 2, 3) and small embeddings (8, 16, 64), one column (Sinkhorn's
-    potentials) and a few, with their split combinations; float16 / bfloat16 once."""
+    potentials; Gaussian K = 3, 8, 16: variant 3, the expanded exponent, and K = 3's variant 2 for
+    the calls it does not serve) and a few, with their split combinations; float16 / bfloat16 once."""
     f32 = torch.float32
     for name in ("gaussian_l2", "laplace_l2"):
         desc = PRESETS[name]
         for K in (2, 3, 8, 16, 64):
             yield lse_spec(desc, f32, K, 1)
+        if name == "gaussian_l2":  # the direct form's kernel (KERMAC_LIKE_LSE_EXPAND=0, batched calls)
+            yield lse_spec(desc, f32, 3, 1, variant=2)
         yield lse_spec(desc, f32, 3, MAX_C)
         yield lse_combine_spec(desc, f32, 1)
         yield lse_combine_spec(desc, f32, MAX_C)

@@ -29,6 +29,10 @@ try:  # the launcher's runtime; imported up front so a first call pays no import
     import cuda.core  # noqa: F401
 except ImportError:  # CPU-only use still works through the torch path (torch_path.py)
     pass
+else:  # and so is the launcher with the cache's warm-start reader (sqlite3): a few ms here
+    import importlib as _importlib
+
+    _importlib.import_module(".runtime.launcher", __name__)
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from .ops.distance import cdist, run_kernel
 from .ops.knn import kernel_topk, knn

@@ -12,6 +12,8 @@ import kermac_like as km
 from kermac_like.ops import _library
 from kermac_like.ops import linalg as _linalg  # noqa: F401  (registers the linalg ops)
 from kermac_like.ops import distance as distance_op
+from kermac_like.ops import knn as knn_op
+from kermac_like.ops import matvec as matvec_op
 from kermac_like.ops._library import descriptor_from_ints, descriptor_ints
 
 F64 = torch.float64
@@ -157,8 +159,7 @@ def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(monkeypa
     monkeypatch.setattr(distance_op, "_RUN_KERNEL_OUT", refuse)
     direct = km.cdist(x, y, 1.5)  # plain tensors, no grad: the implementation itself
     km.cdist(x, y, 1.5, out=torch.empty(6, 5))
-    with pytest.raises(AssertionError, match="dispatcher"):  # autograd needs the dispatcher
-        km.cdist(x.requires_grad_(), y, 1.5)
+    km.cdist(x.requires_grad_(), y, 1.5).sum().backward()  # autograd: the eager Function, backward included
     x.requires_grad_(False)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -168,6 +169,77 @@ def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(monkeypa
     monkeypatch.setattr(_library, "DIRECT_EAGER", False)
     via_dispatcher = km.cdist(x, y, 1.5)
     assert torch.equal(direct, via_dispatcher)
+
+
+def _differentiable_calls():
+    """(name, function of x, y, v giving a scalar) of every differentiable public op."""
+    lap, gau = km.preset("laplace_l2"), km.preset("gaussian_l2")
+    return [
+        ("cdist", lambda x, y, v: km.cdist(x, y, 1.5).sum()),
+        ("cdist_p2", lambda x, y, v: (km.cdist(x, y) * v[:, 0]).sum()),
+        ("run_kernel", lambda x, y, v: (km.run_kernel(lap, x, y, bandwidth=2.0, regularization=0.5) * v[:, 0]).sum()),
+        ("kernel_matvec", lambda x, y, v: km.kernel_matvec(gau, x, y, v, bandwidth=1.5).square().sum()),
+        ("knn", lambda x, y, v: km.knn(x, y, 3)[0].square().sum()),
+        ("kernel_topk", lambda x, y, v: km.kernel_topk(gau, x, y, 2, bandwidth=1.0)[0].sum()),
+        ("kernel_logsumexp", lambda x, y, v: km.kernel_logsumexp(gau, x, y, v[:, 0], bandwidth=2.0).sum()),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_eager_autograd_matches_the_dispatcher(monkeypatch, dtype):
+    """A differentiable eager call records the op's own setup_context and backward in a plain
+    autograd.Function (ops/_library.register_autograd): values and gradients bitwise those
+    of the op through the dispatcher, which never runs meanwhile."""
+    g = torch.Generator().manual_seed(5)
+    x, y, v = (torch.randn(n, 3, generator=g, dtype=dtype) for n in (9, 7, 7))
+
+    def run(f):
+        xs = [t.clone().requires_grad_() for t in (x, y, v)]
+        out = f(*xs)
+        out.backward()
+        return out.detach(), [t.grad for t in xs]
+
+    def refuse(*args):
+        raise AssertionError("dispatcher used")
+
+    for name, f in _differentiable_calls():
+        with monkeypatch.context() as m:
+            for mod, attr in ((distance_op, "_RUN_KERNEL"), (matvec_op, "_MATVEC"), (knn_op, "_TOPK")):
+                m.setattr(mod, attr, refuse)
+            eager = run(f)
+        with monkeypatch.context() as m:
+            m.setattr(_library, "DIRECT_EAGER", False)
+            via_dispatcher = run(f)
+        assert torch.equal(eager[0], via_dispatcher[0]), name
+        for a, b in zip(eager[1], via_dispatcher[1]):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
+def test_first_differentiable_calls_do_not_import_dynamo():
+    """torch.library's custom-op kernel imports torch._dynamo (and sympy) on its first call,
+    seconds; an eager differentiable call of every public op, forward and backward, imports
+    neither (one fresh process for all)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys, torch
+import kermac_like as km
+sys.path.insert(0, sys.argv[1])
+from test_library_ops import _differentiable_calls
+before = {m for m in ("torch._dynamo", "sympy") if m in sys.modules}
+for name, f in _differentiable_calls():
+    x, y, v = (torch.randn(n, 3, requires_grad=True) for n in (9, 7, 7))
+    f(x, y, v).backward()
+    assert x.grad is not None and y.grad is not None, name
+    new = [m for m in ("torch._dynamo", "sympy") if m in sys.modules and m not in before]
+    assert not new, (name, new)
+print("ok")
+"""
+    here = Path(__file__).resolve().parent
+    res = subprocess.run([sys.executable, "-c", code, str(here)], capture_output=True, text=True, cwd=here.parent)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
 
 
 # -- GPU -----------------------------------------------------------------------------------------

@@ -16,6 +16,16 @@ profiler. The wrapper then calls the very function registered as the op's
 implementation, so the results are the same; what is saved is the dispatcher's Python
 round trip (tens of microseconds per call, ``bench/notes/ops.md``). Set
 ``KERMAC_LIKE_DIRECT_EAGER=0`` to send every call through the dispatcher.
+
+Differentiable eager calls do the same under the same conditions (``direct_call(...,
+grad=False)``): :func:`register_autograd` registers the op's backward and returns a plain
+``torch.autograd.Function`` that runs the op's implementation and records the very
+``setup_context`` and ``backward`` registered with the op, as torch's custom-op autograd
+kernel does (torch/_library/autograd.py). Through the dispatcher, the first call of a custom
+op's implementation imports ``torch._dynamo`` (torch._disable_dynamo: 2-4 s, sympy
+included) even when nothing compiles; the Function does not. The backwards' own op calls
+take :func:`call_op`. Under torch.compile, modes, tensor subclasses or functorch
+transforms every call goes through the op.
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ import torch
 
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 
-__all__ = ["NAMESPACE", "descriptor_ints", "descriptor_from_ints", "split_hyper", "join_hyper", "direct_call"]
+__all__ = ["NAMESPACE", "descriptor_ints", "descriptor_from_ints", "split_hyper", "join_hyper", "direct_call",
+           "call_op", "register_autograd"]
 
 NAMESPACE = "kermac_like"
 DIRECT_EAGER = os.environ.get("KERMAC_LIKE_DIRECT_EAGER", "1") != "0"
@@ -74,3 +85,26 @@ def direct_call(*tensors, grad: bool = True) -> bool:
         if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
             return False
     return True
+
+
+def call_op(op, impl, *args):
+    """``op(*args)``, or ``impl(*args)`` (the op's registered implementation) where
+    :func:`direct_call` allows it: the op calls inside a registered backward."""
+    if direct_call(*(a for a in args if isinstance(a, torch.Tensor))):
+        return impl(*args)
+    return op(*args)
+
+
+def register_autograd(op, impl, backward, setup_context):
+    """``op.register_autograd(backward, setup_context=setup_context)``; returns the same
+    pair as a ``torch.autograd.Function`` around ``impl`` (the op's implementation): its
+    ``apply`` takes the op's arguments, for eager calls that ``direct_call(..., grad=False)``
+    admits."""
+    op.register_autograd(backward, setup_context=setup_context)
+
+    def forward(ctx, *args):  # (autograd.Function runs it without grad, as the op's kernel does)
+        out = impl(*args)
+        setup_context(ctx, args, out)
+        return out
+
+    return type(f"Eager{impl.__name__}", (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})

@@ -27,7 +27,7 @@ from ..plan import DistanceCall, run_by_call_key, run_distance
 from ..plan import core as plan_core
 from . import distance_backward
 from ..runtime.autotune import override as autotune_override
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
 
 log = logging.getLogger("kermac_like.distance")
 
@@ -102,8 +102,7 @@ def _call_of(a, b, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor,
     return DistanceCall.of(descriptor_from_ints(descriptor), a, b, hypers, reg_diag, epsilon)
 
 
-@torch.library.custom_op("kermac_like::run_kernel", mutates_args=())
-def _run_kernel_op(a: Tensor, b: Tensor, descriptor: list[int], inner_p: Optional[float],
+def _run_kernel_impl(a: Tensor, b: Tensor, descriptor: list[int], inner_p: Optional[float],
                    inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
                    bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor], regularization: Optional[float],
                    regularization_tensor: Optional[Tensor], reg_diag: int, epsilon: Optional[float],
@@ -111,6 +110,9 @@ def _run_kernel_op(a: Tensor, b: Tensor, descriptor: list[int], inner_p: Optiona
     call = _call_of(a, b, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
                     regularization, regularization_tensor, reg_diag, epsilon)
     return run_distance(call, None, compute_mode, debug)
+
+
+_run_kernel_op = torch.library.custom_op("kermac_like::run_kernel", _run_kernel_impl, mutates_args=())
 
 
 @torch.library.custom_op("kermac_like::run_kernel_out", mutates_args=("out",))
@@ -137,7 +139,8 @@ def _run_kernel_out_fake(*args):
     return None
 
 
-_run_kernel_op.register_autograd(distance_backward.backward, setup_context=distance_backward.setup_context)
+_RUN_KERNEL_EAGER = register_autograd(_run_kernel_op, _run_kernel_impl, distance_backward.backward,
+                                      distance_backward.setup_context).apply
 _RUN_KERNEL = torch.ops.kermac_like.run_kernel.default
 _RUN_KERNEL_OUT = torch.ops.kermac_like.run_kernel_out.default
 
@@ -271,10 +274,13 @@ def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regula
         # call's key, unless debug decided differently than the key assumed).
         return run_distance(call, out, compute_mode, debug, call_key=None if debug else call_key)
     with autotune_override(autotune):  # the op's schema does not carry it
+        if grad:  # (an eager call without the dispatcher, as above: ops/_library.py)
+            op = _RUN_KERNEL_EAGER if direct_call(call.a, call.b, out, *hyper_tensors, grad=False) else _RUN_KERNEL
+            res = op(*_op_args(call), compute_mode, debug)
+            # out= variants carry no autograd: compute, then copy into out (out joins the graph)
+            return res if out is None else out.copy_(res)
         if out is None:
             return _RUN_KERNEL(*_op_args(call), compute_mode, debug)
-        if grad:  # out= variants carry no autograd: compute, then copy into out (out joins the graph)
-            return out.copy_(_RUN_KERNEL(*_op_args(call), compute_mode, debug))
         _RUN_KERNEL_OUT(*_op_args(call), compute_mode, debug, out)
     return out
 

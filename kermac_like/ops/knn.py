@@ -40,7 +40,7 @@ from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import DistanceCall
 from ..plan.topk import plan_topk
 from ..reference import distance_reference
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
 from .distance import COMPUTE_MODES, prepare_call
 
 log = logging.getLogger("kermac_like.knn")
@@ -460,8 +460,7 @@ def _call_of(x, y, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor,
                         regularization_offset_x=reg_diag, epsilon=epsilon)
 
 
-@torch.library.custom_op("kermac_like::kernel_topk", mutates_args=())
-def _topk_op(x: Tensor, y: Tensor, descriptor: list[int], inner_p: Optional[float], inner_p_tensor: Optional[Tensor],
+def _topk_impl(x: Tensor, y: Tensor, descriptor: list[int], inner_p: Optional[float], inner_p_tensor: Optional[Tensor],
              outer_p: Optional[float], outer_p_tensor: Optional[Tensor], bandwidth: Optional[float],
              bandwidth_tensor: Optional[Tensor], regularization: Optional[float],
              regularization_tensor: Optional[Tensor], reg_diag: int, epsilon: Optional[float], k: int, largest: bool,
@@ -469,6 +468,9 @@ def _topk_op(x: Tensor, y: Tensor, descriptor: list[int], inner_p: Optional[floa
     call = _call_of(x, y, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
                     regularization, regularization_tensor, reg_diag, epsilon, k, largest, p, compute_mode)
     return topk_forward(call, None, debug=debug)
+
+
+_topk_op = torch.library.custom_op("kermac_like::kernel_topk", _topk_impl, mutates_args=())
 
 
 @torch.library.custom_op("kermac_like::kernel_topk_out", mutates_args=("values", "indices"))
@@ -522,7 +524,7 @@ def _backward(ctx, grad_values, grad_indices):
     return (gx, gy) + (None,) * (_N_INPUTS - 2)
 
 
-_topk_op.register_autograd(_backward, setup_context=_setup_context)
+_TOPK_EAGER = register_autograd(_topk_op, _topk_impl, _backward, _setup_context).apply
 _TOPK = torch.ops.kermac_like.kernel_topk.default
 _TOPK_OUT = torch.ops.kermac_like.kernel_topk_out.default
 
@@ -548,11 +550,13 @@ def _run(call: TopkCall, out, debug: bool) -> tuple:
     elif direct_call(call.x, call.y, *(out or ()), *hyper_tensors):
         return topk_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
     args = _op_args(call)
+    if grad:  # (an eager call without the dispatcher, as above: ops/_library.py)
+        op = _TOPK_EAGER if direct_call(call.x, call.y, *(out or ()), *hyper_tensors, grad=False) else _TOPK
+        v, i = op(*args, debug)
+        # out= variants carry no autograd: compute, then copy into out (values join the graph)
+        return (v, i) if out is None else (out[0].copy_(v), out[1].copy_(i))
     if out is None:
         return tuple(_TOPK(*args, debug))
-    if grad:  # out= variants carry no autograd: compute, then copy into out (values join the graph)
-        v, i = _TOPK(*args, debug)
-        return out[0].copy_(v), out[1].copy_(i)
     _TOPK_OUT(*args, debug, *out)
     return out[0], out[1]
 

@@ -27,7 +27,7 @@ from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import MATVEC_SCRATCH_BYTES, plan_matvec
 from ..reference import matvec_reference
 from . import matvec_backward
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
 from .distance import prepare_call
 
 log = logging.getLogger("kermac_like.matvec")
@@ -182,8 +182,7 @@ def _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tens
                           regularization_offset_x=reg_diag, epsilon=epsilon)
 
 
-@torch.library.custom_op("kermac_like::kernel_matvec", mutates_args=())
-def _matvec_op(x: Tensor, y: Tensor, v: Tensor, descriptor: list[int], inner_p: Optional[float],
+def _matvec_impl(x: Tensor, y: Tensor, v: Tensor, descriptor: list[int], inner_p: Optional[float],
                inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
                bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor], regularization: Optional[float],
                regularization_tensor: Optional[Tensor], reg_diag: int, epsilon: Optional[float],
@@ -191,6 +190,9 @@ def _matvec_op(x: Tensor, y: Tensor, v: Tensor, descriptor: list[int], inner_p: 
     call = _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
                     bandwidth_tensor, regularization, regularization_tensor, reg_diag, epsilon)
     return matvec_forward(call, None, debug=debug)
+
+
+_matvec_op = torch.library.custom_op("kermac_like::kernel_matvec", _matvec_impl, mutates_args=())
 
 
 @torch.library.custom_op("kermac_like::kernel_matvec_out", mutates_args=("out",))
@@ -220,7 +222,8 @@ def _matvec_out_fake(*args):
     return None
 
 
-_matvec_op.register_autograd(matvec_backward.backward, setup_context=matvec_backward.setup_context)
+_MATVEC_EAGER = register_autograd(_matvec_op, _matvec_impl, matvec_backward.backward,
+                                  matvec_backward.setup_context).apply
 _MATVEC = torch.ops.kermac_like.kernel_matvec.default
 _MATVEC_OUT = torch.ops.kermac_like.kernel_matvec_out.default
 
@@ -303,9 +306,12 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     elif direct_call(x, y, v, out, *hyper_tensors):
         return matvec_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
     args = _op_args(call, v)
+    if grad:  # (an eager call without the dispatcher, as above: ops/_library.py)
+        op = _MATVEC_EAGER if direct_call(x, y, v, out, *hyper_tensors, grad=False) else _MATVEC
+        res = op(*args, debug)
+        # out= variants carry no autograd: compute, then copy into out (out joins the graph)
+        return res if out is None else out.copy_(res)
     if out is None:
         return _MATVEC(*args, debug)
-    if grad:  # out= variants carry no autograd: compute, then copy into out (out joins the graph)
-        return out.copy_(_MATVEC(*args, debug))
     _MATVEC_OUT(*args, debug, out)
     return out

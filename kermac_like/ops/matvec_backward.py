@@ -50,14 +50,13 @@ import torch
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from ..layout import broadcast_shapes
 from ..reference import BLOCK_ELEMENTS
-from ._library import descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
+from ._library import call_op, descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
 from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, matvec_grad_spec
 
 log = logging.getLogger("kermac_like.matvec_grad")
 
 __all__ = [
     "matvec_backward",
-    "matvec_with_grad",
     "backward_for_autograd",
     "setup_context",
     "backward",
@@ -299,8 +298,7 @@ def diff_contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, oute
 
 
 # -- the contraction as a torch.library op (so that a registered backward calls only ops) ----------
-@torch.library.custom_op("kermac_like::matvec_grad_contraction", mutates_args=())
-def _contraction_op(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, vb: torch.Tensor, descriptor: list[int],
+def _contraction_impl(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, vb: torch.Tensor, descriptor: list[int],
                     inner_p: float | None, inner_p_tensor: torch.Tensor | None, outer_p: float | None,
                     outer_p_tensor: torch.Tensor | None, bandwidth: float | None,
                     bandwidth_tensor: torch.Tensor | None, epsilon: float | None, debug: bool) -> torch.Tensor:
@@ -309,6 +307,9 @@ def _contraction_op(a: torch.Tensor, b: torch.Tensor, ga: torch.Tensor, vb: torc
                            outer_p=join_hyper(outer_p, outer_p_tensor),
                            bandwidth=join_hyper(bandwidth, bandwidth_tensor), epsilon=epsilon, debug=debug)
     return out.clone() if any(out.data_ptr() == t.data_ptr() for t in (a, b, ga, vb)) else out
+
+
+_contraction_op = torch.library.custom_op("kermac_like::matvec_grad_contraction", _contraction_impl, mutates_args=())
 
 
 @_contraction_op.register_fake
@@ -322,9 +323,9 @@ def _(a, b, ga, vb, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor
 def contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, outer_p=None, bandwidth=None, epsilon=None,
                 debug: bool = False):
     """:func:`diff_contraction` through the ``kermac_like::matvec_grad_contraction`` op."""
-    return torch.ops.kermac_like.matvec_grad_contraction.default(
-        a, b, ga, vb, descriptor_ints(desc), *split_hyper(inner_p), *split_hyper(outer_p), *split_hyper(bandwidth),
-        epsilon, bool(debug))
+    return call_op(torch.ops.kermac_like.matvec_grad_contraction.default, _contraction_impl,
+                   a, b, ga, vb, descriptor_ints(desc), *split_hyper(inner_p), *split_hyper(outer_p),
+                   *split_hyper(bandwidth), epsilon, bool(debug))
 
 
 # -- the whole backward ------------------------------------------------------------------------
@@ -390,38 +391,14 @@ def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False
 
 # -- autograd -------------------------------------------------------------------------------------
 def backward_for_autograd(call, grad, needs, *, debug: bool = False):
-    """The body of a registered backward (torch.library.register_autograd or an
-    autograd.Function): refuses double backward, then :func:`matvec_backward`."""
+    """The body of the registered backward (torch.library.register_autograd, and the
+    eager autograd.Function of ops/_library.register_autograd): refuses double backward,
+    then :func:`matvec_backward`."""
     if torch.is_grad_enabled():
         raise NotImplementedError(
             "kermac_like: double backward through kernel_matvec is not supported (the backward is not differentiable)"
         )
     return matvec_backward(call, grad.contiguous() if not grad.is_contiguous() else grad, needs, debug=debug)
-
-
-class _MatvecFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, y, v, call, out, debug):
-        from ..matvec import matvec_forward
-
-        with torch.no_grad():
-            res = matvec_forward(call, out, debug=debug)
-        ctx.call, ctx.debug = call, debug
-        if out is not None:
-            ctx.mark_dirty(out)
-        return res
-
-    @staticmethod
-    def backward(ctx, grad):
-        gx, gy, gv = backward_for_autograd(ctx.call, grad, ctx.needs_input_grad[:3], debug=ctx.debug)
-        return gx, gy, gv, None, None, None
-
-
-def matvec_with_grad(call, out=None, debug: bool = False):
-    """``matvec_forward(call, out)`` recorded for autograd (x, y and v; hyper-parameter
-    tensors that require grad raise NotImplementedError naming them)."""
-    check_no_hyper_grad(call.hypers)
-    return _MatvecFn.apply(call.x, call.y, call.v, call, out, debug)
 
 
 # -- registration with torch.library.register_autograd ------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..descriptor import KernelDescriptor
-from ..layout import Layout, analyse_matrix, batch_strides, plan_batch
+from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
 from .. import torch_path
 from ..runtime import autotune
 from ..runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
@@ -83,7 +83,7 @@ class DistanceCall:
     def of(cls, desc: KernelDescriptor, a, b, hypers: dict, reg_diag: int, epsilon) -> "DistanceCall":
         """A call from already-checked arguments (the batch: a, b and tensor hyper-parameters broadcast)."""
         shapes = [a.shape[:-2], b.shape[:-2]] + [v.shape for v in hypers.values() if isinstance(v, torch.Tensor)]
-        batch = tuple(torch.broadcast_shapes(*shapes))
+        batch = broadcast_shapes(*shapes)  # (not torch's: it imports sympy on its first call)
         return cls(desc, a, b, hypers, reg_diag, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])
 
     @property

@@ -169,33 +169,40 @@ def _options(arch: str) -> tuple:
     return base + ("-lineinfo",) if _lineinfo() else base
 
 
+_keys: dict = {}  # (spec, arch, lineinfo, template hash, NVRTC version) -> key
+
+
 def kernel_key(spec: KernelSpec, arch: str) -> str:
-    full_arch = arch + spec.arch_suffix
-    h = hashlib.sha256()
-    opts = " ".join(o for o in _options(full_arch) if not o.startswith("-I"))  # paths differ between machines
-    for part in (__version__, template_hash(), opts, full_arch, nvrtc_version(), spec.name_expression):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()
+    memo = (spec, arch, _lineinfo(), template_hash(), nvrtc_version())
+    key = _keys.get(memo)
+    if key is None:
+        full_arch = arch + spec.arch_suffix
+        h = hashlib.sha256()
+        opts = " ".join(o for o in _options(full_arch) if not o.startswith("-I"))  # paths differ between machines
+        for part in (__version__, memo[3], opts, full_arch, memo[4], spec.name_expression):
+            h.update(part.encode())
+            h.update(b"\0")
+        key = _keys[memo] = h.hexdigest()
+    return key
 
 
 # -- compiling -----------------------------------------------------------------------
-_RES_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
-_RES_USED = re.compile(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?", re.S)
-_RES_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+# (patterns compiled on first use, by re's own cache: a warm start compiles nothing)
+_RES_ENTRY = r"Compiling entry function '([^']+)'"
+_RES_SPILL = r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
 
 
 def parse_ptxas_log(text: str) -> dict:
     """{lowered name: {"registers", "smem", "stack", "spill_stores", "spill_loads"}}."""
     out, cur = {}, None
     for line in text.splitlines():
-        m = _RES_ENTRY.search(line)
+        m = re.search(_RES_ENTRY, line)
         if m:
             cur = out.setdefault(m.group(1), {})
             continue
         if cur is None:
             continue
-        m = _RES_SPILL.search(line)
+        m = re.search(_RES_SPILL, line)
         if m:
             cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
             continue

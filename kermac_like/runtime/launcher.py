@@ -31,6 +31,7 @@ import numpy as np
 
 import torch
 
+from .cache.warm import read_bundled, read_kernel, read_kernel_status
 from .compiler import KernelSpec, arch_of_device, compile_specs, kernel_key
 
 log = logging.getLogger("kermac_like.launcher")
@@ -123,18 +124,27 @@ def _open_cache_in_background():
     return result
 
 
-def _find_or_compile(spec: KernelSpec, arch: str, key: str, debug: bool) -> tuple:
-    """((cubin, lowered name, module sha256), source) of ``spec``: the user's cache
-    (SQLAlchemy-free read), a bundle of prebuilt kernels, else NVRTC (stored in the
-    cache). Needs no GPU and no lock: prefetch runs it in worker threads."""
-    from .cache.warm import read_bundled, read_kernel_status
-
+def _find(key: str) -> tuple:
+    """(((cubin, lowered name, module sha256), source), absent) of ``key`` from the user's
+    cache (SQLAlchemy-free read) or a bundle of prebuilt kernels; (None, absent) when
+    neither has it, ``absent`` as from warm.read_kernel_status."""
     found, absent = read_kernel_status(key)  # warm start without SQLAlchemy
     if found is not None:
-        return found, "cache"
+        return (found, "cache"), False
     found = read_bundled(key)
     if found is not None:
-        return found, "bundle"
+        return (found, "bundle"), False
+    return None, absent
+
+
+def _find_or_compile(spec: KernelSpec, arch: str, key: str, debug: bool, looked: tuple | None = None) -> tuple:
+    """((cubin, lowered name, module sha256), source) of ``spec``: the user's cache
+    (SQLAlchemy-free read), a bundle of prebuilt kernels, else NVRTC (stored in the
+    cache). Needs no GPU and no lock: prefetch runs it in worker threads. ``looked``:
+    :func:`_find`'s answer when the caller already asked."""
+    hit, absent = looked if looked is not None else _find(key)
+    if hit is not None:
+        return hit
     # (another thread may be importing the store module: read its cache through getattr)
     store = sys.modules.get(__package__ + ".cache.store")
     singleton = getattr(store, "_singleton", None)
@@ -161,12 +171,16 @@ _pending: dict = {}
 _pool = None
 
 
+def _futures():
+    import concurrent.futures
+
+    return concurrent.futures
+
+
 def _workers():
     global _pool
     if _pool is None:
-        import concurrent.futures as cf
-
-        _pool = cf.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+        _pool = _futures().ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                       thread_name_prefix="kermac_like-compile")
     return _pool
 
@@ -175,17 +189,27 @@ def prefetch(specs, device: int, *, debug: bool = False) -> None:
     """Start finding or compiling ``specs`` for ``device`` in worker threads, so that the
     several kernels of one call compile side by side (NVRTC runs without the GIL, one
     program per thread); :func:`get_kernel` then waits for its own. A spec already
-    loaded, or already on its way, is skipped."""
+    loaded, or already on its way, is skipped. The cache and bundles are read here first:
+    a warm start finds its kernels in well under a millisecond, less than a worker
+    thread's start."""
     arch = None
-    with _lock:
-        for spec in dict.fromkeys(specs):
-            if (device, spec) in _functions:
+    for spec in dict.fromkeys(specs):
+        if (device, spec) in _functions:
+            continue
+        if arch is None:
+            arch = arch_of_device(device)
+        if (arch, spec) in _pending or not spec.supports(arch):
+            continue
+        key = kernel_key(spec, arch)
+        looked = _find(key)
+        with _lock:
+            if (device, spec) in _functions or (arch, spec) in _pending:
                 continue
-            if arch is None:
-                arch = arch_of_device(device)
-            if (arch, spec) in _pending or not spec.supports(arch):
-                continue
-            _pending[(arch, spec)] = _workers().submit(_find_or_compile, spec, arch, kernel_key(spec, arch), debug)
+            if looked[0] is not None:
+                _pending[(arch, spec)] = done = _futures().Future()
+                done.set_result(looked[0])
+            else:
+                _pending[(arch, spec)] = _workers().submit(_find_or_compile, spec, arch, key, debug, looked)
 
 
 def wait_pending() -> int:
@@ -208,8 +232,6 @@ def available(spec: KernelSpec, device: int) -> bool:
     pending = _pending.get((arch, spec))
     if pending is not None:
         return pending.done()
-    from .cache.warm import read_bundled, read_kernel
-
     key = kernel_key(spec, arch)
     return read_kernel(key) is not None or read_bundled(key) is not None
 
@@ -229,9 +251,7 @@ def get_kernel(spec: KernelSpec, device: int, *, debug: bool = False) -> LoadedK
             return hit
         pending = _pending.get((arch, spec))
         if pending is None:  # this thread finds or compiles it; others asking meanwhile wait
-            import concurrent.futures as cf
-
-            pending = mine = _pending[(arch, spec)] = cf.Future()
+            pending = mine = _pending[(arch, spec)] = _futures().Future()
     # Outside the lock: other kernels load meanwhile.
     try:
         if mine is not None:

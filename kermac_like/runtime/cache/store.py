@@ -618,6 +618,9 @@ class KernelCache:
             problem = _probe(self._file, thorough)
             if problem is None:
                 return False
+            from .warm import close_reader
+
+            close_reader()  # this process's warm-start reader lets go of the file first
             stamp = time.strftime("%Y%m%d-%H%M%S")
             aside = self._file.with_name(f"{self._file.name}.corrupt-{stamp}")
             n = 1

@@ -3,7 +3,10 @@
 A new process whose kernels are already cached needs one indexed SELECT and a
 hash check. Importing SQLAlchemy and building its engine costs ~80-100 ms,
 more than everything else on a warm first call, so hits are served here with
-the standard library's ``sqlite3`` on a read-only connection. Anything
+the standard library's ``sqlite3`` on a read-only connection, one per process (opened
+on the first read, again after a fork or when the file at the cache's path is no longer
+the one opened; the directory and file checks and the schema stamp are read on every
+lookup). Anything
 unexpected (no file, a file or directory another user owns or could write, another
 schema version, a locked or corrupt file, a hash mismatch) returns None, and the caller goes on to :class:`kermac_like.runtime.cache.KernelCache`,
 which owns the schema, writes, recovery and eviction.
@@ -27,6 +30,8 @@ import functools
 import hashlib
 import os
 import sqlite3
+import stat
+import threading
 import time
 from pathlib import Path
 
@@ -55,25 +60,26 @@ def read_kernel_status(key: str):
     there is no cache file yet or the file is sound and has no such row, so that the
     caller may compile without asking the full cache first; False on any doubt."""
     path = default_cache_dir() / DB_FILENAME
-    if not path.exists():
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
         return None, True
-    if not path.is_file() or untrusted_reason(path.parent, path) is not None:
+    except OSError:
+        return None, False
+    if not stat.S_ISREG(st.st_mode) or untrusted_reason(path.parent, path) is not None:
         return None, False  # (an untrusted file: the full cache warns and runs in memory)
-    try:
-        conn = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=1.0)
-    except sqlite3.Error:
-        return None, False
-    try:
-        if conn.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+    with _reader_lock:
+        try:
+            conn = _reader(path, st)
+            if conn.execute("PRAGMA user_version").fetchall()[0][0] != SCHEMA_VERSION:
+                return None, False
+            rows = conn.execute(_SELECT, (key,)).fetchall()  # (all: no statement left open)
+        except sqlite3.Error:
+            _forget_reader()
             return None, False
-        row = conn.execute(_SELECT, (key,)).fetchone()
-    except sqlite3.Error:
-        return None, False
-    finally:
-        conn.close()
-    if row is None:
+    if not rows:
         return None, True
-    lowered, sha, cubin, last_used = row
+    lowered, sha, cubin, last_used = rows[0]
     cubin = bytes(cubin)
     if hashlib.sha256(cubin).hexdigest() != sha:
         return None, False  # the full cache removes it and recompiles
@@ -82,11 +88,59 @@ def read_kernel_status(key: str):
     return (cubin, lowered, sha), False
 
 
+# The process's read-only connection to the cache file: (pid, (device, inode) of the file
+# opened, path, connection); read under _reader_lock. A fork or another file at the path
+# (moved aside and rebuilt by the full cache) opens a new one; the old one is left alone
+# (a connection must not be used, nor closed, across a fork: the parent's locks).
+_reader_lock = threading.Lock()
+_open_reader = None
+_left = []  # connections inherited through a fork, never touched again
+
+
+def _reader(path: Path, st) -> sqlite3.Connection:
+    global _open_reader
+    ident = (os.getpid(), (st.st_dev, st.st_ino), path)
+    if _open_reader is not None and _open_reader[:3] == ident:
+        return _open_reader[3]
+    _forget_reader()
+    conn = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=1.0, check_same_thread=False)
+    _open_reader = (*ident, conn)
+    return conn
+
+
+def _forget_reader() -> None:
+    global _open_reader
+    old, _open_reader = _open_reader, None
+    if old is None:
+        return
+    if old[0] == os.getpid():
+        old[3].close()
+    else:
+        _left.append(old[3])
+
+
+def close_reader() -> None:
+    """Close this process's connection to the cache file (the full cache calls it before
+    moving a bad file aside); the next read opens a new one."""
+    with _reader_lock:
+        _forget_reader()
+
+
+def _after_fork_in_child() -> None:
+    global _reader_lock
+    _reader_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _touch(path: Path, sha: str) -> None:
     """Refresh the module's LRU time; best effort (a read-only cache stays as is)."""
     try:
         conn = sqlite3.connect(str(path), timeout=0.2)
         try:
+            conn.execute("PRAGMA synchronous = NORMAL")  # WAL: no fsync per commit (the full cache's setting)
             with conn:
                 conn.execute("UPDATE modules SET last_used_at = ? WHERE module_sha256 = ?", (time.time(), sha))
         finally:
@@ -138,24 +192,37 @@ def _bundle_files(dirs: tuple) -> tuple:
 def read_bundled(key: str):
     """``(cubin, lowered_name, module_sha256)`` of ``key`` from the first bundle that has
     it (verified against its sha256), else None. Read-only and immutable: a bundle is
-    never written after ``precompile --bundle`` made it."""
+    never written after ``precompile --bundle`` made it (one connection per bundle file and
+    process)."""
     for path in _bundle_files(bundle_dirs()):
-        try:
-            conn = sqlite3.connect(f"{path.as_uri()}?mode=ro&immutable=1", uri=True)
-        except sqlite3.Error:
-            continue
-        try:
-            if conn.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+        with _reader_lock:
+            try:
+                conn = _bundle_reader(path)
+                if conn.execute("PRAGMA user_version").fetchall()[0][0] != SCHEMA_VERSION:
+                    continue
+                rows = conn.execute(_SELECT, (key,)).fetchall()
+            except sqlite3.Error:
+                _bundle_conns.pop(path, None)
                 continue
-            row = conn.execute(_SELECT, (key,)).fetchone()
-        except sqlite3.Error:
+        if not rows:
             continue
-        finally:
-            conn.close()
-        if row is None:
-            continue
-        lowered, sha, cubin, _ = row
+        lowered, sha, cubin, _ = rows[0]
         cubin = bytes(cubin)
         if hashlib.sha256(cubin).hexdigest() == sha:
             return cubin, lowered, sha
     return None
+
+
+_bundle_conns: dict = {}  # bundle file -> (pid, read-only connection), read under _reader_lock
+
+
+def _bundle_reader(path: Path) -> sqlite3.Connection:
+    pid = os.getpid()
+    entry = _bundle_conns.get(path)
+    if entry is not None and entry[0] == pid:
+        return entry[1]
+    if entry is not None:
+        _left.append(entry[1])  # inherited through a fork: left alone
+    conn = sqlite3.connect(f"{path.as_uri()}?mode=ro&immutable=1", uri=True, check_same_thread=False)
+    _bundle_conns[path] = (pid, conn)
+    return conn

@@ -14,32 +14,21 @@ the guard's flag. The table comes last. ~30 s on an H100.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, ".")
+sys.path[:0] = [".", "bench"]
 import kermac_like as km  # noqa: E402
+from _timing import time_calls  # noqa: E402
 from kermac_like.plan import logsumexp as plan_lse  # noqa: E402
 
 DESC = km.preset("gaussian_l2")
 
 
 def time_fn(fn, make, reps):
-    times = []
-    for i in range(reps + 1):
-        args = make()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(*args)
-        b.record()
-        torch.cuda.synchronize()
-        if i:
-            times.append(a.elapsed_time(b))
-        del args
-    return statistics.median(times)
+    """Median ms of ``reps`` calls on fresh inputs after one warm-up (bench/_timing.py)."""
+    return time_calls(fn, make, torch.device("cuda"), repeats=reps, warmup=1).median_ms
 
 
 def main():

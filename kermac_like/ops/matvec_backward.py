@@ -72,10 +72,6 @@ __all__ = [
 
 HYPER_NAMES = ("inner_p", "outer_p", "bandwidth", "regularization")
 
-# Register widths the fused kernel is instantiated for: K (or C) is rounded up to
-# the next one and zero-padded (padding adds exactly 0 to every sum).
-FUSED_K_WIDTHS = (1, 2, 3, 4, 8, 16, 32)
-FUSED_C_WIDTHS = (1, 2, 4, 8, 16, 32)
 
 
 def check_no_hyper_grad(hypers: dict) -> None:

@@ -110,6 +110,26 @@ def test_cpu_cdist_is_torch_cdist(p, dtype):
                     rtol=1e-5 if dtype == torch.float32 else 1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_lane_is_torch_cdist_bitwise(dtype):
+    """The plain CPU call (ops.distance._cpu_cdist: torch.cdist's own kernel without the general
+    checks) gives torch.cdist's bits for every p, compute mode, NaN and inf, batch or not; calls
+    it does not take (a broadcast batch, bad p or K) go the general way, errors naming the argument."""
+    x, y = operands(batch=(2,), dtype=dtype)
+    for p in (0.0, 0.5, 1, 1.5, 2.0, 3.0, INF):
+        for mode in (DIRECT, "use_mm_for_euclid_dist_if_necessary", MM):
+            for a, b in ((x, y), (x[0], y[0])):
+                got, want = km.cdist(a, b, p, compute_mode=mode), torch.cdist(a, b, p, compute_mode=mode)
+                assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(km.cdist(x, y[:1]).nan_to_num(), torch.cdist(x, y[:1]).nan_to_num())  # broadcast batch
+    with pytest.raises(ValueError, match="^p: "):
+        km.cdist(x, y, -1.0)
+    with pytest.raises(ValueError, match="^x2: "):
+        km.cdist(x, y[..., :2])
+    with pytest.raises(ValueError, match="^compute_mode: "):
+        km.cdist(x, y, compute_mode="fast")
+
+
 @pytest.mark.parametrize("p", [0.0, INF])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_p0_and_pinf_are_torch_cdist(p, dtype):

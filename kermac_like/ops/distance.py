@@ -299,6 +299,25 @@ def _cdist_by_torch(x1, x2, p: float, out):
     return out.copy_(res)
 
 
+_VF_COMPUTE_MODES = {COMPUTE_MODES[0]: None, COMPUTE_MODES[1]: 1, COMPUTE_MODES[2]: 2}  # torch.functional.cdist's
+
+
+def _cpu_cdist(x1, x2, p, compute_mode):
+    """torch.cdist's own kernel (``torch._VF.cdist``, what torch.cdist calls: bitwise its result)
+    for the plain CPU call (float32/float64 matrices or equal batch shapes, a number p >= 0, no
+    autograd, dispatch mode or compile), without the argument checks and planning of the general
+    path or torch.cdist's own Python wrapper; None for anything else (the general path then checks
+    and names the argument)."""
+    if (type(x1) is not torch.Tensor or type(x2) is not torch.Tensor or x1.device.type != "cpu"
+            or x2.device.type != "cpu" or x1.dtype not in _TORCH_CDIST_DTYPES or x2.dtype != x1.dtype
+            or type(p) not in (float, int) or not p >= 0 or compute_mode not in _VF_COMPUTE_MODES):
+        return None
+    s1, s2 = x1.shape, x2.shape
+    if len(s1) < 2 or s1[-1] != s2[-1] or s1[:-2] != s2[:-2] or _debug.env_debug() or not direct_call(x1, x2):
+        return None
+    return torch._VF.cdist(x1, x2, p, _VF_COMPUTE_MODES[compute_mode])
+
+
 def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_epilogue: bool = False,
           compute_mode: str = COMPUTE_MODES[0], autotune: bool | None = None, debug: bool = False) -> torch.Tensor:
     """Drop-in for ``torch.cdist``: p-norm distances between the rows of x1 (..., M, K)
@@ -324,6 +343,10 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     tensor, ``out``'s shape) raise ValueError / TypeError naming the argument, before anything
     is written to ``out``.
     """
+    if out is None and not skip_epilogue and not debug and autotune is None:
+        res = _cpu_cdist(x1, x2, p, compute_mode)
+        if res is not None:
+            return res
     key = None
     if (not debug and autotune is None and type(p) in _NUMBER_TYPES and p is not None
             and _gpu_call(x1)):  # the call-key templates are GPU plans

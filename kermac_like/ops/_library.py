@@ -96,10 +96,10 @@ def call_op(op, impl, *args):
 
 
 def register_autograd(op, impl, backward, setup_context):
-    """``op.register_autograd(backward, setup_context=setup_context)``; returns the same
-    pair as a ``torch.autograd.Function`` around ``impl`` (the op's implementation): its
-    ``apply`` takes the op's arguments, for eager calls that ``direct_call(..., grad=False)``
-    admits."""
+    """``op.register_autograd(backward, setup_context=setup_context)``; returns ``pick(*tensors)``,
+    the callable for a differentiable call on those tensors: a plain ``torch.autograd.Function``'s
+    ``apply`` around ``impl`` (the op's implementation, the same backward) for eager calls that
+    ``direct_call(..., grad=False)`` admits, else the op itself."""
     op.register_autograd(backward, setup_context=setup_context)
 
     def forward(ctx, *args):  # (autograd.Function runs it without grad, as the op's kernel does)
@@ -107,4 +107,10 @@ def register_autograd(op, impl, backward, setup_context):
         setup_context(ctx, args, out)
         return out
 
-    return type(f"Eager{impl.__name__}", (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    eager = type(f"Eager{impl.__name__}", (torch.autograd.Function,),
+                 {"forward": staticmethod(forward), "backward": staticmethod(backward)}).apply
+
+    def pick(*tensors):
+        return eager if direct_call(*tensors, grad=False) else op  # (op: through the dispatcher)
+
+    return pick

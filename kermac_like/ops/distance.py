@@ -139,8 +139,8 @@ def _run_kernel_out_fake(*args):
     return None
 
 
-_RUN_KERNEL_EAGER = register_autograd(_run_kernel_op, _run_kernel_impl, distance_backward.backward,
-                                      distance_backward.setup_context).apply
+_RUN_KERNEL_GRAD = register_autograd(_run_kernel_op, _run_kernel_impl, distance_backward.backward,
+                                     distance_backward.setup_context)
 _RUN_KERNEL = torch.ops.kermac_like.run_kernel.default
 _RUN_KERNEL_OUT = torch.ops.kermac_like.run_kernel_out.default
 
@@ -275,8 +275,7 @@ def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regula
         return run_distance(call, out, compute_mode, debug, call_key=None if debug else call_key)
     with autotune_override(autotune):  # the op's schema does not carry it
         if grad:  # (an eager call without the dispatcher, as above: ops/_library.py)
-            op = _RUN_KERNEL_EAGER if direct_call(call.a, call.b, out, *hyper_tensors, grad=False) else _RUN_KERNEL
-            res = op(*_op_args(call), compute_mode, debug)
+            res = _RUN_KERNEL_GRAD(call.a, call.b, out, *hyper_tensors)(*_op_args(call), compute_mode, debug)
             # out= variants carry no autograd: compute, then copy into out (out joins the graph)
             return res if out is None else out.copy_(res)
         if out is None:

@@ -524,7 +524,7 @@ def _backward(ctx, grad_values, grad_indices):
     return (gx, gy) + (None,) * (_N_INPUTS - 2)
 
 
-_TOPK_EAGER = register_autograd(_topk_op, _topk_impl, _backward, _setup_context).apply
+_TOPK_GRAD = register_autograd(_topk_op, _topk_impl, _backward, _setup_context)
 _TOPK = torch.ops.kermac_like.kernel_topk.default
 _TOPK_OUT = torch.ops.kermac_like.kernel_topk_out.default
 
@@ -551,8 +551,7 @@ def _run(call: TopkCall, out, debug: bool) -> tuple:
         return topk_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
     args = _op_args(call)
     if grad:  # (an eager call without the dispatcher, as above: ops/_library.py)
-        op = _TOPK_EAGER if direct_call(call.x, call.y, *(out or ()), *hyper_tensors, grad=False) else _TOPK
-        v, i = op(*args, debug)
+        v, i = _TOPK_GRAD(call.x, call.y, *(out or ()), *hyper_tensors)(*args, debug)
         # out= variants carry no autograd: compute, then copy into out (values join the graph)
         return (v, i) if out is None else (out[0].copy_(v), out[1].copy_(i))
     if out is None:

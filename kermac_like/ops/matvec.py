@@ -222,8 +222,8 @@ def _matvec_out_fake(*args):
     return None
 
 
-_MATVEC_EAGER = register_autograd(_matvec_op, _matvec_impl, matvec_backward.backward,
-                                  matvec_backward.setup_context).apply
+_MATVEC_GRAD = register_autograd(_matvec_op, _matvec_impl, matvec_backward.backward,
+                                 matvec_backward.setup_context)
 _MATVEC = torch.ops.kermac_like.kernel_matvec.default
 _MATVEC_OUT = torch.ops.kermac_like.kernel_matvec_out.default
 
@@ -307,8 +307,7 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
         return matvec_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
     args = _op_args(call, v)
     if grad:  # (an eager call without the dispatcher, as above: ops/_library.py)
-        op = _MATVEC_EAGER if direct_call(x, y, v, out, *hyper_tensors, grad=False) else _MATVEC
-        res = op(*args, debug)
+        res = _MATVEC_GRAD(x, y, v, out, *hyper_tensors)(*args, debug)
         # out= variants carry no autograd: compute, then copy into out (out joins the graph)
         return res if out is None else out.copy_(res)
     if out is None:

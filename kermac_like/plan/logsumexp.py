@@ -27,15 +27,16 @@ import os
 import numpy as np
 import torch
 
-from ..descriptor import InnerOperator, KernelType, PowerType
+from ..descriptor import KernelType
 from ..runtime.specs import logsumexp as specs
+from ..runtime.specs.matvec import expandable  # exp(-S d^2) of the squared l2 distance
 from ..runtime.specs.logsumexp import MAX_C, MAX_K, MAX_SPLIT, c_bucket, lse_combine_spec, lse_spec
 from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     choose_split
 
 log = logging.getLogger("kermac_like.logsumexp")
 
-__all__ = ["plan_logsumexp", "fused_serves", "expandable", "expand_params", "SCRATCH_BYTES", "EXPAND_TOL"]
+__all__ = ["plan_logsumexp", "fused_serves", "expand_params", "SCRATCH_BYTES", "EXPAND_TOL"]
 
 SCRATCH_BYTES = 32 << 20  # largest split scratch of one launch ([split][batch][M][kC][2] float32)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -57,14 +58,6 @@ def fused_serves(call, lw: torch.Tensor) -> bool:
     return (FUSED and call.a.dtype in _DTYPES and lw.dtype == call.a.dtype and 0 < call.K <= MAX_K
             and call.N < 2 ** 31 - 1 and call.M < 2 ** 31 - 1
             and (call.epsilon is None or call.epsilon <= 0) and _gpu_ok(call.a))
-
-
-def expandable(desc) -> bool:
-    """Whether the descriptor's kernel is exp(-S d^2) of the squared l2 distance d^2 (the Gaussian of
-    the l2 distance, the Laplace of the squared one): the expanded exponent applies."""
-    return (desc.inner_operator is InnerOperator.DIFF and desc.inner_power is PowerType.SQUARE
-            and ((desc.kernel_type is KernelType.GAUSSIAN and desc.outer_power is PowerType.SQRT)
-                 or (desc.kernel_type is KernelType.LAPLACE and desc.outer_power is PowerType.NOOP)))
 
 
 def expand_params(desc, x: torch.Tensor, y: torch.Tensor, bandwidth) -> torch.Tensor:

@@ -33,6 +33,8 @@ else:  # and so is the launcher with the cache's warm-start reader (sqlite3): a 
     import importlib as _importlib
 
     _importlib.import_module(".runtime.launcher", __name__)
+    # the keys' inputs and the cache connection, prepared while the program makes its tensors
+    _importlib.import_module(".runtime.cache.warm", __name__).prepare_in_background()
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from .ops.distance import cdist, run_kernel
 from .ops.knn import kernel_topk, knn

@@ -794,3 +794,42 @@ def test_fast_reader_agrees_with_cache(tmp_path, monkeypatch):
         db.execute("PRAGMA user_version = 99")
     db.close()
     assert read_kernel(k) is None
+
+
+_PREPARE_CHILD = r"""
+import json, sys
+import kermac_like
+from kermac_like.runtime.cache import warm
+from kermac_like.runtime import compiler
+t = warm.prepare_thread
+if t is not None:
+    t.join(30)
+print(json.dumps(dict(
+    started=t is not None,
+    hash=compiler.template_hash.cache_info().currsize,
+    nvrtc=compiler.nvrtc_version.cache_info().currsize,
+    reader=warm._open_reader is not None and str(warm._open_reader[2]),
+    threads=[th.name for th in __import__("threading").enumerate() if th.name.startswith("kermac_like")])))
+"""
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_import_prepares_the_warm_lookup_in_a_thread(tmp_path, off):
+    """import kermac_like (where cuda.core is installed) starts one daemon thread that computes the
+    kernel keys' process-wide inputs and opens the read-only connection to an existing cache
+    file, and ends; KERMAC_LIKE_PREPARE=0 starts none (the first call then does it)."""
+    pytest.importorskip("cuda.core")
+    cache = KernelCache(tmp_path)
+    cache.put(make_record("a"))
+    cache.close()
+    env = dict(os.environ, KERMAC_LIKE_CACHE_DIR=str(tmp_path))
+    env.pop("KERMAC_LIKE_PREPARE", None)
+    if off:
+        env["KERMAC_LIKE_PREPARE"] = "0"
+    out = subprocess.run([sys.executable, "-c", _PREPARE_CHILD], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    if off:
+        assert got == dict(started=False, hash=0, nvrtc=0, reader=False, threads=[])
+    else:
+        assert got == dict(started=True, hash=1, nvrtc=1, reader=str(tmp_path / DB_FILENAME), threads=[])

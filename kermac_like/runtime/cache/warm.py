@@ -149,6 +149,42 @@ def _touch(path: Path, sha: str) -> None:
         pass
 
 
+def prepare_in_background() -> threading.Thread | None:
+    """Start a daemon thread that does, once per process, what a warm first call otherwise does
+    itself before its lookup: the kernel keys' process-wide inputs (compiler.template_hash:
+    the templates read and hashed; compiler.nvrtc_version: the NVRTC wheel's metadata) and
+    this module's connection to the cache file with its schema stamp read. ``import
+    kermac_like`` starts it where cuda.core is installed, so that these ~3-5 ms overlap what
+    a program does between the import and its first call (creating its CUDA tensors: the
+    CUDA context alone takes far longer); a first call that comes earlier computes or waits
+    for the same memoised values (bench/notes/jit.md). Best effort: any failure leaves the
+    first call to do the work as before. KERMAC_LIKE_PREPARE=0 turns it off."""
+    if os.environ.get("KERMAC_LIKE_PREPARE", "") == "0":
+        return None
+
+    def run():
+        try:
+            from ..compiler import nvrtc_version, template_hash
+
+            template_hash()
+            nvrtc_version()
+            path = default_cache_dir() / DB_FILENAME
+            st = os.stat(path)
+            if stat.S_ISREG(st.st_mode) and untrusted_reason(path.parent, path) is None:
+                with _reader_lock:
+                    _reader(path, st).execute("PRAGMA user_version").fetchall()
+        except Exception:  # noqa: BLE001 (best effort: the first call does it itself)
+            pass
+
+    global prepare_thread
+    t = prepare_thread = threading.Thread(target=run, name="kermac_like-prepare", daemon=True)
+    t.start()
+    return t
+
+
+prepare_thread = None  # the thread prepare_in_background started (tests join it)
+
+
 def package_bundle_dir() -> Path:
     """``kermac_like/prebuilt/``: the bundle folder that ships with the package."""
     return Path(__file__).resolve().parents[2] / "prebuilt"

@@ -120,10 +120,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int nkt = ceil_div(K, Tr::kBlockK);
   if (nkt > Tr::kMaxKTiles || batch != 1) __trap();  // K <= 128, one batch entry (the caller's rule)
 
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const unsigned raw_base = smem_u32(smem_raw);
+  extern __shared__ __align__(1024) unsigned char smem[];  // (named smem: the host emulation defines it)
+  const unsigned raw_base = smem_u32(smem);
   const unsigned base = (raw_base + 1023u) & ~1023u;  // the swizzle follows address bits
-  unsigned char* sm = smem_raw + (base - raw_base);
+  unsigned char* sm = smem + (base - raw_base);
   u64* lists = reinterpret_cast<u64*>(sm + Tr::kListOffset);
   u64* max_key = reinterpret_cast<u64*>(sm + Tr::kMaxOffset);
   int* max_pos = reinterpret_cast<int*>(sm + Tr::kPosOffset);

@@ -3,7 +3,7 @@ correctness against a float64 oracle (the acceptance rule of tests/test_gpu_knn.
 random data with poisoned outputs, then timings of the issue's workloads beside torch's way
 (row blocks of torch.cdist + torch.topk; timed on a slice of rows and scaled).
 
-    python3 bench/probes/topk_probe.py [--quick] [--only check|time|variants|mma|mma3|rescore]
+    python3 bench/probes/topk_probe.py [--quick] [--only check|time|variants|mma|mma3|mma6|rescore]
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def run_mma3(M=10 ** 6):
     rows = slots * 128
     optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 0)
     sel = mma_sel(k)
-    versions = [v for v in MMA_VERSIONS if not optin or mma_smem(sel, v) <= optin]
+    versions = [v for v in MMA_VERSIONS if v <= 5 and (not optin or mma_smem(sel, v) <= optin)]  # (6: --only mma6)
     print(f"{slots} SMs, {optin} B shared memory per block; versions {versions} "
           f"(smem {[mma_smem(sel, v) for v in versions]})", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -337,6 +337,150 @@ def run_mma3(M=10 ** 6):
         P.MMA_VERSION = 2
     except Exception:
         traceback.print_exc()
+
+
+def run_mma6(M=10 ** 6):
+    """topk_mma version 6 (cuda_templates/topk_wgmma.cuh: warp-specialised wgmma, sm_90 only) against
+    version 5 on one GPU, in one command (~2-3 min with the NVRTC compiles):
+
+        python3 bench/probes/topk_probe.py --only mma6
+
+    (1) One launch of a wave of row tiles (16896 rows on an H100) against 10^6 points at knn_d128's
+    shape (K = 128, k = 10, TF32), interleaved 5 6 6 5, best of two medians of 3 (ms per launch, us
+    per 128x256 tile per SM); whether each row's merged kSel first candidates (the sorted union of
+    its 4 lists: v6's lists are another partition of the points) equal version 5's bit for bit (they
+    do where wgmma sums a k8 step as mma.sync does; otherwise a few rows differ by near-ties of the
+    TF32 values, which the planner's certificate absorbs). Also dot / largest at N = 2e5.
+    (2) knn_d128's whole call (M = N = 10^6, k = 10) per version (plan.topk.MMA_VERSION): time, peak
+    memory beyond the inputs, and the outputs of 256 spread rows against float64 (bench/run.py's
+    rule: values within 1e-5 relative of the float64 value of the returned pair, no returned pair
+    worse than the float64 k-th value by more than 1e-5 relative), and whether v6's outputs equal v5's.
+    Prints one compact table last.
+
+    Predicted (H100, bench/notes/knn.md "topk_mma v6"): version 5 12.6 us per tile, 49 ms per
+    launch, knn_d128 3.2 s; version 6 ~3.5 us per tile (2.6-5 us), ~14 ms per launch (10-19 ms),
+    knn_d128 ~1.1 s (0.9-1.5 s)."""
+    import traceback
+
+    import numpy as np
+
+    from kermac_like.plan import core
+    from kermac_like.plan import topk as P
+    from kermac_like.runtime.launcher import get_kernel, launch
+    from kermac_like.runtime.specs.topk import mma_sel, topk_mma_spec
+
+    dev = torch.device("cuda")
+    N, K, k = 10 ** 6, 128, 10
+    slots = core._sm_count(0)
+    rows = slots * 128
+    sel = mma_sel(k)
+    versions = (5, 6)
+    print(f"{slots} SMs, capability {torch.cuda.get_device_capability(0)}", flush=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(rows, K, device=dev, generator=g)
+    y = torch.randn(N, K, device=dev, generator=g)
+    tiles = rows // 128 * (-(-N // 256))
+    table = []
+
+    def launcher_of(v, dot=False, largest=False, n=N):
+        kern = get_kernel(topk_mma_spec(dot, largest, k, version=v), 0)
+        scratch = torch.full((4, rows, sel), -3, dtype=torch.int64, device=dev)
+        args = (x.data_ptr(), y.data_ptr(), scratch.data_ptr(), np.int32(rows), np.int32(n), np.int32(K),
+                np.int64(K), np.int64(K), np.int32(1), np.int32(1), np.int32(1), *(np.int64(0),) * 6,
+                np.int32(1), np.int32(-(-n // 256)))
+        return (lambda: launch(kern, (rows // 128, 1, 1), args)), scratch
+
+    def merged(scratch):
+        return torch.sort(scratch.permute(1, 0, 2).reshape(rows, -1), dim=1).values[:, :sel]
+
+    per_launch, same_rows = {}, {}
+    try:
+        t0 = time.time()
+        runs = {v: launcher_of(v) for v in versions}
+        print(f"compiled in {time.time() - t0:.1f} s", flush=True)
+        for v in versions:
+            runs[v][0]()
+        torch.cuda.synchronize()
+        m5 = merged(runs[5][1])
+        for v in versions:
+            same_rows[v] = int((merged(runs[v][1]) == m5).all(1).sum())
+        times = {}
+        for v in versions + versions[::-1]:
+            times.setdefault(v, []).append(time_ms(runs[v][0], reps=3))
+        for v in versions:
+            per_launch[v] = min(times[v])
+            print(f"version {v}: {per_launch[v]:.2f} ms per launch, {per_launch[v] * 1e3 / (tiles / slots):.2f} us per "
+                  f"tile; rows whose merged candidates == version 5: {same_rows[v]} of {rows}", flush=True)
+        del runs
+    except Exception:
+        traceback.print_exc()
+    for dot, largest in ((True, True), (False, True)):
+        try:
+            runs = {v: launcher_of(v, dot, largest, n=2 * 10 ** 5) for v in versions}
+            for v in versions:
+                runs[v][0]()
+            torch.cuda.synchronize()
+            same = int((merged(runs[6][1]) == merged(runs[5][1])).all(1).sum())
+            print(f"dot={dot} largest={largest} (N = 2e5): rows with v6 merged == v5: {same} of {rows}", flush=True)
+            table.append((f"merged == v5, dot={dot} largest={largest}", f"{same}/{rows}"))
+            del runs
+        except Exception:
+            traceback.print_exc()
+
+    calls = {}
+    try:
+        xm = torch.randn(M, K, device=dev, generator=g)
+        pick = torch.linspace(0, M - 1, 256, device=dev).long()
+        ref, yd = [], y.double()
+        yn = (yd * yd).sum(1)[None]
+        for c in range(0, 256, 32):  # float64 distances of the checked rows, 32 rows at a time
+            xs = xm[pick[c:c + 32]].double()
+            d = (xs * xs).sum(1, keepdim=True) - 2 * xs @ yd.T + yn
+            ref.append(d.clamp_min_(0).sqrt_())
+            del d
+        ref = torch.cat(ref)  # (256, N)
+        del yd, yn
+        kth = torch.topk(ref, k, dim=1, largest=False).values[:, -1:]
+        outs = {}
+        for v in versions:
+            P.MMA_VERSION = v
+            km.knn(xm[:rows], y, k)  # compiled and warm
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            res = []
+            t = time_ms(lambda: res.append(km.knn(xm, y, k)), reps=2, warm=0)
+            extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            vals, idx = res.pop()
+            res.clear()
+            got = torch.gather(ref, 1, idx[pick])
+            err = ((vals[pick].double() - got).abs() / got.abs().clamp_min(1e-30)).max().item()
+            worse = int((got > kth + 1e-5 * kth).sum())
+            outs[v] = (vals, idx)
+            same = torch.equal(vals, outs[5][0]) and torch.equal(idx, outs[5][1])
+            idx_same = float((idx == outs[5][1]).all(1).float().mean())
+            calls[v] = (t, extra, err, worse, same, idx_same)
+            print(f"knn_d128 MMA_VERSION={v}: {t:.0f} ms, peak {extra:.0f} MiB beyond inputs (outputs included); "
+                  f"256 rows vs float64: max rel error {err:.2e}, pairs beyond the k-th {worse}; outputs == v5: {same} "
+                  f"(rows with equal indices {idx_same:.6f})", flush=True)
+            if v != 5:
+                del outs[v]
+        P.MMA_VERSION = 5
+    except Exception:
+        traceback.print_exc()
+        P.MMA_VERSION = 5
+
+    print("\n| version | ms per launch | us per tile | merged == v5 (rows) | knn_d128 ms | peak MiB | max rel err | "
+          "beyond k-th | outputs == v5 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for v in versions:
+        pl = per_launch.get(v)
+        c = calls.get(v)
+        print(f"| {v} | {pl:.2f} | {pl * 1e3 / (tiles / slots):.2f} | {same_rows.get(v)}/{rows} | " if pl else
+              f"| {v} | - | - | - | ", end="")
+        print(f"{c[0]:.0f} | {c[1]:.0f} | {c[2]:.1e} | {c[3]} | {c[4]} ({c[5]:.6f} rows) |" if c else "- | - | - | - | - |")
+    for name, val in table:
+        print(f"{name}: {val}")
 
 
 def run_rescore(M=10 ** 6):
@@ -418,7 +562,7 @@ def run_rescore(M=10 ** 6):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["check", "time", "variants", "mma", "mma3", "rescore"])
+    ap.add_argument("--only", choices=["check", "time", "variants", "mma", "mma3", "mma6", "rescore"])
     ap.add_argument("--cases", default="", help="comma-separated timing rows (default: all)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(0))
@@ -433,6 +577,8 @@ if __name__ == "__main__":
         run_mma_parts()
     if a.only == "mma3":
         run_mma3()
+    if a.only == "mma6":
+        run_mma6()
     if a.only == "rescore":
         run_rescore()
     print(f"total {time.time() - t0:.1f} s")

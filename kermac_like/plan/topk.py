@@ -133,6 +133,10 @@ FUSED_RESCORE = os.environ.get("KERMAC_LIKE_TOPK_FUSED_RESCORE", "1") not in (""
 # 5 also keeps x in shared memory, K <= 128, else 4), the same candidate lists bit for bit.
 # Measured on an H200 at knn_d128 (bench/notes/knn.md, "topk_mma v3"): 66.3 / 70.8 / 50.0 / 49.1 ms
 # per TF32 launch for versions 2 / 3 / 4 / 5, the whole call 5.77 / 4.57 / 3.37 / 3.32 s: 5.
+# 6 (cuda_templates/topk_wgmma.cuh: warp-specialised wgmma, sm_90 only, K <= 128; the same merged
+# candidates where the TF32 values agree) is predicted ~3.5x faster per launch (bench/notes/knn.md,
+# "topk_mma v6"); not measured yet: make it the default (this constant) once
+# `bench/probes/topk_probe.py --only mma6` has passed on an H100.
 MMA_VERSION = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_VERSION", "5") or 5)
 _FLIP = -(1 << 63)  # the scratch keys' top bit (int64 order = key order)
 
@@ -156,14 +160,22 @@ def _smem_optin(device: torch.device) -> int:
     return _smem_per_block_optin(_device_index(device)) or (227 << 10)
 
 
+def _sm90(device: torch.device) -> bool:
+    """Whether topk_mma version 6 (sm_90a: wgmma, setmaxnreg) exists on this device."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def mma_version(call):
-    """The topk_mma version a call runs: MMA_VERSION (5 only where K <= MMA_V5_MAX_K, else 4),
+    """The topk_mma version a call runs: MMA_VERSION (5 and 6 only where K <= MMA_V5_MAX_K, else 4;
+    6 only on sm_90 devices, else 5),
     or the highest lower one whose shared memory fits the device's opt-in limit per block (an
     A100's 163 KiB holds none at kSel 24: those calls take the blocked path); None if none fits."""
-    want = 4 if MMA_VERSION == 5 and -(-call.K // 4) * 4 > MMA_V5_MAX_K else MMA_VERSION
+    wide = -(-call.K // 4) * 4 > MMA_V5_MAX_K
+    want = 4 if MMA_VERSION >= 5 and wide else MMA_VERSION
     optin = _smem_optin(call.x.device)
     sel = mma_sel(call.k)
-    fits = [v for v in MMA_VERSIONS if v <= want and mma_smem(sel, v) <= optin]
+    # version 6 (wgmma, sm_90a) on sm_90 devices only; elsewhere the versions below it
+    fits = [v for v in MMA_VERSIONS if v <= want and mma_smem(sel, v) <= optin and (v < 6 or _sm90(call.x.device))]
     return max(fits) if fits else None
 
 

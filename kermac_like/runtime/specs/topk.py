@@ -111,11 +111,26 @@ def mma_sel(k: int) -> int:
 MMA_V3_EXTRA_SMEM = 16 * 1024  # TopkMmaTraits::kExtraBytes of kVersion 3: scan rows 48..63
 MMA_STAGE_BYTES = (MMA_BLOCK_M + MMA_BLOCK_N) * 64  # DistanceMmaTraits::kStageBytes
 MMA_V5_MAX_K = 128  # TopkMmaTraits::kMaxKTiles * 16: the resident x tile of version 5
-MMA_VERSIONS = (2, 3, 4, 5)
+MMA_VERSIONS = (2, 3, 4, 5, 6)
+# Version 6 (cuda_templates/topk_wgmma.cuh, sm_90a only, TF32, K <= MMA_V5_MAX_K): warp-specialised
+# wgmma, 384 threads, TopkWgmmaTraits' layout: kStages stages of (16 KiB of y + the tile's norms),
+# the lists, their largest keys and positions, the x norms, the barriers, 1 KiB of alignment.
+MMA_V6_THREADS = 384
+MMA_V6_STAGES = 7
+
+
+def mma_v6_smem(sel: int) -> int:
+    """TopkWgmmaTraits::kSmemBytes."""
+    lists = MMA_BLOCK_M * 4
+    return (MMA_V6_STAGES * (MMA_BLOCK_N * 64 + MMA_BLOCK_N * 4) + lists * sel * 8 + lists * 12 + MMA_BLOCK_M * 4
+            + 2 * MMA_V6_STAGES * 8 + 1024)
 
 
 def mma_smem(sel: int, version: int = 2) -> int:
-    """TopkMmaTraits::kSmemBytes: the stages (v4: five), the norms, v3's extra scan rows, the lists."""
+    """TopkMmaTraits::kSmemBytes: the stages (v4: five), the norms, v3's extra scan rows, the lists
+    (version 6: TopkWgmmaTraits::kSmemBytes)."""
+    if version == 6:
+        return mma_v6_smem(sel)
     base = MMA_BASE_SMEM + (MMA_STAGE_BYTES if version == 4 else 0) + (MMA_V3_EXTRA_SMEM if version == 3 else 0)
     if version == 5:  # the resident x tile, four stages of y alone, the norms
         base = MMA_V5_MAX_K // 16 * MMA_BLOCK_M * 64 + 4 * MMA_BLOCK_N * 64 + (MMA_BLOCK_M + MMA_BLOCK_N) * 4
@@ -130,12 +145,22 @@ def topk_mma_spec(dot: bool, largest: bool, k: int, precision: str = "Tf32", *, 
     scan); 4, the same ring with five stages and the scan done in registers (no scan tile, no
     block barrier); 5, version 4 with the x tile resident in shared memory and four stages of y
     alone (K <= MMA_V5_MAX_K only: the caller's rule). Same arguments, grid and candidate lists
-    (bit for bit) in every version."""
+    (bit for bit) in every version. 6 (sm_90a, TF32, K <= MMA_V5_MAX_K): topk_wgmma_kernel
+    (cuda_templates/topk_wgmma.cuh), same arguments, grid and scratch layout; its quarters are
+    another partition of the points, so the lists differ while each row's merged kSel first
+    candidates are the same set wherever the approximate values are."""
     if not 1 <= k <= MMA_MAX_SELECT:
         raise ValueError(f"topk: k = {k} is outside the tensor-core kernel's 1..{MMA_MAX_SELECT}")
     if version not in MMA_VERSIONS:
         raise ValueError(f"topk: topk_mma version {version} is not one of {MMA_VERSIONS}")
     sel = mma_sel(k)
+    if version == 6:  # wgmma (sm_90a), TF32 candidates only
+        if precision != "Tf32":
+            raise ValueError("topk: topk_mma version 6 is TF32 only")
+        traits = (f"kermac_like::TopkWgmmaTraits<kermac_like::Inner::{'Dot' if dot else 'Diff'}, "
+                  f"{str(bool(largest)).lower()}, {sel}>")
+        shape = LaunchShape(threads=MMA_V6_THREADS, block_m=MMA_BLOCK_M, block_n=MMA_BLOCK_N, smem_bytes=mma_v6_smem(sel))
+        return KernelSpec("topk_wgmma.cuh", "kermac_like::topk_wgmma_kernel", traits, shape, arch_suffix="a")
     knob = f", {int(version)}" if version != 2 else ""
     traits = (f"kermac_like::TopkMmaTraits<kermac_like::Inner::{'Dot' if dot else 'Diff'}, "
               f"kermac_like::Precision::{precision}, {str(bool(largest)).lower()}, {sel}{knob}>")

@@ -133,11 +133,11 @@ FUSED_RESCORE = os.environ.get("KERMAC_LIKE_TOPK_FUSED_RESCORE", "1") not in (""
 # 5 also keeps x in shared memory, K <= 128, else 4), the same candidate lists bit for bit.
 # Measured on an H200 at knn_d128 (bench/notes/knn.md, "topk_mma v3"): 66.3 / 70.8 / 50.0 / 49.1 ms
 # per TF32 launch for versions 2 / 3 / 4 / 5, the whole call 5.77 / 4.57 / 3.37 / 3.32 s: 5.
-# 6 (cuda_templates/topk_wgmma.cuh: warp-specialised wgmma, sm_90 only, K <= 128; the same merged
-# candidates where the TF32 values agree) is predicted ~3.5x faster per launch (bench/notes/knn.md,
-# "topk_mma v6"); not measured yet: make it the default (this constant) once
-# `bench/probes/topk_probe.py --only mma6` has passed on an H100.
-MMA_VERSION = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_VERSION", "5") or 5)
+# 6 (cuda_templates/topk_wgmma.cuh: warp-specialised wgmma, sm_90 only, K <= 128) on an H100
+# (bench/results/2026-11-26-session12/run3, `bench/probes/topk_probe.py --only mma6`): 26.60 against
+# version 5's 47.90 ms per launch, the merged candidates of all 16896 rows equal to version 5's, the
+# whole knn_d128 call 1,772 against 4,582 ms in the probe: 6 (5 where 6 cannot run: see mma_version).
+MMA_VERSION = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_VERSION", "6") or 6)
 _FLIP = -(1 << 63)  # the scratch keys' top bit (int64 order = key order)
 
 

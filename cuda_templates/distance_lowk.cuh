@@ -31,6 +31,13 @@
 //     address per row) into a second buffer while the current tile is computed and
 //     stored; one barrier per tile. The single-tile loads (kTilesN = 1) wait for their global
 //     reads before the arithmetic: at K = 37 they cost ~17 % of the time (H100).
+//   * kChunksK > 1 (compile-time kK up to 256, a multiple of kChunksK): K in kChunksK
+//     chunks of kChunkK = kK / kChunksK k; the block runs its kTilesN tiles as one stream of
+//     (tile, chunk) steps through two buffers (a's and b's chunk each), the next step's
+//     copies (cp.async, k >= K zero-filled) in flight while this one is computed, one
+//     barrier per step; a tile's stores overlap the next tile's first chunk. Unlike the
+//     K-blocked SIMT kernel (distance.cuh) there is no pipeline fill per tile and no k
+//     padded to its 16-k steps.
 // Inner operator and epilogue: math.cuh (namespace exact), the same code as the
 // K-blocked SIMT kernel, so both give identical results for the same k order.
 // Edges: rows past M/N are clamped on load (their outputs are never stored).
@@ -43,7 +50,7 @@ namespace kermac_like {
 
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, Layout kLayoutA_,
           Layout kLayoutB_, int kK_, int kMinBlocksPerSm_ = 2, int kThreadsN_ = 16, bool kMufuEpilogue_ = true,
-          bool kMmNonFinite_ = false, int kTilesN_ = 1>
+          bool kMmNonFinite_ = false, int kTilesN_ = 1, int kChunksK_ = 1>
 struct DistanceLowKTraits {
   static_assert(kInner_ != Inner::Dot || kInnerPow_ == Power::Noop,
                 "DistanceLowKTraits: Inner::Dot requires inner power Power::Noop");
@@ -56,7 +63,11 @@ struct DistanceLowKTraits {
   static_assert(kInnerPow_ != Power::Sqrt, "DistanceLowKTraits: inner power Power::Sqrt is not supported");
   static_assert(kOuterPow_ != Power::Abs && kOuterPow_ != Power::Square,
                 "DistanceLowKTraits: outer power must be Noop, Sqrt or Pow");
-  static_assert(kK_ >= 0 && kK_ <= 64, "DistanceLowKTraits: kK is 1..64 (0: K at run time)");
+  static_assert(kK_ >= 0 && kK_ <= (kChunksK_ > 1 ? 256 : 64),
+                "DistanceLowKTraits: kK is 1..64, up to 256 with kChunksK > 1 (0: K at run time)");
+  static_assert(kChunksK_ >= 1 && kChunksK_ <= 8 && (kChunksK_ == 1 || (kK_ > 0 && kK_ % kChunksK_ == 0)),
+                "DistanceLowKTraits: kChunksK is 1..8 (beyond 1: a compile-time kK, a multiple of it)");
+  static_assert(!kMmNonFinite_ || kChunksK_ == 1, "DistanceLowKTraits: kMmNonFinite needs kChunksK == 1");
   static_assert(kMinBlocksPerSm_ >= 1 && kMinBlocksPerSm_ <= 3, "DistanceLowKTraits: kMinBlocksPerSm is 1..3");
   static_assert(kThreadsN_ == 16 || kThreadsN_ == 32 || kThreadsN_ == 64,
                 "DistanceLowKTraits: kThreadsN is 16 (128 x 128 tile), 32 (64 x 256) or 64 (32 x 512)");
@@ -98,14 +109,19 @@ struct DistanceLowKTraits {
   // tile's stores overlap the next one's arithmetic (one barrier per tile).
   static constexpr int kTilesN = kTilesN_;
   static constexpr int kBlockN = kTileN * kTilesN;
+  // k chunks of compile-time K (kChunksK > 1: the (tile, chunk) stream)
+  static constexpr int kChunksK = kChunksK_;
   // k in shared memory at once (the run-time-K loop reads 4 k per trip: a multiple of 4)
-  static constexpr int kChunkK = kK_ > 0 ? kK_ : 8192 / (kBlockM + kBlockN) / 4 * 4;
+  static constexpr int kChunkK = kK_ > 0 ? kK_ / kChunksK_ : 8192 / (kBlockM + kBlockN) / 4 * 4;
   static constexpr int kStrideA = kBlockM + 4, kStrideB = kTileN + 4;  // floats per k-row (float4-aligned)
   // A (kChunkK, kStrideA), then B (kChunkK + 1, kStrideB), twice when kTilesN > 1: the
-  // spare row is read by the last step's fragment prefetch (never used).
+  // spare row is read by the last step's fragment prefetch (never used). kChunksK > 1: two
+  // stages of A and B (kStageFloats each).
   static constexpr int kBBufs = kTilesN > 1 ? 2 : 1;
   static constexpr int kBufB = (kChunkK + 1) * kStrideB;  // floats of one B buffer
-  static constexpr int kSmemBytes = (kChunkK * kStrideA + kBBufs * kBufB) * 4;
+  static constexpr int kStageFloats = kChunkK * kStrideA + kBufB;
+  static constexpr int kSmemBytes =
+      (kChunksK > 1 ? 2 * kStageFloats : kChunkK * kStrideA + kBBufs * kBufB) * 4;
   // Full unrolling of the k loop up to 16 k; beyond, 4 k per trip (the instruction
   // cache: a fully unrolled K = 64 body is ~8,500 instructions and ran 30 % slower).
   // Fractional p: 2 k per trip at any K (tile_products). A k step is 64 powers of ~6-14
@@ -210,17 +226,18 @@ __device__ __forceinline__ void for_each_own(int tid, F&& f) {
 
 // 4 bytes global -> shared without registers (cp.async, sm_80+) to element `off` of the
 // shared-memory base `dst` (smem_base: the address conversion once, outside the copies'
-// predicates). Host (the CPU test shim): a plain copy.
+// predicates); bytes = 0 writes 0 (zero-fill, nothing read). Host (the CPU test shim): a
+// plain copy.
 #if defined(__CUDA_ARCH__)
 using SmemBase = unsigned;
 __device__ __forceinline__ SmemBase smem_base(float* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void copy_async4(SmemBase dst, int off, const float* src) {
-  async_copy::cp_async_4(dst + 4u * unsigned(off), src, 4);
+__device__ __forceinline__ void copy_async4(SmemBase dst, int off, const float* src, int bytes = 4) {
+  async_copy::cp_async_4(dst + 4u * unsigned(off), src, bytes);
 }
 #else
 using SmemBase = float*;
 inline SmemBase smem_base(float* p) { return p; }
-inline void copy_async4(SmemBase dst, int off, const float* src) { dst[off] = *src; }
+inline void copy_async4(SmemBase dst, int off, const float* src, int bytes = 4) { dst[off] = bytes ? *src : 0.0f; }
 #endif
 
 // Rows k = K .. kc - 1 of a (kc, S) tile set to 0 (inner(0, 0) == 0). load_tile_async
@@ -245,10 +262,11 @@ __device__ __forceinline__ void copies_wait() {
 
 // load_tile through cp.async (kTilesN > 1): the copies land while the caller computes;
 // it waits (copies_wait) and passes a barrier before reading. The elements of
-// for_each_own with k < K (rows k >= K: zero_tail); RowMajor: one global address per
-// row (at the thread's first k; its other k are immediate offsets), stepped by a pointer
-// increment when the tile's rows are all inside (else clamped per row).
-template <class Tr, Layout kLayout, int kc, int BM, int S>
+// for_each_own with k < K (rows k >= K: zero_tail; kZfill: zero-filled copies, for the
+// chunk stream, whose buffers hold other chunks' rows there); RowMajor: one global
+// address per row (at the thread's first k; its other k are immediate offsets), stepped
+// by a pointer increment when the tile's rows are all inside (else clamped per row).
+template <class Tr, Layout kLayout, int kc, int BM, int S, bool kZfill = false>
 __device__ __forceinline__ void load_tile_async(float* tile, const float* __restrict__ x, i64 ld, int rows, int row0,
                                                 int K, int tid) {
   if constexpr (kLayout == Layout::RowMajor) {
@@ -259,13 +277,21 @@ __device__ __forceinline__ void load_tile_async(float* tile, const float* __rest
     const int warp = tid >> 5, lane = tid & 31;
     const int kl = lane % kLanesK, rl = warp * kRowsW + lane / kLanesK;
     const SmemBase dst = smem_base(tile + kl * S + rl);
-    bool in[kPassesK];  // this thread's k of pass q inside K (and the tile)
+    bool own[kPassesK], in[kPassesK];  // this thread's k of pass q inside the tile, and inside K
 #pragma unroll
-    for (int q = 0; q < kPassesK; ++q) in[q] = (kc % kLanesK == 0 || kl + q * kLanesK < kc) && kl + q * kLanesK < K;
+    for (int q = 0; q < kPassesK; ++q) {
+      own[q] = kc % kLanesK == 0 || kl + q * kLanesK < kc;
+      in[q] = own[q] && kl + q * kLanesK < K;
+    }
     auto row_copies = [&](const float* p, int j) {  // p: the row's element k = kl
 #pragma unroll
-      for (int q = 0; q < kPassesK; ++q)
-        if (in[q]) copy_async4(dst, q * kLanesK * S + j * kRowsPass, p + q * kLanesK);
+      for (int q = 0; q < kPassesK; ++q) {
+        if constexpr (kZfill) {  // k >= K: 0, read from nowhere (the address: the row's k = 0, valid)
+          if (own[q]) copy_async4(dst, q * kLanesK * S + j * kRowsPass, in[q] ? p + q * kLanesK : p - kl, in[q] ? 4 : 0);
+        } else if (in[q]) {
+          copy_async4(dst, q * kLanesK * S + j * kRowsPass, p + q * kLanesK);
+        }
+      }
     };
     if ((BM % kRowsPass == 0 || rl < BM - (kTrips - 1) * kRowsPass) && row0 + BM <= rows) {
       const float* p = x + i64(row0 + rl) * ld + kl;
@@ -283,7 +309,11 @@ __device__ __forceinline__ void load_tile_async(float* tile, const float* __rest
     const SmemBase dst = smem_base(tile);
     for_each_own<Tr, kLayout, kc, BM>(tid, [&](int k, int r) {
       const int row = row0 + r < rows ? row0 + r : rows - 1;
-      if (k < K) copy_async4(dst, k * S + r, x + (i64(k) * ld + row));
+      if constexpr (kZfill) {
+        copy_async4(dst, k * S + r, x + (i64(k < K ? k : 0) * ld + row), k < K ? 4 : 0);
+      } else if (k < K) {
+        copy_async4(dst, k * S + r, x + (i64(k) * ld + row));
+      }
     });
   }
   copies_commit();
@@ -489,7 +519,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
     }
   };
 
-  if constexpr (Tr::kK > 0 && Tr::kTilesN > 1) {  // k >= K of every buffer (read before the first barrier)
+  if constexpr (Tr::kK > 0 && Tr::kTilesN > 1 && Tr::kChunksK == 1) {  // k >= K of every buffer (read before the first barrier)
     zero_tail<Tr, KC, SA>(sa, K, tid);
     zero_tail<Tr, KC, SB>(sb, K, tid);
     zero_tail<Tr, KC, SB>(sb + Tr::kBufB, K, tid);
@@ -499,6 +529,44 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
     const auto entry = args.at(l);
     math::PowArgs pw{};
     if constexpr (Tr::kInnerPow == Power::Pow) pw = math::make_pow_args(args.inner_p.at(entry.index));
+
+    if constexpr (Tr::kChunksK > 1) {
+      // Steps q = (tile q / kChunksK, chunk q % kChunksK) through two stages: step q + 1's
+      // copies (a's and b's chunk, k >= K zero-filled) issued after the barrier of step q.
+      if (l != int(blockIdx.z)) __syncthreads();  // the previous entry's reads are done
+      const int tiles = (N - n0 + TN - 1) / TN < Tr::kTilesN ? (N - n0 + TN - 1) / TN : Tr::kTilesN;
+      const int steps = tiles * Tr::kChunksK;
+      auto issue = [&](int q) {
+        const auto& e = entry;
+        const int k0 = (q % Tr::kChunksK) * KC;
+        float* const st = kl_lowk_smem + (q & 1) * Tr::kStageFloats;
+        const i64 ka = Tr::kLayoutA == Layout::RowMajor ? i64(k0) : i64(k0) * lda;
+        const i64 kb = Tr::kLayoutB == Layout::RowMajor ? i64(k0) : i64(k0) * ldb;
+        load_tile_async<Tr, Tr::kLayoutA, KC, BM, SA, true>(st, e.a + ka, opaque(lda), M, m0, K - k0, tid);
+        load_tile_async<Tr, Tr::kLayoutB, KC, TN, SB, true>(st + KC * SA, e.b + kb, opaque(ldb), N,
+                                                            n0 + (q / Tr::kChunksK) * TN, K - k0, tid);
+      };
+      issue(0);
+#pragma unroll 1
+      for (int s = 0; s < tiles; ++s) {
+        float acc[8][8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+#pragma unroll 1
+        for (int c = 0; c < Tr::kChunksK; ++c) {
+          const int q = s * Tr::kChunksK + c;
+          copies_wait();
+          __syncthreads();  // step q has landed; every thread is done with step q - 1 (its stage is refilled next)
+          if (q + 1 < steps) issue(q + 1);
+          const float* const st = kl_lowk_smem + (q & 1) * Tr::kStageFloats;
+          tile_products<Tr, SA, SB, KC>(acc, st + tm * 8, st + KC * SA + tn * 4, false, pw);
+        }
+        store_tile(acc, entry, n0 + s * TN);
+      }
+      continue;
+    }
 
     if constexpr (Tr::kK > 0 && Tr::kTilesN > 1) {
       // a's tile once, b's tiles in turn: b's next tile copied (cp.async, the other

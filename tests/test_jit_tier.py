@@ -31,7 +31,7 @@ def test_first_call_runs_the_generic_kernel_while_the_specialised_one_compiles(a
     assert plan.family == "distance_lowk" and ", 5, " in plan.spec.traits and not fetched
     P.clear_templates()
     # the generic one is at hand (a bundle): it serves the call, the specialised one compiles aside
-    generic = lowk_spec(km.preset("p_norm"), Layout.ROW_MAJOR, Layout.ROW_MAJOR, LOWK_MAX_K + 1)  # kK = 0
+    generic = lowk_spec(km.preset("p_norm"), Layout.ROW_MAJOR, Layout.ROW_MAJOR, LOWK_MAX_K + 1, chunks=0)  # kK = 0
     ready.add(generic)
     plan = _plan(a, 1.7)
     assert plan.spec == generic

@@ -360,3 +360,40 @@ def test_spec_override_keeps_its_templates_apart(as_gpu):
     with pytest.raises(ValueError, match="no_such_name"):
         with P.spec_override(no_such_name=1):
             pass
+
+
+def test_chunk_stream_switch(as_gpu, monkeypatch):
+    """specs.distance_lowk.LOWK_CHUNKED_UP_TO (the switch; LOWK_MAX_K: off): cdist p=1 at
+    64 < K <= it plans the low-K chunk stream (kChunksK = ceil(K / 32), kK rounded up to whole
+    chunks), beyond it and with the switch off the SIMT kernel; the matrix-product mode and
+    the other descriptor classes keep their kernels; the first-call tier serves a call
+    whose stream kernel is not at hand with the generic variant."""
+    from kermac_like.runtime import autotune
+    from kermac_like.runtime.specs import distance_lowk as DL
+
+    mode = COMPUTE_MODES[0]
+
+    def plan(name, K, rows=70, **kw):
+        call = prepare_call(km.PRESETS[name], torch.randn(rows, K), torch.randn(rows - 20, K), **kw)
+        return P.plan_distance(call, torch.empty(call.out_shape), mode, False)
+
+    assert plan("l1", 100).family == "distance"  # off (the shipped default)
+    assert DL.lowk_chunks(100) == 0 and autotune.default_choice(km.preset("l1"), torch.float32, 100, mode) == "simt"
+    monkeypatch.setattr(DL, "LOWK_CHUNKED_UP_TO", 256)
+    P.clear_templates()
+    assert [DL.lowk_chunks(k) for k in (37, 64, 65, 100, 128, 200, 256, 257)] == [1, 1, 3, 4, 4, 7, 8, 0]
+    assert [DL.lowk_bucket(k) for k in (65, 100, 128, 200, 256, 257)] == [66, 100, 128, 203, 256, 0]
+    for K, tail in ((65, ", 66, 2, 16, true, false, 2, 3>"), (100, ", 100, 2, 16, true, false, 2, 4>"),
+                    (200, ", 203, 2, 16, true, false, 2, 7>")):
+        p = plan("l1", K)
+        assert p.family == "distance_lowk" and p.spec.traits.endswith(tail), (K, p.spec.traits)
+        assert p.spec.launch.smem_bytes <= 2 * (32 * 132 + 33 * 132) * 4  # two blocks per SM, sm_80 too
+    assert DL.lowk_tiles_n(100, 20000, 20000, 1, 2 * 132) == 8  # 157 x 20 blocks of 8 tiles
+    assert plan("l1", 257).family == "distance"
+    assert plan("l2", 100).family != "distance_lowk"  # the matrix-product mode: tensor cores
+    assert plan("p_norm", 100, p=1.5).family == "distance"  # LOWK_UP_TO["pow"]
+    # the first call of a stream kernel not yet compiled: the generic variant serves it
+    monkeypatch.setattr(P, "_JIT_TIER", True)
+    monkeypatch.setattr(launcher, "available", lambda spec, device: spec.traits.endswith(", 0>"))
+    P.clear_templates()
+    assert plan("l1", 100).spec.traits.endswith(", 0>")

@@ -45,9 +45,15 @@ LOWK_INSTANCES = [
     (("Diff", "Abs", "Noop", "None"), "RowMajor", "RowMajor", 37, 2, 16, "true", "false", 4),
     (("Diff", "Square", "Sqrt", "None"), "RowMajor", "ColMajor", 8, 2, 16, "true", "true", 2),
     (("Diff", "Square", "Sqrt", "Gaussian"), "ColMajor", "RowMajor", 5, 2, 32, "true", "false", 3),
+    # kChunksK > 1 (the chunk stream: (tile, chunk) steps through two stages, k >= K
+    # zero-filled by the copies): p=1 K = 100 in 4 chunks of 25, 2 tiles (the planner's shape
+    # beyond K = 64); column-major operands (the zero-filled column copies), 2 chunks, 3 tiles
+    (("Diff", "Abs", "Noop", "None"), "RowMajor", "RowMajor", 100, 2, 16, "true", "false", 2, 4),
+    (("Diff", "Square", "Sqrt", "Laplace"), "ColMajor", "ColMajor", 38, 2, 16, "true", "false", 3, 2),
 ]
 MM_IDX = 9
 MM_TILES_IDX = 11
+CHUNK_IDX = (13, 14)
 # run_on_cpu's view of them: (descriptor, a, b, out, kVec)
 AS_DISTANCE = [(inst[0], inst[1], inst[2], "RowMajor", 1) for inst in LOWK_INSTANCES]
 
@@ -98,14 +104,14 @@ def test_lowk_cpu_odd_shapes(lowk_runner, idx, M, N):
     assert td.rel_fro(got, ref) <= _tol(idx)
 
 
-@pytest.mark.parametrize("idx", [1, 2, 4, 6, 7, 10, 11, 12])
+@pytest.mark.parametrize("idx", [1, 2, 4, 6, 7, 10, 11, 12, *CHUNK_IDX])
 def test_lowk_cpu_k_below_the_compiled_k_is_zero_filled(lowk_runner, idx):
     K = max(1, _k(idx, 37) - 3)
     got, ref = _run(lowk_runner, idx, 70, 90, K, pad=(1, 0, 0), seed=K)
     assert td.rel_fro(got, ref) <= _tol(idx)
 
 
-@pytest.mark.parametrize("idx", [0, 1, 3, 5, 7, 8, 10, 12])
+@pytest.mark.parametrize("idx", [0, 1, 3, 5, 7, 8, 10, 12, 14])
 def test_lowk_cpu_batch_broadcast_diagonal_and_hyper_tensors(lowk_runner, idx):
     # 2 x 1 x 3 batch, b broadcast over mode 0, grid_z smaller than the batch, a tensor
     # regularisation over mode 2 on several diagonals, a tensor bandwidth over mode 0.
@@ -121,7 +127,7 @@ def test_lowk_cpu_epsilon_and_scalar_regularisation(lowk_runner, idx):
     assert td.rel_fro(got, ref) <= _tol(idx)
 
 
-@pytest.mark.parametrize("idx", [0, 3, 5])
+@pytest.mark.parametrize("idx", [0, 3, 5, 13])
 def test_lowk_cpu_identical_rows_give_exact_zero(lowk_runner, idx):
     got, ref = _run(lowk_runner, idx, 70, 70, _k(idx, 37), seed=5, b_equals_a=True)
     diag = np.diagonal(got, axis1=-2, axis2=-1)
@@ -190,6 +196,18 @@ def test_tiles_per_block_keep_the_gpu_filled():
     assert render.lowk_tiles_n(37, 100, 100, 1, wave) == render.LOWK_TILES_N
     assert render.lowk_tiles_n(8, 20000, 20000, 1, wave) == render.LOWK_TILES_N  # K <= 8: 2 tiles
     assert render.lowk_tiles_n(100, 20000, 20000, 1, wave) == 1  # run-time K: one tile
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_chunk_stream_compiles_without_spills_in_the_k_loop(arch):
+    """The chunk stream at the planner's K = 100 shape (4 chunks of 25, 8 tiles): two blocks per
+    SM (128 registers), its mirrored launch (compile_specs' static_asserts), at most two spilled
+    words (NVRTC 13.5: 8 B on sm_80 and sm_90 at K = 65..256, outside the k loop)."""
+    s = render.lowk_spec(PRESETS["l1"], ROW, ROW, 100, tiles_n=8, chunks=4)
+    assert s.traits.endswith(", 100, 2, 16, true, false, 8, 4>") and s.launch.smem_bytes == 2 * (25 * 132 + 26 * 132) * 4
+    _, resources = compile_specs([s], arch)
+    r = resources[s.name_expression]
+    assert r["registers"] <= 128 and r["spill_stores"] <= 8, r
 
 
 @pytest.fixture(scope="module")

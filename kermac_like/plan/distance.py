@@ -496,7 +496,7 @@ def _first_call_tier(spec, call: DistanceCall, views, compute_mode: str, debug: 
         return spec, True  # kMmNonFinite exists at compile-time K only
     av, bv, outv = views
     first, second = (bv, av) if outv.layout is Layout.COL_MAJOR else (av, bv)
-    generic = lowk_spec(call.desc, first.layout, second.layout, LOWK_MAX_K + 1)
+    generic = lowk_spec(call.desc, first.layout, second.layout, LOWK_MAX_K + 1, chunks=0)
     if not available(generic, device):
         return spec, True
     prefetch([spec], device, debug=debug)

@@ -122,12 +122,24 @@ def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode:
 # Fractional p: measured at K <= 8 only; up to 16 it is the low-K kernel (the SIMT kernel
 # pads K to 32), beyond the SIMT kernel (its compile is 0.35 s; the low-K POW build at
 # K = 64 took 1.8 s on a first call).
+# p = 1 ("abs") beyond 64 follows specs.distance_lowk.LOWK_CHUNKED_UP_TO (the chunk stream;
+# the switch is there, read per call): _lowk_up_to.
 LOWK_UP_TO = {"abs": 64, "pow": 16, "square": 64, "dot": 64}
 # Where the call mirrors torch.cdist's matrix product (uses_mm): the low-K kernel with the
 # product's NaN/inf up to this K, the tensor cores beyond (H200, 20000^2, bench/notes/lowk.md:
 # low-K 0.55-0.65 ms against the tensor cores' 0.74-0.82 ms at K <= 8; 0.78 against 0.80 at
 # K = 16, 1.83 against 0.89 at K = 37).
 LOWK_MM_UP_TO = 8
+
+
+def _lowk_up_to(cls: str) -> int:
+    """The default table's low-K limit for a descriptor class: LOWK_UP_TO, for |x - y|
+    raised to where the planner gives the chunk stream (LOWK_CHUNKED_UP_TO)."""
+    from .specs import distance_lowk
+
+    if cls == "abs":
+        return max(LOWK_UP_TO[cls], distance_lowk.LOWK_CHUNKED_UP_TO)
+    return LOWK_UP_TO[cls]
 
 
 def _desc_class(desc: KernelDescriptor) -> str:
@@ -144,7 +156,7 @@ def default_choice(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_m
         return None
     if TENSOR_CORE in cands:  # the matrix-product semantics
         return LOWK if LOWK in cands and K <= LOWK_MM_UP_TO else TENSOR_CORE
-    if LOWK in cands and K <= LOWK_UP_TO[_desc_class(desc)]:
+    if LOWK in cands and K <= _lowk_up_to(_desc_class(desc)):
         return LOWK
     return SIMT if SIMT in cands else cands[0]
 

@@ -8,8 +8,8 @@ from ...descriptor import PRESETS, KernelDescriptor
 from ...layout import Layout
 from .kernel_spec import KernelSpec, LaunchShape
 
-__all__ = ["LOWK_MAX_K", "LOWK_GENERIC_MAX_K", "desc_mm_ok", "lowk_bucket", "lowk_threads_n", "lowk_tiles_n", "lowk_launch",
-           "lowk_spec", "shipped"]
+__all__ = ["LOWK_MAX_K", "LOWK_GENERIC_MAX_K", "LOWK_CHUNKED_MAX_K", "desc_mm_ok", "lowk_bucket", "lowk_chunks",
+           "lowk_threads_n", "lowk_tiles_n", "lowk_launch", "lowk_spec", "shipped"]
 
 # Mirror of kermac_like::DistanceLowKTraits (cuda_templates/distance_lowk.cuh): 256 threads,
 # 128 x 128 outputs per block, row-major output (a column-major out is launched as out^T),
@@ -17,13 +17,39 @@ __all__ = ["LOWK_MAX_K", "LOWK_GENERIC_MAX_K", "desc_mm_ok", "lowk_bucket", "low
 LOWK_MAX_K = 64  # largest compile-time kK; beyond it the generic (kK = 0) variant
 LOWK_GENERIC_MAX_K = 256  # one running sum per output: the generic variant serves K up to here
 LOWK_MIN_BLOCKS = 2  # default of kMinBlocksPerSm (renders no extra argument)
+# The chunk stream (kChunksK > 1: compile-time kK in chunks through two stages, the block's
+# tiles one stream of (tile, chunk) steps; bench/notes/lowk.md, session 8): the template's
+# limit, and the K up to which the planner gives it (LOWK_MAX_K: nowhere, the generic
+# variant beyond LOWK_MAX_K as before). THE SWITCH: set LOWK_CHUNKED_UP_TO = 256 once
+# bench/probes/p1_moderate_k_candidates.py shows the stream ahead of the SIMT kernel at
+# K = 100..200; runtime.autotune's default table then takes the low-K kernel for p = 1 up to it.
+LOWK_CHUNKED_MAX_K = 256
+LOWK_CHUNKED_UP_TO = LOWK_MAX_K
+LOWK_CHUNK_K = 32  # most k per chunk the planner gives (two stages of 128 x 128 tiles: 68.6 KB)
 
 
-def lowk_bucket(K: int) -> int:
-    """The compile-time kK that serves ``K``: K itself up to LOWK_MAX_K (one instantiation
-    per K: zero-filled k cost up to 17 % more arithmetic in the multiples-of-8 buckets
-    used before), 0 (K at run time) beyond."""
-    return max(int(K), 1) if K <= LOWK_MAX_K else 0
+def lowk_chunks(K: int) -> int:
+    """k-chunks (kChunksK) of the compile-time variant that serves ``K``: 1 up to
+    LOWK_MAX_K (the whole K in shared memory), ceil(K / LOWK_CHUNK_K) up to
+    LOWK_CHUNKED_UP_TO, 0 beyond (the generic run-time-K variant)."""
+    if K <= LOWK_MAX_K:
+        return 1
+    if K <= min(LOWK_CHUNKED_UP_TO, LOWK_CHUNKED_MAX_K):
+        return -(-int(K) // LOWK_CHUNK_K)
+    return 0
+
+
+def lowk_bucket(K: int, chunks: int | None = None) -> int:
+    """The compile-time kK that serves ``K`` in ``chunks`` k-chunks (default
+    :func:`lowk_chunks`): K itself in one chunk (up to LOWK_MAX_K; one instantiation per
+    K: zero-filled k cost up to 17 % more arithmetic in the multiples-of-8 buckets used
+    before), K rounded up to whole chunks (chunks * ceil(K / chunks): fewer than
+    ``chunks`` zero-filled k), 0 (K at run time) for chunks = 0."""
+    chunks = lowk_chunks(K) if chunks is None else int(chunks)
+    if chunks == 0:
+        return 0
+    K = max(int(K), 1)
+    return chunks * -(-K // chunks)
 
 
 LOWK_THREADS_N = 16  # default of kThreadsN: 128 x 128 tiles
@@ -42,14 +68,16 @@ def desc_mm_ok(desc: KernelDescriptor) -> bool:
     return desc.inner_operator is InnerOperator.DIFF and desc.inner_power is PowerType.SQUARE
 
 
-def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N, tiles_n: int = 1) -> LaunchShape:
+def lowk_launch(kk: int, threads_n: int = LOWK_THREADS_N, tiles_n: int = 1, chunks: int = 1) -> LaunchShape:
     """Mirror of kBlockM, kBlockN (= kTilesN tiles of kTileN) and kSmemBytes (b's tile
-    twice when kTilesN > 1)."""
+    twice when kTilesN > 1; two stages of a's and b's chunk when kChunksK > 1)."""
     bm, tn = (256 // threads_n) * 8, threads_n * 8
-    chunk = kk if kk > 0 else 8192 // (bm + tn) // 4 * 4
-    bufs = 2 if tiles_n > 1 else 1
-    return LaunchShape(threads=256, block_m=bm, block_n=tn * tiles_n,
-                       smem_bytes=(chunk * (bm + 4) + bufs * (chunk + 1) * (tn + 4)) * 4)
+    chunk = kk // chunks if kk > 0 else 8192 // (bm + tn) // 4 * 4
+    if chunks > 1:
+        floats = 2 * (chunk * (bm + 4) + (chunk + 1) * (tn + 4))
+    else:
+        floats = chunk * (bm + 4) + (2 if tiles_n > 1 else 1) * (chunk + 1) * (tn + 4)
+    return LaunchShape(threads=256, block_m=bm, block_n=tn * tiles_n, smem_bytes=floats * 4)
 
 
 def lowk_tiles_n(K: int, M: int, N: int, batch: int, blocks_per_wave: int) -> int:
@@ -79,7 +107,7 @@ def lowk_threads_n(K: int) -> int:
 
 def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS,
               threads_n: int | None = None, mufu_epilogue: bool = True, mm_nonfinite: bool = False,
-              tiles_n: int | None = None) -> KernelSpec:
+              tiles_n: int | None = None, chunks: int | None = None) -> KernelSpec:
     """The low-K instantiation for inputs of layouts ``a``, ``b`` and dimension ``K``
     (output row-major; the caller swaps the operands for a column-major out).
     ``min_blocks`` (kMinBlocksPerSm, 1..3) and ``threads_n`` (kThreadsN: 16, 32, 64 for
@@ -89,25 +117,33 @@ def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_block
     (Euclidean descriptors, K <= LOWK_MAX_K): infinities and overflows as torch.cdist's
     matrix-product path gives them (kMmNonFinite), for calls that mirror its choice.
     ``tiles_n`` (kTilesN, 1..8, compile-time K only; default LOWK_TILES_N there, 1 for the
-    run-time-K variant; the planner passes :func:`lowk_tiles_n`): tiles per block along n."""
-    if mm_nonfinite and not (desc_mm_ok(desc) and 0 < lowk_bucket(K)):
+    run-time-K variant; the planner passes :func:`lowk_tiles_n`): tiles per block along n.
+    ``chunks`` (kChunksK; default :func:`lowk_chunks`): 0 the generic run-time-K variant,
+    1 the whole K in shared memory (K <= LOWK_MAX_K), 2..8 the chunk stream (kK =
+    :func:`lowk_bucket`, up to LOWK_CHUNKED_MAX_K)."""
+    chunks = lowk_chunks(K) if chunks is None else int(chunks)
+    kk = lowk_bucket(K, chunks)
+    if not (chunks in (0, 1) and kk <= LOWK_MAX_K or 2 <= chunks <= 8 and kk <= LOWK_CHUNKED_MAX_K
+            and (chunks - 1) * (kk // chunks) < K):
+        raise ValueError(f"chunks: 0, 1 (K <= {LOWK_MAX_K}) or 2..8 with K > (chunks - 1) chunks and "
+                         f"K <= {LOWK_CHUNKED_MAX_K}, got {chunks}, K = {K}")
+    if mm_nonfinite and not (desc_mm_ok(desc) and chunks == 1):
         raise ValueError(f"mm_nonfinite: needs a Euclidean descriptor and K <= {LOWK_MAX_K}, got {desc!r}, K = {K}")
-    kk = lowk_bucket(K)
     if tiles_n is None:
         tiles_n = LOWK_TILES_N if kk > 0 else 1
     if tiles_n != 1 and not (1 <= tiles_n <= 8 and kk > 0):
-        raise ValueError(f"tiles_n: 1..8 with a compile-time K (K <= {LOWK_MAX_K}), got {tiles_n}, K = {K}")
+        raise ValueError(f"tiles_n: 1..8 with a compile-time K, got {tiles_n}, K = {K}, chunks = {chunks}")
     if threads_n is None:
         threads_n = lowk_threads_n(K)
     args = [int(min_blocks), int(threads_n), "true" if mufu_epilogue else "false", "true" if mm_nonfinite else "false",
-            int(tiles_n)]
-    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N, "true", "false", 1]
+            int(tiles_n), max(chunks, 1)]
+    defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N, "true", "false", 1, 1]
     while args and args[-1] == defaults[len(args) - 1]:
         args.pop()
     extra = "".join(f", {x}" for x in args)
     traits = f"kermac_like::DistanceLowKTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {kk}{extra}>"
     return KernelSpec("distance_lowk.cuh", "kermac_like::distance_lowk_kernel", traits,
-                      lowk_launch(kk, threads_n, tiles_n))
+                      lowk_launch(kk, threads_n, tiles_n, max(chunks, 1)))
 
 
 # The low-K set: row-major inputs (either output layout: one kernel), the presets a
@@ -125,7 +161,7 @@ LOWK_SHIPPED_MM_K = (1, 2, 3, 4, 8)
 # 4, 8 at large outputs); and p_norm's run-time-K variant, which serves a first call at
 # another K while that K's kernel compiles (plan._first_call_tier). Minutes of NVRTC per architecture for precompile --all: the
 # p_norm builds take ~4 s each (bench/notes/jit.md).
-LOWK_SHIPPED_EXTRA = tuple(("p_norm", K, None) for K in (1, 2, 3, 4, 8, LOWK_MAX_K + 1)) + \
+LOWK_SHIPPED_EXTRA = tuple(("p_norm", K, None) for K in (1, 2, 3, 4, 8)) + (("p_norm", 0, None),) + \
     tuple(("l1", 64, t) for t in (2, 4, 8))
 
 
@@ -133,9 +169,9 @@ def shipped():
     row = Layout.ROW_MAJOR
     for name in LOWK_SHIPPED_PRESETS:
         for K in LOWK_SHIPPED_K:
-            yield lowk_spec(PRESETS[name], row, row, K if K else LOWK_MAX_K + 1)
+            yield lowk_spec(PRESETS[name], row, row, K if K else LOWK_MAX_K + 1, chunks=None if K else 0)
         if desc_mm_ok(PRESETS[name]):
             for K in LOWK_SHIPPED_MM_K:
                 yield lowk_spec(PRESETS[name], row, row, K, mm_nonfinite=True)
-    for name, K, tiles in LOWK_SHIPPED_EXTRA:
-        yield lowk_spec(PRESETS[name], row, row, K, tiles_n=tiles)
+    for name, K, tiles in LOWK_SHIPPED_EXTRA:  # K = 0: the generic variant
+        yield lowk_spec(PRESETS[name], row, row, K or LOWK_MAX_K + 1, tiles_n=tiles, chunks=None if K else 0)

@@ -250,6 +250,13 @@ def topk_mma():
         y = torch.randn(L, N, K, device="cuda", generator=g)
         for k in (1, 10, 16):
             _knn_check(x, y, k)
+    # unbatched, K <= 128: the planner's version (6, warp-specialised wgmma, on sm_90; else 5),
+    # several y tiles and a ragged last one
+    for M, N, K in ((300, 2000, 128), (129, 1500, 72)):
+        x = torch.randn(M, K, device="cuda", generator=g)
+        y = torch.randn(N, K, device="cuda", generator=g)
+        for k in (1, 10):
+            _knn_check(x, y, k)
 
 
 def topk_rescore():

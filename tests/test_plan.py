@@ -275,7 +275,7 @@ def test_simt_calls_read_kmajor_copies_of_row_major_operands(as_gpu, monkeypatch
     monkeypatch.setattr(P, "_KMAJOR_MIN_ROWS", 32)
     monkeypatch.setattr(P, "_KMAJOR_MAX_SHARE", 1 / 8)
     mode = COMPUTE_MODES[0]
-    x, y = torch.randn(70, 80), torch.randn(50, 80)  # K = 80: the SIMT kernel for p = 1
+    x, y = torch.randn(70, 160), torch.randn(50, 160)  # K = 160: the SIMT kernel for p = 1 (beyond the low-K stream)
     call = prepare_call(km.PRESETS["l1"], x, y)
     out = torch.empty(call.out_shape)
     first = P.plan_distance(call, out, mode, False)
@@ -293,7 +293,7 @@ def test_simt_calls_read_kmajor_copies_of_row_major_operands(as_gpu, monkeypatch
     assert same.scratch[-1]["a"] is same.scratch[-1]["b"]
     small = P.plan_distance(prepare_call(km.PRESETS["l1"], x[:20], y), torch.empty(20, 50), mode, False)
     assert small.spec.traits.count("Layout::RowMajor") == 3 and small.scratch[-1]["a"].data_ptr() == x.data_ptr()
-    # Copies of more than a quarter of the output's elements are not made (70 x 50 out, K = 80).
+    # Copies of more than a quarter of the output's elements are not made (70 x 50 out, K = 160).
     monkeypatch.setattr(P, "_KMAJOR_MAX_SHARE", 4)
     big_k = P.plan_distance(call, out, mode, True)
     assert big_k.spec.traits.count("Layout::RowMajor") == 3
@@ -316,9 +316,13 @@ def test_moderate_k_tuning_where_two_blocks_fit(as_gpu, cap, fits):
         assert plan.family == "distance"
         return plan.spec.traits
 
+    from kermac_like.runtime.specs.distance_lowk import LOWK_CHUNKED_UP_TO
+
     for name in ("l1", "l2", "laplace_l2", "gaussian_l2"):
         kw = {"bandwidth": 2.0} if name.endswith("_l2") and name != "l2" else {}
-        for K in (65, 100, MODERATE_K_MAX):
+        # (p = 1 up to LOWK_CHUNKED_UP_TO takes the low-K chunk stream: test_chunk_stream_switch)
+        lowest = LOWK_CHUNKED_UP_TO + 1 if name == "l1" else 65
+        for K in (lowest, 200, MODERATE_K_MAX):
             assert traits(name, K, **kw).endswith(", 1, 41, 16, 2>" if fits else ", 1>"), (name, K)
         assert traits(name, MODERATE_K_MAX + 1, **kw).endswith(", 1>")
     assert traits("p_norm", 100, p=1.5).endswith(", 48, 16, 2>")  # its own tuning at every K
@@ -377,7 +381,15 @@ def test_chunk_stream_switch(as_gpu, monkeypatch):
         call = prepare_call(km.PRESETS[name], torch.randn(rows, K), torch.randn(rows - 20, K), **kw)
         return P.plan_distance(call, torch.empty(call.out_shape), mode, False)
 
-    assert plan("l1", 100).family == "distance"  # off (the shipped default)
+    # shipped: the stream up to 128 (ahead of the SIMT kernel at K = 100 and 128 on an H100), SIMT beyond
+    assert DL.LOWK_CHUNKED_UP_TO == 128
+    assert plan("l1", 100).family == "distance_lowk" and plan("l1", 129).family == "distance"
+    assert DL.lowk_chunks(128) == 4 and DL.lowk_chunks(129) == 0
+    assert autotune.default_choice(km.preset("l1"), torch.float32, 100, mode) != "simt"
+    assert autotune.default_choice(km.preset("l1"), torch.float32, 129, mode) == "simt"
+    monkeypatch.setattr(DL, "LOWK_CHUNKED_UP_TO", DL.LOWK_MAX_K)  # off
+    P.clear_templates()
+    assert plan("l1", 100).family == "distance"
     assert DL.lowk_chunks(100) == 0 and autotune.default_choice(km.preset("l1"), torch.float32, 100, mode) == "simt"
     monkeypatch.setattr(DL, "LOWK_CHUNKED_UP_TO", 256)
     P.clear_templates()

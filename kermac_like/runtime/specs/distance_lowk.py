@@ -19,12 +19,13 @@ LOWK_GENERIC_MAX_K = 256  # one running sum per output: the generic variant serv
 LOWK_MIN_BLOCKS = 2  # default of kMinBlocksPerSm (renders no extra argument)
 # The chunk stream (kChunksK > 1: compile-time kK in chunks through two stages, the block's
 # tiles one stream of (tile, chunk) steps; bench/notes/lowk.md, session 8): the template's
-# limit, and the K up to which the planner gives it (LOWK_MAX_K: nowhere, the generic
-# variant beyond LOWK_MAX_K as before). THE SWITCH: set LOWK_CHUNKED_UP_TO = 256 once
-# bench/probes/p1_moderate_k_candidates.py shows the stream ahead of the SIMT kernel at
-# K = 100..200; runtime.autotune's default table then takes the low-K kernel for p = 1 up to it.
+# limit, and the K up to which the planner gives it: 128, measured on an H100
+# (bench/probes/p1_moderate_k_candidates.py, bench/results/2026-11-26-session12/run5; p = 1 at
+# 20000^2, ms, SIMT -> stream): K = 100 3.772 -> 3.408, K = 128 4.203 -> 4.123; at K = 200 the
+# stream gains nothing (6.566 -> 6.582), so the SIMT kernel keeps K > 128. runtime.autotune's
+# default table takes the low-K kernel for p = 1 up to it.
 LOWK_CHUNKED_MAX_K = 256
-LOWK_CHUNKED_UP_TO = LOWK_MAX_K
+LOWK_CHUNKED_UP_TO = 128
 LOWK_CHUNK_K = 32  # most k per chunk the planner gives (two stages of 128 x 128 tiles: 68.6 KB)
 
 

@@ -79,8 +79,11 @@ typedef long long i64;
 
 struct TArgs { i64 M, N, K, ld, batch, n_split, per; };
 
-template <class Traits>
-void run(const TArgs& A, const float* x, const float* y, long long* scratch) {
+// One emulated launch: the grid's blocks one after another, each block's threads as fibers
+// running Call::go<Traits> (the kernel), shared memory poisoned first; Call::reset clears any
+// per-block emulator state of the kernel (the wgmma driver's mbarriers).
+template <class Traits, class Call>
+void launch(const TArgs& A, const float* x, const float* y, long long* scratch) {
   emu::smem_limit = Traits::kSmemBytes;
   emu::grid_dim = {(unsigned)((A.M + 127) / 128), (unsigned)A.n_split, 1};
   emu::nthreads = Traits::kThreads;
@@ -94,15 +97,9 @@ void run(const TArgs& A, const float* x, const float* y, long long* scratch) {
       emu::block_idx = {bx, by, 0};
       std::memset(kermac_like::smem, 0xff, sizeof(kermac_like::smem));  // NaN poison
       emu::copies.clear();
+      Call::reset();
       static auto body = []() {
-        const TArgs& A = *L.A;
-        const i64 xbs = A.batch > 1 ? A.M * A.ld : 0, ybs = A.batch > 1 ? A.N * A.ld : 0;
-        if constexpr (Traits::kPipelined)
-          topk_mma_pipelined_kernel<Traits>(L.x, L.y, L.s, (int)A.M, (int)A.N, (int)A.K, A.ld, A.ld, (int)A.batch,
-                                            (int)A.batch, 1, 0, xbs, 0, 0, ybs, 0, (int)A.n_split, (int)A.per);
-        else
-          topk_mma_kernel<Traits>(L.x, L.y, L.s, (int)A.M, (int)A.N, (int)A.K, A.ld, A.ld, (int)A.batch,
-                                  (int)A.batch, 1, 0, xbs, 0, 0, ybs, 0, (int)A.n_split, (int)A.per);
+        Call::template go<Traits>(*L.A, L.x, L.y, L.s);
         emu::cur->done = true;
         ++emu::progress;
       };
@@ -111,6 +108,25 @@ void run(const TArgs& A, const float* x, const float* y, long long* scratch) {
       for (int i = 0; i < Traits::kThreads; ++i)
         if (!fib[i].pending.empty()) fail("cp.async copies issued and never committed");
     }
+}
+
+struct MmaCall {
+  static void reset() {}
+  template <class Traits>
+  static void go(const TArgs& A, const float* x, const float* y, long long* s) {
+    const i64 xbs = A.batch > 1 ? A.M * A.ld : 0, ybs = A.batch > 1 ? A.N * A.ld : 0;
+    if constexpr (Traits::kPipelined)
+      topk_mma_pipelined_kernel<Traits>(x, y, s, (int)A.M, (int)A.N, (int)A.K, A.ld, A.ld, (int)A.batch,
+                                        (int)A.batch, 1, 0, xbs, 0, 0, ybs, 0, (int)A.n_split, (int)A.per);
+    else
+      topk_mma_kernel<Traits>(x, y, s, (int)A.M, (int)A.N, (int)A.K, A.ld, A.ld, (int)A.batch,
+                              (int)A.batch, 1, 0, xbs, 0, 0, ybs, 0, (int)A.n_split, (int)A.per);
+  }
+};
+
+template <class Traits>
+void run(const TArgs& A, const float* x, const float* y, long long* scratch) {
+  launch<Traits, MmaCall>(A, x, y, scratch);
 }
 
 typedef void (*Runner)(const TArgs&, const float*, const float*, long long*);

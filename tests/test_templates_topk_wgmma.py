@@ -125,35 +125,19 @@ inline void wgmma_m64n256k8_tf32_rs(float (&d)[128], const unsigned (&a)[4], uns
 }  // namespace kermac_like
 #include "topk_wgmma.cuh"
 
+struct WgmmaCall {
+  static void reset() { kermac_like::wgmma_detail::mbars().clear(); }
+  template <class Traits>
+  static void go(const TArgs& A, const float* x, const float* y, long long* s) {
+    topk_wgmma_kernel<Traits>(x, y, s, (int)A.M, (int)A.N, (int)A.K, A.ld, A.ld, 1, 1, 1, 0, 0, 0, 0, 0, 0,
+                              (int)A.n_split, (int)A.per);
+  }
+};
+
 template <class Traits>
 void run6(const TArgs& A, const float* x, const float* y, long long* scratch) {
   if (A.batch != 1) fail("version 6: one batch entry");
-  emu::smem_limit = Traits::kSmemBytes;
-  emu::grid_dim = {(unsigned)((A.M + 127) / 128), (unsigned)A.n_split, 1};
-  emu::nthreads = Traits::kThreads;
-  static std::vector<emu::Fiber> fib(Traits::kThreads);
-  emu::fibers = fib.data();
-  struct Launch { const TArgs* A; const float *x, *y; long long* s; };
-  static Launch L;
-  L = {&A, x, y, scratch};
-  for (unsigned by = 0; by < emu::grid_dim.y; ++by)
-    for (unsigned bx = 0; bx < emu::grid_dim.x; ++bx) {
-      emu::block_idx = {bx, by, 0};
-      std::memset(kermac_like::smem, 0xff, sizeof(kermac_like::smem));  // NaN poison
-      emu::copies.clear();
-      kermac_like::wgmma_detail::mbars().clear();
-      static auto body = []() {
-        const TArgs& A = *L.A;
-        topk_wgmma_kernel<Traits>(L.x, L.y, L.s, (int)A.M, (int)A.N, (int)A.K, A.ld, A.ld, 1, 1, 1, 0, 0, 0, 0, 0, 0,
-                                  (int)A.n_split, (int)A.per);
-        emu::cur->done = true;
-        ++emu::progress;
-      };
-      static auto tramp = +[]() { body(); };
-      run_block(fib, Traits::kThreads, tramp);
-      for (int i = 0; i < Traits::kThreads; ++i)
-        if (!fib[i].pending.empty()) fail("cp.async copies issued and never committed");
-    }
+  launch<Traits, WgmmaCall>(A, x, y, scratch);
 }
 '''
 

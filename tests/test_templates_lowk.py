@@ -174,17 +174,22 @@ def test_lowk_cpu_mm_nonfinite(lowk_runner, idx):
 
 # ------------------------------------------------------------------ NVRTC, SASS
 def test_buckets():
-    assert [render.lowk_bucket(k) for k in (0, 1, 3, 8, 9, 37, 64, 65, 256)] == [1, 1, 3, 8, 9, 37, 64, 0, 0]
+    assert [render.lowk_bucket(k) for k in (0, 1, 3, 8, 9, 37, 64)] == [1, 1, 3, 8, 9, 37, 64]
+    # beyond LOWK_MAX_K: the chunk stream's kK (whole chunks of <= 32) up to LOWK_CHUNKED_UP_TO, then 0 (run-time K)
+    from kermac_like.runtime.specs.distance_lowk import LOWK_CHUNKED_UP_TO
+
+    assert LOWK_CHUNKED_UP_TO == 128
+    assert [render.lowk_bucket(k) for k in (65, 100, 128, 129, 256)] == [66, 100, 128, 0, 0]
     # kTilesN tiles per block (the grid's block_n): LOWK_TILES_N at compile-time K, 1 at run time
     s = render.lowk_spec(PRESETS["l1"], ROW, ROW, 37, tiles_n=4)
     assert s.traits.endswith(", 37, 2, 16, true, false, 4>") and s.launch.block_n == 512
     s = render.lowk_spec(PRESETS["l1"], ROW, ROW, 37)
     assert s.traits.endswith(f", 37, 2, 16, true, false, {render.LOWK_TILES_N}>")
     assert s.launch.block_n == 128 * render.LOWK_TILES_N
-    assert render.lowk_spec(PRESETS["l1"], ROW, ROW, 100).traits.endswith(", 0>")
+    assert render.lowk_spec(PRESETS["l1"], ROW, ROW, 200).traits.endswith(", 0>")
     assert render.lowk_spec(PRESETS["l1"], ROW, ROW, 37, tiles_n=1).traits.endswith(", 37>")
     with pytest.raises(ValueError):
-        render.lowk_spec(PRESETS["l1"], ROW, ROW, 100, tiles_n=2)
+        render.lowk_spec(PRESETS["l1"], ROW, ROW, 200, tiles_n=2)
 
 
 def test_tiles_per_block_keep_the_gpu_filled():
@@ -195,7 +200,8 @@ def test_tiles_per_block_keep_the_gpu_filled():
     assert render.lowk_tiles_n(16, 256, 256, 1000, wave) == 8  # a batch fills the GPU too
     assert render.lowk_tiles_n(37, 100, 100, 1, wave) == render.LOWK_TILES_N
     assert render.lowk_tiles_n(8, 20000, 20000, 1, wave) == render.LOWK_TILES_N  # K <= 8: 2 tiles
-    assert render.lowk_tiles_n(100, 20000, 20000, 1, wave) == 1  # run-time K: one tile
+    assert render.lowk_tiles_n(100, 20000, 20000, 1, wave) == 8  # the chunk stream: as compile-time K
+    assert render.lowk_tiles_n(200, 20000, 20000, 1, wave) == 1  # run-time K: one tile
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -213,7 +219,7 @@ def test_chunk_stream_compiles_without_spills_in_the_k_loop(arch):
 @pytest.fixture(scope="module")
 def lowk_sm90():
     specs = [render.lowk_spec(PRESETS["l1"], ROW, ROW, 3), render.lowk_spec(PRESETS["laplace_l2"], ROW, COL, 37),
-             render.lowk_spec(PRESETS["gaussian_l2"], COL, ROW, 100),
+             render.lowk_spec(PRESETS["gaussian_l2"], COL, ROW, 200),  # run-time K (the generic variant)
              render.lowk_spec(PRESETS["l1"], ROW, ROW, 37, tiles_n=1)]  # the single-tile path at compile-time K
     record, resources = compile_specs(specs, "sm_90")
     return specs, record, resources

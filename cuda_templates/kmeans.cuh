@@ -21,6 +21,10 @@
 //     again; the others keep theirs (the same p, the same sum). Most points cost the 8 bytes of
 //     (near, d2): x is read for the candidates only.
 //
+// With KmeansTraits::kScreen, a candidate is first screened by a bf16 copy of x (written by the
+// j = -1 launch, N x screen_row(K) x 2 bytes): its float32 row is read only where the screen
+// cannot prove dn >= d2 (the bitwise-same result: "The bf16 screen" below).
+//
 // j = 0 (the first centre): every point takes dn and near = 0 (d2 and near are not read). The
 // first draw's block sums come from kmeans_update_kernel with j = -1 (the sums of w, or the
 // counts; nothing else written). Determinism: every sum has a fixed order (distances over k in
@@ -35,13 +39,15 @@
 namespace kermac_like {
 
 // kK_: the padded K of the centre kept in registers (4, 8, 16, 32), or 0 for a runtime loop over
-// any K (the centre read from global memory).
-template <class T_, int kK_>
+// any K (the centre read from global memory). kScreen_: the update screens its candidates with a
+// bf16 copy of x before reading their float32 rows (below: "The bf16 screen").
+template <class T_, int kK_, bool kScreen_ = false>
 struct KmeansTraits {
   static_assert(SameType<T_, float>::value, "KmeansTraits: float32 data (16-bit data is upcast by the host)");
   static_assert(kK_ == 0 || kK_ == 4 || kK_ == 8 || kK_ == 16 || kK_ == 32, "KmeansTraits: kK is 0, 4, 8, 16 or 32");
   using T = T_;
   static constexpr int kK = kK_;
+  static constexpr bool kScreen = kScreen_;
   static constexpr int kThreads = 256;
   static constexpr int kPoints = 4;                     // points per thread of the update
   static constexpr int kBlockM = kThreads * kPoints;    // points per block sum (SAMPLE_BLOCK)
@@ -131,33 +137,209 @@ __device__ __forceinline__ int block_min(int* red, int v) {
   return block_reduce<T>(red, v, [](int a, int b) { return min(a, b); });
 }
 
+// -- The bf16 screen (KmeansTraits::kScreen) -----------------------------------------------------
+//
+// The update's j = -1 launch also writes xs, a bf16 copy of x (row-major, screen_row(K) bf16 per
+// point: kK, or K rounded up to 8 for the runtime loop; 0 past K; two coordinates per 32-bit word,
+// the even one in the low half), and eb[b], an upper bound on ||x_i - xs_i||_2 over the points of
+// block b (encode_row's e_i, proved below; the max over the block by a fixed tree). A later update
+// reads a candidate's bf16 row (16-byte vector loads) instead of its float32 row and takes the
+// float32 row and dn exactly as without the screen unless screen_skips proves dn >= d2, in which
+// case the unscreened kernel would not change the point ("strictly smaller" fails): the state,
+// the block sums and the draws are bitwise those of the unscreened kernel.
+//
+// Proof (u = 2^-24; fl(.) a round-to-nearest fp32 operation: fl(a op b) = (a op b)(1 + e) + h,
+// |e| <= u, |h| <= 2^-150, h = 0 for add / subtract and sqrt). K <= 1024 (the planner's check).
+// 1. The bound: e2 = sum_k fma(dk, dk, e2) with dk = fl(x_k - xs_k) satisfies
+//    e2 >= ||x - xs||^2 (1 - u)^(K + 2) - K 2^-150, and e_i = fl(fl(sqrt(fl(fl(e2 g1) + 2^-100))) g2)
+//    with g1 = 1 + (2K + 12) u, g2 = 1 + 8u (both exact in fp32) is >= ||x - xs|| (the factors cover
+//    (1 - u)^-(K + 8), 2^-100 the underflow terms). Non-finite parts give inf or NaN (NaN only where
+//    x_k is NaN or inf: such a point never changes, its exact dn is NaN or inf; fmax drops NaN).
+// 2. The screen: s = sum_k fma(tk, tk, s), tk = fl(xs_k - c_k) (k in order), so
+//    s <= a^2 (1 + u)^(K + 2) + 2K 2^-150 with a = ||xs - c||. With f = 1 - (2K + 16) u (exact),
+//    t = fl(fl(sqrt(s)) f) - E (rounded), q = fl(fl(t t) f): skip only when d2 >= 2^-100, t > 0,
+//    q is finite and q >= d2. Then every step above was finite and normal, and walking back:
+//    t^2 >= d2 / (f (1 + u)^2), a >= fl(sqrt(s)) f (1 + u) ... >= t / (1 + u) + E (f absorbs
+//    (1 + u)^((K + 6) / 2) and the 2K 2^-150), so by the triangle inequality r = ||x - c|| >=
+//    a - E >= t / (1 + u) > 0 and r^2 >= d2 / (f (1 + u)^4).
+// 3. The exact dn = fl-sum of fl(fl(x_k - c_k)^2) (sq_dist) is >= r^2 (1 - u)^(K + 2) - K 2^-150
+//    (or inf on overflow) >= d2 (1 - u)^(K + 2) / (f (1 + u)^4) - K 2^-150 >= d2 (1 + (K + 9) u)
+//    - K 2^-150 >= d2, as d2 >= 2^-100. So dn < d2 is false: nothing changes.
+// Overflow or NaN anywhere in the screen (s, t or q infinite or NaN, E = inf) fails the test: the
+// point takes the exact path. tests/test_templates_kmeans.py checks the bound at its edges.
+
+// fp32 square root, correctly rounded (the host emulation: std::sqrt, also correctly rounded).
+__device__ __forceinline__ float sqrt_rn(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+
+// bf16 bits of v, rounded to nearest even (overflow to inf; NaN stays NaN); bf16 -> fp32 exactly.
+__device__ __forceinline__ unsigned bf16_bits(float v) {
+  const unsigned b = __float_as_uint(v);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;
+  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+// bf16 per row of the copy: kK, or K rounded up to 8 (16-byte chunks) for the runtime loop.
+template <class Tr>
+__device__ __forceinline__ int screen_row(int K) {
+  return Tr::kK > 0 ? Tr::kK : (K + 7) & ~7;
+}
+
+// W 32-bit words at p by vectors (W = 2: one 8-byte load; W a multiple of 4: 16-byte loads).
+template <int W>
+__device__ __forceinline__ void load_words(const unsigned* p, unsigned* w) {
+  if constexpr (W == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int c = 0; c < W / 4; ++c) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[c];
+      w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
+    }
+  }
+}
+template <int W>
+__device__ __forceinline__ void store_words(unsigned* p, const unsigned* w) {
+  if constexpr (W == 2) {
+    *reinterpret_cast<uint2*>(p) = uint2{w[0], w[1]};
+  } else {
+#pragma unroll
+    for (int c = 0; c < W / 4; ++c)
+      reinterpret_cast<uint4*>(p)[c] = uint4{w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]};
+  }
+}
+
+// Coordinates q, q + 1 of row xi as one word of bf16 (0 past K), their rounding errors squared
+// added to e2 (fma, in order).
+__device__ __forceinline__ unsigned encode_pair(const float* xi, i64 sxk, int K, int q, float& e2) {
+  const float v0 = q < K ? xi[q * sxk] : 0.0f, v1 = q + 1 < K ? xi[(q + 1) * sxk] : 0.0f;
+  const unsigned b0 = bf16_bits(v0), b1 = bf16_bits(v1);
+  const unsigned wd = b0 | (b1 << 16);
+  const float d0 = math::sub_rn(v0, bf16_lo(wd)), d1 = math::sub_rn(v1, bf16_hi(wd));
+  e2 = math::fma_rn(d0, d0, e2);
+  e2 = math::fma_rn(d1, d1, e2);
+  return wd;
+}
+
+// The bound e_i >= ||x_i - xs_i|| from e2 (step 1 of the proof).
+__device__ __forceinline__ float screen_err_bound(float e2, int K) {
+  const float g1 = math::add_rn(1.0f, float(2 * K + 12) * 0x1p-24f);
+  return math::mul_rn(sqrt_rn(math::add_rn(math::mul_rn(e2, g1), 0x1p-100f)), 1.0f + 0x1p-21f);
+}
+
+// Writes row xi's bf16 copy at xw (screen_row(K) / 2 words); returns its bound e_i.
+template <class Tr>
+__device__ __forceinline__ float encode_row(const float* xi, i64 sxk, int K, unsigned* xw) {
+  float e2 = 0.0f;
+  if constexpr (Tr::kK > 0) {
+    constexpr int W = Tr::kK / 2;
+    unsigned wv[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) wv[w] = encode_pair(xi, sxk, K, 2 * w, e2);
+    store_words<W>(xw, wv);
+  } else {
+#pragma unroll 1
+    for (int q0 = 0; q0 < K; q0 += 8) {
+      unsigned wv[4];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) wv[w] = encode_pair(xi, sxk, K, q0 + 2 * w, e2);
+      store_words<4>(xw + q0 / 2, wv);
+    }
+  }
+  return screen_err_bound(e2, K);
+}
+
+// s = sum_k fma(tk, tk, s), tk = fl(xs_k - c_k), from the bf16 row at xw (step 2 of the proof).
+template <class Tr>
+__device__ __forceinline__ float screen_dist(const unsigned* xw, const float* c_reg, const float* cj, int K) {
+  float s = 0.0f;
+  if constexpr (Tr::kK > 0) {  // c_reg and the copy are 0 past K: those terms add exactly 0
+    constexpr int W = Tr::kK / 2;
+    unsigned wv[W];
+    load_words<W>(xw, wv);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float d0 = math::sub_rn(bf16_lo(wv[w]), c_reg[2 * w]);
+      s = math::fma_rn(d0, d0, s);
+      const float d1 = math::sub_rn(bf16_hi(wv[w]), c_reg[2 * w + 1]);
+      s = math::fma_rn(d1, d1, s);
+    }
+  } else {
+#pragma unroll 1
+    for (int q0 = 0; q0 < K; q0 += 8) {
+      unsigned wv[4];
+      load_words<4>(xw + q0 / 2, wv);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int q = q0 + 2 * w;
+        const float d0 = math::sub_rn(bf16_lo(wv[w]), q < K ? cj[q] : 0.0f);
+        s = math::fma_rn(d0, d0, s);
+        const float d1 = math::sub_rn(bf16_hi(wv[w]), q + 1 < K ? cj[q + 1] : 0.0f);
+        s = math::fma_rn(d1, d1, s);
+      }
+    }
+  }
+  return s;
+}
+
+// Whether the screen proves that the exact dn is >= d2 (step 2 and 3 of the proof): s from
+// screen_dist, e the block's bound, f = 1 - (2K + 16) u.
+__device__ __forceinline__ bool screen_skips(float s, float e, float f, float d2) {
+  const float t = math::sub_rn(math::mul_rn(sqrt_rn(s), f), e);
+  const float q = math::mul_rn(math::mul_rn(t, t), f);
+  return d2 >= 0x1p-100f && t > 0.0f && q <= 0x1.fffffep127f && q >= d2;
+}
+
+// f of screen_skips for K coordinates (exact in fp32).
+__device__ __forceinline__ float screen_slack(int K) {
+  return math::sub_rn(1.0f, float(2 * K + 16) * 0x1p-24f);
+}
+
 }  // namespace kmeans_detail
 
 // Grid ((N + kBlockM - 1) / kBlockM, 1, 1): CTA b owns points [b kBlockM, (b + 1) kBlockM), thread t
 // the points b kBlockM + t + e kThreads (e < kPoints, coalesced). j = -1: bsum[b] = the block's sum
-// of w (or its point count), nothing else written. j >= 0: the update by centre j = centres[j]
-// (row stride ldc) as described above.
+// of w (or its point count); with the screen also the block's rows of the bf16 copy xs and its
+// bound eb[b] (else xs and eb are not used). j >= 0: the update by centre j = centres[j] (row
+// stride ldc) as described above.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) kmeans_update_kernel(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ centres,
-    const float* __restrict__ cc, float* __restrict__ d2, int* __restrict__ near, double* __restrict__ bsum, int N,
-    int K, i64 sxm, i64 sxk, i64 ldc, int j) {
+    const float* __restrict__ cc, float* __restrict__ d2, int* __restrict__ near, double* __restrict__ bsum,
+    unsigned* __restrict__ xs, float* __restrict__ eb, int N, int K, i64 sxm, i64 sxk, i64 ldc, int j) {
   using Tr = Traits;
   using namespace kmeans_detail;
   constexpr int T = Tr::kThreads, P = Tr::kPoints;
   __shared__ double red[T];
   const int tid = threadIdx.x;
   const i64 base = i64(blockIdx.x) * Tr::kBlockM;
+  const int kw = screen_row<Tr>(K) / 2;  // 32-bit words per row of xs (with the screen)
 
-  if (j < 0) {  // the first draw's weights
+  if (j < 0) {  // the first draw's weights (and the screen's copy)
     double part = 0.0;
+    float emax = 0.0f;
 #pragma unroll
     for (int e = 0; e < P; ++e) {
       const i64 i = base + tid + e * T;
-      if (i < N) part += w ? double(w[i]) : 1.0;
+      if (i < N) {
+        part += w ? double(w[i]) : 1.0;
+        if constexpr (Tr::kScreen) emax = fmaxf(emax, encode_row<Tr>(x + i * sxm, sxk, K, xs + i * kw));
+      }
     }
     const double s = block_sum<T>(red, part);
     if (tid == 0) bsum[blockIdx.x] = s;
+    if constexpr (Tr::kScreen) {
+      const double m = block_reduce<T>(red, double(emax), [](double a, double b) { return fmax(a, b); });
+      if (tid == 0) eb[blockIdx.x] = float(m);
+    }
     return;
   }
 
@@ -166,6 +348,10 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_update_kernel(
   if constexpr (Tr::kK > 0) {
 #pragma unroll
     for (int q = 0; q < Tr::kK; ++q) c_reg[q] = q < K ? cj[q] : 0.0f;
+  }
+  float e_blk = 0.0f, f = 0.0f;  // the screen's bound for this block and its slack
+  if constexpr (Tr::kScreen) {
+    if (j > 0) e_blk = eb[blockIdx.x], f = screen_slack(K);
   }
   float pv[P];
   bool changed = false;
@@ -184,12 +370,16 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_update_kernel(
       old = d2[i];
       const int a = near[i];
       if (cc[a] < old * kMargin) {  // a candidate: c_j may be nearer
-        const float dn = sq_dist<Tr>(x + i * sxm, sxk, c_reg, cj, K);
-        if (dn < old) {
-          old = dn;
-          d2[i] = dn;
-          near[i] = j;
-          changed = true;
+        bool skip = false;          // with the screen: proved dn >= d2 from the bf16 row
+        if constexpr (Tr::kScreen) skip = screen_skips(screen_dist<Tr>(xs + i * kw, c_reg, cj, K), e_blk, f, old);
+        if (!skip) {
+          const float dn = sq_dist<Tr>(x + i * sxm, sxk, c_reg, cj, K);
+          if (dn < old) {
+            old = dn;
+            d2[i] = dn;
+            near[i] = j;
+            changed = true;
+          }
         }
       }
     }

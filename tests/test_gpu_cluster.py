@@ -104,6 +104,25 @@ def test_fused_seeding_same_as_torch_on_cuda(N, D, C, weighted, integer):
     assert torch.equal(idx, idx2) and torch.equal(c.view(torch.int32), c2.view(torch.int32))
 
 
+@pytest.mark.parametrize("N,D,C,blobs", [(1_000_000, 16, 256, True), (200_003, 2, 64, True), (100_000, 33, 32, False)])
+def test_screened_seeding_bitwise_same_on_cuda(monkeypatch, N, D, C, blobs):
+    """plan.kmeans.SCREEN (the bf16 screen) against the unscreened seeding: the same indices and
+    centres, bit for bit (bench/probes/kmeans_screen_probe.py times it)."""
+    from kermac_like.cluster import kmeans_plusplus
+    from kermac_like.plan import kmeans as plan_km
+
+    g = torch.Generator(device="cuda").manual_seed(N + D)
+    X = torch.randn(N, D, device="cuda", generator=g)
+    if blobs:
+        X += 4 * torch.randn(C, D, device="cuda", generator=g)[torch.randint(0, C, (N,), device="cuda", generator=g)]
+    out = []
+    for on in (False, True):
+        monkeypatch.setattr(plan_km, "SCREEN", on)
+        out.append(kmeans_plusplus(X, C, None, torch.Generator(device="cuda").manual_seed(3)))
+    assert torch.equal(out[0][1], out[1][1])
+    assert torch.equal(out[0][0].view(torch.int32), out[1][0].view(torch.int32))
+
+
 def test_fused_seeding_zero_weights_and_16_bit_on_cuda():
     from kermac_like.cluster import _kmeans_plusplus_torch, kmeans_plusplus
 

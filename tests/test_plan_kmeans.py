@@ -37,13 +37,34 @@ def test_launch_sequence(as_gpu, weighted):
     assert len(plan.launches) == 2 * C
     ups = [launch for launch in plan.launches if launch.kernel.spec == update_spec(K)]
     draws = [launch for launch in plan.launches if launch.kernel.spec == draw_spec()]
-    assert all(len(launch.args) == 13 and launch.grid == (5, 1, 1) for launch in ups)  # ceil(5000 / 1024)
+    assert all(len(launch.args) == 15 and launch.grid == (5, 1, 1) for launch in ups)  # ceil(5000 / 1024)
     assert all(len(launch.args) == 15 and launch.grid == (1, 1, 1) for launch in draws)
     assert [int(launch.args[-1]) for launch in ups] == list(range(-1, C - 1))
     assert [int(launch.args[-1]) for launch in draws] == list(range(C))
     assert int(draws[0].args[-2]) == 5  # nb
     assert (ups[0].args[1] != 0) == weighted  # w, or 0 for unit weights
-    assert [int(a) for a in ups[0].args[9:12]] == [K, 1, K]  # sxm, sxk, ldc
+    assert [int(a) for a in ups[0].args[11:14]] == [K, 1, K]  # sxm, sxk, ldc
+    assert ups[0].args[7] == 0 and ups[0].args[8] == 0  # no screen: xs, eb unused
+
+
+@pytest.mark.parametrize("K,row", [(2, 4), (16, 16), (33, 40)])
+def test_screen_switch(as_gpu, monkeypatch, K, row):
+    """plan.kmeans.SCREEN (off by default; KERMAC_LIKE_KMEANS_SCREEN=1): the screened update
+    throughout, the bf16 copy (N x row bf16) and the per-block bounds in the scratch (freed with
+    the plan), their pointers in every update's arguments."""
+    import os
+
+    assert plan_km.SCREEN == (os.environ.get("KERMAC_LIKE_KMEANS_SCREEN", "0") == "1")
+    monkeypatch.setattr(plan_km, "SCREEN", True)
+    N, C = 3000, 4
+    plan = plan_seeding(torch.randn(N, K), C, None, torch.rand(C, dtype=torch.float64))
+    ups = [launch for launch in plan.launches if launch.kernel.spec.kernel.endswith("update_kernel")]
+    assert all(launch.kernel.spec == update_spec(K, screen=True) for launch in ups) and len(ups) == C
+    xs, eb = plan.scratch[-2:]
+    assert xs.numel() * 2 == N * row and xs.dtype == torch.int32 and eb.numel() == 3
+    assert all(launch.args[7] == xs.data_ptr() and launch.args[8] == eb.data_ptr() for launch in ups)
+    monkeypatch.setattr(plan_km, "SCREEN", False)
+    assert plan_seeding(torch.randn(N, K), C, None, torch.rand(C, dtype=torch.float64)).scratch[-2].numel() == 0
 
 
 def test_float64_keeps_the_torch_path_and_16_bit_is_upcast(as_gpu):

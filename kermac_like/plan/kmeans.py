@@ -12,6 +12,13 @@ j = -1 (the block sums of the weights for the first draw), then per centre j a o
 kmeans_draw_kernel and (except after the last) one kmeans_update_kernel over every point:
 2 n_clusters launches. The same data and u give bitwise the same centres (fixed-order sums, no
 atomics).
+
+The screen (``SCREEN``, off by default until measured; ``KERMAC_LIKE_KMEANS_SCREEN=1`` turns it
+on): the j = -1 launch also writes a bf16 copy of X and a per-block error bound, and each update
+reads a candidate's float32 row only where the bf16 row cannot prove that the point is not
+improved (bitwise the same seeding; bench/notes/kmeans.md, "The bf16 screen"). Memory while
+seeding: N x screen_row(K) x 2 bytes (N x D x 2 for D = 4, 8, 16, 32; 320 MB at N = 10^7,
+D = 16) plus 4 bytes per 1024 points, freed with the plan when the seeding returns.
 """
 
 from __future__ import annotations
@@ -22,17 +29,21 @@ import os
 import numpy as np
 import torch
 
-from ..runtime.specs.kmeans import BLOCK_M, SEGSUM_ROWS, draw_spec, segsum_combine_spec, segsum_spec, update_spec
+from ..runtime.specs.kmeans import (BLOCK_M, SCREEN_MAX_K, SEGSUM_ROWS, draw_spec, screen_row, segsum_combine_spec,
+                                    segsum_spec, update_spec)
 from .core import Launch, Plan, _device_index, _gpu_ok
 
 log = logging.getLogger("kermac_like.kmeans")
 
-__all__ = ["plan_seeding", "seed_plusplus", "fused_serves", "FUSED", "segsum_serves", "plan_segment_sums",
-           "segment_sums_fused", "SEGSUM_FUSED"]
+__all__ = ["plan_seeding", "seed_plusplus", "fused_serves", "FUSED", "SCREEN", "screen_serves", "segsum_serves",
+           "plan_segment_sums", "segment_sums_fused", "SEGSUM_FUSED"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # KERMAC_LIKE_KMEANS_FUSED=0 sends CUDA seedings to the torch path (cluster._kmeans_plusplus_torch).
 FUSED = os.environ.get("KERMAC_LIKE_KMEANS_FUSED", "1") != "0"
+# KERMAC_LIKE_KMEANS_SCREEN=1 screens the seeding's candidates with a bf16 copy of X (the same
+# result; off by default until measured on a GPU: bench/probes/kmeans_screen_probe.py).
+SCREEN = os.environ.get("KERMAC_LIKE_KMEANS_SCREEN", "0") == "1"
 # KERMAC_LIKE_KMEANS_SEGSUM=0 sends Lloyd's update on CUDA to the torch path (sort + segment_reduce).
 SEGSUM_FUSED = os.environ.get("KERMAC_LIKE_KMEANS_SEGSUM", "1") != "0"
 
@@ -41,6 +52,12 @@ def fused_serves(X: torch.Tensor) -> bool:
     """Whether the fused kernels serve a seeding of X (N, K) (else: the torch path)."""
     return (FUSED and X.dim() == 2 and X.dtype in _DTYPES and 0 < X.shape[0] < 2 ** 31 - BLOCK_M
             and X.shape[1] > 0 and _gpu_ok(X))
+
+
+def screen_serves(X: torch.Tensor) -> bool:
+    """Whether a fused seeding of X screens with the bf16 copy (SCREEN and K within the bound's
+    analysis; the copy's offsets fit the kernel's 64-bit indexing)."""
+    return SCREEN and X.shape[1] <= SCREEN_MAX_K
 
 
 def plan_seeding(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor,
@@ -63,20 +80,26 @@ def plan_seeding(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None,
     near = torch.empty(N, dtype=torch.int32, device=dev)
     bsum = torch.empty(nb, dtype=torch.float64, device=dev)
     cc = torch.empty(max(C, 1), dtype=torch.float32, device=dev)
-    prefetch([update_spec(K), draw_spec()], device, debug=debug)  # compiled side by side on a first call
-    upd = get_kernel(update_spec(K), device, debug=debug)
+    screen = screen_serves(X)
+    # the screen's bf16 copy (pairs of bf16 in 32-bit words) and per-block error bounds
+    xs = torch.empty(N * screen_row(K) // 2 if screen else 0, dtype=torch.int32, device=dev)
+    eb = torch.empty(nb if screen else 0, dtype=torch.float32, device=dev)
+    uspec = update_spec(K, screen)
+    prefetch([uspec, draw_spec()], device, debug=debug)  # compiled side by side on a first call
+    upd = get_kernel(uspec, device, debug=debug)
     draw = get_kernel(draw_spec(), device, debug=debug)
     sxm, sxk = (np.int64(s) for s in x.stride())
     ldc = np.int64(K)
     wp = 0 if w is None else w.data_ptr()
     n32, k32 = np.int32(N), np.int32(K)
     if debug:
-        log.debug("kmeans++ seeding: N=%d K=%d clusters=%d weighted=%s: %d launches, update grid (%d, 1, 1)", N, K, C,
-                  w is not None, 2 * C, nb)
+        log.debug("kmeans++ seeding: N=%d K=%d clusters=%d weighted=%s screen=%s: %d launches, update grid (%d, 1, 1)",
+                  N, K, C, w is not None, screen, 2 * C, nb)
+    xsp, ebp = (xs.data_ptr(), eb.data_ptr()) if screen else (0, 0)
 
     def update_args(j):
         return (x.data_ptr(), wp, centres.data_ptr(), cc.data_ptr(), d2.data_ptr(), near.data_ptr(), bsum.data_ptr(),
-                n32, k32, sxm, sxk, ldc, np.int32(j))
+                xsp, ebp, n32, k32, sxm, sxk, ldc, np.int32(j))
 
     def draw_args(j):
         return (x.data_ptr(), wp, d2.data_ptr(), bsum.data_ptr(), u.data_ptr(), idx.data_ptr(), centres.data_ptr(),
@@ -87,14 +110,14 @@ def plan_seeding(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None,
     # little-endian bytes of which the kernel's int reads the low 4: j >= 0).
     from ..runtime.launcher import ArgBlock
 
-    ub = ArgBlock(upd, (nb, 1, 1), update_args(0), (12,))
+    ub = ArgBlock(upd, (nb, 1, 1), update_args(0), (14,))
     db = ArgBlock(draw, (1, 1, 1), draw_args(0), (14,))
     launches = [Launch(upd, (nb, 1, 1), update_args(-1))]
     for j in range(C):
         launches.append(Launch(draw, (1, 1, 1), draw_args(j), db))
         if j + 1 < C:
             launches.append(Launch(upd, (nb, 1, 1), update_args(j), ub))
-    scratch = (x, w, u, idx, d2, near, bsum, cc)
+    scratch = (x, w, u, idx, d2, near, bsum, cc, xs, eb)  # (xs, eb: freed with the plan)
     return Plan("kmeans_seed", upd.spec, tuple(launches), centres, scratch=scratch, debug=debug)
 
 
@@ -107,6 +130,7 @@ def seed_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None
         return None
     centres = plan.run()
     idx = plan.scratch[3]
+    del plan  # the state and the screen's copy go back to torch's allocator (stream-ordered)
     if X.dtype != torch.float32:  # the rows themselves, in X's dtype
         centres = X.index_select(0, idx)
     return centres, idx

@@ -5,20 +5,23 @@ seeding, its mirrored launch constants, and the family's shipped set.
 Mirror of ``kermac_like::KmeansTraits``: kThreads = 256, kBlockM = 1024 (points per block sum,
 cluster.SAMPLE_BLOCK), kBlockN = 1, kSmemBytes = 0 (static shared memory only); the compile
 stub checks them with static_asserts. kK: the centre in registers for K <= 32 (buckets 4, 8,
-16, 32), a runtime loop over K (kK = 0) beyond.
+16, 32), a runtime loop over K (kK = 0) beyond. kScreen: the update screens its candidates with
+a bf16 copy of x (``update_spec(K, screen=True)``, planned behind plan.kmeans.SCREEN; not shipped
+while that switch is off by default: compiled on first use, ``screen_specs`` for the checks).
 """
 
 from __future__ import annotations
 
 from .kernel_spec import KernelSpec, LaunchShape, bucket
 
-__all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "SEGSUM_ROWS", "k_bucket", "update_spec", "draw_spec", "segsum_spec",
-           "segsum_combine_spec", "shipped"]
+__all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "SEGSUM_ROWS", "SCREEN_MAX_K", "k_bucket", "screen_row", "update_spec",
+           "draw_spec", "segsum_spec", "segsum_combine_spec", "shipped", "screen_specs"]
 
 THREADS = 256
 BLOCK_M = 1024  # points per block sum: cluster.SAMPLE_BLOCK
 K_BUCKETS = (4, 8, 16, 32)  # beyond: kK = 0, the runtime loop
 SEGSUM_ROWS = 4096  # rows per item of Lloyd's segmented sum (a cluster's rows in items of at most this)
+SCREEN_MAX_K = 1024  # the screen's error analysis (kmeans.cuh, "The bf16 screen") assumes K <= 1024
 LAUNCH = LaunchShape(threads=THREADS, block_m=BLOCK_M, block_n=1, smem_bytes=0)
 
 
@@ -27,13 +30,21 @@ def k_bucket(K: int) -> int:
     return bucket(K, K_BUCKETS, 0)
 
 
-def _traits(kK: int) -> str:
-    return f"kermac_like::KmeansTraits<float, {int(kK)}>"
+def screen_row(K: int) -> int:
+    """bf16 per row of the screen's copy of x (kmeans_detail::screen_row): kK, or K rounded up
+    to 8 for the runtime loop."""
+    kK = k_bucket(K)
+    return kK if kK else -(-K // 8) * 8
 
 
-def update_spec(K: int) -> KernelSpec:
-    """The per-centre update of (d2, near) and the block sums, for K coordinates."""
-    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(k_bucket(K)), LAUNCH)
+def _traits(kK: int, screen: bool = False) -> str:
+    return f"kermac_like::KmeansTraits<float, {int(kK)}{', true' if screen else ''}>"
+
+
+def update_spec(K: int, screen: bool = False) -> KernelSpec:
+    """The per-centre update of (d2, near) and the block sums, for K coordinates; ``screen``:
+    with the bf16 screen (its j = -1 launch also writes the copy)."""
+    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(k_bucket(K), screen), LAUNCH)
 
 
 def draw_spec() -> KernelSpec:
@@ -59,3 +70,9 @@ def shipped():
     yield segsum_combine_spec()
     for kK in (4, 8, 16, 32, 0):
         yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK), LAUNCH)
+
+
+def screen_specs():
+    """The screened update for every kK (4, 8, 16, 32 and the runtime loop): the compile checks."""
+    for kK in (4, 8, 16, 32, 0):
+        yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK, True), LAUNCH)

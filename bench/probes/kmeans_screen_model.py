@@ -7,7 +7,7 @@ bound |‖x‖ - ‖c‖| for comparison), averaged over the centres.
 
     PYTHONPATH=. python3 bench/probes/kmeans_screen_model.py 200000 blobs   # ~5 min on 2 cores
 
-Run 2026-11-27 (N = 2 x 10^5, blobs): triangle 0.447, improved 0.0065, bf16 screen fails 0.0067,
+Run 2026-11-26 (N = 2 x 10^5, blobs): triangle 0.447, improved 0.0065, bf16 screen fails 0.0067,
 int8 0.0071, norm bound 0.447 (it prunes nothing); block bound E: bf16 0.057 (mean), int8 0.16.
 """
 import sys

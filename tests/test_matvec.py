@@ -7,7 +7,6 @@ float16/bfloat16, determinism, memory, the 2e6-term accuracy and NaN/inf propaga
 
 import math
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -356,18 +355,13 @@ def test_spec_selection():
 
 @pytest.fixture(scope="module")
 def shipped_build():
+    """The shipped matvec kernels for sm_90 (their SASS below). That no shipped kernel spills is
+    checked for every family and both architectures by test_compile.py's precompile of the
+    whole shipped set."""
     from kermac_like.runtime.compiler import compile_specs
 
     specs = list(dict.fromkeys(ms.shipped()))
-    return specs, {arch: compile_specs(specs, arch) for arch in ("sm_80", "sm_90")}
-
-
-def test_shipped_compile_without_spills(shipped_build):
-    specs, builds = shipped_build
-    for arch, (record, resources) in builds.items():
-        assert len(record.kernels) == len(specs) and all(lowered for _, _, lowered in record.kernels)
-        for expr, res in resources.items():
-            assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (arch, expr, res)
+    return specs, {"sm_90": compile_specs(specs, "sm_90")}
 
 
 def test_expanded_kernel_sass(shipped_build):

@@ -284,14 +284,16 @@ def test_pipelined_compiles_without_spills(arch):
     compile_specs = _nvrtc()
     from kermac_like.runtime.specs.topk import topk_mma_spec
 
-    specs = [topk_mma_spec(dot, dot, 10, version=v) for v in (3, 4, 5) for dot in (False, True)]
+    # version 3 (not shipped; versions 4 and 5 are, and test_compile.py's precompile of the shipped set
+    # checks that none of them spills)
+    specs = [topk_mma_spec(dot, dot, 10, version=3) for dot in (False, True)]
     try:
         _, res = compile_specs(specs, arch)
     except Exception as e:
         if "nvrtc" in str(e).lower() and "not found" in str(e).lower():  # pragma: no cover
             pytest.skip(str(e))
         raise
-    assert len(res) == 6
+    assert len(res) == 2
     for name, r in res.items():
         assert r.get("spill_stores", 0) == 0 and r.get("spill_loads", 0) == 0 and r.get("stack", 0) == 0, (name, r)
         assert 0 < r["registers"] <= 255, (name, r)

@@ -237,23 +237,7 @@ def test_v6_candidates_equal_v5(emulator, tmp_path, cfg, M, N, K, n_split, data)
 # ------------------------------------------------------------------------------ NVRTC
 
 
-def test_v6_compiles_without_spills():
-    try:
-        from kermac_like.runtime.compiler import compile_specs
-    except Exception as e:  # pragma: no cover
-        pytest.skip(f"no NVRTC: {e}")
-    from kermac_like.runtime.specs.topk import topk_mma_spec
-
-    specs = [topk_mma_spec(dot, dot, 10, version=6) for dot in (False, True)]
-    try:
-        _, res = compile_specs(specs, "sm_90")
-    except Exception as e:
-        if "nvrtc" in str(e).lower() and "not found" in str(e).lower():  # pragma: no cover
-            pytest.skip(str(e))
-        raise
-    assert len(res) == 2
-    for name, r in res.items():
-        assert r.get("spill_stores", 0) == 0 and r.get("spill_loads", 0) == 0 and r.get("stack", 0) == 0, (name, r)
+# (version 6 is shipped: test_compile.py's precompile of the shipped set checks it compiles without spills)
 
 
 # ---------------------------------------------------------------------------- planner

@@ -318,7 +318,8 @@ def precompile_specs(specs, arch: str, *, cache=None, processes: int | None = No
     """Compile every spec not yet in the cache, many per program, groups in
     parallel processes when there is more than one group and more than one core.
 
-    Returns a summary: requested, compiled, already cached, seconds, programs.
+    Returns a summary: requested, compiled, already cached, seconds, programs, and the
+    compiled kernels that spill registers (name expression -> spill store and load bytes).
     """
     from .cache import get_cache
 
@@ -337,25 +338,31 @@ def precompile_specs(specs, arch: str, *, cache=None, processes: int | None = No
         processes = min(len(groups), os.cpu_count() or 1)
     processes = max(1, processes)
     done = 0
+    spills = {}  # name expression -> (spill store bytes, spill load bytes), for the kernels that spill
+
+    def record_built(record, resources):
+        nonlocal done
+        cache.put(record)
+        done += len(record.kernels)
+        for expr, res in resources.items():
+            if res.get("spill_stores") or res.get("spill_loads"):
+                spills[expr] = (res.get("spill_stores", 0), res.get("spill_loads", 0))
+        if progress:
+            progress(done, len(todo))
+
     if processes > 1 and len(groups) > 1:
         ctx = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(max_workers=processes, mp_context=ctx) as ex:
-            for record, _ in ex.map(_worker, [(g, arch) for g in groups]):
-                cache.put(record)
-                done += len(record.kernels)
-                if progress:
-                    progress(done, len(todo))
+            for record, resources in ex.map(_worker, [(g, arch) for g in groups]):
+                record_built(record, resources)
     else:
         for g in groups:
-            record, _ = compile_specs(g, arch, debug=debug)
-            cache.put(record)
-            done += len(record.kernels)
-            if progress:
-                progress(done, len(todo))
+            record_built(*compile_specs(g, arch, debug=debug))
     seconds = time.perf_counter() - t0
     summary = dict(
         arch=arch, requested=len(specs), cached=len(present), compiled=len(todo),
         programs=len(groups), processes=processes if len(groups) > 1 else min(1, len(groups)), seconds=seconds,
+        spills=dict(sorted(spills.items())),
     )
     if debug:
         log.debug("precompile %s", summary)

@@ -105,13 +105,13 @@ def check_against_pot(device, args):
 
 def main():
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=None, help="points per cloud (default 10^5, --quick 2000)")
+    p.add_argument("--n", type=int, default=None, help="points per cloud (default 10^5, --quick 1000)")
     p.add_argument("--blur", type=float, default=0.05, help="the target eps is blur^2")
     p.add_argument("--scaling", type=float, default=0.7, help="eps-scaling ratio of the blur per step")
     args = p.parse_args()
     device = setup(args)
     check_against_pot(device, args)
-    n = args.n or (2000 if args.quick else 100000)
+    n = args.n or (1000 if args.quick else 100000)
     x = torch.randn(n, 3, device=device)
     y = torch.randn(n, 3, device=device) * 0.8 + torch.tensor([0.5, 0.0, 0.0], device=device)
     a = torch.full((n,), 1.0 / n, device=device)

@@ -53,14 +53,28 @@ def _sys_path_for_examples():
         sys.path.insert(0, str(ROOT))
 
 
+@pytest.fixture(scope="module")
+def example_runs():
+    """Every example that exists here and whose optional packages are installed, run with
+    ``--quick -d``, two at a time (the pytest process only waits meanwhile): script -> (process, output)."""
+    import importlib.util
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = [s for s in sorted(KEY_LINES) if (EXAMPLES / s).exists()
+            and all(importlib.util.find_spec(m) is not None for m in NEEDS.get(s, ()))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = dict(zip(todo, pool.map(lambda s: _run([str(EXAMPLES / s), "--quick", "-d"]), todo)))
+    return runs
+
+
 @pytest.mark.parametrize("script", sorted(KEY_LINES))
-def test_example_quick_debug(script):
+def test_example_quick_debug(script, example_runs):
     path = EXAMPLES / script
     if not path.exists():
         pytest.skip(f"examples/{script} is not in this checkout")
     for module in NEEDS.get(script, ()):
         pytest.importorskip(module)
-    p, out = _run([str(path), "--quick", "-d"])
+    p, out = example_runs[script]
     assert p.returncode == 0, out[-4000:]
     assert KEY_LINES[script] in p.stdout, out[-4000:]
     if not torch.cuda.is_available():

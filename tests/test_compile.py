@@ -163,16 +163,3 @@ def test_topk_rescore_compiles_without_spills(arch):
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0 for r in resources.values()), \
         resources
 
-
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_kmeans_screen_compiles_without_spills(arch):
-    """The screened update (KmeansTraits<float, kK, true>, plan.kmeans.SCREEN; not shipped while
-    that switch is off by default): every kK compiles, mirror checked, with no spills."""
-    from kermac_like.runtime.specs import kmeans as kmeans_specs
-
-    specs = list(kmeans_specs.screen_specs())
-    assert len(specs) == 5 and all(s.traits.endswith(", true>") for s in specs)
-    _, resources = compiler.compile_specs(specs, arch)
-    assert len(resources) == len(specs)
-    assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0 for r in resources.values()), \
-        resources

@@ -312,7 +312,8 @@ def test_simt_kmajor_copies_change_nothing_but_speed(p, caplog):
 
     from kermac_like.plan import distance as P
 
-    M, N, K = 2100, 2051, 96
+    # K = 160: beyond the low-K chunk stream that takes p = 1 up to K = 128 (LOWK_CHUNKED_UP_TO)
+    M, N, K = 2100, 2051, 160
     x, y = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda")
     out = poisoned((M, N))
     with P.spec_override(_KMAJOR_MIN_OUT=1 << 22):  # this size (4.3e6 outputs) takes the copies

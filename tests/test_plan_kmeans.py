@@ -25,7 +25,9 @@ def test_k_buckets():
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-def test_launch_sequence(as_gpu, weighted):
+def test_launch_sequence(as_gpu, monkeypatch, weighted):
+    """The unscreened seeding's launches (the screened one: test_screen_switch)."""
+    monkeypatch.setattr(plan_km, "SCREEN", False)
     N, K, C = 5000, 16, 7
     X = torch.randn(N, K)
     w = torch.rand(N) if weighted else None
@@ -49,12 +51,12 @@ def test_launch_sequence(as_gpu, weighted):
 
 @pytest.mark.parametrize("K,row", [(2, 4), (16, 16), (33, 40)])
 def test_screen_switch(as_gpu, monkeypatch, K, row):
-    """plan.kmeans.SCREEN (off by default; KERMAC_LIKE_KMEANS_SCREEN=1): the screened update
+    """plan.kmeans.SCREEN (on by default; KERMAC_LIKE_KMEANS_SCREEN=0 turns it off): the screened update
     throughout, the bf16 copy (N x row bf16) and the per-block bounds in the scratch (freed with
     the plan), their pointers in every update's arguments."""
     import os
 
-    assert plan_km.SCREEN == (os.environ.get("KERMAC_LIKE_KMEANS_SCREEN", "0") == "1")
+    assert plan_km.SCREEN == (os.environ.get("KERMAC_LIKE_KMEANS_SCREEN", "1") != "0")
     monkeypatch.setattr(plan_km, "SCREEN", True)
     N, C = 3000, 4
     plan = plan_seeding(torch.randn(N, K), C, None, torch.rand(C, dtype=torch.float64))
@@ -72,7 +74,7 @@ def test_float64_keeps_the_torch_path_and_16_bit_is_upcast(as_gpu):
     assert plan_seeding(torch.randn(100, 3, dtype=torch.float64), 3, None, u) is None
     plan = plan_seeding(torch.randn(100, 40, dtype=torch.float16), 3, None, u)
     assert plan.scratch[0].dtype == torch.float32  # the upcast x
-    assert plan.launches[0].kernel.spec == update_spec(40) and "float, 0>" in update_spec(40).traits
+    assert plan.launches[0].kernel.spec == update_spec(40, screen=True) and "float, 0, true>" in update_spec(40, screen=True).traits
 
 
 def test_segment_sums_plan(as_gpu):

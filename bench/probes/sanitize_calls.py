@@ -119,6 +119,14 @@ def lowk():
         a, b = _data(seed=7, sizes=(1, 131, 1100, 37))
         _check(_run(km.PRESETS["l1"], a, b, None, "donot_use_mm_for_euclid_dist", autotune.LOWK), km.PRESETS["l1"],
                a, b, 1e-4)
+    # The chunk stream (p = 1 at 64 < K <= LOWK_CHUNKED_UP_TO: runtime/specs/distance_lowk.py):
+    # K = 100 (4 chunks of 25) and K = 97 (the last chunk partly zero-filled), row-major and
+    # k-major (column-major) operands, a ragged 131 x 300 output over several tiles.
+    desc = km.PRESETS["l1"]
+    for K in (100, 97):
+        a, b = _data(seed=9, sizes=(1, 131, 300, K))
+        for x, y in ((a, b), (a.mT.contiguous().mT, b.mT.contiguous().mT)):
+            _check(_run(desc, x, y, None, "donot_use_mm_for_euclid_dist", autotune.LOWK), desc, a, b, 1e-4)
 
 
 def matvec():

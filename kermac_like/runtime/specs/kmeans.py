@@ -6,8 +6,8 @@ Mirror of ``kermac_like::KmeansTraits``: kThreads = 256, kBlockM = 1024 (points 
 cluster.SAMPLE_BLOCK), kBlockN = 1, kSmemBytes = 0 (static shared memory only); the compile
 stub checks them with static_asserts. kK: the centre in registers for K <= 32 (buckets 4, 8,
 16, 32), a runtime loop over K (kK = 0) beyond. kScreen: the update screens its candidates with
-a bf16 copy of x (``update_spec(K, screen=True)``, planned behind plan.kmeans.SCREEN; not shipped
-while that switch is off by default: compiled on first use, ``screen_specs`` for the checks).
+a bf16 copy of x (``update_spec(K, screen=True)``, planned behind plan.kmeans.SCREEN, on by default;
+both variants shipped: the unscreened one serves SCREEN off and K > SCREEN_MAX_K).
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ def shipped():
     yield segsum_combine_spec()
     for kK in (4, 8, 16, 32, 0):
         yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK), LAUNCH)
+    yield from screen_specs()
 
 
 def screen_specs():
-    """The screened update for every kK (4, 8, 16, 32 and the runtime loop): the compile checks."""
+    """The screened update for every kK (4, 8, 16, 32 and the runtime loop)."""
     for kK in (4, 8, 16, 32, 0):
         yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK, True), LAUNCH)

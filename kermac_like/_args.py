@@ -10,6 +10,25 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+# Elements of one block of all_finite: isfinite on CUDA allocates ~7 bytes an element (|t| and
+# boolean temporaries), so a block costs ~30 MB whatever the tensor's size (the whole of a
+# 10^6 x 128 float32 tensor at once: 854 MB, bench/notes/knn.md).
+FINITE_BLOCK = 1 << 22
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/inf in ``t``: checked in blocks of FINITE_BLOCK elements along the first dimension
+    (the temporaries of one block only), one host synchronisation."""
+    if not t.numel():
+        return True
+    t2 = t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1)
+    rows = max(1, FINITE_BLOCK // max(1, t2.shape[1]))
+    if rows >= t2.shape[0]:
+        return bool(torch.isfinite(t2).all())
+    ok = [torch.isfinite(t2[i:i + rows]).all() for i in range(0, t2.shape[0], rows)]
+    return bool(torch.stack(ok).all())
+
+
 def check_tensor(name: str, t, *, min_dim: int = 2) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

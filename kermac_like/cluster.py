@@ -31,6 +31,7 @@ import warnings
 import numpy as np
 import torch
 
+from ._args import all_finite
 from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, TransformerMixin, check_is_fitted,
                          check_n_features)
 from .ops.knn import knn
@@ -83,7 +84,7 @@ def _check_tensor_X(name: str, X: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{name}: found 0 sample(s) (shape={tuple(X.shape)}) while a minimum of 1 is required.")
     if X.shape[1] == 0:
         raise ValueError(f"{name}: 0 feature(s) (shape={tuple(X.shape)}) while a minimum of 1 is required.")
-    if not bool(torch.isfinite(X).all()):
+    if not all_finite(X):
         raise ValueError(f"Input {name} contains NaN or infinity.")
     return X.contiguous()
 
@@ -459,7 +460,7 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             w = torch.from_numpy(np.array(sample_weight, dtype=np.float64)).to(Xt.dtype)
         if w.dim() != 1 or w.shape[0] != Xt.shape[0]:
             raise ValueError(f"sample_weight.shape == {tuple(w.shape)}, expected ({Xt.shape[0]},)!")
-        if not bool(torch.isfinite(w).all()):
+        if not all_finite(w):
             raise ValueError("Input sample_weight contains NaN or infinity.")
         if bool((w < 0).any()):
             raise ValueError("Negative values in data passed to sample_weight")
@@ -489,7 +490,7 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             raise ValueError(f"The shape of the initial centers {tuple(c.shape)} does not match the number of "
                              f"features of the data {Xt.shape[1]}.")
         c = c.to(Xt.dtype).clone().contiguous()
-        if not bool(torch.isfinite(c).all()):
+        if not all_finite(c):
             raise ValueError("Input init contains NaN or infinity.")
         return c
 

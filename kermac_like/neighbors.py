@@ -25,6 +25,7 @@ import numbers
 import numpy as np
 import torch
 
+from ._args import all_finite
 from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClassifierMixin, RegressorMixin, check_is_fitted,
                          check_n_features)
 from .ops.knn import knn, merge_order
@@ -51,7 +52,7 @@ def _tensor_X(name: str, X: torch.Tensor) -> torch.Tensor:
         X = X.to(torch.float64)
     if X.shape[0] == 0:
         raise ValueError(f"Found array with 0 sample(s) (shape={tuple(X.shape)}) while a minimum of 1 is required.")
-    if X.numel() and not bool(torch.isfinite(X).all()):
+    if not all_finite(X):
         raise ValueError(f"Input {name} contains NaN or infinity.")
     return X
 

@@ -164,3 +164,24 @@ def test_inf_and_zero_p_autograd_through_torch():
     (g,) = torch.autograd.grad(km.cdist(x, y, math.inf).sum(), (x,))
     (t,) = torch.autograd.grad(torch.cdist(x, y, math.inf).sum(), (x,))
     assert torch.allclose(g, t)
+
+
+def test_all_finite_checks_every_block():
+    """_args.all_finite: blocks of FINITE_BLOCK elements along the first dimension, a NaN or inf in
+    any block (the first, a middle one, the last partial one) found, empty and 0-d tensors."""
+    from kermac_like import _args
+
+    old = _args.FINITE_BLOCK
+    try:
+        _args.FINITE_BLOCK = 12  # 4 rows of 3 a block: 10 rows -> 3 blocks, the last partial
+        x = torch.randn(10, 3)
+        assert _args.all_finite(x)
+        for r, v in ((0, float("nan")), (5, float("inf")), (9, -float("inf"))):
+            y = x.clone()
+            y[r, 1] = v
+            assert not _args.all_finite(y)
+        assert _args.all_finite(torch.empty(0, 3)) and _args.all_finite(torch.tensor(1.0))
+        assert not _args.all_finite(torch.tensor(float("nan")))
+        assert not _args.all_finite(torch.randn(10, 2, 2).index_fill_(0, torch.tensor([7]), float("nan")))
+    finally:
+        _args.FINITE_BLOCK = old

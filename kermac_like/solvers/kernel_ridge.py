@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .. import _debug
+from .._args import all_finite
 from .. import linalg
 from .._estimator import BaseEstimator, MultiOutputMixin, RegressorMixin, check_feature_names, check_is_fitted
 from ._cg import local_dots, pcg
@@ -133,17 +134,7 @@ def _shape_2d(name: str, t: torch.Tensor, n_features=None, estimator="KernelRidg
                                "features as input")
 
 
-FINITE_BLOCK = 1 << 26  # elements of one block of the finiteness check (no N x D temporary)
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """No NaN/inf in t, checked in row blocks (the boolean temporary of one block only)."""
-    if not t.numel():
-        return True
-    t2 = t.reshape(t.shape[0], -1)
-    rows = max(1, FINITE_BLOCK // max(1, t2.shape[1]))
-    ok = [torch.isfinite(t2[i:i + rows]).all() for i in range(0, t2.shape[0], rows)]
-    return bool(torch.stack(ok).all())
+_finite = all_finite  # no NaN/inf, checked in blocks (kermac_like._args)
 
 
 def _raise_collectively(comm: Comm, local_error, meta):

@@ -38,13 +38,13 @@
 
 namespace kermac_like {
 
-// kK_: K padded to a multiple of 8 (8, 16, 32 or 64; the A fragments of kMt m16 tiles in registers).
+// kK_: K padded to 8, 16, 32 or 64 (the A fragments of kMt m16 tiles in registers).
 template <int kK_>
 struct KmeansAssignTraits {
   static_assert(kK_ == 8 || kK_ == 16 || kK_ == 32 || kK_ == 64, "KmeansAssignTraits: kK is 8, 16, 32 or 64");
   static constexpr int kK = kK_;
   static constexpr int kSteps = kK_ / 8;                       // k-steps of 8
-  static constexpr int kMt = kK_ <= 32 ? 2 : 1;                // m16 tiles per warp
+  static constexpr int kMt = kK_ <= 16 ? 2 : 1;                // m16 tiles per warp (128 registers)
   static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kMinBlocks = 2;                          // (launch bounds: <= 128 registers)

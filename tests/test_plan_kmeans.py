@@ -123,7 +123,7 @@ def test_assign_switch_off_keeps_knn(as_gpu, monkeypatch):
 
 
 @pytest.mark.parametrize("K, kK, block_m, block_n, split", [(16, 16, 256, 128, 0), (5, 8, 256, 128, 0),
-                                                             (33, 64, 128, 32, 1), (32, 32, 256, 64, 0)])
+                                                             (33, 64, 128, 32, 1), (32, 32, 128, 64, 0)])
 def test_assign_switch_on_plans_the_kernel(as_gpu, monkeypatch, K, kK, block_m, block_n, split):
     """On: the prep kernel (one CTA) then kmeans_assign_mma_kernel over ceil(N / kBlockM) CTAs, with
     the certificate's tau and topk's partial-sum rule; float64, K > 64 and CPU-only calls: no plan."""

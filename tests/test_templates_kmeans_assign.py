@@ -290,3 +290,18 @@ def test_a_zero_bound_is_seen(emulator, tmp_path):
     assert (labels != rl).any(), "tau = 0 went unnoticed"
     labels, _, cert, rl, _ = emulate(emulator, x, c, tmp_path / "tau")
     assert np.array_equal(labels, rl)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_unshipped_bucket_compiles_without_spills(arch):
+    """kK = 64 (compiled on first use; kK 8, 16 and 32 are shipped: test_compile.py) without spills."""
+    try:
+        from kermac_like.runtime.compiler import compile_specs
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"no NVRTC: {e}")
+    from kermac_like.runtime.specs.kmeans import assign_prep_spec, assign_spec
+
+    _, res = compile_specs([assign_prep_spec(64), assign_spec(64)], arch)
+    assert len(res) == 2
+    for name, r in res.items():
+        assert r.get("spill_stores", 0) == 0 and r.get("stack", 0) == 0 and 0 < r["registers"] <= 128, (name, r)

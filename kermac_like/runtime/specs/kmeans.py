@@ -71,6 +71,11 @@ def shipped():
     yield segsum_combine_spec()
     for kK in (4, 8, 16, 32, 0):
         yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK), LAUNCH)
+    # the tensor-core assignment (behind plan.kmeans.ASSIGN_MMA) for K <= 32: kK 8 (points, K <= 8), 16
+    # (the bench), 32; kK 64 compiles on first use
+    for kK in (8, 16, 32):
+        yield assign_prep_spec(kK)
+        yield assign_spec(kK)
 
 
 def screen_specs():
@@ -93,7 +98,7 @@ def assign_k_bucket(K: int) -> int:
 
 
 def assign_shape(kK: int) -> LaunchShape:
-    mt = 2 if kK <= 32 else 1
+    mt = 2 if kK <= 16 else 1
     bn = 128 if kK <= 16 else 2048 // kK
     return LaunchShape(threads=256, block_m=8 * 16 * mt, block_n=bn, smem_bytes=2 * (bn * kK * 8 + bn * 4))
 

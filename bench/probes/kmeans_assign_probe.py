@@ -77,7 +77,7 @@ def main():
     for D, C in SHAPES:
         X = blobs(D, C, g)
         centres = X[torch.randperm(N, device="cuda", generator=g)[:C]].clone()
-        ms, outs = interleaved(lambda: _assign(X, centres, False))
+        ms, outs = interleaved(lambda X=X, centres=centres: _assign(X, centres, False))
         (l0, d0), (l1, d1) = outs[False], outs[True]
         diff = int((l0 != l1).sum())
         same_d2 = bool(torch.equal(d0.view(torch.int64), d1.view(torch.int64)))
@@ -88,7 +88,7 @@ def main():
         rows.append((f"assign D={D} C={C}", ms[False], ms[True], PRED.get((D, C)), f"labels differ {diff}, d2 equal "
                      f"{same_d2}, uncertified {100 * unc:.3f} %"))
         print(rows[-1], flush=True)
-        del X, centres, outs, l0, d0, l1, d1, cert
+        X = centres = outs = l0 = d0 = l1 = d1 = cert = None
         torch.cuda.empty_cache()
 
     # the whole fit, the bench's data and parameters

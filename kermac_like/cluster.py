@@ -275,7 +275,15 @@ def _random_init(X, n_clusters, weights, generator):
 
 # -- one Lloyd run ------------------------------------------------------------------------------
 def _assign(X, centres, debug):
-    """(labels (N,) int64, squared distances (N,) float64) to the nearest centre."""
+    """(labels (N,) int64, squared distances (N,) float64) to the nearest centre. On CUDA in float32
+    with K <= 64 and plan.kmeans.ASSIGN_MMA on (KERMAC_LIKE_KMEANS_ASSIGN_MMA=1): the certified
+    tensor-core kernel (cuda_templates/kmeans_assign_mma.cuh), bitwise knn's labels and distances."""
+    if X.is_cuda:
+        from .plan.kmeans import assign_mma
+
+        out = assign_mma(X, centres, debug)
+        if out is not None:
+            return out[0], out[1].to(torch.float64).square_()
     dist, lab = knn(X, centres, 1, compute_mode=_DIRECT, debug=debug)
     return lab[:, 0], dist[:, 0].to(torch.float64).square_()
 

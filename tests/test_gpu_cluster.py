@@ -168,3 +168,57 @@ def test_fused_segment_sums_on_cuda(monkeypatch, K, weighted):
             torch.testing.assert_close(s, r, rtol=1e-12, atol=1e-9)
             torch.testing.assert_close(ws, rw, rtol=1e-12, atol=0)
         assert (s[7] == 0).all() and ws[7] == 0
+
+
+# -- the assignment on tensor cores (plan.kmeans.ASSIGN_MMA) -------------------------------------------
+@pytest.mark.parametrize("K, C, blobs", [(16, 256, True), (16, 1024, False), (5, 70, False), (33, 300, True),
+                                         (64, 129, False)])
+def test_mma_assignment_is_knns_on_cuda(monkeypatch, K, C, blobs):
+    """One assignment with the switch on: knn(X, centres, 1, direct)'s labels and distance bits, every
+    row (certified rows by the certificate, the others by the kernel's exact rescan), near-ties,
+    duplicate centres and points on centres included; bitwise repeatable; most rows certified."""
+    from kermac_like import knn
+    from kermac_like.cluster import _DIRECT
+    from kermac_like.plan import kmeans as plan_km
+
+    monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
+    g = torch.Generator(device="cuda").manual_seed(K + C)
+    N = 200_000
+    if blobs:
+        means = 4 * torch.randn(C, K, device="cuda", generator=g)
+        X = means[torch.randint(0, C, (N,), device="cuda", generator=g)] + torch.randn(N, K, device="cuda", generator=g)
+    else:
+        X = torch.randn(N, K, device="cuda", generator=g)
+    centres = X[torch.randperm(N, device="cuda", generator=g)[:C]].clone()
+    centres[C - 1] = centres[0]  # a duplicate: index 0 wins
+    X[:1000] = 0.5 * (centres[torch.arange(1000, device="cuda") % C] + centres[(torch.arange(1000, device="cuda") + 1) % C])
+    X[1000:1100] = centres[torch.arange(100, device="cuda") % C]
+    plan = plan_km.plan_assign(X, centres, certificates=True)
+    labels, dist, cert = (t.clone() for t in plan.run())
+    d_ref, l_ref = knn(X, centres, 1, compute_mode=_DIRECT)
+    assert torch.equal(labels, l_ref[:, 0]), int((labels != l_ref[:, 0]).sum())
+    assert torch.equal(dist.view(torch.int32), d_ref[:, 0].contiguous().view(torch.int32))
+    assert float(cert.float().mean()) > 0.9
+    assert not bool(cert[1000:1100].any()) or bool((dist[1000:1100][cert[1000:1100] == 1] == 0).all())
+    again = plan_km.plan_assign(X, centres, certificates=True).run()
+    assert all(torch.equal(a, b) for a, b in zip((labels, dist, cert), again))
+
+
+def test_mma_assignment_fit_same_as_knn_fit_on_cuda(monkeypatch):
+    """KMeans fit (N = 2e5, D = 16, C = 256, k-means++ then 20 iterations at tol 0) with the switch on:
+    the labels, centres and inertia of the switch-off fit, bitwise (the assignment is knn's, row for
+    row), and bitwise repeatable."""
+    from kermac_like.plan import kmeans as plan_km
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    N, D, C = 200_000, 16, 256
+    means = 4 * torch.randn(C, D, device="cuda", generator=g)
+    X = means[torch.randint(0, C, (N,), device="cuda", generator=g)] + torch.randn(N, D, device="cuda", generator=g)
+    fits = []
+    for on in (False, True, True):
+        monkeypatch.setattr(plan_km, "ASSIGN_MMA", on)
+        m = KMeans(C, max_iter=20, tol=0.0, random_state=0).fit(X)
+        fits.append((m.labels_, m.cluster_centers_, m.inertia_, m.n_iter_))
+    for other in fits[1:]:
+        assert torch.equal(fits[0][0], other[0]) and torch.equal(fits[0][1], other[1])
+        assert fits[0][2] == other[2] and fits[0][3] == other[3]

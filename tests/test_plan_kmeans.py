@@ -109,3 +109,52 @@ def test_per_centre_launches_patch_j_only(as_gpu):
         b.fill([launch.args[i] for i in b.positions])
         assert struct.unpack_from("<i", b.slots, 8 * (len(launch.args) - 1))[0] == int(launch.args[-1])
         assert struct.unpack_from("<Q", b.slots, 0)[0] == launch.args[0]  # x, packed once
+
+
+# -- Lloyd's assignment on tensor cores (plan.kmeans.ASSIGN_MMA) --------------------------------------
+def test_assign_switch_off_keeps_knn(as_gpu, monkeypatch):
+    """Off (the default unless KERMAC_LIKE_KMEANS_ASSIGN_MMA=1): no plan, cluster._assign takes knn."""
+    import os
+
+    from kermac_like.plan.kmeans import assign_mma, plan_assign
+
+    assert plan_km.ASSIGN_MMA == (os.environ.get("KERMAC_LIKE_KMEANS_ASSIGN_MMA", "0") == "1")
+    monkeypatch.setattr(plan_km, "ASSIGN_MMA", False)
+    X, c = torch.randn(1000, 16), torch.randn(64, 16)
+    assert plan_assign(X, c) is None and assign_mma(X, c) is None
+
+
+@pytest.mark.parametrize("K, kK, block_m, block_n, split", [(16, 16, 256, 128, 0), (5, 8, 256, 128, 0),
+                                                             (33, 64, 128, 32, 1), (32, 32, 128, 64, 0)])
+def test_assign_switch_on_plans_the_kernel(as_gpu, monkeypatch, K, kK, block_m, block_n, split):
+    """On: the prep kernel (one CTA) then kmeans_assign_mma_kernel over ceil(N / kBlockM) CTAs, with
+    the certificate's tau and topk's partial-sum rule; float64, K > 64 and CPU-only calls: no plan."""
+    from kermac_like.plan.kmeans import assign_split, assign_tau, plan_assign
+    from kermac_like.runtime.specs.kmeans import assign_prep_spec, assign_spec
+
+    monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
+    N, C = 3000, 300
+    plan = plan_assign(torch.randn(N, K), torch.randn(C, K), certificates=True)
+    assert plan.family == "kmeans_assign"
+    assert [launch.kernel.spec for launch in plan.launches] == [assign_prep_spec(K), assign_spec(K)]
+    assert f"KmeansAssignTraits<{kK}>" in assign_spec(K).traits
+    prep, main = plan.launches
+    assert prep.grid == (1, 1, 1) and len(prep.args) == 7
+    assert main.grid == (-(-N // block_m), 1, 1) and len(main.args) == 16
+    assert assign_spec(K).launch.block_n == block_n
+    assert float(main.args[-2]) == assign_tau(K) and int(main.args[-1]) == split == assign_split(K)
+    cp = -(-C // block_n) * block_n
+    assert plan.scratch[1].numel() == cp * kK * 2 and plan.scratch[2].numel() == cp
+    labels, dist, cert = plan.out
+    assert labels.dtype == torch.int64 and dist.dtype == torch.float32 and cert.dtype == torch.uint8
+    assert plan_assign(torch.randn(N, K, dtype=torch.float64), torch.randn(C, K, dtype=torch.float64)) is None
+    assert plan_assign(torch.randn(N, 65), torch.randn(C, 65)) is None
+
+
+def test_assign_tau_covers_the_derivation():
+    """tau (units of u = 2^-24) grows with the k-steps; K = 16: ~2000 u (~1.2e-4 relative)."""
+    from kermac_like.plan.kmeans import assign_tau
+
+    u = 2.0 ** -24
+    assert 1900 < assign_tau(16) / u < 2100
+    assert assign_tau(8) < assign_tau(16) < assign_tau(32) < assign_tau(64)

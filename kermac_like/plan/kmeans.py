@@ -29,14 +29,15 @@ import os
 import numpy as np
 import torch
 
-from ..runtime.specs.kmeans import (BLOCK_M, SCREEN_MAX_K, SEGSUM_ROWS, draw_spec, screen_row, segsum_combine_spec,
-                                    segsum_spec, update_spec)
+from ..runtime.specs.kmeans import (ASSIGN_MAX_K, BLOCK_M, SCREEN_MAX_K, SEGSUM_ROWS, assign_k_bucket, assign_prep_spec,
+                                    assign_spec, draw_spec, screen_row, segsum_combine_spec, segsum_spec, update_spec)
 from .core import Launch, Plan, _device_index, _gpu_ok
 
 log = logging.getLogger("kermac_like.kmeans")
 
 __all__ = ["plan_seeding", "seed_plusplus", "fused_serves", "FUSED", "SCREEN", "screen_serves", "segsum_serves",
-           "plan_segment_sums", "segment_sums_fused", "SEGSUM_FUSED"]
+           "plan_segment_sums", "segment_sums_fused", "SEGSUM_FUSED", "ASSIGN_MMA", "assign_serves", "assign_tau",
+           "assign_split", "plan_assign", "assign_mma"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # KERMAC_LIKE_KMEANS_FUSED=0 sends CUDA seedings to the torch path (cluster._kmeans_plusplus_torch).
@@ -46,6 +47,10 @@ FUSED = os.environ.get("KERMAC_LIKE_KMEANS_FUSED", "1") != "0"
 SCREEN = os.environ.get("KERMAC_LIKE_KMEANS_SCREEN", "1") != "0"
 # KERMAC_LIKE_KMEANS_SEGSUM=0 sends Lloyd's update on CUDA to the torch path (sort + segment_reduce).
 SEGSUM_FUSED = os.environ.get("KERMAC_LIKE_KMEANS_SEGSUM", "1") != "0"
+# KERMAC_LIKE_KMEANS_ASSIGN_MMA=1 sends Lloyd's assignment (CUDA, float32, K <= 64) to the tensor-core
+# kernel (cuda_templates/kmeans_assign_mma.cuh: the same labels and distances as knn's, bitwise); off
+# by default until measured on a GPU (bench/probes/kmeans_assign_probe.py).
+ASSIGN_MMA = os.environ.get("KERMAC_LIKE_KMEANS_ASSIGN_MMA", "0") == "1"
 
 
 def fused_serves(X: torch.Tensor) -> bool:
@@ -189,3 +194,92 @@ def segment_sums_fused(X: torch.Tensor, perm: torch.Tensor, bounds: torch.Tensor
     out = plan.run()
     C, K = int(n_clusters), X.shape[1]
     return out[:C * K].view(C, K), out[C * K:]
+
+
+# -- Lloyd's assignment on tensor cores ------------------------------------------------------------
+_U = 2.0 ** -24  # unit roundoff of float32
+# The MMA model of the certificate: one mma.sync m16n8k8 (8 exact TF32 products and the accumulator)
+# is within RHO u (|accumulator| + sum |products|) of the exact sum (measured hardware truncates the
+# aligned sum to about 24 bits: <= 9 terms x 2u; RHO = 32 leaves a factor of ~2).
+_RHO = 32.0
+
+
+def assign_tau(K: int) -> float:
+    """The certificate's constant: a row is certified when (second - best) > tau B with B = X + cmax
+    (bench/notes/kmeans.md, "The assignment on mma.sync (session 13)"): 1.25 (2 E + 2 Q + 4 gamma) with,
+    in units of u B, E = (K + 3) (the norms and the shift) + 16 (the split) + 3 (kK / 8) RHO 3.1 (the
+    MMAs), Q = 2^(5 - 23) / u x 2.1 (the key's 5 low bits), gamma = 1.01 (K + 4) (the exact path)."""
+    kK = assign_k_bucket(K)
+    e = (K + 3) + 16 + 3 * (kK // 8) * _RHO * 3.1
+    q = 2.0 ** (5 - 23) / _U * 2.1
+    gamma = 1.01 * (K + 4)
+    tau = 1.25 * (2 * e + 2 * q + 4 * gamma) * _U
+    return float(np.nextafter(np.float32(tau), np.float32(1)))  # rounded up to a float32
+
+
+def assign_split(K: int) -> int:
+    """1 where knn's SIMT kernel sums a distance in two interleaved partial sums (TopkTraits::kAcc == 2
+    for k = 1: one row per thread and kK >= 8), else 0: the kernel's exact path mirrors it."""
+    from ..runtime.specs.topk import k_bucket, rows_per_thread, sel_bucket
+
+    kK = k_bucket(K)
+    return int(rows_per_thread(kK, sel_bucket(1)) == 1 and kK >= 8)
+
+
+def assign_serves(X: torch.Tensor, centres: torch.Tensor) -> bool:
+    """Whether the tensor-core assignment serves X (N, K) against centres (C, K): ASSIGN_MMA, float32
+    CUDA tensors on sm_80+, 1 <= K <= 64."""
+    if not (ASSIGN_MMA and X.dim() == 2 and centres.dim() == 2 and X.dtype == torch.float32
+            and centres.dtype == torch.float32):
+        return False
+    N, K = X.shape
+    C = centres.shape[0]
+    return (0 < N < 2 ** 31 - 512 and 0 < C < 2 ** 31 - 256 and 1 <= K <= ASSIGN_MAX_K and centres.shape[1] == K
+            and centres.device == X.device and _gpu_ok(X))
+
+
+def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, certificates: bool = False):
+    """The plan of one assignment: its run returns (labels (N,) int64, dist (N,) float32, cert (N,) uint8
+    or None): knn(X, centres, 1, direct differences)'s indices and values, bitwise. Two launches: the
+    centres' split (one CTA), then kmeans_assign_mma_kernel. None when the kernel does not serve."""
+    if not assign_serves(X, centres):
+        return None
+    from ..runtime.launcher import get_kernel, prefetch
+
+    device = _device_index(X.device)
+    dev = X.device
+    N, K = X.shape
+    C = centres.shape[0]
+    c = centres if centres.stride(1) == 1 else centres.contiguous()
+    spec, pspec = assign_spec(K), assign_prep_spec(K)
+    kK, bn = assign_k_bucket(K), spec.launch.block_n
+    cp = -(-C // bn) * bn
+    cf = torch.empty(cp * kK * 2, dtype=torch.float32, device=dev)  # (cp / 8, kK / 8, 32) uint4
+    cn = torch.empty(cp, dtype=torch.float32, device=dev)
+    cmax = torch.empty(1, dtype=torch.float32, device=dev)
+    labels = torch.empty(N, dtype=torch.int64, device=dev)
+    dist = torch.empty(N, dtype=torch.float32, device=dev)
+    cert = torch.empty(N, dtype=torch.uint8, device=dev) if certificates else None
+    prefetch([pspec, spec], device, debug=debug)
+    prep = get_kernel(pspec, device, debug=debug)
+    main = get_kernel(spec, device, debug=debug)
+    sxm, sxk = (np.int64(t) for t in X.stride())
+    ldc = np.int64(c.stride(0))
+    pargs = (c.data_ptr(), cf.data_ptr(), cn.data_ptr(), cmax.data_ptr(), np.int32(C), np.int32(K), ldc)
+    grid = (-(-N // spec.launch.block_m), 1, 1)
+    args = (X.data_ptr(), c.data_ptr(), cf.data_ptr(), cn.data_ptr(), cmax.data_ptr(), labels.data_ptr(),
+            dist.data_ptr(), 0 if cert is None else cert.data_ptr(), np.int32(N), np.int32(C), np.int32(K), sxm, sxk,
+            ldc, np.float32(assign_tau(K)), np.int32(assign_split(K)))
+    if debug:
+        log.debug("kmeans assignment on tensor cores: N=%d K=%d (kK %d) clusters=%d: grid %s", N, K, kK, C, grid)
+    launches = (Launch(prep, (1, 1, 1), pargs), Launch(main, grid, args))
+    return Plan("kmeans_assign", spec, launches, (labels, dist, cert), scratch=(c, cf, cn, cmax), debug=debug)
+
+
+def assign_mma(X: torch.Tensor, centres: torch.Tensor, debug: bool = False):
+    """(labels (N,) int64, dist (N,) float32) of the tensor-core assignment, or None."""
+    plan = plan_assign(X, centres, debug)
+    if plan is None:
+        return None
+    labels, dist, _ = plan.run()
+    return labels, dist

@@ -15,7 +15,8 @@ from __future__ import annotations
 from .kernel_spec import KernelSpec, LaunchShape, bucket
 
 __all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "SEGSUM_ROWS", "SCREEN_MAX_K", "k_bucket", "screen_row", "update_spec",
-           "draw_spec", "segsum_spec", "segsum_combine_spec", "shipped", "screen_specs"]
+           "draw_spec", "segsum_spec", "segsum_combine_spec", "shipped", "screen_specs", "ASSIGN_K_BUCKETS",
+           "ASSIGN_MAX_K", "assign_k_bucket", "assign_shape", "assign_spec", "assign_prep_spec", "assign_specs"]
 
 THREADS = 256
 BLOCK_M = 1024  # points per block sum: cluster.SAMPLE_BLOCK
@@ -71,9 +72,58 @@ def shipped():
     for kK in (4, 8, 16, 32, 0):
         yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK), LAUNCH)
     yield from screen_specs()
+    # the tensor-core assignment (behind plan.kmeans.ASSIGN_MMA) for K <= 32: kK 8 (points, K <= 8), 16
+    # (the bench), 32; kK 64 compiles on first use
+    for kK in (8, 16, 32):
+        yield assign_prep_spec(kK)
+        yield assign_spec(kK)
 
 
 def screen_specs():
     """The screened update for every kK (4, 8, 16, 32 and the runtime loop)."""
     for kK in (4, 8, 16, 32, 0):
         yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK, True), LAUNCH)
+
+
+# -- the assignment on tensor cores (cuda_templates/kmeans_assign_mma.cuh) --------------------------
+# Mirror of kermac_like::KmeansAssignTraits<kK>: kK = K rounded up to 8, 16, 32 or 64; 8 warps, kMt m16
+# tiles per warp (2 up to kK = 32, else 1), kBlockN centres per tile (128 up to kK = 16, else 2048 / kK),
+# two stages of (kBlockN kK 8 bytes of fragments + kBlockN 4 bytes of norms).
+ASSIGN_K_BUCKETS = (8, 16, 32, 64)
+ASSIGN_MAX_K = ASSIGN_K_BUCKETS[-1]
+
+
+def assign_k_bucket(K: int) -> int:
+    """kK of the tensor-core assignment for K coordinates; 0 beyond ASSIGN_MAX_K (not served)."""
+    return bucket(K, ASSIGN_K_BUCKETS, 0)
+
+
+def assign_shape(kK: int) -> LaunchShape:
+    mt = 2 if kK <= 16 else 1
+    bn = 128 if kK <= 16 else 2048 // kK
+    return LaunchShape(threads=256, block_m=8 * 16 * mt, block_n=bn, smem_bytes=2 * (bn * kK * 8 + bn * 4))
+
+
+def _assign_traits(kK: int) -> str:
+    return f"kermac_like::KmeansAssignTraits<{int(kK)}>"
+
+
+def assign_spec(K: int) -> KernelSpec:
+    """The assignment kernel (mma.sync 3xTF32, certified, the exact rescan inside) for K coordinates."""
+    kK = assign_k_bucket(K)
+    return KernelSpec("kmeans_assign_mma.cuh", "kermac_like::kmeans_assign_mma_kernel", _assign_traits(kK),
+                      assign_shape(kK))
+
+
+def assign_prep_spec(K: int) -> KernelSpec:
+    """The one-CTA split of the centres into B fragments, their norms and the largest norm."""
+    kK = assign_k_bucket(K)
+    return KernelSpec("kmeans_assign_mma.cuh", "kermac_like::kmeans_assign_prep_kernel", _assign_traits(kK),
+                      assign_shape(kK))
+
+
+def assign_specs():
+    """Both kernels for every kK (the compile checks)."""
+    for kK in ASSIGN_K_BUCKETS:
+        yield assign_prep_spec(kK)
+        yield assign_spec(kK)

@@ -1,0 +1,332 @@
+// k-means assignment on tensor cores: the nearest centre of every point by mma.sync (3xTF32),
+// certified, with the exact float32 path inside the kernel for the rows the certificate does not
+// cover (ABI: cuda_templates/ABI.md; planned by kermac_like/plan/kmeans.py for
+// kermac_like.cluster._assign; derivation and measurements: bench/notes/kmeans.md, "The assignment
+// on mma.sync (session 13)").
+//
+// Result: for every point i, (label, dist) bitwise equal to knn(x, c, 1, direct differences)'s on
+// the same data (topk.cuh's SIMT kernel): label = the first centre in the total order (fp32 value,
+// index) of the values v_n = fl-sum_q fma((x_q - c_q)^2) (k in order, topk's partial sums), dist =
+// sqrtf(v_label). How:
+//
+//   kmeans_assign_prep_kernel (one CTA): the centres split c = hi + lo (TF32), in the B-fragment
+//     order of mma.m16n8k8 (uint4 {hi(k t), hi(k t+4), lo(k t), lo(k t+4)} per (8 columns, k-step,
+//     lane)), cn[n] = ||c_n||^2 (fp32; 2^127 for the padded columns n >= C), cmax = max_n cn[n].
+//   kmeans_assign_mma_kernel: a CTA owns kBlockM points; each warp 16 kMt of them, their -2 x split
+//     hi + lo in registers as A fragments (exact scaling). The CTA streams the centres in tiles of
+//     kBlockN (cp.async, two stages); per 8 columns the accumulators start at cn[n] + X (X: the
+//     largest fp32 ||x||^2 of the warp's rows) and take lo*hi + hi*lo + hi*hi per k-step, so that
+//     they hold s_n = X + ||c_n||^2 - 2 x.c_n (= ||x - c_n||^2 + (X - ||x||^2) >= -error: a per-row
+//     shift, the same for every n). Per value, 4 instructions: the key (float bits with the low 5
+//     bits replaced by the column's place in the lane's tile, a signed 32-bit integer), best =
+//     min(best, key), second = min(second, max(best_old, key)). At the end of a tile the keys are
+//     decoded (value without its low 5 bits, column) and merged into the row's running (best value,
+//     best column, second value) in the order (value as a signed integer, column); after the last
+//     tile the 4 lanes of a quad merge theirs.
+//   Certificate: the row is certified when 2^-60 <= B <= 2^100 (B = X + cmax, fp32) and
+//     fl(second - best) > tau B, tau from the host (plan.kmeans.assign_tau): then the best column is
+//     the label of the exact float32 path (proof in the notes: tau B bounds twice the MMA error of a
+//     value, twice the key's quantisation and the exact path's own rounding 4 gamma_{K+4} B). The
+//     warp rescans every uncertified row (32 lanes over the centres, the exact path's values and
+//     keys, a warp minimum); a certified row's v_label is computed once by the exact arithmetic.
+// No N x C matrix, no atomics: bitwise repeatable. cert[i] (optional): 1 where certified.
+#pragma once
+
+#include "common.cuh"
+#include "math.cuh"
+#include "distance_mma.cuh"
+
+namespace kermac_like {
+
+// kK_: K padded to 8, 16, 32 or 64 (the A fragments of kMt m16 tiles in registers).
+template <int kK_>
+struct KmeansAssignTraits {
+  static_assert(kK_ == 8 || kK_ == 16 || kK_ == 32 || kK_ == 64, "KmeansAssignTraits: kK is 8, 16, 32 or 64");
+  static constexpr int kK = kK_;
+  static constexpr int kSteps = kK_ / 8;                       // k-steps of 8
+  static constexpr int kMt = kK_ <= 16 ? 2 : 1;                // m16 tiles per warp (128 registers)
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMinBlocks = 2;                          // (launch bounds: <= 128 registers)
+  static constexpr int kBlockM = kWarps * 16 * kMt;            // points per CTA
+  static constexpr int kBlockN = kK_ <= 16 ? 128 : 2048 / kK_;  // centres per tile (<= 128: 5 key bits)
+  static constexpr int kTileFrag = kBlockN * kK_ * 8;           // bytes of a tile's fragments
+  static constexpr int kTileBytes = kTileFrag + kBlockN * 4;    // + cn
+  static constexpr int kSmemBytes = 2 * kTileBytes;
+  static constexpr int kKeyBits = 5;
+  static_assert(kBlockN / 8 * 2 <= (1 << kKeyBits), "KmeansAssignTraits: the place of a column needs <= 5 bits");
+  static_assert(kTileBytes % 16 == 0, "KmeansAssignTraits: tiles are 16-byte chunks");
+};
+
+namespace kmeans_assign_detail {
+
+#ifndef KERMAC_LIKE_MMA_HOST_EMULATION
+__device__ __forceinline__ int shfl_xor_int(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ int shfl_int(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ unsigned ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
+// d = a * b + {c0, c1, c0, c1} (the C operand apart from D: no moves into the accumulators).
+__device__ __forceinline__ void mma_tf32_c(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, float c0,
+                                           float c1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%10,%11};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c0), "f"(c1));
+}
+#else
+// (the host emulation supplies shfl_xor_int, shfl_int and ballot; mma_tf32 is the emulator's)
+inline void mma_tf32_c(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, float c0, float c1) {
+  d[0] = c0, d[1] = c1, d[2] = c0, d[3] = c1;
+  mma_detail::mma_tf32(d, a, b0, b1);
+}
+#endif
+
+// The exact path's value of one pair: topk.cuh's pairs() for Inner::Diff, Power::Square (k in order,
+// fma; split = topk's kAcc == 2: even k into one partial sum, odd k into another, then added).
+__device__ __forceinline__ float exact_value(const float* xi, i64 sxk, const float* cr, int K, int split) {
+  float a0 = 0.0f, a1 = 0.0f;
+  if (split) {
+    for (int q = 0; q < K; ++q) {
+      const float d = math::sub_rn(xi[q * sxk], cr[q]);
+      if (q & 1) a1 = math::fma_rn(d, d, a1);
+      else a0 = math::fma_rn(d, d, a0);
+    }
+    return math::add_rn(a0, a1);
+  }
+  for (int q = 0; q < K; ++q) {
+    const float d = math::sub_rn(xi[q * sxk], cr[q]);
+    a0 = math::fma_rn(d, d, a0);
+  }
+  return a0;
+}
+
+// Running (best value, best column, second value) of a row in the order (value as a signed integer,
+// column); values are float bits with the low kKeyBits cleared.
+struct Best {
+  int v1, c1, v2;
+};
+__device__ __forceinline__ void merge(Best& a, int v1, int c1, int v2) {
+  const int hi = max(a.v1, v1);
+  a.v2 = min(hi, min(a.v2, v2));
+  if (v1 < a.v1 || (v1 == a.v1 && c1 < a.c1)) a.v1 = v1, a.c1 = c1;
+}
+
+}  // namespace kmeans_assign_detail
+
+// Grid (1, 1, 1), Traits::kThreads threads. c (C, K) at row stride ldc (K contiguous); cf (Cp / 8,
+// kSteps, 32) uint4 and cn (Cp) with Cp = C rounded up to kBlockN; cmax[0] = max_{n < C} cn[n].
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads) kmeans_assign_prep_kernel(
+    const float* __restrict__ c, uint4* __restrict__ cf, float* __restrict__ cn, float* __restrict__ cmax, int C,
+    int K, i64 ldc) {
+  using Tr = Traits;
+  constexpr int T = Tr::kThreads, S = Tr::kSteps;
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* red = reinterpret_cast<float*>(smem);  // (T): the launch's dynamic shared memory
+  const int tid = threadIdx.x;
+  const int Cp = (C + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
+  const int entries = Cp / 8 * S * 32;
+  for (int e = tid; e < entries; e += T) {
+    const int lane = e & 31, s = (e >> 5) % S, j8 = (e >> 5) / S;
+    const int n = j8 * 8 + (lane >> 2), k0 = s * 8 + (lane & 3), k1 = k0 + 4;
+    const float* cr = c + i64(n) * ldc;
+    const float v0 = n < C && k0 < K ? cr[k0] : 0.0f, v1 = n < C && k1 < K ? cr[k1] : 0.0f;
+    unsigned h0, l0, h1, l1;
+    mma_detail::split_tf32x3(__float_as_uint(v0), h0, l0);
+    mma_detail::split_tf32x3(__float_as_uint(v1), h1, l1);
+    cf[e] = uint4{h0, h1, l0, l1};
+  }
+  float m = 0.0f;
+  for (int n = tid; n < Cp; n += T) {
+    float s = 0x1p127f;  // padded columns: never below a real one (B <= 2^100 where certified)
+    if (n < C) {
+      s = 0.0f;
+      const float* cr = c + i64(n) * ldc;
+      for (int q = 0; q < K; ++q) s = math::fma_rn(cr[q], cr[q], s);
+      m = fmaxf(m, s);
+    }
+    cn[n] = s;
+  }
+  red[tid] = m;
+  __syncthreads();
+#pragma unroll 1
+  for (int h = T / 2; h > 0; h >>= 1) {
+    if (tid < h) red[tid] = fmaxf(red[tid], red[tid + h]);
+    __syncthreads();
+  }
+  if (tid == 0) cmax[0] = red[0];
+}
+
+// Grid ((N + kBlockM - 1) / kBlockM, 1, 1). x (N, K) at strides (sxm, sxk); c, cf, cn, cmax as the
+// prep kernel's; labels (N) int64, dist (N) float32, cert (N) uint8 or null. tau: the certificate's
+// constant (plan.kmeans.assign_tau(K)); split: topk's kAcc == 2 for this K (the exact path's sums).
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_assign_mma_kernel(
+    const float* __restrict__ x, const float* __restrict__ c, const uint4* __restrict__ cf,
+    const float* __restrict__ cn, const float* __restrict__ cmax, i64* __restrict__ labels,
+    float* __restrict__ dist, unsigned char* __restrict__ cert, int N, int C, int K, i64 sxm, i64 sxk, i64 ldc,
+    float tau, int split) {
+  using Tr = Traits;
+  using namespace kmeans_assign_detail;
+  using mma_detail::mma_tf32;
+  constexpr int S = Tr::kSteps, MT = Tr::kMt, BN = Tr::kBlockN, R = 2 * MT;
+  constexpr int kMask = (1 << Tr::kKeyBits) - 1;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const i64 m_warp = i64(blockIdx.x) * Tr::kBlockM + warp * 16 * MT;
+
+  // A fragments of -2 x (exact), split; partial squared norms of rows g, g + 8 of each m16 tile.
+  unsigned ah[MT][S][4], al[MT][S][4];
+  float xn[R];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    float sq[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const i64 m = m_warp + i * 16 + g + 8 * (r & 1);
+        const int q = s * 8 + t + 4 * (r >> 1);
+        const float v = m < N && q < K ? x[m * sxm + q * sxk] : 0.0f;
+        sq[r & 1] = math::fma_rn(v, v, sq[r & 1]);
+        mma_detail::split_tf32x3(__float_as_uint(-2.0f * v), ah[i][s][r], al[i][s][r]);
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v = sq[h];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      xn[2 * i + h] = v;
+    }
+  }
+  float xbar = xn[0];
+#pragma unroll
+  for (int r = 1; r < R; ++r) xbar = fmaxf(xbar, xn[r]);
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) xbar = fmaxf(xbar, __shfl_xor_sync(0xffffffffu, xbar, o));
+
+  const int tiles = (C + BN - 1) / BN;
+  const unsigned smem_base = mma_detail::smem_u32(smem);
+  auto load_tile = [&](int stage, int tile) {
+    const unsigned char* src_f = reinterpret_cast<const unsigned char*>(cf) + i64(tile) * Tr::kTileFrag;
+    const unsigned char* src_n = reinterpret_cast<const unsigned char*>(cn + i64(tile) * BN);
+    const unsigned dst = smem_base + stage * Tr::kTileBytes;
+    for (int e = tid; e < Tr::kTileBytes / 16; e += Tr::kThreads) {
+      const unsigned char* src = e < Tr::kTileFrag / 16 ? src_f + e * 16 : src_n + (e - Tr::kTileFrag / 16) * 16;
+      mma_detail::cp_async_16(dst + e * 16, src, 16);
+    }
+  };
+
+  Best best[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) best[r] = Best{0x7fffffff, 0x7fffffff, 0x7fffffff};
+
+  load_tile(0, 0);
+  mma_detail::cp_async_commit();
+  for (int tile = 0; tile < tiles; ++tile) {
+    mma_detail::cp_async_wait<0>();
+    __syncthreads();  // the tile is in for everyone; the other stage is free
+    if (tile + 1 < tiles) load_tile((tile + 1) & 1, tile + 1);
+    mma_detail::cp_async_commit();
+    const unsigned char* st = smem + (tile & 1) * Tr::kTileBytes;
+    const uint4* fr = reinterpret_cast<const uint4*>(st);
+    const float* cns = reinterpret_cast<const float*>(st + Tr::kTileFrag);
+    int b1[R], b2[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) b1[r] = b2[r] = 0x7fffffff;
+#pragma unroll 4
+    for (int j = 0; j < BN / 8; ++j) {
+      const float2 cp = *reinterpret_cast<const float2*>(cns + j * 8 + 2 * t);
+      const float c0 = cp.x + xbar, c1 = cp.y + xbar;
+      uint4 bf[S];
+#pragma unroll
+      for (int s = 0; s < S; ++s) bf[s] = fr[(j * S + s) * 32 + lane];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        float acc[4];
+        mma_tf32_c(acc, al[i][0], bf[0].x, bf[0].y, c0, c1);
+        mma_tf32(acc, ah[i][0], bf[0].z, bf[0].w);
+        mma_tf32(acc, ah[i][0], bf[0].x, bf[0].y);
+#pragma unroll
+        for (int s = 1; s < S; ++s) {
+          mma_tf32(acc, al[i][s], bf[s].x, bf[s].y);
+          mma_tf32(acc, ah[i][s], bf[s].z, bf[s].w);
+          mma_tf32(acc, ah[i][s], bf[s].x, bf[s].y);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 2 * i + (e >> 1);
+          const int key = (__float_as_int(acc[e]) & ~kMask) | (2 * j + (e & 1));
+          b2[r] = min(b2[r], max(b1[r], key));
+          b1[r] = min(b1[r], key);
+        }
+      }
+    }
+    const int n0 = tile * BN;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int p = b1[r] & kMask;
+      merge(best[r], b1[r] & ~kMask, n0 + (p >> 1) * 8 + 2 * t + (p & 1), b2[r] & ~kMask);
+    }
+  }
+  mma_detail::cp_async_wait<0>();
+
+  // The quad's lanes hold the same rows: merge (a symmetric merge: every lane ends with the same).
+#pragma unroll
+  for (int o = 1; o < 4; o <<= 1)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int v1 = shfl_xor_int(best[r].v1, o), c1 = shfl_xor_int(best[r].c1, o), v2 = shfl_xor_int(best[r].v2, o);
+      merge(best[r], v1, c1, v2);
+    }
+
+  // Lane t of the quad finishes row r = t (rows g + 8 (r & 1) + 16 (r >> 1) of the warp).
+  const float bw = xbar + cmax[0];
+  const float thr = tau * bw;
+  const bool in_range = bw >= 0x1p-60f && bw <= 0x1p100f;
+  int mine = 0;
+  bool ok = false;
+  i64 m = -1;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (t == r) {
+      m = m_warp + 16 * (r >> 1) + 8 * (r & 1) + g;
+      mine = best[r].c1;
+      ok = in_range && (__int_as_float(best[r].v2) - __int_as_float(best[r].v1)) > thr;
+    }
+  }
+  const bool live = m >= 0 && m < N;
+  if (live && ok) {
+    const float v = exact_value(x + m * sxm, sxk, c + i64(mine) * ldc, K, split);
+    labels[m] = mine;
+    dist[m] = sqrtf(v);
+    if (cert) cert[m] = 1;
+  }
+  // The uncertified rows, one at a time by the whole warp: keys (value bits, n) of the exact path.
+  unsigned todo = ballot(live && !ok);
+  while (todo) {
+    const int src = __ffs(todo) - 1;
+    todo &= todo - 1;
+    const i64 mr = m_warp + (shfl_int(int(m - m_warp), src));
+    const float* xi = x + mr * sxm;
+    unsigned kv = 0xffffffffu, kn = 0xffffffffu;  // (value bits, index): the smallest
+    for (int n = lane; n < C; n += 32) {
+      const unsigned b = __float_as_uint(exact_value(xi, sxk, c + i64(n) * ldc, K, split));
+      if (b < kv || (b == kv && unsigned(n) < kn)) kv = b, kn = unsigned(n);
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned ov = unsigned(shfl_xor_int(int(kv), o)), on = unsigned(shfl_xor_int(int(kn), o));
+      if (ov < kv || (ov == kv && on < kn)) kv = ov, kn = on;
+    }
+    if (lane == src) {
+      labels[mr] = i64(kn);
+      dist[mr] = sqrtf(__uint_as_float(kv));
+      if (cert) cert[mr] = 0;
+    }
+  }
+}
+
+}  // namespace kermac_like

@@ -1,0 +1,307 @@
+"""CPU tests of cuda_templates/kmeans_assign_mma.cuh: the certified tensor-core assignment gives, row
+for row, the label and distance bits of the exact float32 path (knn's SIMT arithmetic: k in order,
+fma, topk's two partial sums where kAcc == 2), and certifies only rows whose float64 argmin it has.
+
+The kernels run under the host emulation of tests/test_templates_mma.py (g++, one fiber per CUDA
+thread, host versions of the PTX primitives: mma.sync's TF32 products summed exactly and rounded once,
+cp.async landing at wait_group) with a reference written out plainly in the driver (the exact path's
+values for every pair, the first in the order (value bits, index)). Cases: K = 16 (kK 16, one and
+three centre tiles), K = 5 (kK 8: a K tail), K = 33 (kK 64: topk's split partial sums, tiles of 32),
+N not a multiple of the CTA's points, blob data as the bench's, rows on the bisector of two centres
+(near-ties the certificate must refuse), duplicate centres (smallest index), points on a centre, a
+single centre. The certificate's bound is tested by removing it (tau = 0): the near-tie rows then
+give other labels than the exact path, so the comparison can see a bound that is too small.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kermac_like.plan.kmeans import assign_split, assign_tau
+from kermac_like.runtime.specs.kmeans import assign_k_bucket
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES = ROOT / "cuda_templates"
+KKS = (8, 16, 64)
+
+
+def _emulator_prelude() -> str:
+    """test_templates_mma.py's emulator source up to its driver (as test_templates_topk_mma.py)."""
+    tree = ast.parse((ROOT / "tests" / "test_templates_mma.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "EMULATOR_SOURCE" for t in node.targets):
+            src = ast.literal_eval(node.value)
+            break
+    else:  # pragma: no cover
+        raise AssertionError("EMULATOR_SOURCE not found in test_templates_mma.py")
+    marker = "// ------------------------------------------------------------------ driver"
+    return src[:src.index(marker)]
+
+
+DRIVER = r'''
+using std::max;
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+namespace kermac_like { namespace kmeans_assign_detail {
+inline int shfl_xor_int(int v, int m) { return __float_as_int(__shfl_xor_sync(0xffffffffu, __int_as_float(v), m)); }
+inline int shfl_int(int v, int src) {
+  auto& w = emu::warps[emu::warp()];
+  w.u[emu::lane()][6] = (unsigned)v;
+  emu::warp_sync();
+  const int r = (int)w.u[src][6];
+  emu::warp_sync();
+  return r;
+}
+inline unsigned ballot(bool p) {
+  auto& w = emu::warps[emu::warp()];
+  w.u[emu::lane()][7] = p;
+  emu::warp_sync();
+  unsigned b = 0;
+  for (int l = 0; l < 32; ++l) b |= (w.u[l][7] ? 1u : 0u) << l;
+  emu::warp_sync();
+  return b;
+}
+}}
+#include "kmeans_assign_mma.cuh"
+
+using namespace kermac_like;
+typedef long long i64;
+struct AArgs { i64 N, C, K, split; float tau; float pad; };
+
+template <class Tr, class F>
+void launch(unsigned blocks, F f) {
+  emu::smem_limit = Tr::kSmemBytes;
+  emu::grid_dim = {blocks, 1, 1};
+  emu::nthreads = Tr::kThreads;
+  static std::vector<emu::Fiber> fib(Tr::kThreads);
+  emu::fibers = fib.data();
+  static F* body;
+  body = &f;
+  for (unsigned bx = 0; bx < blocks; ++bx) {
+    emu::block_idx = {bx, 0, 0};
+    std::memset(kermac_like::smem, 0xff, sizeof(kermac_like::smem));  // NaN poison
+    emu::copies.clear();
+    static auto tramp = +[]() {
+      (*body)();
+      emu::cur->done = true;
+      ++emu::progress;
+    };
+    run_block(fib, Tr::kThreads, tramp);
+  }
+}
+
+template <class Tr>
+void run(const AArgs& A, const float* x, const float* c, long long* labels, float* dist, unsigned char* cert) {
+  const int C = (int)A.C, K = (int)A.K, N = (int)A.N;
+  const int cp = (C + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
+  std::vector<uint4> cf(size_t(cp) / 8 * Tr::kSteps * 32);
+  std::vector<float> cn(cp, -7.0f);
+  float cmax = -7.0f;
+  launch<Tr>(1, [&] { kmeans_assign_prep_kernel<Tr>(c, cf.data(), cn.data(), &cmax, C, K, K); });
+  launch<Tr>((N + Tr::kBlockM - 1) / Tr::kBlockM, [&] {
+    kmeans_assign_mma_kernel<Tr>(x, c, cf.data(), cn.data(), &cmax, labels, dist, cert, N, C, K, K, 1, K, A.tau,
+                                 (int)A.split);
+  });
+}
+
+// The exact path written out: every pair's value, the first in the order (bits, index).
+void reference(const AArgs& A, const float* x, const float* c, long long* labels, float* dist) {
+  for (i64 m = 0; m < A.N; ++m) {
+    unsigned kv = 0xffffffffu;
+    long long kn = -1;
+    for (i64 n = 0; n < A.C; ++n) {
+      float a[2] = {0.0f, 0.0f};
+      for (i64 q = 0; q < A.K; ++q) {
+        const float d = x[m * A.K + q] - c[n * A.K + q];
+        float& s = a[A.split ? q % 2 : 0];
+        s = std::fma(d, d, s);
+      }
+      const float v = a[0] + a[1];
+      unsigned b;
+      std::memcpy(&b, &v, 4);
+      if (kn < 0 || b < kv) kv = b, kn = n;
+    }
+    labels[m] = kn;
+    float v;
+    std::memcpy(&v, &kv, 4);
+    dist[m] = std::sqrt(v);
+  }
+}
+
+typedef void (*Runner)(const AArgs&, const float*, const float*, long long*, float*, unsigned char*);
+static const Runner kRunners[] = {&run<KmeansAssignTraits<8>>, &run<KmeansAssignTraits<16>>,
+                                  &run<KmeansAssignTraits<64>>};
+
+// usage: emu RUNNER DIR (args.bin x.bin c.bin; writes out.bin: labels | dist | cert | ref labels | ref dist)
+int main(int argc, char** argv) {
+  if (argc != 3) fail("usage: emu RUNNER DIR");
+  const int r = std::atoi(argv[1]);
+  const std::string dir = argv[2];
+  auto args = slurp(dir + "/args.bin");
+  if (args.size() != sizeof(AArgs)) fail("args.bin has the wrong size");
+  AArgs A;
+  std::memcpy(&A, args.data(), sizeof(AArgs));
+  auto xs = slurp(dir + "/x.bin"), cs = slurp(dir + "/c.bin");
+  std::vector<float> x(xs.size() / 4 + 4), c(cs.size() / 4 + 4);
+  std::memcpy(x.data(), xs.data(), xs.size());
+  std::memcpy(c.data(), cs.data(), cs.size());
+  std::vector<long long> labels(A.N, -5), rl(A.N);
+  std::vector<float> dist(A.N, -5.0f), rd(A.N);
+  std::vector<unsigned char> cert(A.N, 7);
+  kRunners[r](A, x.data(), c.data(), labels.data(), dist.data(), cert.data());
+  reference(A, x.data(), c.data(), rl.data(), rd.data());
+  FILE* f = std::fopen((dir + "/out.bin").c_str(), "wb");
+  std::fwrite(labels.data(), 8, A.N, f);
+  std::fwrite(dist.data(), 4, A.N, f);
+  std::fwrite(cert.data(), 1, A.N, f);
+  std::fwrite(rl.data(), 8, A.N, f);
+  std::fwrite(rd.data(), 4, A.N, f);
+  std::fclose(f);
+  return 0;
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not installed")
+    d = tmp_path_factory.mktemp("kmeans_assign_emulator")
+    (d / "emu.cpp").write_text(_emulator_prelude() + DRIVER)
+    exe = d / "emu"
+    r = subprocess.run([gxx, "-std=c++17", "-O1", "-I", str(TEMPLATES), str(d / "emu.cpp"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return str(exe)
+
+
+def emulate(exe, x, c, tmp, tau=None):
+    """(labels, dist, cert, ref labels, ref dist) of the emulated kernels and the driver's reference."""
+    N, K = x.shape
+    C = c.shape[0]
+    kK = assign_k_bucket(K)
+    tau = assign_tau(K) if tau is None else tau
+    d = Path(tmp)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "args.bin").write_bytes(struct.pack("<4q2f", N, C, K, assign_split(K), tau, 0.0))
+    (d / "x.bin").write_bytes(np.ascontiguousarray(x, np.float32).tobytes())
+    (d / "c.bin").write_bytes(np.ascontiguousarray(c, np.float32).tobytes())
+    r = subprocess.run([exe, str(KKS.index(kK)), str(d)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    b = (d / "out.bin").read_bytes()
+    o = 0
+    out = []
+    for dt, size in ((np.int64, 8), (np.float32, 4), (np.uint8, 1), (np.int64, 8), (np.float32, 4)):
+        out.append(np.frombuffer(b[o:o + N * size], dtype=dt).copy())
+        o += N * size
+    return out
+
+
+def _data(kind, N, K, C, seed):
+    rng = np.random.default_rng(seed)
+    if kind == "blobs":  # bench/run.py's kmeans data
+        means = 4 * rng.standard_normal((C, K))
+        x = means[rng.integers(0, C, N)] + rng.standard_normal((N, K))
+        c = x[rng.choice(N, C, replace=False)] + 0.1 * rng.standard_normal((C, K))
+        return x.astype(np.float32), c.astype(np.float32)
+    x = rng.standard_normal((N, K)).astype(np.float32)
+    c = rng.standard_normal((C, K)).astype(np.float32)
+    # near-ties: the first 60 rows on the bisector of a centre and its nearest centre (float64, then
+    # rounded: exact gaps of the order of the rounding), rows 60..69 on a centre, 70..79 near a duplicate
+    c[41] = c[6]
+    c64 = c.astype(np.float64)
+    dcc = ((c64[:, None] - c64[None]) ** 2).sum(-1) + np.eye(C) * 1e30
+    for i in range(min(60, N)):
+        a = i % C
+        b = int(np.argmin(dcc[a]))
+        x[i] = (0.5 * (c64[a] + c64[b])).astype(np.float32)
+    for i in range(60, min(70, N)):
+        x[i] = c[(7 * i) % C]
+    for i in range(70, min(80, N)):
+        x[i] = c[6] + np.float32(1e-3) * rng.standard_normal(K).astype(np.float32)
+    return x, c
+
+
+def _float64_order(x, c):
+    d = ((x.astype(np.float64)[:, None] - c.astype(np.float64)[None]) ** 2).sum(-1)
+    o = np.argsort(d, axis=1, kind="stable")
+    best = o[:, 0]
+    gap = d[np.arange(len(x)), o[:, 1]] - d[np.arange(len(x)), best] if c.shape[0] > 1 else np.full(len(x), np.inf)
+    return best, gap, d
+
+
+CASES = [
+    pytest.param("ties", 300, 16, 70, id="K16-C70-ties"),
+    pytest.param("blobs", 300, 16, 300, id="K16-C300-blobs-3tiles"),
+    pytest.param("ties", 200, 5, 70, id="K5-C70-ties"),
+    pytest.param("ties", 150, 33, 70, id="K33-C70-ties-split"),
+    pytest.param("blobs", 100, 16, 1, id="K16-C1"),
+]
+
+
+@pytest.mark.parametrize("kind, N, K, C", CASES)
+def test_labels_and_distances_are_the_exact_paths(emulator, tmp_path, kind, N, K, C):
+    x, c = _data(kind, N, K, C, seed=N + K + C)
+    labels, dist, cert, rl, rd = emulate(emulator, x, c, tmp_path)
+    assert set(np.unique(cert)) <= {0, 1}, "every row written"
+    assert np.array_equal(labels, rl), f"{int((labels != rl).sum())} labels differ from the exact path"
+    assert np.array_equal(dist.view(np.int32), rd.view(np.int32)), "distance bits differ from the exact path"
+    best, gap, _ = _float64_order(x, c)
+    ok = cert == 1
+    # certified rows: the float64 argmin, with a positive float64 gap
+    assert np.array_equal(labels[ok], best[ok]) and (gap[ok] > 0).all()
+    # and never a row whose float64 gap is below the bound's smallest width (2 gamma B, B >= the row's)
+    B = (x.astype(np.float64) ** 2).sum(1) + (c.astype(np.float64) ** 2).sum(1).max()
+    assert (gap[ok] > 4 * (K + 4) * 2.0 ** -24 * B[ok]).all()
+    wide = gap > 1e-5 * B  # labels equal the float64 argmin wherever the gap is not a near-tie
+    assert np.array_equal(labels[wide], best[wide])
+    if C > 1:
+        assert ok.mean() > 0.5, f"only {ok.mean():.2f} of the rows certified"
+    if kind == "ties":
+        assert not ok[:60].any() or (gap[:60][ok[:60]] > 0).all()
+        assert (labels[70:80] == 6).all() and not ok[70:80].any(), "duplicate centres: the smaller index, uncertified"
+        assert (dist[60:70] == 0).all()
+    if C == 1:
+        assert (labels == 0).all() and ok.all()
+
+
+def test_a_zero_bound_is_seen(emulator, tmp_path):
+    """Without the certificate's width (tau = 0) the near-tie rows certify the MMA's pick, and some of
+    them differ from the exact path: the comparison above would fail."""
+    x, c = _data("ties", 300, 16, 70, seed=386)
+    rng = np.random.default_rng(5)
+    # more near-ties: bisector points of random neighbour pairs, slightly perturbed
+    c64 = c.astype(np.float64)
+    dcc = ((c64[:, None] - c64[None]) ** 2).sum(-1) + np.eye(70) * 1e30
+    for i in range(80, 300):
+        a = int(rng.integers(70))
+        b = int(np.argmin(dcc[a]))
+        x[i] = (0.5 * (c64[a] + c64[b]) + 1e-7 * rng.standard_normal(16)).astype(np.float32)
+    labels, _, cert, rl, _ = emulate(emulator, x, c, tmp_path / "zero", tau=0.0)
+    assert (labels != rl).any(), "tau = 0 went unnoticed"
+    labels, _, cert, rl, _ = emulate(emulator, x, c, tmp_path / "tau")
+    assert np.array_equal(labels, rl)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_unshipped_bucket_compiles_without_spills(arch):
+    """kK = 64 (compiled on first use; kK 8, 16 and 32 are shipped: test_compile.py) without spills."""
+    try:
+        from kermac_like.runtime.compiler import compile_specs
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"no NVRTC: {e}")
+    from kermac_like.runtime.specs.kmeans import assign_prep_spec, assign_spec
+
+    _, res = compile_specs([assign_prep_spec(64), assign_spec(64)], arch)
+    assert len(res) == 2
+    for name, r in res.items():
+        assert r.get("spill_stores", 0) == 0 and r.get("stack", 0) == 0 and 0 < r["registers"] <= 128, (name, r)

@@ -276,7 +276,7 @@ def _random_init(X, n_clusters, weights, generator):
 # -- one Lloyd run ------------------------------------------------------------------------------
 def _assign(X, centres, debug):
     """(labels (N,) int64, squared distances (N,) float64) to the nearest centre. On CUDA in float32
-    with K <= 64 and plan.kmeans.ASSIGN_MMA on (KERMAC_LIKE_KMEANS_ASSIGN_MMA=1): the certified
+    with K <= 16 (plan.kmeans.ASSIGN_UP_TO; KERMAC_LIKE_KMEANS_ASSIGN_MMA=0 turns it off): the certified
     tensor-core kernel (cuda_templates/kmeans_assign_mma.cuh), bitwise knn's labels and distances."""
     if X.is_cuda:
         from .plan.kmeans import assign_mma

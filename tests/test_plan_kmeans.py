@@ -113,15 +113,20 @@ def test_per_centre_launches_patch_j_only(as_gpu):
 
 # -- Lloyd's assignment on tensor cores (plan.kmeans.ASSIGN_MMA) --------------------------------------
 def test_assign_switch_off_keeps_knn(as_gpu, monkeypatch):
-    """Off (the default unless KERMAC_LIKE_KMEANS_ASSIGN_MMA=1): no plan, cluster._assign takes knn."""
+    """Off (KERMAC_LIKE_KMEANS_ASSIGN_MMA=0; on by default): no plan, cluster._assign takes knn."""
     import os
 
     from kermac_like.plan.kmeans import assign_mma, plan_assign
 
-    assert plan_km.ASSIGN_MMA == (os.environ.get("KERMAC_LIKE_KMEANS_ASSIGN_MMA", "0") == "1")
+    assert plan_km.ASSIGN_MMA == (os.environ.get("KERMAC_LIKE_KMEANS_ASSIGN_MMA", "1") != "0")
     monkeypatch.setattr(plan_km, "ASSIGN_MMA", False)
     X, c = torch.randn(1000, 16), torch.randn(64, 16)
     assert plan_assign(X, c) is None and assign_mma(X, c) is None
+    # on: K beyond ASSIGN_UP_TO (where the SIMT argmin measured as fast or faster) stays on knn,
+    # though the kernel itself serves it
+    monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
+    X, c = torch.randn(1000, plan_km.ASSIGN_UP_TO + 1), torch.randn(64, plan_km.ASSIGN_UP_TO + 1)
+    assert assign_mma(X, c) is None and plan_assign(X, c) is not None
 
 
 @pytest.mark.parametrize("K, kK, block_m, block_n, split", [(16, 16, 256, 128, 0), (5, 8, 256, 128, 0),

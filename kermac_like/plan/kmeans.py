@@ -37,7 +37,7 @@ log = logging.getLogger("kermac_like.kmeans")
 
 __all__ = ["plan_seeding", "seed_plusplus", "fused_serves", "FUSED", "SCREEN", "screen_serves", "segsum_serves",
            "plan_segment_sums", "segment_sums_fused", "SEGSUM_FUSED", "ASSIGN_MMA", "assign_serves", "assign_tau",
-           "assign_split", "plan_assign", "assign_mma"]
+           "assign_split", "plan_assign", "assign_mma", "ASSIGN_UP_TO"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # KERMAC_LIKE_KMEANS_FUSED=0 sends CUDA seedings to the torch path (cluster._kmeans_plusplus_torch).
@@ -47,10 +47,13 @@ FUSED = os.environ.get("KERMAC_LIKE_KMEANS_FUSED", "1") != "0"
 SCREEN = os.environ.get("KERMAC_LIKE_KMEANS_SCREEN", "1") != "0"
 # KERMAC_LIKE_KMEANS_SEGSUM=0 sends Lloyd's update on CUDA to the torch path (sort + segment_reduce).
 SEGSUM_FUSED = os.environ.get("KERMAC_LIKE_KMEANS_SEGSUM", "1") != "0"
-# KERMAC_LIKE_KMEANS_ASSIGN_MMA=1 sends Lloyd's assignment (CUDA, float32, K <= 64) to the tensor-core
-# kernel (cuda_templates/kmeans_assign_mma.cuh: the same labels and distances as knn's, bitwise); off
-# by default until measured on a GPU (bench/probes/kmeans_assign_probe.py).
-ASSIGN_MMA = os.environ.get("KERMAC_LIKE_KMEANS_ASSIGN_MMA", "0") == "1"
+# Lloyd's assignment (CUDA, float32, K <= ASSIGN_UP_TO) on the tensor-core kernel
+# (cuda_templates/kmeans_assign_mma.cuh: the same labels and distances as knn's, bitwise);
+# KERMAC_LIKE_KMEANS_ASSIGN_MMA=0 turns it off. Measured on an H100 at N = 10^7
+# (bench/probes/kmeans_assign_probe.py, bench/notes/kmeans.md): D = 16, 1024 centres 13.9 -> 8.7 ms;
+# D = 8 1.3-1.5x faster; D = 32 no faster (C = 1024, 4096) or slower (C = 256): K <= 16 only.
+ASSIGN_MMA = os.environ.get("KERMAC_LIKE_KMEANS_ASSIGN_MMA", "1") != "0"
+ASSIGN_UP_TO = 16
 
 
 def fused_serves(X: torch.Tensor) -> bool:
@@ -277,7 +280,10 @@ def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, cer
 
 
 def assign_mma(X: torch.Tensor, centres: torch.Tensor, debug: bool = False):
-    """(labels (N,) int64, dist (N,) float32) of the tensor-core assignment, or None."""
+    """(labels (N,) int64, dist (N,) float32) of the tensor-core assignment where it is the faster
+    one (K <= ASSIGN_UP_TO), or None (knn's SIMT argmin then)."""
+    if X.dim() != 2 or X.shape[1] > ASSIGN_UP_TO:
+        return None
     plan = plan_assign(X, centres, debug)
     if plan is None:
         return None

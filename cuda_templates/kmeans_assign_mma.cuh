@@ -47,7 +47,7 @@ struct KmeansAssignTraits {
   static constexpr int kMt = kK_ <= 16 ? 2 : 1;                // m16 tiles per warp (128 registers)
   static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kMinBlocks = 2;                          // (launch bounds: <= 128 registers)
+  static constexpr int kMinBlocks = kK_ <= 16 ? 3 : 2;  // launch bounds: <= 80 / 128 registers
   static constexpr int kBlockM = kWarps * 16 * kMt;            // points per CTA
   static constexpr int kBlockN = kK_ <= 16 ? 128 : 2048 / kK_;  // centres per tile (<= 128: 5 key bits)
   static constexpr int kTileFrag = kBlockN * kK_ * 8;           // bytes of a tile's fragments

@@ -14,6 +14,11 @@ def cuda_ok() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The tests that read the session's shipped build (fixture ``shipped``) last: the build runs in
+    # the background meanwhile.
+    later = [item for item in items if "shipped" in getattr(item, "fixturenames", ())]
+    if later:
+        items[:] = [item for item in items if "shipped" not in getattr(item, "fixturenames", ())] + later
     if cuda_ok():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU of compute capability 8.0 or newer")
@@ -76,73 +81,33 @@ def _compile_shipped_once(request, tmp_path_factory):
     yield
 
 
-class ShippedBuild:
-    """The shipped set compiled once per architecture per test session (no GPU needed), each
-    architecture into its own cache dir: tests/test_compile.py checks that build (counts, spills, a
-    second precompile compiles nothing); the SASS and ptxas-report tests read their shipped kernels
-    from it instead of compiling them again. The dirs are only read after the build: a test that
-    needs kernels outside the shipped set compiles them itself (``kernels`` does)."""
-
-    def __init__(self, base):
-        self.base = base
-        self._builds = {}  # arch -> (cache dir, summary, {name expression: ptxas report})
-        self._sass = {}  # (module sha256, tool) -> SASS text
-
-    def build(self, arch: str):
-        """(cache dir, precompile summary, ptxas reports) of the shipped set for ``arch``."""
-        if arch not in self._builds:
-            from kermac_like.runtime.cache import KernelCache
-            from kermac_like.runtime.compiler import precompile_specs
-            from kermac_like.runtime.specs import shipped_specs
-
-            d = self.base / arch
-            d.mkdir(parents=True, exist_ok=True)
-            reports = {}
-            with KernelCache(d) as cache:
-                summary = precompile_specs(shipped_specs(), arch, cache=cache, reports=reports)
-            print(f"\n[conftest] shipped set for {arch}: {summary['compiled']} kernels, {summary['seconds']:.1f} s")
-            self._builds[arch] = (d, summary, reports)
-        return self._builds[arch]
-
-    def kernels(self, specs, arch: str) -> dict:
-        """{spec: (cubin of its module, lowered name, ptxas report)}: the shipped specs from the session's
-        build, the others compiled here in one program (arch: the base architecture, e.g. sm_90)."""
-        from kermac_like.runtime.cache import KernelCache
-        from kermac_like.runtime.compiler import compile_specs, kernel_key
-
-        d, _, reports = self.build(arch)
-        specs = list(dict.fromkeys(specs))
-        out, rest = {}, []
-        with KernelCache(d) as cache:
-            found = cache.get_many([kernel_key(s, arch) for s in specs])
-        for s in specs:
-            k = found.get(kernel_key(s, arch))
-            if k is None:
-                rest.append(s)
-            else:
-                out[s] = (k.cubin, k.lowered_name, reports[s.name_expression])
-        for suffix in sorted({s.arch_suffix for s in rest}):
-            group = [s for s in rest if s.arch_suffix == suffix]
-            record, resources = compile_specs(group, arch)
-            lowered = {e: lo for _, e, lo in record.kernels}
-            for s in group:
-                out[s] = (record.cubin, lowered[s.name_expression], resources[s.name_expression])
-        return out
-
-    def sass(self, cubin: bytes, dump) -> str:
-        """``dump(cubin)`` (a test's cuobjdump wrapper), once per module and wrapper."""
-        import hashlib
-
-        key = (hashlib.sha256(cubin).hexdigest(), dump.__module__, dump.__qualname__)
-        if key not in self._sass:
-            self._sass[key] = dump(cubin)
-        return self._sass[key]
-
-
 @pytest.fixture(scope="session")
 def shipped(tmp_path_factory):
-    """The session's ShippedBuild (below the session's base temp dir, whatever the kernel cache)."""
-    return ShippedBuild(tmp_path_factory.getbasetemp() / "shipped")
+    """The session's ShippedBuild (tests/shipped_build.py): the shipped set of each architecture
+    compiled once, in the background. Its dirs lie below the session's base temp dir (under
+    pytest-xdist: the one the workers share), whatever the kernel cache."""
+    from shipped_build import ShippedBuild
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    build = ShippedBuild(base / "shipped")
+    yield build
+    build.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shipped_in_background(request):
+    """Sessions with tests that read the shipped build start it (both architectures) before the first
+    test; pytest_collection_modifyitems runs those tests last, so the build overlaps the others."""
+    if any("shipped" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        build = request.getfixturevalue("shipped")
+        for arch in SHIPPED_ARCHS:
+            build.start(arch)
+    yield
+
+
+SHIPPED_ARCHS = ("sm_80", "sm_90")
 
 
 @pytest.fixture

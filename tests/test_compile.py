@@ -60,11 +60,22 @@ def test_precompile_all_then_nothing(shipped, arch):
           f"({first['seconds'] / max(1, n):.2f} s per kernel, {first['processes']} processes)")
 
 
-def test_cli_clear_and_info(tmp_path):
-    env = {"KERMAC_LIKE_CACHE_DIR": str(tmp_path)}
+def test_cli_clear_and_info(shipped, tmp_path):
+    """The CLI's precompile of a preset (on a copy of the session's shipped sm_80 build: what the
+    preset reaches beyond the shipped set compiles), then cache clear and info."""
+    import shutil
+
+    from kermac_like.runtime.precompile import specs_for_descriptor
+
+    d = tmp_path / "cache"
+    shutil.copytree(shipped.build("sm_80")[0], d)
+    env = {"KERMAC_LIKE_CACHE_DIR": str(d)}
+    reach = [s for s in specs_for_descriptor(km.PRESETS["l1"]) if s.supports("sm_80")]
+    beyond = [s for s in reach if s not in set(render.shipped_specs())]
     r = _cli("precompile", "--arch", "sm_80", "--preset", "l1", env=env)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1])["compiled"] > 0
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert 0 < summary["compiled"] == len(beyond) and summary["cached"] == len(reach) - len(beyond), summary
     r = _cli("cache", "clear", env=env)
     assert r.returncode == 0 and "removed" in r.stdout
     assert json.loads(_cli("cache", "info", env=env).stdout)["n_kernels"] == 0

@@ -70,9 +70,9 @@ def test_cli_clear_and_info(shipped, tmp_path):
     d = tmp_path / "cache"
     shutil.copytree(shipped.build("sm_80")[0], d)
     env = {"KERMAC_LIKE_CACHE_DIR": str(d)}
-    reach = [s for s in specs_for_descriptor(km.PRESETS["l1"]) if s.supports("sm_80")]
+    reach = [s for s in specs_for_descriptor(km.PRESETS["dot"]) if s.supports("sm_80")]
     beyond = [s for s in reach if s not in set(render.shipped_specs())]
-    r = _cli("precompile", "--arch", "sm_80", "--preset", "l1", env=env)
+    r = _cli("precompile", "--arch", "sm_80", "--preset", "dot", env=env)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert 0 < summary["compiled"] == len(beyond) and summary["cached"] == len(reach) - len(beyond), summary

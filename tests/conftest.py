@@ -14,6 +14,11 @@ def cuda_ok() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The tests that read the session's shipped build (fixture ``shipped``) last: the build runs in
+    # the background meanwhile.
+    later = [item for item in items if "shipped" in getattr(item, "fixturenames", ())]
+    if later:
+        items[:] = [item for item in items if "shipped" not in getattr(item, "fixturenames", ())] + later
     if cuda_ok():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU of compute capability 8.0 or newer")
@@ -89,6 +94,35 @@ def _compile_shipped_once(request, tmp_path_factory):
             else:
                 os.environ["KERMAC_LIKE_CACHE_DIR"] = saved
     yield
+
+
+@pytest.fixture(scope="session")
+def shipped(tmp_path_factory):
+    """The session's ShippedBuild (tests/shipped_build.py): the shipped set of each architecture
+    compiled once, in the background. Its dirs lie below the session's base temp dir (under
+    pytest-xdist: the one the workers share), whatever the kernel cache."""
+    from shipped_build import ShippedBuild
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    build = ShippedBuild(base / "shipped")
+    yield build
+    build.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shipped_in_background(request):
+    """Sessions with tests that read the shipped build start it (both architectures) before the first
+    test; pytest_collection_modifyitems runs those tests last, so the build overlaps the others."""
+    if any("shipped" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        build = request.getfixturevalue("shipped")
+        for arch in SHIPPED_ARCHS:
+            build.start(arch)
+    yield
+
+
+SHIPPED_ARCHS = ("sm_80", "sm_90")
 
 
 @pytest.fixture

@@ -38,19 +38,18 @@ SPILL_ALLOWANCE = {
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_precompile_all_then_nothing(tmp_path, arch):
+def test_precompile_all_then_nothing(shipped, arch):
     """Every shipped instantiation compiles for the architecture (the one compile of the shipped set
-    in the CPU suite: the per-family tests compile only what is not shipped, or read SASS), no kernel
-    spills beyond its template's SPILL_ALLOWANCE, and a second precompile compiles nothing."""
-    env = {"KERMAC_LIKE_CACHE_DIR": str(tmp_path)}
-    r = _cli("precompile", "--arch", arch, "--all", env=env)
-    assert r.returncode == 0, r.stderr
-    first = json.loads(r.stdout.strip().splitlines()[-1])
+    in the CPU suite: conftest's session build ``shipped``, which the SASS tests read too; the
+    per-family tests compile only what is not shipped), no kernel spills beyond its template's
+    SPILL_ALLOWANCE, and a second precompile (the CLI, a new process) compiles nothing."""
+    d, first, _ = shipped.build(arch)
     n = len([s for s in render.shipped_specs() if s.supports(arch)])
-    assert first["requested"] == n and first["compiled"] == n, first
+    assert first["requested"] == n and first["compiled"] == n and first["cached"] == 0, first
     over = {expr: st for expr, (st, _) in first["spills"].items()
             if st > SPILL_ALLOWANCE.get(expr.split("<", 1)[0].rsplit("::", 1)[-1], 0)}
     assert not over, f"{arch}: shipped kernels spill beyond their allowance: {over}"
+    env = {"KERMAC_LIKE_CACHE_DIR": str(d)}
     r = _cli("precompile", "--arch", arch, "--all", env=env)
     assert r.returncode == 0, r.stderr
     second = json.loads(r.stdout.strip().splitlines()[-1])
@@ -61,11 +60,22 @@ def test_precompile_all_then_nothing(tmp_path, arch):
           f"({first['seconds'] / max(1, n):.2f} s per kernel, {first['processes']} processes)")
 
 
-def test_cli_clear_and_info(tmp_path):
-    env = {"KERMAC_LIKE_CACHE_DIR": str(tmp_path)}
-    r = _cli("precompile", "--arch", "sm_80", "--preset", "l1", env=env)
+def test_cli_clear_and_info(shipped, tmp_path):
+    """The CLI's precompile of a preset (on a copy of the session's shipped sm_80 build: what the
+    preset reaches beyond the shipped set compiles), then cache clear and info."""
+    import shutil
+
+    from kermac_like.runtime.precompile import specs_for_descriptor
+
+    d = tmp_path / "cache"
+    shutil.copytree(shipped.build("sm_80")[0], d)
+    env = {"KERMAC_LIKE_CACHE_DIR": str(d)}
+    reach = [s for s in specs_for_descriptor(km.PRESETS["dot"]) if s.supports("sm_80")]
+    beyond = [s for s in reach if s not in set(render.shipped_specs())]
+    r = _cli("precompile", "--arch", "sm_80", "--preset", "dot", env=env)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1])["compiled"] > 0
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert 0 < summary["compiled"] == len(beyond) and summary["cached"] == len(reach) - len(beyond), summary
     r = _cli("cache", "clear", env=env)
     assert r.returncode == 0 and "removed" in r.stdout
     assert json.loads(_cli("cache", "info", env=env).stdout)["n_kernels"] == 0
@@ -140,28 +150,28 @@ def test_no_generic_lambdas_in_templates():
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_kmeans_family_compiles_without_spills(arch):
+def test_kmeans_family_compiles_without_spills(shipped, arch):
     """The k-means kernels (cuda_templates/kmeans.cuh: seeding and update; kmeans_assign_mma.cuh: the
-    tensor-core assignment): every shipped instantiation compiles, its mirror checked, with no
-    local-memory spills."""
+    tensor-core assignment): every shipped instantiation compiles (in the session's shipped build), its
+    mirror checked, with no local-memory spills."""
     specs = list(render.FAMILIES["kmeans"]())
     assert {s.kernel for s in specs} == {"kermac_like::kmeans_update_kernel", "kermac_like::kmeans_draw_kernel",
                                          "kermac_like::kmeans_segsum_kernel", "kermac_like::kmeans_segsum_combine_kernel",
                                          "kermac_like::kmeans_assign_prep_kernel",
                                          "kermac_like::kmeans_assign_mma_kernel"}
-    _, resources = compiler.compile_specs(specs, arch)
+    resources = {s: r for s, (_, _, r) in shipped.kernels(specs, arch).items()}
     assert len(resources) == len(specs)
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in resources.values()), resources
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_topk_rescore_compiles_without_spills(arch):
+def test_topk_rescore_compiles_without_spills(shipped, arch):
     """The fused rescoring of the tensor-core top-k (cuda_templates/topk_rescore.cuh, shipped for
-    plan.topk.FUSED_RESCORE): its four instantiations (Diff / Dot x order) compile, mirror
-    checked, with no local-memory spills."""
+    plan.topk.FUSED_RESCORE): its four instantiations (Diff / Dot x order) compile (in the
+    session's shipped build), mirror checked, with no local-memory spills."""
     specs = [s for s in render.FAMILIES["topk"]() if s.kernel == "kermac_like::topk_rescore_kernel"]
     assert len(specs) == 4
-    _, resources = compiler.compile_specs(specs, arch)
+    resources = {s: r for s, (_, _, r) in shipped.kernels(specs, arch).items()}
     assert len(resources) == len(specs)
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0 for r in resources.values()), \
         resources

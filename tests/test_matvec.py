@@ -353,31 +353,23 @@ def test_spec_selection():
     assert not ms.expandable(km.preset("laplace_l2"))
 
 
-@pytest.fixture(scope="module")
-def shipped_build():
-    """The shipped matvec kernels for sm_90 (their SASS below). That no shipped kernel spills is
-    checked for every family and both architectures by test_compile.py's precompile of the
-    whole shipped set."""
-    from kermac_like.runtime.compiler import compile_specs
-
-    specs = list(dict.fromkeys(ms.shipped()))
-    return specs, {"sm_90": compile_specs(specs, "sm_90")}
-
-
-def test_expanded_kernel_sass(shipped_build):
-    """The Gaussian's D = 3 kernels: MUFU.EX2 for the pair loop's exponentials, no local
-    memory; the untuned loop 16 per trip, the tuned one (4 points x 8 rows) 28 of 32 (4 on the FMA
-    pipe), the variant with one FMA-pipe row 14 of 16."""
+def test_expanded_kernel_sass(shipped):
+    """The Gaussian's D = 3 kernels (shipped: read from the session's shipped build, conftest
+    ``shipped``, which test_compile.py checks for spills on both architectures): MUFU.EX2 for the
+    pair loop's exponentials, no local memory; the untuned loop 16 per trip, the tuned one
+    (4 points x 8 rows) 28 of 32 (4 on the FMA pipe), the variant with one FMA-pipe row 14 of 16."""
     from tests.test_templates_distance import sass_instructions, sass_loops, sass_of
 
-    specs, builds = shipped_build
-    record, _ = builds["sm_90"]
-    sass = sass_of(record.cubin)
     g = km.preset("gaussian_l2")
-    for spec, mufu, shl in ((ms.matvec_spec(g, torch.float32, 3, 1), 28, 0),
-                            (ms.matvec_traits_spec(g, torch.float32, 4, 1, expand=True), 16, 0),
-                            (ms.matvec_traits_spec(g, torch.float32, 4, 1, expand=True, poly_rows=1), 14, 2)):
-        lowered = {e: lo for _, e, lo in record.kernels}[spec.name_expression]
+    cases = ((ms.matvec_spec(g, torch.float32, 3, 1), 28, 0),
+             (ms.matvec_traits_spec(g, torch.float32, 4, 1, expand=True), 16, 0),
+             (ms.matvec_traits_spec(g, torch.float32, 4, 1, expand=True, poly_rows=1), 14, 2))
+    shipped_set = set(ms.shipped())
+    assert all(spec in shipped_set for spec, _, _ in cases)
+    build = shipped.kernels([spec for spec, _, _ in cases], "sm_90")
+    for spec, mufu, shl in cases:
+        cubin, lowered, _ = build[spec]
+        sass = shipped.sass(cubin, sass_of)
         start = sass.index(f"Function : {lowered}")
         nxt = sass.find("Function : ", start + 10)
         body = sass_instructions(sass[start: nxt if nxt > 0 else len(sass)])

@@ -71,32 +71,51 @@ def compile_cubin(source, names, arch):
     return bytes(obj.code), log.text
 
 
+_MMA = []
+
+
+def _mma():
+    """tests/test_templates_mma.py (its SASS helpers), loaded once."""
+    if not _MMA:
+        mma_tests = importlib.util.spec_from_file_location("_mma_tests", ROOT / "tests" / "test_templates_mma.py")
+        mod = importlib.util.module_from_spec(mma_tests)
+        mma_tests.loader.exec_module(mod)
+        _MMA.append(mod)
+    return _MMA[0]
+
+
 def _sass(cubin):
     """SASS text per function, or skip when cuobjdump/nvdisasm are missing."""
-    mma_tests = importlib.util.spec_from_file_location("_mma_tests", ROOT / "tests" / "test_templates_mma.py")
-    mod = importlib.util.module_from_spec(mma_tests)
-    mma_tests.loader.exec_module(mod)
+    mod = _mma()
     return mod.sass_functions(mod.sass_of(cubin))
+
+
+def built(shipped, specs, arch="sm_90"):
+    """{spec: (SASS text, ptxas report)}: the shipped specs from the session's shipped build
+    (conftest ``shipped``), the others compiled here."""
+    mod = _mma()
+    return {s: (mod.sass_functions(shipped.sass(cubin, mod.sass_of))[lowered], report)
+            for s, (cubin, lowered, report) in shipped.kernels(specs, arch).items()}
 
 
 # ---------------------------------------------------------------- compile tests
 
 
-def test_compiles_for_sm90a_with_hgmma_and_no_spills():
+def test_compiles_for_sm90a_with_hgmma_and_no_spills(shipped):
     assert all(s.arch_suffix == "a" for s in SPECS)
-    cubin, log = compile_cubin(render_source(SPECS), [s.name_expression for s in SPECS], "sm_90a")
-    usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(usage) == len(SPECS) and all(u == ("0", "0", "0") for u in usage), log
-    regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
-    assert len(regs) == len(SPECS) and max(regs) <= 255, log
+    build = built(shipped, SPECS)
+    assert len(build) == len(SPECS)
+    reports = [r for _, r in build.values()]
+    assert all(r["stack"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in reports), reports
+    regs = [r["registers"] for r in reports]
+    assert max(regs) <= 255, reports
     # ptxas: "wgmma.mma_async instructions are serialized ... in the function <name>": the
     # 3xTF32 builds keep two k-tiles of wgmma in flight; the plain TF32 build is serialised
     # by ptxas (still faster than the previous design: bench/notes/wgmma.md).
-    serialised = re.findall(r"serialized.*?in the function '(\S+?)'", log)
-    assert all("Tf32x3" not in f and "3Tf32x3" not in f for f in serialised), serialised
+    serialised = [s.name_expression for s, (_, r) in build.items() if any("serialized" in a for a in r.get("advisories", ()))]
+    assert all("Tf32x3" not in f for f in serialised), serialised
     assert len(serialised) <= 1, serialised
-    functions = _sass(cubin)
-    assert len(functions) == len(SPECS)
+    functions = {s.name_expression: text for s, (text, _) in build.items()}
     counts = []
     for name, text in functions.items():
         assert "LDL" not in text and "STL" not in text, f"local memory in {name}"
@@ -147,19 +166,21 @@ def test_python_mirror_matches_the_traits_arithmetic():
     assert WGMMA_PREPARE_LAUNCH.threads == 256 and WGMMA_PREPARE_LAUNCH.block_m == 8  # a warp per row
 
 
-def test_prepare_kernels_compile_vectorised_without_spills():
-    """wgmma_prepare_b_kernel, every combination the package launches: 16-byte loads of b
-    and stores of the blocks, no local memory; its tile constants are the kernel's and
-    the package's (WGMMA_BLOCK_K)."""
+def test_prepare_kernels_compile_vectorised_without_spills(shipped):
+    """wgmma_prepare_b_kernel, every combination the package launches (shipped: read from the
+    session's shipped build): 16-byte loads of b and stores of the blocks, no local memory; its
+    tile constants are the kernel's and the package's (WGMMA_BLOCK_K)."""
     from kermac_like.plan import WGMMA_BLOCK_K
 
     specs = [wgmma_prepare_spec(small=s, norms=n) for s in (True, False) for n in (True, False)]
     check = (f"static_assert({specs[0].traits}::kTileK == {WGMMA_BLOCK_K} && "
              f"{specs[0].traits}::kTileN == {WGMMA_LAUNCH[False].block_n}, \"prepared tiles\");\n")
-    cubin, log = compile_cubin(render_source(specs) + check, [s.name_expression for s in specs], "sm_90a")
-    usage = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(usage) == 4 and all(u == ("0", "0", "0") for u in usage), log
-    functions = _sass(cubin)
+    compile_cubin(render_source(specs) + check, [], "sm_90a")  # the mirrors and the tile constants
+    build = built(shipped, specs)
+    reports = [r for _, r in build.values()]
+    assert len(reports) == 4 and all(r["stack"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0
+                                     for r in reports), reports
+    functions = {s.name_expression: text for s, (text, _) in build.items()}
     assert len(functions) == 4
     for name, text in functions.items():
         assert "LDG.E.128" in text and "STG.E.128" in text, name

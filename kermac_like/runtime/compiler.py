@@ -189,13 +189,19 @@ def kernel_key(spec: KernelSpec, arch: str) -> str:
 # -- compiling -----------------------------------------------------------------------
 # (patterns compiled on first use, by re's own cache: a warm start compiles nothing)
 _RES_ENTRY = r"Compiling entry function '([^']+)'"
+_RES_ADVISORY = r"in the function '([^']+)'"
 _RES_SPILL = r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
 
 
 def parse_ptxas_log(text: str) -> dict:
-    """{lowered name: {"registers", "smem", "stack", "spill_stores", "spill_loads"}}."""
+    """{lowered name: {"registers", "smem", "stack", "spill_stores", "spill_loads"}}, plus
+    "advisories" (ptxas' messages that name the function, e.g. serialised wgmma) where any."""
     out, cur = {}, None
     for line in text.splitlines():
+        m = re.search(_RES_ADVISORY, line)
+        if m:  # printed before the function's "Compiling entry function" line
+            out.setdefault(m.group(1), {}).setdefault("advisories", []).append(line.split(":", 1)[-1].strip())
+            continue
         m = re.search(_RES_ENTRY, line)
         if m:
             cur = out.setdefault(m.group(1), {})
@@ -314,12 +320,14 @@ def _worker(args):
 
 
 def precompile_specs(specs, arch: str, *, cache=None, processes: int | None = None, group_size: int = 8,
-                     debug: bool = False, progress=None) -> dict:
+                     debug: bool = False, progress=None, reports: dict | None = None) -> dict:
     """Compile every spec not yet in the cache, many per program, groups in
     parallel processes when there is more than one group and more than one core.
 
     Returns a summary: requested, compiled, already cached, seconds, programs, and the
     compiled kernels that spill registers (name expression -> spill store and load bytes).
+    ``reports``, when given, receives every compiled kernel's ptxas report (name expression ->
+    compile_specs' resources entry).
     """
     from .cache import get_cache
 
@@ -344,6 +352,8 @@ def precompile_specs(specs, arch: str, *, cache=None, processes: int | None = No
         nonlocal done
         cache.put(record)
         done += len(record.kernels)
+        if reports is not None:
+            reports.update(resources)
         for expr, res in resources.items():
             if res.get("spill_stores") or res.get("spill_loads"):
                 spills[expr] = (res.get("spill_stores", 0), res.get("spill_loads", 0))

@@ -1,0 +1,129 @@
+"""The shipped set compiled once per architecture per test session (no GPU needed): conftest's
+session fixture ``shipped``. Each architecture is built into its own cache dir by a background
+process (``python tests/shipped_build.py ARCH DIR``, niced, started when the session starts), so
+the build overlaps the tests that do not need it; conftest runs the tests that do last.
+tests/test_compile.py checks that build (counts, spills, a second precompile compiles nothing);
+the SASS and ptxas-report tests read their shipped kernels from it instead of compiling them again.
+The dirs are only read after the build: a test that needs kernels outside the shipped set
+compiles them itself (``ShippedBuild.kernels`` does). Under pytest-xdist the workers share the
+dirs: the first build of an architecture is the one all of them read (a file lock)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = "build.json"  # the precompile summary and the ptxas reports, written last
+
+
+class ShippedBuild:
+    def __init__(self, base: Path):
+        self.base = Path(base)
+        self._procs = {}  # arch -> (background process, its stderr file)
+        self._builds = {}  # arch -> (cache dir, summary, {name expression: ptxas report})
+        self._sass = {}  # (module sha256, dump function) -> SASS text
+
+    def start(self, arch: str) -> None:
+        """Start the background build of ``arch`` (a no-op once started)."""
+        if arch in self._procs or arch in self._builds:
+            return
+        d = self.base / arch
+        d.mkdir(parents=True, exist_ok=True)
+        import kermac_like
+
+        env = dict(os.environ)
+        env.pop("KERMAC_LIKE_CACHE_DIR", None)  # the script passes its cache explicitly
+        pkg_root = str(Path(kermac_like.__file__).resolve().parents[1])  # the kermac_like under test
+        env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
+        err = open(d / f"stderr-{os.getpid()}.txt", "w")
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), arch, str(d)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=lambda: os.nice(10))
+        self._procs[arch] = (proc, err)
+
+    def build(self, arch: str):
+        """(cache dir, precompile summary, ptxas reports) of the shipped set for ``arch``; waits
+        for the background build."""
+        if arch not in self._builds:
+            self.start(arch)
+            proc, err = self._procs.pop(arch)
+            rc = proc.wait()
+            err.close()
+            d = self.base / arch
+            if rc != 0:
+                raise RuntimeError(f"the shipped build for {arch} failed ({rc}):\n"
+                                   + Path(err.name).read_text()[-8000:])
+            data = json.loads((d / RESULT).read_text())
+            self._builds[arch] = (d / "cache", data["summary"], data["reports"])
+        return self._builds[arch]
+
+    def stop(self) -> None:
+        """End the background builds nobody waited for (the session ends)."""
+        for proc, err in self._procs.values():
+            proc.kill()
+            proc.wait()
+            err.close()
+        self._procs.clear()
+
+    def kernels(self, specs, arch: str) -> dict:
+        """{spec: (cubin of its module, lowered name, ptxas report)}: the shipped specs from the session's
+        build, the others compiled here in one program per arch suffix (arch: the base architecture)."""
+        from kermac_like.runtime.cache import KernelCache
+        from kermac_like.runtime.compiler import compile_specs, kernel_key
+
+        d, _, reports = self.build(arch)
+        specs = list(dict.fromkeys(specs))
+        out, rest = {}, []
+        with KernelCache(d) as cache:
+            found = cache.get_many([kernel_key(s, arch) for s in specs])
+        for s in specs:
+            k = found.get(kernel_key(s, arch))
+            if k is None:
+                rest.append(s)
+            else:
+                out[s] = (k.cubin, k.lowered_name, reports[s.name_expression])
+        for suffix in sorted({s.arch_suffix for s in rest}):
+            group = [s for s in rest if s.arch_suffix == suffix]
+            record, resources = compile_specs(group, arch)
+            lowered = {e: lo for _, e, lo in record.kernels}
+            for s in group:
+                out[s] = (record.cubin, lowered[s.name_expression], resources[s.name_expression])
+        return out
+
+    def sass(self, cubin: bytes, dump) -> str:
+        """``dump(cubin)`` (a test's cuobjdump wrapper), once per module and wrapper."""
+        key = (hashlib.sha256(cubin).hexdigest(), dump.__module__, dump.__qualname__)
+        if key not in self._sass:
+            self._sass[key] = dump(cubin)
+        return self._sass[key]
+
+
+def _main(arch: str, d: str) -> int:
+    """Build the shipped set for ``arch`` into ``d``/cache and write ``d``/build.json, unless a
+    process before this one did (pytest-xdist workers share ``d``)."""
+    import fcntl
+
+    from kermac_like.runtime.cache import KernelCache
+    from kermac_like.runtime.compiler import precompile_specs
+    from kermac_like.runtime.specs import shipped_specs
+
+    d = Path(d)
+    with open(d / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (d / RESULT).exists():
+            return 0
+        reports = {}
+        with KernelCache(d / "cache") as cache:
+            summary = precompile_specs(shipped_specs(), arch, cache=cache, reports=reports)
+        tmp = d / (RESULT + ".tmp")
+        tmp.write_text(json.dumps({"summary": summary, "reports": reports}))
+        tmp.replace(d / RESULT)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(*sys.argv[1:3]))

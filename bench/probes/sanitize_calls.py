@@ -326,6 +326,21 @@ def kmeans():
         xd = torch.randn(3001, D, device="cuda", generator=g)
         c, idx = kmeans_plusplus(xd, 50, w, torch.Generator(device="cuda").manual_seed(1))
         assert torch.equal(c, xd[idx]) and bool((w[idx] > 0).all()), "fused seeding drew a zero-weight point"
+    # the tensor-core assignment (kmeans_assign_mma.cuh): kK 8 and 16, several centre tiles (C = 300),
+    # N not a multiple of the CTA's rows, a duplicate centre and points on bisectors (uncertified rows:
+    # the kernel's exact rescan), against knn's labels and distance bits
+    from kermac_like import knn
+    from kermac_like.cluster import _DIRECT
+    from kermac_like.plan import kmeans as plan_km
+    for K, C in ((5, 300), (16, 37)):
+        xa = torch.randn(2017, K, device="cuda", generator=g)
+        ca = xa[torch.randperm(2017, device="cuda", generator=g)[:C]].clone()
+        ca[C - 1] = ca[0]
+        ar = torch.arange(64, device="cuda")
+        xa[:64] = 0.5 * (ca[ar % C] + ca[(ar + 1) % C])
+        lab, dist, cert = plan_km.plan_assign(xa, ca, certificates=True).run()
+        d_ref, l_ref = knn(xa, ca, 1, compute_mode=_DIRECT)
+        assert torch.equal(lab, l_ref[:, 0]) and torch.equal(dist, d_ref[:, 0]), "tensor-core assignment differs"
 
 
 # name -> (function, environment)

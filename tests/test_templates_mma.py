@@ -15,7 +15,6 @@ GPU (marker gpu): the same oracle on the device, accuracy of Tf32x3 / Tf32 /
 the two bench workloads.
 """
 import importlib.util
-import math
 import os
 import re
 import shutil
@@ -67,16 +66,19 @@ def stub(*cfgs):
     return "\n".join(lines) + "\n"
 
 
+class _Log:
+    """NVRTC's log sink: the text written to it."""
+
+    text = ""
+
+    def write(self, s):
+        self.text += s
+
+
 def compile_cubin(cfgs, arch, extra_source=""):
     """Compile the kernels of cfgs in one NVRTC program; returns (cubin, ptxas log, seconds)."""
 
-    class Log:
-        text = ""
-
-        def write(self, s):
-            self.text += s
-
-    log = Log()
+    log = _Log()
     options = ProgramOptions(arch=arch, std="c++17", include_path=[str(TEMPLATES)], ptxas_options=["-v"])
     t0 = time.perf_counter()
     program = Program(stub(*cfgs) + extra_source, "c++", options)
@@ -157,13 +159,7 @@ def representative_build(shipped, cfgs, arch, sass, functions_of):
     for spec, (cubin, lowered, report) in built.items():
         out[spec.name_expression] = (functions_of(shipped.sass(cubin, sass))[lowered], report)
 
-    class Log:
-        text = ""
-
-        def write(self, s):
-            self.text += s
-
-    log = Log()
+    log = _Log()
     options = ProgramOptions(arch=arch, std="c++17", include_path=[str(TEMPLATES)], ptxas_options=["-v"])
     obj = Program(stub(*cfgs), "c++", options).compile("cubin", name_expressions=[kernel_name(*c) for c in own],
                                                        logs=log)

@@ -35,6 +35,7 @@
 #include "common.cuh"
 #include "storage16.cuh"
 #include "math.cuh"
+#include "block_reduce.cuh"
 
 namespace kermac_like {
 
@@ -84,23 +85,6 @@ __device__ __forceinline__ float sq_dist(const float* xi, i64 sxk, const float* 
     }
   }
   return acc;
-}
-
-// The block's kThreads values v combined by `op` along a fixed tree (the result read after the final
-// barrier by every thread): block_sum and block_min below.
-template <int T, class V, class Op>
-__device__ __forceinline__ V block_reduce(V* red, V v, Op op) {
-  const int tid = threadIdx.x;
-  red[tid] = v;
-  __syncthreads();
-#pragma unroll 1
-  for (int s = T / 2; s > 0; s >>= 1) {
-    if (tid < s) red[tid] = op(red[tid], red[tid + s]);
-    __syncthreads();
-  }
-  const V r = red[0];
-  __syncthreads();
-  return r;
 }
 
 // The sum of the block's kThreads values v, by a fixed tree.

@@ -34,6 +34,7 @@
 
 #include "common.cuh"
 #include "math.cuh"
+#include "block_reduce.cuh"
 #include "distance_mma.cuh"
 
 namespace kermac_like {
@@ -147,14 +148,8 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_assign_prep_kernel(
     }
     cn[n] = s;
   }
-  red[tid] = m;
-  __syncthreads();
-#pragma unroll 1
-  for (int h = T / 2; h > 0; h >>= 1) {
-    if (tid < h) red[tid] = fmaxf(red[tid], red[tid + h]);
-    __syncthreads();
-  }
-  if (tid == 0) cmax[0] = red[0];
+  m = block_reduce<T>(red, m, [](float a, float b) { return fmaxf(a, b); });
+  if (tid == 0) cmax[0] = m;
 }
 
 // Grid ((N + kBlockM - 1) / kBlockM, 1, 1). x (N, K) at strides (sxm, sxk); c, cf, cn, cmax as the

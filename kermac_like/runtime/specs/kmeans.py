@@ -15,8 +15,8 @@ from __future__ import annotations
 from .kernel_spec import KernelSpec, LaunchShape, bucket
 
 __all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "SEGSUM_ROWS", "SCREEN_MAX_K", "k_bucket", "screen_row", "update_spec",
-           "draw_spec", "segsum_spec", "segsum_combine_spec", "shipped", "screen_specs", "ASSIGN_K_BUCKETS",
-           "ASSIGN_MAX_K", "assign_k_bucket", "assign_shape", "assign_spec", "assign_prep_spec", "assign_specs"]
+           "draw_spec", "segsum_spec", "segsum_combine_spec", "shipped", "ASSIGN_K_BUCKETS", "ASSIGN_MAX_K",
+           "assign_k_bucket", "assign_shape", "assign_spec", "assign_prep_spec"]
 
 THREADS = 256
 BLOCK_M = 1024  # points per block sum: cluster.SAMPLE_BLOCK
@@ -69,9 +69,9 @@ def shipped():
     yield draw_spec()
     yield segsum_spec()
     yield segsum_combine_spec()
-    for kK in (4, 8, 16, 32, 0):
-        yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK), LAUNCH)
-    yield from screen_specs()
+    for screen in (False, True):  # SCREEN off and K > SCREEN_MAX_K; the screened default
+        for kK in (4, 8, 16, 32, 0):
+            yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK, screen), LAUNCH)
     # the tensor-core assignment (plan.kmeans.ASSIGN_MMA, K <= ASSIGN_UP_TO = 16): kK 8 (points, K <= 8)
     # and 16 (the bench); kK 32 and 64 (plan_assign called directly) compile on first use
     for kK in (8, 16):
@@ -79,15 +79,9 @@ def shipped():
         yield assign_spec(kK)
 
 
-def screen_specs():
-    """The screened update for every kK (4, 8, 16, 32 and the runtime loop)."""
-    for kK in (4, 8, 16, 32, 0):
-        yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK, True), LAUNCH)
-
-
 # -- the assignment on tensor cores (cuda_templates/kmeans_assign_mma.cuh) --------------------------
 # Mirror of kermac_like::KmeansAssignTraits<kK>: kK = K rounded up to 8, 16, 32 or 64; 8 warps, kMt m16
-# tiles per warp (2 up to kK = 32, else 1), kBlockN centres per tile (128 up to kK = 16, else 2048 / kK),
+# tiles per warp (2 up to kK = 16, else 1), kBlockN centres per tile (128 up to kK = 16, else 2048 / kK),
 # two stages of (kBlockN kK 8 bytes of fragments + kBlockN 4 bytes of norms).
 ASSIGN_K_BUCKETS = (8, 16, 32, 64)
 ASSIGN_MAX_K = ASSIGN_K_BUCKETS[-1]
@@ -120,10 +114,3 @@ def assign_prep_spec(K: int) -> KernelSpec:
     kK = assign_k_bucket(K)
     return KernelSpec("kmeans_assign_mma.cuh", "kermac_like::kmeans_assign_prep_kernel", _assign_traits(kK),
                       assign_shape(kK))
-
-
-def assign_specs():
-    """Both kernels for every kK (the compile checks)."""
-    for kK in ASSIGN_K_BUCKETS:
-        yield assign_prep_spec(kK)
-        yield assign_spec(kK)

@@ -16,17 +16,22 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 FINITE_BLOCK = 1 << 22
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN/inf in ``t``: checked in blocks of FINITE_BLOCK elements along the first dimension
-    (the temporaries of one block only), one host synchronisation."""
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on t's device: no NaN/inf in ``t``, checked in blocks of FINITE_BLOCK
+    elements along the first dimension (the temporaries of one block only), no host
+    synchronisation."""
     if not t.numel():
-        return True
+        return torch.ones((), dtype=torch.bool, device=t.device)
     t2 = t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1)
     rows = max(1, FINITE_BLOCK // max(1, t2.shape[1]))
     if rows >= t2.shape[0]:
-        return bool(torch.isfinite(t2).all())
-    ok = [torch.isfinite(t2[i:i + rows]).all() for i in range(0, t2.shape[0], rows)]
-    return bool(torch.stack(ok).all())
+        return torch.isfinite(t2).all()
+    return torch.stack([torch.isfinite(t2[i:i + rows]).all() for i in range(0, t2.shape[0], rows)]).all()
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/inf in ``t`` (finite_flag, one host synchronisation)."""
+    return bool(finite_flag(t))
 
 
 def check_tensor(name: str, t, *, min_dim: int = 2) -> torch.Tensor:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .. import _debug
-from .._args import all_finite
+from .._args import all_finite, finite_flag
 from .. import linalg
 from .._estimator import BaseEstimator, MultiOutputMixin, RegressorMixin, check_feature_names, check_is_fitted
 from ._cg import local_dots, pcg
@@ -132,9 +132,6 @@ def _shape_2d(name: str, t: torch.Tensor, n_features=None, estimator="KernelRidg
     if n_features is not None and t.shape[1] != n_features:
         raise _Bad(ValueError, f"{name} has {t.shape[1]} features, but {estimator} is expecting {n_features} "
                                "features as input")
-
-
-_finite = all_finite  # no NaN/inf, checked in blocks (kermac_like._args)
 
 
 def _raise_collectively(comm: Comm, local_error, meta):
@@ -354,9 +351,9 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                 raise _Bad(ValueError, f"y: has {yt.shape[0]} rows but X has {Xt.shape[0]}")
             defer_finite = self._streams(Xt.device, dev)
             if not defer_finite:  # streamed data: checked chunk by chunk on the device (first pass)
-                if not _finite(Xt):
+                if not all_finite(Xt):
                     raise _Bad(ValueError, "X: contains NaN or infinity")
-                if not _finite(yt):
+                if not all_finite(yt):
                     raise _Bad(ValueError, "y: contains NaN or infinity")
             meta = dict(n=int(Xt.shape[0]), d=int(Xt.shape[1]), y_dim=yt.dim(),
                         c=1 if yt.dim() == 1 else int(yt.shape[1]), dtype=str(Xt.dtype),
@@ -581,8 +578,8 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             acc = torch.zeros((m, y.shape[1]), dtype=f64, device=dev)
             for _, xc, yc in rows.chunks():
                 if flags is not None:
-                    flags[0] |= ~torch.isfinite(xc).all()
-                    flags[1] |= ~torch.isfinite(yc).all()
+                    flags[0] |= ~finite_flag(xc)  # in blocks: no chunk-sized temporaries
+                    flags[1] |= ~finite_flag(yc)
                 if v64 is None:
                     u = yc.to(f64)
                 else:
@@ -670,7 +667,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             _shape_2d("X", Xt, self.n_features_in_, type(self).__name__)
             stream = getattr(self, "max_gpu_bytes", None) is not None or Xt.device != self._device
             Xt = Xt.to(dtype=self._dtype) if stream else Xt.to(device=self._device, dtype=self._dtype)
-            if not _finite(Xt):
+            if not all_finite(Xt):
                 raise _Bad(ValueError, "X: contains NaN or infinity")
             meta = (int(Xt.shape[0]),)
         except _Bad as e:

@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -68,20 +69,16 @@ def _compile_shipped_once(request, tmp_path_factory):
         t0 = time.perf_counter()
         # pytest-xdist workers share one cache directory: one worker compiles while the others wait
         # on the lock and then find every kernel cached (not four compiles of the set at once).
-        cache_dir = d or os.environ.get("KERMAC_LIKE_CACHE_DIR")
-        lock = None
-        if cache_dir and os.environ.get("PYTEST_XDIST_WORKER"):
-            import fcntl
+        from shipped_build import exclusive
 
+        cache_dir = d or os.environ.get("KERMAC_LIKE_CACHE_DIR")
+        turns = contextlib.nullcontext()
+        if cache_dir and os.environ.get("PYTEST_XDIST_WORKER"):
             os.makedirs(cache_dir, exist_ok=True)
-            lock = open(os.path.join(cache_dir, ".test-precompile.lock"), "w")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
+            turns = exclusive(os.path.join(cache_dir, ".test-precompile.lock"))
+        with turns:
             summary = precompile_specs(shipped_specs(),
                                        arch_of_device(torch.device("cuda", torch.cuda.current_device())))
-        finally:
-            if lock is not None:
-                lock.close()  # releases the lock
         print(f"\n[conftest] shipped kernels: {summary.get('compiled')} compiled, {summary.get('cached')} cached, "
               f"{time.perf_counter() - t0:.1f} s")
         reset = getattr(_cache, "reset_cache", None)

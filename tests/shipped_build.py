@@ -10,6 +10,7 @@ dirs: the first build of an architecture is the one all of them read (a file loc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +20,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "build.json"  # the precompile summary and the ptxas reports, written last
+
+
+@contextlib.contextmanager
+def exclusive(path):
+    """An exclusive lock on the file ``path`` for the with-block: pytest-xdist workers (and the
+    build processes) sharing a directory take turns."""
+    import fcntl
+
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 class ShippedBuild:
@@ -105,15 +117,12 @@ class ShippedBuild:
 def _main(arch: str, d: str) -> int:
     """Build the shipped set for ``arch`` into ``d``/cache and write ``d``/build.json, unless a
     process before this one did (pytest-xdist workers share ``d``)."""
-    import fcntl
-
     from kermac_like.runtime.cache import KernelCache
     from kermac_like.runtime.compiler import precompile_specs
     from kermac_like.runtime.specs import shipped_specs
 
     d = Path(d)
-    with open(d / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(d / "lock"):
         if (d / RESULT).exists():
             return 0
         reports = {}

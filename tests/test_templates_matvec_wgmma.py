@@ -19,12 +19,12 @@ bench/probes/try_matvec_wgmma.py).
 
 from __future__ import annotations
 
+import io
 import importlib.util
 import random
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -47,18 +47,11 @@ except ImportError:  # cuda.core < 0.4
     from cuda.core.experimental import Program, ProgramOptions
 
 
-class _Log:
-    text = ""
-
-    def write(self, s):
-        self.text += s
-
-
 def compile_cubin(source, names, arch="sm_90a"):
-    log = _Log()
+    log = io.StringIO()
     options = ProgramOptions(arch=arch, std="c++17", include_path=[str(TEMPLATES)], ptxas_options=["-v"])
     obj = Program(source, "c++", options).compile("cubin", name_expressions=names, logs=log)
-    return bytes(obj.code), log.text
+    return bytes(obj.code), log.getvalue()
 
 
 def _module(name):

@@ -14,6 +14,7 @@ GPU (marker gpu): the same oracle on the device, accuracy of Tf32x3 / Tf32 /
 16-bit on random and clustered data, and (marker slow as well) the timings of
 the two bench workloads.
 """
+import io
 import importlib.util
 import os
 import re
@@ -66,24 +67,15 @@ def stub(*cfgs):
     return "\n".join(lines) + "\n"
 
 
-class _Log:
-    """NVRTC's log sink: the text written to it."""
-
-    text = ""
-
-    def write(self, s):
-        self.text += s
-
-
 def compile_cubin(cfgs, arch, extra_source=""):
     """Compile the kernels of cfgs in one NVRTC program; returns (cubin, ptxas log, seconds)."""
 
-    log = _Log()
+    log = io.StringIO()
     options = ProgramOptions(arch=arch, std="c++17", include_path=[str(TEMPLATES)], ptxas_options=["-v"])
     t0 = time.perf_counter()
     program = Program(stub(*cfgs) + extra_source, "c++", options)
     obj = program.compile("cubin", name_expressions=[kernel_name(*c) for c in cfgs], logs=log)
-    return obj, log.text, time.perf_counter() - t0
+    return obj, log.getvalue(), time.perf_counter() - t0
 
 
 # Representative shipped set: p=2 distance, squared distance, Laplace-l2,
@@ -159,12 +151,12 @@ def representative_build(shipped, cfgs, arch, sass, functions_of):
     for spec, (cubin, lowered, report) in built.items():
         out[spec.name_expression] = (functions_of(shipped.sass(cubin, sass))[lowered], report)
 
-    log = _Log()
+    log = io.StringIO()
     options = ProgramOptions(arch=arch, std="c++17", include_path=[str(TEMPLATES)], ptxas_options=["-v"])
     obj = Program(stub(*cfgs), "c++", options).compile("cubin", name_expressions=[kernel_name(*c) for c in own],
                                                        logs=log)
     if own:
-        reports = parse_ptxas_log(log.text)
+        reports = parse_ptxas_log(log.getvalue())
         functions = functions_of(sass(bytes(obj.code)))
         mapping = dict(obj.symbol_mapping if hasattr(obj, "symbol_mapping") else obj._sym_map)
         for c in own:

@@ -19,6 +19,7 @@ CPU (CI):
 GPU (marker gpu, sm_90 only): the float64 checks of bench/probes/try_wgmma.py; marker
 slow as well: the two bench workloads.
 """
+import io
 import importlib.util
 import re
 from pathlib import Path
@@ -57,18 +58,11 @@ SPECS = [
 ]
 
 
-class _Log:
-    text = ""
-
-    def write(self, s):
-        self.text += s
-
-
 def compile_cubin(source, names, arch):
-    log = _Log()
+    log = io.StringIO()
     options = ProgramOptions(arch=arch, std="c++17", include_path=[str(TEMPLATES)], ptxas_options=["-v"])
     obj = Program(source, "c++", options).compile("cubin", name_expressions=names, logs=log)
-    return bytes(obj.code), log.text
+    return bytes(obj.code), log.getvalue()
 
 
 _MMA = []

@@ -152,14 +152,7 @@ __device__ __forceinline__ int block_min(int* red, int v) {
 // Overflow or NaN anywhere in the screen (s, t or q infinite or NaN, E = inf) fails the test: the
 // point takes the exact path. tests/test_templates_kmeans.py checks the bound at its edges.
 
-// fp32 square root, correctly rounded (the host emulation: std::sqrt, also correctly rounded).
-__device__ __forceinline__ float sqrt_rn(float x) {
-#if defined(__CUDA_ARCH__)
-  return __fsqrt_rn(x);
-#else
-  return std::sqrt(x);
-#endif
-}
+using math::sqrt_rn;  // fp32 square root, correctly rounded
 
 // bf16 bits of v, rounded to nearest even (overflow to inf; NaN stays NaN); bf16 -> fp32 exactly.
 __device__ __forceinline__ unsigned bf16_bits(float v) {

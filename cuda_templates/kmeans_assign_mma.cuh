@@ -59,6 +59,14 @@ struct KmeansAssignTraits {
   static_assert(kTileBytes % 16 == 0, "KmeansAssignTraits: tiles are 16-byte chunks");
 };
 
+// The pruned iteration's filter (kmeans_bounds_kernel): one point per thread, any K (runtime loops).
+struct KmeansBoundsTraits {
+  static constexpr int kThreads = 256;
+  static constexpr int kBlockM = 256;  // points per CTA
+  static constexpr int kBlockN = 1;
+  static constexpr int kSmemBytes = 0;
+};
+
 namespace kmeans_assign_detail {
 
 #ifndef KERMAC_LIKE_MMA_HOST_EMULATION
@@ -112,6 +120,47 @@ __device__ __forceinline__ void merge(Best& a, int v1, int c1, int v2) {
   if (v1 < a.v1 || (v1 == a.v1 && c1 < a.c1)) a.v1 = v1, a.c1 = c1;
 }
 
+// -- Distance bounds for the pruned Lloyd iteration (plan.kmeans.BoundedAssign) -----------------------
+//
+// Per point: ub >= ||x - c_label|| and lb <= min over c != label of ||x - c||, both exact real distances
+// (Hamerly's bounds). Every rounded step below moves its result one float outward (up / down after a
+// round-to-nearest operation: at least the operation's rounding error), so the bounds hold in real
+// arithmetic; the same bit operations run in the host emulation.
+
+// The next float above / below a finite v (inf and NaN unchanged, but below(+inf) = FLT_MAX).
+__device__ __forceinline__ float above(float v) {
+  if (v == 0.0f) return __int_as_float(1);
+  if (!(v < __int_as_float(0x7f800000)) || v == -__int_as_float(0x7f800000)) return v;
+  return __int_as_float(__float_as_int(v) + (v > 0.0f ? 1 : -1));
+}
+__device__ __forceinline__ float below(float v) {
+  if (v == 0.0f) return -__int_as_float(1);
+  if (!(v > -__int_as_float(0x7f800000))) return v;
+  return __int_as_float(__float_as_int(v) + (v > 0.0f ? -1 : 1));
+}
+__device__ __forceinline__ float up(float v) { return above(v); }
+// A lower bound on a distance: below(v), or 0 where that is negative (NaN: 0).
+__device__ __forceinline__ float down(float v) { return v > 0.0f ? below(v) : 0.0f; }
+
+// An upper bound on ||x - c|| from the exact path's value v (K <= 64): ||x - c||^2 <= (v + K 2^-150) /
+// (1 - gamma_{K+4}) <= (v + 2^-140) gu, gu >= 1 / (1 - gamma) from the host (plan.kmeans.bound_consts).
+__device__ __forceinline__ float upper_of(float v, float gu) {
+  return up(math::sqrt_rn(up(math::mul_rn(up(math::add_rn(v, 0x1p-140f)), gu))));
+}
+// A lower bound on ||x - c||^2 from the exact path's value v: (v - 2^-140) gl, gl <= 1 / (1 + gamma).
+__device__ __forceinline__ float lower_sq_of(float v, float gl) {
+  return down(math::mul_rn(down(math::sub_rn(v, 0x1p-140f)), gl));
+}
+
+// The skip rule: the point keeps its label if ub kap + 2^-60 < max(lb, s_a / 2) (lower bounds from the
+// host: halfs[a] <= min_c ||c - c_a|| / 2). Then every other centre is farther than ||x - c_a|| (1 + kappa)
+// and than 2^-60, kap = 1 + kappa with kappa >= 2 gamma, so the exact path's value of every other centre
+// is strictly above v_label: the full assignment would give the same label (bench/notes/kmeans.md,
+// "Pruned Lloyd iterations").
+__device__ __forceinline__ bool keeps_label(float ub, float m, float kap) {
+  return up(math::add_rn(up(math::mul_rn(ub, kap)), 0x1p-60f)) < m;
+}
+
 }  // namespace kmeans_assign_detail
 
 // Grid (1, 1, 1), Traits::kThreads threads. c (C, K) at row stride ldc (K contiguous); cf (Cp / 8,
@@ -160,10 +209,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
     const float* __restrict__ x, const float* __restrict__ c, const uint4* __restrict__ cf,
     const float* __restrict__ cn, const float* __restrict__ cmax, i64* __restrict__ labels,
     float* __restrict__ dist, unsigned char* __restrict__ cert, int N, int C, int K, i64 sxm, i64 sxk, i64 ldc,
-    float tau, int split) {
+    float tau, int split, const int* __restrict__ rows, float* __restrict__ ub, float* __restrict__ lb,
+    int* __restrict__ rmax, int* __restrict__ changed, float gu, float gl) {
   using Tr = Traits;
   using namespace kmeans_assign_detail;
   using mma_detail::mma_tf32;
+  // Row r of the launch is point rows[r] (the pruned iteration's work list) or point r.
+  auto point = [&](i64 r) -> i64 { return rows ? i64(rows[r]) : r; };
   constexpr int S = Tr::kSteps, MT = Tr::kMt, BN = Tr::kBlockN, R = 2 * MT;
   constexpr int kMask = (1 << Tr::kKeyBits) - 1;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -184,7 +236,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
       for (int r = 0; r < 4; ++r) {
         const i64 m = m_warp + i * 16 + g + 8 * (r & 1);
         const int q = s * 8 + t + 4 * (r >> 1);
-        const float v = m < N && q < K ? x[m * sxm + q * sxk] : 0.0f;
+        const float v = m < N && q < K ? x[point(m) * sxm + q * sxk] : 0.0f;
         sq[r & 1] = math::fma_rn(v, v, sq[r & 1]);
         mma_detail::split_tf32x3(__float_as_uint(-2.0f * v), ah[i][s][r], al[i][s][r]);
       }
@@ -283,29 +335,46 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
   const bool in_range = bw >= 0x1p-60f && bw <= 0x1p100f;
   int mine = 0;
   bool ok = false;
+  float gap = 0.0f;
   i64 m = -1;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (t == r) {
       m = m_warp + 16 * (r >> 1) + 8 * (r & 1) + g;
       mine = best[r].c1;
-      ok = in_range && (__int_as_float(best[r].v2) - __int_as_float(best[r].v1)) > thr;
+      gap = __int_as_float(best[r].v2) - __int_as_float(best[r].v1);
+      ok = in_range && gap > thr;
     }
   }
   const bool live = m >= 0 && m < N;
-  if (live && ok) {
-    const float v = exact_value(x + m * sxm, sxk, c + i64(mine) * ldc, K, split);
-    labels[m] = mine;
-    dist[m] = sqrtf(v);
-    if (cert) cert[m] = 1;
-  }
+  // A row's results; with ub: its bounds (the certified gap gives lb, else lb = 0), the cluster's
+  // largest ub (float bits of a value >= 0 order as integers), and the count of changed labels.
+  auto finish = [&](i64 p, int label, float v, bool certified) {
+    if (changed && labels[p] != label) atomicAdd(changed, 1);
+    labels[p] = label;
+    dist[p] = sqrtf(v);
+    if (cert) cert[p] = certified ? 1 : 0;
+    if (ub) {
+      const float u = upper_of(v, gu);
+      float l = 0.0f;
+      if (certified) {  // min_{n != label} ||x - c_n||^2 >= ||x - c_label||^2 + gap - tau B (the notes)
+        const float inc = below(math::sub_rn(below(gap), above(math::mul_rn(tau, bw))));
+        const float lsq = down(math::add_rn(lower_sq_of(v, gl), inc));
+        l = down(math::sqrt_rn(lsq));
+      }
+      ub[p] = u;
+      lb[p] = l;
+      atomicMax(rmax + label, __float_as_int(u));
+    }
+  };
+  if (live && ok) finish(point(m), mine, exact_value(x + point(m) * sxm, sxk, c + i64(mine) * ldc, K, split), true);
   // The uncertified rows, one at a time by the whole warp: keys (value bits, n) of the exact path.
   unsigned todo = ballot(live && !ok);
   while (todo) {
     const int src = __ffs(todo) - 1;
     todo &= todo - 1;
-    const i64 mr = m_warp + (shfl_int(int(m - m_warp), src));
-    const float* xi = x + mr * sxm;
+    const i64 pr = point(m_warp + (shfl_int(int(m - m_warp), src)));
+    const float* xi = x + pr * sxm;
     unsigned kv = 0xffffffffu, kn = 0xffffffffu;  // (value bits, index): the smallest
     for (int n = lane; n < C; n += 32) {
       const unsigned b = __float_as_uint(exact_value(xi, sxk, c + i64(n) * ldc, K, split));
@@ -316,11 +385,61 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
       const unsigned ov = unsigned(shfl_xor_int(int(kv), o)), on = unsigned(shfl_xor_int(int(kn), o));
       if (ov < kv || (ov == kv && on < kn)) kv = ov, kn = on;
     }
-    if (lane == src) {
-      labels[mr] = i64(kn);
-      dist[mr] = sqrtf(__uint_as_float(kv));
-      if (cert) cert[mr] = 0;
+    if (lane == src) finish(pr, int(kn), __uint_as_float(kv), false);
+  }
+}
+
+// The pruned iteration's filter (plan.kmeans.BoundedAssign), one point per thread, grid
+// (ceil(N / kThreads), 1, 1). The centres moved: drift[n] >= ||c_n(new) - c_n(old)||; the centres n != a
+// split into those nearer to c_a than rth[a] (lower bound on the others' distance) and the rest, mdl[a] >=
+// the largest drift of the near ones; halfs[a] <= min_n ||c_n - c_a|| / 2 (all from the host, rounded
+// outward; rth[a] ~ 2 kap r_a with r_a the cluster's largest ub after its drift, so that far centres rarely
+// decide). Per point: ub += drift[label]; lb = min(lb - mdl[label], rth[label] - ub) (near centres moved by
+// at most mdl, far ones are farther than rth - ub by the triangle inequality: a lower bound over every
+// other centre); if keeps_label fails, ub is recomputed from the exact path's value for its centre and
+// tested again; points that still fail go to
+// work[atomicAdd(count)] (their order is free: each is assigned on its own), the others keep their label
+// and add ub to rmax[label] (zeroed by the host before). With dist: the exact mode instead, every point's
+// dist = sqrtf(exact value to its label's centre) (the bits of the full assignment's dist).
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads) kmeans_bounds_kernel(
+    const float* __restrict__ x, const float* __restrict__ c, const i64* __restrict__ labels,
+    float* __restrict__ ub, float* __restrict__ lb, const float* __restrict__ drift, const float* __restrict__ mdl,
+    const float* __restrict__ halfs, const float* __restrict__ rth, int* __restrict__ rmax, int* __restrict__ work,
+    int* __restrict__ count, float* __restrict__ dist, int N, int K, i64 sxm, i64 sxk, i64 ldc, int split, float kap,
+    float gu) {
+  using namespace kmeans_assign_detail;
+  const i64 i = i64(blockIdx.x) * Traits::kThreads + threadIdx.x;
+  const int lane = threadIdx.x & 31;
+  const bool live = i < N;
+  if (dist) {
+    if (live) dist[i] = sqrtf(exact_value(x + i * sxm, sxk, c + labels[i] * ldc, K, split));
+    return;
+  }
+  bool queue = false;
+  if (live) {
+    const i64 a = labels[i];
+    float u = up(math::add_rn(ub[i], drift[a]));
+    const float near = down(math::sub_rn(lb[i], mdl[a]));  // the centres within rth[a] of c_a
+    float l = fminf(near, down(math::sub_rn(rth[a], u)));   // and the others: ||x - c|| >= rth[a] - u
+    bool keep = keeps_label(u, fmaxf(l, halfs[a]), kap);
+    if (!keep) {
+      u = upper_of(exact_value(x + i * sxm, sxk, c + a * ldc, K, split), gu);
+      l = fminf(near, down(math::sub_rn(rth[a], u)));
+      keep = keeps_label(u, fmaxf(l, halfs[a]), kap);
     }
+    ub[i] = u;
+    lb[i] = l;
+    if (keep) atomicMax(rmax + a, __float_as_int(u));
+    queue = !keep;
+  }
+  const unsigned b = ballot(queue);
+  if (b) {
+    const int leader = __ffs(b) - 1;
+    int base = 0;
+    if (lane == leader) base = atomicAdd(count, __popc(b));
+    base = shfl_int(base, leader);
+    if (queue) work[base + __popc(b & ((1u << lane) - 1u))] = int(i);
   }
 }
 

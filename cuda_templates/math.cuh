@@ -111,6 +111,15 @@ __device__ __forceinline__ float fma_rn(float a, float b, float c) {
 #endif
 }
 
+// fp32 square root, correctly rounded (the host emulation: std::sqrt, also correctly rounded).
+__device__ __forceinline__ float sqrt_rn(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+
 // sqrt(x) on MUFU (relative error ~2^-23); denormal x flushed to 0.
 __device__ __forceinline__ float sqrt_approx(float x) {
 #if defined(__CUDA_ARCH__)

@@ -147,11 +147,14 @@ def segment_sums(X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | 
 def _relocate_empty(X, weights, labels, d2, sums, wsum, verbose) -> None:
     """scikit-learn's rule for clusters left without weight: each takes one of the points
     farthest from their centres (the farthest first, ties by the smaller index), which leaves
-    its old cluster. ``sums`` and ``wsum`` are updated in place."""
+    its old cluster. ``sums`` and ``wsum`` are updated in place. ``d2``: the squared distances
+    (N,), or a callable giving them (called only when a cluster is empty)."""
     empty = (wsum == 0).nonzero()[:, 0]
     n_empty = int(empty.numel())
     if n_empty == 0:
         return
+    if callable(d2):
+        d2 = d2()
     far = torch.sort(d2, descending=True, stable=True).indices[:n_empty]
     if verbose:
         print(f"Relocating {n_empty} empty cluster(s) to the farthest points.")
@@ -293,23 +296,37 @@ def _inertia(d2, weights):
 
 
 def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False):
-    """scikit-learn's _kmeans_single_lloyd: (labels, inertia, centres, n_iter)."""
+    """scikit-learn's _kmeans_single_lloyd: (labels, inertia, centres, n_iter).
+
+    On CUDA in float32 (K <= 16, 2 to 8192 clusters; plan.kmeans.bounds_serve) the iterations after the
+    first assign only the points whose label the distance bounds cannot prove (plan.kmeans.BoundedAssign):
+    the same labels, centres, inertia and n_iter as assigning every point, bitwise."""
     C = centres.shape[0]
+    from .plan.kmeans import BoundedAssign, bounds_serve
+
+    bounded = BoundedAssign(X, C, debug) if X.is_cuda and bounds_serve(X, C) else None
     labels_old = None
     strict = False
     labels = d2 = None
     i = 0
     for i in range(max_iter):
-        labels, d2 = _assign(X, centres, debug)
+        if bounded is None:
+            labels, d2 = _assign(X, centres, debug)
+            same = labels_old is not None and torch.equal(labels, labels_old)
+        elif i == 0:
+            labels, same = bounded.first(centres), False
+        else:
+            labels, changed = bounded.step(centres)
+            same = changed == 0
         sums, wsum = segment_sums(X, labels, weights, C)
-        _relocate_empty(X, weights, labels, d2, sums, wsum, verbose)
+        _relocate_empty(X, weights, labels, d2 if bounded is None else bounded.exact_d2, sums, wsum, verbose)
         pos = wsum > 0
         new = torch.where(pos.unsqueeze(1), sums / torch.where(pos, wsum, 1.0).unsqueeze(1), sums).to(X.dtype)
         if verbose:
-            print(f"Iteration {i}, inertia {_inertia(d2, weights)}.")
+            print(f"Iteration {i}, inertia {_inertia(d2 if bounded is None else bounded.exact_d2(), weights)}.")
         shift = float((new.to(torch.float64) - centres.to(torch.float64)).square_().sum())
         centres = new
-        if labels_old is not None and torch.equal(labels, labels_old):
+        if same:
             if verbose:
                 print(f"Converged at iteration {i}: strict convergence.")
             strict = True
@@ -319,7 +336,11 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False):
                 print(f"Converged at iteration {i}: center shift {shift} within tolerance {tol}.")
             break
         labels_old = labels
-    if not strict:  # the final E-step: labels (and inertia) of the final centres
+    if bounded is not None:
+        if not strict:  # the final E-step
+            labels = bounded.step(centres)[0]
+        d2 = bounded.exact_d2()
+    elif not strict:  # the final E-step: labels (and inertia) of the final centres
         labels, d2 = _assign(X, centres, debug)
     # after a strict convergence the centres are those of the unchanged labels: d2 holds
     return labels, _inertia(d2, weights), centres, i + 1

@@ -222,3 +222,53 @@ def test_mma_assignment_fit_same_as_knn_fit_on_cuda(monkeypatch):
     for other in fits[1:]:
         assert torch.equal(fits[0][0], other[0]) and torch.equal(fits[0][1], other[1])
         assert fits[0][2] == other[2] and fits[0][3] == other[3]
+
+
+# -- pruned iterations (plan.kmeans.BOUNDS, BoundedAssign) ----------------------------------------------
+@pytest.mark.parametrize("case", ["blobs16", "uniform3-weighted", "empties8", "blobs16-verbose"])
+def test_pruned_fit_same_as_full_fit_on_cuda(monkeypatch, capsys, case):
+    """KMeans with the distance bounds on and off: the same labels, centres, inertia, n_iter and verbose
+    log, bitwise; the bounds leave most points unassigned in the later iterations of blob data. Cases:
+    blobs (N = 2e5, D = 16, C = 256), uniform D = 3 with weights, an init with duplicate centres (empty
+    clusters relocated in the first iterations), verbose."""
+    from kermac_like.plan import kmeans as plan_km
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    weights, init, verbose = None, "k-means++", case.endswith("verbose") or case == "empties8"
+    if case.startswith("blobs16"):
+        N, D, C = 200_000, 16, 256
+        means = 4 * torch.randn(C, D, device="cuda", generator=g)
+        X = means[torch.randint(0, C, (N,), device="cuda", generator=g)] + torch.randn(N, D, device="cuda", generator=g)
+    elif case == "uniform3-weighted":
+        N, D, C = 100_000, 3, 100
+        X = torch.rand(N, D, device="cuda", generator=g)
+        weights = torch.rand(N, device="cuda", generator=g) + 0.5
+    else:
+        N, D, C = 50_000, 8, 64
+        X = torch.randn(N, D, device="cuda", generator=g)
+        init = X[:C].clone()
+        init[C // 2:] = init[0]  # 32 copies of one centre: empty clusters to relocate
+    assigned = []
+    step = plan_km.BoundedAssign.step
+
+    def spy(self, centres):
+        out = step(self, centres)
+        assigned.append(self.assigned)
+        return out
+
+    monkeypatch.setattr(plan_km.BoundedAssign, "step", spy)
+    fits, logs = [], []
+    for on in (False, True, True):
+        monkeypatch.setattr(plan_km, "BOUNDS", on)
+        m = KMeans(C, init=init, max_iter=30, tol=0.0, random_state=0, verbose=verbose).fit(X, sample_weight=weights)
+        fits.append((m.labels_, m.cluster_centers_, m.inertia_, m.n_iter_))
+        logs.append(capsys.readouterr().out)
+    for other in fits[1:]:
+        assert torch.equal(fits[0][0], other[0]) and torch.equal(fits[0][1], other[1])
+        assert fits[0][2] == other[2] and fits[0][3] == other[3]
+    assert logs[0] == logs[1] == logs[2]
+    assert assigned, "the pruned path did not run"
+    if case.startswith("blobs16"):
+        assert min(assigned) < 0.2 * N, assigned
+    if case == "empties8":
+        assert "Relocating" in logs[0]

@@ -145,9 +145,10 @@ def test_assign_switch_on_plans_the_kernel(as_gpu, monkeypatch, K, kK, block_m, 
     assert f"KmeansAssignTraits<{kK}>" in assign_spec(K).traits
     prep, main = plan.launches
     assert prep.grid == (1, 1, 1) and len(prep.args) == 7
-    assert main.grid == (-(-N // block_m), 1, 1) and len(main.args) == 16
+    assert main.grid == (-(-N // block_m), 1, 1) and len(main.args) == 23
     assert assign_spec(K).launch.block_n == block_n
-    assert float(main.args[-2]) == assign_tau(K) and int(main.args[-1]) == split == assign_split(K)
+    assert float(main.args[14]) == assign_tau(K) and int(main.args[15]) == split == assign_split(K)
+    assert main.args[16:21] == (0, 0, 0, 0, 0)  # every point, no bounds
     cp = -(-C // block_n) * block_n
     assert plan.scratch[1].numel() == cp * kK * 2 and plan.scratch[2].numel() == cp
     labels, dist, cert = plan.out
@@ -163,3 +164,57 @@ def test_assign_tau_covers_the_derivation():
     u = 2.0 ** -24
     assert 1900 < assign_tau(16) / u < 2100
     assert assign_tau(8) < assign_tau(16) < assign_tau(32) < assign_tau(64)
+
+
+# -- the pruned iterations' centre statistics (plan.kmeans.centre_bounds) ----------------------------
+@pytest.mark.parametrize("C, K", [(2, 3), (70, 16), (1500, 8)])
+def test_centre_bounds_are_outward(C, K):
+    """drift >= the float64 move, halfs <= half the nearest other centre, rth <= the distance of every
+    centre outside the neighbourhood, mdl >= the drift of every centre inside it (those within rth), with
+    duplicate centres and a relocated one; row blocks when C x C is large."""
+    from kermac_like.plan.kmeans import bound_consts, centre_bounds
+
+    g = torch.Generator().manual_seed(C)
+    old = torch.randn(C, K, generator=g)
+    new = old + 0.01 * torch.randn(C, K, generator=g)
+    if C > 2:
+        new[C // 2] = 5.0  # relocated
+    new[-1] = new[0]  # a duplicate
+    rmax = (0.3 * torch.rand(C, generator=g)).view(torch.int32)
+    kap = bound_consts(K)[2]
+    drift, mdl, halfs, rth = centre_bounds(old, new, rmax, kap)
+    assert all(t.dtype == torch.float32 and t.shape == (C,) for t in (drift, mdl, halfs, rth))
+    o, n = old.double(), new.double()
+    d = (n - o).norm(dim=1)
+    assert (drift.double() >= d).all()
+    cc = torch.cdist(n, n, compute_mode="donot_use_mm_for_euclid_dist")
+    cc.fill_diagonal_(float("inf"))
+    assert (halfs.double() <= cc.min(1).values / 2).all()
+    assert halfs[0] == 0 and halfs[-1] == 0
+    far = cc >= rth.double()[:, None]
+    assert ((cc >= rth.double()[:, None]) | (mdl.double()[:, None] >= d[None, :])).all()
+    expect = (rmax.view(torch.float32).double() + drift.double()) * 2 * kap
+    assert (rth.double() >= expect).all() and (rth.double() <= expect * 1.001 + 1e-12).all()
+    assert far.any() or C == 2
+
+
+def test_bounds_serve_rule(as_gpu, monkeypatch):
+    """Pruned iterations: BOUNDS on, the tensor-core assignment serving, K <= ASSIGN_UP_TO, 2 <= C <=
+    BOUNDS_MAX_C; KERMAC_LIKE_KMEANS_BOUNDS=0 (or the assignment off) assigns every point."""
+    import os
+
+    from kermac_like.plan.kmeans import bounds_serve
+
+    assert plan_km.BOUNDS == (os.environ.get("KERMAC_LIKE_KMEANS_BOUNDS", "1") != "0")
+    monkeypatch.setattr(plan_km, "BOUNDS", True)
+    monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
+    X = torch.randn(100, 16)
+    assert bounds_serve(X, 2) and bounds_serve(X, plan_km.BOUNDS_MAX_C)
+    assert not bounds_serve(X, 1) and not bounds_serve(X, plan_km.BOUNDS_MAX_C + 1)
+    assert not bounds_serve(torch.randn(100, plan_km.ASSIGN_UP_TO + 1), 8)
+    assert not bounds_serve(X.double(), 8)
+    monkeypatch.setattr(plan_km, "ASSIGN_MMA", False)
+    assert not bounds_serve(X, 8)
+    monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
+    monkeypatch.setattr(plan_km, "BOUNDS", False)
+    assert not bounds_serve(X, 8)

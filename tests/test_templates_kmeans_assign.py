@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kermac_like.plan.kmeans import assign_split, assign_tau
+from kermac_like.plan.kmeans import assign_split, assign_tau, bound_consts, centre_bounds
 from kermac_like.runtime.specs.kmeans import assign_k_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,11 +70,15 @@ inline unsigned ballot(bool p) {
   return b;
 }
 }}
+// one fiber runs at a time between warp_syncs: plain read-modify-writes are atomic here
+inline int atomicAdd(int* p, int v) { const int o = *p; *p = o + v; return o; }
+inline int atomicMax(int* p, int v) { const int o = *p; if (v > o) *p = v; return o; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 #include "kmeans_assign_mma.cuh"
 
 using namespace kermac_like;
 typedef long long i64;
-struct AArgs { i64 N, C, K, split; float tau; float pad; };
+struct AArgs { i64 N, C, K, split; float tau, gu, gl, kap; };
 
 template <class Tr, class F>
 void launch(unsigned blocks, F f) {
@@ -99,8 +103,10 @@ void launch(unsigned blocks, F f) {
 }
 
 template <class Tr>
-void run(const AArgs& A, const float* x, const float* c, long long* labels, float* dist, unsigned char* cert) {
-  const int C = (int)A.C, K = (int)A.K, N = (int)A.N;
+void run(const AArgs& A, const float* x, const float* c, long long* labels, float* dist, unsigned char* cert,
+         const int* rows = nullptr, int n_rows = 0, float* ub = nullptr, float* lb = nullptr, int* rmax = nullptr,
+         int* changed = nullptr) {
+  const int C = (int)A.C, K = (int)A.K, N = rows ? n_rows : (int)A.N;
   const int cp = (C + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
   std::vector<uint4> cf(size_t(cp) / 8 * Tr::kSteps * 32);
   std::vector<float> cn(cp, -7.0f);
@@ -108,7 +114,25 @@ void run(const AArgs& A, const float* x, const float* c, long long* labels, floa
   launch<Tr>(1, [&] { kmeans_assign_prep_kernel<Tr>(c, cf.data(), cn.data(), &cmax, C, K, K); });
   launch<Tr>((N + Tr::kBlockM - 1) / Tr::kBlockM, [&] {
     kmeans_assign_mma_kernel<Tr>(x, c, cf.data(), cn.data(), &cmax, labels, dist, cert, N, C, K, K, 1, K, A.tau,
-                                 (int)A.split);
+                                 (int)A.split, rows, ub, lb, rmax, changed, A.gu, A.gl);
+  });
+}
+
+// One pruned step: the filter, the assignment of its work list, then the exact mode's distances.
+template <class Tr>
+void step(const AArgs& A, const float* x, const float* c, long long* labels, float* ub, float* lb,
+          const float* drift, const float* mdl, const float* halfs, const float* rth, int* rmax, int* work,
+          int* count, int* changed, float* dist, float* exact) {
+  typedef KmeansBoundsTraits B;
+  const int N = (int)A.N, K = (int)A.K;
+  launch<B>((N + B::kThreads - 1) / B::kThreads, [&] {
+    kmeans_bounds_kernel<B>(x, c, labels, ub, lb, drift, mdl, halfs, rth, rmax, work, count, nullptr, N, K, K, 1, K,
+                            (int)A.split, A.kap, A.gu);
+  });
+  run<Tr>(A, x, c, labels, dist, nullptr, work, *count, ub, lb, rmax, changed);
+  launch<B>((N + B::kThreads - 1) / B::kThreads, [&] {
+    kmeans_bounds_kernel<B>(x, c, labels, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                            nullptr, exact, N, K, K, 1, K, (int)A.split, 1.0f, 1.0f);
   });
 }
 
@@ -136,13 +160,32 @@ void reference(const AArgs& A, const float* x, const float* c, long long* labels
   }
 }
 
-typedef void (*Runner)(const AArgs&, const float*, const float*, long long*, float*, unsigned char*);
+typedef void (*Runner)(const AArgs&, const float*, const float*, long long*, float*, unsigned char*, const int*,
+                       int, float*, float*, int*, int*);
 static const Runner kRunners[] = {&run<KmeansAssignTraits<8>>, &run<KmeansAssignTraits<16>>,
                                   &run<KmeansAssignTraits<64>>};
+typedef void (*Stepper)(const AArgs&, const float*, const float*, long long*, float*, float*, const float*,
+                        const float*, const float*, const float*, int*, int*, int*, int*, float*, float*);
+static const Stepper kSteppers[] = {&step<KmeansAssignTraits<8>>, &step<KmeansAssignTraits<16>>,
+                                    &step<KmeansAssignTraits<64>>};
 
-// usage: emu RUNNER DIR (args.bin x.bin c.bin; writes out.bin: labels | dist | cert | ref labels | ref dist)
+template <class T>
+std::vector<T> load(const std::string& path, size_t n) {
+  auto b = slurp(path);
+  if (b.size() != n * sizeof(T)) fail((path + " has the wrong size").c_str());
+  std::vector<T> v(n);
+  std::memcpy(v.data(), b.data(), b.size());
+  return v;
+}
+template <class T>
+void put(FILE* f, const std::vector<T>& v) { std::fwrite(v.data(), sizeof(T), v.size(), f); }
+
+// usage: emu RUNNER DIR [step]
+//   (args.bin x.bin c.bin; writes out.bin: labels | dist | cert | ref labels | ref dist | ub | lb | rmax)
+//   step: also labels.bin ub.bin lb.bin drift.bin mdl.bin halfs.bin rth.bin (c.bin: the new centres); writes
+//   out.bin: labels | ub | lb | rmax | changed | count | work | exact dist | ref labels | ref dist
 int main(int argc, char** argv) {
-  if (argc != 3) fail("usage: emu RUNNER DIR");
+  if (argc != 3 && argc != 4) fail("usage: emu RUNNER DIR [step]");
   const int r = std::atoi(argv[1]);
   const std::string dir = argv[2];
   auto args = slurp(dir + "/args.bin");
@@ -153,17 +196,30 @@ int main(int argc, char** argv) {
   std::vector<float> x(xs.size() / 4 + 4), c(cs.size() / 4 + 4);
   std::memcpy(x.data(), xs.data(), xs.size());
   std::memcpy(c.data(), cs.data(), cs.size());
-  std::vector<long long> labels(A.N, -5), rl(A.N);
-  std::vector<float> dist(A.N, -5.0f), rd(A.N);
-  std::vector<unsigned char> cert(A.N, 7);
-  kRunners[r](A, x.data(), c.data(), labels.data(), dist.data(), cert.data());
+  std::vector<long long> rl(A.N);
+  std::vector<float> rd(A.N);
   reference(A, x.data(), c.data(), rl.data(), rd.data());
   FILE* f = std::fopen((dir + "/out.bin").c_str(), "wb");
-  std::fwrite(labels.data(), 8, A.N, f);
-  std::fwrite(dist.data(), 4, A.N, f);
-  std::fwrite(cert.data(), 1, A.N, f);
-  std::fwrite(rl.data(), 8, A.N, f);
-  std::fwrite(rd.data(), 4, A.N, f);
+  if (argc == 3) {
+    std::vector<long long> labels(A.N, -5);
+    std::vector<float> dist(A.N, -5.0f), ub(A.N, -5.0f), lb(A.N, -5.0f);
+    std::vector<unsigned char> cert(A.N, 7);
+    std::vector<int> rmax(A.C, 0);
+    kRunners[r](A, x.data(), c.data(), labels.data(), dist.data(), cert.data(), nullptr, 0, ub.data(), lb.data(),
+                rmax.data(), nullptr);
+    put(f, labels), put(f, dist), put(f, cert), put(f, rl), put(f, rd), put(f, ub), put(f, lb), put(f, rmax);
+  } else {
+    auto labels = load<long long>(dir + "/labels.bin", A.N);
+    auto ub = load<float>(dir + "/ub.bin", A.N), lb = load<float>(dir + "/lb.bin", A.N);
+    auto drift = load<float>(dir + "/drift.bin", A.C), mdl = load<float>(dir + "/mdl.bin", A.C);
+    auto halfs = load<float>(dir + "/halfs.bin", A.C), rth = load<float>(dir + "/rth.bin", A.C);
+    std::vector<int> rmax(A.C, 0), work(A.N, -1), count(1, 0), changed(1, 0);
+    std::vector<float> dist(A.N, -5.0f), exact(A.N, -5.0f);
+    kSteppers[r](A, x.data(), c.data(), labels.data(), ub.data(), lb.data(), drift.data(), mdl.data(), halfs.data(),
+                 rth.data(), rmax.data(), work.data(), count.data(), changed.data(), dist.data(), exact.data());
+    put(f, labels), put(f, ub), put(f, lb), put(f, rmax), put(f, changed), put(f, count), put(f, work);
+    put(f, exact), put(f, rl), put(f, rd);
+  }
   std::fclose(f);
   return 0;
 }
@@ -184,26 +240,58 @@ def emulator(tmp_path_factory):
     return str(exe)
 
 
-def emulate(exe, x, c, tmp, tau=None):
-    """(labels, dist, cert, ref labels, ref dist) of the emulated kernels and the driver's reference."""
+def _args(N, K, C, tau=None):
+    gu, gl, kap = bound_consts(K)
+    tau = assign_tau(K) if tau is None else tau
+    return struct.pack("<4q4f", N, C, K, assign_split(K), tau, gu, gl, kap)
+
+
+def _read(b, N, C, layout):
+    o, out = 0, []
+    for dt, n in layout:
+        n = {"N": N, "C": C, 1: 1}[n]
+        size = np.dtype(dt).itemsize * n
+        out.append(np.frombuffer(b[o:o + size], dtype=dt).copy())
+        o += size
+    assert o == len(b)
+    return out
+
+
+def emulate(exe, x, c, tmp, tau=None, bounds=False):
+    """(labels, dist, cert, ref labels, ref dist) of the emulated kernels and the driver's reference;
+    ``bounds``: also (ub, lb, rmax) of the assignment."""
     N, K = x.shape
     C = c.shape[0]
-    kK = assign_k_bucket(K)
-    tau = assign_tau(K) if tau is None else tau
     d = Path(tmp)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "args.bin").write_bytes(struct.pack("<4q2f", N, C, K, assign_split(K), tau, 0.0))
+    (d / "args.bin").write_bytes(_args(N, K, C, tau))
     (d / "x.bin").write_bytes(np.ascontiguousarray(x, np.float32).tobytes())
     (d / "c.bin").write_bytes(np.ascontiguousarray(c, np.float32).tobytes())
-    r = subprocess.run([exe, str(KKS.index(kK)), str(d)], capture_output=True, text=True)
+    r = subprocess.run([exe, str(KKS.index(assign_k_bucket(K))), str(d)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    b = (d / "out.bin").read_bytes()
-    o = 0
-    out = []
-    for dt, size in ((np.int64, 8), (np.float32, 4), (np.uint8, 1), (np.int64, 8), (np.float32, 4)):
-        out.append(np.frombuffer(b[o:o + N * size], dtype=dt).copy())
-        o += N * size
-    return out
+    out = _read((d / "out.bin").read_bytes(), N, C, [(np.int64, "N"), (np.float32, "N"), (np.uint8, "N"),
+                                                     (np.int64, "N"), (np.float32, "N"), (np.float32, "N"),
+                                                     (np.float32, "N"), (np.int32, "C")])
+    return out if bounds else out[:5]
+
+
+def emulate_step(exe, x, c_new, labels, ub, lb, drift, mdl, halfs, rth, tmp):
+    """One pruned step on the emulator: (labels, ub, lb, rmax, changed, count, work, exact dist, ref labels,
+    ref dist) with the reference at the new centres."""
+    N, K = x.shape
+    C = c_new.shape[0]
+    d = Path(tmp)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "args.bin").write_bytes(_args(N, K, C))
+    for name, a, dt in (("x", x, np.float32), ("c", c_new, np.float32), ("labels", labels, np.int64),
+                        ("ub", ub, np.float32), ("lb", lb, np.float32), ("drift", drift, np.float32),
+                        ("mdl", mdl, np.float32), ("halfs", halfs, np.float32), ("rth", rth, np.float32)):
+        (d / f"{name}.bin").write_bytes(np.ascontiguousarray(a, dt).tobytes())
+    r = subprocess.run([exe, str(KKS.index(assign_k_bucket(K))), str(d), "step"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return _read((d / "out.bin").read_bytes(), N, C, [(np.int64, "N"), (np.float32, "N"), (np.float32, "N"),
+                                                      (np.int32, "C"), (np.int32, 1), (np.int32, 1), (np.int32, "N"),
+                                                      (np.float32, "N"), (np.int64, "N"), (np.float32, "N")])
 
 
 def _data(kind, N, K, C, seed):
@@ -305,3 +393,82 @@ def test_unshipped_bucket_compiles_without_spills(arch):
     assert len(res) == 2
     for name, r in res.items():
         assert r.get("spill_stores", 0) == 0 and r.get("stack", 0) == 0 and 0 < r["registers"] <= 128, (name, r)
+
+
+# -- the pruned iterations' bounds (plan.kmeans.BoundedAssign) -------------------------------------------
+def _true_dists(x, c):
+    return np.sqrt(((x.astype(np.float64)[:, None] - c.astype(np.float64)[None]) ** 2).sum(-1))
+
+
+def _check_bounds(x, c, labels, ub, lb):
+    """ub >= ||x - c_label|| and lb <= the distance to every other centre, in float64."""
+    d = _true_dists(x, c)
+    rows = np.arange(len(x))
+    assert (ub.astype(np.float64) >= d[rows, labels]).all(), "an upper bound below the distance"
+    other = d.copy()
+    other[rows, labels] = np.inf
+    assert (lb.astype(np.float64) <= other.min(1)).all(), "a lower bound above the second distance"
+
+
+@pytest.mark.parametrize("kind, N, K, C", [CASES[0], CASES[1], CASES[3], CASES[4]])
+def test_assignment_bounds_hold(emulator, tmp_path, kind, N, K, C):
+    """The assignment's bounds: valid in real arithmetic, lb from the certified gap (0 elsewhere), rmax the
+    largest ub of each cluster; on blob data lb > ub for most rows (bounds that prune)."""
+    x, c = _data(kind, N, K, C, seed=N + K + C + 1)
+    labels, dist, cert, rl, rd, ub, lb, rmax = emulate(emulator, x, c, tmp_path, bounds=True)
+    assert np.array_equal(labels, rl) and np.array_equal(dist.view(np.int32), rd.view(np.int32))
+    _check_bounds(x, c, labels, ub, lb)
+    assert (lb[cert == 0] == 0).all() and (ub >= dist).all()
+    for a in range(C):
+        mine = ub[labels == a]
+        assert rmax[a] == (mine.max().view(np.int32) if mine.size else 0)
+    if kind == "blobs" and C > 1:
+        assert (lb > ub).mean() > 0.9
+
+
+def _step_case(emulator, tmp_path, kind, N, K, C, move, seed):
+    x, c = _data(kind, N, K, C, seed=seed)
+    labels, _, _, _, _, ub, lb, rmax = emulate(emulator, x, c, tmp_path / "first", bounds=True)
+    rng = np.random.default_rng(seed)
+    c_new = (c + move * rng.standard_normal(c.shape)).astype(np.float32)
+    c_new[3] = x[int(rng.integers(N))]  # a relocated centre: a long drift
+    return x, c, c_new, labels, ub, lb, rmax
+
+
+@pytest.mark.parametrize("kind, N, K, C, move", [("blobs", 300, 16, 70, 0.05), ("blobs", 300, 16, 300, 0.3),
+                                                 ("ties", 300, 16, 70, 0.01), ("ties", 150, 33, 70, 0.01)])
+def test_pruned_step_is_the_full_assignment(emulator, tmp_path, kind, N, K, C, move):
+    """A step after the centres moved: the filter keeps the points its rule proves, the assignment takes the
+    work list; every label and the exact mode's distance bits equal the full assignment's at the new centres,
+    the changed count is the number of new labels, and the bounds still hold."""
+    x, c, c_new, labels0, ub, lb, rmax = _step_case(emulator, tmp_path, kind, N, K, C, move, seed=N + C + K)
+    import torch
+
+    _, _, kap = bound_consts(K)
+    drift, mdl, halfs, rth = centre_bounds(torch.from_numpy(c), torch.from_numpy(c_new), torch.from_numpy(rmax), kap)
+    labels, ub2, lb2, rmax2, changed, count, work, exact, rl, rd = emulate_step(
+        emulator, x, c_new, labels0, ub, lb, drift.numpy(), mdl.numpy(), halfs.numpy(), rth.numpy(), tmp_path / "step")
+    assert np.array_equal(labels, rl), f"{int((labels != rl).sum())} labels differ from the full assignment"
+    assert np.array_equal(exact.view(np.int32), rd.view(np.int32))
+    assert int(changed[0]) == int((labels != labels0).sum())
+    n = int(count[0])
+    assert 0 < n < N, n  # both paths taken
+    assert len(set(work[:n].tolist())) == n and (work[n:] == -1).all()
+    _check_bounds(x, c_new, labels, ub2, lb2)
+    for a in range(C):
+        mine = ub2[labels == a]
+        assert rmax2[a] == (mine.max().view(np.int32) if mine.size else 0)
+
+
+def test_stale_bounds_are_seen(emulator, tmp_path):
+    """The same step told that nothing moved (drift, mdl = 0): kept points then carry labels the full
+    assignment does not give, so the comparison above can see a filter that keeps too much."""
+    x, c, c_new, labels0, ub, lb, rmax = _step_case(emulator, tmp_path, "blobs", 300, 16, 70, 1.5, seed=9)
+    zero = np.zeros(70, np.float32)
+    import torch
+
+    inf = np.full(70, np.inf, np.float32)
+    halfs = centre_bounds(torch.from_numpy(c), torch.from_numpy(c_new), torch.from_numpy(rmax), 1.0)[2]
+    labels, *_, rl, _ = emulate_step(emulator, x, c_new, labels0, ub, lb, zero, zero, halfs.numpy(), inf,
+                                     tmp_path / "stale")
+    assert (labels != rl).any(), "stale bounds went unnoticed"

@@ -25,19 +25,22 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ..runtime.specs.kmeans import (ASSIGN_MAX_K, BLOCK_M, SCREEN_MAX_K, SEGSUM_ROWS, assign_k_bucket, assign_prep_spec,
-                                    assign_spec, draw_spec, screen_row, segsum_combine_spec, segsum_spec, update_spec)
+from ..runtime.specs.kmeans import (ASSIGN_MAX_K, BLOCK_M, BOUNDS_LAUNCH, SCREEN_MAX_K, SEGSUM_ROWS, assign_k_bucket,
+                                    assign_prep_spec, assign_spec, bounds_spec, draw_spec, screen_row, segsum_combine_spec,
+                                    segsum_spec, update_spec)
 from .core import Launch, Plan, _device_index, _gpu_ok
 
 log = logging.getLogger("kermac_like.kmeans")
 
 __all__ = ["plan_seeding", "seed_plusplus", "fused_serves", "FUSED", "SCREEN", "screen_serves", "segsum_serves",
            "plan_segment_sums", "segment_sums_fused", "SEGSUM_FUSED", "ASSIGN_MMA", "assign_serves", "assign_tau",
-           "assign_split", "plan_assign", "assign_mma", "ASSIGN_UP_TO"]
+           "assign_split", "plan_assign", "assign_mma", "ASSIGN_UP_TO", "BOUNDS", "BOUNDS_MAX_C", "bound_consts",
+           "centre_bounds", "bounds_serve", "BoundedAssign"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # KERMAC_LIKE_KMEANS_FUSED=0 sends CUDA seedings to the torch path (cluster._kmeans_plusplus_torch).
@@ -241,10 +244,24 @@ def assign_serves(X: torch.Tensor, centres: torch.Tensor) -> bool:
             and centres.device == X.device and _gpu_ok(X))
 
 
-def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, certificates: bool = False):
+class _Bounds(NamedTuple):
+    """The pruned iteration's outputs of an assignment (BoundedAssign): bounds (N,) f32, the clusters'
+    largest ub (C,) i32 (float bits), the changed-label count (1,) i32 or None."""
+    ub: torch.Tensor
+    lb: torch.Tensor
+    rmax: torch.Tensor
+    changed: torch.Tensor | None = None
+
+
+def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, certificates: bool = False,
+                rows: torch.Tensor | None = None, n_rows: int | None = None, labels: torch.Tensor | None = None,
+                dist: torch.Tensor | None = None, bounds: _Bounds | None = None):
     """The plan of one assignment: its run returns (labels (N,) int64, dist (N,) float32, cert (N,) uint8
     or None): knn(X, centres, 1, direct differences)'s indices and values, bitwise. Two launches: the
-    centres' split (one CTA), then kmeans_assign_mma_kernel. None when the kernel does not serve."""
+    centres' split (one CTA), then kmeans_assign_mma_kernel. None when the kernel does not serve.
+
+    For the pruned iterations (BoundedAssign): ``rows`` (int32) assigns only the points rows[:n_rows],
+    writing into the given ``labels`` / ``dist`` at those points; ``bounds`` adds their distance bounds."""
     if not assign_serves(X, centres):
         return None
     from ..runtime.launcher import get_kernel, prefetch
@@ -260,8 +277,8 @@ def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, cer
     cf = torch.empty(cp * kK * 2, dtype=torch.float32, device=dev)  # (cp / 8, kK / 8, 32) uint4
     cn = torch.empty(cp, dtype=torch.float32, device=dev)
     cmax = torch.empty(1, dtype=torch.float32, device=dev)
-    labels = torch.empty(N, dtype=torch.int64, device=dev)
-    dist = torch.empty(N, dtype=torch.float32, device=dev)
+    labels = torch.empty(N, dtype=torch.int64, device=dev) if labels is None else labels
+    dist = torch.empty(N, dtype=torch.float32, device=dev) if dist is None else dist
     cert = torch.empty(N, dtype=torch.uint8, device=dev) if certificates else None
     prefetch([pspec, spec], device, debug=debug)
     prep = get_kernel(pspec, device, debug=debug)
@@ -269,13 +286,18 @@ def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, cer
     sxm, sxk = (np.int64(t) for t in X.stride())
     ldc = np.int64(c.stride(0))
     pargs = (c.data_ptr(), cf.data_ptr(), cn.data_ptr(), cmax.data_ptr(), np.int32(C), np.int32(K), ldc)
-    grid = (-(-N // spec.launch.block_m), 1, 1)
+    M = N if rows is None else int(n_rows)
+    gu, gl, _ = bound_consts(K)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    b = bounds or _Bounds(None, None, None)
+    grid = (-(-M // spec.launch.block_m), 1, 1)
     args = (X.data_ptr(), c.data_ptr(), cf.data_ptr(), cn.data_ptr(), cmax.data_ptr(), labels.data_ptr(),
-            dist.data_ptr(), 0 if cert is None else cert.data_ptr(), np.int32(N), np.int32(C), np.int32(K), sxm, sxk,
-            ldc, np.float32(assign_tau(K)), np.int32(assign_split(K)))
+            dist.data_ptr(), ptr(cert), np.int32(M), np.int32(C), np.int32(K), sxm, sxk, ldc,
+            np.float32(assign_tau(K)), np.int32(assign_split(K)), ptr(rows), ptr(b.ub), ptr(b.lb), ptr(b.rmax),
+            ptr(b.changed), np.float32(gu), np.float32(gl))
     if debug:
-        log.debug("kmeans assignment on tensor cores: N=%d K=%d (kK %d) clusters=%d: grid %s", N, K, kK, C, grid)
-    launches = (Launch(prep, (1, 1, 1), pargs), Launch(main, grid, args))
+        log.debug("kmeans assignment on tensor cores: N=%d K=%d (kK %d) clusters=%d: grid %s", M, K, kK, C, grid)
+    launches = (Launch(prep, (1, 1, 1), pargs),) + ((Launch(main, grid, args),) if M > 0 else ())
     return Plan("kmeans_assign", spec, launches, (labels, dist, cert), scratch=(c, cf, cn, cmax), debug=debug)
 
 
@@ -289,3 +311,156 @@ def assign_mma(X: torch.Tensor, centres: torch.Tensor, debug: bool = False):
         return None
     labels, dist, _ = plan.run()
     return labels, dist
+
+
+# -- Lloyd's iterations with distance bounds (cuda_templates/kmeans_assign_mma.cuh kmeans_bounds_kernel) --
+# KERMAC_LIKE_KMEANS_BOUNDS=0 assigns every point in every iteration instead (the same labels, bitwise).
+BOUNDS = os.environ.get("KERMAC_LIKE_KMEANS_BOUNDS", "1") != "0"
+# The centre statistics are C x C (float64, in row blocks): up to this many centres.
+BOUNDS_MAX_C = 8192
+BOUNDS_THREADS = BOUNDS_LAUNCH.threads
+_F32_INF = torch.tensor(float("inf"), dtype=torch.float32)
+
+
+def bound_consts(K: int) -> tuple:
+    """(gu, gl, kap) as float32 values: gu >= 1 / (1 - gamma), gl <= 1 / (1 + gamma), kap >= 1 + 4 gamma, with
+    gamma = 1.01 (K + 4) u the exact path's relative error (assign_tau's gamma): kmeans_assign_mma.cuh's
+    upper_of, lower_sq_of and keeps_label."""
+    gamma = 1.01 * (K + 4) * _U
+    f32 = np.float32
+    gu = np.nextafter(f32(1.0 / (1.0 - gamma)), f32(2))
+    gl = np.nextafter(f32(1.0 - 2.0 * gamma), f32(0))
+    kap = np.nextafter(f32(1.0 + 4.0 * gamma), f32(2))
+    return float(gu), float(gl), float(kap)
+
+
+def _up32(t: torch.Tensor) -> torch.Tensor:
+    """float64 -> the smallest float32 >= it."""
+    f = t.float()
+    return torch.where(f.double() < t, torch.nextafter(f, _F32_INF.to(f.device)), f)
+
+
+def _down32(t: torch.Tensor) -> torch.Tensor:
+    """float64 -> the largest float32 <= it."""
+    f = t.float()
+    return torch.where(f.double() > t, torch.nextafter(f, -_F32_INF.to(f.device)), f)
+
+
+def centre_bounds(old: torch.Tensor, new: torch.Tensor, rmax: torch.Tensor, kap: float) -> tuple:
+    """(drift, mdl, halfs, rth), (C,) float32 each, for the filter after the centres moved from ``old`` to
+    ``new`` ((C, K) float32): drift[n] >= ||new_n - old_n||; halfs[a] <= min_{n != a} ||new_n - new_a|| / 2;
+    rth[a] <= the distance from new_a of every centre n != a outside its neighbourhood, and mdl[a] >= the
+    largest drift inside it. The neighbourhood: within r_a = 2 kap (rmax[a] + drift[a]) (1 + 1e-4) + 2^-50
+    (rmax: the float bits of the cluster's largest ub before the move), so that for the cluster's points
+    (ub <= r_a / (2 kap)) the far centres are farther than ub kap and only the near ones' drift lowers lb;
+    the kernel's lb takes both parts, so it is a lower bound whatever r_a is. Float64 direct differences
+    (relative error ~1e-15, inside the 1e-12 margins), rounded outward to float32."""
+    o, n = old.double(), new.double()
+    C = n.shape[0]
+    drift64 = (n - o).square_().sum(1).sqrt_().mul_(1.0 + 1e-12)
+    drift = _up32(drift64)
+    r = (rmax.view(torch.float32).double() + drift.double()).mul_((1.0 + 1e-4) * 2.0 * kap).add_(2.0 ** -50)
+    halfs = torch.empty(C, dtype=torch.float64, device=n.device)
+    mdl = torch.empty(C, dtype=torch.float64, device=n.device)
+    B = max(1, min(C, 2 ** 22 // C))
+    for a0 in range(0, C, B):
+        a1 = min(C, a0 + B)
+        cc = torch.cdist(n[a0:a1], n, compute_mode="donot_use_mm_for_euclid_dist")  # (b, C)
+        i = torch.arange(a0, a1, device=n.device)
+        cc[i - a0, i] = float("inf")
+        halfs[a0:a1] = cc.amin(1)
+        near = cc.mul_(1.0 - 1e-12) < r[a0:a1, None]  # far: true distance >= r (1 - 1e-12)^2 / (1 + 1e-15)
+        mdl[a0:a1] = torch.where(near, drift64[None, :], 0.0).amax(1)
+    return drift, _up32(mdl), _down32(halfs.mul_(0.5 * (1.0 - 1e-12))), _down32(r.mul_(1.0 - 1e-11))
+
+
+def bounds_serve(X: torch.Tensor, n_clusters: int) -> bool:
+    """Whether Lloyd's iterations on X (N, K) run pruned (BoundedAssign): BOUNDS, the tensor-core assignment
+    serves (K <= ASSIGN_UP_TO) and 2 <= n_clusters <= BOUNDS_MAX_C."""
+    return (BOUNDS and X.dim() == 2 and X.shape[1] <= ASSIGN_UP_TO and 2 <= n_clusters <= BOUNDS_MAX_C
+            and assign_serves(X, X[:1]))
+
+
+class BoundedAssign:
+    """Lloyd's assignments over the iterations of one run, pruned by Hamerly's bounds (an upper bound on
+    each point's distance to its centre, a lower bound on the distance to every other centre), tightened by
+    Elkan's half distance to the nearest other centre and by per-cluster neighbourhoods for the drift.
+
+    ``first(centres)`` assigns every point (kmeans_assign_mma_kernel, with the bounds); each ``step(centres)``
+    moves the bounds by the centres' drift (kmeans_bounds_kernel), keeps the label of every point the rule
+    proves (kmeans_assign_mma.cuh keeps_label: every other centre's exact-path value is strictly larger) and
+    assigns the rest (the same kernel on the work list). The labels are those of a full assignment, bitwise;
+    ``exact_d2()`` gives the full assignment's squared distances (one pass over X where the last step pruned).
+    Device memory: 24 bytes a point (labels, ub, lb, dist, work list) + O(C^2 / blocks) of centre statistics.
+    One host synchronisation per step (the work list's length)."""
+
+    def __init__(self, X: torch.Tensor, n_clusters: int, debug: bool = False):
+        N, K = X.shape
+        dev = X.device
+        self.X, self.debug = X, debug
+        self.labels = torch.empty(N, dtype=torch.int64, device=dev)
+        self.dist = torch.empty(N, dtype=torch.float32, device=dev)
+        self.ub = torch.empty(N, dtype=torch.float32, device=dev)
+        self.lb = torch.empty(N, dtype=torch.float32, device=dev)
+        self.work = torch.empty(N, dtype=torch.int32, device=dev)
+        self.rmax = torch.zeros(n_clusters, dtype=torch.int32, device=dev)
+        self.count = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.changed = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.centres = None
+        self.fresh = False  # dist holds every point's distance
+        self.assigned = 0  # points assigned by the last call (statistics for the debug log)
+
+    def _kernel(self):
+        from ..runtime.launcher import get_kernel
+
+        return get_kernel(bounds_spec(), _device_index(self.X.device), debug=self.debug)
+
+    def first(self, centres: torch.Tensor) -> torch.Tensor:
+        self.rmax.zero_()
+        plan_assign(self.X, centres, self.debug, labels=self.labels, dist=self.dist,
+                    bounds=_Bounds(self.ub, self.lb, self.rmax)).run()
+        self.centres, self.fresh, self.assigned = centres, True, self.X.shape[0]
+        return self.labels
+
+    def step(self, centres: torch.Tensor) -> tuple:
+        """(labels, changed): the assignment to ``centres`` and the number of points whose label changed."""
+        from ..runtime.launcher import launch
+
+        X = self.X
+        N, K = X.shape
+        c = centres if centres.stride(1) == 1 else centres.contiguous()
+        gu, _, kap = bound_consts(K)
+        drift, mdl, halfs, rth = centre_bounds(self.centres, c, self.rmax, kap)
+        self.rmax.zero_()
+        self.count.zero_()
+        self.changed.zero_()
+        sxm, sxk = (np.int64(t) for t in X.stride())
+        args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), self.ub.data_ptr(), self.lb.data_ptr(),
+                drift.data_ptr(), mdl.data_ptr(), halfs.data_ptr(), rth.data_ptr(), self.rmax.data_ptr(),
+                self.work.data_ptr(),
+                self.count.data_ptr(), 0, np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)),
+                np.int32(assign_split(K)), np.float32(kap), np.float32(gu))
+        launch(self._kernel(), (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
+        n = int(self.count.item())
+        if n:
+            plan_assign(X, c, self.debug, rows=self.work, n_rows=n, labels=self.labels, dist=self.dist,
+                        bounds=_Bounds(self.ub, self.lb, self.rmax, self.changed)).run()
+        if self.debug:
+            log.debug("kmeans pruned assignment: %d of %d points assigned", n, N)
+        self.centres, self.fresh, self.assigned = c, False, n
+        return self.labels, int(self.changed.item())
+
+    def exact_d2(self) -> torch.Tensor:
+        """(N,) float64: every point's squared distance to its label's centre, the full assignment's bits."""
+        if not self.fresh:
+            from ..runtime.launcher import launch
+
+            X, c = self.X, self.centres
+            N, K = X.shape
+            sxm, sxk = (np.int64(t) for t in X.stride())
+            args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, self.dist.data_ptr(),
+                    np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)), np.int32(assign_split(K)),
+                    np.float32(1.0), np.float32(1.0))
+            launch(self._kernel(), (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
+            self.fresh = True
+        return self.dist.to(torch.float64).square_()

@@ -16,7 +16,7 @@ from .kernel_spec import KernelSpec, LaunchShape, bucket
 
 __all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "SEGSUM_ROWS", "SCREEN_MAX_K", "k_bucket", "screen_row", "update_spec",
            "draw_spec", "segsum_spec", "segsum_combine_spec", "shipped", "ASSIGN_K_BUCKETS", "ASSIGN_MAX_K",
-           "assign_k_bucket", "assign_shape", "assign_spec", "assign_prep_spec"]
+           "assign_k_bucket", "assign_shape", "assign_spec", "assign_prep_spec", "bounds_spec"]
 
 THREADS = 256
 BLOCK_M = 1024  # points per block sum: cluster.SAMPLE_BLOCK
@@ -77,6 +77,7 @@ def shipped():
     for kK in (8, 16):
         yield assign_prep_spec(kK)
         yield assign_spec(kK)
+    yield bounds_spec()  # the pruned iterations' filter (any K)
 
 
 # -- the assignment on tensor cores (cuda_templates/kmeans_assign_mma.cuh) --------------------------
@@ -114,3 +115,14 @@ def assign_prep_spec(K: int) -> KernelSpec:
     kK = assign_k_bucket(K)
     return KernelSpec("kmeans_assign_mma.cuh", "kermac_like::kmeans_assign_prep_kernel", _assign_traits(kK),
                       assign_shape(kK))
+
+
+BOUNDS_LAUNCH = LaunchShape(threads=256, block_m=256, block_n=1, smem_bytes=0)
+
+
+def bounds_spec() -> KernelSpec:
+    """The pruned Lloyd iteration's filter (kmeans_bounds_kernel over KmeansBoundsTraits: one point per
+    thread, any K): the bounds moved by the centres' drift, the points that keep their label, the work
+    list of the others; or every point's exact distance to its centre."""
+    return KernelSpec("kmeans_assign_mma.cuh", "kermac_like::kmeans_bounds_kernel", "kermac_like::KmeansBoundsTraits",
+                      BOUNDS_LAUNCH)

@@ -347,31 +347,47 @@ def _down32(t: torch.Tensor) -> torch.Tensor:
 
 
 def centre_bounds(old: torch.Tensor, new: torch.Tensor, rmax: torch.Tensor, kap: float) -> tuple:
-    """(drift, mdl, halfs, rth), (C,) float32 each, for the filter after the centres moved from ``old`` to
-    ``new`` ((C, K) float32): drift[n] >= ||new_n - old_n||; halfs[a] <= min_{n != a} ||new_n - new_a|| / 2;
-    rth[a] <= the distance from new_a of every centre n != a outside its neighbourhood, and mdl[a] >= the
-    largest drift inside it. The neighbourhood: within r_a = 2 kap (rmax[a] + drift[a]) (1 + 1e-4) + 2^-50
-    (rmax: the float bits of the cluster's largest ub before the move), so that for the cluster's points
-    (ub <= r_a / (2 kap)) the far centres are farther than ub kap and only the near ones' drift lowers lb;
-    the kernel's lb takes both parts, so it is a lower bound whatever r_a is. Float64 direct differences
-    (relative error ~1e-15, inside the 1e-12 margins), rounded outward to float32."""
+    """The filter's centre statistics after the centres moved from ``old`` to ``new`` ((C, K) float32):
+    (drift, mdl, halfs, rth), (C,) float32 each, and the neighbourhood lists (offs (C + 1,) int32, cols
+    (nnz,) int32, ccd (nnz,) float32, CSR in row order).
+
+    drift[n] >= ||new_n - old_n||; halfs[a] <= min_{n != a} ||new_n - new_a|| / 2; the neighbourhood of a:
+    the centres n != a within r_a = 2 kap (rmax[a] + drift[a]) (1 + 1e-4) + 2^-50 of new_a (rmax: the float
+    bits of the cluster's largest ub before the move), listed in cols[offs[a]:offs[a + 1]] with ccd <= their
+    distance to new_a; rth[a] <= r_a <= the distance of every other centre; mdl[a] >= the largest drift in
+    the neighbourhood. For the cluster's points (ub <= r_a / (2 kap)) the far centres are farther than
+    ub kap, so only the near ones' drift lowers lb (the kernel's lb takes both parts, so it is a lower bound
+    whatever r_a is), and a point the bounds leave open is assigned among its list. Float64 direct
+    differences (relative error ~1e-15, inside the 1e-12 margins), rounded outward to float32. One host
+    synchronisation per block of rows (the lists' lengths)."""
     o, n = old.double(), new.double()
     C = n.shape[0]
+    dev = n.device
     drift64 = (n - o).square_().sum(1).sqrt_().mul_(1.0 + 1e-12)
     drift = _up32(drift64)
     r = (rmax.view(torch.float32).double() + drift.double()).mul_((1.0 + 1e-4) * 2.0 * kap).add_(2.0 ** -50)
-    halfs = torch.empty(C, dtype=torch.float64, device=n.device)
-    mdl = torch.empty(C, dtype=torch.float64, device=n.device)
-    B = max(1, min(C, 2 ** 22 // C))
+    halfs = torch.empty(C, dtype=torch.float64, device=dev)
+    mdl = torch.empty(C, dtype=torch.float64, device=dev)
+    rows, cols, ccd = [], [], []
+    B = max(1, min(C, 2 ** 24 // (C * n.shape[1])))
     for a0 in range(0, C, B):
         a1 = min(C, a0 + B)
-        cc = torch.cdist(n[a0:a1], n, compute_mode="donot_use_mm_for_euclid_dist")  # (b, C)
-        i = torch.arange(a0, a1, device=n.device)
+        cc = (n[a0:a1, None, :] - n[None, :, :]).square_().sum(2).sqrt_()  # (b, C), direct differences
+        i = torch.arange(a0, a1, device=dev)
         cc[i - a0, i] = float("inf")
         halfs[a0:a1] = cc.amin(1)
-        near = cc.mul_(1.0 - 1e-12) < r[a0:a1, None]  # far: true distance >= r (1 - 1e-12)^2 / (1 + 1e-15)
+        cc.mul_(1.0 - 1e-12)  # <= the true distance
+        near = cc < r[a0:a1, None]
         mdl[a0:a1] = torch.where(near, drift64[None, :], 0.0).amax(1)
-    return drift, _up32(mdl), _down32(halfs.mul_(0.5 * (1.0 - 1e-12))), _down32(r.mul_(1.0 - 1e-11))
+        nz = near.nonzero()
+        rows.append(nz[:, 0] + a0)
+        cols.append(nz[:, 1].to(torch.int32))
+        ccd.append(cc[nz[:, 0], nz[:, 1]])
+    rows = torch.cat(rows)
+    offs = torch.zeros(C + 1, dtype=torch.int32, device=dev)
+    offs[1:] = torch.bincount(rows, minlength=C).cumsum(0)
+    return (drift, _up32(mdl), _down32(halfs.mul_(0.5 * (1.0 - 1e-12))), _down32(r.mul_(1.0 - 1e-11)), offs,
+            torch.cat(cols), _down32(torch.cat(ccd)))
 
 
 def bounds_serve(X: torch.Tensor, n_clusters: int) -> bool:
@@ -429,17 +445,17 @@ class BoundedAssign:
         X = self.X
         N, K = X.shape
         c = centres if centres.stride(1) == 1 else centres.contiguous()
-        gu, _, kap = bound_consts(K)
-        drift, mdl, halfs, rth = centre_bounds(self.centres, c, self.rmax, kap)
+        gu, gl, kap = bound_consts(K)
+        drift, mdl, halfs, rth, offs, cols, ccd = centre_bounds(self.centres, c, self.rmax, kap)
         self.rmax.zero_()
         self.count.zero_()
         self.changed.zero_()
         sxm, sxk = (np.int64(t) for t in X.stride())
         args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), self.ub.data_ptr(), self.lb.data_ptr(),
-                drift.data_ptr(), mdl.data_ptr(), halfs.data_ptr(), rth.data_ptr(), self.rmax.data_ptr(),
-                self.work.data_ptr(),
-                self.count.data_ptr(), 0, np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)),
-                np.int32(assign_split(K)), np.float32(kap), np.float32(gu))
+                drift.data_ptr(), mdl.data_ptr(), halfs.data_ptr(), rth.data_ptr(), offs.data_ptr(), cols.data_ptr(),
+                ccd.data_ptr(), self.rmax.data_ptr(), self.work.data_ptr(), self.count.data_ptr(),
+                self.changed.data_ptr(), 0, np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)),
+                np.int32(assign_split(K)), np.float32(kap), np.float32(gu), np.float32(gl))
         launch(self._kernel(), (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
         n = int(self.count.item())
         if n:
@@ -458,9 +474,9 @@ class BoundedAssign:
             X, c = self.X, self.centres
             N, K = X.shape
             sxm, sxk = (np.int64(t) for t in X.stride())
-            args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, self.dist.data_ptr(),
-                    np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)), np.int32(assign_split(K)),
-                    np.float32(1.0), np.float32(1.0))
+            args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr()) + (0,) * 13 + (
+                self.dist.data_ptr(), np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)),
+                np.int32(assign_split(K)), np.float32(1.0), np.float32(1.0), np.float32(1.0))
             launch(self._kernel(), (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
             self.fresh = True
         return self.dist.to(torch.float64).square_()

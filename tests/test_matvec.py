@@ -250,6 +250,7 @@ def test_solver_products_select_the_blocked_instantiation(as_gpu, monkeypatch):
     assert all(t.endswith("false, double>") for t in planned[2:])
 
 
+@pytest.mark.filterwarnings("ignore:KernelRidge")  # five iterations: not converged
 @pytest.mark.parametrize("env,want", [(None, True), ("1", True), ("0", False)])
 def test_falkon_env_switch_selects_blocked_products(monkeypatch, env, want):
     """KERMAC_LIKE_FALKON_BLOCKED (default "1") decides whether Falkon's products ask for the
@@ -478,6 +479,9 @@ def _gpu_specs():
     out += [ms.matvec_spec(km.preset("dot"), f32, 1, 1, out_dtype=torch.float64),
             ms.matvec_spec(km.preset("gaussian_l2"), f32, 3, 1, out_dtype=torch.float64),
             ms.combine_spec(f32, torch.float64)]
+    # the blocked float64 mode against the float64 mode at D = 8 (test_gpu_blocked_float64_mode)
+    out += [ms.matvec_spec(km.preset("gaussian_l2"), f32, 8, 1, out_dtype=torch.float64, f32_partials=b)
+            for b in (False, True)]
     # Hopper (sm_90 only; KernelSpec.supports drops them elsewhere): the fused tensor-core
     # kernel of Euclidean/DOT float32 calls with K > 32, its b preparation, the carry kernel.
     from kermac_like.runtime.specs import wgmma_prepare_spec
@@ -745,6 +749,38 @@ def test_gpu_float64_mode_kernel_values_are_transposes(gpu_warm, name):
     # float32 kernel values: the exponent's rounding (~|t| u with |t| up to ~10 here, relative to the
     # centred norms in the expanded form) and ex2's 2 ulp; the largest seen over unseeded runs: 2.0e-6
     assert ((kxy - ref).abs() / ref).max() < 3e-6
+
+
+@pytest.mark.gpu
+def test_gpu_blocked_float64_mode(gpu_warm):
+    """The blocked float64 mode (Falkon's products: float32 partials of F32_GROUP points) against the
+    float64 mode at 2e5 x 2e4, D = 8, both products (K(x, z) v one CTA row tile per 1024 rows, K(z, x) u
+    over split N ranges): within (F32_GROUP + 1) 2^-24 K |w| of it (the CPU shim's bound; the same
+    kernel values), not equal to it, and the kernel values K(x, z) bitwise the transpose of K(z, x)."""
+    from dataclasses import replace
+
+    g = km.preset("gaussian_l2")
+    gen = torch.Generator(device="cuda").manual_seed(28)
+    x = torch.rand(200_000, 8, device="cuda", generator=gen) * 2 - 1
+    z = x[torch.randperm(200_000, device="cuda", generator=gen)[:20_000]].contiguous()
+    bound = (ms.F32_GROUP + 1) * 2.0 ** -24
+    for a, b in ((x, z), (z, x)):
+        w = torch.randn(b.shape[0], 1, dtype=F64, device="cuda", generator=gen)
+        call = mv.prepare_matvec(g, a, b, w, bandwidth=1.5)
+        f64 = mv.matvec_forward(call)
+        blk = mv.matvec_forward(replace(call, f32_partials=True))
+        mag = mv.matvec_forward(call.with_v(w.abs()))
+        err = ((blk - f64).abs() / mag).max().item()
+        assert err <= bound, (err, bound)
+        assert not torch.equal(blk, f64)
+    cols = torch.zeros(20_000, 3, dtype=F64, device="cuda")
+    cols[[0, 9_999, 19_999], [0, 1, 2]] = 1.0
+    rows = torch.zeros(200_000, 3, dtype=F64, device="cuda")
+    rows[[5, 100_000, 199_999], [0, 1, 2]] = 1.0
+    call = replace(mv.prepare_matvec(g, x, z, cols, bandwidth=1.5), f32_partials=True)
+    kxz = mv.matvec_forward(call)  # (200000, 3): columns 0, 9999, 19999 of K(x, z)
+    kzx = mv.matvec_forward(call.transposed(rows))  # (20000, 3): columns 5, 100000, 199999 of K(z, x)
+    assert torch.equal(kxz[[5, 100_000, 199_999]], kzx[[0, 9_999, 19_999]].T)
 
 
 @pytest.mark.gpu

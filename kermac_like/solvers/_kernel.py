@@ -30,7 +30,7 @@ BLOCK_BYTES = 1 << 30
 def falkon_blocked() -> bool:
     """Whether Falkon's products (float32/16-bit data, float64 vectors) run in kernel_matvec's
     blocked float64 mode (v rounded to float32 once, float32 partials of 8 points added into the
-    float64 sums; ~1.4x the float64 mode's speed at D = 8, bench/notes/krr_1e9.md):
+    float64 sums; predicted ~1.4x the float64 mode's speed at D = 8, bench/notes/krr_1e9.md):
     KERMAC_LIKE_FALKON_BLOCKED, "1" (default) or "0" (the float64 mode), read at each fit."""
     return os.environ.get("KERMAC_LIKE_FALKON_BLOCKED", "1") != "0"
 

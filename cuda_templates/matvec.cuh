@@ -55,6 +55,16 @@
 // value: no float32 tile partials, no rounding of v or of the result), only k itself is
 // computed in float32. The split scratch `part` (TPart) is double exactly when the output
 // is double, so that the instantiations with a T output are unchanged.
+//
+// Blocked float64 mode (kF32Group > 0, the symmetric expanded form only; Falkon's products): as the
+// float64 mode (the same kernel values bit for bit, v read as double, float64 totals, split
+// scratch and output) except that v is rounded to float32 once as it is staged and each pair's
+// k * v is an FFMA into a float32 partial of kF32Group consecutive points of the tile, added into
+// the float64 total after each group. The widening F2F.F64.F32 and the DFMA of every pair share
+// the exponential's XU pipe and the FP64 pipe in the float64 mode; here they happen once per group.
+// Error beyond the float64 mode's: v's rounding (u = 2^-24 of each term) and the group sums, at
+// most (kF32Group + 1) u sum |k v| (positive terms: ~sqrt(kF32Group) u of the sum), independent
+// of N as the float64 totals take the rest.
 #pragma once
 
 #include "common.cuh"
@@ -88,6 +98,12 @@ struct PartOf { using type = float; };
 template <>
 struct PartOf<double> { using type = double; };
 
+// A if kCond, else B.
+template <bool kCond, class A, class B>
+struct Select { using type = A; };
+template <class A, class B>
+struct Select<false, A, B> { using type = B; };
+
 // The type of v in memory: T, or double in the float64 mode.
 template <class TOut, class T>
 struct VOf { using type = T; };
@@ -112,9 +128,11 @@ __host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4
 //   separate centring pass, two barriers per tile.
 // TOut_: the type of `out` (T_ or double: the float64 mode, v read as double, float64 products
 //   and sums, `part` in double).
+// kF32Group_: 0, or (float64 mode, expanded form) the blocked float64 mode: float32 partials of
+//   kF32Group_ points added into the float64 totals (a divisor of kBlockN, a multiple of kUnrollJ).
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
           bool kExpand_ = false, int kPolyRows_ = 0, int kUnrollJ_ = 0, int kPolyPairs_ = -1,
-          bool kPrefetch_ = false, class TOut_ = T_>
+          bool kPrefetch_ = false, class TOut_ = T_, int kF32Group_ = 0>
 struct MatvecTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogue_, T_> {
   static_assert(kK_ >= 0 && kK_ <= 32, "MatvecTraits: kK is 0 (any K) or the padded K, at most 32");
   static_assert(kC_ == 1 || kC_ == 2 || kC_ == 4 || kC_ == 8 || kC_ == 12 || kC_ == 16,
@@ -130,9 +148,12 @@ struct MatvecTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogu
                 "MatvecTraits: TOut must be T or double");
   using TOut = TOut_;
   using TPart = typename matvec_detail::PartOf<TOut_>::type;  // split partial sums
-  using TW = TPart;  // v as staged and the per-tile partial sums: float, or double (float64 mode)
-  using TVIn = typename matvec_detail::VOf<TOut_, T_>::type;   // v in memory: T or double
   static constexpr bool kWide = SameType<TOut_, double>::value;
+  static constexpr int kF32Group = kF32Group_;
+  static constexpr bool kBlocked = kF32Group_ > 0;  // the blocked float64 mode
+  // v as staged and the partial sums: float, or double (float64 mode, unless blocked)
+  using TW = typename matvec_detail::Select<kBlocked, float, TPart>::type;
+  using TVIn = typename matvec_detail::VOf<TOut_, T_>::type;   // v in memory: T or double
   static constexpr int kK = kK_;
   static constexpr int kC = kC_;
   static constexpr bool kExpand = kExpand_;
@@ -173,6 +194,11 @@ struct MatvecTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogu
   static_assert(!kTrips || kBlockN % kUnrollJ == 0, "MatvecTraits: kUnrollJ must divide kBlockN");
   static_assert(!(kExpand_ && kWide) || (!kTrips && !kPrefetch_ && kPolyRows_ == 0),
                 "MatvecTraits: the float64 mode's (symmetric) expanded form takes no tuning knobs");
+  static_assert(kF32Group_ >= 0, "MatvecTraits: kF32Group is 0 or the points of a float32 partial");
+  static_assert(!kBlocked || (kWide && kExpand_),
+                "MatvecTraits: kF32Group (the blocked float64 mode) needs TOut = double and kExpand");
+  static_assert(!kBlocked || (kBlockN % kF32Group_ == 0 && kF32Group_ % kUnrollJ == 0),
+                "MatvecTraits: kF32Group must divide kBlockN and be a multiple of kUnrollJ");
 };
 
 namespace matvec_detail {
@@ -265,7 +291,7 @@ __device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TW
                                           const float (&xa)[Tr::kRows],
                                           typename Tr::TW (&partial)[Tr::kRows][Tr::kC], const KernelArgs& ka) {
   constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS;
-#pragma unroll(Tr::kUnrollJ)
+#pragma unroll(Tr::kBlocked ? Tr::kF32Group : Tr::kUnrollJ)
   for (int j = 0; j < jn; ++j) {
     float yj[KS];
 #pragma unroll
@@ -346,6 +372,31 @@ __device__ __forceinline__ void pair_tile_trips(const float* ys, const typename 
         for (int c = 0; c < KC; ++c) partial[i][c] = fma_acc(kv, vj[u][c], partial[i][c]);
       }
     }
+  }
+}
+
+// The blocked float64 mode's pairs of one staged y tile: groups of kF32Group points, each summed
+// into float32 partials (pair_tile's symmetric loop, a compile-time trip count) and added into the
+// float64 totals. jn is rounded up to whole groups: the padded points of a partial tile have v = 0
+// and a finite exponent (zero coordinates staged like real ones), so they add exact zeros.
+template <class Tr>
+__device__ __forceinline__ void pair_tile_groups(const float* ys, const float* vs, int jn,
+                                                 const float (&xr)[Tr::kRows][Tr::kK], const float (&xa)[Tr::kRows],
+                                                 float (&partial)[Tr::kRows][Tr::kC],
+                                                 double (&total)[Tr::kRows][Tr::kC], const KernelArgs& ka) {
+  constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS, G = Tr::kF32Group;
+  const int jend = (jn + G - 1) / G * G;
+#pragma unroll 1
+  for (int j0 = 0; j0 < jend; j0 += G) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int c = 0; c < KC; ++c) partial[i][c] = 0.0f;
+    pair_tile<Tr, false>(ys + j0 * KS, vs + j0 * KC, G, xr, xa, partial, ka);
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int c = 0; c < KC; ++c) total[i][c] += double(partial[i][c]);
   }
 }
 
@@ -653,7 +704,9 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         __syncthreads();
 
         // ---- the pairs (fold is CTA uniform)
-        if constexpr (Tr::kTrips) {
+        if constexpr (Tr::kBlocked) {
+          pair_tile_groups<Tr>(ys, vs, jn, xr, xa, partial, total, ka);
+        } else if constexpr (Tr::kTrips) {
           pair_tile_trips<Tr>(fold, ys, vs, jn, xr, xa, partial);
         } else if (Tr::kExpand && fold) {
           pair_tile<Tr, true>(ys, vs, jn, xr, xa, partial, ka);
@@ -715,10 +768,12 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
           }
         }
       }
+      if constexpr (!Tr::kBlocked) {  // (blocked: the groups are in total already)
 #pragma unroll
-      for (int i = 0; i < R; ++i)
+        for (int i = 0; i < R; ++i)
 #pragma unroll
-        for (int c = 0; c < KC; ++c) total[i][c] += double(partial[i][c]);
+          for (int c = 0; c < KC; ++c) total[i][c] += double(partial[i][c]);
+      }
     }
 
     if constexpr (Tr::kExpand) {

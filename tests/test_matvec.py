@@ -199,7 +199,83 @@ def test_float64_out_specs_and_split_budget():
     with pytest.raises(ValueError, match="^out: dtype torch.float16"):
         ms.matvec_spec(g, f32, 3, 1, out_dtype=torch.float16)
     shipped = [s.traits for s in ms.shipped()]
-    assert sum("double" in t for t in shipped) == 3  # D = 3 and D = 8 matvec kernels, the combination
+    # D = 3 and D = 8 matvec kernels, the same blocked (kF32Group = 8), the combination
+    assert sum("double" in t for t in shipped) == 5
+    assert sum(t.endswith("double, 8>") for t in shipped) == 2
+
+
+def test_blocked_float64_mode_specs():
+    """The blocked float64 mode (f32_partials) is the float64 mode's expanded instantiation with
+    kF32Group = F32_GROUP appended; where the float64 mode takes the direct form (an epsilon cut, a
+    descriptor without the expanded exponent) or the output is not float64, the flag changes nothing."""
+    g = km.preset("gaussian_l2")
+    f32, f64 = torch.float32, torch.float64
+    assert ms.F32_GROUP == 8
+    for d, kk in ((3, 4), (8, 9)):
+        blk = ms.matvec_spec(g, f32, d, 1, out_dtype=f64, f32_partials=True)
+        assert blk.traits.endswith(f"float, {kk}, 1, true, 0, 0, -1, false, double, 8>")
+        assert blk.launch == ms.matvec_spec(g, f32, d, 1, out_dtype=f64).launch  # same rows and tiles
+    assert ms.matvec_spec(g, f32, 8, 1, epsilon=0.1, out_dtype=f64, f32_partials=True) == ms.matvec_spec(
+        g, f32, 8, 1, epsilon=0.1, out_dtype=f64)
+    assert ms.matvec_spec(km.preset("l1"), f32, 8, 1, out_dtype=f64, f32_partials=True) == ms.matvec_spec(
+        km.preset("l1"), f32, 8, 1, out_dtype=f64)
+    assert ms.matvec_spec(g, f32, 8, 1, f32_partials=True) == ms.matvec_spec(g, f32, 8, 1)
+    with pytest.raises(ValueError, match="f32_group"):
+        ms.matvec_traits_spec(g, f32, 9, 1, expand=True, f32_group=8)  # not the float64 mode
+
+
+def test_solver_products_select_the_blocked_instantiation(as_gpu, monkeypatch):
+    """SolverKernel.matvec(..., f32_partials=True) of float32 data and a float64 v plans the
+    blocked float64 mode's kernel (planned as on sm_90, not run); without the flag, and through the
+    public kernel_matvec, the float64 mode's."""
+    from kermac_like.ops import matvec as ops_matvec
+    from kermac_like.solvers._kernel import resolve_kernel
+
+    planned = []
+
+    def recording(call, out, debug):
+        p = plan_matvec_mod.plan_matvec(call, out, debug)
+        planned.append(p.launches[0].kernel.spec.traits)
+        return type("Done", (), {"run": lambda self: out})()
+
+    monkeypatch.setattr(ops_matvec, "plan_matvec", recording)
+    kernel = resolve_kernel("gaussian_l2", 1.5, None)
+    x, z = torch.randn(5000, 8), torch.randn(300, 8)
+    v = torch.randn(300, 1, dtype=torch.float64)
+    kernel.matvec(x, z, v, f32_partials=True)
+    kernel.matvec(z, x, torch.randn(5000, 1, dtype=torch.float64), f32_partials=True)
+    kernel.matvec(x, z, v)
+    km.kernel_matvec(km.preset("gaussian_l2"), x, z, v, bandwidth=1.5)
+    assert [t.endswith("false, double, 8>") for t in planned] == [True, True, False, False]
+    assert all(t.endswith("false, double>") for t in planned[2:])
+
+
+@pytest.mark.filterwarnings("ignore:KernelRidge")  # five iterations: not converged
+@pytest.mark.parametrize("env,want", [(None, True), ("1", True), ("0", False)])
+def test_falkon_env_switch_selects_blocked_products(monkeypatch, env, want):
+    """KERMAC_LIKE_FALKON_BLOCKED (default "1") decides whether Falkon's products ask for the
+    blocked float64 mode (read at each fit; the CPU path computes them as the float64 mode)."""
+    from kermac_like.solvers import KernelRidge
+    from kermac_like.solvers import _kernel
+
+    if env is None:
+        monkeypatch.delenv("KERMAC_LIKE_FALKON_BLOCKED", raising=False)
+    else:
+        monkeypatch.setenv("KERMAC_LIKE_FALKON_BLOCKED", env)
+    flags = []
+    real = _kernel.SolverKernel.matvec
+
+    def recording(self, a, b, v, out=None, *, f32_partials=False):
+        flags.append(f32_partials)
+        return real(self, a, b, v, out, f32_partials=f32_partials)
+
+    monkeypatch.setattr(_kernel.SolverKernel, "matvec", recording)
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(400, 3, generator=g)
+    y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(400, generator=g)
+    KernelRidge("gaussian_l2", bandwidth=0.5, alpha=1e-2, solver="nystrom", n_centers=50, random_state=0,
+                max_iter=5).fit(x, y)
+    assert flags and set(flags) == {want}
 
 
 @pytest.mark.parametrize("name", ["gaussian_l2", "dot", "laplace_l2"])
@@ -403,6 +479,9 @@ def _gpu_specs():
     out += [ms.matvec_spec(km.preset("dot"), f32, 1, 1, out_dtype=torch.float64),
             ms.matvec_spec(km.preset("gaussian_l2"), f32, 3, 1, out_dtype=torch.float64),
             ms.combine_spec(f32, torch.float64)]
+    # the blocked float64 mode against the float64 mode at D = 8 (test_gpu_blocked_float64_mode)
+    out += [ms.matvec_spec(km.preset("gaussian_l2"), f32, 8, 1, out_dtype=torch.float64, f32_partials=b)
+            for b in (False, True)]
     # Hopper (sm_90 only; KernelSpec.supports drops them elsewhere): the fused tensor-core
     # kernel of Euclidean/DOT float32 calls with K > 32, its b preparation, the carry kernel.
     from kermac_like.runtime.specs import wgmma_prepare_spec
@@ -670,6 +749,38 @@ def test_gpu_float64_mode_kernel_values_are_transposes(gpu_warm, name):
     # float32 kernel values: the exponent's rounding (~|t| u with |t| up to ~10 here, relative to the
     # centred norms in the expanded form) and ex2's 2 ulp; the largest seen over unseeded runs: 2.0e-6
     assert ((kxy - ref).abs() / ref).max() < 3e-6
+
+
+@pytest.mark.gpu
+def test_gpu_blocked_float64_mode(gpu_warm):
+    """The blocked float64 mode (Falkon's products: float32 partials of F32_GROUP points) against the
+    float64 mode at 2e5 x 2e4, D = 8, both products (K(x, z) v one CTA row tile per 1024 rows, K(z, x) u
+    over split N ranges): within (F32_GROUP + 1) 2^-24 K |w| of it (the CPU shim's bound; the same
+    kernel values), not equal to it, and the kernel values K(x, z) bitwise the transpose of K(z, x)."""
+    from dataclasses import replace
+
+    g = km.preset("gaussian_l2")
+    gen = torch.Generator(device="cuda").manual_seed(28)
+    x = torch.rand(200_000, 8, device="cuda", generator=gen) * 2 - 1
+    z = x[torch.randperm(200_000, device="cuda", generator=gen)[:20_000]].contiguous()
+    bound = (ms.F32_GROUP + 1) * 2.0 ** -24
+    for a, b in ((x, z), (z, x)):
+        w = torch.randn(b.shape[0], 1, dtype=F64, device="cuda", generator=gen)
+        call = mv.prepare_matvec(g, a, b, w, bandwidth=1.5)
+        f64 = mv.matvec_forward(call)
+        blk = mv.matvec_forward(replace(call, f32_partials=True))
+        mag = mv.matvec_forward(call.with_v(w.abs()))
+        err = ((blk - f64).abs() / mag).max().item()
+        assert err <= bound, (err, bound)
+        assert not torch.equal(blk, f64)
+    cols = torch.zeros(20_000, 3, dtype=F64, device="cuda")
+    cols[[0, 9_999, 19_999], [0, 1, 2]] = 1.0
+    rows = torch.zeros(200_000, 3, dtype=F64, device="cuda")
+    rows[[5, 100_000, 199_999], [0, 1, 2]] = 1.0
+    call = replace(mv.prepare_matvec(g, x, z, cols, bandwidth=1.5), f32_partials=True)
+    kxz = mv.matvec_forward(call)  # (200000, 3): columns 0, 9999, 19999 of K(x, z)
+    kzx = mv.matvec_forward(call.transposed(rows))  # (20000, 3): columns 5, 100000, 199999 of K(z, x)
+    assert torch.equal(kxz[[5, 100_000, 199_999]], kzx[[0, 9_999, 19_999]].T)
 
 
 @pytest.mark.gpu

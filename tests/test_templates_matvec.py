@@ -5,7 +5,8 @@ loop and the tuned variants (kUnrollJ, kPolyPairs, kPrefetch; bench/probes/matve
 partial last tiles (padded trips), split N ranges (the `part` output), rows that are too far
 from the tile's centre to fold a_m out of the loop, and a NaN point. The float64 mode
 (TOut = double): v read as float64, float64 products and sums (exact integer sums that float32
-partials would round), split sums float64 through matvec_combine_kernel.
+partials would round), split sums float64 through matvec_combine_kernel. The blocked float64 mode
+(kF32Group): the float64 mode within its error bound, the same kernel values bit for bit.
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ VARIANTS = [
 ]
 # TOut = double (case 100 + i): the symmetric expanded form (no tuning knobs).
 DOUBLE_VARIANTS = [(0, 0, -1, "false")]
+# The blocked float64 mode (case 110 + i): kF32Group, points of a float32 partial (8: the shipped one).
+BLOCKED_GROUPS = [8, 16, 32]
+BLOCKED = {g: 110 + i for i, g in enumerate(BLOCKED_GROUPS)}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +115,9 @@ def runner(tmp_path_factory):
     inst += [f"using D{i} = G({p}, {u}, {q}, {pf}, double);" for i, (p, u, q, pf) in enumerate(DOUBLE_VARIANTS)]
     dcases = [f"      case {100 + i}: run<D{i}>(x, y, vd.data(), o.data(), part, M, N, n_split, per, centre); break;"
               for i in range(len(DOUBLE_VARIANTS))]
+    inst += [f"using B{i} = G(0, 0, -1, false, double, {g});" for i, g in enumerate(BLOCKED_GROUPS)]
+    dcases += [f"      case {110 + i}: run<B{i}>(x, y, vd.data(), o.data(), part, M, N, n_split, per, centre); break;"
+               for i in range(len(BLOCKED_GROUPS))]
     src = (SHIM.replace("@@INSTANCES@@", "\n".join(inst)).replace("@@CASES@@", "\n".join(cases))
            .replace("@@DCASES@@", "\n".join(dcases)))
     exe = build_cpu_runner(tmp_path_factory, "matvec_cpu", src)
@@ -221,12 +228,54 @@ def test_float64_mode_sums_exactly_cpu(runner, tmp_path):
         assert np.array_equal(got, exact.astype(np.float64)), n_split
 
 
-def test_float64_mode_kernel_values_are_transposes_cpu(runner, tmp_path):
+@pytest.mark.parametrize("group", BLOCKED_GROUPS)
+def test_blocked_float64_mode_cpu(runner, group, tmp_path):
+    """The blocked float64 mode (v staged in float32, float32 partials of `group` points, float64
+    totals) against the float64 mode, which has the same kernel values k bit for bit: the
+    difference is v's rounding and the group sums, at most (group + 1) u sum_n |k v| with u = 2^-24
+    (recursive FFMA sums of `group` terms: gamma_group; v: u), whatever N; positive and
+    sign-changing v, a partial last tile (padded group). Split N ranges: the groups are the same
+    (tiles start at multiples of kBlockN), so split and unsplit agree to float64 association."""
+    exe, _ = runner
+    u = 2.0 ** -24
+    rng = np.random.default_rng(60 + group)
+    M, N = 301, 1789  # 7 y tiles of 256, the last of 253 points (not whole groups)
+    x = rng.standard_normal((M, 3)).astype(np.float32)
+    y = (0.5 * rng.standard_normal((N, 3))).astype(np.float32)
+
+    def go(w, v64, n_split, per, tag):
+        inp, outp = tmp_path / f"in{tag}.bin", tmp_path / f"out{tag}_{w}_{n_split}.bin"
+        _inputs(inp, x, y, v64.astype(np.float32), v64)
+        subprocess.run([str(exe), str(w), str(M), str(N), str(n_split), str(per), str(inp), str(outp)], check=True)
+        raw = np.fromfile(outp, dtype=np.float64)
+        return raw[:M] if n_split == 1 else (raw[M:M + n_split * M].reshape(n_split, M), raw[M + n_split * M:])
+
+    stats = []
+    for tag, v64 in (("pos", rng.random(N) + 1.0), ("mixed", rng.standard_normal(N))):
+        f64 = go(100, v64, 1, 7, tag)
+        mag = go(100, np.abs(v64), 1, 7, tag + "abs")  # sum |k v| (k > 0)
+        blk = go(BLOCKED[group], v64, 1, 7, tag)
+        err = np.abs(blk - f64) / mag
+        stats.append(f"{tag}: max {err.max() / u:.2f} u, rms {np.sqrt((err ** 2).mean()) / u:.2f} u")
+        assert err.max() <= (group + 1) * u
+        assert (blk != blk.astype(np.float32).astype(np.float64)).mean() > 0.9  # the totals are float64
+        if tag == "pos":
+            ref = _reference(x, y, v64[:, None])[:, 0]
+            assert (np.abs(blk - ref) / ref).max() < 2e-6
+        part, combined = go(BLOCKED[group], v64, 2, 4, tag)  # tiles 0-3 and 4-6
+        assert np.array_equal(combined, part[0] + part[1])
+        assert (np.abs(combined - blk) / mag).max() < 1e-14
+    print(f"blocked float64 mode, {group} points a partial, |blocked - float64 mode| / sum |k v|:", "; ".join(stats))
+
+
+@pytest.mark.parametrize("which", [100, BLOCKED[8]])
+def test_float64_mode_kernel_values_are_transposes_cpu(runner, which, tmp_path):
     """The float64 mode's symmetric expanded form: k(x_i, y_j) from K(x, y) e_j equals k(y_j, x_i)
     from K(y, x) e_i bit for bit (one-hot v: the output is one kernel value, exactly), with the
     centre of both calls the same by construction; and the values are within float32 rounding
     of the float64 kernel. Rows over several y tiles and an infinite row (k = 0 on both sides; a
-    NaN point would make every sum NaN, even with a zero weight)."""
+    NaN point would make every sum NaN, even with a zero weight). The blocked float64 mode (110)
+    gives the same bits (k times an exact 1 in float32, added to zeros)."""
     exe, _ = runner
     rng = np.random.default_rng(5)
     M, N = 301, 701
@@ -241,15 +290,19 @@ def test_float64_mode_kernel_values_are_transposes_cpu(runner, tmp_path):
         v[j] = 1.0
         inp, outp = tmp_path / f"in{tag}.bin", tmp_path / f"out{tag}.bin"
         _inputs(inp, a, b, np.zeros(n, np.float32), v)
-        subprocess.run([str(exe), "100", str(a.shape[0]), str(n), "1", "3", str(inp), str(outp)], check=True)
+        subprocess.run([str(exe), str(w), str(a.shape[0]), str(n), "1", "3", str(inp), str(outp)], check=True)
         return np.fromfile(outp, dtype=np.float64)[:a.shape[0]]
 
+    w = which
     kxy = {j: column(x, y, j, f"xy{j}") for j in J}
     kyx = {i: column(y, x, i, f"yx{i}") for i in I}
     for i in I:
         for j in J:
             a, b = kxy[j][i], kyx[i][j]
             assert a == b, (i, j, a, b)
+    if which != 100:
+        w = 100
+        assert all(np.array_equal(kxy[j], column(x, y, j, f"xy{j}f64")) for j in J)
     d2 = ((x[:, None, :].astype(np.float64) - y[None, J, :].astype(np.float64)) ** 2).sum(-1)
     ref = np.exp(-0.5 * d2)
     got = np.stack([kxy[j] for j in J], 1)

@@ -59,6 +59,10 @@ class MatvecCall:
     K: int
     C: int
     vector: bool
+    # The blocked float64 mode (internal; Falkon's products): with a float64 out of float32/16-bit
+    # data and the expanded form, v rounded to float32 once and float32 partials of a few points
+    # added into the float64 sums (specs.matvec.F32_GROUP); elsewhere ignored.
+    f32_partials: bool = False
 
     @property
     def out_shape(self) -> tuple:

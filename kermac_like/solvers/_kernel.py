@@ -5,24 +5,34 @@ products the solvers need.
   (cholesky, the m x m landmark matrix, row blocks of K_nm).
 * ``matvec(a, b, v)``: K(a, b) @ v without the matrix, through
   :class:`kermac_like.KernelOperator` (kernel_matvec) where the package has it;
-  otherwise K(a, b) in row blocks of bounded size times v.
+  otherwise K(a, b) in row blocks of bounded size times v. ``f32_partials``: the blocked
+  float64 mode of kernel_matvec's internals (Falkon's products, :func:`falkon_blocked`).
 * ``gram_of_rows(a, z)``: K(a, z)^T K(a, z) (m x m), accumulated over row blocks
   of ``a`` so that no N x m matrix exists at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, preset
 from ..ops.distance import run_kernel
 
-__all__ = ["SolverKernel", "resolve_kernel", "BLOCK_BYTES"]
+__all__ = ["SolverKernel", "resolve_kernel", "BLOCK_BYTES", "falkon_blocked"]
 
 # Largest dense kernel block (bytes) the fallback product and the Gram accumulation build at once.
 BLOCK_BYTES = 1 << 30
+
+
+def falkon_blocked() -> bool:
+    """Whether Falkon's products (float32/16-bit data, float64 vectors) run in kernel_matvec's
+    blocked float64 mode (v rounded to float32 once, float32 partials of 8 points added into the
+    float64 sums; predicted ~1.4x the float64 mode's speed at D = 8, bench/notes/krr_1e9.md):
+    KERMAC_LIKE_FALKON_BLOCKED, "1" (default) or "0" (the float64 mode), read at each fit."""
+    return os.environ.get("KERMAC_LIKE_FALKON_BLOCKED", "1") != "0"
 
 
 def resolve_kernel(kernel, bandwidth, p) -> "SolverKernel":
@@ -77,12 +87,21 @@ class SolverKernel:
         """K(a, b) (+ regularization on the diagonal), dense."""
         return run_kernel(self.desc, a, b, regularization=regularization, out=out, **self.hypers)
 
-    def matvec(self, a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, out=None) -> torch.Tensor:
+    def matvec(self, a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, out=None, *,
+               f32_partials: bool = False) -> torch.Tensor:
         """K(a, b) @ v for v (n_b, C): (n_a, C), in v's dtype promoted with a's. ``out`` (n_a, C) is
         written in place; a float64 ``out`` of float32 data receives the float64 sums unrounded
-        (kernel_matvec's float64 out)."""
+        (kernel_matvec's float64 out). ``f32_partials`` with a float64 v of float32/16-bit data:
+        kernel_matvec's blocked float64 mode (no autograd: the solvers' products take none)."""
         op_cls = _operator_class()
         if op_cls is not None:
+            if f32_partials and v.dtype == torch.float64 and a.dtype != torch.float64:
+                from ..ops.matvec import _check_out, matvec_forward, prepare_matvec
+
+                call = replace(prepare_matvec(self.desc, a, b, v, **self.hypers), f32_partials=True)
+                if out is not None:
+                    _check_out(call, out)
+                return matvec_forward(call, out)
             return op_cls(self.desc, a, b, **self.hypers).matmul(v, out=out)
         return self._blocked_matvec(a, b, v, out)
 

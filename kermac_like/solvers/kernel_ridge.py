@@ -42,7 +42,7 @@ from .. import linalg
 from .._estimator import BaseEstimator, MultiOutputMixin, RegressorMixin, check_feature_names, check_is_fitted
 from ._cg import local_dots, pcg
 from ._dist import Comm
-from ._kernel import resolve_kernel
+from ._kernel import falkon_blocked, resolve_kernel
 from ._nystrom import FalkonPreconditioner, LandmarkNystromPreconditioner, build_bytes, gather_global_rows, sample_indices
 from ._rows import HostMemoryError, RowSource
 
@@ -571,6 +571,13 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         idx = sample_indices(n_total, m, seed)
         z = gather_global_rows(comm, X, offset, idx, device=dev)
 
+        # The products in kernel_matvec's blocked float64 mode unless KERMAC_LIKE_FALKON_BLOCKED=0: the
+        # float64 mode's kernel values and float64 sums, v rounded to float32 and float32 partials of
+        # 8 pairs (~0.2 2^-24 of sum |k v| per product). B amplifies that rounding too: on the CPU model
+        # (N = 2e4, m = 2e3) CG took 37 iterations instead of 30, same predictions to 7e-5 relative
+        # (bench/notes/krr_1e9.md, "blocked float64 mode").
+        blocked = falkon_blocked()
+
         # One pass over the rows = one (m, C) float64 block: sum over the chunks c of K_Zc (...).
         def data_pass(v64=None, minus_y=False, flags=None):
             """K_Zn K_nZ v (v64), K_Zn y (v64 None), or K_Zn (y - K_nZ v) (minus_y) over this rank's
@@ -583,10 +590,10 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                 if v64 is None:
                     u = yc.to(f64)
                 else:
-                    u = kernel.matvec(xc, z, v64)  # K_cZ v (rows, C)
+                    u = kernel.matvec(xc, z, v64, f32_partials=blocked)  # K_cZ v (rows, C)
                     if minus_y:
                         u.neg_().add_(yc)  # y_c - K_cZ v, bit for bit, in place: one (rows, C) temporary
-                acc += kernel.matvec(z, xc, u)
+                acc += kernel.matvec(z, xc, u, f32_partials=blocked)
             return comm.all_reduce(acc)
 
         # The first pass: K_Zn y, and the finiteness of streamed data (agreed on by every rank with one

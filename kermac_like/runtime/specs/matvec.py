@@ -30,6 +30,7 @@ __all__ = [
     "shipped",
     "rows_per_thread",
     "part_bytes",
+    "F32_GROUP",
 ]
 
 THREADS = 256
@@ -136,15 +137,29 @@ def _tuning(kK: int, kC: int) -> dict:
     return dict(DEFAULT_TUNING) if kK <= 4 and kC == 1 else {}
 
 
+# Points of a float32 partial in the blocked float64 mode (MatvecTraits' kF32Group, the group's
+# pairs fully unrolled): its group sums add at most (F32_GROUP + 1) 2^-24 sum |k v| to the float64
+# mode's error (measured 0.2 2^-24 at most: the CPU shim's test_blocked_float64_mode_cpu), and the
+# group's widening and float64 add cost 1/F32_GROUP of a pair's XU and FP64 work. SASS at D = 8
+# (sm_90): 12.22 instructions a pair at 8 (a 391-instruction loop), 12.09 at 16 (774: 12 KB of
+# code, the size of an SM partition's L0 instruction cache), 13.6 in the float64 mode.
+# Probes override it (bench/probes/falkon_products.py --group).
+F32_GROUP = 8
+
+
 def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expand: bool = False,
                        poly_rows: int | None = None, unroll_j: int = 0, poly_pairs: int = -1,
-                       prefetch: bool = False, out_dtype=None) -> KernelSpec:
+                       prefetch: bool = False, out_dtype=None, f32_group: int = 0) -> KernelSpec:
     """``unroll_j`` / ``poly_pairs`` / ``prefetch``: MatvecTraits' kUnrollJ / kPolyPairs / kPrefetch
     (expanded kernel only; defaults leave the template arguments out). ``out_dtype``: torch.float64
     selects TOut = double, the float64 mode (v read as float64, float64 products and sums, the
     totals stored without rounding); None or ``dtype``: the default TOut = T (the template
-    argument left out, so that those names do not change)."""
+    argument left out, so that those names do not change). ``f32_group`` > 0 (float64 mode,
+    expanded form): kF32Group, the blocked float64 mode (v staged in float32, float32 partials of
+    that many points added into the float64 totals)."""
     tout = _out_arg(dtype, out_dtype)
+    if f32_group and not (tout and expand and block_n(kK, kC) % f32_group == 0):
+        raise ValueError("matvec_traits_spec: f32_group needs the float64 mode's expanded form and to divide kBlockN")
     rows = rows_per_thread(kK, kC, dtype, wide=bool(tout))
     if poly_rows is None:
         poly_rows = POLY_ROWS if expand and rows >= 8 else 0
@@ -158,6 +173,8 @@ def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expan
         extra += f", {int(unroll_j)}, {int(poly_pairs)}, {str(bool(prefetch)).lower()}"
     if tout:
         extra += f", {tout}"
+    if f32_group:
+        extra += f", {int(f32_group)}"
     traits = f"kermac_like::MatvecTraits<{desc.cpp_args()}, {_T[dtype]}, {int(kK)}, {int(kC)}{extra}>"
     shape = LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=block_n(kK, kC), smem_bytes=0)
     return KernelSpec("matvec.cuh", "kermac_like::matvec_kernel", traits, shape)
@@ -170,12 +187,15 @@ def expands(desc: KernelDescriptor, K: int, epsilon=None) -> bool:
     return expandable(desc) and not (epsilon is not None and epsilon > 0) and k_bucket(K + 1) != 0
 
 
-def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None, out_dtype=None) -> KernelSpec:
+def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None, out_dtype=None,
+                f32_partials: bool = False) -> KernelSpec:
     """The instantiation serving a call: K and C (columns of one launch, at most MAX_C) of
     the data, ``epsilon`` as validated (None or a float), ``out_dtype`` the output's dtype (None:
     ``dtype``; torch.float64 with float32/16-bit data: the float64 mode, TOut = double, whose
     expanded form is the symmetric one: the caller's centre for both operands, so that K(x, y)
-    and K(y, x) are bitwise transposes; no tuning knobs)."""
+    and K(y, x) are bitwise transposes; no tuning knobs). ``f32_partials`` (the float64 mode):
+    the blocked float64 mode (float32 partials of F32_GROUP points) where the call takes the
+    expanded form; elsewhere the float64 mode."""
     wide = bool(_out_arg(dtype, out_dtype))
     expand = expands(desc, K, epsilon)
     kK = k_bucket(K + 1 if expand else K)
@@ -183,6 +203,8 @@ def matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, epsilon=None, 
     kC = simt_c_bucket(C)
     if expand and not wide and dtype == torch.float32 and kK <= 8 and block_n(kK, kC) == THREADS:
         tuning = _tuning(kK, kC)
+    if wide and expand and f32_partials:
+        tuning = {"f32_group": F32_GROUP}
     return matvec_traits_spec(desc, dtype, kK, kC, expand=expand, out_dtype=out_dtype, **tuning)
 
 
@@ -203,7 +225,7 @@ def shipped():
     the p-norm (inner and outer powers) and DOT, the chunked strategy, float16 and bfloat16 loads)
     and the combination kernels; the float64 mode (TOut = double, the symmetric expanded form, as
     Falkon's products take it): the D = 3 and D = 8 one-column kernels and the float32 -> float64
-    combination."""
+    combination; the blocked float64 mode's D = 3 and D = 8 one-column kernels (Falkon's products)."""
     f32 = torch.float32
     g = PRESETS["gaussian_l2"]
     yield matvec_spec(g, f32, 3, 1)
@@ -221,4 +243,6 @@ def shipped():
         yield combine_spec(dt)
     for d in (3, 8):
         yield matvec_spec(g, f32, d, 1, out_dtype=torch.float64)
+    for d in (3, 8):
+        yield matvec_spec(g, f32, d, 1, out_dtype=torch.float64, f32_partials=True)
     yield combine_spec(f32, torch.float64)

@@ -62,7 +62,6 @@ struct KmeansAssignTraits {
 // The pruned iteration's filter (kmeans_bounds_kernel): one point per thread, any K (runtime loops).
 struct KmeansBoundsTraits {
   static constexpr int kThreads = 256;
-  static constexpr int kLocal = 64;    // the longest neighbourhood list a point scans itself
   static constexpr int kBlockM = 256;  // points per CTA
   static constexpr int kBlockN = 1;
   static constexpr int kSmemBytes = 0;
@@ -411,7 +410,7 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_bounds_kernel(
     const float* __restrict__ halfs, const float* __restrict__ rth, const int* __restrict__ offs,
     const int* __restrict__ cols, const float* __restrict__ ccd, int* __restrict__ rmax, int* __restrict__ work,
     int* __restrict__ count, int* __restrict__ changed, float* __restrict__ dist, int N, int K, i64 sxm, i64 sxk,
-    i64 ldc, int split, float kap, float gu, float gl) {
+    i64 ldc, int split, float kap, float gu, float gl, int local) {
   using namespace kmeans_assign_detail;
   const i64 i = i64(blockIdx.x) * Traits::kThreads + threadIdx.x;
   const int lane = threadIdx.x & 31;
@@ -440,19 +439,24 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_bounds_kernel(
       lb[i] = l;
       atomicMax(rmax + a, __float_as_int(u));
     } else {
-      // The local assignment: the centres n of a's neighbourhood list (offs / cols, ccd[j] <= ||c_n - c_a||)
-      // nearer to c_a than T = 2 kap u + 2^-50, and a itself, by the exact path; every other centre is
-      // farther from x than F = min(T, rth[a]) - u >= u (2 kap - 1) (triangle inequality), so where
-      // keeps_label(u, F) the smallest (value bits, index) among the evaluated ones is the full assignment's
-      // label. Lists longer than kLocal, or F too small, go to the work list (the tensor-core kernel).
+      // The local assignment: the centres n of a's neighbourhood list (offs / cols, ccd[j] <= ||c_n - c_a||,
+      // ascending in each list) nearer to c_a than T = 2 kap u + 2^-50, and a itself, by the exact path;
+      // every other centre is farther from x than F = min(T, rth[a]) - u >= u (2 kap - 1) (triangle
+      // inequality), so where keeps_label(u, F) the smallest (value bits, index) among the evaluated ones is
+      // the full assignment's label. More than `local` centres to evaluate, or F too small: the work list.
       const int o0 = offs[a], o1 = offs[a + 1];
       const float T = up(math::add_rn(up(math::mul_rn(u, 2.0f * kap)), 0x1p-50f));
       const float F = down(math::sub_rn(fminf(T, rth[a]), u));
-      queue = o1 - o0 > Traits::kLocal || !keeps_label(u, F, kap);
+      int o2 = o0;  // the end of the centres nearer than T (binary search: the list is ascending)
+      for (int hi = o1; o2 < hi;) {
+        const int mid = (o2 + hi) >> 1;
+        if (ccd[mid] < T) o2 = mid + 1;
+        else hi = mid;
+      }
+      queue = o2 - o0 > local || !keeps_label(u, F, kap);
       if (!queue) {
         unsigned b1 = __float_as_uint(va), n1 = unsigned(a), b2 = 0xffffffffu;  // best (bits, index), second
-        for (int j = o0; j < o1; ++j) {
-          if (!(ccd[j] < T)) continue;
+        for (int j = o0; j < o2; ++j) {
           const unsigned n = unsigned(cols[j]);
           const unsigned bv = __float_as_uint(exact_value(xi, sxk, c + i64(n) * ldc, K, split));
           if (bv < b1 || (bv == b1 && n < n1)) {

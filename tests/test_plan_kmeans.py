@@ -199,6 +199,7 @@ def test_centre_bounds_are_outward(C, K):
         assert (mine != a).all() and mine.unique().numel() == mine.numel()
         listed[a, mine] = True
         assert (ccd[offs[a]:offs[a + 1]].double() <= cc[a, mine]).all()
+        assert (ccd[offs[a]:offs[a + 1]].diff() >= 0).all(), "a list not ascending"
     # every centre outside a's list is at least rth[a] away; the listed ones' drifts are below mdl[a]
     assert ((cc >= rth.double()[:, None]) | listed).all()
     assert (~listed | (mdl.double()[:, None] >= d[None, :])).all()

@@ -128,13 +128,13 @@ void step(const AArgs& A, const float* x, const float* c, long long* labels, flo
   const int N = (int)A.N, K = (int)A.K;
   launch<B>((N + B::kThreads - 1) / B::kThreads, [&] {
     kmeans_bounds_kernel<B>(x, c, labels, ub, lb, drift, mdl, halfs, rth, offs, cols, ccd, rmax, work, count, changed,
-                            nullptr, N, K, K, 1, K, (int)A.split, A.kap, A.gu, A.gl);
+                            nullptr, N, K, K, 1, K, (int)A.split, A.kap, A.gu, A.gl, 64);
   });
   run<Tr>(A, x, c, labels, dist, nullptr, work, *count, ub, lb, rmax, changed);
   launch<B>((N + B::kThreads - 1) / B::kThreads, [&] {
     kmeans_bounds_kernel<B>(x, c, labels, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                             nullptr, nullptr, nullptr, nullptr, nullptr, exact, N, K, K, 1, K, (int)A.split, 1.0f, 1.0f,
-                            1.0f);
+                            1.0f, 0);
   });
 }
 

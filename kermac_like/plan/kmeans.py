@@ -319,6 +319,9 @@ BOUNDS = os.environ.get("KERMAC_LIKE_KMEANS_BOUNDS", "1") != "0"
 # The centre statistics are C x C (float64, in row blocks): up to this many centres.
 BOUNDS_MAX_C = 8192
 BOUNDS_THREADS = BOUNDS_LAUNCH.threads
+# A point the bounds leave open is assigned among its centre's neighbourhood when at most this many
+# centres of the list are near enough (else by the tensor-core kernel on the work list).
+BOUNDS_LOCAL = int(os.environ.get("KERMAC_LIKE_KMEANS_LOCAL", "64"))
 _F32_INF = torch.tensor(float("inf"), dtype=torch.float32)
 
 
@@ -354,7 +357,7 @@ def centre_bounds(old: torch.Tensor, new: torch.Tensor, rmax: torch.Tensor, kap:
     drift[n] >= ||new_n - old_n||; halfs[a] <= min_{n != a} ||new_n - new_a|| / 2; the neighbourhood of a:
     the centres n != a within r_a = 2 kap (rmax[a] + drift[a]) (1 + 1e-4) + 2^-50 of new_a (rmax: the float
     bits of the cluster's largest ub before the move), listed in cols[offs[a]:offs[a + 1]] with ccd <= their
-    distance to new_a; rth[a] <= r_a <= the distance of every other centre; mdl[a] >= the largest drift in
+    distance to new_a, ascending; rth[a] <= r_a <= the distance of every other centre; mdl[a] >= the largest drift in
     the neighbourhood. For the cluster's points (ub <= r_a / (2 kap)) the far centres are farther than
     ub kap, so only the near ones' drift lowers lb (the kernel's lb takes both parts, so it is a lower bound
     whatever r_a is), and a point the bounds leave open is assigned among its list. Float64 direct
@@ -383,11 +386,13 @@ def centre_bounds(old: torch.Tensor, new: torch.Tensor, rmax: torch.Tensor, kap:
         rows.append(nz[:, 0] + a0)
         cols.append(nz[:, 1].to(torch.int32))
         ccd.append(cc[nz[:, 0], nz[:, 1]])
-    rows = torch.cat(rows)
+    rows, cols, ccd = torch.cat(rows), torch.cat(cols), _down32(torch.cat(ccd))
+    order = torch.sort(ccd, stable=True).indices  # each list ascending (the kernel's binary search)
+    order = order[torch.sort(rows[order], stable=True).indices]
     offs = torch.zeros(C + 1, dtype=torch.int32, device=dev)
     offs[1:] = torch.bincount(rows, minlength=C).cumsum(0)
     return (drift, _up32(mdl), _down32(halfs.mul_(0.5 * (1.0 - 1e-12))), _down32(r.mul_(1.0 - 1e-11)), offs,
-            torch.cat(cols), _down32(torch.cat(ccd)))
+            cols[order], ccd[order])
 
 
 def bounds_serve(X: torch.Tensor, n_clusters: int) -> bool:
@@ -455,7 +460,7 @@ class BoundedAssign:
                 drift.data_ptr(), mdl.data_ptr(), halfs.data_ptr(), rth.data_ptr(), offs.data_ptr(), cols.data_ptr(),
                 ccd.data_ptr(), self.rmax.data_ptr(), self.work.data_ptr(), self.count.data_ptr(),
                 self.changed.data_ptr(), 0, np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)),
-                np.int32(assign_split(K)), np.float32(kap), np.float32(gu), np.float32(gl))
+                np.int32(assign_split(K)), np.float32(kap), np.float32(gu), np.float32(gl), np.int32(BOUNDS_LOCAL))
         launch(self._kernel(), (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
         n = int(self.count.item())
         if n:
@@ -476,7 +481,7 @@ class BoundedAssign:
             sxm, sxk = (np.int64(t) for t in X.stride())
             args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr()) + (0,) * 13 + (
                 self.dist.data_ptr(), np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)),
-                np.int32(assign_split(K)), np.float32(1.0), np.float32(1.0), np.float32(1.0))
+                np.int32(assign_split(K)), np.float32(1.0), np.float32(1.0), np.float32(1.0), np.int32(0))
             launch(self._kernel(), (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
             self.fresh = True
         return self.dist.to(torch.float64).square_()

@@ -397,20 +397,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
 // decide). Per point: ub += drift[label]; lb = min(lb - mdl[label], rth[label] - ub) (near centres moved by
 // at most mdl, far ones are farther than rth - ub by the triangle inequality: a lower bound over every
 // other centre); if keeps_label fails, ub is recomputed from the exact path's value for its centre and
-// tested again; a point that still fails is assigned among its centre's neighbourhood list (offs / cols /
-// ccd: the centres within rth[a] of c_a, CSR, with lower bounds on their distance to c_a) where that
-// decides (below), else it goes to work[atomicAdd(count)] for the tensor-core kernel (the order is free:
-// each point is assigned on its own). Every point settled here adds its ub to rmax[label] (zeroed by the
-// host before) and its label change to changed. With dist: the exact mode instead, every point's
+// tested again; points that still fail go to
+// work[atomicAdd(count)] (their order is free: each is assigned on its own), the others keep their label
+// and add ub to rmax[label] (zeroed by the host before). With dist: the exact mode instead, every point's
 // dist = sqrtf(exact value to its label's centre) (the bits of the full assignment's dist).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) kmeans_bounds_kernel(
-    const float* __restrict__ x, const float* __restrict__ c, i64* __restrict__ labels, float* __restrict__ ub,
-    float* __restrict__ lb, const float* __restrict__ drift, const float* __restrict__ mdl,
-    const float* __restrict__ halfs, const float* __restrict__ rth, const int* __restrict__ offs,
-    const int* __restrict__ cols, const float* __restrict__ ccd, int* __restrict__ rmax, int* __restrict__ work,
-    int* __restrict__ count, int* __restrict__ changed, float* __restrict__ dist, int N, int K, i64 sxm, i64 sxk,
-    i64 ldc, int split, float kap, float gu, float gl, int local) {
+    const float* __restrict__ x, const float* __restrict__ c, const i64* __restrict__ labels,
+    float* __restrict__ ub, float* __restrict__ lb, const float* __restrict__ drift, const float* __restrict__ mdl,
+    const float* __restrict__ halfs, const float* __restrict__ rth, int* __restrict__ rmax, int* __restrict__ work,
+    int* __restrict__ count, float* __restrict__ dist, int N, int K, i64 sxm, i64 sxk, i64 ldc, int split, float kap,
+    float gu) {
   using namespace kmeans_assign_detail;
   const i64 i = i64(blockIdx.x) * Traits::kThreads + threadIdx.x;
   const int lane = threadIdx.x & 31;
@@ -422,63 +419,19 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_bounds_kernel(
   bool queue = false;
   if (live) {
     const i64 a = labels[i];
-    const float* xi = x + i * sxm;
     float u = up(math::add_rn(ub[i], drift[a]));
     const float near = down(math::sub_rn(lb[i], mdl[a]));  // the centres within rth[a] of c_a
     float l = fminf(near, down(math::sub_rn(rth[a], u)));   // and the others: ||x - c|| >= rth[a] - u
     bool keep = keeps_label(u, fmaxf(l, halfs[a]), kap);
-    float va = 0.0f;
     if (!keep) {
-      va = exact_value(xi, sxk, c + a * ldc, K, split);
-      u = upper_of(va, gu);
+      u = upper_of(exact_value(x + i * sxm, sxk, c + a * ldc, K, split), gu);
       l = fminf(near, down(math::sub_rn(rth[a], u)));
       keep = keeps_label(u, fmaxf(l, halfs[a]), kap);
     }
-    if (keep) {
-      ub[i] = u;
-      lb[i] = l;
-      atomicMax(rmax + a, __float_as_int(u));
-    } else {
-      // The local assignment: the centres n of a's neighbourhood list (offs / cols, ccd[j] <= ||c_n - c_a||,
-      // ascending in each list) nearer to c_a than T = 2 kap u + 2^-50, and a itself, by the exact path;
-      // every other centre is farther from x than F = min(T, rth[a]) - u >= u (2 kap - 1) (triangle
-      // inequality), so where keeps_label(u, F) the smallest (value bits, index) among the evaluated ones is
-      // the full assignment's label. More than `local` centres to evaluate, or F too small: the work list.
-      const int o0 = offs[a], o1 = offs[a + 1];
-      const float T = up(math::add_rn(up(math::mul_rn(u, 2.0f * kap)), 0x1p-50f));
-      const float F = down(math::sub_rn(fminf(T, rth[a]), u));
-      int o2 = o0;  // the end of the centres nearer than T (binary search: the list is ascending)
-      for (int hi = o1; o2 < hi;) {
-        const int mid = (o2 + hi) >> 1;
-        if (ccd[mid] < T) o2 = mid + 1;
-        else hi = mid;
-      }
-      queue = o2 - o0 > local || !keeps_label(u, F, kap);
-      if (!queue) {
-        unsigned b1 = __float_as_uint(va), n1 = unsigned(a), b2 = 0xffffffffu;  // best (bits, index), second
-        for (int j = o0; j < o2; ++j) {
-          const unsigned n = unsigned(cols[j]);
-          const unsigned bv = __float_as_uint(exact_value(xi, sxk, c + i64(n) * ldc, K, split));
-          if (bv < b1 || (bv == b1 && n < n1)) {
-            b2 = b1, b1 = bv, n1 = n;
-          } else if (bv < b2) {
-            b2 = bv;
-          }
-        }
-        const float v1 = __uint_as_float(b1);
-        const float u1 = upper_of(v1, gu);
-        float l1 = F;
-        if (b2 != 0xffffffffu) l1 = fminf(l1, down(math::sqrt_rn(lower_sq_of(__uint_as_float(b2), gl))));
-        if (i64(n1) != a) atomicAdd(changed, 1);
-        labels[i] = i64(n1);
-        ub[i] = u1;
-        lb[i] = l1;
-        atomicMax(rmax + n1, __float_as_int(u1));
-      } else {
-        ub[i] = u;
-        lb[i] = l;
-      }
-    }
+    ub[i] = u;
+    lb[i] = l;
+    if (keep) atomicMax(rmax + a, __float_as_int(u));
+    queue = !keep;
   }
   const unsigned b = ballot(queue);
   if (b) {

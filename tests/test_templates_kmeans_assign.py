@@ -118,23 +118,21 @@ void run(const AArgs& A, const float* x, const float* c, long long* labels, floa
   });
 }
 
-// One pruned step: the filter (with the local assignment), the work list's assignment, then the exact
-// mode's distances.
+// One pruned step: the filter, the assignment of its work list, then the exact mode's distances.
 template <class Tr>
 void step(const AArgs& A, const float* x, const float* c, long long* labels, float* ub, float* lb,
-          const float* drift, const float* mdl, const float* halfs, const float* rth, const int* offs, const int* cols,
-          const float* ccd, int* rmax, int* work, int* count, int* changed, float* dist, float* exact) {
+          const float* drift, const float* mdl, const float* halfs, const float* rth, int* rmax, int* work,
+          int* count, int* changed, float* dist, float* exact) {
   typedef KmeansBoundsTraits B;
   const int N = (int)A.N, K = (int)A.K;
   launch<B>((N + B::kThreads - 1) / B::kThreads, [&] {
-    kmeans_bounds_kernel<B>(x, c, labels, ub, lb, drift, mdl, halfs, rth, offs, cols, ccd, rmax, work, count, changed,
-                            nullptr, N, K, K, 1, K, (int)A.split, A.kap, A.gu, A.gl, 64);
+    kmeans_bounds_kernel<B>(x, c, labels, ub, lb, drift, mdl, halfs, rth, rmax, work, count, nullptr, N, K, K, 1, K,
+                            (int)A.split, A.kap, A.gu);
   });
   run<Tr>(A, x, c, labels, dist, nullptr, work, *count, ub, lb, rmax, changed);
   launch<B>((N + B::kThreads - 1) / B::kThreads, [&] {
     kmeans_bounds_kernel<B>(x, c, labels, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                            nullptr, nullptr, nullptr, nullptr, nullptr, exact, N, K, K, 1, K, (int)A.split, 1.0f, 1.0f,
-                            1.0f, 0);
+                            nullptr, exact, N, K, K, 1, K, (int)A.split, 1.0f, 1.0f);
   });
 }
 
@@ -167,8 +165,7 @@ typedef void (*Runner)(const AArgs&, const float*, const float*, long long*, flo
 static const Runner kRunners[] = {&run<KmeansAssignTraits<8>>, &run<KmeansAssignTraits<16>>,
                                   &run<KmeansAssignTraits<64>>};
 typedef void (*Stepper)(const AArgs&, const float*, const float*, long long*, float*, float*, const float*,
-                        const float*, const float*, const float*, const int*, const int*, const float*, int*, int*,
-                        int*, int*, float*, float*);
+                        const float*, const float*, const float*, int*, int*, int*, int*, float*, float*);
 static const Stepper kSteppers[] = {&step<KmeansAssignTraits<8>>, &step<KmeansAssignTraits<16>>,
                                     &step<KmeansAssignTraits<64>>};
 
@@ -185,7 +182,7 @@ void put(FILE* f, const std::vector<T>& v) { std::fwrite(v.data(), sizeof(T), v.
 
 // usage: emu RUNNER DIR [step]
 //   (args.bin x.bin c.bin; writes out.bin: labels | dist | cert | ref labels | ref dist | ub | lb | rmax)
-//   step: also labels.bin ub.bin lb.bin drift.bin mdl.bin halfs.bin rth.bin offs.bin cols.bin ccd.bin (c.bin: the new centres); writes
+//   step: also labels.bin ub.bin lb.bin drift.bin mdl.bin halfs.bin rth.bin (c.bin: the new centres); writes
 //   out.bin: labels | ub | lb | rmax | changed | count | work | exact dist | ref labels | ref dist
 int main(int argc, char** argv) {
   if (argc != 3 && argc != 4) fail("usage: emu RUNNER DIR [step]");
@@ -216,14 +213,10 @@ int main(int argc, char** argv) {
     auto ub = load<float>(dir + "/ub.bin", A.N), lb = load<float>(dir + "/lb.bin", A.N);
     auto drift = load<float>(dir + "/drift.bin", A.C), mdl = load<float>(dir + "/mdl.bin", A.C);
     auto halfs = load<float>(dir + "/halfs.bin", A.C), rth = load<float>(dir + "/rth.bin", A.C);
-    auto offs = load<int>(dir + "/offs.bin", A.C + 1);
-    auto cols = load<int>(dir + "/cols.bin", offs[A.C]);
-    auto ccd = load<float>(dir + "/ccd.bin", offs[A.C]);
-    cols.push_back(-1), ccd.push_back(0.0f);  // (never empty)
     std::vector<int> rmax(A.C, 0), work(A.N, -1), count(1, 0), changed(1, 0);
     std::vector<float> dist(A.N, -5.0f), exact(A.N, -5.0f);
     kSteppers[r](A, x.data(), c.data(), labels.data(), ub.data(), lb.data(), drift.data(), mdl.data(), halfs.data(),
-                 rth.data(), offs.data(), cols.data(), ccd.data(), rmax.data(), work.data(), count.data(), changed.data(), dist.data(), exact.data());
+                 rth.data(), rmax.data(), work.data(), count.data(), changed.data(), dist.data(), exact.data());
     put(f, labels), put(f, ub), put(f, lb), put(f, rmax), put(f, changed), put(f, count), put(f, work);
     put(f, exact), put(f, rl), put(f, rd);
   }
@@ -282,7 +275,7 @@ def emulate(exe, x, c, tmp, tau=None, bounds=False):
     return out if bounds else out[:5]
 
 
-def emulate_step(exe, x, c_new, labels, ub, lb, stats, tmp):
+def emulate_step(exe, x, c_new, labels, ub, lb, drift, mdl, halfs, rth, tmp):
     """One pruned step on the emulator: (labels, ub, lb, rmax, changed, count, work, exact dist, ref labels,
     ref dist) with the reference at the new centres."""
     N, K = x.shape
@@ -290,11 +283,9 @@ def emulate_step(exe, x, c_new, labels, ub, lb, stats, tmp):
     d = Path(tmp)
     d.mkdir(parents=True, exist_ok=True)
     (d / "args.bin").write_bytes(_args(N, K, C))
-    drift, mdl, halfs, rth, offs, cols, ccd = (np.asarray(t) for t in stats)
     for name, a, dt in (("x", x, np.float32), ("c", c_new, np.float32), ("labels", labels, np.int64),
                         ("ub", ub, np.float32), ("lb", lb, np.float32), ("drift", drift, np.float32),
-                        ("mdl", mdl, np.float32), ("halfs", halfs, np.float32), ("rth", rth, np.float32),
-                        ("offs", offs, np.int32), ("cols", cols, np.int32), ("ccd", ccd, np.float32)):
+                        ("mdl", mdl, np.float32), ("halfs", halfs, np.float32), ("rth", rth, np.float32)):
         (d / f"{name}.bin").write_bytes(np.ascontiguousarray(a, dt).tobytes())
     r = subprocess.run([exe, str(KKS.index(assign_k_bucket(K))), str(d), "step"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -436,15 +427,7 @@ def test_assignment_bounds_hold(emulator, tmp_path, kind, N, K, C):
 
 
 def _step_case(emulator, tmp_path, kind, N, K, C, move, seed):
-    """An assignment with bounds, then centres moved by ``move`` x randn with centre 3 relocated onto a point.
-    kind "means": blob data with the centres at the blob means (+ 0.3 randn): small clusters, short lists."""
-    if kind == "means":
-        rng = np.random.default_rng(seed)
-        means = 4 * rng.standard_normal((C, K))
-        x = (means[rng.integers(0, C, N)] + rng.standard_normal((N, K))).astype(np.float32)
-        c = (means + 0.3 * rng.standard_normal((C, K))).astype(np.float32)
-    else:
-        x, c = _data(kind, N, K, C, seed=seed)
+    x, c = _data(kind, N, K, C, seed=seed)
     labels, _, _, _, _, ub, lb, rmax = emulate(emulator, x, c, tmp_path / "first", bounds=True)
     rng = np.random.default_rng(seed)
     c_new = (c + move * rng.standard_normal(c.shape)).astype(np.float32)
@@ -452,63 +435,40 @@ def _step_case(emulator, tmp_path, kind, N, K, C, move, seed):
     return x, c, c_new, labels, ub, lb, rmax
 
 
-def _run_step(emulator, tmp_path, kind, N, K, C, move, local):
-    """The step of test_pruned_step_is_the_full_assignment, checked; returns the work list's length."""
+@pytest.mark.parametrize("kind, N, K, C, move", [("blobs", 300, 16, 70, 0.05), ("blobs", 300, 16, 300, 0.3),
+                                                 ("ties", 300, 16, 70, 0.01), ("ties", 150, 33, 70, 0.01)])
+def test_pruned_step_is_the_full_assignment(emulator, tmp_path, kind, N, K, C, move):
+    """A step after the centres moved: the filter keeps the points its rule proves, the assignment takes the
+    work list; every label and the exact mode's distance bits equal the full assignment's at the new centres,
+    the changed count is the number of new labels, and the bounds still hold."""
     x, c, c_new, labels0, ub, lb, rmax = _step_case(emulator, tmp_path, kind, N, K, C, move, seed=N + C + K)
     import torch
 
     _, _, kap = bound_consts(K)
-    stats = list(centre_bounds(torch.from_numpy(c), torch.from_numpy(c_new), torch.from_numpy(rmax), kap))
-    if not local:  # empty lists, rth = 0 (every other centre may be near): nothing is decided locally
-        stats[3] = torch.zeros(C)
-        stats[4] = torch.zeros(C + 1, dtype=torch.int32)
-        stats[5], stats[6] = torch.zeros(0, dtype=torch.int32), torch.zeros(0)
+    drift, mdl, halfs, rth = centre_bounds(torch.from_numpy(c), torch.from_numpy(c_new), torch.from_numpy(rmax), kap)
     labels, ub2, lb2, rmax2, changed, count, work, exact, rl, rd = emulate_step(
-        emulator, x, c_new, labels0, ub, lb, stats, tmp_path / "step")
+        emulator, x, c_new, labels0, ub, lb, drift.numpy(), mdl.numpy(), halfs.numpy(), rth.numpy(), tmp_path / "step")
     assert np.array_equal(labels, rl), f"{int((labels != rl).sum())} labels differ from the full assignment"
     assert np.array_equal(exact.view(np.int32), rd.view(np.int32))
     assert int(changed[0]) == int((labels != labels0).sum())
     n = int(count[0])
-    assert n < N and (n > 0 or local), n
+    assert 0 < n < N, n  # both paths taken
     assert len(set(work[:n].tolist())) == n and (work[n:] == -1).all()
     _check_bounds(x, c_new, labels, ub2, lb2)
     for a in range(C):
         mine = ub2[labels == a]
         assert rmax2[a] == (mine.max().view(np.int32) if mine.size else 0)
-    return n
-
-
-@pytest.mark.parametrize("kind, N, K, C, move, local", [("blobs", 300, 16, 70, 0.05, True),
-                                                        ("blobs", 300, 16, 300, 0.3, True),
-                                                        ("blobs", 300, 16, 70, 0.05, False),
-                                                        ("means", 600, 16, 70, 0.2, True),
-                                                        ("ties", 300, 16, 70, 0.01, True),
-                                                        ("ties", 150, 33, 70, 0.01, True)])
-def test_pruned_step_is_the_full_assignment(emulator, tmp_path, kind, N, K, C, move, local):
-    """A step after the centres moved: the filter keeps the points its rule proves, assigns others among
-    their centre's neighbourhood list (``local``; without the lists every open point goes to the work list)
-    and the tensor-core kernel takes the work list; every label and the exact mode's distance bits equal the
-    full assignment's at the new centres, the changed count is the number of new labels, and the bounds
-    still hold."""
-    _run_step(emulator, tmp_path, kind, N, K, C, move, local)
-
-
-def test_local_assignment_takes_most_open_points(emulator, tmp_path):
-    """On blob data with a centre per blob the neighbourhood lists settle most points the bounds leave
-    open: the work list is less than half as long with them as without."""
-    with_lists = _run_step(emulator, tmp_path / "a", "means", 600, 16, 70, 0.2, True)
-    without = _run_step(emulator, tmp_path / "b", "means", 600, 16, 70, 0.2, False)
-    assert with_lists < without / 2, (with_lists, without)
 
 
 def test_stale_bounds_are_seen(emulator, tmp_path):
-    """The same step told that nothing moved (drift, mdl = 0, no far centres): kept points then carry labels
-    the full assignment does not give, so the comparison above can see a filter that keeps too much."""
+    """The same step told that nothing moved (drift, mdl = 0): kept points then carry labels the full
+    assignment does not give, so the comparison above can see a filter that keeps too much."""
     x, c, c_new, labels0, ub, lb, rmax = _step_case(emulator, tmp_path, "blobs", 300, 16, 70, 1.5, seed=9)
+    zero = np.zeros(70, np.float32)
     import torch
 
-    stats = list(centre_bounds(torch.from_numpy(c), torch.from_numpy(c_new), torch.from_numpy(rmax), 1.0))
-    stats[0] = stats[1] = torch.zeros(70)
-    stats[3] = torch.full((70,), float("inf"))
-    labels, *_, rl, _ = emulate_step(emulator, x, c_new, labels0, ub, lb, stats, tmp_path / "stale")
+    inf = np.full(70, np.inf, np.float32)
+    halfs = centre_bounds(torch.from_numpy(c), torch.from_numpy(c_new), torch.from_numpy(rmax), 1.0)[2]
+    labels, *_, rl, _ = emulate_step(emulator, x, c_new, labels0, ub, lb, zero, zero, halfs.numpy(), inf,
+                                     tmp_path / "stale")
     assert (labels != rl).any(), "stale bounds went unnoticed"

@@ -82,15 +82,6 @@ def main():
     t_update, _ = event_ms(lambda: segment_sums(X, ba.labels, None, C))
     t_exact, _ = event_ms(ba.exact_d2)
     off, on = statistics.median(times[False]), statistics.median(times[True])
-    # the local assignment's limit (plan.kmeans.BOUNDS_LOCAL): fit time and work list per setting
-    sweep = []
-    default_local = plan_km.BOUNDS_LOCAL
-    for local in (0, 64, 256, 1024):
-        plan_km.BOUNDS_LOCAL = local
-        assigned.clear()
-        ms = statistics.median(event_ms(fit)[0] for _ in range(REPS))
-        sweep.append((local, ms, sum(assigned) // REPS))
-    plan_km.BOUNDS_LOCAL = default_local
     # where the centre statistics' time goes
     from torch.profiler import ProfilerActivity, profile
 
@@ -98,8 +89,8 @@ def main():
         for _ in range(5):
             plan_km.centre_bounds(c0, c1, ba.rmax, kap)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=40))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6, max_name_column_width=40))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=4, max_name_column_width=40))
     print(f"first step after k-means++: {ba.assigned} points assigned, {changed} changed")
     print()
     print("| quantity | ms |")
@@ -113,8 +104,6 @@ def main():
     print(f"| update (segment sums) | {t_update:.2f} |")
     print(f"| exact distances (all points) | {t_exact:.2f} |")
     print(f"| bitwise same fit off / on | {same} |")
-    for local, ms, n in sweep:
-        print(f"| {ITERS} iterations, BOUNDS_LOCAL = {local} | {ms:.1f} (work lists {n} points in all) |")
 
 
 if __name__ == "__main__":

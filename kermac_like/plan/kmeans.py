@@ -319,10 +319,6 @@ BOUNDS = os.environ.get("KERMAC_LIKE_KMEANS_BOUNDS", "1") != "0"
 # The centre statistics are C x C (float64, in row blocks): up to this many centres.
 BOUNDS_MAX_C = 8192
 BOUNDS_THREADS = BOUNDS_LAUNCH.threads
-# A point the bounds leave open is assigned among its centre's neighbourhood when at most this many
-# centres of the list are near enough (else by the tensor-core kernel on the work list).
-BOUNDS_LOCAL = int(os.environ.get("KERMAC_LIKE_KMEANS_LOCAL", "64"))
-_F32_INF = torch.tensor(float("inf"), dtype=torch.float32)
 
 
 def bound_consts(K: int) -> tuple:
@@ -338,61 +334,41 @@ def bound_consts(K: int) -> tuple:
 
 
 def _up32(t: torch.Tensor) -> torch.Tensor:
-    """float64 -> the smallest float32 >= it."""
-    f = t.float()
-    return torch.where(f.double() < t, torch.nextafter(f, _F32_INF.to(f.device)), f)
+    """float64 t >= 0 -> a float32 >= it (the round-to-nearest error is below 2^-24 relative or 2^-150)."""
+    return t.mul(1.0 + 2.0 ** -22).add_(2.0 ** -149).float()
 
 
 def _down32(t: torch.Tensor) -> torch.Tensor:
-    """float64 -> the largest float32 <= it."""
-    f = t.float()
-    return torch.where(f.double() > t, torch.nextafter(f, -_F32_INF.to(f.device)), f)
+    """float64 t >= 0 -> a float32 in [0, t]."""
+    return t.mul(1.0 - 2.0 ** -22).sub_(2.0 ** -149).float().clamp_(min=0.0)
 
 
 def centre_bounds(old: torch.Tensor, new: torch.Tensor, rmax: torch.Tensor, kap: float) -> tuple:
-    """The filter's centre statistics after the centres moved from ``old`` to ``new`` ((C, K) float32):
-    (drift, mdl, halfs, rth), (C,) float32 each, and the neighbourhood lists (offs (C + 1,) int32, cols
-    (nnz,) int32, ccd (nnz,) float32, CSR in row order).
-
-    drift[n] >= ||new_n - old_n||; halfs[a] <= min_{n != a} ||new_n - new_a|| / 2; the neighbourhood of a:
-    the centres n != a within r_a = 2 kap (rmax[a] + drift[a]) (1 + 1e-4) + 2^-50 of new_a (rmax: the float
-    bits of the cluster's largest ub before the move), listed in cols[offs[a]:offs[a + 1]] with ccd <= their
-    distance to new_a, ascending; rth[a] <= r_a <= the distance of every other centre; mdl[a] >= the largest drift in
-    the neighbourhood. For the cluster's points (ub <= r_a / (2 kap)) the far centres are farther than
-    ub kap, so only the near ones' drift lowers lb (the kernel's lb takes both parts, so it is a lower bound
-    whatever r_a is), and a point the bounds leave open is assigned among its list. Float64 direct
-    differences (relative error ~1e-15, inside the 1e-12 margins), rounded outward to float32. One host
-    synchronisation per block of rows (the lists' lengths)."""
-    o, n = old.double(), new.double()
-    C = n.shape[0]
-    dev = n.device
-    drift64 = (n - o).square_().sum(1).sqrt_().mul_(1.0 + 1e-12)
-    drift = _up32(drift64)
-    r = (rmax.view(torch.float32).double() + drift.double()).mul_((1.0 + 1e-4) * 2.0 * kap).add_(2.0 ** -50)
-    halfs = torch.empty(C, dtype=torch.float64, device=dev)
-    mdl = torch.empty(C, dtype=torch.float64, device=dev)
-    rows, cols, ccd = [], [], []
-    B = max(1, min(C, 2 ** 24 // (C * n.shape[1])))
+    """(drift, mdl, halfs, rth), (C,) float32 each, for the filter after the centres moved from ``old`` to
+    ``new`` ((C, K) float32): drift[n] >= ||new_n - old_n||; halfs[a] <= min_{n != a} ||new_n - new_a|| / 2;
+    the neighbourhood of a: the centres n != a within r_a = 2 kap (rmax[a] + drift[a]) (1 + 1e-4) + 2^-50 of
+    new_a (rmax: the float bits of the cluster's largest ub before the move); rth[a] <= r_a <= the distance of
+    every other centre, mdl[a] >= the largest drift in the neighbourhood. For the cluster's points
+    (ub <= r_a / (2 kap)) the far centres are farther than ub kap, so only the near ones' drift lowers lb (the
+    kernel's lb takes both parts, so it is a lower bound whatever r_a is). Float64 direct differences
+    (relative error ~1e-15, inside the 1e-12 margins), rounded outward to float32; a few dozen small
+    launches per step (their host time is most of the cost: ~0.3 ms at C = 1024), no synchronisation."""
+    n = new.double()
+    C, K = n.shape
+    drift = torch.linalg.vector_norm(n - old.double(), dim=1).mul_(1.0 + 1e-12)
+    r = (rmax.view(torch.float32).double() + drift).mul_((1.0 + 1e-4) * 2.0 * kap).add_(2.0 ** -50)
+    r2 = r.square()
+    halfs = torch.empty(C, dtype=torch.float64, device=n.device)
+    mdl = torch.empty(C, dtype=torch.float64, device=n.device)
+    B = max(1, min(C, 2 ** 24 // (C * K)))
     for a0 in range(0, C, B):
         a1 = min(C, a0 + B)
-        cc = (n[a0:a1, None, :] - n[None, :, :]).square_().sum(2).sqrt_()  # (b, C), direct differences
-        i = torch.arange(a0, a1, device=dev)
-        cc[i - a0, i] = float("inf")
-        halfs[a0:a1] = cc.amin(1)
-        cc.mul_(1.0 - 1e-12)  # <= the true distance
-        near = cc < r[a0:a1, None]
-        mdl[a0:a1] = torch.where(near, drift64[None, :], 0.0).amax(1)
-        nz = near.nonzero()
-        rows.append(nz[:, 0] + a0)
-        cols.append(nz[:, 1].to(torch.int32))
-        ccd.append(cc[nz[:, 0], nz[:, 1]])
-    rows, cols, ccd = torch.cat(rows), torch.cat(cols), _down32(torch.cat(ccd))
-    order = torch.sort(ccd, stable=True).indices  # each list ascending (the kernel's binary search)
-    order = order[torch.sort(rows[order], stable=True).indices]
-    offs = torch.zeros(C + 1, dtype=torch.int32, device=dev)
-    offs[1:] = torch.bincount(rows, minlength=C).cumsum(0)
-    return (drift, _up32(mdl), _down32(halfs.mul_(0.5 * (1.0 - 1e-12))), _down32(r.mul_(1.0 - 1e-11)), offs,
-            cols[order], ccd[order])
+        cc = (n[a0:a1, None, :] - n[None, :, :]).square_().sum(2)  # (b, C) squared, direct differences
+        cc.diagonal(offset=a0).fill_(float("inf"))
+        torch.amin(cc, 1, out=halfs[a0:a1])
+        torch.amax((cc < r2[a0:a1, None]) * drift, 1, out=mdl[a0:a1])  # drift >= 0: 0 outside
+    return (_up32(drift), _up32(mdl), _down32(halfs.sqrt_().mul_(0.5 * (1.0 - 1e-12))),
+            _down32(r.mul_(1.0 - 1e-11)))
 
 
 def bounds_serve(X: torch.Tensor, n_clusters: int) -> bool:
@@ -450,17 +426,17 @@ class BoundedAssign:
         X = self.X
         N, K = X.shape
         c = centres if centres.stride(1) == 1 else centres.contiguous()
-        gu, gl, kap = bound_consts(K)
-        drift, mdl, halfs, rth, offs, cols, ccd = centre_bounds(self.centres, c, self.rmax, kap)
+        gu, _, kap = bound_consts(K)
+        drift, mdl, halfs, rth = centre_bounds(self.centres, c, self.rmax, kap)
         self.rmax.zero_()
         self.count.zero_()
         self.changed.zero_()
         sxm, sxk = (np.int64(t) for t in X.stride())
         args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), self.ub.data_ptr(), self.lb.data_ptr(),
-                drift.data_ptr(), mdl.data_ptr(), halfs.data_ptr(), rth.data_ptr(), offs.data_ptr(), cols.data_ptr(),
-                ccd.data_ptr(), self.rmax.data_ptr(), self.work.data_ptr(), self.count.data_ptr(),
-                self.changed.data_ptr(), 0, np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)),
-                np.int32(assign_split(K)), np.float32(kap), np.float32(gu), np.float32(gl), np.int32(BOUNDS_LOCAL))
+                drift.data_ptr(), mdl.data_ptr(), halfs.data_ptr(), rth.data_ptr(), self.rmax.data_ptr(),
+                self.work.data_ptr(),
+                self.count.data_ptr(), 0, np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)),
+                np.int32(assign_split(K)), np.float32(kap), np.float32(gu))
         launch(self._kernel(), (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
         n = int(self.count.item())
         if n:
@@ -479,9 +455,9 @@ class BoundedAssign:
             X, c = self.X, self.centres
             N, K = X.shape
             sxm, sxk = (np.int64(t) for t in X.stride())
-            args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr()) + (0,) * 13 + (
-                self.dist.data_ptr(), np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)),
-                np.int32(assign_split(K)), np.float32(1.0), np.float32(1.0), np.float32(1.0), np.int32(0))
+            args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, self.dist.data_ptr(),
+                    np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)), np.int32(assign_split(K)),
+                    np.float32(1.0), np.float32(1.0))
             launch(self._kernel(), (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
             self.fresh = True
         return self.dist.to(torch.float64).square_()

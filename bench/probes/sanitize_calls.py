@@ -132,8 +132,14 @@ def lowk():
 def matvec():
     """kernel_matvec forward (one and several columns, a batch, M small enough for the
     split-N combination, the fused wgmma kernel at K > 32) and its backward with respect to
-    x, y and v."""
+    x, y and v; the blocked float64 mode through a small Nystrom fit (Falkon's products)."""
     g = torch.Generator(device="cuda").manual_seed(4)
+    from kermac_like.solvers import KernelRidge
+    xs = torch.rand(3001, 8, device="cuda", generator=g)
+    ys = torch.sin(4 * xs).sum(1, keepdim=True)
+    model = KernelRidge(kernel="gaussian_l2", bandwidth=1.5, alpha=1e-3, solver="nystrom", n_centers=200,
+                        random_state=0).fit(xs, ys)
+    assert float((model.predict(xs) - ys).square().mean()) < 0.05, "Nystrom fit failed"
     # K = 37 / 40 with the Euclidean descriptors and DOT: the fused wgmma kernel on sm_90
     # (matvec_wgmma.cuh; several N tiles, C = 1 and the 16-column bucket), SIMT elsewhere.
     for K, C, (L, M, N) in ((3, 1, (2, 37, 1031)), (8, 3, (2, 131, 97)), (37, 1, (1, 5, 2049)),
@@ -341,6 +347,18 @@ def kmeans():
         lab, dist, cert = plan_km.plan_assign(xa, ca, certificates=True).run()
         d_ref, l_ref = knn(xa, ca, 1, compute_mode=_DIRECT)
         assert torch.equal(lab, l_ref[:, 0]) and torch.equal(dist, d_ref[:, 0]), "tensor-core assignment differs"
+    # Lloyd's pruned iterations (kmeans_bounds_kernel, the assignment on a work list with bounds) against
+    # every point assigned: blob data, N not a multiple of the filter's 256 points
+    means = 4 * torch.randn(40, 16, device="cuda", generator=g)
+    xb = means[torch.randint(0, 40, (5003,), device="cuda", generator=g)] + torch.randn(5003, 16, device="cuda",
+                                                                                         generator=g)
+    fits = []
+    for on in (True, False):
+        plan_km.BOUNDS = on
+        m = KMeans(n_clusters=40, max_iter=12, tol=0.0, random_state=0).fit(xb)
+        fits.append((m.labels_, m.cluster_centers_, m.inertia_))
+    plan_km.BOUNDS = True
+    assert torch.equal(fits[0][0], fits[1][0]) and torch.equal(fits[0][1], fits[1][1]), "pruned fit differs"
 
 
 # name -> (function, environment)

@@ -152,13 +152,13 @@ def test_no_generic_lambdas_in_templates():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_kmeans_family_compiles_without_spills(shipped, arch):
     """The k-means kernels (cuda_templates/kmeans.cuh: seeding and update; kmeans_assign_mma.cuh: the
-    tensor-core assignment): every shipped instantiation compiles (in the session's shipped build), its
-    mirror checked, with no local-memory spills."""
+    tensor-core assignment and the pruned iterations' filter): every shipped instantiation compiles (in the
+    session's shipped build), its mirror checked, with no local-memory spills."""
     specs = list(render.FAMILIES["kmeans"]())
     assert {s.kernel for s in specs} == {"kermac_like::kmeans_update_kernel", "kermac_like::kmeans_draw_kernel",
                                          "kermac_like::kmeans_segsum_kernel", "kermac_like::kmeans_segsum_combine_kernel",
                                          "kermac_like::kmeans_assign_prep_kernel",
-                                         "kermac_like::kmeans_assign_mma_kernel"}
+                                         "kermac_like::kmeans_assign_mma_kernel", "kermac_like::kmeans_bounds_kernel"}
     resources = {s: r for s, (_, _, r) in shipped.kernels(specs, arch).items()}
     assert len(resources) == len(specs)
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in resources.values()), resources

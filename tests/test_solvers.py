@@ -214,6 +214,29 @@ def test_cg_true_residual_checks_keep_the_best_iterate(grow_after):
         assert not math.isfinite(plain.residual) and checked < 0.05
 
 
+def test_cg_check_at_tol_is_the_verification():
+    """A check (check_every) whose true residual is at tol while the recursive one is not ends CG there:
+    no second true residual of the same x (one product: a whole data pass in Falkon). The true residual
+    here is the caller's form scaled by 1/2, so that the check sees tol before the recursion does."""
+    g = torch.Generator().manual_seed(3)
+    q, _ = torch.linalg.qr(torch.randn(60, 60, dtype=torch.float64, generator=g))
+    a = q @ torch.diag(torch.linspace(1, 4, 60, dtype=torch.float64)) @ q.T
+    b = torch.randn(60, 1, dtype=torch.float64, generator=g)
+    calls = []
+
+    def residual(x):
+        calls.append(1)
+        return 0.5 * (b - a @ x)
+
+    rec = []
+    pcg(lambda v: a @ v, lambda r: r.clone(), b, tol=1e-30, max_iter=3, progress=lambda it, w: rec.append(w))
+    tol = 0.75 * rec[2]
+    assert rec[0] > tol and rec[1] > tol  # the recursion is above tol up to the check
+    res = pcg(lambda v: a @ v, lambda r: r.clone(), b, tol=tol, max_iter=50, check_every=3, residual=residual)
+    assert res.converged and res.n_iter == 3 and len(calls) == 1, (res.n_iter, len(calls))
+    assert res.residual == pytest.approx(0.5 * rec[2], rel=1e-6)
+
+
 @pytest.mark.parametrize("case", ["y_rows", "nan_x", "nan_y", "alpha_cg", "alpha_nystrom", "n_centers", "solver",
                                   "distance", "bandwidth", "x_dim"])
 def test_bad_input(case):

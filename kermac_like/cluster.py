@@ -408,6 +408,14 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     The assignment is ``knn(X, centres, 1)``: on a CPU (and for float64 on a GPU) exact in
     float64; on a GPU in float32 for float32 data, so points whose two nearest centres are
     within float32 rounding of each other may take the other one. Inertia is summed in float64.
+    On a GPU in float32 with n_features <= 16 and 2 to 8192 clusters the assignment runs on tensor
+    cores with a certificate, and the iterations after the first assign only the points whose
+    label distance bounds cannot prove (Hamerly's bounds with Elkan's half-distance test): the
+    same labels as assigning every point, bitwise (``KERMAC_LIKE_KMEANS_BOUNDS=0`` assigns every
+    point). Device memory: X, plus ~24 bytes a point for the bounded iterations (labels, two
+    bounds, a distance and the work list) and O(n_clusters x n_features) per step; no
+    n_samples x n_clusters matrix. Errors: ``ValueError`` naming the argument for bad parameters,
+    shapes, n_clusters > n_samples and NaN/inf in X; ``NotFittedError`` before ``fit``.
     """
 
     def __init__(self, n_clusters=8, *, init="k-means++", n_init=1, max_iter=300, tol=1e-4, random_state=None,

@@ -49,6 +49,33 @@ def _time_one(fn, args, device):
     return out, (time.perf_counter() - t0) * 1e3
 
 
+def event_ms(fn, *args):
+    """(ms, output) of one call ``fn(*args)`` on the current CUDA device: CUDA events after a
+    synchronisation (the probes' single-call timer; time_calls takes medians)."""
+    torch.cuda.synchronize()
+    out, ms = _time_one(fn, args, torch.device("cuda"))
+    return ms, out
+
+
+def interleaved(module, switch: str, fn, reps: int, before=None):
+    """Time ``fn()`` with ``module.<switch>`` False and True, interleaved: one warm-up call each, then
+    ``reps`` rounds of both (``before()`` ahead of every timed call). Returns ({False: median ms,
+    True: median ms}, {switch: last output}); the switch is left False."""
+    times, outs = {False: [], True: []}, {}
+    for on in (False, True):
+        setattr(module, switch, on)
+        outs[on] = fn()
+    for _ in range(reps):
+        for on in (False, True):
+            setattr(module, switch, on)
+            if before is not None:
+                before()
+            ms, outs[on] = event_ms(fn)
+            times[on].append(ms)
+    setattr(module, switch, False)
+    return {k: statistics.median(v) for k, v in times.items()}, outs
+
+
 def _wait_compiles() -> bool:
     """Wait for the kernels compiling in the background (a first call served by the low-K
     run-time-K tier, plan._first_call_tier), so that no timed call runs the stand-in.

@@ -21,16 +21,18 @@ D = 8, C = 1024: 8.6 / ~3; D = 16: C = 256: 4.3 / ~1.3, C = 1024: 14.1 / ~5 (4-7
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kermac_like.cluster import KMeans, _assign  # noqa: E402
 from kermac_like.plan import kmeans as plan_km  # noqa: E402
+from _timing import event_ms  # noqa: E402
+from _timing import interleaved as _interleaved  # noqa: E402
 
 N = 10_000_000
 SHAPES = [(16, 1024), (16, 256), (16, 4096), (8, 1024), (32, 1024), (8, 256), (8, 4096), (32, 256), (32, 4096)]
@@ -38,29 +40,9 @@ PRED = {(8, 1024): 3, (16, 256): 1.3, (16, 1024): 5, (16, 4096): 19, (32, 1024):
 REPS = 5
 
 
-def event_ms(fn):
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    out = fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b), out
-
-
 def interleaved(fn, reps=REPS):
     """{False: median ms off, True: median ms on}, {switch: last output}; one warm-up call each."""
-    times, outs = {False: [], True: []}, {}
-    for on in (False, True):
-        plan_km.ASSIGN_MMA = on
-        outs[on] = fn()
-    for _ in range(reps):
-        for on in (False, True):
-            plan_km.ASSIGN_MMA = on
-            ms, outs[on] = event_ms(fn)
-            times[on].append(ms)
-    plan_km.ASSIGN_MMA = False
-    return {k: statistics.median(v) for k, v in times.items()}, outs
+    return _interleaved(plan_km, "ASSIGN_MMA", fn, reps)
 
 
 def blobs(D, C, g):

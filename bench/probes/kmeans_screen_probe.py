@@ -35,9 +35,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kermac_like.cluster import KMeans, kmeans_plusplus  # noqa: E402
 from kermac_like.plan import kmeans as plan_km  # noqa: E402
+from _timing import event_ms  # noqa: E402
 
 N, D, C, ITERS = 10_000_000, 16, 1024, 20
 PRED = {"seed_blobs": (244, 95), "seed_gauss": (375, 150), "fit": (569, 420)}
@@ -47,13 +49,8 @@ def timed(fn, reps):
     """(median ms after one warm-up call, last output)."""
     out, times = fn(), []
     for _ in range(reps):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        ms, out = event_ms(fn)
+        times.append(ms)
     return statistics.median(times), out
 
 

@@ -234,20 +234,6 @@ __device__ __forceinline__ float encode_row(const float* xi, i64 sxk, int K, uns
   return screen_err_bound(e2, K);
 }
 
-// screen_dist's sum over a bf16 row already in registers (W words, the centre in c_reg).
-template <int W>
-__device__ __forceinline__ float screen_dist_words(const unsigned* wv, const float* c_reg) {
-  float s = 0.0f;
-#pragma unroll
-  for (int w = 0; w < W; ++w) {
-    const float d0 = math::sub_rn(bf16_lo(wv[w]), c_reg[2 * w]);
-    s = math::fma_rn(d0, d0, s);
-    const float d1 = math::sub_rn(bf16_hi(wv[w]), c_reg[2 * w + 1]);
-    s = math::fma_rn(d1, d1, s);
-  }
-  return s;
-}
-
 // s = sum_k fma(tk, tk, s), tk = fl(xs_k - c_k), from the bf16 row at xw (step 2 of the proof).
 template <class Tr>
 __device__ __forceinline__ float screen_dist(const unsigned* xw, const float* c_reg, const float* cj, int K) {
@@ -256,7 +242,13 @@ __device__ __forceinline__ float screen_dist(const unsigned* xw, const float* c_
     constexpr int W = Tr::kK / 2;
     unsigned wv[W];
     load_words<W>(xw, wv);
-    s = screen_dist_words<W>(wv, c_reg);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float d0 = math::sub_rn(bf16_lo(wv[w]), c_reg[2 * w]);
+      s = math::fma_rn(d0, d0, s);
+      const float d1 = math::sub_rn(bf16_hi(wv[w]), c_reg[2 * w + 1]);
+      s = math::fma_rn(d1, d1, s);
+    }
   } else {
 #pragma unroll 1
     for (int q0 = 0; q0 < K; q0 += 8) {
@@ -340,63 +332,35 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_update_kernel(
   }
   float pv[P];
   bool changed = false;
-  if (j == 0) {
 #pragma unroll
-    for (int e = 0; e < P; ++e) {
-      const i64 i = base + tid + e * T;
-      pv[e] = 0.0f;
-      if (i >= N) continue;
-      pv[e] = sq_dist<Tr>(x + i * sxm, sxk, c_reg, cj, K);
-      d2[i] = pv[e];
+  for (int e = 0; e < P; ++e) {
+    const i64 i = base + tid + e * T;
+    pv[e] = 0.0f;
+    if (i >= N) continue;
+    float old;
+    if (j == 0) {
+      old = sq_dist<Tr>(x + i * sxm, sxk, c_reg, cj, K);
+      d2[i] = old;
       near[i] = 0;
       changed = true;
-    }
-  } else {
-    // The P points' loads are issued together at each stage (state, then cc of their centres, then the
-    // screen's rows of the candidates): the stages depend on each other, the points do not.
-    int an[P];
-    bool cand[P];
-#pragma unroll
-    for (int e = 0; e < P; ++e) {
-      const i64 i = base + tid + e * T;
-      pv[e] = i < N ? d2[i] : 0.0f;
-      an[e] = i < N ? near[i] : 0;
-    }
-#pragma unroll
-    for (int e = 0; e < P; ++e) cand[e] = base + tid + e * T < N && cc[an[e]] < pv[e] * kMargin;  // c_j may be nearer
-    if constexpr (Tr::kScreen) {  // drop the candidates whose bf16 row proves dn >= d2
-      if constexpr (Tr::kK > 0) {  // two points' rows at a time (all four: spills at kK = 16)
-        constexpr int W = Tr::kK / 2;
-#pragma unroll
-        for (int e0 = 0; e0 < P; e0 += 2) {
-          unsigned wv[2][W];
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (cand[e0 + e]) load_words<W>(xs + (base + tid + (e0 + e) * T) * kw, wv[e]);
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (cand[e0 + e])
-              cand[e0 + e] = !screen_skips(screen_dist_words<W>(wv[e], c_reg), e_blk, f, pv[e0 + e]);
+    } else {
+      old = d2[i];
+      const int a = near[i];
+      if (cc[a] < old * kMargin) {  // a candidate: c_j may be nearer
+        bool skip = false;          // with the screen: proved dn >= d2 from the bf16 row
+        if constexpr (Tr::kScreen) skip = screen_skips(screen_dist<Tr>(xs + i * kw, c_reg, cj, K), e_blk, f, old);
+        if (!skip) {
+          const float dn = sq_dist<Tr>(x + i * sxm, sxk, c_reg, cj, K);
+          if (dn < old) {
+            old = dn;
+            d2[i] = dn;
+            near[i] = j;
+            changed = true;
+          }
         }
-      } else {
-#pragma unroll
-        for (int e = 0; e < P; ++e)
-          if (cand[e])
-            cand[e] = !screen_skips(screen_dist<Tr>(xs + (base + tid + e * T) * kw, c_reg, cj, K), e_blk, f, pv[e]);
       }
     }
-#pragma unroll
-    for (int e = 0; e < P; ++e) {
-      if (!cand[e]) continue;
-      const i64 i = base + tid + e * T;
-      const float dn = sq_dist<Tr>(x + i * sxm, sxk, c_reg, cj, K);
-      if (dn < pv[e]) {
-        pv[e] = dn;
-        d2[i] = dn;
-        near[i] = j;
-        changed = true;
-      }
-    }
+    pv[e] = old;
   }
   if (__syncthreads_and(!changed)) return;  // the block's p unchanged: its sum stands
   double part = 0.0;

@@ -144,40 +144,15 @@ def segment_sums(X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | 
     return sums.t().contiguous(), wsum
 
 
-def _update_sums(X, labels, prev, weights, C, cache):
-    """segment_sums(X, labels, weights, C) from ``cache`` = segment_sums of the labels ``prev``: only the
-    clusters that gained or lost a point are summed again (their rows gathered in index order, then the
-    fused kernel's per-cluster items, as the full pass takes them), the others keep their sums. The fused
-    kernel sums a cluster from its own rows alone, so the result is the full pass's bitwise; on CUDA in
-    float32 only (the torch path's row blocks span clusters). Most clusters changed: the full pass."""
-    ch = labels != prev
-    dirty = torch.zeros(C, dtype=torch.bool, device=X.device)
-    dirty[prev[ch]] = True
-    dirty[labels[ch]] = True
-    if int(dirty.sum()) * 2 > C:
-        return segment_sums(X, labels, weights, C)
-    from .plan.kmeans import segment_sums_fused
-
-    idx = dirty[labels].nonzero()[:, 0]
-    keys = _label_keys(labels[idx], C)
-    sorted_keys, order = torch.sort(keys, stable=True)
-    bounds = torch.searchsorted(sorted_keys, torch.arange(C + 1, device=X.device, dtype=keys.dtype))
-    out = segment_sums_fused(X, idx[order], bounds, weights, C)
-    if out is None:
-        return segment_sums(X, labels, weights, C)
-    return torch.where(dirty[:, None], out[0], cache[0]), torch.where(dirty, out[1], cache[1])
-
-
-def _relocate_empty(X, weights, labels, d2, sums, wsum, verbose) -> int:
+def _relocate_empty(X, weights, labels, d2, sums, wsum, verbose) -> None:
     """scikit-learn's rule for clusters left without weight: each takes one of the points
     farthest from their centres (the farthest first, ties by the smaller index), which leaves
     its old cluster. ``sums`` and ``wsum`` are updated in place. ``d2``: the squared distances
-    (N,), or a callable giving them (called only when a cluster is empty). Returns the number of
-    clusters relocated."""
+    (N,), or a callable giving them (called only when a cluster is empty)."""
     empty = (wsum == 0).nonzero()[:, 0]
     n_empty = int(empty.numel())
     if n_empty == 0:
-        return 0
+        return
     if callable(d2):
         d2 = d2()
     far = torch.sort(d2, descending=True, stable=True).indices[:n_empty]
@@ -192,7 +167,6 @@ def _relocate_empty(X, weights, labels, d2, sums, wsum, verbose) -> int:
         sums[new] = xw
         wsum[new] = w
         wsum[old] -= w
-    return n_empty
 
 
 # -- seeding ------------------------------------------------------------------------------------
@@ -325,9 +299,8 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False):
     """scikit-learn's _kmeans_single_lloyd: (labels, inertia, centres, n_iter).
 
     On CUDA in float32 (K <= 16, 2 to 8192 clusters; plan.kmeans.bounds_serve) the iterations after the
-    first assign only the points whose label the distance bounds cannot prove (plan.kmeans.BoundedAssign),
-    and the update sums only the clusters whose members changed (_update_sums): the same labels, centres,
-    inertia and n_iter as assigning and summing every point, bitwise."""
+    first assign only the points whose label the distance bounds cannot prove (plan.kmeans.BoundedAssign):
+    the same labels, centres, inertia and n_iter as assigning every point, bitwise."""
     C = centres.shape[0]
     from .plan.kmeans import BoundedAssign, bounds_serve
 
@@ -335,28 +308,18 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False):
     labels_old = None
     strict = False
     labels = d2 = None
-    cache = None  # bounded: the update's sums of the last labels, where no relocation changed them
     i = 0
     for i in range(max_iter):
-        prev = None
         if bounded is None:
             labels, d2 = _assign(X, centres, debug)
             same = labels_old is not None and torch.equal(labels, labels_old)
         elif i == 0:
             labels, same = bounded.first(centres), False
         else:
-            prev = labels.clone() if cache is not None else None
             labels, changed = bounded.step(centres)
             same = changed == 0
-        if prev is not None:  # only the clusters whose members changed are summed again
-            sums, wsum = (cache[0].clone(), cache[1].clone()) if same else _update_sums(X, labels, prev, weights, C,
-                                                                                         cache)
-        else:
-            sums, wsum = segment_sums(X, labels, weights, C)
-        if bounded is not None:
-            cache = (sums.clone(), wsum.clone())
-        if _relocate_empty(X, weights, labels, d2 if bounded is None else bounded.exact_d2, sums, wsum, verbose):
-            cache = None  # the relocation changed sums that no label change explains
+        sums, wsum = segment_sums(X, labels, weights, C)
+        _relocate_empty(X, weights, labels, d2 if bounded is None else bounded.exact_d2, sums, wsum, verbose)
         pos = wsum > 0
         new = torch.where(pos.unsqueeze(1), sums / torch.where(pos, wsum, 1.0).unsqueeze(1), sums).to(X.dtype)
         if verbose:
@@ -449,9 +412,8 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     cores with a certificate, and the iterations after the first assign only the points whose
     label distance bounds cannot prove (Hamerly's bounds with Elkan's half-distance test): the
     same labels as assigning every point, bitwise (``KERMAC_LIKE_KMEANS_BOUNDS=0`` assigns every
-    point), and the update sums again only the clusters whose members changed (bitwise the full
-    sums). Device memory: X, plus ~32 bytes a point for the bounded iterations (labels and the
-    previous labels, two bounds, a distance and the work list) and O(n_clusters x n_features); no
+    point). Device memory: X, plus ~24 bytes a point for the bounded iterations (labels, two
+    bounds, a distance and the work list) and O(n_clusters x n_features) per step; no
     n_samples x n_clusters matrix. Errors: ``ValueError`` naming the argument for bad parameters,
     shapes, n_clusters > n_samples and NaN/inf in X; ``NotFittedError`` before ``fit``.
     """

@@ -3,6 +3,8 @@
 #   f64:    matvec_kernel in kernel_matvec's float64 mode, K(x, z) v with 2e6 rows x 20 000 centres, D = 8
 #           (Falkon's products at N = 10^9: 1.4e12 pairs/s against ~2.1e12 for the MUFU bound; issue 28)
 #   assign: kmeans_assign_mma_kernel, N = 10^7, D = 16, 1024 centres (8.7 ms against a predicted 5; issue 27)
+#   seed:   kmeans_update_kernel (k-means++ with the bf16 screen), the 500th centre of the bench's seeding
+#           (131 us a centre against ~80 us of bytes; session 14)
 # Per kernel: speed of light, pipe utilisation, warp states and stall ratios, instruction mix, as text.
 #   OUT=dir bash bench/probes/ncu_next.sh [f64 assign]     (GPU machine; ncu_next.tgz under $OUT)
 set -u
@@ -24,13 +26,23 @@ X = means[torch.randint(0, 1024, (10_000_000,), device="cuda", generator=g)] + t
 c = X[:1024].clone()
 for _ in range(2): _assign(X, c, False)
 torch.cuda.synchronize()'
+seed='
+import torch
+from kermac_like.cluster import kmeans_plusplus
+g = torch.Generator(device="cuda").manual_seed(0)
+means = 4 * torch.randn(1024, 16, device="cuda", generator=g)
+X = means[torch.randint(0, 1024, (10_000_000,), device="cuda", generator=g)] + torch.randn(10_000_000, 16, device="cuda", generator=g)
+kmeans_plusplus(X, 1024, None, torch.Generator(device="cuda").manual_seed(0))
+torch.cuda.synchronize()'
 for which in ${*:-f64 assign}; do
+  skip=1
   case $which in
     f64) code=$f64; name='regex:^matvec_kernel' ;;
     assign) code=$assign; name='regex:kmeans_assign_mma_kernel' ;;
+    seed) code=$seed; name='regex:kmeans_update_kernel'; skip=500 ;;
   esac
   echo "$code" > "$D/$which.py"
-  timeout 240 "$NCU" --clock-control none --kernel-name "$name" --launch-skip 1 --launch-count 1 \
+  timeout 240 "$NCU" --clock-control none --kernel-name "$name" --launch-skip "$skip" --launch-count 1 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
     --section InstructionStats --section Occupancy --section LaunchStats \
     --metrics regex:'^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$',regex:'^sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active$' \

@@ -10,7 +10,6 @@ arithmetic on 64 rows; then (``--fit N``) a torch.profiler summary of one nystro
         [--fit 10000000]
 """
 import argparse
-import dataclasses
 import pathlib
 import sys
 
@@ -30,8 +29,7 @@ BW = 1.5
 def product(mode, g, a, b, w, out):
     """K(a, b) w into out in one of the modes (blocked: kernel_matvec's internal flag, as the solver)."""
     if mode == "blocked":
-        call = dataclasses.replace(mv.prepare_matvec(g, a, b, w, bandwidth=BW), f32_partials=True)
-        return mv.matvec_forward(call, out)
+        return mv.matvec_f32_partials(g, a, b, w, out=out, bandwidth=BW)
     return km.kernel_matvec(g, a, b, w, out=out, bandwidth=BW)
 
 

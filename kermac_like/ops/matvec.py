@@ -170,6 +170,16 @@ def matvec_forward(call: MatvecCall, out=None, *, debug: bool = False) -> torch.
     return plan_matvec(call, out, debug).run()
 
 
+def matvec_f32_partials(descriptor, x, y, v, *, out=None, **hypers) -> torch.Tensor:
+    """kernel_matvec(descriptor, x, y, v, out=out, **hypers) in the blocked float64 mode where it applies
+    (internal, Falkon's products: a float64 v of float32/16-bit data and the expanded form; MatvecCall's
+    ``f32_partials``), else as kernel_matvec computes it. No autograd, no custom-op dispatch."""
+    call = replace(prepare_matvec(descriptor, x, y, v, **hypers), f32_partials=True)
+    if out is not None:
+        _check_out(call, out)
+    return matvec_forward(call, out)
+
+
 def _needs_grad(call: MatvecCall) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad

@@ -90,13 +90,6 @@ def _symmetric_centre(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(c), c, 0.0)
 
 
-def _spec_of(call, cc: int, out_dtype):
-    """The fused kernel's instantiation for ``cc`` columns of a call: ``out_dtype`` torch.float64
-    is the float64 mode, blocked (float32 partials) when the call asks for it."""
-    return matvec_spec(call.desc, call.dtype, call.K, cc, epsilon=call.epsilon, out_dtype=out_dtype,
-                       f32_partials=out_dtype is not None and call.f32_partials)
-
-
 def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     """The plan of a validated kernel_matvec call (``ops.matvec.MatvecCall``) writing ``out``
     (the call's output tensor): matvec_kernel over row tiles x N splits x batch, one
@@ -112,7 +105,7 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     unrounded), matvec_blocked with float64 accumulation for the tensor-core calls (the
     Hopper kernel matvec_wgmma rounds its output in float32: not used), float64 accumulation
     on the reference path. ``call.f32_partials`` selects the blocked float64 mode where the
-    fused kernel takes the expanded form (:func:`_spec_of`)."""
+    fused kernel takes the float64 mode's expanded form (``matvec_spec``'s rule)."""
     if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
         if debug:
             log_matvec.debug("kernel_matvec %r: torch path (%s, %s)", call.desc, call.device, call.dtype)
@@ -160,7 +153,8 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
         centre = c.data_ptr()
     for c0 in range(0, call.C, MAX_C):
         cc = min(MAX_C, call.C - c0)
-        spec = _spec_of(call, cc, out_dtype)
+        spec = matvec_spec(call.desc, call.dtype, K, cc, epsilon=call.epsilon, out_dtype=out_dtype,
+                           f32_partials=call.f32_partials)
         first = first or spec
         if kernel is None or kernel.spec != spec:
             kernel = get_kernel(spec, device, debug=debug)

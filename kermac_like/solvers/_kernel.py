@@ -14,7 +14,7 @@ products the solvers need.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -95,13 +95,10 @@ class SolverKernel:
         kernel_matvec's blocked float64 mode (no autograd: the solvers' products take none)."""
         op_cls = _operator_class()
         if op_cls is not None:
-            if f32_partials and v.dtype == torch.float64 and a.dtype != torch.float64:
-                from ..ops.matvec import _check_out, matvec_forward, prepare_matvec
+            if f32_partials:
+                from ..ops.matvec import matvec_f32_partials
 
-                call = replace(prepare_matvec(self.desc, a, b, v, **self.hypers), f32_partials=True)
-                if out is not None:
-                    _check_out(call, out)
-                return matvec_forward(call, out)
+                return matvec_f32_partials(self.desc, a, b, v, out=out, **self.hypers)
             return op_cls(self.desc, a, b, **self.hypers).matmul(v, out=out)
         return self._blocked_matvec(a, b, v, out)
 

@@ -138,14 +138,13 @@ __device__ __forceinline__ float below(float v) {
   if (!(v > -__int_as_float(0x7f800000))) return v;
   return __int_as_float(__float_as_int(v) + (v > 0.0f ? -1 : 1));
 }
-__device__ __forceinline__ float up(float v) { return above(v); }
 // A lower bound on a distance: below(v), or 0 where that is negative (NaN: 0).
 __device__ __forceinline__ float down(float v) { return v > 0.0f ? below(v) : 0.0f; }
 
 // An upper bound on ||x - c|| from the exact path's value v (K <= 64): ||x - c||^2 <= (v + K 2^-150) /
 // (1 - gamma_{K+4}) <= (v + 2^-140) gu, gu >= 1 / (1 - gamma) from the host (plan.kmeans.bound_consts).
 __device__ __forceinline__ float upper_of(float v, float gu) {
-  return up(math::sqrt_rn(up(math::mul_rn(up(math::add_rn(v, 0x1p-140f)), gu))));
+  return above(math::sqrt_rn(above(math::mul_rn(above(math::add_rn(v, 0x1p-140f)), gu))));
 }
 // A lower bound on ||x - c||^2 from the exact path's value v: (v - 2^-140) gl, gl <= 1 / (1 + gamma).
 __device__ __forceinline__ float lower_sq_of(float v, float gl) {
@@ -158,7 +157,7 @@ __device__ __forceinline__ float lower_sq_of(float v, float gl) {
 // is strictly above v_label: the full assignment would give the same label (bench/notes/kmeans.md,
 // "Pruned Lloyd iterations").
 __device__ __forceinline__ bool keeps_label(float ub, float m, float kap) {
-  return up(math::add_rn(up(math::mul_rn(ub, kap)), 0x1p-60f)) < m;
+  return above(math::add_rn(above(math::mul_rn(ub, kap)), 0x1p-60f)) < m;
 }
 
 }  // namespace kmeans_assign_detail
@@ -358,7 +357,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
       const float u = upper_of(v, gu);
       float l = 0.0f;
       if (certified) {  // min_{n != label} ||x - c_n||^2 >= ||x - c_label||^2 + gap - tau B (the notes)
-        const float inc = below(math::sub_rn(below(gap), above(math::mul_rn(tau, bw))));
+        const float inc = below(math::sub_rn(below(gap), above(thr)));
         const float lsq = down(math::add_rn(lower_sq_of(v, gl), inc));
         l = down(math::sqrt_rn(lsq));
       }
@@ -419,7 +418,7 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_bounds_kernel(
   bool queue = false;
   if (live) {
     const i64 a = labels[i];
-    float u = up(math::add_rn(ub[i], drift[a]));
+    float u = above(math::add_rn(ub[i], drift[a]));
     const float near = down(math::sub_rn(lb[i], mdl[a]));  // the centres within rth[a] of c_a
     float l = fminf(near, down(math::sub_rn(rth[a], u)));   // and the others: ||x - c|| >= rth[a] - u
     bool keep = keeps_label(u, fmaxf(l, halfs[a]), kap);

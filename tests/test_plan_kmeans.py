@@ -218,3 +218,26 @@ def test_bounds_serve_rule(as_gpu, monkeypatch):
     monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
     monkeypatch.setattr(plan_km, "BOUNDS", False)
     assert not bounds_serve(X, 8)
+
+
+def test_bounded_assign_launch_arguments(as_gpu, monkeypatch):
+    """BoundedAssign's kmeans_bounds_kernel launches (planned on CPU tensors, not run): the filter passes
+    the bounds, the four centre statistics, rmax, the work list and its counter in ABI.md's order with
+    no dist; the exact mode passes only x, c, labels and dist; one thread a point."""
+    from kermac_like.runtime import launcher
+
+    seen = []
+    monkeypatch.setattr(launcher, "launch", lambda k, grid, args, debug=False, block=None: seen.append((grid, args)))
+    N, K, C = 1000, 16, 7
+    X = torch.randn(N, K)
+    b = plan_km.BoundedAssign(X, C)
+    b.centres = torch.randn(C, K)
+    stats = tuple(torch.rand(C) for _ in range(4))
+    b._filter(stats)
+    b._filter()
+    want = [X, b.centres, b.labels, b.ub, b.lb, *stats, b.rmax, b.work, b.counters]
+    (g0, a0), (g1, a1) = seen
+    assert g0 == g1 == (-(-N // 256), 1, 1) and len(a0) == len(a1) == 21
+    assert list(a0[:12]) == [t.data_ptr() for t in want] and a0[12] == 0
+    assert list(a1[:3]) == [t.data_ptr() for t in want[:3]] and set(a1[3:12]) == {0} and a1[12] == b.dist.data_ptr()
+    assert [int(v) for v in a0[13:15]] == [N, K] and float(a0[19]) == plan_km.bound_consts(K)[2]

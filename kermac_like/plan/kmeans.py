@@ -395,22 +395,34 @@ class BoundedAssign:
         N, K = X.shape
         dev = X.device
         self.X, self.debug = X, debug
+        self.consts = bound_consts(K)  # (gu, gl, kap)
         self.labels = torch.empty(N, dtype=torch.int64, device=dev)
         self.dist = torch.empty(N, dtype=torch.float32, device=dev)
         self.ub = torch.empty(N, dtype=torch.float32, device=dev)
         self.lb = torch.empty(N, dtype=torch.float32, device=dev)
         self.work = torch.empty(N, dtype=torch.int32, device=dev)
         self.rmax = torch.zeros(n_clusters, dtype=torch.int32, device=dev)
-        self.count = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.changed = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(2, dtype=torch.int32, device=dev)  # the work list's length, labels changed
         self.centres = None
         self.fresh = False  # dist holds every point's distance
-        self.assigned = 0  # points assigned by the last call (statistics for the debug log)
+        self.assigned = 0  # points the last call sent to the tensor-core kernel
 
-    def _kernel(self):
-        from ..runtime.launcher import get_kernel
+    def _filter(self, stats=None):
+        """One kmeans_bounds_kernel launch over every point at self.centres: the filter with ``stats``
+        (centre_bounds' four (C,) tensors), else the exact mode into self.dist."""
+        from ..runtime.launcher import get_kernel, launch
 
-        return get_kernel(bounds_spec(), _device_index(self.X.device), debug=self.debug)
+        X, c = self.X, self.centres
+        N, K = X.shape
+        gu, _, kap = self.consts
+        ptrs = (0,) * 9 + (self.dist.data_ptr(),)
+        if stats is not None:
+            ptrs = tuple(t.data_ptr() for t in (self.ub, self.lb, *stats, self.rmax, self.work, self.counters)) + (0,)
+        sxm, sxk = (np.int64(t) for t in X.stride())
+        args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), *ptrs, np.int32(N), np.int32(K), sxm, sxk,
+                np.int64(c.stride(0)), np.int32(assign_split(K)), np.float32(kap), np.float32(gu))
+        kernel = get_kernel(bounds_spec(), _device_index(X.device), debug=self.debug)
+        launch(kernel, (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
 
     def first(self, centres: torch.Tensor) -> torch.Tensor:
         self.rmax.zero_()
@@ -421,43 +433,25 @@ class BoundedAssign:
 
     def step(self, centres: torch.Tensor) -> tuple:
         """(labels, changed): the assignment to ``centres`` and the number of points whose label changed."""
-        from ..runtime.launcher import launch
-
         X = self.X
-        N, K = X.shape
         c = centres if centres.stride(1) == 1 else centres.contiguous()
-        gu, _, kap = bound_consts(K)
-        drift, mdl, halfs, rth = centre_bounds(self.centres, c, self.rmax, kap)
+        stats = centre_bounds(self.centres, c, self.rmax, self.consts[2])
         self.rmax.zero_()
-        self.count.zero_()
-        self.changed.zero_()
-        sxm, sxk = (np.int64(t) for t in X.stride())
-        args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), self.ub.data_ptr(), self.lb.data_ptr(),
-                drift.data_ptr(), mdl.data_ptr(), halfs.data_ptr(), rth.data_ptr(), self.rmax.data_ptr(),
-                self.work.data_ptr(),
-                self.count.data_ptr(), 0, np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)),
-                np.int32(assign_split(K)), np.float32(kap), np.float32(gu))
-        launch(self._kernel(), (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
-        n = int(self.count.item())
+        self.counters.zero_()
+        self.centres, self.fresh = c, False
+        self._filter(stats)
+        n = int(self.counters[0].item())
         if n:
             plan_assign(X, c, self.debug, rows=self.work, n_rows=n, labels=self.labels, dist=self.dist,
-                        bounds=_Bounds(self.ub, self.lb, self.rmax, self.changed)).run()
+                        bounds=_Bounds(self.ub, self.lb, self.rmax, self.counters[1:])).run()
         if self.debug:
-            log.debug("kmeans pruned assignment: %d of %d points assigned", n, N)
-        self.centres, self.fresh, self.assigned = c, False, n
-        return self.labels, int(self.changed.item())
+            log.debug("kmeans pruned assignment: %d of %d points assigned", n, X.shape[0])
+        self.assigned = n
+        return self.labels, int(self.counters[1].item())
 
     def exact_d2(self) -> torch.Tensor:
         """(N,) float64: every point's squared distance to its label's centre, the full assignment's bits."""
         if not self.fresh:
-            from ..runtime.launcher import launch
-
-            X, c = self.X, self.centres
-            N, K = X.shape
-            sxm, sxk = (np.int64(t) for t in X.stride())
-            args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, self.dist.data_ptr(),
-                    np.int32(N), np.int32(K), sxm, sxk, np.int64(c.stride(0)), np.int32(assign_split(K)),
-                    np.float32(1.0), np.float32(1.0))
-            launch(self._kernel(), (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
+            self._filter()
             self.fresh = True
         return self.dist.to(torch.float64).square_()

@@ -189,6 +189,24 @@ __device__ __forceinline__ float exp2_approx(float x) {
 
 #endif  // KERMAC_LIKE_MMA_HOST_EMULATION
 
+// d = a * b + {c0, c1, c0, c1} on a 16x8x8 TF32 tile (the C operand apart from D, one value per
+// column: no moves into the accumulators). On the host emulation, on the emulator's mma_tf32.
+#ifndef KERMAC_LIKE_MMA_HOST_EMULATION
+__device__ __forceinline__ void mma_tf32_c(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, float c0,
+                                           float c1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%10,%11};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c0), "f"(c1));
+}
+#else
+inline void mma_tf32_c(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, float c0, float c1) {
+  d[0] = c0, d[1] = c1, d[2] = c0, d[3] = c1;
+  mma_tf32(d, a, b0, b1);
+}
+#endif
+
 // Sum of squares of the values in one 16-byte chunk (4 floats or 8 halves).
 template <class T>
 __device__ __forceinline__ float chunk_sumsq(uint4 v) {

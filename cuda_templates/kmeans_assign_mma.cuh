@@ -73,21 +73,6 @@ namespace kmeans_assign_detail {
 __device__ __forceinline__ int shfl_xor_int(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ int shfl_int(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 __device__ __forceinline__ unsigned ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
-// d = a * b + {c0, c1, c0, c1} (the C operand apart from D: no moves into the accumulators).
-__device__ __forceinline__ void mma_tf32_c(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, float c0,
-                                           float c1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%10,%11};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c0), "f"(c1));
-}
-#else
-// (the host emulation supplies shfl_xor_int, shfl_int and ballot; mma_tf32 is the emulator's)
-inline void mma_tf32_c(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, float c0, float c1) {
-  d[0] = c0, d[1] = c1, d[2] = c0, d[3] = c1;
-  mma_detail::mma_tf32(d, a, b0, b1);
-}
 #endif
 
 // The exact path's value of one pair: topk.cuh's pairs() for Inner::Diff, Power::Square (k in order,
@@ -292,7 +277,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
         float acc[4];
-        mma_tf32_c(acc, al[i][0], bf[0].x, bf[0].y, c0, c1);
+        mma_detail::mma_tf32_c(acc, al[i][0], bf[0].x, bf[0].y, c0, c1);
         mma_tf32(acc, ah[i][0], bf[0].z, bf[0].w);
         mma_tf32(acc, ah[i][0], bf[0].x, bf[0].y);
 #pragma unroll

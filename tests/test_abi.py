@@ -69,12 +69,15 @@ EXPECTED = {
     "kmeans_assign_prep_kernel": TABLES[17],
     "kmeans_assign_mma_kernel": TABLES[18],
     "kmeans_bounds_kernel": TABLES[19],
+    "falkon_prep_kernel": TABLES[20],
+    "falkon_rows_kernel": TABLES[21],
+    "falkon_cols_kernel": TABLES[22],
 }
 
 
 def test_document_has_the_tables():
-    assert len(TABLES) == 20 and [len(t) for t in TABLES] == [43, 5, 13, 24, 20, 57, 26, 48, 24, 19, 22, 50, 13, 15, 15,
-                                                              11, 6, 7, 23, 21]
+    assert len(TABLES) == 23 and [len(t) for t in TABLES] == [43, 5, 13, 24, 20, 57, 26, 48, 24, 19, 22, 50, 13, 15, 15,
+                                                              11, 6, 7, 23, 21, 9, 14, 15]
 
 
 @pytest.mark.parametrize("kernel", sorted(EXPECTED))

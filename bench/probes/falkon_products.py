@@ -1,6 +1,7 @@
 """The two products of a Falkon pass at D = 8 (issue 28): K(x, z) v and K(z, x) u, m = 20 000
 centres against a chunk of N rows, in kernel_matvec's float32 mode, float64 mode and blocked float64
-mode (float32 partials of --group points, what the nystrom solver runs by default); time (CUDA
+mode (float32 partials of --group points), and plan.falkon's tensor-core products (mma: what the nystrom
+solver runs by default for the Gaussian kernel); time (CUDA
 events, median of --repeats after a warm-up) and pairs/s of each, the error of each mode's outputs
 against the float64 mode's on one fixed v and u (relative 2-norm, and the largest difference over
 K |v|, the blocked mode's bound being (group + 1) 2^-24), the float32 mode's also against float64
@@ -26,8 +27,17 @@ from _timing import time_calls  # noqa: E402
 BW = 1.5
 
 
+PAIRS = {}
+
+
 def product(mode, g, a, b, w, out):
-    """K(a, b) w into out in one of the modes (blocked: kernel_matvec's internal flag, as the solver)."""
+    """K(a, b) w into out in one of the modes (blocked: kernel_matvec's internal flag, as the solver before;
+    mma: plan.falkon's tensor-core products, as the solver now; b or a is the centres)."""
+    if mode == "mma":
+        from kermac_like.plan.falkon import FalkonProducts
+        z = b if b.shape[0] < a.shape[0] else a
+        fp = PAIRS.get(id(z)) or PAIRS.setdefault(id(z), FalkonProducts(z, BW))
+        return fp.rows(a, w, out=out) if z is b else fp.cols(b, w, out=out)
     if mode == "blocked":
         return mv.matvec_f32_partials(g, a, b, w, out=out, bandwidth=BW)
     return km.kernel_matvec(g, a, b, w, out=out, bandwidth=BW)
@@ -38,7 +48,7 @@ def main():
     ap.add_argument("--n", type=int, default=10_000_000)
     ap.add_argument("--m", type=int, default=20_000)
     ap.add_argument("--d", type=int, default=8)
-    ap.add_argument("--modes", nargs="*", default=["float32", "float64", "blocked"])
+    ap.add_argument("--modes", nargs="*", default=["float32", "float64", "blocked", "mma"])
     ap.add_argument("--group", type=int, default=ms.F32_GROUP, help="kF32Group of the blocked mode (8, 16, 32)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--fit", type=int, default=0)
@@ -77,7 +87,7 @@ def main():
             product(mode, g, a, b, w.to(dt), o)
             d = o.double() - r
             errs.append(f"{float(d.norm() / r.norm()):.2e} / {float((d.abs() / mag).max()) / 2 ** -24:.2f} u")
-        name = f"blocked (G={args.group})" if mode == "blocked" else mode
+        name = f"blocked (G={args.group})" if mode == "blocked" else "mma (G=8)" if mode == "mma" else mode
         for which, t, e in (("K(x,z) v", t1.median_ms, errs[0]), ("K(z,x) u", t2.median_ms, errs[1])):
             rows.append(f"{name:15s} {which}  {t:9.1f} ms  {pairs / t / 1e9:6.2f}e12 pairs/s   vs float64 mode: {e}")
         rows.append(f"{name:15s} K(x,z) v on 64 rows vs float64 arithmetic: {e64:.2e}")

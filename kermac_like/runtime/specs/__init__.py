@@ -20,7 +20,7 @@ from __future__ import annotations
 
 # Every family's names, re-exported: ``from kermac_like.runtime.specs import distance_spec``.
 from . import cdist_grad, distance, distance_lowk, distance_mma, distance_wgmma, matvec, matvec_grad  # noqa: F401
-from . import kmeans, logsumexp, matvec_wgmma, topk  # noqa: F401
+from . import falkon, kmeans, logsumexp, matvec_wgmma, topk  # noqa: F401
 from .cdist_grad import (  # noqa: F401
     ABS_GRAD_TUNING,
     GRAD_LAUNCH,
@@ -101,6 +101,7 @@ FAMILIES = {
     "topk": topk.shipped,
     "logsumexp": logsumexp.shipped,
     "kmeans": kmeans.shipped,
+    "falkon": falkon.shipped,
 }
 
 

@@ -1,0 +1,168 @@
+"""Falkon's two products on tensor cores (cuda_templates/falkon_mma.cuh): K(x, z) v and K(z, x) w for
+the Gaussian kernel at K <= 32 coordinates, with one kernel value per pair in both (bit for bit), float32
+partials of 8 terms and float64 sums (the blocked float64 mode's arithmetic, with the exponent's dot
+product on mma.sync in 3xTF32). Used by KernelRidge(solver="nystrom") through
+``solvers._kernel.SolverKernel``; KERMAC_LIKE_FALKON_MMA=0 turns it off (kernel_matvec's blocked
+float64 mode then, as before).
+
+:class:`FalkonProducts` holds the centres' prepared side (B fragments, b_j, the centre and scale) for a
+fit; its ``rows(x, v)`` and ``cols(x, w)`` take any float32 rows x (N, K) of that fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import numpy as np
+import torch
+
+from ..descriptor import PRESETS
+from ..runtime.specs.falkon import MAX_K, PAD, c_chunk, cols_spec, k_bucket, prep_spec, rows_spec
+from .core import _device_index, _gpu_ok
+
+__all__ = ["enabled", "serves", "FalkonProducts"]
+
+log = logging.getLogger("kermac_like.falkon")
+
+
+
+def enabled() -> bool:
+    """KERMAC_LIKE_FALKON_MMA, "1" (default) or "0" (kernel_matvec's blocked float64 mode), read at
+    each fit."""
+    return os.environ.get("KERMAC_LIKE_FALKON_MMA", "1") != "0"
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def serves(desc, hypers: dict, x: torch.Tensor, z: torch.Tensor) -> bool:
+    """Whether the tensor-core products serve a fit's kernel and data: :func:`enabled`, the Gaussian
+    kernel ('gaussian_l2') with a scalar bandwidth as its only hyper-parameter, float32 2-D x and
+    z on one CUDA device of sm_80 or newer, 1 <= K <= 32."""
+    if not (enabled() and desc == PRESETS["gaussian_l2"] and set(hypers) == {"bandwidth"}):
+        return False
+    bw = hypers["bandwidth"]
+    if not (isinstance(bw, float) and bw > 0 and math.isfinite(bw)):
+        return False
+    return (x.dim() == 2 and z.dim() == 2 and x.dtype == torch.float32 and z.dtype == torch.float32
+            and x.device == z.device and 1 <= x.shape[1] <= MAX_K and z.shape[1] == x.shape[1]
+            and 0 < z.shape[0] < 2 ** 31 - PAD and _gpu_ok(x))
+
+
+def _slots(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count * 2
+
+
+class FalkonProducts:
+    """The centres z (M, K) of a fit, prepared for falkon_rows_kernel / falkon_cols_kernel: the
+    centre (the mean of z, float32), the scale r = sqrt(log2(e) / (2 bandwidth^2)) (float32), the
+    B fragments of w = r (z - centre) and b_j = -|w_j|^2 (M padded to a multiple of 256)."""
+
+    def __init__(self, z: torch.Tensor, bandwidth: float, debug: bool = False):
+        from ..runtime.launcher import get_kernel, launch, prefetch
+
+        self.debug = debug
+        self.device = _device_index(z.device)
+        self.M, self.K = z.shape
+        self.kK = k_bucket(self.K)
+        self.Mp = -(-self.M // PAD) * PAD
+        zc = z if z.stride(1) == 1 else z.contiguous()
+        c = zc.mean(dim=0, dtype=torch.float32)
+        self.centre = torch.where(torch.isfinite(c), c, 0.0).contiguous()
+        self.scale = float(np.float32(math.sqrt(_LOG2E / (2.0 * bandwidth * bandwidth))))
+        S = self.kK // 8
+        self.zf = torch.empty(self.Mp // 8 * S * 32 * 4, dtype=torch.int32, device=z.device)
+        self.zb = torch.empty(self.Mp, dtype=torch.float32, device=z.device)
+        spec = prep_spec(self.K)
+        prefetch([spec, rows_spec(self.K, 1), cols_spec(self.K, 1)], self.device, debug=debug)
+        prep = get_kernel(spec, self.device, debug=debug)
+        entries = max(self.Mp // 8 * S * 32, self.Mp)
+        grid = (-(-entries // spec.launch.threads), 1, 1)
+        launch(prep, grid, (zc.data_ptr(), np.int64(zc.stride(0)), np.int32(self.M), np.int32(self.K),
+                            self.centre.data_ptr(), np.float32(self.scale), np.int32(self.Mp), self.zf.data_ptr(),
+                            self.zb.data_ptr()), debug=debug)
+        self._z = zc  # kept alive until the prep ran (stream order)
+
+    def _x(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.float32:
+            raise ValueError(f"x: expected float32 rows of {self.K} coordinates, got {tuple(x.shape)} {x.dtype}")
+        return x if x.stride(1) == 1 else x.contiguous()
+
+    def rows(self, x: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """K(x, z) v: (N, C) float64 for v (M, C) (float64 or float32; rounded to float32 once)."""
+        from ..runtime.launcher import get_kernel, launch
+
+        x = self._x(x)
+        N, C = x.shape[0], v.shape[1]
+        dev = x.device
+        if out is None:
+            out = torch.empty((N, C), dtype=torch.float64, device=dev)
+        if N == 0:
+            return out
+        vp = torch.zeros((self.Mp, C), dtype=torch.float32, device=dev)
+        vp[:self.M] = v
+        c0 = 0
+        while c0 < C:
+            kC = c_chunk(C - c0, self.kK)
+            spec = rows_spec(self.K, kC)
+            kern = get_kernel(spec, self.device, debug=self.debug)
+            vc = vp[:, c0:c0 + kC].contiguous()
+            ctas = -(-N // spec.launch.block_m)
+            tiles = self.Mp // spec.launch.block_n
+            split = max(1, min(tiles, -(-_slots(self.device) // ctas)))
+            per = -(-tiles // split)
+            split = -(-tiles // per)
+            if split == 1:
+                dst, so, ss = out[:, c0:], out.stride(0), 0
+            else:
+                dst = torch.empty((split, N, kC), dtype=torch.float64, device=dev)
+                so, ss = kC, N * kC
+            if self.debug:
+                log.debug("falkon rows: N=%d M=%d K=%d columns %d..%d: grid (%d, %d), %d centre tiles per split",
+                          N, self.M, self.K, c0, c0 + kC, ctas, split, per)
+            launch(kern, (ctas, split, 1),
+                   (x.data_ptr(), np.int64(x.stride(0)), np.int64(N), np.int32(self.K), self.centre.data_ptr(),
+                    np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(), vc.data_ptr(), np.int32(self.Mp),
+                    dst.data_ptr(), np.int64(so), np.int64(ss), np.int32(per)), debug=self.debug)
+            if split > 1:  # the splits added in order (torch's sum over a leading dimension of <= 264)
+                out[:, c0:c0 + kC] = dst.sum(dim=0)
+            c0 += kC
+        return out
+
+    def cols(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """K(z, x) w: (M, C) float64 for w (N, C) (float64 or float32; rounded to float32 once)."""
+        from ..runtime.launcher import get_kernel, launch
+
+        x = self._x(x)
+        N, C = x.shape[0], w.shape[1]
+        dev = x.device
+        if out is None:
+            out = torch.empty((self.M, C), dtype=torch.float64, device=dev)
+        if N == 0:
+            return out.zero_()
+        w32 = w.to(torch.float32) if w.dtype != torch.float32 or w.stride(1) != 1 else w
+        if w32.stride(1) != 1:
+            w32 = w32.contiguous()
+        c0 = 0
+        while c0 < C:
+            kC = c_chunk(C - c0, self.kK)
+            spec = cols_spec(self.K, kC)
+            kern = get_kernel(spec, self.device, debug=self.debug)
+            ctas = self.Mp // spec.launch.block_n
+            bm = spec.launch.block_m
+            x_tiles = -(-N // bm)
+            split = max(1, min(x_tiles, -(-2 * _slots(self.device) // ctas)))
+            per = -(-x_tiles // split) * bm
+            split = -(-N // per)
+            dst = torch.empty((split, self.M, kC), dtype=torch.float64, device=dev)
+            if self.debug:
+                log.debug("falkon cols: N=%d M=%d K=%d columns %d..%d: grid (%d, %d), %d rows per split",
+                          N, self.M, self.K, c0, c0 + kC, ctas, split, per)
+            launch(kern, (ctas, split, 1),
+                   (x.data_ptr(), np.int64(x.stride(0)), np.int64(N), np.int32(self.K), self.centre.data_ptr(),
+                    np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(), w32[:, c0:].data_ptr(),
+                    np.int64(w32.stride(0)), np.int32(self.M), dst.data_ptr(), np.int64(kC),
+                    np.int64(self.M * kC), np.int64(per)), debug=self.debug)
+            out[:, c0:c0 + kC] = dst.sum(dim=0) if split > 1 else dst[0]
+            c0 += kC
+        return out

@@ -25,7 +25,8 @@ BW = 0.9
 def _data(n, m, k, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = torch.rand(n, k, device=DEV, generator=g) * 2 - 1
-    z = torch.cat([x[:m // 2], torch.rand(m - m // 2, k, device=DEV, generator=g)])  # centres among the rows, and not
+    h = min(m // 2, n)
+    z = torch.cat([x[:h], torch.rand(m - h, k, device=DEV, generator=g)])  # centres among the rows, and not
     return x, z
 
 

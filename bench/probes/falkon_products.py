@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "bench")]
 
 import kermac_like as km  # noqa: E402
-from kermac_like import matvec as mv  # noqa: E402
+from kermac_like.ops import matvec as mv  # noqa: E402
 from kermac_like.runtime.specs import matvec as ms  # noqa: E402
 from _timing import time_calls  # noqa: E402
 

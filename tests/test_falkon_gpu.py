@@ -87,11 +87,12 @@ def test_nystrom_fit_with_and_without(monkeypatch, centres):
     for flag in ("1", "0"):
         monkeypatch.setenv("KERMAC_LIKE_FALKON_MMA", flag)
         est = KernelRidge("gaussian_l2", bandwidth=0.8, alpha=1e-6, solver="nystrom", n_centers=centres,
-                          random_state=0, tol=1e-6)
-        fits[flag] = (est.fit(x, y).predict(xt).double(), est.n_iter_)
+                          random_state=0, tol=1e-4)
+        fits[flag] = (est.fit(x, y).predict(xt).double(), est.n_iter_, est.residual_)
     a, b = fits["1"][0], fits["0"][0]
-    assert float((a - b).norm() / b.norm()) < 1e-4, (fits["1"][1], fits["0"][1])
-    assert abs(fits["1"][1] - fits["0"][1]) <= 3
+    assert fits["1"][2] <= 1e-4 and fits["0"][2] <= 1e-4, fits
+    assert float((a - b).norm() / b.norm()) < 1e-3, fits
+    assert abs(fits["1"][1] - fits["0"][1]) <= 3, fits
 
 
 def test_serves():

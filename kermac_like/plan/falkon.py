@@ -50,7 +50,23 @@ def serves(desc, hypers: dict, x: torch.Tensor, z: torch.Tensor) -> bool:
 
 
 def _slots(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count * 2
+    return torch.cuda.get_device_properties(device).multi_processor_count * 2  # both kernels: 2 CTAs per SM
+
+
+def _split(ctas: int, slots: int, most: int) -> int:
+    """Splits of a launch of ``ctas`` CTAs per split (at most ``most``): the fewest that fill at least two
+    waves of ``slots`` to within 5 % of whole waves (a launch of 2.09 waves takes as long as one of 3),
+    else the best-filled up to four times that many."""
+    best, best_eff = 1, 0.0
+    s0 = max(1, -(-2 * slots // ctas))
+    for s in range(1, min(most, 4 * s0) + 1):
+        total = ctas * s
+        eff = total / (-(-total // slots) * slots)
+        if total >= min(2 * slots, ctas * most) and eff >= 0.95:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
 
 
 class FalkonProducts:
@@ -109,7 +125,7 @@ class FalkonProducts:
             vc = vp[:, c0:c0 + kC].contiguous()
             ctas = -(-N // spec.launch.block_m)
             tiles = self.Mp // spec.launch.block_n
-            split = max(1, min(tiles, -(-_slots(self.device) // ctas)))
+            split = _split(ctas, _slots(self.device), tiles) if ctas < 8 * _slots(self.device) else 1
             per = -(-tiles // split)
             split = -(-tiles // per)
             if split == 1:
@@ -151,7 +167,7 @@ class FalkonProducts:
             ctas = self.Mp // spec.launch.block_n
             bm = spec.launch.block_m
             x_tiles = -(-N // bm)
-            split = max(1, min(x_tiles, -(-2 * _slots(self.device) // ctas)))
+            split = _split(ctas, _slots(self.device), x_tiles)
             per = -(-x_tiles // split) * bm
             split = -(-N // per)
             dst = torch.empty((split, self.M, kC), dtype=torch.float64, device=dev)

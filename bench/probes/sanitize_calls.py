@@ -361,6 +361,26 @@ def kmeans():
     assert torch.equal(fits[0][0], fits[1][0]) and torch.equal(fits[0][1], fits[1][1]), "pruned fit differs"
 
 
+def falkon():
+    """Falkon's products on tensor cores (falkon_mma.cuh): the prep, rows and cols kernels at odd N and M, K in
+    three buckets, several column chunks, split launches; then a nystrom fit on them."""
+    from kermac_like.plan.falkon import FalkonProducts
+    g = torch.Generator(device="cuda").manual_seed(21)
+    for n, m, k, c in ((3001, 517, 8, 1), (777, 300, 13, 3), (130, 1000, 27, 5)):
+        x = torch.rand(n, k, device="cuda", generator=g)
+        z = x[:min(m, n)].clone() if m <= n else torch.rand(m, k, device="cuda", generator=g)
+        fp = FalkonProducts(z, 0.8)
+        v = torch.randn(m, c, device="cuda", dtype=torch.float64, generator=g)
+        w = torch.randn(n, c, device="cuda", dtype=torch.float64, generator=g)
+        kmat = torch.exp(-torch.cdist(x.double(), z.double()) ** 2 / (2 * 0.8 ** 2))
+        for got, ref in ((fp.rows(x, v), kmat @ v.float().double()), (fp.cols(x, w), kmat.T @ w.float().double())):
+            assert float((got - ref).norm() / ref.norm()) < 1e-5, "falkon products differ from float64"
+    from kermac_like.solvers import KernelRidge
+    xs = torch.rand(6000, 8, device="cuda", generator=g)
+    ys = torch.sin(3 * xs).sum(1)
+    KernelRidge("gaussian_l2", bandwidth=0.8, alpha=1e-4, solver="nystrom", n_centers=700, random_state=0).fit(xs, ys)
+
+
 # name -> (function, environment)
 FAMILIES = {
     "simt": (simt, {}),
@@ -376,6 +396,7 @@ FAMILIES = {
     "topk_rescore": (topk_rescore, {}),
     "logsumexp": (logsumexp, {}),
     "kmeans": (kmeans, {}),
+    "falkon": (falkon, {}),
 }
 
 

@@ -11,7 +11,10 @@ points, prediction ``K(X, X_fit) c``. Four solvers:
 * ``"nystrom"``: Falkon (Rudi et al. 2017; Meanti et al. 2020): the estimator restricted to
   ``n_centers`` sampled centres Z, ``(K_Zn K_nZ + alpha K_ZZ) beta = K_Zn y``, solved by CG
   with Falkon's Cholesky preconditioner; prediction ``K(X, Z) beta``. With every training
-  point a centre it is the exact estimator again.
+  point a centre it is the exact estimator again. Its two products per pass (K_nZ v, K_Zn u)
+  take float32 kernel values and float64 sums; for the Gaussian kernel at D <= 32 on sm_80+
+  GPUs they run on tensor cores with one kernel value per pair in both
+  (:mod:`kermac_like.plan.falkon`; KERMAC_LIKE_FALKON_MMA=0 for kernel_matvec's products).
 * ``"auto"``: cholesky while the N x N matrix takes at most a quarter of the free memory
   (of the device holding X, on every rank), else nystrom when ``n_centers`` is given, else cg.
 

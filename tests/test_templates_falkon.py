@@ -15,8 +15,6 @@ Checked against float64 sums of exp(-|x - z|^2 / (2 bw^2)) times the float32-rou
 
 from __future__ import annotations
 
-import ast
-import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -24,23 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mma_emulator
+
 from kermac_like.runtime.specs.falkon import PAD, cols_shape, k_bucket, rows_shape
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ROOT / "cuda_templates"
 RUNNERS = ((8, 1), (8, 4), (16, 2), (32, 1), (8, 8))  # (kK, kC) in the driver's table order
-
-
-def _emulator_prelude() -> str:
-    tree = ast.parse((ROOT / "tests" / "test_templates_mma.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "EMULATOR_SOURCE" for t in node.targets):
-            src = ast.literal_eval(node.value)
-            break
-    else:  # pragma: no cover
-        raise AssertionError("EMULATOR_SOURCE not found in test_templates_mma.py")
-    marker = "// ------------------------------------------------------------------ driver"
-    return src[:src.index(marker)]
 
 
 DRIVER = r'''
@@ -151,16 +138,7 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not installed")
-    d = tmp_path_factory.mktemp("falkon_emulator")
-    (d / "emu.cpp").write_text(_emulator_prelude() + DRIVER)
-    exe = d / "emu"
-    r = subprocess.run([gxx, "-std=c++17", "-O1", "-I", str(TEMPLATES), str(d / "emu.cpp"), "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return str(exe)
+    return mma_emulator.build(tmp_path_factory, "falkon_emulator", DRIVER)
 
 
 def _scale(bw: float) -> float:

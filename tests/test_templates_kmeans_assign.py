@@ -15,8 +15,6 @@ give other labels than the exact path, so the comparison can see a bound that is
 
 from __future__ import annotations
 
-import ast
-import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -24,25 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mma_emulator
+
 from kermac_like.plan.kmeans import assign_split, assign_tau, bound_consts, centre_bounds
 from kermac_like.runtime.specs.kmeans import assign_k_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ROOT / "cuda_templates"
 KKS = (8, 16, 64)
-
-
-def _emulator_prelude() -> str:
-    """test_templates_mma.py's emulator source up to its driver (as test_templates_topk_mma.py)."""
-    tree = ast.parse((ROOT / "tests" / "test_templates_mma.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "EMULATOR_SOURCE" for t in node.targets):
-            src = ast.literal_eval(node.value)
-            break
-    else:  # pragma: no cover
-        raise AssertionError("EMULATOR_SOURCE not found in test_templates_mma.py")
-    marker = "// ------------------------------------------------------------------ driver"
-    return src[:src.index(marker)]
 
 
 DRIVER = r'''
@@ -228,16 +214,7 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not installed")
-    d = tmp_path_factory.mktemp("kmeans_assign_emulator")
-    (d / "emu.cpp").write_text(_emulator_prelude() + DRIVER)
-    exe = d / "emu"
-    r = subprocess.run([gxx, "-std=c++17", "-O1", "-I", str(TEMPLATES), str(d / "emu.cpp"), "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return str(exe)
+    return mma_emulator.build(tmp_path_factory, "kmeans_assign_emulator", DRIVER)
 
 
 def _args(N, K, C, tau=None):

@@ -17,8 +17,6 @@ Also: NVRTC compiles both kernels for sm_80 and sm_90 without spills (skipped wi
 
 from __future__ import annotations
 
-import ast
-import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -26,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mma_emulator
+
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ROOT / "cuda_templates"
 
 # (Inner, Precision, largest, kSel): runner 4 i + v - 2 runs version v (2, 3, 4, 5) of config i.
 CONFIGS = [
@@ -37,21 +36,6 @@ CONFIGS = [
     ("Dot", "Tf32", "false", 16),
     ("Diff", "Tf32", "true", 8),
 ]
-
-
-def _emulator_prelude() -> str:
-    """test_templates_mma.py's emulator source up to its driver (host primitives, fibers,
-    distance_mma.cuh), read without importing that module."""
-    tree = ast.parse((ROOT / "tests" / "test_templates_mma.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "EMULATOR_SOURCE" for t in node.targets):
-            src = ast.literal_eval(node.value)
-            break
-    else:  # pragma: no cover
-        raise AssertionError("EMULATOR_SOURCE not found in test_templates_mma.py")
-    marker = "// ------------------------------------------------------------------ driver"
-    assert marker in src
-    return src[:src.index(marker)]
 
 
 DRIVER = r'''
@@ -168,17 +152,8 @@ def _traits(inner, prec, largest, sel, version):
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not installed")
-    d = tmp_path_factory.mktemp("topk_mma_emulator")
     runners = ",\n".join(f"    &run<{_traits(*c, v)}>" for c in CONFIGS for v in VERSIONS)
-    (d / "emu.cpp").write_text(_emulator_prelude() + DRIVER.replace("@@RUNNERS@@", runners))
-    exe = d / "emu"
-    r = subprocess.run([gxx, "-std=c++17", "-O1", "-I", str(TEMPLATES), str(d / "emu.cpp"), "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return str(exe)
+    return mma_emulator.build(tmp_path_factory, "topk_mma_emulator", DRIVER.replace("@@RUNNERS@@", runners))
 
 
 def emulate(exe, runner, x, y, n_split=1, tmp=None):

@@ -54,29 +54,6 @@ using namespace kermac_like;
 typedef long long i64;
 struct FArgs { i64 N, M, K, Mp, tiles_per_split, n_split_r, rows_per_split, n_split_c; float scale, scale_c; };
 
-template <class Tr, class F>
-void launch(unsigned bx_n, unsigned by_n, F f) {
-  emu::smem_limit = Tr::kSmemBytes;
-  emu::grid_dim = {bx_n, by_n, 1};
-  emu::nthreads = Tr::kThreads;
-  static std::vector<emu::Fiber> fib(Tr::kThreads);
-  emu::fibers = fib.data();
-  static F* body;
-  body = &f;
-  for (unsigned by = 0; by < by_n; ++by)
-    for (unsigned bx = 0; bx < bx_n; ++bx) {
-      emu::block_idx = {bx, by, 0};
-      std::memset(kermac_like::smem, 0xff, sizeof(kermac_like::smem));  // NaN poison
-      emu::copies.clear();
-      static auto tramp = +[]() {
-        (*body)();
-        emu::cur->done = true;
-        ++emu::progress;
-      };
-      run_block(fib, Tr::kThreads, tramp);
-    }
-}
-
 template <int kK, int kC>
 void run(const FArgs& A, const float* x, const float* z, const float* centre, const float* v, const float* w,
          double* out_r, double* out_c, float* zb) {
@@ -85,14 +62,14 @@ void run(const FArgs& A, const float* x, const float* z, const float* centre, co
   const int S = kK / 8;
   std::vector<uint4> zf(size_t(A.Mp) / 8 * S * 32);
   const i64 entries = std::max<i64>(A.Mp / 8 * S * 32, A.Mp);
-  launch<R>((unsigned)((entries + R::kThreads - 1) / R::kThreads), 1, [&] {
+  launch_grid<R>((unsigned)((entries + R::kThreads - 1) / R::kThreads), 1, [&] {
     falkon_prep_kernel<R>(z, A.K, (int)A.M, (int)A.K, centre, A.scale, (int)A.Mp, zf.data(), zb);
   });
-  launch<R>((unsigned)((A.N + R::kBlockM - 1) / R::kBlockM), (unsigned)A.n_split_r, [&] {
+  launch_grid<R>((unsigned)((A.N + R::kBlockM - 1) / R::kBlockM), (unsigned)A.n_split_r, [&] {
     falkon_rows_kernel<R>(x, A.K, A.N, (int)A.K, centre, A.scale, zf.data(), zb, v, (int)A.Mp, out_r, kC,
                           A.N * kC, (int)A.tiles_per_split);
   });
-  launch<C>((unsigned)(A.Mp / C::kBlockN), (unsigned)A.n_split_c, [&] {
+  launch_grid<C>((unsigned)(A.Mp / C::kBlockN), (unsigned)A.n_split_c, [&] {
     falkon_cols_kernel<C>(x, A.K, A.N, (int)A.K, centre, A.scale_c, zf.data(), zb, w, kC, (int)A.M, out_c, kC,
                           A.M * kC, A.rows_per_split);
   });

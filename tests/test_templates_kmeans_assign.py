@@ -66,28 +66,6 @@ using namespace kermac_like;
 typedef long long i64;
 struct AArgs { i64 N, C, K, split; float tau, gu, gl, kap; };
 
-template <class Tr, class F>
-void launch(unsigned blocks, F f) {
-  emu::smem_limit = Tr::kSmemBytes;
-  emu::grid_dim = {blocks, 1, 1};
-  emu::nthreads = Tr::kThreads;
-  static std::vector<emu::Fiber> fib(Tr::kThreads);
-  emu::fibers = fib.data();
-  static F* body;
-  body = &f;
-  for (unsigned bx = 0; bx < blocks; ++bx) {
-    emu::block_idx = {bx, 0, 0};
-    std::memset(kermac_like::smem, 0xff, sizeof(kermac_like::smem));  // NaN poison
-    emu::copies.clear();
-    static auto tramp = +[]() {
-      (*body)();
-      emu::cur->done = true;
-      ++emu::progress;
-    };
-    run_block(fib, Tr::kThreads, tramp);
-  }
-}
-
 template <class Tr>
 void run(const AArgs& A, const float* x, const float* c, long long* labels, float* dist, unsigned char* cert,
          const int* rows = nullptr, int n_rows = 0, float* ub = nullptr, float* lb = nullptr, int* rmax = nullptr,
@@ -97,8 +75,8 @@ void run(const AArgs& A, const float* x, const float* c, long long* labels, floa
   std::vector<uint4> cf(size_t(cp) / 8 * Tr::kSteps * 32);
   std::vector<float> cn(cp, -7.0f);
   float cmax = -7.0f;
-  launch<Tr>(1, [&] { kmeans_assign_prep_kernel<Tr>(c, cf.data(), cn.data(), &cmax, C, K, K); });
-  launch<Tr>((N + Tr::kBlockM - 1) / Tr::kBlockM, [&] {
+  launch_grid<Tr>(1, 1, [&] { kmeans_assign_prep_kernel<Tr>(c, cf.data(), cn.data(), &cmax, C, K, K); });
+  launch_grid<Tr>((N + Tr::kBlockM - 1) / Tr::kBlockM, 1, [&] {
     kmeans_assign_mma_kernel<Tr>(x, c, cf.data(), cn.data(), &cmax, labels, dist, cert, N, C, K, K, 1, K, A.tau,
                                  (int)A.split, rows, ub, lb, rmax, changed, A.gu, A.gl);
   });
@@ -111,12 +89,12 @@ void step(const AArgs& A, const float* x, const float* c, long long* labels, flo
           int* count, int* changed, float* dist, float* exact) {
   typedef KmeansBoundsTraits B;
   const int N = (int)A.N, K = (int)A.K;
-  launch<B>((N + B::kThreads - 1) / B::kThreads, [&] {
+  launch_grid<B>((N + B::kThreads - 1) / B::kThreads, 1, [&] {
     kmeans_bounds_kernel<B>(x, c, labels, ub, lb, drift, mdl, halfs, rth, rmax, work, count, nullptr, N, K, K, 1, K,
                             (int)A.split, A.kap, A.gu);
   });
   run<Tr>(A, x, c, labels, dist, nullptr, work, *count, ub, lb, rmax, changed);
-  launch<B>((N + B::kThreads - 1) / B::kThreads, [&] {
+  launch_grid<B>((N + B::kThreads - 1) / B::kThreads, 1, [&] {
     kmeans_bounds_kernel<B>(x, c, labels, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                             nullptr, exact, N, K, K, 1, K, (int)A.split, 1.0f, 1.0f);
   });

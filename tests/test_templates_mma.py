@@ -901,6 +901,32 @@ static std::vector<unsigned char> slurp(const std::string& path) {
   return v;
 }
 
+// A grid of gx x gy CTAs of Tr::kThreads fibers, each running f (a lambda calling the kernel), one
+// CTA after another; shared memory poisoned with NaN before each. For the other emulated templates'
+// drivers (tests/mma_emulator.py).
+template <class Tr, class F>
+void launch_grid(unsigned gx, unsigned gy, F f) {
+  emu::smem_limit = Tr::kSmemBytes;
+  emu::grid_dim = {gx, gy, 1};
+  emu::nthreads = Tr::kThreads;
+  static std::vector<emu::Fiber> fib(Tr::kThreads);
+  emu::fibers = fib.data();
+  static F* body;
+  body = &f;
+  for (unsigned by = 0; by < gy; ++by)
+    for (unsigned bx = 0; bx < gx; ++bx) {
+      emu::block_idx = {bx, by, 0};
+      std::memset(kermac_like::smem, 0xff, sizeof(kermac_like::smem));  // NaN poison
+      emu::copies.clear();
+      static auto tramp = +[]() {
+        (*body)();
+        emu::cur->done = true;
+        ++emu::progress;
+      };
+      run_block(fib, Tr::kThreads, tramp);
+    }
+}
+
 // ------------------------------------------------------------------ driver
 using namespace kermac_like;
 typedef long long i64;

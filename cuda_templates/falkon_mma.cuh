@@ -19,7 +19,7 @@
 // x's A fragments from the same function (x_frags) and z's B fragments from the same prepared
 // array, with A = x and B = z in both: one mma orientation, hence one value per pair. The rows
 // kernel holds x in registers and streams z tiles; the cols kernel holds its centres in registers
-// and streams x tiles (each warp makes one m16 tile's fragments, two stages).
+// and streams x tiles (the fragments made by four of its warps, two stages).
 //
 // Sums (the blocked float64 mode of matvec.cuh): v and w arrive in float32 (rounded once by the
 // caller); k * v is an FFMA into float32 partials of kGroup = 8 terms (rows kernel: 8 centres of
@@ -67,8 +67,7 @@ struct FalkonRowsTraits : FalkonTraitsBase<kK_, kC_> {
 };
 
 // The cols kernel: a CTA owns kBlockN centres (each warp kNbw n8 blocks), streams x in tiles of
-// kBlockM = 128 rows (8 m16 tiles, one made by each warp; a lane's 8 rows of 4 m16 tiles are one group)
-// through two stages of fragments.
+// kBlockM = 64 rows (4 m16 tiles: 8 rows of a lane, one group) through two stages of fragments.
 template <int kK_, int kC_>
 struct FalkonColsTraits : FalkonTraitsBase<kK_, kC_> {
   // n8 blocks per warp: B fragments of <= 16 registers (4 / kSteps blocks), fewer for wide kC
@@ -76,11 +75,8 @@ struct FalkonColsTraits : FalkonTraitsBase<kK_, kC_> {
   static constexpr int kNbwC = kC_ <= 2 ? 4 : kC_ == 4 ? 2 : 1;
   static constexpr int kNbw = kNbwK < kNbwC ? kNbwK : kNbwC;
   static constexpr int kBlockN = 8 * 8 * kNbw;
-  static constexpr int kBlockM = 128;
-  static constexpr int kMtX = kBlockM / 16;                        // m16 tiles of an x tile (8, one a warp)
-  static_assert(kMtX == 8, "FalkonColsTraits: each of the 8 warps makes one m16 tile of an x tile");
-  // m16 tiles of a group in flight: 2, or 1 where two spill (ptxas, NVRTC 13.5: kC = 2 at kK = 8, kC = 4 at 16)
-  static constexpr int kUnrollI = (kK_ == 8 && kC_ == 2) || (kK_ == 16 && kC_ == 4) ? 1 : 2;
+  static constexpr int kBlockM = 64;
+  static constexpr int kMtX = kBlockM / 16;                        // m16 tiles of an x tile (4)
   static constexpr int kXFrag = kMtX * (kK_ / 8) * 32 * 32;      // bytes: hi, lo uint4 per (tile, step, lane)
   static constexpr int kXTileBytes = kXFrag + kBlockM * 4 + kBlockM * kC_ * 4;  // + a + w
   static constexpr int kSmemBytes = 2 * kXTileBytes;
@@ -347,7 +343,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_cols_kernel(
   const i64 row1 = min(N, row0 + rows_per_split);
   const int tiles = row1 > row0 ? int((row1 - row0 + BM - 1) / BM) : 0;
 
-  // The stages' fragments are made by every warp (m16 tile `warp` of the x tile), from raw
+  // The stages' fragments are made by warps 0 .. MTX - 1 (m16 tile `warp` of the x tile), from raw
   // values read one tile ahead into registers.
   const bool maker = warp < MTX;
   float cv[S][2];
@@ -412,41 +408,39 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_cols_kernel(
     const uint4* fr = reinterpret_cast<const uint4*>(st);
     const float* as = reinterpret_cast<const float*>(st + Tr::kXFrag);
     const float* ws = as + BM;
-#pragma unroll 1
-    for (int i0 = 0; i0 < MTX; i0 += 4) {  // a group: 4 m16 tiles, 8 rows of every centre of this lane
-#pragma unroll(Tr::kUnrollI)
-      for (int i = i0; i < i0 + 4; ++i) {
-        unsigned ah[S][4], al[S][4];
+#pragma unroll 2
+    for (int i = 0; i < MTX; ++i) {
+      unsigned ah[S][4], al[S][4];
 #pragma unroll
-        for (int s = 0; s < S; ++s) {
-          const uint4 hi = fr[((i * S + s) * 32 + lane) * 2], lo = fr[((i * S + s) * 32 + lane) * 2 + 1];
-          ah[s][0] = hi.x, ah[s][1] = hi.y, ah[s][2] = hi.z, ah[s][3] = hi.w;
-          al[s][0] = lo.x, al[s][1] = lo.y, al[s][2] = lo.z, al[s][3] = lo.w;
-        }
-        const float a0 = as[16 * i + g], a1 = as[16 * i + g + 8];
-        float w0[KC], w1[KC];
+      for (int s = 0; s < S; ++s) {
+        const uint4 hi = fr[((i * S + s) * 32 + lane) * 2], lo = fr[((i * S + s) * 32 + lane) * 2 + 1];
+        ah[s][0] = hi.x, ah[s][1] = hi.y, ah[s][2] = hi.z, ah[s][3] = hi.w;
+        al[s][0] = lo.x, al[s][1] = lo.y, al[s][2] = lo.z, al[s][3] = lo.w;
+      }
+      const float a0 = as[16 * i + g], a1 = as[16 * i + g + 8];
+      float w0[KC], w1[KC];
 #pragma unroll
-        for (int c = 0; c < KC; ++c) w0[c] = ws[(16 * i + g) * KC + c], w1[c] = ws[(16 * i + g + 8) * KC + c];
+      for (int c = 0; c < KC; ++c) w0[c] = ws[(16 * i + g) * KC + c], w1[c] = ws[(16 * i + g + 8) * KC + c];
 #pragma unroll
-        for (int j = 0; j < NB; ++j) {
-          float acc[4];
-          falkon_detail::exponents<S>(acc, ah, al, bf[j], b0[j], b1[j]);
-          const float k00 = math::ex2_approx(__fadd_rn(acc[0], a0)), k01 = math::ex2_approx(__fadd_rn(acc[1], a0));
-          const float k10 = math::ex2_approx(__fadd_rn(acc[2], a1)), k11 = math::ex2_approx(__fadd_rn(acc[3], a1));
+      for (int j = 0; j < NB; ++j) {
+        float acc[4];
+        falkon_detail::exponents<S>(acc, ah, al, bf[j], b0[j], b1[j]);
+        const float k00 = math::ex2_approx(__fadd_rn(acc[0], a0)), k01 = math::ex2_approx(__fadd_rn(acc[1], a0));
+        const float k10 = math::ex2_approx(__fadd_rn(acc[2], a1)), k11 = math::ex2_approx(__fadd_rn(acc[3], a1));
 #pragma unroll
-          for (int c = 0; c < KC; ++c) {
-            part[j][0][c] = __fmaf_rn(k10, w1[c], __fmaf_rn(k00, w0[c], part[j][0][c]));
-            part[j][1][c] = __fmaf_rn(k11, w1[c], __fmaf_rn(k01, w0[c], part[j][1][c]));
-          }
+        for (int c = 0; c < KC; ++c) {
+          part[j][0][c] = __fmaf_rn(k10, w1[c], __fmaf_rn(k00, w0[c], part[j][0][c]));
+          part[j][1][c] = __fmaf_rn(k11, w1[c], __fmaf_rn(k01, w0[c], part[j][1][c]));
         }
       }
-#pragma unroll
-      for (int j = 0; j < NB; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-#pragma unroll
-          for (int c = 0; c < KC; ++c) total[j][e][c] += double(part[j][e][c]), part[j][e][c] = 0.0f;
     }
+    // 4 m16 tiles: 8 rows of every centre of this lane in the partials
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int c = 0; c < KC; ++c) total[j][e][c] += double(part[j][e][c]), part[j][e][c] = 0.0f;
     __syncthreads();  // stage st_i read by all; the makers' next stage written
   }
 

@@ -6,8 +6,8 @@ Mirrors of ``kermac_like::FalkonRowsTraits<kK, kC>`` and ``FalkonColsTraits<kK, 
 stub checks them with static_asserts): kK = K rounded up to 8, 16 or 32; kC columns per launch (1, 2,
 4, 8). Rows kernel: 8 warps of kMt m16 tiles (kMt = 4, 2, 1 for kK = 8, 16, 32, halved for kC = 4 and
 1 for kC = 8), centre tiles of 128 in two stages of (fragments 128 kK 8 B + b 512 B + v 512 kC B).
-Cols kernel: 8 warps of kNbw n8 blocks (min(4 / (kK / 8), 4 for kC <= 2, 2 for kC = 4, 1 for kC = 8)), x tiles of 128
-rows in two stages of (fragments 8 kK 128 B + a 512 B + w 512 kC B). The prep kernel runs on the rows
+Cols kernel: 8 warps of kNbw n8 blocks (min(4 / (kK / 8), 4 for kC <= 2, 2 for kC = 4, 1 for kC = 8)), x tiles of 64
+rows in two stages of (fragments 4 kK 128 B + a 256 B + w 256 kC B). The prep kernel runs on the rows
 traits of kC = 1.
 """
 
@@ -49,8 +49,8 @@ def rows_shape(kK: int, kC: int) -> LaunchShape:
 
 def cols_shape(kK: int, kC: int) -> LaunchShape:
     nbw = min(max(1, 4 // (kK // 8)), 4 if kC <= 2 else (2 if kC == 4 else 1))
-    tile = 8 * (kK // 8) * 32 * 32 + 128 * 4 + 128 * kC * 4
-    return LaunchShape(threads=256, block_m=128, block_n=64 * nbw, smem_bytes=2 * tile)
+    tile = 4 * (kK // 8) * 32 * 32 + 64 * 4 + 64 * kC * 4
+    return LaunchShape(threads=256, block_m=64, block_n=64 * nbw, smem_bytes=2 * tile)
 
 
 def _rows_traits(kK: int, kC: int) -> str:

@@ -321,7 +321,8 @@ def test_simt_kmajor_copies_change_nothing_but_speed(p, caplog):
             km.cdist(x, y, p, out=out, debug=True)
         assert any("k-major copies" in r.getMessage() for r in caplog.records)
         assert rel(out, torch.cdist(x.double(), y.double(), p)) < tol(p)
-        torch.cuda.synchronize()
+        km.cdist(x, y, p, out=out)  # a plain call first: the peak below is a steady call's (session 15's suite
+        torch.cuda.synchronize()    # saw 0.5 MB more once, in the first plain call after the debug one)
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         km.cdist(x, y, p, out=out)

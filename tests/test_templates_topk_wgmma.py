@@ -20,7 +20,6 @@ Also: NVRTC compiles version 6 for sm_90a without spills; the planner's rule for
 
 from __future__ import annotations
 
-import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -28,11 +27,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mma_emulator
+
 from test_templates_topk_mma import DRIVER as V5_DRIVER
-from test_templates_topk_mma import _emulator_prelude, _nearest_among_candidates
+from test_templates_topk_mma import _nearest_among_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ROOT / "cuda_templates"
 
 # (Inner, largest, kSel): runner 2 i runs version 5 of config i, 2 i + 1 version 6.
 CONFIGS = [
@@ -153,17 +153,7 @@ def _driver() -> str:
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not installed")
-    d = tmp_path_factory.mktemp("topk_wgmma_emulator")
-    prelude = _emulator_prelude().replace("#include <vector>", "#include <vector>\n#include <map>", 1)
-    (d / "emu.cpp").write_text(prelude + _driver())
-    exe = d / "emu"
-    r = subprocess.run([gxx, "-std=c++17", "-O1", "-I", str(TEMPLATES), str(d / "emu.cpp"), "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return str(exe)
+    return mma_emulator.build(tmp_path_factory, "topk_wgmma_emulator", "#include <map>\n" + _driver())
 
 
 def emulate(exe, runner, x, y, n_split, tmp):

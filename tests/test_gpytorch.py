@@ -159,6 +159,29 @@ def test_get_indices_entries_and_gradient(kernel, monkeypatch):
         torch.testing.assert_close(g_got, g_ref)
 
 
+@pytest.mark.parametrize("kernel", ["rbf", "laplace"])
+def test_pivot_columns_are_the_permuted_columns(kernel):
+    """pivot_columns(p) (the pivoted-Cholesky backward's K[..., :, p], differences broadcast) equals
+    apply_permutation's entries through _get_indices, values and gradients, batched with an outputscale
+    and with x2 broadcast over the batch."""
+    from linear_operator.utils.permutation import apply_permutation
+
+    x1 = torch.randn(2, 50, 4, dtype=F64, requires_grad=True)
+    x2 = torch.randn(1, 40, 4, dtype=F64, requires_grad=True)
+    s = torch.tensor([0.7, 1.9], dtype=F64, requires_grad=True)
+    op = KermacKernelLinearOperator(x1, x2, kernel=kernel, outputscale=s)
+    piv = torch.stack([torch.randperm(40)[:6], torch.randperm(40)[:6]])
+    got = op.pivot_columns(piv)
+    ref = apply_permutation(op, None, piv)
+    assert got.shape == ref.shape == (2, 50, 6)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    w = torch.randn(2, 50, 6, dtype=F64)
+    g_got = torch.autograd.grad((got * w).sum(), (x1, x2, s))
+    g_ref = torch.autograd.grad((ref * w).sum(), (x1, x2, s))
+    for a, b in zip(g_got, g_ref):
+        torch.testing.assert_close(a, b)
+
+
 def test_float64_rhs_of_float32_data():
     """A float64 right-hand side of float32 points takes kernel_matvec's float64 mode (no gradient
     asked for): float64 result, the float32 kernel values' accuracy."""

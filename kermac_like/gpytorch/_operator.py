@@ -130,18 +130,20 @@ class KermacKernelLinearOperator(KernelLinearOperator):
 
     def _get_indices(self, row_index, col_index, *batch_indices) -> torch.Tensor:
         # Entries s k(x1[row], x2[col]) at index tensors, as the pivoted-Cholesky preconditioner asks
-        # for them (its rows, and in its backward all N rows x its rank columns). The base class runs
-        # GPyTorch's batched sq_dist on N x rank 1 x 1 matrices, whose padded temporaries took 4.6 GB
-        # at N = 10^6, D = 8: here direct differences, summed over coordinate chunks of at most 2^24
-        # values.
+        # for them (its rows). The base class runs GPyTorch's batched sq_dist on N x rank 1 x 1
+        # matrices, whose padded temporaries took 4.6 GB at N = 10^6, D = 8: here direct differences.
         a, b = self.x1[(*batch_indices, row_index)], self.x2[(*batch_indices, col_index)]
-        n = math.prod(torch.broadcast_shapes(a.shape[:-1], b.shape[:-1]))
-        chunk = max(1, (1 << 24) // max(1, n))
-        sq = None
-        for k0 in range(0, a.shape[-1], chunk):
-            part = (a[..., k0:k0 + chunk] - b[..., k0:k0 + chunk]).square().sum(-1)
-            sq = part if sq is None else sq + part
-        return self._scaled(self._of_squared_distance(sq), *batch_indices)
+        return self._scaled(self._of_squared_distance(_squared_distances(a, b)), *batch_indices)
+
+    def pivot_columns(self, pivots: torch.Tensor) -> torch.Tensor:
+        """K[..., :, p]: ``(*batch, N, m)`` for pivots ``(*batch, m)``, the entries _get_indices gives for
+        all rows x the pivots (the pivoted-Cholesky backward's block), with x2's pivot rows gathered once
+        and the differences broadcast: no N x m gather of x1, whose backward scattered N m D duplicate
+        gradients (index_put, 11.9 ms of a 5 x 10^4 step; bench/notes/gpytorch.md)."""
+        x2 = self.x2.expand(*pivots.shape[:-1], *self.x2.shape[-2:])
+        xp = x2.gather(-2, pivots.unsqueeze(-1).expand(*pivots.shape, x2.shape[-1]))
+        sq = _squared_distances(self.x1.unsqueeze(-2), xp.unsqueeze(-3))
+        return self._scaled(self._of_squared_distance(sq))
 
     def _diagonal(self) -> torch.Tensor:
         # s k(x1_i, x2_i): (*batch, N)
@@ -156,6 +158,18 @@ class KermacKernelLinearOperator(KernelLinearOperator):
 
     def to_dense(self) -> torch.Tensor:
         return self.covar_mat
+
+
+def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b|^2 over the last dimension, a and b broadcast against each other, summed over coordinate
+    chunks so that no temporary holds more than 2^24 values."""
+    n = math.prod(torch.broadcast_shapes(a.shape[:-1], b.shape[:-1]))
+    chunk = max(1, (1 << 24) // max(1, n))
+    sq = None
+    for k0 in range(0, a.shape[-1], chunk):
+        part = (a[..., k0:k0 + chunk] - b[..., k0:k0 + chunk]).square().sum(-1)
+        sq = part if sq is None else sq + part
+    return sq
 
 
 class _PivotedCholesky(torch.autograd.Function):
@@ -208,7 +222,9 @@ class _PivotedCholesky(torch.autograd.Function):
         pivots, *args = ctx.saved_tensors
         with torch.enable_grad():
             args = [a.detach().requires_grad_(True) if a.is_floating_point() else a for a in args]
-            cols = apply_permutation(ctx.representation_tree(*args), None, pivots)  # K[..., :, p]: (*batch, N, m)
+            op = ctx.representation_tree(*args)
+            cols = (op.pivot_columns(pivots) if isinstance(op, KermacKernelLinearOperator)  # K[..., :, p]: (*batch, N, m)
+                    else apply_permutation(op, None, pivots))
             m = pivots.shape[-1]
             L = psd_safe_cholesky(cols.gather(-2, pivots.unsqueeze(-1).expand(*pivots.shape, m)))
             eye = torch.eye(m, dtype=L.dtype, device=L.device).expand_as(L)

@@ -247,4 +247,4 @@ def test_column_chunks_and_cpu_tensors():
     assert [c_chunk(c, 8) for c in (1, 2, 3, 5, 8, 9, 100)] == [1, 2, 2, 4, 8, 8, 8]
     assert [c_chunk(c, 32) for c in (1, 3, 8, 9)] == [1, 2, 4, 4]
     x = torch.rand(10, 8)
-    assert not falkon.serves(preset("gaussian_l2"), {"bandwidth": 1.0}, x, x[:4])
+    assert not falkon.serves(preset("gaussian_l2"), {"bandwidth": 1.0}, x[:4])

@@ -25,32 +25,26 @@ from .core import _device_index, _gpu_ok
 __all__ = ["enabled", "serves", "FalkonProducts"]
 
 log = logging.getLogger("kermac_like.falkon")
-
+_LOG2E = 1.0 / math.log(2.0)
 
 
 def enabled() -> bool:
     """KERMAC_LIKE_FALKON_MMA, "1" (default) or "0" (kernel_matvec's blocked float64 mode), read at
     each fit."""
     return os.environ.get("KERMAC_LIKE_FALKON_MMA", "1") != "0"
-_LOG2E = 1.0 / math.log(2.0)
 
 
-def serves(desc, hypers: dict, x: torch.Tensor, z: torch.Tensor) -> bool:
-    """Whether the tensor-core products serve a fit's kernel and data: :func:`enabled`, the Gaussian
-    kernel ('gaussian_l2') with a scalar bandwidth as its only hyper-parameter, float32 2-D x and
-    z on one CUDA device of sm_80 or newer, 1 <= K <= 32."""
+def serves(desc, hypers: dict, z: torch.Tensor) -> bool:
+    """Whether the tensor-core products serve a fit's kernel and centres (whose rows have the data's
+    dtype and device): :func:`enabled`, the Gaussian kernel ('gaussian_l2') with a scalar bandwidth as
+    its only hyper-parameter, float32 2-D z on a CUDA device of sm_80 or newer, 1 <= K <= 32."""
     if not (enabled() and desc == PRESETS["gaussian_l2"] and set(hypers) == {"bandwidth"}):
         return False
     bw = hypers["bandwidth"]
     if not (isinstance(bw, float) and bw > 0 and math.isfinite(bw)):
         return False
-    return (x.dim() == 2 and z.dim() == 2 and x.dtype == torch.float32 and z.dtype == torch.float32
-            and x.device == z.device and 1 <= x.shape[1] <= MAX_K and z.shape[1] == x.shape[1]
-            and 0 < z.shape[0] < 2 ** 31 - PAD and _gpu_ok(x))
-
-
-def _slots(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count * 2  # both kernels: 2 CTAs per SM
+    return (z.dim() == 2 and z.dtype == torch.float32 and 1 <= z.shape[1] <= MAX_K
+            and 0 < z.shape[0] < 2 ** 31 - PAD and _gpu_ok(z))
 
 
 def _split(ctas: int, slots: int, most: int) -> int:
@@ -79,6 +73,8 @@ class FalkonProducts:
 
         self.debug = debug
         self.device = _device_index(z.device)
+        # CTA slots of the device: both kernels run 2 CTAs per SM
+        self.slots = torch.cuda.get_device_properties(self.device).multi_processor_count * 2
         self.M, self.K = z.shape
         self.kK = k_bucket(self.K)
         self.Mp = -(-self.M // PAD) * PAD
@@ -97,7 +93,6 @@ class FalkonProducts:
         launch(prep, grid, (zc.data_ptr(), np.int64(zc.stride(0)), np.int32(self.M), np.int32(self.K),
                             self.centre.data_ptr(), np.float32(self.scale), np.int32(self.Mp), self.zf.data_ptr(),
                             self.zb.data_ptr()), debug=debug)
-        self._z = zc  # kept alive until the prep ran (stream order)
 
     def _x(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.float32:
@@ -125,7 +120,7 @@ class FalkonProducts:
             vc = vp[:, c0:c0 + kC].contiguous()
             ctas = -(-N // spec.launch.block_m)
             tiles = self.Mp // spec.launch.block_n
-            split = _split(ctas, _slots(self.device), tiles) if ctas < 8 * _slots(self.device) else 1
+            split = _split(ctas, self.slots, tiles) if ctas < 8 * self.slots else 1
             per = -(-tiles // split)
             split = -(-tiles // per)
             if split == 1:
@@ -156,7 +151,7 @@ class FalkonProducts:
             out = torch.empty((self.M, C), dtype=torch.float64, device=dev)
         if N == 0:
             return out.zero_()
-        w32 = w.to(torch.float32) if w.dtype != torch.float32 or w.stride(1) != 1 else w
+        w32 = w.to(torch.float32)  # rounded once (w itself where it is float32)
         if w32.stride(1) != 1:
             w32 = w32.contiguous()
         c0 = 0
@@ -167,7 +162,7 @@ class FalkonProducts:
             ctas = self.Mp // spec.launch.block_n
             bm = spec.launch.block_m
             x_tiles = -(-N // bm)
-            split = _split(ctas, _slots(self.device), x_tiles)
+            split = _split(ctas, self.slots, x_tiles)
             per = -(-x_tiles // split) * bm
             split = -(-N // per)
             dst = torch.empty((split, self.M, kC), dtype=torch.float64, device=dev)

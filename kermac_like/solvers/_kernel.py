@@ -102,6 +102,18 @@ class SolverKernel:
             return op_cls(self.desc, a, b, **self.hypers).matmul(v, out=out)
         return self._blocked_matvec(a, b, v, out)
 
+    def centre_products(self, z: torch.Tensor, *, blocked: bool, debug: bool = False):
+        """Falkon's two products against the centres z for one fit: an object whose ``rows(x, v)`` is
+        K(x, z) v and ``cols(x, u)`` is K(z, x) u. plan.falkon's tensor-core products where they serve
+        (``blocked``: the blocked float64 mode; the Gaussian kernel at D <= 32 on sm_80+), else
+        :meth:`matvec` in the mode ``blocked`` names."""
+        if blocked:
+            from ..plan import falkon
+
+            if falkon.serves(self.desc, self.hypers, z):
+                return falkon.FalkonProducts(z, self.hypers["bandwidth"], debug=debug)
+        return _MatvecProducts(self, z, blocked)
+
     def _blocked_matvec(self, a, b, v, out):
         n_a, n_b = a.shape[0], b.shape[0]
         if out is None:
@@ -121,3 +133,17 @@ class SolverKernel:
             blk = self.matrix(a[i:i + rows], z)
             g += (blk.T @ blk).to(acc_dtype)
         return g
+
+
+@dataclass(frozen=True)
+class _MatvecProducts:
+    """SolverKernel.centre_products through SolverKernel.matvec."""
+    kernel: SolverKernel
+    z: torch.Tensor
+    blocked: bool
+
+    def rows(self, x, v):
+        return self.kernel.matvec(x, self.z, v, f32_partials=self.blocked)
+
+    def cols(self, x, u):
+        return self.kernel.matvec(self.z, x, u, f32_partials=self.blocked)

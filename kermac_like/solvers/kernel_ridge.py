@@ -579,16 +579,10 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         # 8 pairs (~0.2 2^-24 of sum |k v| per product). B amplifies that rounding too: on the CPU model
         # (N = 2e4, m = 2e3) CG took 37 iterations instead of 30, same predictions to 7e-5 relative
         # (bench/notes/krr_1e9.md, "blocked float64 mode").
-        blocked = falkon_blocked()
         # In that mode, the Gaussian kernel at K <= 32 on sm_80+ takes both products on tensor cores
         # (plan.falkon, KERMAC_LIKE_FALKON_MMA): the same arithmetic with the exponent's dot product in
         # 3xTF32 and one kernel value per pair in both products (bench/notes/krr_1e9.md).
-        pairs = None
-        if blocked:
-            from ..plan import falkon
-
-            if falkon.serves(kernel.desc, kernel.hypers, z, z):
-                pairs = falkon.FalkonProducts(z, kernel.hypers["bandwidth"], debug=debug)
+        products = kernel.centre_products(z, blocked=falkon_blocked(), debug=debug)
 
         # One pass over the rows = one (m, C) float64 block: sum over the chunks c of K_Zc (...).
         def data_pass(v64=None, minus_y=False, flags=None):
@@ -601,13 +595,11 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                     flags[1] |= ~finite_flag(yc)
                 if v64 is None:
                     u = yc.to(f64)
-                elif pairs is not None:
-                    u = pairs.rows(xc, v64)  # K_cZ v (rows, C)
                 else:
-                    u = kernel.matvec(xc, z, v64, f32_partials=blocked)
-                if minus_y:
-                    u.neg_().add_(yc)  # y_c - K_cZ v, bit for bit, in place: one (rows, C) temporary
-                acc += pairs.cols(xc, u) if pairs is not None else kernel.matvec(z, xc, u, f32_partials=blocked)
+                    u = products.rows(xc, v64)  # K_cZ v (rows, C)
+                    if minus_y:
+                        u.neg_().add_(yc)  # y_c - K_cZ v, bit for bit, in place: one (rows, C) temporary
+                acc += products.cols(xc, u)
             return comm.all_reduce(acc)
 
         # The first pass: K_Zn y, and the finiteness of streamed data (agreed on by every rank with one

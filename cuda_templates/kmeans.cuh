@@ -1,35 +1,42 @@
-// k-means++ seeding (D^2 sampling) without host synchronisation: kmeans_update_kernel and
-// kmeans_draw_kernel (ABI: cuda_templates/ABI.md, built by kermac_like/plan/kmeans.py for
-// kermac_like.cluster.kmeans_plusplus).
+// k-means++ seeding (D^2 sampling) in rounds: kmeans_draw_kernel, kmeans_gap_kernel and
+// kmeans_update_kernel (ABI: cuda_templates/ABI.md, built by kermac_like/plan/kmeans.py for
+// kermac_like.cluster.kmeans_plusplus, whose torch path is the same algorithm).
 //
 // State over the N points (float32 data x (N, K), optional float32 weights w): the running
-// minimum squared distance d2[i] to the centres drawn so far and its centre near[i] (int32), and
-// the sampling weights p[i] = d2[i] w[i] (float32 product; d2[i] without weights; w[i] or 1 for the
-// first draw), never stored: block sums of p over blocks of kBlockM = 1024 points (the sampler's
-// SAMPLE_BLOCK) in float64, bsum[(N + 1023) / 1024].
+// minimum squared distance d2[i] to the centres folded in so far and its centre near[i] (int32);
+// the sampling weights p[i] = d2[i] w[i] (float32 product; d2[i] without weights; w[i] or 1 before
+// the first centre), never stored: block sums of p over blocks of kBlockM = 1024 points (the
+// sampler's SAMPLE_BLOCK) in float64, bsum[(N + 1023) / 1024].
 //
-// Per centre j, two launches in stream order:
+// A round starts with s centres folded into the state (s = 0: none) and draws centres s, s + 1, ...:
 //
-//   kmeans_draw_kernel (one CTA): r = u[j] x (sum of bsum), the first block whose cumulative sum
-//     exceeds r (right searchsorted; the last block where none does), then in that block the
-//     first point whose cumulative sum of p exceeds r minus the block's preceding sum (the last
-//     point of the block where none does), clamped to N - 1 (cluster.py's _Sampler.draw; an all-zero
-//     p draws N - 1). Writes idx[j], centres[j] = x[idx[j]] and cc[a] = ||c_a - c_j||^2 for a < j.
-//   kmeans_update_kernel (one CTA per 1024 points): for every point with cc[near] < 4 d2
-//     (1 + 1e-6) (the others cannot get closer: ||c_j - c_a|| >= 2 d), dn = ||x_i - c_j||^2;
-//     where dn < d2: d2 = dn, near = j. A CTA where some point changed writes its block sum of p
-//     again; the others keep theirs (the same p, the same sum). Most points cost the 8 bytes of
-//     (near, d2): x is read for the candidates only.
+//   kmeans_draw_kernel (one CTA): the cumulative block sums cum (written to scratch), then
+//     - centre s exactly from p (the proposal at uniform u[s][trials]: the first block whose
+//       cumulative sum exceeds r = u x total, then in it the first point whose cumulative sum of p
+//       exceeds r - (cum[b] - bsum[b]); the last block / point where none does; clamped to N - 1:
+//       cluster.py's _Sampler.draw);
+//     - each next centre j (j < s + kBlockN, j < C; only centre 0 when s = 0) by rejection from
+//       the same stale p: up to `trials` proposals t at u[j][t], each accepted when
+//       u[j][trials + 1 + t] p_s < p_j, with p_s the proposal's stale p and p_j its p against every
+//       centre drawn so far (d2_j = min(d2, ||x - c_i||^2 for s <= i < j), times w). A proposal
+//       comes with probability p_s / Z_s and is kept with probability p_j / p_s, so an accepted
+//       point has probability p_j / Z_j: exactly D^2 sampling (Z_s / Z_j proposals on average).
+//       When every proposal of a centre is rejected, the round ends before it: the next round
+//       draws it exactly from the refreshed state (its own uniform u[j][trials]).
+//     Where the total of p is 0, every remaining centre is N - 1 (the exact draw's clamp).
+//     Writes idx[j], centres[j] for the centres drawn and count[0] = the next round's s.
+//   kmeans_gap_kernel: gap[a] = min over the round's centres i of ||c_a - c_i||^2, a < s.
+//   kmeans_update_kernel (one CTA per 1024 points): folds the round's centres [s, e) into the
+//     state. A point whose centre a has gap[a] >= 4 d2 (1 + 1e-6) cannot get closer to any of them
+//     (||c_i - c_a|| >= 2 d); the others (the CTA's candidates, compacted) take dn = ||x - c_i||^2
+//     for every i in order, d2 = dn and near = i where dn < d2. A CTA where some point changed
+//     writes its block sum of p again. s = -1: the block sums of w for the first draw.
 //
-// With KmeansTraits::kScreen, a candidate is first screened by a bf16 copy of x (written by the
-// j = -1 launch, N x screen_row(K) x 2 bytes): its float32 row is read only where the screen
-// cannot prove dn >= d2 (the bitwise-same result: "The bf16 screen" below).
-//
-// j = 0 (the first centre): every point takes dn and near = 0 (d2 and near are not read). The
-// first draw's block sums come from kmeans_update_kernel with j = -1 (the sums of w, or the
-// counts; nothing else written). Determinism: every sum has a fixed order (distances over k in
-// order, without contraction; block sums by a fixed shared-memory tree; the draw's scans by fixed
-// chunks and a fixed Hillis-Steele scan); no atomics. The same inputs and u give the same bits.
+// The host launches draw, then (reading count) gap and update, round after round: about
+// C / kBlockN rounds plus one per centre whose proposals were all rejected. Determinism: every
+// sum has a fixed order (distances over k in order, without contraction; block sums by a fixed
+// tree; the draw's scans by fixed chunks and a fixed Hillis-Steele scan); no atomics. The same
+// inputs and u give the same bits.
 #pragma once
 
 #include "common.cuh"
@@ -39,20 +46,18 @@
 
 namespace kermac_like {
 
-// kK_: the padded K of the centre kept in registers (4, 8, 16, 32), or 0 for a runtime loop over
-// any K (the centre read from global memory). kScreen_: the update screens its candidates with a
-// bf16 copy of x before reading their float32 rows (below: "The bf16 screen").
-template <class T_, int kK_, bool kScreen_ = false>
+// kK_: the padded K of a point's row kept in registers (4, 8, 16, 32), or 0 for a runtime loop
+// over any K (rows and centres read from global memory).
+template <class T_, int kK_>
 struct KmeansTraits {
   static_assert(SameType<T_, float>::value, "KmeansTraits: float32 data (16-bit data is upcast by the host)");
   static_assert(kK_ == 0 || kK_ == 4 || kK_ == 8 || kK_ == 16 || kK_ == 32, "KmeansTraits: kK is 0, 4, 8, 16 or 32");
   using T = T_;
   static constexpr int kK = kK_;
-  static constexpr bool kScreen = kScreen_;
   static constexpr int kThreads = 256;
   static constexpr int kPoints = 4;                     // points per thread of the update
   static constexpr int kBlockM = kThreads * kPoints;    // points per block sum (SAMPLE_BLOCK)
-  static constexpr int kBlockN = 1;                     // (no second tile dimension)
+  static constexpr int kBlockN = 128;                   // centres per round at most (the update's staging)
   static constexpr int kSmemBytes = 0;                  // static shared memory only
 };
 
@@ -61,26 +66,27 @@ namespace kmeans_detail {
 // 4 d^2 (1 + 1e-6) in float32, as cluster.py's `d2 * (4.0 * (1.0 + 1e-6))`.
 constexpr float kMargin = 4.000004f;
 
-// ||x_i - c||^2 in float32, k in order, each square rounded before its add (torch's
-// (x - c).square_().sum(1) term by term; no contraction, so the CPU shim gives the same bits).
-template <class Tr>
-__device__ __forceinline__ float sq_dist(const float* xi, i64 sxk, const float* c_reg, const float* cj, int K) {
+// ||a - b||^2 in float32 over K coordinates, k in order, each square rounded before its add
+// (torch's (x - c).square_().sum(1) term by term; no contraction, so the CPU shim gives the same
+// bits). a and b with their own strides.
+__device__ __forceinline__ float sq_dist(const float* a, i64 sa, const float* b, i64 sb, int K) {
   float acc = 0.0f;
-  if constexpr (Tr::kK > 0) {
-    float v[Tr::kK];
-#pragma unroll
-    for (int q = 0; q < Tr::kK; ++q) v[q] = q < K ? xi[q * sxk] : 0.0f;
-#pragma unroll
-    for (int q = 0; q < Tr::kK; ++q) {
-      if (q < K) {
-        const float d = math::sub_rn(v[q], c_reg[q]);
-        acc = math::add_rn(acc, math::mul_rn(d, d));
-      }
-    }
-  } else {
 #pragma unroll 4
-    for (int q = 0; q < K; ++q) {
-      const float d = math::sub_rn(xi[q * sxk], cj[q]);
+  for (int q = 0; q < K; ++q) {
+    const float d = math::sub_rn(a[q * sa], b[q * sb]);
+    acc = math::add_rn(acc, math::mul_rn(d, d));
+  }
+  return acc;
+}
+
+// The same from a row in registers (kK values, those past K unused) and a centre (unit stride).
+template <int kK>
+__device__ __forceinline__ float sq_dist_reg(const float* v, const float* c, int K) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int q = 0; q < kK; ++q) {
+    if (q < K) {
+      const float d = math::sub_rn(v[q], c[q]);
       acc = math::add_rn(acc, math::mul_rn(d, d));
     }
   }
@@ -121,360 +127,256 @@ __device__ __forceinline__ int block_min(int* red, int v) {
   return block_reduce<T>(red, v, [](int a, int b) { return min(a, b); });
 }
 
-// -- The bf16 screen (KmeansTraits::kScreen) -----------------------------------------------------
-//
-// The update's j = -1 launch also writes xs, a bf16 copy of x (row-major, screen_row(K) bf16 per
-// point: kK, or K rounded up to 8 for the runtime loop; 0 past K; two coordinates per 32-bit word,
-// the even one in the low half), and eb[b], an upper bound on ||x_i - xs_i||_2 over the points of
-// block b (encode_row's e_i, proved below; the max over the block by a fixed tree). A later update
-// reads a candidate's bf16 row (16-byte vector loads) instead of its float32 row and takes the
-// float32 row and dn exactly as without the screen unless screen_skips proves dn >= d2, in which
-// case the unscreened kernel would not change the point ("strictly smaller" fails): the state,
-// the block sums and the draws are bitwise those of the unscreened kernel.
-//
-// Proof (u = 2^-24; fl(.) a round-to-nearest fp32 operation: fl(a op b) = (a op b)(1 + e) + h,
-// |e| <= u, |h| <= 2^-150, h = 0 for add / subtract and sqrt). K <= 1024 (the planner's check).
-// 1. The bound: e2 = sum_k fma(dk, dk, e2) with dk = fl(x_k - xs_k) satisfies
-//    e2 >= ||x - xs||^2 (1 - u)^(K + 2) - K 2^-150, and e_i = fl(fl(sqrt(fl(fl(e2 g1) + 2^-100))) g2)
-//    with g1 = 1 + (2K + 12) u, g2 = 1 + 8u (both exact in fp32) is >= ||x - xs|| (the factors cover
-//    (1 - u)^-(K + 8), 2^-100 the underflow terms). Non-finite parts give inf or NaN (NaN only where
-//    x_k is NaN or inf: such a point never changes, its exact dn is NaN or inf; fmax drops NaN).
-// 2. The screen: s = sum_k fma(tk, tk, s), tk = fl(xs_k - c_k) (k in order), so
-//    s <= a^2 (1 + u)^(K + 2) + 2K 2^-150 with a = ||xs - c||. With f = 1 - (2K + 16) u (exact),
-//    t = fl(fl(sqrt(s)) f) - E (rounded), q = fl(fl(t t) f): skip only when d2 >= 2^-100, t > 0,
-//    q is finite and q >= d2. Then every step above was finite and normal, and walking back:
-//    t^2 >= d2 / (f (1 + u)^2), a >= fl(sqrt(s)) f (1 + u) ... >= t / (1 + u) + E (f absorbs
-//    (1 + u)^((K + 6) / 2) and the 2K 2^-150), so by the triangle inequality r = ||x - c|| >=
-//    a - E >= t / (1 + u) > 0 and r^2 >= d2 / (f (1 + u)^4).
-// 3. The exact dn = fl-sum of fl(fl(x_k - c_k)^2) (sq_dist) is >= r^2 (1 - u)^(K + 2) - K 2^-150
-//    (or inf on overflow) >= d2 (1 - u)^(K + 2) / (f (1 + u)^4) - K 2^-150 >= d2 (1 + (K + 9) u)
-//    - K 2^-150 >= d2, as d2 >= 2^-100. So dn < d2 is false: nothing changes.
-// Overflow or NaN anywhere in the screen (s, t or q infinite or NaN, E = inf) fails the test: the
-// point takes the exact path. tests/test_templates_kmeans.py checks the bound at its edges.
-
-using math::sqrt_rn;  // fp32 square root, correctly rounded
-
-// bf16 bits of v, rounded to nearest even (overflow to inf; NaN stays NaN); bf16 -> fp32 exactly.
-__device__ __forceinline__ unsigned bf16_bits(float v) {
-  const unsigned b = __float_as_uint(v);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;
-  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-}
-__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-
-// bf16 per row of the copy: kK, or K rounded up to 8 (16-byte chunks) for the runtime loop.
-template <class Tr>
-__device__ __forceinline__ int screen_row(int K) {
-  return Tr::kK > 0 ? Tr::kK : (K + 7) & ~7;
-}
-
-// W 32-bit words at p by vectors (W = 2: one 8-byte load; W a multiple of 4: 16-byte loads).
-template <int W>
-__device__ __forceinline__ void load_words(const unsigned* p, unsigned* w) {
-  if constexpr (W == 2) {
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
-    w[0] = v.x, w[1] = v.y;
-  } else {
-#pragma unroll
-    for (int c = 0; c < W / 4; ++c) {
-      const uint4 v = reinterpret_cast<const uint4*>(p)[c];
-      w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
-    }
-  }
-}
-template <int W>
-__device__ __forceinline__ void store_words(unsigned* p, const unsigned* w) {
-  if constexpr (W == 2) {
-    *reinterpret_cast<uint2*>(p) = uint2{w[0], w[1]};
-  } else {
-#pragma unroll
-    for (int c = 0; c < W / 4; ++c)
-      reinterpret_cast<uint4*>(p)[c] = uint4{w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]};
-  }
-}
-
-// Coordinates q, q + 1 of row xi as one word of bf16 (0 past K), their rounding errors squared
-// added to e2 (fma, in order).
-__device__ __forceinline__ unsigned encode_pair(const float* xi, i64 sxk, int K, int q, float& e2) {
-  const float v0 = q < K ? xi[q * sxk] : 0.0f, v1 = q + 1 < K ? xi[(q + 1) * sxk] : 0.0f;
-  const unsigned b0 = bf16_bits(v0), b1 = bf16_bits(v1);
-  const unsigned wd = b0 | (b1 << 16);
-  const float d0 = math::sub_rn(v0, bf16_lo(wd)), d1 = math::sub_rn(v1, bf16_hi(wd));
-  e2 = math::fma_rn(d0, d0, e2);
-  e2 = math::fma_rn(d1, d1, e2);
-  return wd;
-}
-
-// The bound e_i >= ||x_i - xs_i|| from e2 (step 1 of the proof).
-__device__ __forceinline__ float screen_err_bound(float e2, int K) {
-  const float g1 = math::add_rn(1.0f, float(2 * K + 12) * 0x1p-24f);
-  return math::mul_rn(sqrt_rn(math::add_rn(math::mul_rn(e2, g1), 0x1p-100f)), 1.0f + 0x1p-21f);
-}
-
-// Writes row xi's bf16 copy at xw (screen_row(K) / 2 words); returns its bound e_i.
-template <class Tr>
-__device__ __forceinline__ float encode_row(const float* xi, i64 sxk, int K, unsigned* xw) {
-  float e2 = 0.0f;
-  if constexpr (Tr::kK > 0) {
-    constexpr int W = Tr::kK / 2;
-    unsigned wv[W];
-#pragma unroll
-    for (int w = 0; w < W; ++w) wv[w] = encode_pair(xi, sxk, K, 2 * w, e2);
-    store_words<W>(xw, wv);
-  } else {
-#pragma unroll 1
-    for (int q0 = 0; q0 < K; q0 += 8) {
-      unsigned wv[4];
-#pragma unroll
-      for (int w = 0; w < 4; ++w) wv[w] = encode_pair(xi, sxk, K, q0 + 2 * w, e2);
-      store_words<4>(xw + q0 / 2, wv);
-    }
-  }
-  return screen_err_bound(e2, K);
-}
-
-// s = sum_k fma(tk, tk, s), tk = fl(xs_k - c_k), from the bf16 row at xw (step 2 of the proof).
-template <class Tr>
-__device__ __forceinline__ float screen_dist(const unsigned* xw, const float* c_reg, const float* cj, int K) {
-  float s = 0.0f;
-  if constexpr (Tr::kK > 0) {  // c_reg and the copy are 0 past K: those terms add exactly 0
-    constexpr int W = Tr::kK / 2;
-    unsigned wv[W];
-    load_words<W>(xw, wv);
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const float d0 = math::sub_rn(bf16_lo(wv[w]), c_reg[2 * w]);
-      s = math::fma_rn(d0, d0, s);
-      const float d1 = math::sub_rn(bf16_hi(wv[w]), c_reg[2 * w + 1]);
-      s = math::fma_rn(d1, d1, s);
-    }
-  } else {
-#pragma unroll 1
-    for (int q0 = 0; q0 < K; q0 += 8) {
-      unsigned wv[4];
-      load_words<4>(xw + q0 / 2, wv);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const int q = q0 + 2 * w;
-        const float d0 = math::sub_rn(bf16_lo(wv[w]), q < K ? cj[q] : 0.0f);
-        s = math::fma_rn(d0, d0, s);
-        const float d1 = math::sub_rn(bf16_hi(wv[w]), q + 1 < K ? cj[q + 1] : 0.0f);
-        s = math::fma_rn(d1, d1, s);
-      }
-    }
-  }
-  return s;
-}
-
-// Whether the screen proves that the exact dn is >= d2 (step 2 and 3 of the proof): s from
-// screen_dist, e the block's bound, f = 1 - (2K + 16) u.
-__device__ __forceinline__ bool screen_skips(float s, float e, float f, float d2) {
-  const float t = math::sub_rn(math::mul_rn(sqrt_rn(s), f), e);
-  const float q = math::mul_rn(math::mul_rn(t, t), f);
-  return d2 >= 0x1p-100f && t > 0.0f && q <= 0x1.fffffep127f && q >= d2;
-}
-
-// f of screen_skips for K coordinates (exact in fp32).
-__device__ __forceinline__ float screen_slack(int K) {
-  return math::sub_rn(1.0f, float(2 * K + 16) * 0x1p-24f);
-}
-
 }  // namespace kmeans_detail
 
 // Grid ((N + kBlockM - 1) / kBlockM, 1, 1): CTA b owns points [b kBlockM, (b + 1) kBlockM), thread t
-// the points b kBlockM + t + e kThreads (e < kPoints, coalesced). j = -1: bsum[b] = the block's sum
-// of w (or its point count); with the screen also the block's rows of the bf16 copy xs and its
-// bound eb[b] (else xs and eb are not used). j >= 0: the update by centre j = centres[j] (row
-// stride ldc) as described above.
+// the points b kBlockM + t + e kThreads (e < kPoints, coalesced). s = -1: bsum[b] = the block's sum
+// of w (or its point count). s >= 0: the round's centres [s, e) (e - s <= kBlockN; centres with row
+// stride ldc) folded into (d2, near) as described above; s = 0 sets every point's state (d2 and
+// near not read; the first centre taken without comparison). gap is read for s > 0 only.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) kmeans_update_kernel(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ centres,
-    const float* __restrict__ cc, float* __restrict__ d2, int* __restrict__ near, double* __restrict__ bsum,
-    unsigned* __restrict__ xs, float* __restrict__ eb, int N, int K, i64 sxm, i64 sxk, i64 ldc, int j) {
+    const float* __restrict__ gap, float* __restrict__ d2, int* __restrict__ near, double* __restrict__ bsum, int N,
+    int K, i64 sxm, i64 sxk, i64 ldc, int s, int e) {
   using Tr = Traits;
   using namespace kmeans_detail;
-  constexpr int T = Tr::kThreads, P = Tr::kPoints;
+  constexpr int T = Tr::kThreads, P = Tr::kPoints, BM = Tr::kBlockM, kK = Tr::kK;
   __shared__ double red[T];
   const int tid = threadIdx.x;
-  const i64 base = i64(blockIdx.x) * Tr::kBlockM;
-  const int kw = screen_row<Tr>(K) / 2;  // 32-bit words per row of xs (with the screen)
+  const i64 base = i64(blockIdx.x) * BM;
 
-  if (j < 0) {  // the first draw's weights (and the screen's copy)
+  if (s < 0) {  // the first draw's weights
     double part = 0.0;
-    float emax = 0.0f;
 #pragma unroll
-    for (int e = 0; e < P; ++e) {
-      const i64 i = base + tid + e * T;
-      if (i < N) {
-        part += w ? double(w[i]) : 1.0;
-        if constexpr (Tr::kScreen) emax = fmaxf(emax, encode_row<Tr>(x + i * sxm, sxk, K, xs + i * kw));
-      }
+    for (int q = 0; q < P; ++q) {
+      const i64 i = base + tid + q * T;
+      if (i < N) part += w ? double(w[i]) : 1.0;
     }
-    const double s = block_sum<T>(red, part);
-    if (tid == 0) bsum[blockIdx.x] = s;
-    if constexpr (Tr::kScreen) {
-      const double m = block_reduce<T>(red, double(emax), [](double a, double b) { return fmax(a, b); });
-      if (tid == 0) eb[blockIdx.x] = float(m);
-    }
+    const double sum = block_sum<T>(red, part);
+    if (tid == 0) bsum[blockIdx.x] = sum;
     return;
   }
 
-  const float* cj = centres + i64(j) * ldc;
-  float c_reg[Tr::kK > 0 ? Tr::kK : 1];
-  if constexpr (Tr::kK > 0) {
-#pragma unroll
-    for (int q = 0; q < Tr::kK; ++q) c_reg[q] = q < K ? cj[q] : 0.0f;
-  }
-  float e_blk = 0.0f, f = 0.0f;  // the screen's bound for this block and its slack
-  if constexpr (Tr::kScreen) {
-    if (j > 0) e_blk = eb[blockIdx.x], f = screen_slack(K);
-  }
-  float pv[P];
-  bool changed = false;
-#pragma unroll
-  for (int e = 0; e < P; ++e) {
-    const i64 i = base + tid + e * T;
-    pv[e] = 0.0f;
-    if (i >= N) continue;
-    float old;
-    if (j == 0) {
-      old = sq_dist<Tr>(x + i * sxm, sxk, c_reg, cj, K);
-      d2[i] = old;
-      near[i] = 0;
-      changed = true;
-    } else {
-      old = d2[i];
-      const int a = near[i];
-      if (cc[a] < old * kMargin) {  // a candidate: c_j may be nearer
-        bool skip = false;          // with the screen: proved dn >= d2 from the bf16 row
-        if constexpr (Tr::kScreen) skip = screen_skips(screen_dist<Tr>(xs + i * kw, c_reg, cj, K), e_blk, f, old);
-        if (!skip) {
-          const float dn = sq_dist<Tr>(x + i * sxm, sxk, c_reg, cj, K);
-          if (dn < old) {
-            old = dn;
-            d2[i] = dn;
-            near[i] = j;
-            changed = true;
-          }
-        }
-      }
+  __shared__ double scan[2][T];
+  __shared__ float sd2[BM];
+  __shared__ int list[BM];
+  __shared__ float sc[kK > 0 ? Tr::kBlockN * kK : 1];
+  const int nc = e - s;
+  if constexpr (kK > 0) {  // the round's centres, kK floats each (0 past K)
+    for (int r = tid; r < nc * kK; r += T) {
+      const int c = r / kK, q = r - c * kK;
+      sc[r] = q < K ? centres[i64(s + c) * ldc + q] : 0.0f;
     }
-    pv[e] = old;
+  }
+  // 1. The candidates, compacted in thread order.
+  bool cand[P];
+  int mine = 0;
+#pragma unroll
+  for (int q = 0; q < P; ++q) {
+    const int loc = tid + q * T;
+    const i64 i = base + loc;
+    cand[q] = false;
+    sd2[loc] = 0.0f;
+    if (i >= N) continue;
+    if (s == 0) {
+      cand[q] = true;
+    } else {
+      const float old = d2[i];
+      sd2[loc] = old;
+      cand[q] = gap[near[i]] < old * kMargin;
+    }
+    mine += cand[q];
+  }
+  double total;
+  int at = int(block_exclusive_scan<T>(scan, double(mine), &total));
+#pragma unroll
+  for (int q = 0; q < P; ++q)
+    if (cand[q]) list[at++] = tid + q * T;
+  __syncthreads();
+  const int n = int(total);
+
+  // 2. Each candidate against the round's centres, in order.
+  bool changed = false;
+  for (int r = tid; r < n; r += T) {
+    const int loc = list[r];
+    const i64 i = base + loc;
+    const float* xi = x + i * sxm;
+    float v[kK > 0 ? kK : 1];
+    if constexpr (kK > 0) {
+#pragma unroll
+      for (int q = 0; q < kK; ++q) v[q] = q < K ? xi[q * sxk] : 0.0f;
+    }
+    auto dist = [&](int c) {  // ||x_i - c_{s + c}||^2
+      if constexpr (kK > 0) return sq_dist_reg<kK>(v, sc + c * kK, K);
+      else return sq_dist(xi, sxk, centres + i64(s + c) * ldc, 1, K);
+    };
+    float old;
+    int nr, c0 = 0;
+    bool mine_changed = false;
+    if (s == 0) {
+      old = dist(0), nr = 0, c0 = 1, mine_changed = true;
+    } else {
+      old = sd2[loc], nr = -1;
+    }
+#pragma unroll 1
+    for (int c = c0; c < nc; ++c) {
+      const float dn = dist(c);
+      if (dn < old) old = dn, nr = s + c, mine_changed = true;
+    }
+    if (mine_changed) {
+      d2[i] = old;
+      near[i] = nr;
+      sd2[loc] = old;
+      changed = true;
+    }
   }
   if (__syncthreads_and(!changed)) return;  // the block's p unchanged: its sum stands
+  // 3. The block sum of p = d2 w (w read only in blocks that changed).
   double part = 0.0;
 #pragma unroll
-  for (int e = 0; e < P; ++e) {  // p = d2 w (w read only in blocks that changed)
-    const i64 i = base + tid + e * T;
-    part += double(w && i < N ? pv[e] * w[i] : pv[e]);
+  for (int q = 0; q < P; ++q) {
+    const int loc = tid + q * T;
+    const i64 i = base + loc;
+    part += double(w && i < N ? sd2[loc] * w[i] : sd2[loc]);
   }
-  const double s = block_sum<T>(red, part);
-  if (tid == 0) bsum[blockIdx.x] = s;
+  const double sum = block_sum<T>(red, part);
+  if (tid == 0) bsum[blockIdx.x] = sum;
 }
 
-// Grid (1, 1, 1): the draw of centre j (u[j] in [0, 1)) from the nb = (N + kBlockM - 1) / kBlockM
-// block sums and, in the chosen block, p (w or 1 for j = 0, else d2 w or d2); writes idx[j],
-// centres[j] (row stride ldc) and cc[a] = ||c_a - c_j||^2 for a < j.
+// Grid (ceil(s / kThreads), 1, 1): gap[a] = min over i in [s, e) of ||c_a - c_i||^2 (float32, k in
+// order), a < s.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads) kmeans_gap_kernel(
+    const float* __restrict__ centres, float* __restrict__ gap, int K, i64 ldc, int s, int e) {
+  using namespace kmeans_detail;
+  const int a = blockIdx.x * Traits::kThreads + threadIdx.x;
+  if (a >= s) return;
+  const float* ca = centres + i64(a) * ldc;
+  float g = __int_as_float(0x7f800000);
+#pragma unroll 1
+  for (int i = s; i < e; ++i) g = fminf(g, sq_dist(ca, 1, centres + i64(i) * ldc, 1, K));
+  gap[a] = g;
+}
+
+// Grid (1, 1, 1): one round of draws from centre s (above). u: (C, 2 trials + 1) float64 uniforms
+// in [0, 1), row j: proposals [0, trials), the exact draw's at [trials], acceptances after it. cum:
+// scratch of nb float64. Writes idx[j] and centres[j] (row stride ldc) for the centres drawn and
+// count[0], the first centre not drawn (C when done).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) kmeans_draw_kernel(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ d2,
-    const double* __restrict__ bsum, const double* __restrict__ u, i64* __restrict__ idx, float* __restrict__ centres,
-    float* __restrict__ cc, int N, int K, i64 sxm, i64 sxk, i64 ldc, int nb, int j) {
+    const double* __restrict__ bsum, double* __restrict__ cum, const double* __restrict__ u, i64* __restrict__ idx,
+    float* __restrict__ centres, int* __restrict__ count, int N, int K, i64 sxm, i64 sxk, i64 ldc, int nb, int C,
+    int s, int trials) {
   using Tr = Traits;
   using namespace kmeans_detail;
   constexpr int T = Tr::kThreads, BM = Tr::kBlockM, E = BM / T, kBatch = 8;
   __shared__ double scan[2][T];
-  __shared__ int imin[T];
-  __shared__ double s_base;
+  __shared__ int ired[T];
+  __shared__ float fred[T];
   const int tid = threadIdx.x;
+  const int ut = 2 * trials + 1;
 
-  // 1. The block: thread t scans block sums [b0, b1), a contiguous chunk, kBatch loads at a time
-  // (issued together, then added in order).
+  // 1. The cumulative block sums: thread t sums block sums [b0, b1), a contiguous chunk, kBatch
+  // loads at a time (issued together, then added in order), after the chunks before it.
   const int per = (nb + T - 1) / T;
   const int b0 = min(nb, tid * per), b1 = min(nb, b0 + per);
-  double s = 0.0;
+  double part = 0.0;
   for (int b = b0; b < b1; b += kBatch) {
     double v[kBatch];
 #pragma unroll
-    for (int e = 0; e < kBatch; ++e) v[e] = b + e < b1 ? bsum[b + e] : 0.0;
+    for (int q = 0; q < kBatch; ++q) v[q] = b + q < b1 ? bsum[b + q] : 0.0;
 #pragma unroll
-    for (int e = 0; e < kBatch; ++e) s += v[e];
+    for (int q = 0; q < kBatch; ++q) part += v[q];
   }
   double total;
-  const double excl = block_exclusive_scan<T>(scan, s, &total);
-  const double r = u[j] * total;
-  // The first b of the chunk whose cumulative sum exceeds r; the same additions in the same order
-  // (v[e] = 0 past b1 adds nothing).
-  int found = nb;
-  double run = excl, at = 0.0;
-  for (int b = b0; b < b1 && found == nb; b += kBatch) {
-    double v[kBatch];
-#pragma unroll
-    for (int e = 0; e < kBatch; ++e) v[e] = b + e < b1 ? bsum[b + e] : 0.0;
-#pragma unroll
-    for (int e = 0; e < kBatch; ++e) {
-      if (found == nb && b + e < b1) {
-        run += v[e];
-        if (run > r) found = b + e, at = run - v[e];
-      }
-    }
-  }
-  int bsel = block_min<T>(imin, found);
-  // The cumulative sum before bsel, as the scan formed it (cum[b] - bs[b], as _Sampler.draw):
-  // from the thread that found it, or where none did (bsel = nb - 1), the owner of the last block
-  // (its run went through its whole chunk).
-  if (found == bsel && found < nb) s_base = at;
-  if (bsel >= nb) {
-    bsel = nb - 1;
-    if (b0 < b1 && b1 == nb) s_base = run - bsum[nb - 1];
+  double run = block_exclusive_scan<T>(scan, part, &total);
+  for (int b = b0; b < b1; ++b) {
+    run += bsum[b];
+    cum[b] = run;
   }
   __syncthreads();
-  const double rem = r - s_base;
 
-  // 2. The point: thread t owns points t E .. t E + E - 1 of block bsel.
-  const i64 p0 = i64(bsel) * BM + tid * E;
-  double pe[E];
-  double ps = 0.0;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const i64 i = p0 + e;
-    float p = 0.0f;
-    if (i < N) {
-      if (j == 0) p = w ? w[i] : 1.0f;
-      else p = w ? d2[i] * w[i] : d2[i];
+  // The index drawn at uniform uu from the state's p (s = 0: w or 1): the block by the count of
+  // cum <= r (chunk ends, then inside the chunk), the point by a scan of the block's p.
+  auto draw = [&](double uu) -> i64 {
+    const double r = uu * total;
+    // (cum rises inside a chunk; across a chunk's edge the scan's rounding may differ: the first
+    // b with cum[b] > r lies in the first chunk whose end exceeds r)
+    const int ch = block_min<T>(ired, b0 < b1 && cum[b1 - 1] > r ? tid : T);
+    int bsel = nb - 1;
+    if (ch < T) {
+      const int c0 = ch * per, c1 = min(nb, c0 + per);
+      int first = nb;
+      for (int b = c0 + tid; b < c1 && first == nb; b += T)
+        if (cum[b] > r) first = b;
+      bsel = block_min<T>(ired, first);
     }
-    pe[e] = double(p);
-    ps += pe[e];
-  }
-  double tot2;
-  const double ex2 = block_exclusive_scan<T>(scan, ps, &tot2);
-  int f2 = BM;
-  double run2 = ex2;
+    const double rem = r - (cum[bsel] - bsum[bsel]);
+    const i64 p0 = i64(bsel) * BM + tid * E;
+    double pe[E];
+    double ps = 0.0;
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    run2 += pe[e];
-    if (f2 == BM && run2 > rem) f2 = tid * E + e;
-  }
-  int isel = block_min<T>(imin, f2);
-  if (isel > BM - 1) isel = BM - 1;
-  i64 pick = i64(bsel) * BM + isel;
-  if (pick > N - 1) pick = N - 1;
+    for (int q = 0; q < E; ++q) {
+      const i64 i = p0 + q;
+      float p = 0.0f;
+      if (i < N) {
+        if (s == 0) p = w ? w[i] : 1.0f;
+        else p = w ? d2[i] * w[i] : d2[i];
+      }
+      pe[q] = double(p);
+      ps += pe[q];
+    }
+    double tot2;
+    double run2 = block_exclusive_scan<T>(scan, ps, &tot2);
+    int f2 = BM;
+#pragma unroll
+    for (int q = 0; q < E; ++q) {
+      run2 += pe[q];
+      if (f2 == BM && run2 > rem) f2 = tid * E + q;
+    }
+    int isel = block_min<T>(ired, f2);
+    if (isel > BM - 1) isel = BM - 1;
+    const i64 pick = i64(bsel) * BM + isel;
+    return pick > N - 1 ? N - 1 : pick;
+  };
 
-  // 3. The centre and its squared distances to the earlier ones.
-  const float* xr = x + pick * sxm;
-  if (tid == 0) idx[j] = pick;
-  float* cj = centres + i64(j) * ldc;
-  for (int q = tid; q < K; q += T) cj[q] = xr[q * sxk];
-  for (int a = tid; a < j; a += T) {
-    const float* ca = centres + i64(a) * ldc;
-    float acc = 0.0f;
-    for (int q = 0; q < K; ++q) {
-      const float d = math::sub_rn(ca[q], xr[q * sxk]);
-      acc = math::add_rn(acc, math::mul_rn(d, d));
+  // 2. The round's centres.
+  const int lim = s == 0 ? 1 : min(C, s + Tr::kBlockN);
+  int j = s;
+  for (; j < lim; ++j) {
+    const double* uj = u + i64(j) * ut;
+    i64 pick = N - 1;  // every p zero: the exact draw's clamp, for every remaining centre
+    bool ok = !(total > 0.0) || j == s;
+    if (total > 0.0) {
+      if (j == s) {
+        pick = draw(uj[trials]);
+      } else {
+        for (int t = 0; t < trials && !ok; ++t) {
+          pick = draw(uj[t]);
+          const float* xr = x + pick * sxm;
+          const float ds = d2[pick];
+          const float ws = w ? w[pick] : 1.0f;
+          const float ps = w ? ds * ws : ds;
+          if (!(ps > 0.0f)) continue;  // (uniform: every thread holds the same pick and state)
+          float m = __int_as_float(0x7f800000);
+          for (int c = s + tid; c < j; c += T) m = fminf(m, sq_dist(xr, sxk, centres + i64(c) * ldc, 1, K));
+          m = block_reduce<T>(fred, m, [](float a, float b) { return fminf(a, b); });
+          const float dj = fminf(ds, m);
+          const float pj = w ? dj * ws : dj;
+          ok = uj[trials + 1 + t] * double(ps) < double(pj);
+        }
+      }
     }
-    cc[a] = acc;
+    if (!ok) break;
+    if (tid == 0) idx[j] = pick;
+    const float* xr = x + pick * sxm;
+    float* cj = centres + i64(j) * ldc;
+    for (int q = tid; q < K; q += T) cj[q] = xr[q * sxk];
+    __syncthreads();  // centre j visible to the next candidates' distances
   }
+  if (tid == 0) count[0] = j;
 }
 
 // -- Lloyd's update: the deterministic segmented sum --------------------------------------------

@@ -50,6 +50,10 @@ BLOCK_ROWS = 1 << 20
 # Points per block of the k-means++ sampler (two-level inverse-CDF sampling: block sums, then
 # one block's cumulative sum).
 SAMPLE_BLOCK = 1024
+# k-means++ in rounds (kmeans_plusplus): centres per round at most, proposals per centre before a
+# round ends (mirrors of runtime/specs/kmeans.py's ROUND and TRIALS).
+SEED_ROUND = 128
+SEED_TRIALS = 8
 # torch.cdist's direct differences on the CPU path (the fused GPU kernel forms them anyway):
 # distances without the matrix-product formula's cancellation.
 _DIRECT = "donot_use_mm_for_euclid_dist"
@@ -171,21 +175,25 @@ def _relocate_empty(X, weights, labels, d2, sums, wsum, verbose) -> None:
 
 # -- seeding ------------------------------------------------------------------------------------
 class _Sampler:
-    """Draws an index with probability proportional to a non-negative vector ``p`` (N,) that
-    changes between draws: block sums (in float64), their cumulative sum, then one block's
-    cumulative sum. Per draw: one read of p and a few kernels on O(N / SAMPLE_BLOCK +
-    SAMPLE_BLOCK) values; no host synchronisation."""
+    """Draws an index with probability proportional to a non-negative vector ``p`` (N,): block
+    sums (in float64) and their cumulative sum, formed by :meth:`refresh`, then per draw one
+    block's cumulative sum. No host synchronisation."""
 
     def __init__(self, N: int, dtype, device):
         self.N = N
         self.nb = -(-N // SAMPLE_BLOCK)
         self.p = torch.zeros(self.nb * SAMPLE_BLOCK, dtype=dtype, device=device)
 
+    def refresh(self) -> None:
+        """The block sums and their cumulative sum of the current p."""
+        self.bs = self.p.view(self.nb, SAMPLE_BLOCK).sum(1, dtype=torch.float64)
+        self.cum = self.bs.cumsum(0)
+
     def draw(self, u: torch.Tensor) -> torch.Tensor:
-        """The index (1-element int64 tensor) at ``u`` (1 element, in [0, 1)) of the distribution."""
+        """The index (1-element int64 tensor) at ``u`` (1 element, in [0, 1)) of the distribution
+        of p as of the last refresh."""
         blocks = self.p.view(self.nb, SAMPLE_BLOCK)
-        bs = blocks.sum(1, dtype=torch.float64)
-        cum = bs.cumsum(0)
+        cum, bs = self.cum, self.bs
         r = u * cum[-1:]
         b = torch.searchsorted(cum, r, right=True).clamp_(max=self.nb - 1)
         inner = blocks.index_select(0, b)[0].cumsum(0, dtype=torch.float64)  # (no host sync, unlike blocks[b])
@@ -203,21 +211,42 @@ def _sq_dist_to(X: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _sq_dists_nan_inf(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """||a - b||^2 (rows of A against rows of B, direct differences), NaN read as +inf (a NaN
+    distance never wins a comparison)."""
+    d = (A[:, None, :] - B[None, :, :]).square_().sum(-1)
+    return d.masked_fill_(d.isnan(), float("inf"))
+
+
+def seed_uniforms(n_clusters: int, generator: torch.Generator, device) -> torch.Tensor:
+    """The uniforms of a k-means++ seeding, (n_clusters, 2 SEED_TRIALS + 1) float64 in [0, 1)
+    from ``generator`` (on ``device``): row j holds centre j's proposals (SEED_TRIALS), its exact
+    draw's uniform, and its acceptance uniforms (SEED_TRIALS)."""
+    return torch.rand((n_clusters, 2 * SEED_TRIALS + 1), dtype=torch.float64, device=device, generator=generator)
+
+
 def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, generator: torch.Generator,
                     debug: bool = False):
     """k-means++ seeding (Arthur and Vassilvitskii): the first centre drawn with probability
     proportional to the weight, each next one proportional to weight x squared distance to the
-    nearest centre so far. The running minimum distance is updated per new centre, only for
-    the points it can improve: a point whose nearest centre a lies at least twice its
-    distance from the new centre c (||c - a||^2 >= 4 d^2) cannot get closer. Never
-    N x n_clusters. Returns (centres (C, D) in X's dtype, indices (C,) int64).
+    nearest centre so far (D^2 sampling, exactly). Never N x n_clusters. Returns (centres (C, D)
+    in X's dtype, indices (C,) int64).
 
-    The uniforms of the draws, (C,) float64, come from ``generator`` first. On a CUDA device
-    (sm_80+) in float32 (16-bit data upcast) the fused kernels of cuda_templates/kmeans.cuh
-    draw (kermac_like.plan.kmeans: two launches per centre, no host synchronisation); else,
-    and as their oracle, the torch path :func:`_kmeans_plusplus_torch` (the same sampling
-    rule from the same uniforms)."""
-    u = torch.rand(n_clusters, dtype=torch.float64, device=X.device, generator=generator)
+    Rounds: a round starts from the running minimum distance d2 (and each point's nearest centre)
+    of the centres drawn so far, draws its first centre exactly, then up to SEED_ROUND - 1 more by
+    rejection from that same distribution: a proposal x (probability p_s(x) / Z_s) is kept with
+    probability p_j(x) / p_s(x), p_j against every centre drawn so far, so a kept point has
+    probability p_j(x) / Z_j, as D^2 sampling; after SEED_TRIALS rejected proposals the round
+    ends and the next one draws that centre exactly. The round's centres are then folded into
+    d2 in one pass, only for the points they can improve: a point whose nearest centre a lies at
+    least twice its distance from every new centre c (||c - a||^2 >= 4 d^2) cannot get closer.
+
+    The uniforms, :func:`seed_uniforms`, come from ``generator`` first. On a CUDA device (sm_80+)
+    in float32 (16-bit data upcast) the fused kernels of cuda_templates/kmeans.cuh draw
+    (kermac_like.plan.kmeans: about C / 128 rounds, one host synchronisation a round); else, and
+    as their oracle, the torch path :func:`_kmeans_plusplus_torch` (the same algorithm from the
+    same uniforms). Memory: O(N) besides X."""
+    u = seed_uniforms(n_clusters, generator, X.device)
     if X.is_cuda:
         from .plan.kmeans import seed_plusplus
 
@@ -228,41 +257,66 @@ def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | No
 
 
 def _kmeans_plusplus_torch(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor):
-    """kmeans_plusplus by torch ops from the uniforms ``u`` (C,) float64: per centre one draw
-    (_Sampler), then one pass over the (N,) labels and distances for the candidates of the
-    triangle bound and their distances recomputed from gathered rows (one host
-    synchronisation per centre, for their number)."""
+    """kmeans_plusplus by torch ops from the uniforms ``u`` (seed_uniforms): the rounds of the
+    fused kernels, each proposal decided on the host (one synchronisation a proposal), each
+    round's fold over the candidates of the triangle bound in row blocks."""
     N, D = X.shape
     dev = X.device
+    C, T = n_clusters, SEED_TRIALS
+    uh = u.double().cpu()
     w = None if weights is None else weights.to(X.dtype)
     sampler = _Sampler(N, X.dtype, dev)
     sampler.p[:N] = 1.0 if w is None else w
-    idx = torch.empty(n_clusters, dtype=torch.int64, device=dev)
-    centres = torch.empty((n_clusters, D), dtype=X.dtype, device=dev)
-    idx[:1] = sampler.draw(u[:1])
+    sampler.refresh()
+    idx = torch.empty(C, dtype=torch.int64, device=dev)
+    centres = torch.empty((C, D), dtype=X.dtype, device=dev)
+    idx[:1] = sampler.draw(uh[0, T:T + 1].to(dev))
     centres[:1] = X.index_select(0, idx[:1])
     d2 = _sq_dist_to(X, centres[0])  # (N,) running minimum squared distance
-    near = torch.zeros(N, dtype=torch.int32, device=dev)  # its centre
-    sampler.p[:N] = d2 if w is None else d2 * w
-    R = _block_rows(N, D)
-    for j in range(1, n_clusters):
-        idx[j:j + 1] = sampler.draw(u[j:j + 1])
-        centres[j:j + 1] = X.index_select(0, idx[j:j + 1])
-        c = centres[j]
-        cc = (centres[:j] - c).square_().sum(1)  # (j,) ||c - a||^2
+    near = torch.zeros(N, dtype=torch.int64, device=dev)  # its centre
+    R = max(1, _block_rows(N, D) // SEED_ROUND)
+    s = 1
+    while s < C:
+        sampler.p[:N] = d2 if w is None else d2 * w
+        sampler.refresh()
+        if not float(sampler.cum[-1]) > 0:  # every p zero: the exact draw's clamp, N - 1, for every centre left
+            idx[s:] = N - 1
+            centres[s:] = X[N - 1]
+            break
+        idx[s:s + 1] = sampler.draw(uh[s, T:T + 1].to(dev))
+        centres[s:s + 1] = X.index_select(0, idx[s:s + 1])
+        j = s + 1
+        while j < min(C, s + SEED_ROUND):
+            pick = None
+            for t in range(T):
+                q = sampler.draw(uh[j, t:t + 1].to(dev))
+                ps = sampler.p.index_select(0, q)
+                if not float(ps) > 0:
+                    continue
+                xq = X.index_select(0, q)
+                dj = torch.fmin(d2.index_select(0, q), _sq_dists_nan_inf(xq, centres[s:j]).amin(1))
+                pj = dj if w is None else dj * w.index_select(0, q)
+                if float(uh[j, T + 1 + t]) * float(ps) < float(pj):
+                    pick = q
+                    break
+            if pick is None:
+                break
+            idx[j:j + 1] = pick
+            centres[j:j + 1] = X.index_select(0, pick)
+            j += 1
+        # fold centres [s, j) into (d2, near) for the candidates of the triangle bound
+        new = centres[s:j]
+        gap = _sq_dists_nan_inf(centres[:s], new).amin(1)  # (s,) ||c_a - c_i||^2, min over the round
         # a margin of 1e-6 relative keeps points whose bound is within rounding of the limit
-        cand = (cc[near] < d2 * (4.0 * (1.0 + 1e-6))).nonzero()[:, 0]
+        cand = (gap[near] < d2 * (4.0 * (1.0 + 1e-6))).nonzero()[:, 0]
         for b0 in range(0, cand.numel(), R):
             cb = cand[b0:b0 + R]  # distinct indices: the writes below are deterministic
-            dn = (X.index_select(0, cb) - c).square_().sum(1)
+            dn, k = _sq_dists_nan_inf(X.index_select(0, cb), new).min(1)  # the first index of the smallest
             old = d2.index_select(0, cb)
             better = dn < old
             d2[cb] = torch.where(better, dn, old)
-            near[cb] = torch.where(better, j, near.index_select(0, cb))
-            if w is None:
-                sampler.p[cb] = torch.where(better, dn, old)
-            else:
-                sampler.p[cb] = torch.where(better, dn, old) * w.index_select(0, cb)
+            near[cb] = torch.where(better, k + s, near.index_select(0, cb))
+        s = j
     return centres, idx
 
 

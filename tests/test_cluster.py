@@ -181,3 +181,14 @@ def test_bad_input():
         m.transform(torch.from_numpy(X[:, :2]))
     with pytest.warns(RuntimeWarning, match="performing only one init"):
         KMeans(2, init=X[:2], n_init=3).fit(X)
+
+
+def test_kmeans_plusplus_is_d2_sampling():
+    """The rounds' rejection of stale proposals leaves every draw exactly D^2 sampling: the law of
+    the first three centres on six weighted points (tests/d2_law.py), where most proposals of the
+    third centre are rejected. Accepting every proposal (the stale law) gives a statistic ~50x
+    this bound."""
+    from d2_law import POINTS, WEIGHTS, bound, statistic
+
+    chi, df = statistic(lambda sd: kmeans_plusplus(POINTS, 3, WEIGHTS, torch.Generator().manual_seed(sd))[1], 1500)
+    assert chi < bound(df), (chi, df)

@@ -156,7 +156,7 @@ def test_kmeans_family_compiles_without_spills(shipped, arch):
     session's shipped build), its mirror checked, with no local-memory spills."""
     specs = list(render.FAMILIES["kmeans"]())
     assert {s.kernel for s in specs} == {"kermac_like::kmeans_update_kernel", "kermac_like::kmeans_draw_kernel",
-                                         "kermac_like::kmeans_segsum_kernel", "kermac_like::kmeans_segsum_combine_kernel",
+                                         "kermac_like::kmeans_gap_kernel", "kermac_like::kmeans_segsum_kernel", "kermac_like::kmeans_segsum_combine_kernel",
                                          "kermac_like::kmeans_assign_prep_kernel",
                                          "kermac_like::kmeans_assign_mma_kernel", "kermac_like::kmeans_bounds_kernel"}
     resources = {s: r for s, (_, _, r) in shipped.kernels(specs, arch).items()}

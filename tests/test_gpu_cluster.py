@@ -75,7 +75,7 @@ def test_fused_seeding_same_as_torch_on_cuda(N, D, C, weighted, integer):
     same indices and centres; Gaussian data: float32 distances summed in another order than
     torch's may flip a draw whose uniform lands within rounding of a boundary (then every later
     centre differs), so the same draws up to at least the 64th. Bitwise the same twice."""
-    from kermac_like.cluster import _kmeans_plusplus_torch, kmeans_plusplus
+    from kermac_like.cluster import _kmeans_plusplus_torch, kmeans_plusplus, seed_uniforms
     from kermac_like.plan.kmeans import fused_serves
 
     g = torch.Generator(device="cuda").manual_seed(N + D)
@@ -88,7 +88,7 @@ def test_fused_seeding_same_as_torch_on_cuda(N, D, C, weighted, integer):
         w = torch.randint(0, 9, (N,), device="cuda", generator=g).float() / 4  # zeros among them
     assert fused_serves(X)
     c, idx = kmeans_plusplus(X, C, w, torch.Generator(device="cuda").manual_seed(7))
-    u = torch.rand(C, dtype=torch.float64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))
+    u = seed_uniforms(C, torch.Generator(device="cuda").manual_seed(7), "cuda")
     c_ref, idx_ref = _kmeans_plusplus_torch(X, C, w, u)
     diff = (idx != idx_ref).nonzero()
     first = C if diff.numel() == 0 else int(diff[0])
@@ -104,33 +104,47 @@ def test_fused_seeding_same_as_torch_on_cuda(N, D, C, weighted, integer):
     assert torch.equal(idx, idx2) and torch.equal(c.view(torch.int32), c2.view(torch.int32))
 
 
-@pytest.mark.parametrize("N,D,C,blobs", [(1_000_000, 16, 256, True), (200_003, 2, 64, True), (100_000, 33, 32, False)])
-def test_screened_seeding_bitwise_same_on_cuda(monkeypatch, N, D, C, blobs):
-    """plan.kmeans.SCREEN (the bf16 screen) against the unscreened seeding: the same indices and
-    centres, bit for bit (bench/probes/kmeans_screen_probe.py times it)."""
-    from kermac_like.cluster import kmeans_plusplus
-    from kermac_like.plan import kmeans as plan_km
+@pytest.mark.parametrize("N,D,C", [(1_000_000, 16, 1024), (200_003, 2, 300)])
+def test_fused_seeding_rounds_on_blobs(N, D, C):
+    """Far blobs (proposals rejected, rounds ended early) and more centres than a round: the
+    fused seeding against the torch path on integer data (the same indices), every index
+    distinct (no point has p > 0 once drawn), the round count between C / 128 and C."""
+    from kermac_like.cluster import _kmeans_plusplus_torch, seed_uniforms
+    from kermac_like.plan.kmeans import Seeding
 
-    g = torch.Generator(device="cuda").manual_seed(N + D)
-    X = torch.randn(N, D, device="cuda", generator=g)
-    if blobs:
-        X += 4 * torch.randn(C, D, device="cuda", generator=g)[torch.randint(0, C, (N,), device="cuda", generator=g)]
-    out = []
-    for on in (False, True):
-        monkeypatch.setattr(plan_km, "SCREEN", on)
-        out.append(kmeans_plusplus(X, C, None, torch.Generator(device="cuda").manual_seed(3)))
-    assert torch.equal(out[0][1], out[1][1])
-    assert torch.equal(out[0][0].view(torch.int32), out[1][0].view(torch.int32))
+    g = torch.Generator(device="cuda").manual_seed(D)
+    means = torch.randint(-50, 51, (C, D), device="cuda", generator=g).float() * 40
+    X = means[torch.randint(0, C, (N,), device="cuda", generator=g)] + torch.randint(-3, 4, (N, D), device="cuda",
+                                                                                     generator=g).float()
+    u = seed_uniforms(C, torch.Generator(device="cuda").manual_seed(1), "cuda")
+    sd = Seeding(X, C, None, u)
+    c, idx = sd.run()
+    assert -(-C // 128) < sd.rounds < C
+    assert len(torch.unique(idx)) == C
+    c_ref, idx_ref = _kmeans_plusplus_torch(X, C, None, u)
+    assert torch.equal(idx, idx_ref) and torch.equal(c, c_ref)
+
+
+def test_fused_seeding_is_d2_sampling_on_cuda():
+    """The law of the fused seeding's first three centres on six weighted points, far apart, so
+    that most proposals of the third centre are rejected (tests/d2_law.py)."""
+    from d2_law import POINTS, WEIGHTS, bound, statistic
+
+    from kermac_like.cluster import kmeans_plusplus
+
+    X, w = POINTS.float().cuda(), WEIGHTS.float().cuda()
+    chi, df = statistic(lambda sd: kmeans_plusplus(X, 3, w, torch.Generator(device="cuda").manual_seed(sd))[1], 2000)
+    assert chi < bound(df), (chi, df)
 
 
 def test_fused_seeding_zero_weights_and_16_bit_on_cuda():
-    from kermac_like.cluster import _kmeans_plusplus_torch, kmeans_plusplus
+    from kermac_like.cluster import _kmeans_plusplus_torch, kmeans_plusplus, seed_uniforms
 
     X = torch.randn(5000, 8, device="cuda")
     w = torch.zeros(5000, device="cuda")
     w[[3, 1024, 4999]] = 1.0  # three weighted points, five centres: two degenerate draws (N - 1)
     c, idx = kmeans_plusplus(X, 5, w, torch.Generator(device="cuda").manual_seed(1))
-    u = torch.rand(5, dtype=torch.float64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    u = seed_uniforms(5, torch.Generator(device="cuda").manual_seed(1), "cuda")
     assert torch.equal(idx, _kmeans_plusplus_torch(X, 5, w, u)[1])
     assert set(idx[:3].tolist()) == {3, 1024, 4999} and idx[3:].tolist() == [4999, 4999]
     Xh = X.to(torch.bfloat16)

@@ -1,14 +1,14 @@
 """plan/kmeans.py on the CPU (tests/conftest.py's as_gpu: the device queries and the kernel
-loader stubbed, nothing launched): which seedings the fused kernels serve, the launch sequence
-(the first block sums, then draw and update per centre, no update after the last draw), the K
+loader stubbed, nothing launched): which seedings the fused kernels serve, the launches of the
+seeding's rounds (the first block sums and draw, then gaps, fold and draw per round), the K
 buckets and argument tuples of the lengths cuda_templates/ABI.md gives."""
 
 import pytest
 import torch
 
 from kermac_like.plan import kmeans as plan_km
-from kermac_like.plan.kmeans import fused_serves, plan_seeding
-from kermac_like.runtime.specs.kmeans import draw_spec, k_bucket, update_spec
+from kermac_like.plan.kmeans import Seeding, fused_serves
+from kermac_like.runtime.specs.kmeans import TRIALS, draw_spec, gap_spec, k_bucket, update_spec
 
 
 @pytest.fixture(autouse=True)
@@ -25,56 +25,43 @@ def test_k_buckets():
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-def test_launch_sequence(as_gpu, monkeypatch, weighted):
-    """The unscreened seeding's launches (the screened one: test_screen_switch)."""
-    monkeypatch.setattr(plan_km, "SCREEN", False)
-    N, K, C = 5000, 16, 7
+def test_round_launches(as_gpu, weighted):
+    """Seeding's launches: first the weights' block sums (s = -1) and the draw of centre 0; after a
+    round [s, e) the gaps (from the second round: one thread per earlier centre), the fold of the
+    round's centres and the next round's draw from e; argument tuples of ABI.md's lengths."""
+    N, K, C = 5000, 16, 300
     X = torch.randn(N, K)
     w = torch.rand(N) if weighted else None
-    u = torch.rand(C, dtype=torch.float64)
-    plan = plan_seeding(X, C, w, u)
-    assert plan.family == "kmeans_seed" and plan.out.shape == (C, K) and plan.out.dtype == torch.float32
-    specs = [launch.kernel.spec for launch in plan.launches]
-    assert specs == [update_spec(K)] + [draw_spec(), update_spec(K)] * (C - 1) + [draw_spec()]
-    assert len(plan.launches) == 2 * C
-    ups = [launch for launch in plan.launches if launch.kernel.spec == update_spec(K)]
-    draws = [launch for launch in plan.launches if launch.kernel.spec == draw_spec()]
-    assert all(len(launch.args) == 15 and launch.grid == (5, 1, 1) for launch in ups)  # ceil(5000 / 1024)
-    assert all(len(launch.args) == 15 and launch.grid == (1, 1, 1) for launch in draws)
-    assert [int(launch.args[-1]) for launch in ups] == list(range(-1, C - 1))
-    assert [int(launch.args[-1]) for launch in draws] == list(range(C))
-    assert int(draws[0].args[-2]) == 5  # nb
-    assert (ups[0].args[1] != 0) == weighted  # w, or 0 for unit weights
-    assert [int(a) for a in ups[0].args[11:14]] == [K, 1, K]  # sxm, sxk, ldc
-    assert ups[0].args[7] == 0 and ups[0].args[8] == 0  # no screen: xs, eb unused
+    sd = Seeding(X, C, w, torch.rand(C, 2 * TRIALS + 1, dtype=torch.float64))
+    assert sd.centres.shape == (C, K) and sd.centres.dtype == torch.float32 and sd.nb == 5
+    first = sd.start()
+    assert [ln.kernel.spec for ln in first] == [update_spec(K), draw_spec()]
+    up, dr = first
+    assert len(up.args) == 14 and up.grid == (5, 1, 1) and [int(a) for a in up.args[-2:]] == [-1, 0]
+    assert (up.args[1] != 0) == weighted  # w, or 0 for unit weights
+    assert [int(a) for a in up.args[9:12]] == [K, 1, K]  # sxm, sxk, ldc
+    assert len(dr.args) == 18 and dr.grid == (1, 1, 1)
+    assert [int(a) for a in dr.args[-4:]] == [5, C, 0, TRIALS]  # nb, C, s, trials
+    assert dr.args[5] == sd.u.data_ptr() and dr.args[8] == sd.count.data_ptr()
+    assert [ln.kernel.spec for ln in sd.round(0, 1)] == [update_spec(K), draw_spec()]  # no earlier centres: no gaps
+    gap, up, dr = sd.round(1, 129)
+    assert [ln.kernel.spec for ln in (gap, up, dr)] == [gap_spec(), update_spec(K), draw_spec()]
+    assert gap.grid == (1, 1, 1) and [int(a) for a in gap.args[2:]] == [K, K, 1, 129]
+    assert [int(a) for a in up.args[-2:]] == [1, 129] and int(dr.args[-2]) == 129
+    assert sd.round(300 - 44, 300)[0].grid == (1, 1, 1) and sd.round(257, 300)[0].grid == (2, 1, 1)
 
 
-@pytest.mark.parametrize("K,row", [(2, 4), (16, 16), (33, 40)])
-def test_screen_switch(as_gpu, monkeypatch, K, row):
-    """plan.kmeans.SCREEN (on by default; KERMAC_LIKE_KMEANS_SCREEN=0 turns it off): the screened update
-    throughout, the bf16 copy (N x row bf16) and the per-block bounds in the scratch (freed with
-    the plan), their pointers in every update's arguments."""
-    import os
-
-    assert plan_km.SCREEN == (os.environ.get("KERMAC_LIKE_KMEANS_SCREEN", "1") != "0")
-    monkeypatch.setattr(plan_km, "SCREEN", True)
-    N, C = 3000, 4
-    plan = plan_seeding(torch.randn(N, K), C, None, torch.rand(C, dtype=torch.float64))
-    ups = [launch for launch in plan.launches if launch.kernel.spec.kernel.endswith("update_kernel")]
-    assert all(launch.kernel.spec == update_spec(K, screen=True) for launch in ups) and len(ups) == C
-    xs, eb = plan.scratch[-2:]
-    assert xs.numel() * 2 == N * row and xs.dtype == torch.int32 and eb.numel() == 3
-    assert all(launch.args[7] == xs.data_ptr() and launch.args[8] == eb.data_ptr() for launch in ups)
-    monkeypatch.setattr(plan_km, "SCREEN", False)
-    assert plan_seeding(torch.randn(N, K), C, None, torch.rand(C, dtype=torch.float64)).scratch[-2].numel() == 0
+def test_uniforms_shape_is_checked(as_gpu):
+    with pytest.raises(ValueError, match="u: expected shape"):
+        Seeding(torch.randn(100, 3), 4, None, torch.rand(4, dtype=torch.float64))
 
 
 def test_float64_keeps_the_torch_path_and_16_bit_is_upcast(as_gpu):
-    u = torch.rand(3, dtype=torch.float64)
-    assert plan_seeding(torch.randn(100, 3, dtype=torch.float64), 3, None, u) is None
-    plan = plan_seeding(torch.randn(100, 40, dtype=torch.float16), 3, None, u)
-    assert plan.scratch[0].dtype == torch.float32  # the upcast x
-    assert plan.launches[0].kernel.spec == update_spec(40, screen=True) and "float, 0, true>" in update_spec(40, screen=True).traits
+    assert not fused_serves(torch.randn(100, 3, dtype=torch.float64))
+    assert fused_serves(torch.randn(100, 40, dtype=torch.float16))
+    sd = Seeding(torch.randn(100, 40, dtype=torch.float16), 3, None, torch.rand(3, 2 * TRIALS + 1, dtype=torch.float64))
+    assert sd.x.dtype == torch.float32  # the upcast x
+    assert sd.start()[0].kernel.spec == update_spec(40) and "float, 0>" in update_spec(40).traits
 
 
 def test_segment_sums_plan(as_gpu):
@@ -94,21 +81,6 @@ def test_segment_sums_plan(as_gpu):
     assert items.tolist() == [0, 2, 2, 3, 3, 4]  # 6000 rows: 2 items; 2000: 1; empty clusters: 0
     assert plan.out.shape == (C * (K + 1),) and plan.out.dtype == torch.float64
     assert plan_segment_sums(torch.randn(N, K, dtype=torch.float64), perm, bounds, None, C) is None
-
-
-def test_per_centre_launches_patch_j_only(as_gpu):
-    import struct
-
-    plan = plan_seeding(torch.randn(3000, 3), 4, None, torch.rand(4, dtype=torch.float64))
-    assert plan.launches[0].block is None  # j = -1: cuda.core's launch
-    blocks = {id(launch.block) for launch in plan.launches[1:]}
-    assert len(blocks) == 2  # one ArgBlock per kernel, shared by the centres
-    for launch in plan.launches[1:]:
-        assert launch.block.positions == (len(launch.args) - 1,)
-        b = launch.block
-        b.fill([launch.args[i] for i in b.positions])
-        assert struct.unpack_from("<i", b.slots, 8 * (len(launch.args) - 1))[0] == int(launch.args[-1])
-        assert struct.unpack_from("<Q", b.slots, 0)[0] == launch.args[0]  # x, packed once
 
 
 # -- Lloyd's assignment on tensor cores (plan.kmeans.ASSIGN_MMA) --------------------------------------

@@ -324,14 +324,21 @@ def kmeans():
     gap = d.gather(1, km_.labels_.long()[:, None]) - d.min(1, keepdim=True).values
     assert float(gap.abs().max()) < 1e-5, "KMeans labels are not the nearest centres"
     # the fused k-means++ seeding (cuda_templates/kmeans.cuh): weights, the runtime-K update,
-    # N not a multiple of its 1024-point block
+    # N not a multiple of its 1024-point block, several rounds (300 centres; far blobs: rounds
+    # ended by rejected proposals), every p zero (the degenerate draws)
     from kermac_like.cluster import kmeans_plusplus
     w = torch.rand(3001, device="cuda", generator=g)
     w[::3] = 0
     for D in (3, 40):
         xd = torch.randn(3001, D, device="cuda", generator=g)
-        c, idx = kmeans_plusplus(xd, 50, w, torch.Generator(device="cuda").manual_seed(1))
+        xd += 40 * torch.randn(64, D, device="cuda", generator=g)[torch.randint(0, 64, (3001,), device="cuda",
+                                                                               generator=g)]
+        c, idx = kmeans_plusplus(xd, 300, w, torch.Generator(device="cuda").manual_seed(1))
         assert torch.equal(c, xd[idx]) and bool((w[idx] > 0).all()), "fused seeding drew a zero-weight point"
+    wz = torch.zeros(3001, device="cuda")
+    wz[[5, 2000]] = 1.0
+    c, idx = kmeans_plusplus(xd, 4, wz, torch.Generator(device="cuda").manual_seed(1))
+    assert sorted(idx[:2].tolist()) == [5, 2000] and idx[2:].tolist() == [3000, 3000], "degenerate draws"
     # the tensor-core assignment (kmeans_assign_mma.cuh): kK 8 and 16, several centre tiles (C = 300),
     # N not a multiple of the CTA's rows, a duplicate centre and points on bisectors (uncertified rows:
     # the kernel's exact rescan), against knn's labels and distance bits

@@ -1,24 +1,22 @@
 """The planner of the fused k-means++ seeding: cuda_templates/kmeans.cuh.
 
-``plan_seeding(X, n_clusters, weights, u, debug)`` returns a :class:`kermac_like.plan.Plan`
-whose run writes ``(centres, idx)`` of :func:`kermac_like.cluster.kmeans_plusplus` from the
-pre-drawn uniforms ``u`` ((n_clusters,) float64, the torch generator's draws), or None when the
-fused kernels do not serve the call (the torch path then runs). They serve CUDA tensors on
+:class:`Seeding` ``(X, n_clusters, weights, u, debug)`` holds the state of a fused seeding and
+the launches of each of its rounds; :func:`seed_plusplus` runs it and returns ``(centres, idx)``
+of :func:`kermac_like.cluster.kmeans_plusplus` from the pre-drawn uniforms ``u``
+((n_clusters, 2 TRIALS + 1) float64: cluster.seed_uniforms), or None when the fused kernels do
+not serve the call (the torch path then runs, the same algorithm). They serve CUDA tensors on
 sm_80 and newer in float32 (float16 / bfloat16 upcast here; float64 keeps the torch path) with
 fewer than 2^31 - 2^10 points.
 
-Launches, all in stream order with no host synchronisation: one kmeans_update_kernel with
-j = -1 (the block sums of the weights for the first draw), then per centre j a one-CTA
-kmeans_draw_kernel and (except after the last) one kmeans_update_kernel over every point:
-2 n_clusters launches. The same data and u give bitwise the same centres (fixed-order sums, no
-atomics).
-
-The screen (``SCREEN``, on by default; ``KERMAC_LIKE_KMEANS_SCREEN=0`` turns it off; on an H100 at
-N = 10^7, D = 16, 1024 centres it takes the seeding from 243 to 153 ms, bench/notes/kmeans.md): the j = -1 launch also writes a bf16 copy of X and a per-block error bound, and each update
-reads a candidate's float32 row only where the bf16 row cannot prove that the point is not
-improved (bitwise the same seeding; bench/notes/kmeans.md, "The bf16 screen"). Memory while
-seeding: N x screen_row(K) x 2 bytes (N x D x 2 for D = 4, 8, 16, 32; 320 MB at N = 10^7,
-D = 16) plus 4 bytes per 1024 points, freed with the plan when the seeding returns.
+Launches, in stream order: kmeans_update_kernel with s = -1 (the block sums of the weights) and
+the first round's kmeans_draw_kernel (centre 0); then per round, after reading the count of
+centres drawn (one host synchronisation a round): kmeans_gap_kernel (from the second round),
+kmeans_update_kernel over every point for the round's centres, and the next round's draw. A
+round draws up to ROUND = 128 centres by rejection from the state at its start (exact D^2
+sampling, cuda_templates/kmeans.cuh), so a seeding of C centres takes about C / 128 rounds plus
+one per centre whose TRIALS = 8 proposals were all rejected. The same data and u give bitwise
+the same centres (fixed-order sums, no atomics). Memory: 8 bytes a point (d2, near) and 16 bytes
+per 1024 points, freed when the seeding returns.
 """
 
 from __future__ import annotations
@@ -30,24 +28,21 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..runtime.specs.kmeans import (ASSIGN_MAX_K, BLOCK_M, BOUNDS_LAUNCH, SCREEN_MAX_K, SEGSUM_ROWS, assign_k_bucket,
-                                    assign_prep_spec, assign_spec, bounds_spec, draw_spec, screen_row, segsum_combine_spec,
-                                    segsum_spec, update_spec)
+from ..runtime.specs.kmeans import (ASSIGN_MAX_K, BLOCK_M, BOUNDS_LAUNCH, ROUND, SEGSUM_ROWS, THREADS, TRIALS,
+                                    assign_k_bucket, assign_prep_spec, assign_spec, bounds_spec, draw_spec, gap_spec,
+                                    segsum_combine_spec, segsum_spec, update_spec)
 from .core import Launch, Plan, _device_index, _gpu_ok
 
 log = logging.getLogger("kermac_like.kmeans")
 
-__all__ = ["plan_seeding", "seed_plusplus", "fused_serves", "FUSED", "SCREEN", "screen_serves", "segsum_serves",
-           "plan_segment_sums", "segment_sums_fused", "SEGSUM_FUSED", "ASSIGN_MMA", "assign_serves", "assign_tau",
-           "assign_split", "plan_assign", "assign_mma", "ASSIGN_UP_TO", "BOUNDS", "BOUNDS_MAX_C", "bound_consts",
-           "centre_bounds", "bounds_serve", "BoundedAssign"]
+__all__ = ["Seeding", "seed_plusplus", "fused_serves", "FUSED", "segsum_serves", "plan_segment_sums",
+           "segment_sums_fused", "SEGSUM_FUSED", "ASSIGN_MMA", "assign_serves", "assign_tau", "assign_split",
+           "plan_assign", "assign_mma", "ASSIGN_UP_TO", "BOUNDS", "BOUNDS_MAX_C", "bound_consts", "centre_bounds",
+           "bounds_serve", "BoundedAssign"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # KERMAC_LIKE_KMEANS_FUSED=0 sends CUDA seedings to the torch path (cluster._kmeans_plusplus_torch).
 FUSED = os.environ.get("KERMAC_LIKE_KMEANS_FUSED", "1") != "0"
-# The seeding screens its candidates with a bf16 copy of X (the same result, bitwise; 1.6-1.9x faster
-# seedings on an H100: bench/probes/kmeans_screen_probe.py); KERMAC_LIKE_KMEANS_SCREEN=0 turns it off.
-SCREEN = os.environ.get("KERMAC_LIKE_KMEANS_SCREEN", "1") != "0"
 # KERMAC_LIKE_KMEANS_SEGSUM=0 sends Lloyd's update on CUDA to the torch path (sort + segment_reduce).
 SEGSUM_FUSED = os.environ.get("KERMAC_LIKE_KMEANS_SEGSUM", "1") != "0"
 # Lloyd's assignment (CUDA, float32, K <= ASSIGN_UP_TO) on the tensor-core kernel
@@ -65,83 +60,98 @@ def fused_serves(X: torch.Tensor) -> bool:
             and X.shape[1] > 0 and _gpu_ok(X))
 
 
-def screen_serves(X: torch.Tensor) -> bool:
-    """Whether a fused seeding of X screens with the bf16 copy (SCREEN and K within the bound's
-    analysis; the copy's offsets fit the kernel's 64-bit indexing)."""
-    return SCREEN and X.shape[1] <= SCREEN_MAX_K
+class Seeding:
+    """A fused k-means++ seeding of X (N, K) with ``n_clusters`` centres from the uniforms ``u``
+    ((n_clusters, 2 TRIALS + 1) float64): its state on X's device and the launches of its rounds
+    (:meth:`start`, :meth:`round`); :meth:`run` executes them. Built only where
+    :func:`fused_serves` holds."""
 
-
-def plan_seeding(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor,
+    def __init__(self, X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor,
                  debug: bool = False):
-    if not fused_serves(X):
-        return None
-    from ..runtime.launcher import get_kernel, prefetch
+        from ..runtime.launcher import get_kernel, prefetch
 
-    device = _device_index(X.device)
-    dev = X.device
-    N, K = X.shape
-    C = int(n_clusters)
-    x = X if X.dtype == torch.float32 else X.float()
-    w = None if weights is None else weights.to(device=dev, dtype=torch.float32).contiguous()
-    u = u.to(device=dev, dtype=torch.float64).contiguous()
-    nb = -(-N // BLOCK_M)
-    centres = torch.empty((C, K), dtype=torch.float32, device=dev)
-    idx = torch.empty(C, dtype=torch.int64, device=dev)
-    d2 = torch.empty(N, dtype=torch.float32, device=dev)
-    near = torch.empty(N, dtype=torch.int32, device=dev)
-    bsum = torch.empty(nb, dtype=torch.float64, device=dev)
-    cc = torch.empty(max(C, 1), dtype=torch.float32, device=dev)
-    screen = screen_serves(X)
-    # the screen's bf16 copy (pairs of bf16 in 32-bit words) and per-block error bounds
-    xs = torch.empty(N * screen_row(K) // 2 if screen else 0, dtype=torch.int32, device=dev)
-    eb = torch.empty(nb if screen else 0, dtype=torch.float32, device=dev)
-    uspec = update_spec(K, screen)
-    prefetch([uspec, draw_spec()], device, debug=debug)  # compiled side by side on a first call
-    upd = get_kernel(uspec, device, debug=debug)
-    draw = get_kernel(draw_spec(), device, debug=debug)
-    sxm, sxk = (np.int64(s) for s in x.stride())
-    ldc = np.int64(K)
-    wp = 0 if w is None else w.data_ptr()
-    n32, k32 = np.int32(N), np.int32(K)
-    if debug:
-        log.debug("kmeans++ seeding: N=%d K=%d clusters=%d weighted=%s screen=%s: %d launches, update grid (%d, 1, 1)",
-                  N, K, C, w is not None, screen, 2 * C, nb)
-    xsp, ebp = (xs.data_ptr(), eb.data_ptr()) if screen else (0, 0)
+        device = _device_index(X.device)
+        dev = X.device
+        N, K = X.shape
+        C = int(n_clusters)
+        if u.shape != (C, 2 * TRIALS + 1):
+            raise ValueError(f"u: expected shape ({C}, {2 * TRIALS + 1}), got {tuple(u.shape)}")
+        self.N, self.K, self.C, self.debug = N, K, C, debug
+        self.x = X if X.dtype == torch.float32 else X.float()
+        self.w = None if weights is None else weights.to(device=dev, dtype=torch.float32).contiguous()
+        self.u = u.to(device=dev, dtype=torch.float64).contiguous()
+        self.nb = nb = -(-N // BLOCK_M)
+        self.centres = torch.empty((C, K), dtype=torch.float32, device=dev)
+        self.idx = torch.empty(C, dtype=torch.int64, device=dev)
+        self.d2 = torch.empty(N, dtype=torch.float32, device=dev)
+        self.near = torch.empty(N, dtype=torch.int32, device=dev)
+        self.bsum = torch.empty(nb, dtype=torch.float64, device=dev)
+        self.cum = torch.empty(nb, dtype=torch.float64, device=dev)
+        self.gap = torch.empty(C, dtype=torch.float32, device=dev)
+        self.count = torch.zeros(1, dtype=torch.int32, device=dev)
+        specs = [update_spec(K), gap_spec(), draw_spec()]
+        prefetch(specs, device, debug=debug)  # compiled side by side on a first call
+        self.upd, self.gapk, self.draw = (get_kernel(sp, device, debug=debug) for sp in specs)
+        sxm, sxk = (np.int64(st) for st in self.x.stride())
+        self._common = (np.int32(N), np.int32(K), sxm, sxk, np.int64(K))
+        if debug:
+            log.debug("kmeans++ seeding: N=%d K=%d clusters=%d weighted=%s: rounds of up to %d centres, %d "
+                      "proposals a centre, update grid (%d, 1, 1)", N, K, C, self.w is not None, ROUND, TRIALS, nb)
 
-    def update_args(j):
-        return (x.data_ptr(), wp, centres.data_ptr(), cc.data_ptr(), d2.data_ptr(), near.data_ptr(), bsum.data_ptr(),
-                xsp, ebp, n32, k32, sxm, sxk, ldc, np.int32(j))
+    def _update(self, s: int, e: int) -> Launch:
+        wp = 0 if self.w is None else self.w.data_ptr()
+        return Launch(self.upd, (self.nb, 1, 1),
+                      (self.x.data_ptr(), wp, self.centres.data_ptr(), self.gap.data_ptr(), self.d2.data_ptr(),
+                       self.near.data_ptr(), self.bsum.data_ptr()) + self._common + (np.int32(s), np.int32(e)))
 
-    def draw_args(j):
-        return (x.data_ptr(), wp, d2.data_ptr(), bsum.data_ptr(), u.data_ptr(), idx.data_ptr(), centres.data_ptr(),
-                cc.data_ptr(), n32, k32, sxm, sxk, ldc, np.int32(nb), np.int32(j))
+    def _draw(self, s: int) -> Launch:
+        wp = 0 if self.w is None else self.w.data_ptr()
+        return Launch(self.draw, (1, 1, 1),
+                      (self.x.data_ptr(), wp, self.d2.data_ptr(), self.bsum.data_ptr(), self.cum.data_ptr(),
+                       self.u.data_ptr(), self.idx.data_ptr(), self.centres.data_ptr(), self.count.data_ptr())
+                      + self._common + (np.int32(self.nb), np.int32(self.C), np.int32(s), np.int32(TRIALS)))
 
-    # The per-centre launches through one ArgBlock per kernel (the raw driver launch, ~7 us
-    # instead of cuda.core's ~10 us): j, the last argument, is its one patched slot (written as 8
-    # little-endian bytes of which the kernel's int reads the low 4: j >= 0).
-    from ..runtime.launcher import ArgBlock
+    def start(self) -> list:
+        """The first launches: the block sums of the weights, the draw of centre 0."""
+        return [self._update(-1, 0), self._draw(0)]
 
-    ub = ArgBlock(upd, (nb, 1, 1), update_args(0), (14,))
-    db = ArgBlock(draw, (1, 1, 1), draw_args(0), (14,))
-    launches = [Launch(upd, (nb, 1, 1), update_args(-1))]
-    for j in range(C):
-        launches.append(Launch(draw, (1, 1, 1), draw_args(j), db))
-        if j + 1 < C:
-            launches.append(Launch(upd, (nb, 1, 1), update_args(j), ub))
-    scratch = (x, w, u, idx, d2, near, bsum, cc, xs, eb)  # (xs, eb: freed with the plan)
-    return Plan("kmeans_seed", upd.spec, tuple(launches), centres, scratch=scratch, debug=debug)
+    def round(self, s: int, e: int) -> list:
+        """The launches after a round that drew centres [s, e): their gaps to the earlier centres
+        (s > 0), their fold into the state, the next round's draw (from e)."""
+        out = []
+        if s > 0:
+            out.append(Launch(self.gapk, (-(-s // THREADS), 1, 1),
+                              (self.centres.data_ptr(), self.gap.data_ptr(), np.int32(self.K), np.int64(self.K),
+                               np.int32(s), np.int32(e))))
+        return out + [self._update(s, e), self._draw(e)]
+
+    def run(self) -> tuple:
+        """(centres (C, K) float32, idx (C,) int64): the launches round after round, one host
+        synchronisation a round (the count of centres drawn)."""
+        from ..runtime.launcher import launch
+
+        def go(launches):
+            for ln in launches:
+                launch(ln.kernel, ln.grid, ln.args, debug=self.debug)
+            return int(self.count.item())
+
+        s, e, rounds = 0, go(self.start()), 1
+        while e < self.C:
+            s, e = e, go(self.round(s, e))
+            rounds += 1
+        if self.debug:
+            log.debug("kmeans++ seeding: %d centres in %d rounds", self.C, rounds)
+        self.rounds = rounds
+        return self.centres, self.idx
 
 
 def seed_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor,
                   debug: bool = False):
     """(centres (C, K) in X's dtype, indices (C,) int64) of the fused seeding, or None when it
     does not serve X."""
-    plan = plan_seeding(X, n_clusters, weights, u, debug)
-    if plan is None:
+    if not fused_serves(X):
         return None
-    centres = plan.run()
-    idx = plan.scratch[3]
-    del plan  # the state and the screen's copy go back to torch's allocator (stream-ordered)
+    centres, idx = Seeding(X, n_clusters, weights, u, debug).run()
     if X.dtype != torch.float32:  # the rows themselves, in X's dtype
         centres = X.index_select(0, idx)
     return centres, idx

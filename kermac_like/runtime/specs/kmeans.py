@@ -1,55 +1,53 @@
 """The k-means++ seeding family (cuda_templates/kmeans.cuh): which instantiation of
-``kmeans_update_kernel`` / ``kmeans_draw_kernel`` over ``KmeansTraits<float, kK>`` serves a
-seeding, its mirrored launch constants, and the family's shipped set.
+``kmeans_update_kernel`` / ``kmeans_gap_kernel`` / ``kmeans_draw_kernel`` over
+``KmeansTraits<float, kK>`` serves a seeding, its mirrored launch constants, and the family's
+shipped set.
 
 Mirror of ``kermac_like::KmeansTraits``: kThreads = 256, kBlockM = 1024 (points per block sum,
-cluster.SAMPLE_BLOCK), kBlockN = 1, kSmemBytes = 0 (static shared memory only); the compile
-stub checks them with static_asserts. kK: the centre in registers for K <= 32 (buckets 4, 8,
-16, 32), a runtime loop over K (kK = 0) beyond. kScreen: the update screens its candidates with
-a bf16 copy of x (``update_spec(K, screen=True)``, planned behind plan.kmeans.SCREEN, on by default;
-both variants shipped: the unscreened one serves SCREEN off and K > SCREEN_MAX_K).
+cluster.SAMPLE_BLOCK), kBlockN = 128 (centres per round of the seeding at most: the update stages
+them in shared memory), kSmemBytes = 0 (static shared memory only); the compile stub checks them
+with static_asserts. kK: a point's row in registers for K <= 32 (buckets 4, 8, 16, 32), a
+runtime loop over K (kK = 0) beyond.
 """
 
 from __future__ import annotations
 
 from .kernel_spec import KernelSpec, LaunchShape, bucket
 
-__all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "SEGSUM_ROWS", "SCREEN_MAX_K", "k_bucket", "screen_row", "update_spec",
+__all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "ROUND", "TRIALS", "SEGSUM_ROWS", "k_bucket", "update_spec", "gap_spec",
            "draw_spec", "segsum_spec", "segsum_combine_spec", "shipped", "ASSIGN_K_BUCKETS", "ASSIGN_MAX_K",
            "assign_k_bucket", "assign_shape", "assign_spec", "assign_prep_spec", "bounds_spec"]
 
 THREADS = 256
 BLOCK_M = 1024  # points per block sum: cluster.SAMPLE_BLOCK
+ROUND = 128  # centres per round of the seeding at most (KmeansTraits::kBlockN; cluster.SEED_ROUND)
+TRIALS = 8  # proposals per centre before a round ends (cluster.SEED_TRIALS)
 K_BUCKETS = (4, 8, 16, 32)  # beyond: kK = 0, the runtime loop
 SEGSUM_ROWS = 4096  # rows per item of Lloyd's segmented sum (a cluster's rows in items of at most this)
-SCREEN_MAX_K = 1024  # the screen's error analysis (kmeans.cuh, "The bf16 screen") assumes K <= 1024
-LAUNCH = LaunchShape(threads=THREADS, block_m=BLOCK_M, block_n=1, smem_bytes=0)
+LAUNCH = LaunchShape(threads=THREADS, block_m=BLOCK_M, block_n=ROUND, smem_bytes=0)
 
 
 def k_bucket(K: int) -> int:
-    """kK for K coordinates: the centre in registers up to 32, else 0 (a runtime loop)."""
+    """kK for K coordinates: a row in registers up to 32, else 0 (a runtime loop)."""
     return bucket(K, K_BUCKETS, 0)
 
 
-def screen_row(K: int) -> int:
-    """bf16 per row of the screen's copy of x (kmeans_detail::screen_row): kK, or K rounded up
-    to 8 for the runtime loop."""
-    kK = k_bucket(K)
-    return kK if kK else -(-K // 8) * 8
+def _traits(kK: int) -> str:
+    return f"kermac_like::KmeansTraits<float, {int(kK)}>"
 
 
-def _traits(kK: int, screen: bool = False) -> str:
-    return f"kermac_like::KmeansTraits<float, {int(kK)}{', true' if screen else ''}>"
+def update_spec(K: int) -> KernelSpec:
+    """A round's fold of its centres into (d2, near) and the block sums, for K coordinates."""
+    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(k_bucket(K)), LAUNCH)
 
 
-def update_spec(K: int, screen: bool = False) -> KernelSpec:
-    """The per-centre update of (d2, near) and the block sums, for K coordinates; ``screen``:
-    with the bf16 screen (its j = -1 launch also writes the copy)."""
-    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(k_bucket(K), screen), LAUNCH)
+def gap_spec() -> KernelSpec:
+    """Each earlier centre's smallest squared distance to a round's centres (any K)."""
+    return KernelSpec("kmeans.cuh", "kermac_like::kmeans_gap_kernel", _traits(0), LAUNCH)
 
 
 def draw_spec() -> KernelSpec:
-    """The one-CTA draw of a centre (any K: its loops are runtime loops), on the traits of kK = 0."""
+    """The one-CTA round of draws (any K: its loops are runtime loops), on the traits of kK = 0."""
     return KernelSpec("kmeans.cuh", "kermac_like::kmeans_draw_kernel", _traits(0), LAUNCH)
 
 
@@ -64,14 +62,14 @@ def segsum_combine_spec() -> KernelSpec:
 
 
 def shipped():
-    """The draw, Lloyd's segmented sum and its combination, and the update for the point clouds and embeddings of KMeans' common inputs
+    """The draw, the gaps, Lloyd's segmented sum and its combination, and the update for the point clouds and embeddings of KMeans' common inputs
     (K = 2, 3 -> kK 4; 8; 16; 32) and any larger K (kK = 0)."""
     yield draw_spec()
+    yield gap_spec()
     yield segsum_spec()
     yield segsum_combine_spec()
-    for screen in (False, True):  # SCREEN off and K > SCREEN_MAX_K; the screened default
-        for kK in (4, 8, 16, 32, 0):
-            yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK, screen), LAUNCH)
+    for kK in (4, 8, 16, 32, 0):
+        yield KernelSpec("kmeans.cuh", "kermac_like::kmeans_update_kernel", _traits(kK), LAUNCH)
     # the tensor-core assignment (plan.kmeans.ASSIGN_MMA, K <= ASSIGN_UP_TO = 16): kK 8 (points, K <= 8)
     # and 16 (the bench); kK 32 and 64 (plan_assign called directly) compile on first use
     for kK in (8, 16):

@@ -1,0 +1,47 @@
+"""GPyTorch's CG products at gp_step's size (issue 29): K(x, x) V for x (N, 8) / lengthscale, V (N, C) with
+C = 11 (GPyTorch's probe vectors + 1), Gaussian kernel at bandwidth 1: kernel_matvec (float32, what
+KermacKernelLinearOperator._matmul runs today) against plan.falkon's tensor-core rows kernel (kC chunks
+of C), time (CUDA events, median of 7 after a warm-up) and the error of each against float64 arithmetic
+on 256 rows (relative 2-norm).
+
+    PYTHONPATH=. python3 bench/probes/gp_products_probe.py [N ...]
+"""
+import statistics
+import sys
+
+import torch
+
+import kermac_like as km
+from kermac_like.descriptor import preset
+from kermac_like.plan.falkon import FalkonProducts
+
+
+def ms(fn, reps=7):
+    fn()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+g = torch.Generator(device="cuda").manual_seed(0)
+for N in [int(float(a)) for a in sys.argv[1:]] or [50_000, 100_000]:
+    x = (torch.rand(N, 8, device="cuda", generator=g) * 2 - 1) / 0.4
+    for C in (1, 8, 11, 16):
+        v = torch.randn(N, C, device="cuda", generator=g)
+        ref = torch.exp(-torch.cdist(x[:256].double(), x.double()).square() / 2) @ v.double()
+        err = lambda o: float((o[:256].double() - ref).norm() / ref.norm())  # noqa: E731
+        desc = preset("gaussian_l2")
+        t_mv = ms(lambda: km.kernel_matvec(desc, x, x, v, bandwidth=1.0))
+        e_mv = err(km.kernel_matvec(desc, x, x, v, bandwidth=1.0))
+        t_prep = ms(lambda: FalkonProducts(x, 1.0))
+        fp = FalkonProducts(x, 1.0)
+        t_fr = ms(lambda: fp.rows(x, v))
+        e_fr = err(fp.rows(x, v))
+        print(f"N={N} C={C:2d}: kernel_matvec {t_mv:7.3f} ms (err {e_mv:.1e}) | falkon rows {t_fr:7.3f} ms "
+              f"(err {e_fr:.1e}) + prep {t_prep:.3f} ms | {t_mv / t_fr:.2f}x", flush=True)

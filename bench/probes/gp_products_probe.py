@@ -6,27 +6,22 @@ on 256 rows (relative 2-norm).
 
     PYTHONPATH=. python3 bench/probes/gp_products_probe.py [N ...]
 """
+import pathlib
 import statistics
 import sys
 
 import torch
 
-import kermac_like as km
-from kermac_like.descriptor import preset
-from kermac_like.plan.falkon import FalkonProducts
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import kermac_like as km  # noqa: E402
+from _timing import event_ms  # noqa: E402
+from kermac_like.descriptor import preset  # noqa: E402
+from kermac_like.plan.falkon import FalkonProducts  # noqa: E402
 
 
 def ms(fn, reps=7):
     fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return statistics.median(event_ms(fn)[0] for _ in range(reps))
 
 
 g = torch.Generator(device="cuda").manual_seed(0)

@@ -12,9 +12,11 @@ parameters, stopping rule, final relabelling, empty-cluster rule and errors. Eac
   cuda_templates/kmeans.cuh): no one-hot matrix and no floating-point atomics, so the same
   data and initial centres give bitwise the same centres run to run, on a CPU as on a GPU.
 
-k-means++ seeding on CUDA in float32: two fused kernels per centre (cuda_templates/kmeans.cuh,
-kermac_like/plan/kmeans.py), no host synchronisation; elsewhere torch ops with one host
-synchronisation per centre (the same draws from the same uniforms).
+k-means++ seeding in rounds (:func:`kmeans_plusplus`: up to 128 centres a round drawn exactly by
+rejection from the round's starting distribution, then folded into the running minimum distance
+in one pass): on CUDA in float32 three fused kernels a round (cuda_templates/kmeans.cuh,
+kermac_like/plan/kmeans.py) and one host synchronisation a round; elsewhere torch ops, one host
+synchronisation a proposal (the same draws from the same uniforms).
 
 Memory beyond X: O(N) (labels, distances, the sort's permutation), one row block of X in
 float64 and the knn op's own blocks; never N x n_clusters (``transform``'s output aside).
@@ -428,8 +430,8 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     n_clusters : int, default 8
     init : "k-means++", "random" or an array (n_clusters, n_features), default "k-means++"
         "k-means++": D^2 sampling (each new centre drawn with probability proportional to the
-        weight times the squared distance to the nearest centre so far; one draw per centre,
-        not scikit-learn's greedy best of 2 + log(k) trials). "random": n_clusters distinct
+        weight times the squared distance to the nearest centre so far, exactly; one draw per
+        centre, not scikit-learn's greedy best of 2 + log(k) trials; see kmeans_plusplus). "random": n_clusters distinct
         points, drawn with probability proportional to the weight. An array (numpy or a
         tensor) gives the initial centres: one run, as scikit-learn.
     n_init : int or "auto", default 1

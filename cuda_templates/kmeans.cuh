@@ -207,22 +207,16 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_update_kernel(
 #pragma unroll
       for (int q = 0; q < kK; ++q) v[q] = q < K ? xi[q * sxk] : 0.0f;
     }
-    auto dist = [&](int c) {  // ||x_i - c_{s + c}||^2
-      if constexpr (kK > 0) return sq_dist_reg<kK>(v, sc + c * kK, K);
-      else return sq_dist(xi, sxk, centres + i64(s + c) * ldc, 1, K);
-    };
-    float old;
-    int nr, c0 = 0;
+    // ||x_i - c_{s + c}||^2 for every c in order; s = 0: the first taken without comparison
+    float old = s == 0 ? __int_as_float(0x7f800000) : sd2[loc];
+    int nr = -1;
     bool mine_changed = false;
-    if (s == 0) {
-      old = dist(0), nr = 0, c0 = 1, mine_changed = true;
-    } else {
-      old = sd2[loc], nr = -1;
-    }
 #pragma unroll 1
-    for (int c = c0; c < nc; ++c) {
-      const float dn = dist(c);
-      if (dn < old) old = dn, nr = s + c, mine_changed = true;
+    for (int c = 0; c < nc; ++c) {
+      float dn;
+      if constexpr (kK > 0) dn = sq_dist_reg<kK>(v, sc + c * kK, K);
+      else dn = sq_dist(xi, sxk, centres + i64(s + c) * ldc, 1, K);
+      if (dn < old || (s == 0 && c == 0)) old = dn, nr = s + c, mine_changed = true;
     }
     if (mine_changed) {
       d2[i] = old;

@@ -308,7 +308,8 @@ def _kmeans_plusplus_torch(X: torch.Tensor, n_clusters: int, weights: torch.Tens
             j += 1
         # fold centres [s, j) into (d2, near) for the candidates of the triangle bound
         new = centres[s:j]
-        gap = _sq_dists_nan_inf(centres[:s], new).amin(1)  # (s,) ||c_a - c_i||^2, min over the round
+        gap = torch.cat([_sq_dists_nan_inf(centres[a0:min(s, a0 + R)], new).amin(1)  # (s,) ||c_a - c_i||^2,
+                         for a0 in range(0, s, R)])  # min over the round (row blocks: memory as the fold's)
         # a margin of 1e-6 relative keeps points whose bound is within rounding of the limit
         cand = (gap[near] < d2 * (4.0 * (1.0 + 1e-6))).nonzero()[:, 0]
         for b0 in range(0, cand.numel(), R):

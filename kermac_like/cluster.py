@@ -37,6 +37,7 @@ from ._args import all_finite
 from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, TransformerMixin, check_is_fitted,
                          check_n_features)
 from .ops.knn import knn
+from .runtime.specs.kmeans import BLOCK_M as _SEED_BLOCK_M, ROUND as _SEED_ROUND, TRIALS as _SEED_TRIALS
 
 try:
     from sklearn.exceptions import ConvergenceWarning
@@ -49,13 +50,11 @@ __all__ = ["KMeans"]
 # Rows of X handled at once by the update, the seeding and the variance (memory: one block in
 # float64, 2^20 x D x 8 bytes).
 BLOCK_ROWS = 1 << 20
-# Points per block of the k-means++ sampler (two-level inverse-CDF sampling: block sums, then
-# one block's cumulative sum).
-SAMPLE_BLOCK = 1024
-# k-means++ in rounds (kmeans_plusplus): centres per round at most, proposals per centre before a
-# round ends (mirrors of runtime/specs/kmeans.py's ROUND and TRIALS).
-SEED_ROUND = 128
-SEED_TRIALS = 8
+# The k-means++ sampler's points per block (two-level inverse-CDF sampling: block sums, then one
+# block's cumulative sum); kmeans_plusplus' centres per round at most and proposals per centre
+# before a round ends: the fused kernels' constants (runtime/specs/kmeans.py), which the torch
+# path shares so that both draw the same centres from the same uniforms.
+SAMPLE_BLOCK, SEED_ROUND, SEED_TRIALS = _SEED_BLOCK_M, _SEED_ROUND, _SEED_TRIALS
 # torch.cdist's direct differences on the CPU path (the fused GPU kernel forms them anyway):
 # distances without the matrix-product formula's cancellation.
 _DIRECT = "donot_use_mm_for_euclid_dist"
@@ -265,14 +264,15 @@ def _kmeans_plusplus_torch(X: torch.Tensor, n_clusters: int, weights: torch.Tens
     N, D = X.shape
     dev = X.device
     C, T = n_clusters, SEED_TRIALS
-    uh = u.double().cpu()
+    ud = u.to(device=dev, dtype=torch.float64)  # the draws' uniforms, on X's device
+    uh = ud.cpu()  # the acceptance tests' (decided on the host)
     w = None if weights is None else weights.to(X.dtype)
     sampler = _Sampler(N, X.dtype, dev)
     sampler.p[:N] = 1.0 if w is None else w
     sampler.refresh()
     idx = torch.empty(C, dtype=torch.int64, device=dev)
     centres = torch.empty((C, D), dtype=X.dtype, device=dev)
-    idx[:1] = sampler.draw(uh[0, T:T + 1].to(dev))
+    idx[:1] = sampler.draw(ud[0, T:T + 1])
     centres[:1] = X.index_select(0, idx[:1])
     d2 = _sq_dist_to(X, centres[0])  # (N,) running minimum squared distance
     near = torch.zeros(N, dtype=torch.int64, device=dev)  # its centre
@@ -285,13 +285,13 @@ def _kmeans_plusplus_torch(X: torch.Tensor, n_clusters: int, weights: torch.Tens
             idx[s:] = N - 1
             centres[s:] = X[N - 1]
             break
-        idx[s:s + 1] = sampler.draw(uh[s, T:T + 1].to(dev))
+        idx[s:s + 1] = sampler.draw(ud[s, T:T + 1])
         centres[s:s + 1] = X.index_select(0, idx[s:s + 1])
         j = s + 1
         while j < min(C, s + SEED_ROUND):
             pick = None
             for t in range(T):
-                q = sampler.draw(uh[j, t:t + 1].to(dev))
+                q = sampler.draw(ud[j, t:t + 1])
                 ps = sampler.p.index_select(0, q)
                 if not float(ps) > 0:
                     continue

@@ -79,6 +79,7 @@ class Seeding:
         self.N, self.K, self.C, self.debug = N, K, C, debug
         self.x = X if X.dtype == torch.float32 else X.float()
         self.w = None if weights is None else weights.to(device=dev, dtype=torch.float32).contiguous()
+        self.wp = 0 if self.w is None else self.w.data_ptr()  # (0: unit weights)
         self.u = u.to(device=dev, dtype=torch.float64).contiguous()
         self.nb = nb = -(-N // BLOCK_M)
         self.centres = torch.empty((C, K), dtype=torch.float32, device=dev)
@@ -99,15 +100,13 @@ class Seeding:
                       "proposals a centre, update grid (%d, 1, 1)", N, K, C, self.w is not None, ROUND, TRIALS, nb)
 
     def _update(self, s: int, e: int) -> Launch:
-        wp = 0 if self.w is None else self.w.data_ptr()
         return Launch(self.upd, (self.nb, 1, 1),
-                      (self.x.data_ptr(), wp, self.centres.data_ptr(), self.gap.data_ptr(), self.d2.data_ptr(),
+                      (self.x.data_ptr(), self.wp, self.centres.data_ptr(), self.gap.data_ptr(), self.d2.data_ptr(),
                        self.near.data_ptr(), self.bsum.data_ptr()) + self._common + (np.int32(s), np.int32(e)))
 
     def _draw(self, s: int) -> Launch:
-        wp = 0 if self.w is None else self.w.data_ptr()
         return Launch(self.draw, (1, 1, 1),
-                      (self.x.data_ptr(), wp, self.d2.data_ptr(), self.bsum.data_ptr(), self.cum.data_ptr(),
+                      (self.x.data_ptr(), self.wp, self.d2.data_ptr(), self.bsum.data_ptr(), self.cum.data_ptr(),
                        self.u.data_ptr(), self.idx.data_ptr(), self.centres.data_ptr(), self.count.data_ptr())
                       + self._common + (np.int32(self.nb), np.int32(self.C), np.int32(s), np.int32(TRIALS)))
 

@@ -19,9 +19,9 @@ __all__ = ["K_BUCKETS", "THREADS", "BLOCK_M", "ROUND", "TRIALS", "SEGSUM_ROWS", 
            "assign_k_bucket", "assign_shape", "assign_spec", "assign_prep_spec", "bounds_spec"]
 
 THREADS = 256
-BLOCK_M = 1024  # points per block sum: cluster.SAMPLE_BLOCK
-ROUND = 128  # centres per round of the seeding at most (KmeansTraits::kBlockN; cluster.SEED_ROUND)
-TRIALS = 8  # proposals per centre before a round ends (cluster.SEED_TRIALS)
+BLOCK_M = 1024  # points per block sum (the torch path's too: cluster.SAMPLE_BLOCK)
+ROUND = 128  # centres per round of the seeding at most (KmeansTraits::kBlockN)
+TRIALS = 8  # proposals per centre before a round ends (the torch path's too: cluster.SEED_TRIALS)
 K_BUCKETS = (4, 8, 16, 32)  # beyond: kK = 0, the runtime loop
 SEGSUM_ROWS = 4096  # rows per item of Lloyd's segmented sum (a cluster's rows in items of at most this)
 LAUNCH = LaunchShape(threads=THREADS, block_m=BLOCK_M, block_n=ROUND, smem_bytes=0)

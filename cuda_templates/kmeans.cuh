@@ -292,8 +292,9 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_draw_kernel(
   }
   __syncthreads();
 
-  // The index drawn at uniform uu from the state's p (s = 0: w or 1): the block by the count of
-  // cum <= r (chunk ends, then inside the chunk), the point by a scan of the block's p.
+  // The index drawn at uniform uu from the state's p (s = 0: w or 1): the block as the first b with
+  // cum[b] > r (the first chunk whose end exceeds r, then inside it), the point by a scan of the
+  // block's p.
   auto draw = [&](double uu) -> i64 {
     const double r = uu * total;
     // (cum rises inside a chunk; across a chunk's edge the scan's rounding may differ: the first
@@ -342,11 +343,12 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_draw_kernel(
   for (; j < lim; ++j) {
     const double* uj = u + i64(j) * ut;
     i64 pick = N - 1;  // every p zero: the exact draw's clamp, for every remaining centre
-    bool ok = !(total > 0.0) || j == s;
+    bool ok = true;
     if (total > 0.0) {
       if (j == s) {
         pick = draw(uj[trials]);
       } else {
+        ok = false;
         for (int t = 0; t < trials && !ok; ++t) {
           pick = draw(uj[t]);
           const float* xr = x + pick * sxm;

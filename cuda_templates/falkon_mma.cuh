@@ -471,4 +471,185 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_cols_kernel(
   }
 }
 
+// ------------------------------------------------------------------ several columns on tensor cores
+// falkon_rows_pv_kernel: K(x, z) v for up to kC = 8 kNq columns, with the products k v on tensor cores
+// too (FlashAttention's P V): the exponents' accumulator of an (m16, n8) tile is, up to a relabelling of
+// its 8 centres, the A fragment of an mma.m16n8k8 whose B operand is v's rows of those centres. With the
+// centres' order within the block taken as k = t <-> centre 2t, k = t + 4 <-> centre 2t + 1, the C
+// layout {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)} gives a = {c0, c2, c1, c3}, and B is
+// {v[2t][col g], v[2t + 1][col g]} (falkon_vprep_kernel's fragments). Both sides in 3xTF32: k split
+// hi + lo (round to nearest, twice), v hi + lo (split_tf32x3), three mma per n8 column tile (lo.hi,
+// hi.lo, hi.hi; lo.lo dropped, 2^-22 relative). The float32 accumulators (8 terms per mma) are added
+// into float64 totals every kFlush n8 blocks (16 centres). Each lane owns its outputs (rows g, g + 8,
+// columns 8 q + 2t, 8 q + 2t + 1): no butterfly. Replaces the kC FFMA a pair of falkon_rows_kernel by
+// 3 kNq / 128 mma a pair (bench/notes/gpytorch.md, "The CG products on tensor cores").
+template <int kK_, int kNq_>
+struct FalkonRowsPvTraits {
+  static_assert(kK_ == 8 || kK_ == 16 || kK_ == 32, "FalkonRowsPvTraits: kK is 8, 16 or 32");
+  static_assert(kNq_ == 1 || kNq_ == 2, "FalkonRowsPvTraits: kNq is 1 or 2 (8 or 16 columns)");
+  static constexpr int kK = kK_;
+  static constexpr int kSteps = kK_ / 8;
+  static constexpr int kNq = kNq_;
+  static constexpr int kC = 8 * kNq_;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMt = kK_ == 8 ? 2 : 1;  // m16 tiles per warp (registers: fragments, accumulators, totals)
+  static constexpr int kBlockM = 8 * 16 * kMt;
+  static constexpr int kBlockN = 128;
+  static constexpr int kFlush = 2;  // n8 blocks per float64 flush
+  static constexpr int kTileFrag = kBlockN * kK_ * 8;          // z's B fragments
+  static constexpr int kVFrag = kBlockN / 8 * kNq_ * 32 * 16;  // v's B fragments
+  static constexpr int kTileBytes = kTileFrag + kBlockN * 4 + kVFrag;
+  static constexpr int kSmemBytes = 2 * kTileBytes;
+  static_assert((kBlockN / 8) % kFlush == 0, "FalkonRowsPvTraits: whole flush groups per tile");
+};
+
+// Grid (ceil(Mp / 8 * kNq * 32 / 256), 1, 1): v (N rows, C <= kC columns) at strides (svn, svc) -> vf
+// (Mp / 8, kNq, 32) uint4, entry (j, q, lane (g, t)) = {hi(v[8j + 2t][8q + g]), hi(v[8j + 2t + 1][8q + g]),
+// lo(...), lo(...)} (split_tf32x3), zero past N rows and C columns.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads) falkon_vprep_kernel(const float* __restrict__ v, i64 svn,
+                                                                         i64 svc, i64 N, int C, int Mp,
+                                                                         uint4* __restrict__ vf) {
+  constexpr int NQ = Traits::kNq;
+  const i64 e = i64(blockIdx.x) * Traits::kThreads + threadIdx.x;
+  if (e >= i64(Mp / 8) * NQ * 32) return;
+  const int lane = int(e & 31), q = int((e >> 5) % NQ);
+  const i64 j8 = (e >> 5) / NQ;
+  const int c = 8 * q + (lane >> 2);
+  unsigned hi[2], lo[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const i64 n = j8 * 8 + 2 * (lane & 3) + h;
+    const float val = n < N && c < C ? v[n * svn + c * svc] : 0.0f;
+    mma_detail::split_tf32x3(__float_as_uint(val), hi[h], lo[h]);
+  }
+  vf[e] = uint4{hi[0], hi[1], lo[0], lo[1]};
+}
+
+// Grid (ceil(N / kBlockM), n_split, 1), kSmemBytes of dynamic shared memory. x, centre, scale, zf, zb as
+// falkon_rows_kernel's; vf from falkon_vprep_kernel (Mp / 8 blocks); out[split * ss + i * so + c]
+// (float64) for rows i < N and columns c < C. The split `split` takes the centre tiles
+// [split * tiles_per_split, ...).
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
+    const float* __restrict__ x, i64 ldx, i64 N, int K, const float* __restrict__ centre, float scale,
+    const uint4* __restrict__ zf, const float* __restrict__ zb, const uint4* __restrict__ vf, int Mp, int C,
+    double* __restrict__ out, i64 so, i64 ss, int tiles_per_split) {
+  using Tr = Traits;
+  constexpr int S = Tr::kSteps, MT = Tr::kMt, BN = Tr::kBlockN, NQ = Tr::kNq, FL = Tr::kFlush;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const i64 m_warp = i64(blockIdx.x) * Tr::kBlockM + warp * 16 * MT;
+
+  unsigned ah[MT][S][4], al[MT][S][4];
+  float a[2 * MT];
+  {
+    float cv[S][2];
+    falkon_detail::load_centre<S>(centre, K, t, cv);
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      float xv[S][4], ai[2];
+      falkon_detail::load_x<S>(x, ldx, m_warp + 16 * i, N, K, g, t, xv);
+      falkon_detail::x_frags<S>(xv, cv, scale, K, t, ah[i], al[i], ai);
+      a[2 * i] = ai[0], a[2 * i + 1] = ai[1];
+    }
+  }
+
+  const int tiles_all = Mp / BN;
+  const int tile0 = blockIdx.y * tiles_per_split;
+  const int tile1 = min(tiles_all, tile0 + tiles_per_split);
+  const unsigned smem_base = mma_detail::smem_u32(smem);
+  auto load_tile = [&](int stage, int tile) {
+    const unsigned char* src_f = reinterpret_cast<const unsigned char*>(zf) + i64(tile) * Tr::kTileFrag;
+    const unsigned char* src_b = reinterpret_cast<const unsigned char*>(zb + i64(tile) * BN);
+    const unsigned char* src_v = reinterpret_cast<const unsigned char*>(vf) + i64(tile) * Tr::kVFrag;
+    const unsigned dst = smem_base + stage * Tr::kTileBytes;
+    constexpr int nf = Tr::kTileFrag / 16, nb = BN * 4 / 16, nv = Tr::kVFrag / 16;
+    for (int e = tid; e < nf + nb + nv; e += Tr::kThreads) {
+      const unsigned char* src = e < nf ? src_f + e * 16 : e < nf + nb ? src_b + (e - nf) * 16 : src_v + (e - nf - nb) * 16;
+      mma_detail::cp_async_16(dst + e * 16, src, 16);
+    }
+  };
+
+  float acc[MT][NQ][4];
+  double total[MT][NQ][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int q = 0; q < NQ; ++q)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][q][r] = 0.0f, total[i][q][r] = 0.0;
+
+  if (tile0 < tile1) load_tile(0, tile0);
+  mma_detail::cp_async_commit();
+  for (int tile = tile0; tile < tile1; ++tile) {
+    const int st_i = (tile - tile0) & 1;
+    mma_detail::cp_async_wait<0>();
+    __syncthreads();  // the tile is in for everyone; the other stage is free
+    if (tile + 1 < tile1) load_tile(st_i ^ 1, tile + 1);
+    mma_detail::cp_async_commit();
+    const unsigned char* st = smem + st_i * Tr::kTileBytes;
+    const uint4* fr = reinterpret_cast<const uint4*>(st);
+    const float* bs = reinterpret_cast<const float*>(st + Tr::kTileFrag);
+    const uint4* vs = reinterpret_cast<const uint4*>(st + Tr::kTileFrag + BN * 4);
+#pragma unroll 1
+    for (int j0 = 0; j0 < BN / 8; j0 += FL) {
+#pragma unroll
+      for (int j = j0; j < j0 + FL; ++j) {
+        uint4 bf[S], vq[NQ];
+#pragma unroll
+        for (int s = 0; s < S; ++s) bf[s] = fr[(j * S + s) * 32 + lane];
+#pragma unroll
+        for (int q = 0; q < NQ; ++q) vq[q] = vs[(j * NQ + q) * 32 + lane];
+        const float2 bp = *reinterpret_cast<const float2*>(bs + j * 8 + 2 * t);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          float d[4];
+          falkon_detail::exponents<S>(d, ah[i], al[i], bf, bp.x, bp.y);
+          // k in the A layout of the relabelled centres: {(g, 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1)}
+          const float k[4] = {math::ex2_approx(__fadd_rn(d[0], a[2 * i])),
+                              math::ex2_approx(__fadd_rn(d[2], a[2 * i + 1])),
+                              math::ex2_approx(__fadd_rn(d[1], a[2 * i])),
+                              math::ex2_approx(__fadd_rn(d[3], a[2 * i + 1]))};
+          unsigned kh[4], kl[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            kh[r] = mma_detail::tf32_rna(__float_as_uint(k[r]));
+            kl[r] = mma_detail::tf32_rna(__float_as_uint(__fsub_rn(k[r], __uint_as_float(kh[r]))));
+          }
+#pragma unroll
+          for (int q = 0; q < NQ; ++q) {
+            mma_detail::mma_tf32(acc[i][q], kl, vq[q].x, vq[q].y);
+            mma_detail::mma_tf32(acc[i][q], kh, vq[q].z, vq[q].w);
+            mma_detail::mma_tf32(acc[i][q], kh, vq[q].x, vq[q].y);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int q = 0; q < NQ; ++q)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) total[i][q][r] += double(acc[i][q][r]), acc[i][q][r] = 0.0f;
+    }
+  }
+  mma_detail::cp_async_wait<0>();
+
+  double* o = out + i64(blockIdx.y) * ss;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const i64 m = m_warp + 16 * i + g + 8 * (r >> 1);
+      if (m < N)
+#pragma unroll
+        for (int q = 0; q < NQ; ++q) {
+          const int c = 8 * q + 2 * t + (r & 1);
+          if (c < C) o[m * so + c] = total[i][q][r];
+        }
+    }
+}
+
 }  // namespace kermac_like

@@ -132,3 +132,33 @@ def test_step_at_1e5_without_the_matrix():
     assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(mean).all()
     assert peak < 2 * 2**30, f"peak {peak / 2**30:.2f} GiB"  # the dense kernel: n^2 * 4 B = 37 GiB
     print(f"N = {n}: MLL {float(loss):.4f}, step + prediction {seconds:.1f} s, peak {peak / 2**20:.0f} MiB")
+
+
+def test_cg_products_on_tensor_cores(monkeypatch):
+    """The operator's several-column products (CG / Lanczos) run on the tensor-core rows kernel
+    (kermac_like.gpytorch._products): the same product as kernel_matvec's SIMT kernel
+    (KERMAC_LIKE_GP_TC=0) within 2e-6 relative, and a training step takes that path."""
+    from kermac_like.gpytorch import _products
+    from kermac_like.plan.falkon import FalkonProducts
+
+    x, _ = data(6000, 8, seed=2)
+    x1 = (x.float() / 0.6).contiguous()
+    op = KermacKernelLinearOperator(x1, x1, kernel="rbf")
+    rhs = torch.randn(6000, 11, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    with torch.no_grad():
+        tc = op._matmul(rhs)
+        assert "_kl_tc_products" in op.__dict__
+        monkeypatch.setenv("KERMAC_LIKE_GP_TC", "0")
+        simt = op._matmul(rhs)
+        monkeypatch.delenv("KERMAC_LIKE_GP_TC")
+        vec = op._matmul(rhs[:, 0])  # one column: kernel_matvec
+    assert tc.dtype == torch.float32 and tc.shape == (6000, 11)
+    assert rel(tc, simt) <= 2e-6, rel(tc, simt)
+    assert rel(vec, simt[:, 0]) <= 1e-6
+    calls = []
+    real = FalkonProducts.rows_pv
+    monkeypatch.setattr(FalkonProducts, "rows_pv", lambda self, *a: calls.append(1) or real(self, *a))
+    xs, ys = data(3000, 8)
+    loss, grad, _ = step(RBFKernel(), xs, ys, torch.float32, predict=False)
+    assert calls and torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert _products.MIN_COLUMNS == 2

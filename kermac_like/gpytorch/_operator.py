@@ -42,6 +42,7 @@ from linear_operator.utils.permutation import apply_permutation
 
 from ..descriptor import preset
 from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec
+from . import _products
 
 __all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS"]
 
@@ -125,6 +126,10 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         wide = rhs.dtype == torch.float64 and x1.dtype in WIDE_OUT_INPUTS and not grad
         if not wide and rhs.dtype != x1.dtype:
             rhs = rhs.to(x1.dtype)
+        if not grad and not wide:  # CG / Lanczos: several columns on tensor cores where served
+            out = _products.matmul(self, x1, x2, rhs)
+            if out is not None:
+                return self._scaled(out)
         out = kernel_matvec(KERNELS[self.kernel], x1.contiguous(), x2.contiguous(), rhs.contiguous(), bandwidth=1.0)
         return self._scaled(out)
 

@@ -6,7 +6,9 @@ product on mma.sync in 3xTF32). Used by KernelRidge(solver="nystrom") through
 float64 mode then, as before).
 
 :class:`FalkonProducts` holds the centres' prepared side (B fragments, b_j, the centre and scale) for a
-fit; its ``rows(x, v)`` and ``cols(x, w)`` take any float32 rows x (N, K) of that fit.
+fit; its ``rows(x, v)`` and ``cols(x, w)`` take any float32 rows x (N, K) of that fit, and
+``rows_pv(x, v)`` computes K(x, z) v for several columns with the products k v on tensor cores too
+(``falkon_rows_pv_kernel``; GPyTorch's CG products, kermac_like.gpytorch).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import numpy as np
 import torch
 
 from ..descriptor import PRESETS
-from ..runtime.specs.falkon import MAX_K, PAD, c_chunk, cols_spec, k_bucket, prep_spec, rows_spec
+from ..runtime.specs.falkon import (MAX_K, PAD, c_chunk, cols_spec, k_bucket, prep_spec, pv_nq, rows_pv_spec,
+                                    rows_spec, vprep_spec)
 from .core import _device_index, _gpu_ok
 
 __all__ = ["enabled", "serves", "FalkonProducts"]
@@ -66,9 +69,15 @@ def _split(ctas: int, slots: int, most: int) -> int:
 class FalkonProducts:
     """The centres z (M, K) of a fit, prepared for falkon_rows_kernel / falkon_cols_kernel: the
     centre (the mean of z, float32), the scale r = sqrt(log2(e) / (2 bandwidth^2)) (float32), the
-    B fragments of w = r (z - centre) and b_j = -|w_j|^2 (M padded to a multiple of 256)."""
+    B fragments of w = r (z - centre) and b_j = -|w_j|^2 (M padded to a multiple of 256).
 
-    def __init__(self, z: torch.Tensor, bandwidth: float, debug: bool = False):
+    ``columns``: the products it will serve, for the kernels fetched (compiled or loaded) up front:
+    "falkon" (rows and cols of one column, the regression's) or "pv" (rows_pv's launches of 16 columns).
+    GPU memory: 64 kK / 8 bytes a padded centre (fragments, b), plus per product call the v fragments
+    (128 bytes a padded centre and 16 columns) and, where the centre range is split, float64 partial
+    sums (split x N x C)."""
+
+    def __init__(self, z: torch.Tensor, bandwidth: float, debug: bool = False, columns: str = "falkon"):
         from ..runtime.launcher import get_kernel, launch, prefetch
 
         self.debug = debug
@@ -86,7 +95,9 @@ class FalkonProducts:
         self.zf = torch.empty(self.Mp // 8 * S * 32 * 4, dtype=torch.int32, device=z.device)
         self.zb = torch.empty(self.Mp, dtype=torch.float32, device=z.device)
         spec = prep_spec(self.K)
-        prefetch([spec, rows_spec(self.K, 1), cols_spec(self.K, 1)], self.device, debug=debug)
+        products = ([vprep_spec(self.K, 2), rows_pv_spec(self.K, 2)] if columns == "pv"
+                    else [rows_spec(self.K, 1), cols_spec(self.K, 1)])
+        prefetch([spec, *products], self.device, debug=debug)
         prep = get_kernel(spec, self.device, debug=debug)
         entries = max(self.Mp // 8 * S * 32, self.Mp)
         grid = (-(-entries // spec.launch.threads), 1, 1)
@@ -138,6 +149,57 @@ class FalkonProducts:
             if split > 1:  # the splits added in order (torch's sum over a leading dimension of <= 264)
                 out[:, c0:c0 + kC] = dst.sum(dim=0)
             c0 += kC
+        return out
+
+    def rows_pv(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """K(x, z) v: (N, C) float64 for float32 v (M, C) (any strides), the products k v on tensor cores
+        (falkon_rows_pv_kernel: 3xTF32 k and v, float32 sums of 16 centres added in float64), in launches
+        of 16 columns (8 for a last chunk of <= 8). Each launch first makes v's B fragments
+        (falkon_vprep_kernel, Mp x 128 bytes at 16 columns)."""
+        from ..runtime.launcher import get_kernel, launch
+
+        x = self._x(x)
+        if v.dim() != 2 or v.shape[0] != self.M or v.dtype != torch.float32 or v.device != x.device:
+            raise ValueError(f"v: expected float32 ({self.M}, C) on {x.device}, got {tuple(v.shape)} {v.dtype} "
+                             f"on {v.device}")
+        N, C = x.shape[0], v.shape[1]
+        dev = x.device
+        out = torch.empty((N, C), dtype=torch.float64, device=dev)
+        if N == 0 or C == 0:
+            return out
+        c0 = 0
+        while c0 < C:
+            nq = pv_nq(C - c0)
+            cc = min(8 * nq, C - c0)
+            prep = get_kernel(vprep_spec(self.K, nq), self.device, debug=self.debug)
+            spec = rows_pv_spec(self.K, nq)
+            kern = get_kernel(spec, self.device, debug=self.debug)
+            entries = self.Mp // 8 * nq * 32
+            vf = torch.empty(entries * 4, dtype=torch.int32, device=dev)
+            vc = v[:, c0:]
+            launch(prep, (-(-entries // prep.spec.launch.threads), 1, 1),
+                   (vc.data_ptr(), np.int64(vc.stride(0)), np.int64(vc.stride(1)), np.int64(self.M), np.int32(cc),
+                    np.int32(self.Mp), vf.data_ptr()), debug=self.debug)
+            ctas = -(-N // spec.launch.block_m)
+            tiles = self.Mp // spec.launch.block_n
+            split = _split(ctas, self.slots, tiles) if ctas < 8 * self.slots else 1
+            per = -(-tiles // split)
+            split = -(-tiles // per)
+            if split == 1:
+                dst, so, ss = out[:, c0:], out.stride(0), 0
+            else:
+                dst = torch.empty((split, N, cc), dtype=torch.float64, device=dev)
+                so, ss = cc, N * cc
+            if self.debug:
+                log.debug("falkon rows_pv: N=%d M=%d K=%d columns %d..%d: grid (%d, %d), %d centre tiles per split",
+                          N, self.M, self.K, c0, c0 + cc, ctas, split, per)
+            launch(kern, (ctas, split, 1),
+                   (x.data_ptr(), np.int64(x.stride(0)), np.int64(N), np.int32(self.K), self.centre.data_ptr(),
+                    np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(), vf.data_ptr(), np.int32(self.Mp),
+                    np.int32(cc), dst.data_ptr(), np.int64(so), np.int64(ss), np.int32(per)), debug=self.debug)
+            if split > 1:  # the splits added in order
+                out[:, c0:c0 + cc] = dst.sum(dim=0)
+            c0 += cc
         return out
 
     def cols(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

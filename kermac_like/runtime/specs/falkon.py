@@ -9,6 +9,11 @@ stub checks them with static_asserts): kK = K rounded up to 8, 16 or 32; kC colu
 Cols kernel: 8 warps of kNbw n8 blocks (min(4 / (kK / 8), 4 for kC <= 2, 2 for kC = 4, 1 for kC = 8)), x tiles of 64
 rows in two stages of (fragments 4 kK 128 B + a 256 B + w 256 kC B). The prep kernel runs on the rows
 traits of kC = 1.
+
+The several-column rows kernel ``falkon_rows_pv_kernel`` (``FalkonRowsPvTraits<kK, kNq>``: kNq n8 column
+tiles, kC = 8 kNq columns, products k v on tensor cores) with its v fragments from
+``falkon_vprep_kernel``: 8 warps of kMt = 2 (kK = 8) or 1 m16 tiles, centre tiles of 128 in two stages of
+(fragments 128 kK 8 B + b 512 B + v fragments 16 kNq 512 B).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 from .kernel_spec import KernelSpec, LaunchShape, bucket
 
 __all__ = ["K_BUCKETS", "MAX_K", "C_BUCKETS", "PAD", "k_bucket", "c_chunk", "rows_shape", "cols_shape", "prep_spec",
-           "rows_spec", "cols_spec", "shipped"]
+           "rows_spec", "cols_spec", "NQ_BUCKETS", "pv_shape", "pv_nq", "vprep_spec", "rows_pv_spec", "shipped"]
 
 K_BUCKETS = (8, 16, 32)
 MAX_K = K_BUCKETS[-1]
@@ -76,10 +81,43 @@ def cols_spec(K: int, kC: int) -> KernelSpec:
                       f"kermac_like::FalkonColsTraits<{int(kK)}, {int(kC)}>", cols_shape(kK, kC))
 
 
+NQ_BUCKETS = (1, 2)  # n8 column tiles of the several-column rows kernel (8 or 16 columns a launch)
+
+
+def pv_nq(C: int) -> int:
+    """kNq of a several-column launch over the first of C remaining columns: 2 (16 columns) beyond 8."""
+    return 1 if C <= 8 else 2
+
+
+def pv_shape(kK: int, nq: int) -> LaunchShape:
+    bn, mt = 128, (2 if kK == 8 else 1)
+    tile = bn * kK * 8 + bn * 4 + bn // 8 * nq * 32 * 16
+    return LaunchShape(threads=256, block_m=8 * 16 * mt, block_n=bn, smem_bytes=2 * tile)
+
+
+def _pv_traits(kK: int, nq: int) -> str:
+    return f"kermac_like::FalkonRowsPvTraits<{int(kK)}, {int(nq)}>"
+
+
+def vprep_spec(K: int, nq: int) -> KernelSpec:
+    """v's B fragments for the several-column rows kernel (one thread per fragment entry)."""
+    kK = k_bucket(K)
+    return KernelSpec("falkon_mma.cuh", "kermac_like::falkon_vprep_kernel", _pv_traits(kK, nq), pv_shape(kK, nq))
+
+
+def rows_pv_spec(K: int, nq: int) -> KernelSpec:
+    """K(x, z) v for up to 8 nq columns, k v on tensor cores (GPyTorch's CG products)."""
+    kK = k_bucket(K)
+    return KernelSpec("falkon_mma.cuh", "kermac_like::falkon_rows_pv_kernel", _pv_traits(kK, nq), pv_shape(kK, nq))
+
+
 def shipped():
-    """Regression's one column at K <= 8 and <= 16 (the prep and both products); other kK / kC compile
-    on first use."""
+    """Regression's one column at K <= 8 and <= 16 (the prep and both products) and GPyTorch's CG products
+    at K <= 8 (16 columns); other kK / kC / kNq compile on first use."""
     for kK in (8, 16):
         yield prep_spec(kK)
         yield rows_spec(kK, 1)
         yield cols_spec(kK, 1)
+    # GPyTorch's CG products at K <= 8 (1 + 10 probe columns: one launch of 16)
+    yield vprep_spec(8, 2)
+    yield rows_pv_spec(8, 2)

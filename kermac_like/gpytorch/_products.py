@@ -1,0 +1,62 @@
+"""The operator's CG / Lanczos products on tensor cores: ``K(x1, x2) V`` for the RBF kernel with several
+columns (GPyTorch's 1 + num_trace_samples probe columns) through plan.falkon's several-column rows kernel
+(cuda_templates/falkon_mma.cuh ``falkon_rows_pv_kernel``: the exponents' dot products and the products
+k v both in 3xTF32 on mma.sync, float32 sums of 16 centres added in float64).
+
+Against kernel_matvec's SIMT kernel at C = 11 it takes the 8 FFMA of the exponent and the 11 FFMA of the
+columns off the FMA pipe (bench/notes/gpytorch.md, "The CG products on tensor cores"), and its host path is
+two launches a product (v's fragments, the product) with x2's side prepared once per operator.
+
+Served (else the caller keeps kernel_matvec): ``KERMAC_LIKE_GP_TC`` not "0"; the RBF kernel; float32 x1, x2
+(M, D), (N, D) on one CUDA device of sm_80 or newer with 1 <= D <= 32 and no batch modes; a float32
+right-hand side (N, C) or (N,) with C >= MIN_COLUMNS; no autograd (CG and Lanczos run inside
+linear_operator's Functions; the bilinear derivative keeps kernel_matvec's autograd). The data must be
+finite (the expanded form, as GPyTorch's own ``sq_dist``: an infinite coordinate gives NaN, not 0).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..plan.core import _gpu_ok
+from ..plan.falkon import FalkonProducts
+from ..runtime.specs.falkon import MAX_K
+
+__all__ = ["enabled", "matmul", "MIN_COLUMNS"]
+
+# Fewer columns stay on kernel_matvec: its one-column SIMT loop pays no padding to 8 columns.
+MIN_COLUMNS = 2
+
+
+def enabled() -> bool:
+    """KERMAC_LIKE_GP_TC, "1" (default) or "0" (every product through kernel_matvec), read at each product."""
+    return os.environ.get("KERMAC_LIKE_GP_TC", "1") != "0"
+
+
+def _serves(kernel: str, x1: torch.Tensor, x2: torch.Tensor, rhs: torch.Tensor) -> bool:
+    if not (enabled() and kernel == "rbf" and x1.dim() == 2 and x2.dim() == 2 and rhs.dim() in (1, 2)):
+        return False
+    if not (x1.dtype == x2.dtype == rhs.dtype == torch.float32 and 1 <= x1.shape[1] <= MAX_K):
+        return False
+    if (rhs.shape[1] if rhs.dim() == 2 else 1) < MIN_COLUMNS or rhs.shape[0] != x2.shape[0]:
+        return False
+    return x1.device == x2.device == rhs.device and _gpu_ok(x1) and 0 < x2.shape[0] < 2 ** 31 - 256
+
+
+def matmul(op, x1: torch.Tensor, x2: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor | None:
+    """``k(x1, x2) @ rhs`` (float32, the shape of kernel_matvec's result) on tensor cores where served, else
+    None. x2's prepared side is kept on ``op`` for its later products (keyed by x2's storage and version)."""
+    if torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or rhs.requires_grad):
+        return None
+    if not _serves(op.kernel, x1, x2, rhs):
+        return None
+    key = (x2.data_ptr(), x2._version, tuple(x2.shape), tuple(x2.stride()))
+    cached = op.__dict__.get("_kl_tc_products")
+    if cached is None or cached[0] != key:
+        cached = (key, FalkonProducts(x2.detach(), 1.0, columns="pv"))
+        op.__dict__["_kl_tc_products"] = cached
+    v = rhs.unsqueeze(-1) if rhs.dim() == 1 else rhs
+    out = cached[1].rows_pv(x1.detach(), v.detach()).to(torch.float32)
+    return out.squeeze(-1) if rhs.dim() == 1 else out

@@ -473,16 +473,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_cols_kernel(
 
 // ------------------------------------------------------------------ several columns on tensor cores
 // falkon_rows_pv_kernel: K(x, z) v for up to kC = 8 kNq columns, with the products k v on tensor cores
-// too (FlashAttention's P V): the exponents' accumulator of an (m16, n8) tile is, up to a relabelling of
-// its 8 centres, the A fragment of an mma.m16n8k8 whose B operand is v's rows of those centres. With the
-// centres' order within the block taken as k = t <-> centre 2t, k = t + 4 <-> centre 2t + 1, the C
-// layout {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)} gives a = {c0, c2, c1, c3}, and B is
-// {v[2t][col g], v[2t + 1][col g]} (falkon_vprep_kernel's fragments). Both sides in 3xTF32: k split
-// hi + lo (round to nearest, twice), v hi + lo (split_tf32x3), three mma per n8 column tile (lo.hi,
-// hi.lo, hi.hi; lo.lo dropped, 2^-22 relative). The float32 accumulators (8 terms per mma) are added
-// into float64 totals every kFlush n8 blocks (16 centres). Each lane owns its outputs (rows g, g + 8,
-// columns 8 q + 2t, 8 q + 2t + 1): no butterfly. Replaces the kC FFMA a pair of falkon_rows_kernel by
-// 3 kNq / 128 mma a pair (bench/notes/gpytorch.md, "The CG products on tensor cores").
+// too (FlashAttention's P V): the exponents' accumulators of two (m16, n8) tiles (centre blocks j, j + 1)
+// are the A fragment of an mma.m16n8k16 (f16) over those 16 centres, whose B operand is v's rows of them.
+// Split products in f16, each term exact in the float32 accumulators:
+//   k = kh + kl 2^-12,  kh = f16(k), kl = f16((k - kh) 2^12)     (k in [0, 1]: both in f16's normal range
+//                                                                 down to k ~ 2^-26; below, 2^-36 absolute)
+//   v s_c = vh + vl 2^-12 (falkon_vprep_kernel), s_c = 2^(14 - e_c), max|v[:, c]| < 2^e_c: |v s_c| < 2^14
+//   k v s_c = kh vh + 2^-12 (kl vh + kh vl)   (kl vl, 2^-22 relative, dropped)
+// in two accumulators per column tile (main: kh vh; corr: kl vh + kh vl, two independent mma chains),
+// added into float64 totals every kFlush k16 steps (32 centres): total += main + 2^-12 corr; the store
+// divides by s_c (exact). Three mma.m16n8k16 per 16 centres and column tile, against 6 mma.m16n8k8 in
+// 3xTF32 (measured 1.16x kernel_matvec at C = 11 with those; bench/notes/gpytorch.md, "The CG products on
+// tensor cores"). Each lane owns its outputs (rows g, g + 8, columns 8 q + 2t, 8 q + 2t + 1): no butterfly.
 template <int kK_, int kNq_>
 struct FalkonRowsPvTraits {
   static_assert(kK_ == 8 || kK_ == 16 || kK_ == 32, "FalkonRowsPvTraits: kK is 8, 16 or 32");
@@ -496,46 +498,73 @@ struct FalkonRowsPvTraits {
   static constexpr int kMt = kK_ == 8 ? 2 : 1;  // m16 tiles per warp (registers: fragments, accumulators, totals)
   static constexpr int kBlockM = 8 * 16 * kMt;
   static constexpr int kBlockN = 128;
-  static constexpr int kFlush = 2;  // n8 blocks per float64 flush
-  static constexpr int kTileFrag = kBlockN * kK_ * 8;          // z's B fragments
-  static constexpr int kVFrag = kBlockN / 8 * kNq_ * 32 * 16;  // v's B fragments
+  static constexpr int kFlush = 2;  // k16 steps per float64 flush
+  static constexpr int kTileFrag = kBlockN * kK_ * 8;           // z's B fragments
+  static constexpr int kVFrag = kBlockN / 16 * kNq_ * 32 * 16;  // v's B fragments
   static constexpr int kTileBytes = kTileFrag + kBlockN * 4 + kVFrag;
   static constexpr int kSmemBytes = 2 * kTileBytes;
-  static_assert((kBlockN / 8) % kFlush == 0, "FalkonRowsPvTraits: whole flush groups per tile");
+  static_assert((kBlockN / 16) % kFlush == 0, "FalkonRowsPvTraits: whole flush groups per tile");
 };
 
-// Grid (ceil(Mp / 8 * kNq * 32 / 256), 1, 1): v (N rows, C <= kC columns) at strides (svn, svc) -> vf
-// (Mp / 8, kNq, 32) uint4, entry (j, q, lane (g, t)) = {hi(v[8j + 2t][8q + g]), hi(v[8j + 2t + 1][8q + g]),
-// lo(...), lo(...)} (split_tf32x3), zero past N rows and C columns.
+namespace falkon_detail {
+
+// s_c = 2^(14 - e) for max|v[:, c]| = m 2^e (m in [0.5, 1)); 1 where the maximum is 0, inf or NaN (an exact
+// power of two, its exponent clamped to float's normal range).
+__device__ __forceinline__ float column_scale(float amax) {
+  if (!(amax > 0.0f && amax <= 3.4028234663852886e38f)) return 1.0f;
+  int e = int((__float_as_uint(amax) >> 23) & 0xffu) - 126;  // amax < 2^e (normal amax)
+  if (e < -125) e = -125;                                    // subnormal maxima: 2^-125 bounds them
+  int p = 14 - e;
+  p = p > 127 ? 127 : (p < -126 ? -126 : p);
+  return __uint_as_float(unsigned(p + 127) << 23);
+}
+
+// {f16(a), f16(b)} and {f16((a - f16(a)) 2^12), f16((b - f16(b)) 2^12)} (low half a).
+__device__ __forceinline__ void split_f16(float a, float b, unsigned& hi, unsigned& lo) {
+  using C16 = mma_detail::Convert16<float16>;
+  hi = C16::two(a, b);
+  lo = C16::two(__fmul_rn(__fsub_rn(a, C16::lo(hi)), 4096.0f), __fmul_rn(__fsub_rn(b, C16::hi(hi)), 4096.0f));
+}
+
+}  // namespace falkon_detail
+
+// Grid (ceil(Mp / 16 * kNq * 32 / 256), 1, 1): v (N rows, C <= kC columns) at strides (svn, svc), amax (C)
+// f32 = max |v[:, c]| -> vf (Mp / 16, kNq, 32) uint4, entry (jj, q, lane (g, t)) = {vh0, vh1, vl0, vl1} with
+// vh0 = {hi(v s)[16 jj + 2t], hi(v s)[16 jj + 2t + 1]} of column 8 q + g, vh1 the same at centres + 8 (the
+// B fragment of mma.m16n8k16), vl the low parts (falkon_detail::split_f16), zero past N rows and C columns.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) falkon_vprep_kernel(const float* __restrict__ v, i64 svn,
-                                                                         i64 svc, i64 N, int C, int Mp,
+                                                                         i64 svc, i64 N, int C,
+                                                                         const float* __restrict__ amax, int Mp,
                                                                          uint4* __restrict__ vf) {
   constexpr int NQ = Traits::kNq;
   const i64 e = i64(blockIdx.x) * Traits::kThreads + threadIdx.x;
-  if (e >= i64(Mp / 8) * NQ * 32) return;
+  if (e >= i64(Mp / 16) * NQ * 32) return;
   const int lane = int(e & 31), q = int((e >> 5) % NQ);
-  const i64 j8 = (e >> 5) / NQ;
+  const i64 jj = (e >> 5) / NQ;
   const int c = 8 * q + (lane >> 2);
-  unsigned hi[2], lo[2];
+  const float sc = c < C ? falkon_detail::column_scale(amax[c]) : 1.0f;
+  float val[4];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const i64 n = j8 * 8 + 2 * (lane & 3) + h;
-    const float val = n < N && c < C ? v[n * svn + c * svc] : 0.0f;
-    mma_detail::split_tf32x3(__float_as_uint(val), hi[h], lo[h]);
+  for (int h = 0; h < 4; ++h) {  // centres 16 jj + 2t + (h & 1) + 8 (h >> 1)
+    const i64 n = jj * 16 + 2 * (lane & 3) + (h & 1) + 8 * (h >> 1);
+    val[h] = n < N && c < C ? __fmul_rn(v[n * svn + c * svc], sc) : 0.0f;
   }
-  vf[e] = uint4{hi[0], hi[1], lo[0], lo[1]};
+  unsigned h0, l0, h1, l1;
+  falkon_detail::split_f16(val[0], val[1], h0, l0);
+  falkon_detail::split_f16(val[2], val[3], h1, l1);
+  vf[e] = uint4{h0, h1, l0, l1};
 }
 
 // Grid (ceil(N / kBlockM), n_split, 1), kSmemBytes of dynamic shared memory. x, centre, scale, zf, zb as
-// falkon_rows_kernel's; vf from falkon_vprep_kernel (Mp / 8 blocks); out[split * ss + i * so + c]
-// (float64) for rows i < N and columns c < C. The split `split` takes the centre tiles
-// [split * tiles_per_split, ...).
+// falkon_rows_kernel's; vf from falkon_vprep_kernel (Mp / 16 k16 steps) with the same amax;
+// out[split * ss + i * so + c] (float64) for rows i < N and columns c < C. The split `split` takes the
+// centre tiles [split * tiles_per_split, ...).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
     const float* __restrict__ x, i64 ldx, i64 N, int K, const float* __restrict__ centre, float scale,
-    const uint4* __restrict__ zf, const float* __restrict__ zb, const uint4* __restrict__ vf, int Mp, int C,
-    double* __restrict__ out, i64 so, i64 ss, int tiles_per_split) {
+    const uint4* __restrict__ zf, const float* __restrict__ zb, const uint4* __restrict__ vf,
+    const float* __restrict__ amax, int Mp, int C, double* __restrict__ out, i64 so, i64 ss, int tiles_per_split) {
   using Tr = Traits;
   constexpr int S = Tr::kSteps, MT = Tr::kMt, BN = Tr::kBlockN, NQ = Tr::kNq, FL = Tr::kFlush;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -573,14 +602,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
     }
   };
 
-  float acc[MT][NQ][4];
+  float main_acc[MT][NQ][4], corr[MT][NQ][4];
   double total[MT][NQ][4];
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int q = 0; q < NQ; ++q)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][q][r] = 0.0f, total[i][q][r] = 0.0;
+      for (int r = 0; r < 4; ++r) main_acc[i][q][r] = 0.0f, corr[i][q][r] = 0.0f, total[i][q][r] = 0.0;
 
   if (tile0 < tile1) load_tile(0, tile0);
   mma_detail::cp_async_commit();
@@ -595,35 +624,37 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
     const float* bs = reinterpret_cast<const float*>(st + Tr::kTileFrag);
     const uint4* vs = reinterpret_cast<const uint4*>(st + Tr::kTileFrag + BN * 4);
 #pragma unroll 1
-    for (int j0 = 0; j0 < BN / 8; j0 += FL) {
+    for (int s0 = 0; s0 < BN / 16; s0 += FL) {
 #pragma unroll
-      for (int j = j0; j < j0 + FL; ++j) {
-        uint4 bf[S], vq[NQ];
+      for (int s16 = s0; s16 < s0 + FL; ++s16) {  // a k16 step: centre blocks j = 2 s16, 2 s16 + 1
+        uint4 bf[2][S], vq[NQ];
+        float2 bp[2];
 #pragma unroll
-        for (int s = 0; s < S; ++s) bf[s] = fr[(j * S + s) * 32 + lane];
+        for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int q = 0; q < NQ; ++q) vq[q] = vs[(j * NQ + q) * 32 + lane];
-        const float2 bp = *reinterpret_cast<const float2*>(bs + j * 8 + 2 * t);
+          for (int s = 0; s < S; ++s) bf[h][s] = fr[((2 * s16 + h) * S + s) * 32 + lane];
+          bp[h] = *reinterpret_cast<const float2*>(bs + (2 * s16 + h) * 8 + 2 * t);
+        }
+#pragma unroll
+        for (int q = 0; q < NQ; ++q) vq[q] = vs[(s16 * NQ + q) * 32 + lane];
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
-          float d[4];
-          falkon_detail::exponents<S>(d, ah[i], al[i], bf, bp.x, bp.y);
-          // k in the A layout of the relabelled centres: {(g, 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1)}
-          const float k[4] = {math::ex2_approx(__fadd_rn(d[0], a[2 * i])),
-                              math::ex2_approx(__fadd_rn(d[2], a[2 * i + 1])),
-                              math::ex2_approx(__fadd_rn(d[1], a[2 * i])),
-                              math::ex2_approx(__fadd_rn(d[3], a[2 * i + 1]))};
           unsigned kh[4], kl[4];
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            kh[r] = mma_detail::tf32_rna(__float_as_uint(k[r]));
-            kl[r] = mma_detail::tf32_rna(__float_as_uint(__fsub_rn(k[r], __uint_as_float(kh[r]))));
+          for (int h = 0; h < 2; ++h) {
+            float d[4];
+            falkon_detail::exponents<S>(d, ah[i], al[i], bf[h], bp[h].x, bp[h].y);
+            // rows g (k of centres 2t, 2t + 1: a[2h]) and g + 8 (a[2h + 1]) of centre block 2 s16 + h
+            falkon_detail::split_f16(math::ex2_approx(__fadd_rn(d[0], a[2 * i])),
+                                     math::ex2_approx(__fadd_rn(d[1], a[2 * i])), kh[2 * h], kl[2 * h]);
+            falkon_detail::split_f16(math::ex2_approx(__fadd_rn(d[2], a[2 * i + 1])),
+                                     math::ex2_approx(__fadd_rn(d[3], a[2 * i + 1])), kh[2 * h + 1], kl[2 * h + 1]);
           }
 #pragma unroll
           for (int q = 0; q < NQ; ++q) {
-            mma_detail::mma_tf32(acc[i][q], kl, vq[q].x, vq[q].y);
-            mma_detail::mma_tf32(acc[i][q], kh, vq[q].z, vq[q].w);
-            mma_detail::mma_tf32(acc[i][q], kh, vq[q].x, vq[q].y);
+            mma_detail::Mma16<float16>::run(corr[i][q], kl, vq[q].x, vq[q].y);
+            mma_detail::Mma16<float16>::run(main_acc[i][q], kh, vq[q].x, vq[q].y);
+            mma_detail::Mma16<float16>::run(corr[i][q], kh, vq[q].z, vq[q].w);
           }
         }
       }
@@ -632,22 +663,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
 #pragma unroll
         for (int q = 0; q < NQ; ++q)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) total[i][q][r] += double(acc[i][q][r]), acc[i][q][r] = 0.0f;
+          for (int r = 0; r < 4; ++r) {
+            total[i][q][r] += double(main_acc[i][q][r]) + double(corr[i][q][r]) * (1.0 / 4096.0);
+            main_acc[i][q][r] = 0.0f, corr[i][q][r] = 0.0f;
+          }
     }
   }
   mma_detail::cp_async_wait<0>();
 
   double* o = out + i64(blockIdx.y) * ss;
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+  for (int q = 0; q < NQ; ++q)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const i64 m = m_warp + 16 * i + g + 8 * (r >> 1);
-      if (m < N)
+    for (int e = 0; e < 2; ++e) {
+      const int c = 8 * q + 2 * t + e;
+      if (c >= C) continue;
+      const double inv = 1.0 / double(falkon_detail::column_scale(amax[c]));  // exact
 #pragma unroll
-        for (int q = 0; q < NQ; ++q) {
-          const int c = 8 * q + 2 * t + (r & 1);
-          if (c < C) o[m * so + c] = total[i][q][r];
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const i64 m = m_warp + 16 * i + g + 8 * h;
+          if (m < N) o[m * so + c] = total[i][q][2 * h + e] * inv;
         }
     }
 }

@@ -108,8 +108,9 @@ def test_serves():
 @pytest.mark.parametrize("n,m,k,c", [(3001, 2500, 8, 11), (700, 5000, 8, 16), (2000, 1300, 5, 20), (900, 513, 13, 3),
                                      (300, 700, 27, 9)])
 def test_rows_pv_against_float64(n, m, k, c):
-    """The several-column rows kernel (k v on tensor cores): K(x, z) v within 4e-6 of sum |k v| of float64
-    arithmetic on the float32 v, every column written (16-column launches, a last one of 8 or 16), for a
+    """The several-column rows kernel (k v on tensor cores, split f16): K(x, z) v within 4e-6 (K <= 8; in
+    proportion to K beyond: the exponent's expanded form) of sum |k v| of float64 arithmetic on the float32 v,
+    plus 2^-35 sum |v| (f16's subnormal k), every column written (16-column launches, a last one of 8 or 16), for a
     strided v (a column slice), split centre ranges (small n), bitwise repeatable."""
     x, z = _data(n, m, k, seed=5)
     fp = falkon.FalkonProducts(z, BW, columns="pv")
@@ -120,7 +121,7 @@ def test_rows_pv_against_float64(n, m, k, c):
     assert out.dtype == torch.float64 and out.shape == (n, c)
     kmat = _k64(x, z)
     ref, mag = kmat @ v.double(), kmat @ v.double().abs()
-    rel = (out - ref).abs() / mag
-    assert torch.all(rel <= 4e-6), float(rel.max())
+    rel = (out - ref).abs() / (mag + 2.0 ** -35 / 4e-6 * v.double().abs().sum(0))
+    assert torch.all(rel <= 4e-6 * max(1.0, k / 8)), float(rel.max())
     assert float(rel.square().mean().sqrt()) <= 2e-6
     assert torch.equal(fp.rows_pv(x, v), out)

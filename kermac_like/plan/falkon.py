@@ -74,7 +74,7 @@ class FalkonProducts:
     ``columns``: the products it will serve, for the kernels fetched (compiled or loaded) up front:
     "falkon" (rows and cols of one column, the regression's) or "pv" (rows_pv's launches of 16 columns).
     GPU memory: 64 kK / 8 bytes a padded centre (fragments, b), plus per product call the v fragments
-    (128 bytes a padded centre and 16 columns) and, where the centre range is split, float64 partial
+    (64 bytes a padded centre and 16 columns) and, where the centre range is split, float64 partial
     sums (split x N x C)."""
 
     def __init__(self, z: torch.Tensor, bandwidth: float, debug: bool = False, columns: str = "falkon"):
@@ -153,9 +153,10 @@ class FalkonProducts:
 
     def rows_pv(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """K(x, z) v: (N, C) float64 for float32 v (M, C) (any strides), the products k v on tensor cores
-        (falkon_rows_pv_kernel: 3xTF32 k and v, float32 sums of 16 centres added in float64), in launches
-        of 16 columns (8 for a last chunk of <= 8). Each launch first makes v's B fragments
-        (falkon_vprep_kernel, Mp x 128 bytes at 16 columns)."""
+        (falkon_rows_pv_kernel: k and v s_c split into two f16 parts each, s_c a power of two from the
+        column's largest |v|, three mma.m16n8k16 per 16 centres, float32 sums of 32 centres added in
+        float64), in launches of 16 columns (8 for a last chunk of <= 8). Each launch first makes v's B
+        fragments (falkon_vprep_kernel: Mp x 64 bytes at 16 columns) from the columns' max |v|."""
         from ..runtime.launcher import get_kernel, launch
 
         x = self._x(x)
@@ -167,6 +168,7 @@ class FalkonProducts:
         out = torch.empty((N, C), dtype=torch.float64, device=dev)
         if N == 0 or C == 0:
             return out
+        amax = torch.linalg.vector_norm(v, ord=float("inf"), dim=0)  # (C,) float32
         c0 = 0
         while c0 < C:
             nq = pv_nq(C - c0)
@@ -174,12 +176,13 @@ class FalkonProducts:
             prep = get_kernel(vprep_spec(self.K, nq), self.device, debug=self.debug)
             spec = rows_pv_spec(self.K, nq)
             kern = get_kernel(spec, self.device, debug=self.debug)
-            entries = self.Mp // 8 * nq * 32
+            entries = self.Mp // 16 * nq * 32
             vf = torch.empty(entries * 4, dtype=torch.int32, device=dev)
             vc = v[:, c0:]
+            am = amax[c0:].data_ptr()
             launch(prep, (-(-entries // prep.spec.launch.threads), 1, 1),
                    (vc.data_ptr(), np.int64(vc.stride(0)), np.int64(vc.stride(1)), np.int64(self.M), np.int32(cc),
-                    np.int32(self.Mp), vf.data_ptr()), debug=self.debug)
+                    am, np.int32(self.Mp), vf.data_ptr()), debug=self.debug)
             ctas = -(-N // spec.launch.block_m)
             tiles = self.Mp // spec.launch.block_n
             split = _split(ctas, self.slots, tiles) if ctas < 8 * self.slots else 1
@@ -195,8 +198,9 @@ class FalkonProducts:
                           N, self.M, self.K, c0, c0 + cc, ctas, split, per)
             launch(kern, (ctas, split, 1),
                    (x.data_ptr(), np.int64(x.stride(0)), np.int64(N), np.int32(self.K), self.centre.data_ptr(),
-                    np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(), vf.data_ptr(), np.int32(self.Mp),
-                    np.int32(cc), dst.data_ptr(), np.int64(so), np.int64(ss), np.int32(per)), debug=self.debug)
+                    np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(), vf.data_ptr(), am,
+                    np.int32(self.Mp), np.int32(cc), dst.data_ptr(), np.int64(so), np.int64(ss), np.int32(per)),
+                   debug=self.debug)
             if split > 1:  # the splits added in order
                 out[:, c0:c0 + cc] = dst.sum(dim=0)
             c0 += cc

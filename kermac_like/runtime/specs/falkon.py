@@ -13,7 +13,7 @@ traits of kC = 1.
 The several-column rows kernel ``falkon_rows_pv_kernel`` (``FalkonRowsPvTraits<kK, kNq>``: kNq n8 column
 tiles, kC = 8 kNq columns, products k v on tensor cores) with its v fragments from
 ``falkon_vprep_kernel``: 8 warps of kMt = 2 (kK = 8) or 1 m16 tiles, centre tiles of 128 in two stages of
-(fragments 128 kK 8 B + b 512 B + v fragments 16 kNq 512 B).
+(fragments 128 kK 8 B + b 512 B + v fragments 8 kNq 512 B).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def pv_nq(C: int) -> int:
 
 def pv_shape(kK: int, nq: int) -> LaunchShape:
     bn, mt = 128, (2 if kK == 8 else 1)
-    tile = bn * kK * 8 + bn * 4 + bn // 8 * nq * 32 * 16
+    tile = bn * kK * 8 + bn * 4 + bn // 16 * nq * 32 * 16
     return LaunchShape(threads=256, block_m=8 * 16 * mt, block_n=bn, smem_bytes=2 * tile)
 
 

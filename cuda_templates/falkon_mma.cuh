@@ -625,7 +625,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
     const uint4* vs = reinterpret_cast<const uint4*>(st + Tr::kTileFrag + BN * 4);
 #pragma unroll 1
     for (int s0 = 0; s0 < BN / 16; s0 += FL) {
-#pragma unroll
+#pragma unroll 1
       for (int s16 = s0; s16 < s0 + FL; ++s16) {  // a k16 step: centre blocks j = 2 s16, 2 s16 + 1
         uint4 bf[2][S], vq[NQ];
         float2 bp[2];

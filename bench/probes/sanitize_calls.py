@@ -382,6 +382,13 @@ def falkon():
         kmat = torch.exp(-torch.cdist(x.double(), z.double()) ** 2 / (2 * 0.8 ** 2))
         for got, ref in ((fp.rows(x, v), kmat @ v.float().double()), (fp.cols(x, w), kmat.T @ w.float().double())):
             assert float((got - ref).norm() / ref.norm()) < 1e-5, "falkon products differ from float64"
+        # the several-column rows kernel (GPyTorch's CG products): 8- and 16-column launches, a strided v
+        fpv = FalkonProducts(z, 0.8, columns="pv")
+        vw = torch.randn(m, 2 * c + 13, device="cuda", generator=g)
+        for cols in (slice(0, 2 * c + 11), slice(1, c + 3)):
+            vv = vw[:, cols]
+            got, ref = fpv.rows_pv(x, vv), kmat @ vv.double()
+            assert float((got - ref).norm() / ref.norm()) < 1e-5, "rows_pv differs from float64"
     from kermac_like.solvers import KernelRidge
     xs = torch.rand(6000, 8, device="cuda", generator=g)
     ys = torch.sin(3 * xs).sum(1)

@@ -94,6 +94,7 @@ class FalkonProducts:
         S = self.kK // 8
         self.zf = torch.empty(self.Mp // 8 * S * 32 * 4, dtype=torch.int32, device=z.device)
         self.zb = torch.empty(self.Mp, dtype=torch.float32, device=z.device)
+        self._pv_plans = {}
         spec = prep_spec(self.K)
         products = ([vprep_spec(self.K, 2), rows_pv_spec(self.K, 2)] if columns == "pv"
                     else [rows_spec(self.K, 1), cols_spec(self.K, 1)])
@@ -156,20 +157,45 @@ class FalkonProducts:
         (falkon_rows_pv_kernel: k and v s_c split into two f16 parts each, s_c a power of two from the
         column's largest |v|, three mma.m16n8k16 per 16 centres, float32 sums of 32 centres added in
         float64), in launches of 16 columns (8 for a last chunk of <= 8). Each launch first makes v's B
-        fragments (falkon_vprep_kernel: Mp x 64 bytes at 16 columns) from the columns' max |v|."""
-        from ..runtime.launcher import get_kernel, launch
+        fragments (falkon_vprep_kernel: Mp x 64 bytes at 16 columns) from the columns' max |v|.
+
+        A CG loop calls this with one x and right-hand sides of one shape: the launches of such a call
+        (kernels, grids, splits, the fragment and split buffers, the packed arguments) are kept per
+        (x, N, C, v's strides), so a repeat costs the host little more than its launches."""
+        from ..runtime.launcher import launch
 
         x = self._x(x)
         if v.dim() != 2 or v.shape[0] != self.M or v.dtype != torch.float32 or v.device != x.device:
             raise ValueError(f"v: expected float32 ({self.M}, C) on {x.device}, got {tuple(v.shape)} {v.dtype} "
                              f"on {v.device}")
         N, C = x.shape[0], v.shape[1]
-        dev = x.device
-        out = torch.empty((N, C), dtype=torch.float64, device=dev)
+        out = torch.empty((N, C), dtype=torch.float64, device=x.device)
         if N == 0 or C == 0:
             return out
+        key = (x.data_ptr(), x.stride(0), N, C, v.stride(0), v.stride(1))
+        plan = self._pv_plans.get(key)
+        if plan is None:
+            plan = self._pv_plan(x, v, out)
+            if len(self._pv_plans) > 8:
+                self._pv_plans.clear()
+            self._pv_plans[key] = plan
         amax = torch.linalg.vector_norm(v, ord=float("inf"), dim=0)  # (C,) float32
-        c0 = 0
+        vp, ap, op = v.data_ptr(), amax.data_ptr(), out.data_ptr()
+        for c0, cc, prep, pgrid, pargs, kern, grid, kargs, dst, blocks in plan:
+            pa = (vp + 4 * c0 * v.stride(1), *pargs[1:5], ap + 4 * c0, *pargs[6:])
+            launch(prep, pgrid, pa, debug=self.debug, block=blocks[0])
+            ka = (*kargs[:9], ap + 4 * c0, *kargs[10:12], op + 8 * c0 if dst is None else dst.data_ptr(), *kargs[13:])
+            launch(kern, grid, ka, debug=self.debug, block=blocks[1])
+            if dst is not None:  # the splits added in order
+                out[:, c0:c0 + cc] = dst.sum(dim=0)
+        return out
+
+    def _pv_plan(self, x: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list:
+        """The launches of rows_pv for x and a v of this shape and strides (see rows_pv)."""
+        from ..runtime.launcher import ArgBlock, get_kernel
+
+        N, C = x.shape[0], v.shape[1]
+        plan, c0 = [], 0
         while c0 < C:
             nq = pv_nq(C - c0)
             cc = min(8 * nq, C - c0)
@@ -177,34 +203,32 @@ class FalkonProducts:
             spec = rows_pv_spec(self.K, nq)
             kern = get_kernel(spec, self.device, debug=self.debug)
             entries = self.Mp // 16 * nq * 32
-            vf = torch.empty(entries * 4, dtype=torch.int32, device=dev)
-            vc = v[:, c0:]
-            am = amax[c0:].data_ptr()
-            launch(prep, (-(-entries // prep.spec.launch.threads), 1, 1),
-                   (vc.data_ptr(), np.int64(vc.stride(0)), np.int64(vc.stride(1)), np.int64(self.M), np.int32(cc),
-                    am, np.int32(self.Mp), vf.data_ptr()), debug=self.debug)
+            vf = torch.empty(entries * 4, dtype=torch.int32, device=x.device)
+            pgrid = (-(-entries // prep.spec.launch.threads), 1, 1)
+            pargs = (v.data_ptr(), np.int64(v.stride(0)), np.int64(v.stride(1)), np.int64(self.M), np.int32(cc), 0,
+                     np.int32(self.Mp), vf.data_ptr())
             ctas = -(-N // spec.launch.block_m)
             tiles = self.Mp // spec.launch.block_n
             split = _split(ctas, self.slots, tiles) if ctas < 8 * self.slots else 1
             per = -(-tiles // split)
             split = -(-tiles // per)
             if split == 1:
-                dst, so, ss = out[:, c0:], out.stride(0), 0
+                dst, so, ss = None, out.stride(0), 0
             else:
-                dst = torch.empty((split, N, cc), dtype=torch.float64, device=dev)
+                dst = torch.empty((split, N, cc), dtype=torch.float64, device=x.device)
                 so, ss = cc, N * cc
+            grid = (ctas, split, 1)
+            kargs = (x.data_ptr(), np.int64(x.stride(0)), np.int64(N), np.int32(self.K), self.centre.data_ptr(),
+                     np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(), vf.data_ptr(), 0,
+                     np.int32(self.Mp), np.int32(cc), 0, np.int64(so), np.int64(ss), np.int32(per))
             if self.debug:
                 log.debug("falkon rows_pv: N=%d M=%d K=%d columns %d..%d: grid (%d, %d), %d centre tiles per split",
                           N, self.M, self.K, c0, c0 + cc, ctas, split, per)
-            launch(kern, (ctas, split, 1),
-                   (x.data_ptr(), np.int64(x.stride(0)), np.int64(N), np.int32(self.K), self.centre.data_ptr(),
-                    np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(), vf.data_ptr(), am,
-                    np.int32(self.Mp), np.int32(cc), dst.data_ptr(), np.int64(so), np.int64(ss), np.int32(per)),
-                   debug=self.debug)
-            if split > 1:  # the splits added in order
-                out[:, c0:c0 + cc] = dst.sum(dim=0)
+            blocks = (ArgBlock(prep, pgrid, pargs, (0, 5)) if ArgBlock.supports(pargs, (0, 5)) else None,
+                      ArgBlock(kern, grid, kargs, (9, 12)) if ArgBlock.supports(kargs, (9, 12)) else None)
+            plan.append((c0, cc, prep, pgrid, pargs, kern, grid, kargs, dst, blocks))
             c0 += cc
-        return out
+        return plan
 
     def cols(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """K(z, x) w: (M, C) float64 for w (N, C) (float64 or float32; rounded to float32 once)."""

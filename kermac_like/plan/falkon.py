@@ -181,7 +181,7 @@ class FalkonProducts:
             self._pv_plans[key] = plan
         amax = torch.linalg.vector_norm(v, ord=float("inf"), dim=0)  # (C,) float32
         vp, ap, op = v.data_ptr(), amax.data_ptr(), out.data_ptr()
-        for c0, cc, prep, pgrid, pargs, kern, grid, kargs, dst, blocks in plan:
+        for c0, cc, prep, pgrid, pargs, kern, grid, kargs, dst, _vf, blocks in plan:
             pa = (vp + 4 * c0 * v.stride(1), *pargs[1:5], ap + 4 * c0, *pargs[6:])
             launch(prep, pgrid, pa, debug=self.debug, block=blocks[0])
             ka = (*kargs[:9], ap + 4 * c0, *kargs[10:12], op + 8 * c0 if dst is None else dst.data_ptr(), *kargs[13:])
@@ -226,7 +226,7 @@ class FalkonProducts:
                           N, self.M, self.K, c0, c0 + cc, ctas, split, per)
             blocks = (ArgBlock(prep, pgrid, pargs, (0, 5)) if ArgBlock.supports(pargs, (0, 5)) else None,
                       ArgBlock(kern, grid, kargs, (9, 12)) if ArgBlock.supports(kargs, (9, 12)) else None)
-            plan.append((c0, cc, prep, pgrid, pargs, kern, grid, kargs, dst, blocks))
+            plan.append((c0, cc, prep, pgrid, pargs, kern, grid, kargs, dst, vf, blocks))  # vf and dst live with it
             c0 += cc
         return plan
 

@@ -106,6 +106,14 @@ class FalkonProducts:
                             self.centre.data_ptr(), np.float32(self.scale), np.int32(self.Mp), self.zf.data_ptr(),
                             self.zb.data_ptr()), debug=debug)
 
+    def _row_split(self, N: int, spec) -> tuple:
+        """(CTAs of rows, centre-range splits, centre tiles per split) of a rows-kernel launch over N rows."""
+        ctas = -(-N // spec.launch.block_m)
+        tiles = self.Mp // spec.launch.block_n
+        split = _split(ctas, self.slots, tiles) if ctas < 8 * self.slots else 1
+        per = -(-tiles // split)
+        return ctas, -(-tiles // per), per
+
     def _x(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.float32:
             raise ValueError(f"x: expected float32 rows of {self.K} coordinates, got {tuple(x.shape)} {x.dtype}")
@@ -130,11 +138,7 @@ class FalkonProducts:
             spec = rows_spec(self.K, kC)
             kern = get_kernel(spec, self.device, debug=self.debug)
             vc = vp[:, c0:c0 + kC].contiguous()
-            ctas = -(-N // spec.launch.block_m)
-            tiles = self.Mp // spec.launch.block_n
-            split = _split(ctas, self.slots, tiles) if ctas < 8 * self.slots else 1
-            per = -(-tiles // split)
-            split = -(-tiles // per)
+            ctas, split, per = self._row_split(N, spec)
             if split == 1:
                 dst, so, ss = out[:, c0:], out.stride(0), 0
             else:
@@ -207,11 +211,7 @@ class FalkonProducts:
             pgrid = (-(-entries // prep.spec.launch.threads), 1, 1)
             pargs = (v.data_ptr(), np.int64(v.stride(0)), np.int64(v.stride(1)), np.int64(self.M), np.int32(cc), 0,
                      np.int32(self.Mp), vf.data_ptr())
-            ctas = -(-N // spec.launch.block_m)
-            tiles = self.Mp // spec.launch.block_n
-            split = _split(ctas, self.slots, tiles) if ctas < 8 * self.slots else 1
-            per = -(-tiles // split)
-            split = -(-tiles // per)
+            ctas, split, per = self._row_split(N, spec)
             if split == 1:
                 dst, so, ss = None, out.stride(0), 0
             else:

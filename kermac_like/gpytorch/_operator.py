@@ -140,6 +140,13 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         a, b = self.x1[(*batch_indices, row_index)], self.x2[(*batch_indices, col_index)]
         return self._scaled(self._of_squared_distance(_squared_distances(a, b)), *batch_indices)
 
+    def pivot_row(self, pivot: torch.Tensor) -> torch.Tensor:
+        """K[..., p, :]: ``(*batch, N)`` for one pivot per batch entry (``(*batch, 1)``), the pivoted-Cholesky
+        forward's row: the operations of _get_indices on the same number of entries, in the same
+        layout, so the same bits as apply_permutation's row, without its N x D gathers of x1 and x2."""
+        xp = self.x1.gather(-2, pivot.unsqueeze(-1).expand(*pivot.shape, self.x1.shape[-1]))
+        return self._scaled(self._of_squared_distance(_squared_distances(xp, self.x2)))
+
     def pivot_columns(self, pivots: torch.Tensor) -> torch.Tensor:
         """K[..., :, p]: ``(*batch, N, m)`` for pivots ``(*batch, m)``, the entries _get_indices gives for
         all rows x the pivots (the pivoted-Cholesky backward's block), with x2's pivot rows gathered once
@@ -189,47 +196,81 @@ def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class _PivotedCholesky(torch.autograd.Function):
     """linear_operator's PivotedCholesky (functions/_pivoted_cholesky.py) for this module's operator: the
     same greedy pivots (largest residual diagonal, ties in its permutation order, its error_tol stop)
-    and the same factor, computed row by row; the same gradient, that of ``K[:, p] L^-T`` with
+    and the same factor and permutation, bit for bit; the same gradient, that of ``K[:, p] L^-T`` with
     ``L = chol(K[p, p])`` at fixed pivots p, but as ``K[:, p] @ inv(L)^T``: linear_operator's backward
     solves ``L X = K[p', p]^T`` with all N - rank rows p' as right-hand sides (cuBLAS trsm at rank x N:
-    9.1 s forward and as much backward at N = 10^6, rank 15, on an H200)."""
+    9.1 s forward and as much backward at N = 10^6, rank 15, on an H200).
+
+    The stop is deferred, so that the host never waits for the device inside the loop: the forward runs
+    all rank iterations without the tolerance test, keeps each iteration's residual 1-norm in a device
+    tensor, and reads the errors once at the end to find the m at which linear_operator's loop would
+    have stopped (``errors.max() > tol`` false, NaN included). It returns the first m rows and the
+    permutation with the later iterations' swaps undone; whatever those iterations met (zero or
+    negative residuals, NaN, inf) stays in rows it discards. The pivot's row of K comes straight from
+    the points (:meth:`KermacKernelLinearOperator.pivot_row`, the same bits as apply_permutation's,
+    which other operators keep), and the factor is kept with its columns in pivot order and the
+    residual diagonal as an extra row, so that one gather and one scatter swap both."""
 
     @staticmethod
     def forward(ctx, representation_tree, rank, error_tol, *matrix_args):
         matrix = representation_tree(*matrix_args)
         *batch, n = matrix.shape[:-1]
         tol = settings.preconditioner_tolerance.value() if error_tol is None else error_tol
-        diag = matrix._approx_diagonal().clone()  # the residual diagonal, updated in place
+        diag = matrix._approx_diagonal()
         rank = min(rank, n)
-        L = diag.new_zeros(*batch, rank, n)
+        if isinstance(matrix, KermacKernelLinearOperator):
+            row_of = matrix.pivot_row
+        else:
+            def row_of(pivot):
+                return apply_permutation(matrix, pivot, None).squeeze(-2)
+        # G[..., j, i] = L[..., j, perm[..., i]] (L linear_operator's rank x n factor, perm the current
+        # permutation), G[..., rank, i] the residual diagonal at perm[..., i]: swapping columns m and m + a
+        # of G swaps both. sw[j, 1] is iteration j's a (relative to j), sw[j, 0] = sw[j, 2] = 0, so that
+        # gather(sw[j, 1:]) then scatter(sw[j, :2]) swaps entries j and j + a.
+        G = diag.new_zeros(*batch, rank + 1, n)
+        G[..., rank, :] = diag
         orig_error = diag.max(-1).values
-        errors = diag.norm(1, dim=-1) / orig_error
         perm = torch.arange(n, device=diag.device).repeat(*batch, 1)
-        m = 0
-        while m == 0 or (m < rank and errors.max() > tol):
-            values, at = diag.gather(-1, perm[..., m:]).max(-1)
-            at = (at + m).unsqueeze(-1)
-            pi_m = perm.gather(-1, at)  # (*batch, 1)
-            perm.scatter_(-1, at, perm[..., m:m + 1].clone())
-            perm[..., m:m + 1] = pi_m
-            L_m = L[..., m, :]
-            L_m.scatter_(-1, pi_m, values.sqrt().unsqueeze(-1))
+        sw = perm.new_zeros(rank, 3, *batch)
+        values = diag.new_empty(rank, *batch)
+        norms = diag.new_empty(rank - 1, *batch)  # the residual's 1-norm after iterations 0 .. rank - 2
+        for m in range(rank):
+            torch.max(G[..., rank, m:], -1, out=(values[m], sw[m, 1]))
+            idx = sw[m].movedim(0, -1)  # (*batch, 3)
+            pm = perm[..., m:]
+            swapped = pm.gather(-1, idx[..., 1:])  # (perm[m + a], perm[m])
+            pm.scatter_(-1, idx[..., :2], swapped)
+            Gm = G[..., m:]
+            gidx = idx.unsqueeze(-2).expand(*batch, rank + 1, 3)
+            Gm.scatter_(-1, gidx[..., :2], Gm.gather(-1, gidx[..., 1:]))
+            torch.sqrt(values[m], out=G[..., m, m])
             if m + 1 < n:
-                rest = perm[..., m + 1:]
-                new = apply_permutation(matrix, pi_m, None).squeeze(-2).gather(-1, rest)
+                new = G[..., m, m + 1:]  # L[..., m, perm[..., m + 1:]]
+                torch.gather(row_of(swapped[..., :1]), -1, perm[..., m + 1:], out=new)
                 if m > 0:
-                    prev = L[..., :m, :]
-                    new -= (prev.gather(-1, pi_m.unsqueeze(-2).expand(*batch, m, 1))
-                            * prev.gather(-1, rest.unsqueeze(-2).expand(*batch, m, n - m - 1))).sum(-2)
-                new /= L_m.gather(-1, pi_m)
-                L_m.scatter_(-1, rest, new)
-                diag.scatter_(-1, rest, diag.gather(-1, rest) - new**2)
-                errors = diag.gather(-1, rest).norm(1, dim=-1) / orig_error
-            m += 1
+                    new -= (G[..., :m, m:m + 1] * G[..., :m, m + 1:]).sum(-2)
+                new /= G[..., m, m:m + 1]
+                if m + 1 < rank:  # the residual diagonal and its error for the next iteration
+                    residual = G[..., rank, m + 1:] - new**2
+                    G[..., rank, m + 1:] = residual
+                    torch.linalg.vector_norm(residual, 1, -1, out=norms[m])
+        # linear_operator's loop runs iteration m while m == 0 or (m < rank and errors.max() > tol), errors
+        # those of iteration m - 1: it stops after the first iteration whose test fails (NaN included)
+        m = rank
+        if rank > 1:
+            errors = norms / orig_error
+            stop = torch.ones(rank, dtype=torch.uint8, device=diag.device)
+            stop[:-1] = ~(errors.reshape(rank - 1, -1).amax(-1) > tol)
+            m = int(stop.argmax()) + 1  # the one synchronisation
+        factor = G.new_empty(*batch, n, m)
+        factor.scatter_(-2, perm.unsqueeze(-1).expand(*batch, n, m), G[..., :m, :].mT)
+        for j in range(rank - 1, m - 1, -1):  # undo the swaps of the iterations past the stop
+            idx, pj = sw[j].movedim(0, -1), perm[..., j:]
+            pj.scatter_(-1, idx[..., :2], pj.gather(-1, idx[..., 1:]))
         ctx.representation_tree = representation_tree
         ctx.save_for_backward(perm[..., :m].contiguous(), *matrix_args)
         ctx.mark_non_differentiable(perm)
-        return L[..., :m, :].mT.contiguous(), perm
+        return factor, perm
 
     @staticmethod
     def backward(ctx, grad_factor, _):

@@ -156,6 +156,36 @@ __device__ __forceinline__ void exponents(float (&acc)[4], const unsigned (&ah)[
   }
 }
 
+// The rows kernels' x side: MT m16 tiles of rows from m_warp, as 3xTF32 A fragments of 2u and a_i = -|u_i|^2.
+template <int S, int MT>
+__device__ __forceinline__ void x_tiles(const float* __restrict__ x, i64 ldx, i64 m_warp, i64 N, int K,
+                                        const float* __restrict__ centre, float scale, int g, int t,
+                                        unsigned (&ah)[MT][S][4], unsigned (&al)[MT][S][4], float (&a)[2 * MT]) {
+  float cv[S][2];
+  load_centre<S>(centre, K, t, cv);
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    float xv[S][4], ai[2];
+    load_x<S>(x, ldx, m_warp + 16 * i, N, K, g, t, xv);
+    x_frags<S>(xv, cv, scale, K, t, ah[i], al[i], ai);
+    a[2 * i] = ai[0], a[2 * i + 1] = ai[1];
+  }
+}
+
+// One centre tile of the rows kernels into a shared stage at `dst` (cp.async, the CTA's threads): the tile's
+// z fragments (kFrag bytes), its b (BN floats) and its v part (vbytes from src_v).
+template <int kThreads, int kFrag, int BN>
+__device__ __forceinline__ void load_centre_tile(unsigned dst, const unsigned char* src_f, const float* src_b,
+                                                 const unsigned char* src_v, int vbytes, int tid) {
+  constexpr int nf = kFrag / 16, nb = BN * 4 / 16;
+  const int nv = vbytes / 16;
+  const unsigned char* bsrc = reinterpret_cast<const unsigned char*>(src_b);
+  for (int e = tid; e < nf + nb + nv; e += kThreads) {
+    const unsigned char* src = e < nf ? src_f + e * 16 : e < nf + nb ? bsrc + (e - nf) * 16 : src_v + (e - nf - nb) * 16;
+    mma_detail::cp_async_16(dst + e * 16, src, 16);
+  }
+}
+
 }  // namespace falkon_detail
 
 // Grid (Mp / 8 * kSteps, 1, 1) x 32 threads per (n8 block, k-step) entry, in CTAs of kThreads:
@@ -211,32 +241,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_kernel(
 
   unsigned ah[MT][S][4], al[MT][S][4];
   float a[R];
-  {
-    float cv[S][2];
-    falkon_detail::load_centre<S>(centre, K, t, cv);
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      float xv[S][4], ai[2];
-      falkon_detail::load_x<S>(x, ldx, m_warp + 16 * i, N, K, g, t, xv);
-      falkon_detail::x_frags<S>(xv, cv, scale, K, t, ah[i], al[i], ai);
-      a[2 * i] = ai[0], a[2 * i + 1] = ai[1];
-    }
-  }
+  falkon_detail::x_tiles<S, MT>(x, ldx, m_warp, N, K, centre, scale, g, t, ah, al, a);
 
   const int tiles_all = Mp / BN;
   const int tile0 = blockIdx.y * tiles_per_split;
   const int tile1 = min(tiles_all, tile0 + tiles_per_split);
   const unsigned smem_base = mma_detail::smem_u32(smem);
   auto load_tile = [&](int stage, int tile) {
-    const unsigned char* src_f = reinterpret_cast<const unsigned char*>(zf) + i64(tile) * Tr::kTileFrag;
-    const unsigned char* src_b = reinterpret_cast<const unsigned char*>(zb + i64(tile) * BN);
-    const unsigned char* src_v = reinterpret_cast<const unsigned char*>(v + i64(tile) * BN * KC);
-    const unsigned dst = smem_base + stage * Tr::kTileBytes;
-    constexpr int nf = Tr::kTileFrag / 16, nb = BN * 4 / 16, nv = BN * KC * 4 / 16;
-    for (int e = tid; e < nf + nb + nv; e += Tr::kThreads) {
-      const unsigned char* src = e < nf ? src_f + e * 16 : e < nf + nb ? src_b + (e - nf) * 16 : src_v + (e - nf - nb) * 16;
-      mma_detail::cp_async_16(dst + e * 16, src, 16);
-    }
+    falkon_detail::load_centre_tile<Tr::kThreads, Tr::kTileFrag, BN>(
+        smem_base + stage * Tr::kTileBytes, reinterpret_cast<const unsigned char*>(zf) + i64(tile) * Tr::kTileFrag,
+        zb + i64(tile) * BN, reinterpret_cast<const unsigned char*>(v + i64(tile) * BN * KC), BN * KC * 4, tid);
   };
 
   float part[R][KC];
@@ -574,32 +588,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
 
   unsigned ah[MT][S][4], al[MT][S][4];
   float a[2 * MT];
-  {
-    float cv[S][2];
-    falkon_detail::load_centre<S>(centre, K, t, cv);
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      float xv[S][4], ai[2];
-      falkon_detail::load_x<S>(x, ldx, m_warp + 16 * i, N, K, g, t, xv);
-      falkon_detail::x_frags<S>(xv, cv, scale, K, t, ah[i], al[i], ai);
-      a[2 * i] = ai[0], a[2 * i + 1] = ai[1];
-    }
-  }
+  falkon_detail::x_tiles<S, MT>(x, ldx, m_warp, N, K, centre, scale, g, t, ah, al, a);
 
   const int tiles_all = Mp / BN;
   const int tile0 = blockIdx.y * tiles_per_split;
   const int tile1 = min(tiles_all, tile0 + tiles_per_split);
   const unsigned smem_base = mma_detail::smem_u32(smem);
   auto load_tile = [&](int stage, int tile) {
-    const unsigned char* src_f = reinterpret_cast<const unsigned char*>(zf) + i64(tile) * Tr::kTileFrag;
-    const unsigned char* src_b = reinterpret_cast<const unsigned char*>(zb + i64(tile) * BN);
-    const unsigned char* src_v = reinterpret_cast<const unsigned char*>(vf) + i64(tile) * Tr::kVFrag;
-    const unsigned dst = smem_base + stage * Tr::kTileBytes;
-    constexpr int nf = Tr::kTileFrag / 16, nb = BN * 4 / 16, nv = Tr::kVFrag / 16;
-    for (int e = tid; e < nf + nb + nv; e += Tr::kThreads) {
-      const unsigned char* src = e < nf ? src_f + e * 16 : e < nf + nb ? src_b + (e - nf) * 16 : src_v + (e - nf - nb) * 16;
-      mma_detail::cp_async_16(dst + e * 16, src, 16);
-    }
+    falkon_detail::load_centre_tile<Tr::kThreads, Tr::kTileFrag, BN>(
+        smem_base + stage * Tr::kTileBytes, reinterpret_cast<const unsigned char*>(zf) + i64(tile) * Tr::kTileFrag,
+        zb + i64(tile) * BN, reinterpret_cast<const unsigned char*>(vf) + i64(tile) * Tr::kVFrag, Tr::kVFrag, tid);
   };
 
   float main_acc[MT][NQ][4], corr[MT][NQ][4];

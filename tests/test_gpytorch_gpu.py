@@ -162,3 +162,24 @@ def test_cg_products_on_tensor_cores(monkeypatch):
     loss, grad, _ = step(RBFKernel(), xs, ys, torch.float32, predict=False)
     assert calls and torch.isfinite(loss) and torch.isfinite(grad).all()
     assert _products.MIN_COLUMNS == 2
+
+
+def test_pivoted_cholesky_graph_is_the_eager_loop(monkeypatch):
+    """The pivoted-Cholesky loop replayed from its CUDA graph (captured once per shape on copies of the
+    operator's tensors) gives the eager loop's factor and permutation bit for bit, for two operators of one
+    shape (the second replays the first's graph on its own data) and a tolerance stop."""
+    from kermac_like.gpytorch import _operator
+
+    x, _ = data(3000, 8, seed=5)
+    x = x.float()
+    _operator._PIVOT_GRAPHS.clear()
+    for scale, tol in ((0.7, None), (0.45, 0.3)):
+        op = KermacKernelLinearOperator(x / scale, x / scale, kernel="rbf", outputscale=torch.tensor(1.3, device="cuda"))
+        with torch.no_grad():
+            f_graph, p_graph = op.pivoted_cholesky(15, error_tol=tol, return_pivots=True)
+            monkeypatch.setenv("KERMAC_LIKE_GP_GRAPH", "0")
+            f_eager, p_eager = op.pivoted_cholesky(15, error_tol=tol, return_pivots=True)
+            monkeypatch.delenv("KERMAC_LIKE_GP_GRAPH")
+        assert torch.equal(p_graph, p_eager) and f_graph.shape == f_eager.shape
+        assert torch.equal(f_graph.view(torch.int32), f_eager.view(torch.int32))
+    assert len(_operator._PIVOT_GRAPHS) == 1 and all(v is not False for v in _operator._PIVOT_GRAPHS.values())

@@ -32,6 +32,7 @@ Functions rebuild it from) with
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from gpytorch.kernels.kernel import dist, sq_dist
@@ -216,50 +217,19 @@ class _PivotedCholesky(torch.autograd.Function):
         matrix = representation_tree(*matrix_args)
         *batch, n = matrix.shape[:-1]
         tol = settings.preconditioner_tolerance.value() if error_tol is None else error_tol
-        diag = matrix._approx_diagonal()
         rank = min(rank, n)
-        if isinstance(matrix, KermacKernelLinearOperator):
-            row_of = matrix.pivot_row
+        state = _pivot_graph_state(representation_tree, matrix, rank, matrix_args)
+        if state is None:
+            G, perm, sw, norms, orig_error = _pivot_loop(matrix, rank)
         else:
-            def row_of(pivot):
-                return apply_permutation(matrix, pivot, None).squeeze(-2)
-        # G[..., j, i] = L[..., j, perm[..., i]] (L linear_operator's rank x n factor, perm the current
-        # permutation), G[..., rank, i] the residual diagonal at perm[..., i]: swapping columns m and m + a
-        # of G swaps both. sw[j, 1] is iteration j's a (relative to j), sw[j, 0] = sw[j, 2] = 0, so that
-        # gather(sw[j, 1:]) then scatter(sw[j, :2]) swaps entries j and j + a.
-        G = diag.new_zeros(*batch, rank + 1, n)
-        G[..., rank, :] = diag
-        orig_error = diag.max(-1).values
-        perm = torch.arange(n, device=diag.device).repeat(*batch, 1)
-        sw = perm.new_zeros(rank, 3, *batch)
-        values = diag.new_empty(rank, *batch)
-        norms = diag.new_empty(rank - 1, *batch)  # the residual's 1-norm after iterations 0 .. rank - 2
-        for m in range(rank):
-            torch.max(G[..., rank, m:], -1, out=(values[m], sw[m, 1]))
-            idx = sw[m].movedim(0, -1)  # (*batch, 3)
-            pm = perm[..., m:]
-            swapped = pm.gather(-1, idx[..., 1:])  # (perm[m + a], perm[m])
-            pm.scatter_(-1, idx[..., :2], swapped)
-            Gm = G[..., m:]
-            gidx = idx.unsqueeze(-2).expand(*batch, rank + 1, 3)
-            Gm.scatter_(-1, gidx[..., :2], Gm.gather(-1, gidx[..., 1:]))
-            torch.sqrt(values[m], out=G[..., m, m])
-            if m + 1 < n:
-                new = G[..., m, m + 1:]  # L[..., m, perm[..., m + 1:]]
-                torch.gather(row_of(swapped[..., :1]), -1, perm[..., m + 1:], out=new)
-                if m > 0:
-                    new -= (G[..., :m, m:m + 1] * G[..., :m, m + 1:]).sum(-2)
-                new /= G[..., m, m:m + 1]
-                if m + 1 < rank:  # the residual diagonal and its error for the next iteration
-                    residual = G[..., rank, m + 1:] - new**2
-                    G[..., rank, m + 1:] = residual
-                    torch.linalg.vector_norm(residual, 1, -1, out=norms[m])
+            G, perm, sw, norms, orig_error = state
+            perm = perm.clone()  # returned and edited below; the graph's own buffer is rewritten by its next replay
         # linear_operator's loop runs iteration m while m == 0 or (m < rank and errors.max() > tol), errors
         # those of iteration m - 1: it stops after the first iteration whose test fails (NaN included)
         m = rank
         if rank > 1:
             errors = norms / orig_error
-            stop = torch.ones(rank, dtype=torch.uint8, device=diag.device)
+            stop = torch.ones(rank, dtype=torch.uint8, device=G.device)
             stop[:-1] = ~(errors.reshape(rank - 1, -1).amax(-1) > tol)
             m = int(stop.argmax()) + 1  # the one synchronisation
         factor = G.new_empty(*batch, n, m)
@@ -287,6 +257,99 @@ class _PivotedCholesky(torch.autograd.Function):
             wrt = [a for a in args if a.requires_grad]
             grads = iter(torch.autograd.grad(factor, wrt, grad_factor, allow_unused=True))
         return (None, None, None, *(next(grads) if a.requires_grad else None for a in args))
+
+
+def _pivot_loop(matrix, rank: int):
+    """The rank iterations of _PivotedCholesky's forward, sync-free (see its docstring): the factor G in pivot
+    order with the residual diagonal as row rank, the permutation, each iteration's swap sw, the residual's
+    1-norms and the first diagonal's maximum."""
+    *batch, n = matrix.shape[:-1]
+    diag = matrix._approx_diagonal()
+    if isinstance(matrix, KermacKernelLinearOperator):
+        row_of = matrix.pivot_row
+    else:
+        def row_of(pivot):
+            return apply_permutation(matrix, pivot, None).squeeze(-2)
+    # G[..., j, i] = L[..., j, perm[..., i]] (L linear_operator's rank x n factor, perm the current
+    # permutation), G[..., rank, i] the residual diagonal at perm[..., i]: swapping columns m and m + a
+    # of G swaps both. sw[j, 1] is iteration j's a (relative to j), sw[j, 0] = sw[j, 2] = 0, so that
+    # gather(sw[j, 1:]) then scatter(sw[j, :2]) swaps entries j and j + a.
+    G = diag.new_zeros(*batch, rank + 1, n)
+    G[..., rank, :] = diag
+    orig_error = diag.max(-1).values
+    perm = torch.arange(n, device=diag.device).repeat(*batch, 1)
+    sw = perm.new_zeros(rank, 3, *batch)
+    values = diag.new_empty(rank, *batch)
+    norms = diag.new_empty(rank - 1, *batch)  # the residual's 1-norm after iterations 0 .. rank - 2
+    for m in range(rank):
+        torch.max(G[..., rank, m:], -1, out=(values[m], sw[m, 1]))
+        idx = sw[m].movedim(0, -1)  # (*batch, 3)
+        pm = perm[..., m:]
+        swapped = pm.gather(-1, idx[..., 1:])  # (perm[m + a], perm[m])
+        pm.scatter_(-1, idx[..., :2], swapped)
+        Gm = G[..., m:]
+        gidx = idx.unsqueeze(-2).expand(*batch, rank + 1, 3)
+        Gm.scatter_(-1, gidx[..., :2], Gm.gather(-1, gidx[..., 1:]))
+        torch.sqrt(values[m], out=G[..., m, m])
+        if m + 1 < n:
+            new = G[..., m, m + 1:]  # L[..., m, perm[..., m + 1:]]
+            torch.gather(row_of(swapped[..., :1]), -1, perm[..., m + 1:], out=new)
+            if m > 0:
+                new -= (G[..., :m, m:m + 1] * G[..., :m, m + 1:]).sum(-2)
+            new /= G[..., m, m:m + 1]
+            if m + 1 < rank:  # the residual diagonal and its error for the next iteration
+                residual = G[..., rank, m + 1:] - new**2
+                G[..., rank, m + 1:] = residual
+                torch.linalg.vector_norm(residual, 1, -1, out=norms[m])
+    return G, perm, sw, norms, orig_error
+
+
+_PIVOT_GRAPHS: dict = {}
+
+
+def _pivot_graph_state(representation_tree, matrix, rank: int, matrix_args):
+    """_pivot_loop's outputs from a CUDA graph of it (the loop is host-bound: ~22 small kernels an iteration,
+    bench/notes/gpytorch.md), captured once per (operator type, shapes, strides, dtypes, rank) on copies of
+    the operator's tensors and replayed after copying them in: the same kernels, so the same bits. None
+    (the caller runs the loop eagerly) off CUDA, for other operators, with KERMAC_LIKE_GP_GRAPH=0, or where
+    the capture failed once for that key. The outputs belong to the graph: used before its next replay."""
+    if not (isinstance(matrix, KermacKernelLinearOperator) and os.environ.get("KERMAC_LIKE_GP_GRAPH", "1") != "0"):
+        return None
+    tensors = [a for a in matrix_args if isinstance(a, torch.Tensor)]
+    if not tensors or not all(a.is_cuda for a in tensors) or torch.cuda.is_current_stream_capturing():
+        return None
+    key = (type(matrix), matrix.kernel, rank, torch.cuda.current_device(),
+           tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else ("v", repr(a))
+                 for a in matrix_args))
+    entry = _PIVOT_GRAPHS.get(key)
+    if entry is None:
+        if len(_PIVOT_GRAPHS) >= 8:
+            _PIVOT_GRAPHS.clear()
+        static = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in matrix_args]
+        try:
+            with torch.no_grad():
+                smatrix = representation_tree(*static)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    _pivot_loop(smatrix, rank)  # warm-up, as torch.cuda.graph asks
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outputs = _pivot_loop(smatrix, rank)
+            entry = (static, graph, outputs)
+        except Exception:  # not capturable here: the eager loop from now on for this key
+            entry = False
+        _PIVOT_GRAPHS[key] = entry
+    if entry is False:
+        return None
+    static, graph, outputs = entry
+    with torch.no_grad():
+        for dst, src in zip(static, matrix_args):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        graph.replay()
+    return outputs
 
 
 class _ShiftedQR(torch.autograd.Function):

@@ -642,10 +642,11 @@ def gp_step_rows(bench):
             loss.backward()
         return -loss.detach(), model.covar_module.base_kernel.raw_lengthscale.grad.detach()
 
-    def measure(kernel_cls, x, y, reps):
-        """(median ms, peak extra MiB, MLL, gradient) or the out-of-memory message."""
+    def measure(kernel_cls, x, y, reps, warm):
+        """(median ms, peak extra MiB, MLL, gradient) or the out-of-memory message, after ``warm`` untimed
+        steps at this size (first-call costs of the size: its kernels' plans, the pivoted-Cholesky graph)."""
         times, peak, res = [], 0.0, None
-        for _ in range(reps):
+        for i in range(warm + reps):
             res = None
             torch.cuda.synchronize(dev)
             base = torch.cuda.memory_allocated(dev)
@@ -659,7 +660,8 @@ def gp_step_rows(bench):
                 return str(e).split(".")[0]
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            if i >= warm:
+                times.append(start.elapsed_time(end))
             peak = max(peak, (torch.cuda.max_memory_allocated(dev) - base) / 2**20)
         return sorted(times)[len(times) // 2], peak, *res
 
@@ -670,10 +672,10 @@ def gp_step_rows(bench):
     # out of memory on an H100 and an H200), so that the comparison has a measured ratio.
     for n, with_gpytorch in ((10_000, True),) if quick else ((50_000, True), (100_000, True), (1_000_000, False)):
         x, y = data(n)
-        ours = measure(RBFKernel, x, y, bench.reps(3) if n <= 100_000 else bench.reps(2))
+        ours = measure(RBFKernel, x, y, bench.reps(3) if n <= 100_000 else bench.reps(2), bench.warm(1))
         if isinstance(ours, str):
             raise RuntimeError(f"gp_step N={n}: {ours}")
-        theirs = measure(gpytorch.kernels.RBFKernel, x, y, bench.reps(1)) if with_gpytorch else None
+        theirs = measure(gpytorch.kernels.RBFKernel, x, y, bench.reps(1), bench.warm(1)) if with_gpytorch else None
         note = f"peak extra GPU memory: ours {ours[1]:.0f} MB"
         err = torch_ms = None
         if isinstance(theirs, str):

@@ -47,9 +47,8 @@ def _serves(kernel: str, x1: torch.Tensor, x2: torch.Tensor, rhs: torch.Tensor) 
 
 def matmul(op, x1: torch.Tensor, x2: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor | None:
     """``k(x1, x2) @ rhs`` (float32, the shape of kernel_matvec's result) on tensor cores where served, else
-    None. x2's prepared side is kept on ``op`` for its later products (keyed by x2's storage and version)."""
-    if torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or rhs.requires_grad):
-        return None
+    None. The caller (the operator's ``_matmul``) calls it only outside autograd. x2's prepared side is kept on
+    ``op`` for its later products (keyed by x2's storage and version)."""
     if not _serves(op.kernel, x1, x2, rhs):
         return None
     key = (x2.data_ptr(), x2._version, tuple(x2.shape), tuple(x2.stride()))

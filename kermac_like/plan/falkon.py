@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -64,6 +65,23 @@ def _split(ctas: int, slots: int, most: int) -> int:
         if eff > best_eff + 1e-9:
             best, best_eff = s, eff
     return best
+
+
+class _PvLaunch(NamedTuple):
+    """One column chunk of a kept rows_pv call: the fragment launch and the product launch with their packed
+    arguments (pointer slots filled per call), and the buffers they write, which live with it."""
+
+    c0: int
+    cc: int
+    prep: object
+    pgrid: tuple
+    pargs: tuple  # v at 0 and amax at 5 filled per call
+    kern: object
+    grid: tuple
+    kargs: tuple  # amax at 9 and the output at 12 filled per call
+    dst: torch.Tensor | None  # float64 split sums, or None: the product writes out directly
+    vf: torch.Tensor
+    blocks: tuple
 
 
 class FalkonProducts:
@@ -185,16 +203,17 @@ class FalkonProducts:
             self._pv_plans[key] = plan
         amax = torch.linalg.vector_norm(v, ord=float("inf"), dim=0)  # (C,) float32
         vp, ap, op = v.data_ptr(), amax.data_ptr(), out.data_ptr()
-        for c0, cc, prep, pgrid, pargs, kern, grid, kargs, dst, _vf, blocks in plan:
-            pa = (vp + 4 * c0 * v.stride(1), *pargs[1:5], ap + 4 * c0, *pargs[6:])
-            launch(prep, pgrid, pa, debug=self.debug, block=blocks[0])
-            ka = (*kargs[:9], ap + 4 * c0, *kargs[10:12], op + 8 * c0 if dst is None else dst.data_ptr(), *kargs[13:])
-            launch(kern, grid, ka, debug=self.debug, block=blocks[1])
-            if dst is not None:  # the splits added in order
-                out[:, c0:c0 + cc] = dst.sum(dim=0)
+        for p in plan:
+            pa = (vp + 4 * p.c0 * v.stride(1), *p.pargs[1:5], ap + 4 * p.c0, *p.pargs[6:])
+            launch(p.prep, p.pgrid, pa, debug=self.debug, block=p.blocks[0])
+            dst = op + 8 * p.c0 if p.dst is None else p.dst.data_ptr()
+            ka = (*p.kargs[:9], ap + 4 * p.c0, *p.kargs[10:12], dst, *p.kargs[13:])
+            launch(p.kern, p.grid, ka, debug=self.debug, block=p.blocks[1])
+            if p.dst is not None:  # the splits added in order
+                out[:, p.c0:p.c0 + p.cc] = p.dst.sum(dim=0)
         return out
 
-    def _pv_plan(self, x: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list:
+    def _pv_plan(self, x: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list[_PvLaunch]:
         """The launches of rows_pv for x and a v of this shape and strides (see rows_pv)."""
         from ..runtime.launcher import ArgBlock, get_kernel
 
@@ -226,7 +245,7 @@ class FalkonProducts:
                           N, self.M, self.K, c0, c0 + cc, ctas, split, per)
             blocks = (ArgBlock(prep, pgrid, pargs, (0, 5)) if ArgBlock.supports(pargs, (0, 5)) else None,
                       ArgBlock(kern, grid, kargs, (9, 12)) if ArgBlock.supports(kargs, (9, 12)) else None)
-            plan.append((c0, cc, prep, pgrid, pargs, kern, grid, kargs, dst, vf, blocks))  # vf and dst live with it
+            plan.append(_PvLaunch(c0, cc, prep, pgrid, pargs, kern, grid, kargs, dst, vf, blocks))
             c0 += cc
         return plan
 

@@ -5,32 +5,23 @@ time of each step (CUDA events), after one warm-up step of each.
 
     python3 bench/probes/gp_step_ops.py [N]
 """
+import pathlib
 import sys
 
 import gpytorch
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kermac_like.gpytorch import RBFKernel, ScaledExactGP
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import _gp  # noqa: E402
+from kermac_like.gpytorch import RBFKernel  # noqa: E402
 
 N = int(float(sys.argv[1])) if len(sys.argv) > 1 else 50_000
-dev = torch.device("cuda")
-g = torch.Generator(device=dev).manual_seed(0)
-x = torch.rand(N, 8, device=dev, generator=g) * 2 - 1
-y = torch.sin(3 * x[:, 0]) * torch.cos(x[:, 1:].sum(1)) + 0.1 * torch.randn(N, device=dev, generator=g)
+x, y = _gp.data(N)
 
 
 def step(kernel_cls):
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(dev)
-    model = ScaledExactGP(x, y, likelihood, kernel_cls()).to(dev)
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
-    model.train()
-    likelihood.train()
-    torch.manual_seed(0)
-    with gpytorch.settings.max_cholesky_size(0):
-        loss = -mll(model(x), y)
-        loss.backward()
-    return float(loss)
+    return float(_gp.step(kernel_cls, x, y))
 
 
 for name, cls in (("ours", RBFKernel), ("gpytorch", gpytorch.kernels.RBFKernel)):

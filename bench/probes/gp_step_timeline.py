@@ -12,6 +12,7 @@ import collections
 import functools
 import json
 import os
+import pathlib
 import sys
 import tempfile
 
@@ -20,15 +21,14 @@ import linear_operator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import kermac_like.gpytorch._operator as kop
-from kermac_like.gpytorch import RBFKernel, ScaledExactGP
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import _gp  # noqa: E402
+import kermac_like.gpytorch._operator as kop  # noqa: E402
+from kermac_like.gpytorch import RBFKernel  # noqa: E402
 
 N = int(float(sys.argv[1])) if len(sys.argv) > 1 else 50_000
 WHICH = sys.argv[2] if len(sys.argv) > 2 else "ours"
-dev = torch.device("cuda")
-g = torch.Generator(device=dev).manual_seed(0)
-x = torch.rand(N, 8, device=dev, generator=g) * 2 - 1
-y = torch.sin(3 * x[:, 0]) * torch.cos(x[:, 1:].sum(1)) + 0.1 * torch.randn(N, device=dev, generator=g)
+x, y = _gp.data(N)
 
 
 def labelled(label, fn):
@@ -46,18 +46,8 @@ LABELS = ("L:", "kermac_like::", "InvQuadLogdet", "_PivotedCholeskyBackward", "a
 
 
 def step(kernel_cls):
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(dev)
-    model = ScaledExactGP(x, y, likelihood, kernel_cls()).to(dev)
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
-    model.train()
-    likelihood.train()
-    torch.manual_seed(0)
-    with gpytorch.settings.max_cholesky_size(0):
-        with record_function("L:forward"):
-            loss = -mll(model(x), y)
-        with record_function("L:backward"):
-            loss.backward()
-    return loss.detach()
+    return _gp.step(kernel_cls, x, y, functools.partial(record_function, "L:forward"),
+                    functools.partial(record_function, "L:backward"))
 
 
 cls = RBFKernel if WHICH == "ours" else gpytorch.kernels.RBFKernel

@@ -5,21 +5,20 @@ strides and columns), and the step's loss and time with KERMAC_LIKE_GP_TC=1 and 
     python3 bench/probes/gp_tc_check.py [N]
 """
 import os
+import pathlib
 import sys
 import time
 
-import gpytorch
 import torch
 
-import kermac_like as km
-from kermac_like.gpytorch import RBFKernel, ScaledExactGP
-from kermac_like.plan.falkon import FalkonProducts
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import _gp  # noqa: E402
+import kermac_like as km  # noqa: E402
+from kermac_like.gpytorch import RBFKernel  # noqa: E402
+from kermac_like.plan.falkon import FalkonProducts  # noqa: E402
 
 N = int(float(sys.argv[1])) if len(sys.argv) > 1 else 20_000
-dev = torch.device("cuda")
-g = torch.Generator(device=dev).manual_seed(0)
-x = torch.rand(N, 8, device=dev, generator=g) * 2 - 1
-y = torch.sin(3 * x[:, 0]) * torch.cos(x[:, 1:].sum(1)) + 0.1 * torch.randn(N, device=dev, generator=g)
+x, y = _gp.data(N)
 records = []
 real = FalkonProducts.rows_pv
 
@@ -48,17 +47,9 @@ def init(self, z, *a, **k):
 
 
 def step():
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(dev)
-    model = ScaledExactGP(x, y, likelihood, RBFKernel()).to(dev)
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
-    model.train()
-    likelihood.train()
-    torch.manual_seed(0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with gpytorch.settings.max_cholesky_size(0):
-        loss = -mll(model(x), y)
-        loss.backward()
+    loss = _gp.step(RBFKernel, x, y)
     torch.cuda.synchronize()
     return float(loss), time.perf_counter() - t0
 

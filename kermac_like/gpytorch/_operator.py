@@ -316,9 +316,11 @@ def _pivot_graph_state(representation_tree, matrix, rank: int, matrix_args):
     if not (isinstance(matrix, KermacKernelLinearOperator) and os.environ.get("KERMAC_LIKE_GP_GRAPH", "1") != "0"):
         return None
     tensors = [a for a in matrix_args if isinstance(a, torch.Tensor)]
-    if not tensors or not all(a.is_cuda for a in tensors) or torch.cuda.is_current_stream_capturing():
-        return None
-    key = (type(matrix), matrix.kernel, rank, torch.cuda.current_device(),
+    device = tensors[0].device if tensors else None
+    if (device is None or device.type != "cuda" or any(a.device != device for a in tensors)
+            or device.index != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing()):
+        return None  # captured and replayed on the current device only
+    key = (type(matrix), matrix.kernel, rank, device.index,
            tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else ("v", repr(a))
                  for a in matrix_args))
     entry = _PIVOT_GRAPHS.get(key)

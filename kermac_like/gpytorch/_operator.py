@@ -43,7 +43,7 @@ from linear_operator.utils.permutation import apply_permutation
 
 from ..descriptor import preset
 from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec
-from . import _products
+from . import _cg, _products
 
 __all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS"]
 
@@ -386,6 +386,18 @@ class KermacAddedDiagLinearOperator(AddedDiagLinearOperator):
     ``max_preconditioner_size`` pivoted Cholesky factor F of K, ``(F F^T + D)^-1`` by Woodbury through
     the QR of ``[F; D^1/2]``, its logdet) takes F from K.pivoted_cholesky and the QR from
     :class:`_ShiftedQR`: no triangular solve with N right-hand sides, forward or backward."""
+
+    def _solve(self, rhs: torch.Tensor, preconditioner=None, num_tridiag: int | None = 0):
+        # linear_operator's LinearOperator._solve with the package's linear_cg (the same bits, no host waits
+        # where its stopping rule cannot act, no product with the zero initial guess: kermac_like/gpytorch/_cg.py)
+        if not _cg.enabled():
+            return super()._solve(rhs, preconditioner, num_tridiag=num_tridiag)
+        mat = rhs if rhs.dim() > 1 else rhs.unsqueeze(-1)
+        zero_residual = (torch.Size((*torch.broadcast_shapes(self.batch_shape, mat.shape[:-2]), *mat.shape[-2:])),
+                         torch.promote_types(rhs.dtype, self.dtype))
+        return _cg.linear_cg(self._matmul, rhs, n_tridiag=num_tridiag, max_iter=settings.max_cg_iterations.value(),
+                             max_tridiag_iter=settings.max_lanczos_quadrature_iterations.value(),
+                             preconditioner=preconditioner, zero_residual=zero_residual)
 
     def _init_cache_for_constant_diag(self, eye, batch_shape, n, k):
         self._noise = self._noise.narrow(-2, 0, 1)

@@ -611,7 +611,7 @@ def gp_step_rows(bench):
     its kernel matrix is dense, N^2 * 4 bytes) on the same data and probes; at N = 10^6 ours
     alone. Error column: |MLL ours - MLL GPyTorch| / |MLL GPyTorch|; the note gives the
     gradient's difference and each side's peak extra GPU memory. GPU rows only (none on a CPU);
-    --quick: N = 10^4 and no 10^6 row."""
+    --quick: N = 10^4 and no 10^6 row; --gp-sizes: other sizes."""
     if bench.device.type != "cuda":
         return []
     try:
@@ -670,7 +670,8 @@ def gp_step_rows(bench):
     rows = []
     # 5 x 10^4: the largest of these sizes at which GPyTorch's dense kernel fits an H100 (10^5 runs
     # out of memory on an H100 and an H200), so that the comparison has a measured ratio.
-    for n, with_gpytorch in ((10_000, True),) if quick else ((50_000, True), (100_000, True), (1_000_000, False)):
+    sizes = [10_000] if quick else [int(float(n)) for n in bench.args.gp_sizes.split(",")]
+    for n, with_gpytorch in ((n, n <= 100_000) for n in sizes):
         x, y = data(n)
         ours = measure(RBFKernel, x, y, bench.reps(3) if n <= 100_000 else bench.reps(2), bench.warm(1))
         if isinstance(ours, str):
@@ -1052,6 +1053,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2, 1 with --quick)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gp-sizes", default="5e4,1e5,1e6", metavar="N,...",
+                    help="gp_step's sizes (GPyTorch's RBFKernel beside ours up to 10^5; default 5e4,1e5,1e6)")
     args = ap.parse_args(argv)
     if args.repeats is None:
         args.repeats = 3 if args.quick else 10

@@ -40,6 +40,7 @@ def labelled(label, fn):
 
 
 linear_operator.utils.linear_cg = labelled("L:linear_cg", linear_operator.utils.linear_cg)
+kop._cg.linear_cg = labelled("L:linear_cg", kop._cg.linear_cg)  # the operator's own (KERMAC_LIKE_GP_CG)
 kop._PivotedCholesky.forward = staticmethod(labelled("L:pivchol_fwd", kop._PivotedCholesky.forward))
 kop._ShiftedQR.forward = staticmethod(labelled("L:qr_fwd", kop._ShiftedQR.forward))
 LABELS = ("L:", "kermac_like::", "InvQuadLogdet", "_PivotedCholeskyBackward", "autograd::engine")

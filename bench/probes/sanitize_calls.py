@@ -12,6 +12,7 @@ so that a run under the sanitizer also shows the calls did their work.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -368,12 +369,12 @@ def kmeans():
     assert torch.equal(fits[0][0], fits[1][0]) and torch.equal(fits[0][1], fits[1][1]), "pruned fit differs"
 
 
-def falkon():
+def falkon(sizes=((3001, 517, 8, 1), (777, 300, 13, 3), (130, 1000, 27, 5)), fit=True):
     """Falkon's products on tensor cores (falkon_mma.cuh): the prep, rows and cols kernels at odd N and M, K in
     three buckets, several column chunks, split launches; then a nystrom fit on them."""
     from kermac_like.plan.falkon import FalkonProducts
     g = torch.Generator(device="cuda").manual_seed(21)
-    for n, m, k, c in ((3001, 517, 8, 1), (777, 300, 13, 3), (130, 1000, 27, 5)):
+    for n, m, k, c in sizes:
         x = torch.rand(n, k, device="cuda", generator=g)
         z = x[:min(m, n)].clone() if m <= n else torch.rand(m, k, device="cuda", generator=g)
         fp = FalkonProducts(z, 0.8)
@@ -389,6 +390,8 @@ def falkon():
             vv = vw[:, cols]
             got, ref = fpv.rows_pv(x, vv), kmat @ vv.double()
             assert float((got - ref).norm() / ref.norm()) < 1e-5, "rows_pv differs from float64"
+    if not fit:
+        return
     from kermac_like.solvers import KernelRidge
     xs = torch.rand(6000, 8, device="cuda", generator=g)
     ys = torch.sin(3 * xs).sum(1)
@@ -411,6 +414,8 @@ FAMILIES = {
     "logsumexp": (logsumexp, {}),
     "kmeans": (kmeans, {}),
     "falkon": (falkon, {}),
+    # every falkon kernel once at one small size, for racecheck (the whole family takes it > 200 s)
+    "falkon_small": (functools.partial(falkon, sizes=((777, 300, 13, 3),), fit=False), {}),
 }
 
 

@@ -516,3 +516,64 @@ def test_pivot_row_is_apply_permutations_row(kernel, monkeypatch):
                 ref = apply_permutation(op, piv, None).squeeze(-2)
             assert got.shape == ref.shape == (*op.batch_shape, 50)
             assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("kernel_cls", [RBFKernel, MaternKernel])
+def test_training_backward_is_one_contraction_pass(kernel_cls, monkeypatch):
+    """x in both slots of the training covariance: the bilinear derivative's x1 and x2 terms in one contraction
+    with 2C columns; the gradients of every parameter equal linear_operator's generic derivative (two passes)."""
+    from kermac_like.ops import matvec_backward
+
+    calls = []
+    orig = matvec_backward.contraction
+
+    def counting(*a, **k):
+        calls.append(a[3].shape[-1])  # columns
+        return orig(*a, **k)
+
+    monkeypatch.setattr(matvec_backward, "contraction", counting)
+    monkeypatch.setattr(_operator, "contraction", counting)
+    x, y = data(n=150)
+
+    def step():
+        calls.clear()
+        likelihood = gpytorch.likelihoods.GaussianLikelihood().to(F64)
+        model = ScaledExactGP(x, y, likelihood, kernel_cls()).to(F64)
+        mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+        model.train()
+        likelihood.train()
+        torch.manual_seed(1)
+        with gpytorch.settings.max_cholesky_size(CG):
+            loss = -mll(model(x), y)
+            loss.backward()
+        return list(calls), [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    ours_calls, ours = step()
+    monkeypatch.setenv("KERMAC_LIKE_GP_SYMGRAD", "0")
+    theirs_calls, theirs = step()
+    assert len(ours_calls) == 1 and len(theirs_calls) == 2
+    assert ours_calls[0] == 2 * theirs_calls[0]
+    assert torch.equal(ours[0], theirs[0])
+    for a, b in zip(ours[1:], theirs[1:]):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14), (a - b).abs().max()
+
+
+def test_bilinear_derivative_of_two_inputs_keeps_both_terms():
+    """x1 and x2 distinct tensors (equal values): no single pass; each gets its own gradient."""
+    x, _ = data(n=40)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    s = torch.tensor(1.3, dtype=F64, requires_grad=True)
+    op = KermacKernelLinearOperator(x1, x2, kernel="rbf", outputscale=s)
+    g = torch.Generator().manual_seed(5)
+    u, v = torch.randn(40, 3, generator=g, dtype=F64), torch.randn(40, 3, generator=g, dtype=F64)
+    g1, g2, gs = op._bilinear_derivative(u, v)
+    dense = _operator.dense_covar(x1, x2, kernel="rbf", outputscale=s)
+    r1, r2, rs = torch.autograd.grad((u * (dense @ v)).sum(), (x1, x2, s))
+    for a, b in ((g1, r1), (g2, r2), (gs, rs)):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-13)
+    shared = x.clone().requires_grad_()
+    op = KermacKernelLinearOperator(shared, shared, kernel="rbf", outputscale=s)
+    gx, none, gs = op._bilinear_derivative(u, v)
+    rx, rs = torch.autograd.grad((u * (_operator.dense_covar(shared, shared, kernel="rbf", outputscale=s) @ v)).sum(),
+                                 (shared, s))
+    assert none is None and torch.allclose(gx, rx, rtol=1e-10, atol=1e-13) and torch.allclose(gs, rs, rtol=1e-12)

@@ -42,7 +42,8 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.permutation import apply_permutation
 
 from ..descriptor import preset
-from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec
+from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec, prepare_matvec
+from ..ops.matvec_backward import contraction
 from . import _cg, _products
 
 __all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS"]
@@ -122,6 +123,10 @@ class KermacKernelLinearOperator(KernelLinearOperator):
 
     def _matmul(self, rhs: torch.Tensor) -> torch.Tensor:
         # rhs: (*batch2, N, C) or (N,) -> (..., M, C) or (..., M)
+        return self._scaled(self._kernel_matmul(rhs))
+
+    def _kernel_matmul(self, rhs: torch.Tensor) -> torch.Tensor:
+        """k(x1, x2) rhs without the outputscale."""
         x1, x2 = self.x1, self.x2
         grad = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or rhs.requires_grad)
         wide = rhs.dtype == torch.float64 and x1.dtype in WIDE_OUT_INPUTS and not grad
@@ -130,9 +135,36 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         if not grad and not wide:  # CG / Lanczos: several columns on tensor cores where served
             out = _products.matmul(self, x1, x2, rhs)
             if out is not None:
-                return self._scaled(out)
-        out = kernel_matvec(KERNELS[self.kernel], x1.contiguous(), x2.contiguous(), rhs.contiguous(), bandwidth=1.0)
-        return self._scaled(out)
+                return out
+        return kernel_matvec(KERNELS[self.kernel], x1.contiguous(), x2.contiguous(), rhs.contiguous(), bandwidth=1.0)
+
+    def _bilinear_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
+        # The gradients of sum_c u_c^T (s K(x1, x2)) v_c (GPyTorch's training backward: U the solves, V the
+        # probes). For one x in both slots (a training covariance, kernels.py passes the same tensor) the x1
+        # and x2 terms of kernel_matvec's backward, two contraction passes over all pairs,
+        #   sum_n phi_mn (s u_m . v_n) psi(x_m - x_n)  +  sum_n phi_nm (v_m . s u_n) psi(x_m - x_n)
+        # (phi symmetric in m, n), are one pass with 2C columns, [s U, V] . [V, s U], returned as x1's
+        # gradient (autograd adds x2's None to it: the same tensor). The outputscale's from one product
+        # without autograd. Elsewhere (batch modes, two inputs, KERMAC_LIKE_GP_SYMGRAD=0) linear_operator's.
+        x, s = self.x1, self.outputscale
+        rep = self.representation()
+        if not (os.environ.get("KERMAC_LIKE_GP_SYMGRAD", "1") != "0" and _same_autograd_tensor(x, self.x2)
+                and x.requires_grad and left_vecs.dim() == 2 and right_vecs.dim() == 2 and x.dim() == 2
+                and len(rep) == 2 + (s is not None)):
+            return super()._bilinear_derivative(left_vecs, right_vecs)
+        u = left_vecs.to(x.dtype)
+        v = right_vecs.to(x.dtype)
+        su = u if s is None else u * s.detach().to(x.dtype)
+        call = prepare_matvec(KERNELS[self.kernel], x, x, v, bandwidth=1.0)
+        hp = call.hypers
+        gx = contraction(call.desc, x.detach(), x.detach(), torch.cat([su, v], -1), torch.cat([v, su], -1),
+                         inner_p=hp["inner_p"], outer_p=hp["outer_p"], bandwidth=hp["bandwidth"],
+                         epsilon=call.epsilon)
+        gs = None
+        if s is not None and s.requires_grad:
+            with torch.no_grad():
+                gs = (left_vecs * self._kernel_matmul(right_vecs)).sum().reshape(s.shape).to(s.dtype)
+        return (gx.to(x.dtype), None) + (() if s is None else (gs,))
 
     def _get_indices(self, row_index, col_index, *batch_indices) -> torch.Tensor:
         # Entries s k(x1[row], x2[col]) at index tensors, as the pivoted-Cholesky preconditioner asks
@@ -171,6 +203,16 @@ class KermacKernelLinearOperator(KernelLinearOperator):
 
     def to_dense(self) -> torch.Tensor:
         return self.covar_mat
+
+
+def _same_autograd_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are one tensor of the autograd graph (so that a gradient given to one counts for both):
+    the same object, or, as saved tensors come back from a Function's context, the same output of the same
+    node over the same memory."""
+    if a is b:
+        return True
+    return (a.grad_fn is not None and a.grad_fn is b.grad_fn and a.output_nr == b.output_nr
+            and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
 
 
 def _broadcast_shape(s: tuple, t: tuple) -> tuple:

@@ -34,7 +34,10 @@ class RBFKernel(gpytorch.kernels.RBFKernel):
     def forward(self, x1, x2, diag=False, **params):
         if not _lazy(x1, x2, diag, params):
             return super().forward(x1, x2, diag=diag, **params)
-        return KermacKernelLinearOperator(x1.div(self.lengthscale), x2.div(self.lengthscale), kernel="rbf")
+        z1 = x1.div(self.lengthscale)
+        # one tensor for both sides of a training covariance: its backward is one contraction pass
+        # (KermacKernelLinearOperator._bilinear_derivative)
+        return KermacKernelLinearOperator(z1, z1 if x2 is x1 else x2.div(self.lengthscale), kernel="rbf")
 
 
 class MaternKernel(gpytorch.kernels.MaternKernel):
@@ -51,5 +54,5 @@ class MaternKernel(gpytorch.kernels.MaternKernel):
         if not _lazy(x1, x2, diag, params):
             return super().forward(x1, x2, diag=diag, **params)
         mean = x1.mean(dim=-2, keepdim=True)  # GPyTorch's centring: the float32 distances lose less
-        return KermacKernelLinearOperator((x1 - mean).div(self.lengthscale), (x2 - mean).div(self.lengthscale),
-                                          kernel="laplace")
+        z1 = (x1 - mean).div(self.lengthscale)
+        return KermacKernelLinearOperator(z1, z1 if x2 is x1 else (x2 - mean).div(self.lengthscale), kernel="laplace")

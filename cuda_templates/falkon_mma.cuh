@@ -495,14 +495,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_cols_kernel(
 //   v s_c = vh + vl 2^-12 (falkon_vprep_kernel), s_c = 2^(14 - e_c), max|v[:, c]| < 2^e_c: |v s_c| < 2^14
 //   k v s_c = kh vh + 2^-12 (kl vh + kh vl)   (kl vl, 2^-22 relative, dropped)
 // in two accumulators per column tile (main: kh vh; corr: kl vh + kh vl, two independent mma chains),
-// added into float64 totals every kFlush k16 steps (32 centres): total += main + 2^-12 corr; the store
-// divides by s_c (exact). Three mma.m16n8k16 per 16 centres and column tile, against 6 mma.m16n8k8 in
+// added into float64 totals: main every kFlush k16 steps (8: 128 centres, one tile), corr (2^-12 of the
+// sum) every kCorrTiles tiles (4: 512 centres) and after the last; the store divides by s_c (exact).
+// The flushes' F2F.F64.F32 share the XU pipe with ex2: flushing both every 2 k16 steps (one F2F per
+// pair, as many as ex2) held the kernel at 62 % of XU's peak; 2.28 -> 1.74 ms at N = 5 x 10^4, C = 11
+// on an H100 (bench/notes/gpytorch.md, "rows_pv on the XU pipe"). Float32 accumulation error of main
+// over a flush: 8 mma.m16n8k16, ~8 2^-23 of its sum of |k v| (tensor cores truncate); of corr: 2^-12 of
+// 32 mma's. Three mma.m16n8k16 per 16 centres and column tile, against 6 mma.m16n8k8 in
 // 3xTF32 (measured 1.16x kernel_matvec at C = 11 with those; bench/notes/gpytorch.md, "The CG products on
 // tensor cores"). Each lane owns its outputs (rows g, g + 8, columns 8 q + 2t, 8 q + 2t + 1): no butterfly.
-template <int kK_, int kNq_>
+template <int kK_, int kNq_, int kFlush_ = 8, int kCorrTiles_ = 4>
 struct FalkonRowsPvTraits {
   static_assert(kK_ == 8 || kK_ == 16 || kK_ == 32, "FalkonRowsPvTraits: kK is 8, 16 or 32");
   static_assert(kNq_ == 1 || kNq_ == 2, "FalkonRowsPvTraits: kNq is 1 or 2 (8 or 16 columns)");
+  static_assert(kFlush_ == 1 || kFlush_ == 2 || kFlush_ == 4 || kFlush_ == 8, "FalkonRowsPvTraits: kFlush 1, 2, 4, 8");
+  static_assert(kCorrTiles_ >= 1, "FalkonRowsPvTraits: kCorrTiles >= 1");
   static constexpr int kK = kK_;
   static constexpr int kSteps = kK_ / 8;
   static constexpr int kNq = kNq_;
@@ -512,7 +519,8 @@ struct FalkonRowsPvTraits {
   static constexpr int kMt = kK_ == 8 ? 2 : 1;  // m16 tiles per warp (registers: fragments, accumulators, totals)
   static constexpr int kBlockM = 8 * 16 * kMt;
   static constexpr int kBlockN = 128;
-  static constexpr int kFlush = 2;  // k16 steps per float64 flush
+  static constexpr int kFlush = kFlush_;          // k16 steps per float64 flush of main
+  static constexpr int kCorrTiles = kCorrTiles_;  // centre tiles per float64 flush of corr
   static constexpr int kTileFrag = kBlockN * kK_ * 8;           // z's B fragments
   static constexpr int kVFrag = kBlockN / 16 * kNq_ * 32 * 16;  // v's B fragments
   static constexpr int kTileBytes = kTileFrag + kBlockN * 4 + kVFrag;
@@ -661,11 +669,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
 #pragma unroll
         for (int q = 0; q < NQ; ++q)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            total[i][q][r] += double(main_acc[i][q][r]) + double(corr[i][q][r]) * (1.0 / 4096.0);
-            main_acc[i][q][r] = 0.0f, corr[i][q][r] = 0.0f;
-          }
+          for (int r = 0; r < 4; ++r) total[i][q][r] += double(main_acc[i][q][r]), main_acc[i][q][r] = 0.0f;
     }
+    if ((tile - tile0) % Tr::kCorrTiles == Tr::kCorrTiles - 1 || tile + 1 == tile1)
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int q = 0; q < NQ; ++q)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            total[i][q][r] += double(corr[i][q][r]) * (1.0 / 4096.0), corr[i][q][r] = 0.0f;
   }
   mma_detail::cp_async_wait<0>();
 

@@ -86,3 +86,26 @@ def test_document_has_the_tables():
 @pytest.mark.parametrize("kernel", sorted(EXPECTED))
 def test_signature_matches_the_document(kernel):
     assert _signature(kernel) == EXPECTED[kernel]
+
+
+def test_index_column_counts_the_arguments():
+    """Each row's "#" cell (``i`` or ``i-j``) covers as many positions as the row names arguments, and the rows of
+    a table follow one another without gaps or overlaps."""
+    bad = []
+    nxt = None
+    for line in (TEMPLATES / "ABI.md").read_text().splitlines():
+        if re.match(r"\|\s*#\s*\|", line):
+            nxt = None
+            continue
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", cells[0])
+        if not m:
+            continue
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        names = re.findall(r"`([A-Za-z_][A-Za-z_0-9]*)`", cells[1])
+        if hi - lo + 1 != len(names) or (nxt is not None and lo != nxt):
+            bad.append(line)
+        nxt = hi + 1
+    assert not bad, bad

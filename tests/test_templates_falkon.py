@@ -310,9 +310,9 @@ PV_CASES = [  # (runner, N, M, K, C, split)
 def test_rows_pv_against_float64(emulator, tmp_path, case):
     """falkon_rows_pv_kernel (k v on tensor cores in split f16, through falkon_vprep_kernel's fragments of a
     strided v) against float64 sums: each output within 4e-6 of sum |k v| (the exponent's 3xTF32 dot product,
-    k and v s_c in two f16 parts each, float32 sums of 32 centres) plus 2^-35 sum |v| (k below 2^-26 keeps
-    2^-36 absolute in f16's subnormals), every output written once per split (the -7 poison gone), and the
-    splits adding to the whole."""
+    k and v s_c in two f16 parts each, float32 sums of 128 centres for the main part and of 512 for the
+    2^-12 correction) plus 2^-35 sum |v| (k below 2^-26 keeps 2^-36 absolute in f16's subnormals), every
+    output written once per split (the -7 poison gone), and the splits adding to the whole."""
     runner, N, M, K, C, split = case
     kK, nq = PV_RUNNERS[runner]
     assert k_bucket(K) == kK and C <= 8 * nq

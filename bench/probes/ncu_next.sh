@@ -5,6 +5,7 @@
 #   assign: kmeans_assign_mma_kernel, N = 10^7, D = 16, 1024 centres (8.7 ms against a predicted 5; issue 27)
 #   seed:   kmeans_update_kernel (k-means++ with the bf16 screen), the 500th centre of the bench's seeding
 #           (131 us a centre against ~80 us of bytes; session 14)
+#   pv:     falkon_rows_pv_kernel, GPyTorch's CG product at N = 5 x 10^4, D = 8, C = 11 (issue 29, session 18)
 # Per kernel: speed of light, pipe utilisation, warp states and stall ratios, instruction mix, as text.
 #   OUT=dir bash bench/probes/ncu_next.sh [f64 assign]     (GPU machine; ncu_next.tgz under $OUT)
 set -u
@@ -34,12 +35,22 @@ means = 4 * torch.randn(1024, 16, device="cuda", generator=g)
 X = means[torch.randint(0, 1024, (10_000_000,), device="cuda", generator=g)] + torch.randn(10_000_000, 16, device="cuda", generator=g)
 kmeans_plusplus(X, 1024, None, torch.Generator(device="cuda").manual_seed(0))
 torch.cuda.synchronize()'
+pv='
+import torch
+from kermac_like.plan.falkon import FalkonProducts
+g = torch.Generator(device="cuda").manual_seed(0)
+x = (torch.rand(50_000, 8, device="cuda", generator=g) * 2 - 1) / 0.4
+v = torch.randn(50_000, 11, device="cuda", generator=g)
+fp = FalkonProducts(x, 1.0, columns="pv")
+for _ in range(2): fp.rows_pv(x, v)
+torch.cuda.synchronize()'
 for which in ${*:-f64 assign}; do
   skip=1
   case $which in
     f64) code=$f64; name='regex:^matvec_kernel' ;;
     assign) code=$assign; name='regex:kmeans_assign_mma_kernel' ;;
     seed) code=$seed; name='regex:kmeans_update_kernel'; skip=500 ;;
+    pv) code=$pv; name='regex:falkon_rows_pv_kernel' ;;
   esac
   echo "$code" > "$D/$which.py"
   timeout 240 "$NCU" --clock-control none --kernel-name "$name" --launch-skip "$skip" --launch-count 1 \

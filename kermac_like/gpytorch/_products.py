@@ -1,7 +1,8 @@
 """The operator's CG / Lanczos products on tensor cores: ``K(x1, x2) V`` for the RBF kernel with several
 columns (GPyTorch's 1 + num_trace_samples probe columns) through plan.falkon's several-column rows kernel
-(cuda_templates/falkon_mma.cuh ``falkon_rows_pv_kernel``: the exponents' dot products and the products
-k v both in 3xTF32 on mma.sync, float32 sums of 16 centres added in float64).
+(cuda_templates/falkon_mma.cuh ``falkon_rows_pv_kernel``: the exponents' dot products in 3xTF32 on
+mma.m16n8k8, the products k v on mma.m16n8k16 with k and v split in two f16 parts each, float32 partial
+sums added in float64).
 
 Against kernel_matvec's SIMT kernel at C = 11 it takes the 8 FFMA of the exponent and the 11 FFMA of the
 columns off the FMA pipe (bench/notes/gpytorch.md, "The CG products on tensor cores"), and its host path is

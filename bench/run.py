@@ -676,7 +676,7 @@ def gp_step_rows(bench):
         ours = measure(RBFKernel, x, y, bench.reps(3) if n <= 100_000 else bench.reps(2), bench.warm(1))
         if isinstance(ours, str):
             raise RuntimeError(f"gp_step N={n}: {ours}")
-        theirs = measure(gpytorch.kernels.RBFKernel, x, y, bench.reps(1), bench.warm(1)) if with_gpytorch else None
+        theirs = measure(gpytorch.kernels.RBFKernel, x, y, bench.reps(3), bench.warm(1)) if with_gpytorch else None
         note = f"peak extra GPU memory: ours {ours[1]:.0f} MB"
         err = torch_ms = None
         if isinstance(theirs, str):

@@ -22,6 +22,11 @@ def data(n: int, device="cuda", seed: int = 0):
 def step(kernel_cls, x, y, forward_ctx=contextlib.nullcontext, backward_ctx=contextlib.nullcontext):
     """The negative MLL (detached) after its backward; ``forward_ctx`` / ``backward_ctx`` wrap the two halves
     (e.g. profiler labels)."""
+    return model_step(kernel_cls, x, y, forward_ctx, backward_ctx)[0]
+
+
+def model_step(kernel_cls, x, y, forward_ctx=contextlib.nullcontext, backward_ctx=contextlib.nullcontext):
+    """(the negative MLL, the model with its gradients) of :func:`step`."""
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x.device)
     model = ScaledExactGP(x, y, likelihood, kernel_cls()).to(x.device)
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
@@ -33,4 +38,4 @@ def step(kernel_cls, x, y, forward_ctx=contextlib.nullcontext, backward_ctx=cont
             loss = -mll(model(x), y)
         with backward_ctx():
             loss.backward()
-    return loss.detach()
+    return loss.detach(), model

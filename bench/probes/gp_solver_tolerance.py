@@ -16,28 +16,23 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import _gp  # noqa: E402
-from kermac_like.gpytorch import RBFKernel, ScaledExactGP  # noqa: E402
+from kermac_like.gpytorch import RBFKernel  # noqa: E402
 
 N = int(float(sys.argv[1])) if len(sys.argv) > 1 else 20_000
 x, y = _gp.data(N)
 
 
 def step(kernel_cls, tol):
-    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x.device)
-    model = ScaledExactGP(x, y, likelihood, kernel_cls()).to(x.device)
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
-    model.train()
-    likelihood.train()
-    torch.manual_seed(0)
-    ctx = contextlib.ExitStack()
-    ctx.enter_context(gpytorch.settings.max_cholesky_size(0))
-    if tol is not None:
-        ctx.enter_context(gpytorch.settings.cg_tolerance(tol))
-        ctx.enter_context(gpytorch.settings.max_cg_iterations(2000))
-    with ctx:
-        loss = mll(model(x), y)
-        loss.backward()
-    return float(loss), model.covar_module.base_kernel.raw_lengthscale.grad.detach().clone()
+    """(MLL, raw-lengthscale gradient) of _gp's step, at CG tolerance ``tol`` (None: GPyTorch's)."""
+    def settings():
+        ctx = contextlib.ExitStack()
+        if tol is not None:
+            ctx.enter_context(gpytorch.settings.cg_tolerance(tol))
+            ctx.enter_context(gpytorch.settings.max_cg_iterations(2000))
+        return ctx
+
+    loss, model = _gp.model_step(kernel_cls, x, y, settings)
+    return -float(loss), model.covar_module.base_kernel.raw_lengthscale.grad.detach().clone()
 
 
 def rel(a, b):

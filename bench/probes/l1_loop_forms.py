@@ -16,10 +16,7 @@ import statistics
 import numpy as np
 import torch
 
-try:
-    from cuda.core import Device, LaunchConfig, Program, ProgramOptions, launch
-except ImportError:  # cuda-core < 0.4
-    from cuda.core.experimental import Device, LaunchConfig, Program, ProgramOptions, launch
+from _raw import LaunchConfig, compile_probe, launch
 
 SOURCE = r"""
 template <int kMaxCols>
@@ -68,17 +65,10 @@ FORMS = [("A  sub + add|.|", "loop<0>"), ("B  max + add", "loop<8>"), ("C  5 A +
 
 
 def main() -> None:
-    dev = Device(torch.cuda.current_device())
-    dev.set_current()
-    major, minor = torch.cuda.get_device_capability()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    obj = Program(SOURCE, "c++", ProgramOptions(arch=f"sm_{major}{minor}", std="c++17")).compile(
-        "cubin", name_expressions=[n for _, n in FORMS])
+    obj, sms, stream = compile_probe(SOURCE, [n for _, n in FORMS])
     src = torch.rand(64 * 256 + 64, device="cuda")
     out = torch.zeros(1024, device="cuda")
     cyc = torch.zeros(sms * 2, dtype=torch.int64, device="cuda")
-    from kermac_like.runtime.launcher import _stream_for
-    stream = _stream_for(torch.cuda.current_device())
     iters = 8192
     for label, name in FORMS:
         kernel = obj.get_kernel(name)

@@ -9,10 +9,7 @@ import statistics
 
 import torch
 
-try:
-    from cuda.core import Device, LaunchConfig, Program, ProgramOptions, launch
-except ImportError:  # cuda-core < 0.4
-    from cuda.core.experimental import Device, LaunchConfig, Program, ProgramOptions, launch
+from _raw import LaunchConfig, compile_probe, launch
 
 SOURCE = r"""
 template <int kMode, int kChains>
@@ -61,15 +58,8 @@ NAMES = [("tf32 x6", "rate<0, 6>", 6, 2048), ("tf32 x9", "rate<0, 9>", 9, 2048),
 
 
 def main() -> None:
-    dev = Device(torch.cuda.current_device())
-    dev.set_current()
-    major, minor = torch.cuda.get_device_capability()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    obj = Program(SOURCE, "c++", ProgramOptions(arch=f"sm_{major}{minor}", std="c++17")).compile(
-        "cubin", name_expressions=[n for _, n, _, _ in NAMES])
+    obj, sms, stream = compile_probe(SOURCE, [n for _, n, _, _ in NAMES])
     out = torch.zeros(1024, device="cuda")
-    from kermac_like.runtime.launcher import _stream_for
-    stream = _stream_for(torch.cuda.current_device())
     iters = 4096
     for label, name, chains, flop in NAMES:
         kernel = obj.get_kernel(name)

@@ -172,18 +172,39 @@ __device__ __forceinline__ void x_tiles(const float* __restrict__ x, i64 ldx, i6
   }
 }
 
-// One centre tile of the rows kernels into a shared stage at `dst` (cp.async, the CTA's threads): the tile's
-// z fragments (kFrag bytes), its b (BN floats) and its v part (vbytes from src_v).
-template <int kThreads, int kFrag, int BN>
-__device__ __forceinline__ void load_centre_tile(unsigned dst, const unsigned char* src_f, const float* src_b,
-                                                 const unsigned char* src_v, int vbytes, int tid) {
-  constexpr int nf = kFrag / 16, nb = BN * 4 / 16;
+// The rows kernels' centre tiles [tile0, tile1) through two shared stages of Tr::kTileBytes, double-buffered
+// (cp.async by the CTA's threads): a stage holds the tile's z fragments (kTileFrag bytes), its b (kBlockN
+// floats) and its v part (vbytes from vsrc + tile * vbytes). body(stage, tile) runs once the tile is in for
+// every thread, while the next one loads.
+template <class Tr, class Body>
+__device__ __forceinline__ void stream_centre_tiles(unsigned char* smem, int tile0, int tile1,
+                                                    const uint4* __restrict__ zf, const float* __restrict__ zb,
+                                                    const unsigned char* __restrict__ vsrc, int vbytes, int tid,
+                                                    Body&& body) {
+  constexpr int BN = Tr::kBlockN, nf = Tr::kTileFrag / 16, nb = BN * 4 / 16;
   const int nv = vbytes / 16;
-  const unsigned char* bsrc = reinterpret_cast<const unsigned char*>(src_b);
-  for (int e = tid; e < nf + nb + nv; e += kThreads) {
-    const unsigned char* src = e < nf ? src_f + e * 16 : e < nf + nb ? bsrc + (e - nf) * 16 : src_v + (e - nf - nb) * 16;
-    mma_detail::cp_async_16(dst + e * 16, src, 16);
+  const unsigned base = mma_detail::smem_u32(smem);
+  auto load = [&](int stage, int tile) {
+    const unsigned char* src_f = reinterpret_cast<const unsigned char*>(zf) + i64(tile) * Tr::kTileFrag;
+    const unsigned char* src_b = reinterpret_cast<const unsigned char*>(zb + i64(tile) * BN);
+    const unsigned char* src_v = vsrc + i64(tile) * vbytes;
+    const unsigned dst = base + stage * Tr::kTileBytes;
+    for (int e = tid; e < nf + nb + nv; e += Tr::kThreads) {
+      const unsigned char* src = e < nf ? src_f + e * 16 : e < nf + nb ? src_b + (e - nf) * 16 : src_v + (e - nf - nb) * 16;
+      mma_detail::cp_async_16(dst + e * 16, src, 16);
+    }
+  };
+  if (tile0 < tile1) load(0, tile0);
+  mma_detail::cp_async_commit();
+  for (int tile = tile0; tile < tile1; ++tile) {
+    const int st_i = (tile - tile0) & 1;
+    mma_detail::cp_async_wait<0>();
+    __syncthreads();  // the tile is in for everyone; the other stage is free
+    if (tile + 1 < tile1) load(st_i ^ 1, tile + 1);
+    mma_detail::cp_async_commit();
+    body(static_cast<const unsigned char*>(smem + st_i * Tr::kTileBytes), tile);
   }
+  mma_detail::cp_async_wait<0>();
 }
 
 }  // namespace falkon_detail
@@ -246,12 +267,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_kernel(
   const int tiles_all = Mp / BN;
   const int tile0 = blockIdx.y * tiles_per_split;
   const int tile1 = min(tiles_all, tile0 + tiles_per_split);
-  const unsigned smem_base = mma_detail::smem_u32(smem);
-  auto load_tile = [&](int stage, int tile) {
-    falkon_detail::load_centre_tile<Tr::kThreads, Tr::kTileFrag, BN>(
-        smem_base + stage * Tr::kTileBytes, reinterpret_cast<const unsigned char*>(zf) + i64(tile) * Tr::kTileFrag,
-        zb + i64(tile) * BN, reinterpret_cast<const unsigned char*>(v + i64(tile) * BN * KC), BN * KC * 4, tid);
-  };
 
   float part[R][KC];
   double total[R][KC];
@@ -260,15 +275,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_kernel(
 #pragma unroll
     for (int c = 0; c < KC; ++c) part[r][c] = 0.0f, total[r][c] = 0.0;
 
-  if (tile0 < tile1) load_tile(0, tile0);
-  mma_detail::cp_async_commit();
-  for (int tile = tile0; tile < tile1; ++tile) {
-    const int st_i = (tile - tile0) & 1;
-    mma_detail::cp_async_wait<0>();
-    __syncthreads();  // the tile is in for everyone; the other stage is free
-    if (tile + 1 < tile1) load_tile(st_i ^ 1, tile + 1);
-    mma_detail::cp_async_commit();
-    const unsigned char* st = smem + st_i * Tr::kTileBytes;
+  falkon_detail::stream_centre_tiles<Tr>(smem, tile0, tile1, zf, zb, reinterpret_cast<const unsigned char*>(v),
+                                         BN * KC * 4, tid, [&](const unsigned char* st, int) {
     const uint4* fr = reinterpret_cast<const uint4*>(st);
     const float* bs = reinterpret_cast<const float*>(st + Tr::kTileFrag);
     const float* vs = bs + BN;
@@ -302,8 +310,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_kernel(
 #pragma unroll
         for (int c = 0; c < KC; ++c) total[r][c] += double(part[r][c]), part[r][c] = 0.0f;
     }
-  }
-  mma_detail::cp_async_wait<0>();
+  });
 
   // The quad's lanes hold the same rows: their totals added in a fixed butterfly, lane t = 0 stores.
 #pragma unroll
@@ -495,21 +502,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_cols_kernel(
 //   v s_c = vh + vl 2^-12 (falkon_vprep_kernel), s_c = 2^(14 - e_c), max|v[:, c]| < 2^e_c: |v s_c| < 2^14
 //   k v s_c = kh vh + 2^-12 (kl vh + kh vl)   (kl vl, 2^-22 relative, dropped)
 // in two accumulators per column tile (main: kh vh; corr: kl vh + kh vl, two independent mma chains),
-// added into float64 totals: main every kFlush k16 steps (8: 128 centres, one tile), corr (2^-12 of the
-// sum) every kCorrTiles tiles (4: 512 centres) and after the last; the store divides by s_c (exact).
+// added into float64 totals: main after every centre tile (8 k16 steps, 128 centres), corr (2^-12 of the
+// sum) every kCorrTiles = 4 tiles (512 centres) and after the last; the store divides by s_c (exact).
 // The flushes' F2F.F64.F32 share the XU pipe with ex2: flushing both every 2 k16 steps (one F2F per
 // pair, as many as ex2) held the kernel at 62 % of XU's peak; 2.28 -> 1.74 ms at N = 5 x 10^4, C = 11
-// on an H100 (bench/notes/gpytorch.md, "rows_pv on the XU pipe"). Float32 accumulation error of main
+// on an H100 (bench/notes/gpytorch.md, "Session 18"; flush intervals measured there). Float32 accumulation error of main
 // over a flush: 8 mma.m16n8k16, ~8 2^-23 of its sum of |k v| (tensor cores truncate); of corr: 2^-12 of
 // 32 mma's. Three mma.m16n8k16 per 16 centres and column tile, against 6 mma.m16n8k8 in
 // 3xTF32 (measured 1.16x kernel_matvec at C = 11 with those; bench/notes/gpytorch.md, "The CG products on
 // tensor cores"). Each lane owns its outputs (rows g, g + 8, columns 8 q + 2t, 8 q + 2t + 1): no butterfly.
-template <int kK_, int kNq_, int kFlush_ = 8, int kCorrTiles_ = 4>
+template <int kK_, int kNq_>
 struct FalkonRowsPvTraits {
   static_assert(kK_ == 8 || kK_ == 16 || kK_ == 32, "FalkonRowsPvTraits: kK is 8, 16 or 32");
   static_assert(kNq_ == 1 || kNq_ == 2, "FalkonRowsPvTraits: kNq is 1 or 2 (8 or 16 columns)");
-  static_assert(kFlush_ == 1 || kFlush_ == 2 || kFlush_ == 4 || kFlush_ == 8, "FalkonRowsPvTraits: kFlush 1, 2, 4, 8");
-  static_assert(kCorrTiles_ >= 1, "FalkonRowsPvTraits: kCorrTiles >= 1");
   static constexpr int kK = kK_;
   static constexpr int kSteps = kK_ / 8;
   static constexpr int kNq = kNq_;
@@ -519,13 +524,11 @@ struct FalkonRowsPvTraits {
   static constexpr int kMt = kK_ == 8 ? 2 : 1;  // m16 tiles per warp (registers: fragments, accumulators, totals)
   static constexpr int kBlockM = 8 * 16 * kMt;
   static constexpr int kBlockN = 128;
-  static constexpr int kFlush = kFlush_;          // k16 steps per float64 flush of main
-  static constexpr int kCorrTiles = kCorrTiles_;  // centre tiles per float64 flush of corr
+  static constexpr int kCorrTiles = 4;  // centre tiles per float64 flush of corr (main: every tile)
   static constexpr int kTileFrag = kBlockN * kK_ * 8;           // z's B fragments
   static constexpr int kVFrag = kBlockN / 16 * kNq_ * 32 * 16;  // v's B fragments
   static constexpr int kTileBytes = kTileFrag + kBlockN * 4 + kVFrag;
   static constexpr int kSmemBytes = 2 * kTileBytes;
-  static_assert((kBlockN / 16) % kFlush == 0, "FalkonRowsPvTraits: whole flush groups per tile");
 };
 
 namespace falkon_detail {
@@ -588,7 +591,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
     const uint4* __restrict__ zf, const float* __restrict__ zb, const uint4* __restrict__ vf,
     const float* __restrict__ amax, int Mp, int C, double* __restrict__ out, i64 so, i64 ss, int tiles_per_split) {
   using Tr = Traits;
-  constexpr int S = Tr::kSteps, MT = Tr::kMt, BN = Tr::kBlockN, NQ = Tr::kNq, FL = Tr::kFlush;
+  constexpr int S = Tr::kSteps, MT = Tr::kMt, BN = Tr::kBlockN, NQ = Tr::kNq;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -601,13 +604,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
   const int tiles_all = Mp / BN;
   const int tile0 = blockIdx.y * tiles_per_split;
   const int tile1 = min(tiles_all, tile0 + tiles_per_split);
-  const unsigned smem_base = mma_detail::smem_u32(smem);
-  auto load_tile = [&](int stage, int tile) {
-    falkon_detail::load_centre_tile<Tr::kThreads, Tr::kTileFrag, BN>(
-        smem_base + stage * Tr::kTileBytes, reinterpret_cast<const unsigned char*>(zf) + i64(tile) * Tr::kTileFrag,
-        zb + i64(tile) * BN, reinterpret_cast<const unsigned char*>(vf) + i64(tile) * Tr::kVFrag, Tr::kVFrag, tid);
-  };
-
   float main_acc[MT][NQ][4], corr[MT][NQ][4];
   double total[MT][NQ][4];
 #pragma unroll
@@ -617,70 +613,55 @@ __global__ void __launch_bounds__(Traits::kThreads, 2) falkon_rows_pv_kernel(
 #pragma unroll
       for (int r = 0; r < 4; ++r) main_acc[i][q][r] = 0.0f, corr[i][q][r] = 0.0f, total[i][q][r] = 0.0;
 
-  if (tile0 < tile1) load_tile(0, tile0);
-  mma_detail::cp_async_commit();
-  for (int tile = tile0; tile < tile1; ++tile) {
-    const int st_i = (tile - tile0) & 1;
-    mma_detail::cp_async_wait<0>();
-    __syncthreads();  // the tile is in for everyone; the other stage is free
-    if (tile + 1 < tile1) load_tile(st_i ^ 1, tile + 1);
-    mma_detail::cp_async_commit();
-    const unsigned char* st = smem + st_i * Tr::kTileBytes;
+  falkon_detail::stream_centre_tiles<Tr>(smem, tile0, tile1, zf, zb, reinterpret_cast<const unsigned char*>(vf),
+                                         Tr::kVFrag, tid, [&](const unsigned char* st, int tile) {
     const uint4* fr = reinterpret_cast<const uint4*>(st);
     const float* bs = reinterpret_cast<const float*>(st + Tr::kTileFrag);
     const uint4* vs = reinterpret_cast<const uint4*>(st + Tr::kTileFrag + BN * 4);
 #pragma unroll 1
-    for (int s0 = 0; s0 < BN / 16; s0 += FL) {
-#pragma unroll 1
-      for (int s16 = s0; s16 < s0 + FL; ++s16) {  // a k16 step: centre blocks j = 2 s16, 2 s16 + 1
-        uint4 bf[2][S], vq[NQ];
-        float2 bp[2];
+    for (int s16 = 0; s16 < BN / 16; ++s16) {  // a k16 step: centre blocks j = 2 s16, 2 s16 + 1
+      uint4 bf[2][S], vq[NQ];
+      float2 bp[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < 2; ++h) {
 #pragma unroll
-          for (int s = 0; s < S; ++s) bf[h][s] = fr[((2 * s16 + h) * S + s) * 32 + lane];
-          bp[h] = *reinterpret_cast<const float2*>(bs + (2 * s16 + h) * 8 + 2 * t);
-        }
-#pragma unroll
-        for (int q = 0; q < NQ; ++q) vq[q] = vs[(s16 * NQ + q) * 32 + lane];
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          unsigned kh[4], kl[4];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float d[4];
-            falkon_detail::exponents<S>(d, ah[i], al[i], bf[h], bp[h].x, bp[h].y);
-            // rows g (k of centres 2t, 2t + 1: a[2h]) and g + 8 (a[2h + 1]) of centre block 2 s16 + h
-            falkon_detail::split_f16(math::ex2_approx(__fadd_rn(d[0], a[2 * i])),
-                                     math::ex2_approx(__fadd_rn(d[1], a[2 * i])), kh[2 * h], kl[2 * h]);
-            falkon_detail::split_f16(math::ex2_approx(__fadd_rn(d[2], a[2 * i + 1])),
-                                     math::ex2_approx(__fadd_rn(d[3], a[2 * i + 1])), kh[2 * h + 1], kl[2 * h + 1]);
-          }
-#pragma unroll
-          for (int q = 0; q < NQ; ++q) {
-            mma_detail::Mma16<float16>::run(corr[i][q], kl, vq[q].x, vq[q].y);
-            mma_detail::Mma16<float16>::run(main_acc[i][q], kh, vq[q].x, vq[q].y);
-            mma_detail::Mma16<float16>::run(corr[i][q], kh, vq[q].z, vq[q].w);
-          }
-        }
+        for (int s = 0; s < S; ++s) bf[h][s] = fr[((2 * s16 + h) * S + s) * 32 + lane];
+        bp[h] = *reinterpret_cast<const float2*>(bs + (2 * s16 + h) * 8 + 2 * t);
       }
 #pragma unroll
-      for (int i = 0; i < MT; ++i)
+      for (int q = 0; q < NQ; ++q) vq[q] = vs[(s16 * NQ + q) * 32 + lane];
 #pragma unroll
-        for (int q = 0; q < NQ; ++q)
+      for (int i = 0; i < MT; ++i) {
+        unsigned kh[4], kl[4];
 #pragma unroll
-          for (int r = 0; r < 4; ++r) total[i][q][r] += double(main_acc[i][q][r]), main_acc[i][q][r] = 0.0f;
+        for (int h = 0; h < 2; ++h) {
+          float d[4];
+          falkon_detail::exponents<S>(d, ah[i], al[i], bf[h], bp[h].x, bp[h].y);
+          // rows g (k of centres 2t, 2t + 1: a[2h]) and g + 8 (a[2h + 1]) of centre block 2 s16 + h
+          falkon_detail::split_f16(math::ex2_approx(__fadd_rn(d[0], a[2 * i])),
+                                   math::ex2_approx(__fadd_rn(d[1], a[2 * i])), kh[2 * h], kl[2 * h]);
+          falkon_detail::split_f16(math::ex2_approx(__fadd_rn(d[2], a[2 * i + 1])),
+                                   math::ex2_approx(__fadd_rn(d[3], a[2 * i + 1])), kh[2 * h + 1], kl[2 * h + 1]);
+        }
+#pragma unroll
+        for (int q = 0; q < NQ; ++q) {
+          mma_detail::Mma16<float16>::run(corr[i][q], kl, vq[q].x, vq[q].y);
+          mma_detail::Mma16<float16>::run(main_acc[i][q], kh, vq[q].x, vq[q].y);
+          mma_detail::Mma16<float16>::run(corr[i][q], kh, vq[q].z, vq[q].w);
+        }
+      }
     }
-    if ((tile - tile0) % Tr::kCorrTiles == Tr::kCorrTiles - 1 || tile + 1 == tile1)
+    const bool corr_too = (tile - tile0) % Tr::kCorrTiles == Tr::kCorrTiles - 1 || tile + 1 == tile1;
 #pragma unroll
-      for (int i = 0; i < MT; ++i)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int q = 0; q < NQ; ++q)
+      for (int q = 0; q < NQ; ++q)
 #pragma unroll
-          for (int r = 0; r < 4; ++r)
-            total[i][q][r] += double(corr[i][q][r]) * (1.0 / 4096.0), corr[i][q][r] = 0.0f;
-  }
-  mma_detail::cp_async_wait<0>();
+        for (int r = 0; r < 4; ++r) {
+          total[i][q][r] += double(main_acc[i][q][r]), main_acc[i][q][r] = 0.0f;
+          if (corr_too) total[i][q][r] += double(corr[i][q][r]) * (1.0 / 4096.0), corr[i][q][r] = 0.0f;
+        }
+  });
 
   double* o = out + i64(blockIdx.y) * ss;
 #pragma unroll

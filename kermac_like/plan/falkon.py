@@ -177,9 +177,10 @@ class FalkonProducts:
     def rows_pv(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """K(x, z) v: (N, C) float64 for float32 v (M, C) (any strides), the products k v on tensor cores
         (falkon_rows_pv_kernel: k and v s_c split into two f16 parts each, s_c a power of two from the
-        column's largest |v|, three mma.m16n8k16 per 16 centres, float32 sums of 32 centres added in
-        float64), in launches of 16 columns (8 for a last chunk of <= 8). Each launch first makes v's B
-        fragments (falkon_vprep_kernel: Mp x 64 bytes at 16 columns) from the columns' max |v|.
+        column's largest |v|, three mma.m16n8k16 per 16 centres, float32 sums of 128 centres added in
+        float64, the 2^-12 correction's of 512), in launches of 16 columns (8 for a last chunk of <= 8).
+        Each launch first makes v's B fragments (falkon_vprep_kernel: Mp x 64 bytes at 16 columns) from
+        the columns' max |v|.
 
         A CG loop calls this with one x and right-hand sides of one shape: the launches of such a call
         (kernels, grids, splits, the fragment and split buffers, the packed arguments) are kept per

@@ -28,7 +28,6 @@ bit for bit, but it reads the device only where the answer can change what runs:
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -41,14 +40,9 @@ from linear_operator.utils.linear_cg import (
 )
 from linear_operator.utils.warnings import NumericalWarning
 
-__all__ = ["enabled", "linear_cg"]
+__all__ = ["linear_cg"]
 
 _NAN_MESSAGE = "NaNs encountered when trying to perform matrix-vector multiplication"
-
-
-def enabled() -> bool:
-    """KERMAC_LIKE_GP_CG, "1" (default) or "0" (linear_operator's linear_cg), read at each solve."""
-    return os.environ.get("KERMAC_LIKE_GP_CG", "1") != "0"
 
 
 def linear_cg(matmul_closure, rhs, n_tridiag=0, tolerance=None, eps=1e-10, stop_updating_after=1e-10,

@@ -36,7 +36,6 @@ Functions rebuild it from) with
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from gpytorch.kernels.kernel import dist, sq_dist
@@ -48,7 +47,7 @@ from linear_operator.utils.permutation import apply_permutation
 from ..descriptor import preset
 from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec, prepare_matvec
 from ..ops.matvec_backward import contraction
-from . import _cg, _products
+from . import _cg, _products, _switches
 
 __all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS"]
 
@@ -151,10 +150,8 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         # gradient (autograd adds x2's None to it: the same tensor). The outputscale's from one product
         # without autograd. Elsewhere (batch modes, two inputs, KERMAC_LIKE_GP_SYMGRAD=0) linear_operator's.
         x, s = self.x1, self.outputscale
-        rep = self.representation()
-        if not (os.environ.get("KERMAC_LIKE_GP_SYMGRAD", "1") != "0" and _same_autograd_tensor(x, self.x2)
-                and x.requires_grad and left_vecs.dim() == 2 and right_vecs.dim() == 2 and x.dim() == 2
-                and len(rep) == 2 + (s is not None)):
+        if not (_switches.on("SYMGRAD") and _same_autograd_tensor(x, self.x2) and x.requires_grad and x.dim() == 2
+                and left_vecs.dim() == 2 and right_vecs.dim() == 2 and set(self.tensor_params) <= {"outputscale"}):
             return super()._bilinear_derivative(left_vecs, right_vecs)
         u = left_vecs.to(x.dtype)
         v = right_vecs.to(x.dtype)
@@ -359,7 +356,7 @@ def _pivot_graph_state(representation_tree, matrix, rank: int, matrix_args):
     the operator's tensors and replayed after copying them in: the same kernels, so the same bits. None
     (the caller runs the loop eagerly) off CUDA, for other operators, with KERMAC_LIKE_GP_GRAPH=0, or where
     the capture failed once for that key. The outputs belong to the graph: used before its next replay."""
-    if not (isinstance(matrix, KermacKernelLinearOperator) and os.environ.get("KERMAC_LIKE_GP_GRAPH", "1") != "0"):
+    if not (isinstance(matrix, KermacKernelLinearOperator) and _switches.on("GRAPH")):
         return None
     tensors = [a for a in matrix_args if isinstance(a, torch.Tensor)]
     device = tensors[0].device if tensors else None
@@ -436,7 +433,7 @@ class KermacAddedDiagLinearOperator(AddedDiagLinearOperator):
     def _solve(self, rhs: torch.Tensor, preconditioner=None, num_tridiag: int | None = 0):
         # linear_operator's LinearOperator._solve with the package's linear_cg (the same bits, no host waits
         # where its stopping rule cannot act, no product with the zero initial guess: kermac_like/gpytorch/_cg.py)
-        if not _cg.enabled():
+        if not _switches.on("CG"):
             return super()._solve(rhs, preconditioner, num_tridiag=num_tridiag)
         mat = rhs if rhs.dim() > 1 else rhs.unsqueeze(-1)
         zero_residual = (torch.Size((*torch.broadcast_shapes(self.batch_shape, mat.shape[:-2]), *mat.shape[-2:])),

@@ -17,27 +17,21 @@ finite (the expanded form, as GPyTorch's own ``sq_dist``: an infinite coordinate
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..plan.core import _gpu_ok
 from ..plan.falkon import FalkonProducts
 from ..runtime.specs.falkon import MAX_K
+from . import _switches
 
-__all__ = ["enabled", "matmul", "MIN_COLUMNS"]
+__all__ = ["matmul", "MIN_COLUMNS"]
 
 # Fewer columns stay on kernel_matvec: its one-column SIMT loop pays no padding to 8 columns.
 MIN_COLUMNS = 2
 
 
-def enabled() -> bool:
-    """KERMAC_LIKE_GP_TC, "1" (default) or "0" (every product through kernel_matvec), read at each product."""
-    return os.environ.get("KERMAC_LIKE_GP_TC", "1") != "0"
-
-
 def _serves(kernel: str, x1: torch.Tensor, x2: torch.Tensor, rhs: torch.Tensor) -> bool:
-    if not (enabled() and kernel == "rbf" and x1.dim() == 2 and x2.dim() == 2 and rhs.dim() in (1, 2)):
+    if not (_switches.on("TC") and kernel == "rbf" and x1.dim() == 2 and x2.dim() == 2 and rhs.dim() in (1, 2)):
         return False
     if not (x1.dtype == x2.dtype == rhs.dtype == torch.float32 and 1 <= x1.shape[1] <= MAX_K):
         return False

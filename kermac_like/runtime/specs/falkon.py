@@ -21,7 +21,7 @@ from __future__ import annotations
 from .kernel_spec import KernelSpec, LaunchShape, bucket
 
 __all__ = ["K_BUCKETS", "MAX_K", "C_BUCKETS", "PAD", "k_bucket", "c_chunk", "rows_shape", "cols_shape", "prep_spec",
-           "rows_spec", "cols_spec", "NQ_BUCKETS", "pv_shape", "pv_nq", "vprep_spec", "rows_pv_spec", "shipped"]
+           "rows_spec", "cols_spec", "pv_shape", "pv_nq", "vprep_spec", "rows_pv_spec", "shipped"]
 
 K_BUCKETS = (8, 16, 32)
 MAX_K = K_BUCKETS[-1]
@@ -81,11 +81,9 @@ def cols_spec(K: int, kC: int) -> KernelSpec:
                       f"kermac_like::FalkonColsTraits<{int(kK)}, {int(kC)}>", cols_shape(kK, kC))
 
 
-NQ_BUCKETS = (1, 2)  # n8 column tiles of the several-column rows kernel (8 or 16 columns a launch)
-
-
 def pv_nq(C: int) -> int:
-    """kNq of a several-column launch over the first of C remaining columns: 2 (16 columns) beyond 8."""
+    """kNq (n8 column tiles: 1 or 2) of a several-column launch over the first of C remaining columns: 2 (16
+    columns) beyond 8."""
     return 1 if C <= 8 else 2
 
 

@@ -25,14 +25,14 @@ def step(kernel_cls, x, y, forward_ctx=contextlib.nullcontext, backward_ctx=cont
     return model_step(kernel_cls, x, y, forward_ctx, backward_ctx)[0]
 
 
-def model_step(kernel_cls, x, y, forward_ctx=contextlib.nullcontext, backward_ctx=contextlib.nullcontext):
-    """(the negative MLL, the model with its gradients) of :func:`step`."""
+def model_step(kernel_cls, x, y, forward_ctx=contextlib.nullcontext, backward_ctx=contextlib.nullcontext, seed=0):
+    """(the negative MLL, the model with its gradients) of :func:`step`; ``seed`` draws the probe vectors."""
     likelihood = gpytorch.likelihoods.GaussianLikelihood().to(x.device)
     model = ScaledExactGP(x, y, likelihood, kernel_cls()).to(x.device)
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
     model.train()
     likelihood.train()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with gpytorch.settings.max_cholesky_size(0):
         with forward_ctx():
             loss = -mll(model(x), y)

@@ -617,7 +617,8 @@ def gp_step_rows(bench):
     try:
         import gpytorch
 
-        from kermac_like.gpytorch import RBFKernel, ScaledExactGP
+        from bench._gp import model_step
+        from kermac_like.gpytorch import RBFKernel
     except ImportError as e:
         return [dict(workload="gp_step", size="", ours_ms=None, torch_ms=None, kermac_ms=None, error=None,
                      torch_error=None, unit="ms", note=f"skipped: {e}", speedup=None, kermac_speedup=None)]
@@ -630,17 +631,9 @@ def gp_step_rows(bench):
         y = torch.sin(3 * x[:, 0]) * torch.cos(x[:, 1:].sum(1)) + 0.1 * bench.randn(n)
         return x, y
 
-    def step(kernel_cls, x, y):
-        likelihood = gpytorch.likelihoods.GaussianLikelihood().to(dev)
-        model = ScaledExactGP(x, y, likelihood, kernel_cls()).to(dev)
-        mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
-        model.train()
-        likelihood.train()
-        torch.manual_seed(bench.args.seed)  # the same probe vectors for both kernels
-        with gpytorch.settings.max_cholesky_size(0):
-            loss = -mll(model(x), y)
-            loss.backward()
-        return -loss.detach(), model.covar_module.base_kernel.raw_lengthscale.grad.detach()
+    def step(kernel_cls, x, y):  # the same probe vectors (seed) for both kernels
+        loss, model = model_step(kernel_cls, x, y, seed=bench.args.seed)
+        return -loss, model.covar_module.base_kernel.raw_lengthscale.grad.detach()
 
     def measure(kernel_cls, x, y, reps, warm):
         """(median ms, peak extra MiB, MLL, gradient) or the out-of-memory message, after ``warm`` untimed

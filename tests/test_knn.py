@@ -294,3 +294,34 @@ def test_oracle_helpers_reject_wrong_answers():
     with pytest.raises(AssertionError):
         assert_acceptable(v, torch.tensor([[1, 2]]), dense, 2, False)
 
+
+
+@pytest.mark.parametrize("largest", [False, True])
+def test_blocked_matrix_product_selection_is_rescored_exactly(monkeypatch, largest):
+    """knn p = 2 on the GPU's blocked path (blocks from the matrix-product cdist, float32) returns
+    the distances of direct differences at the indices it selects: on data at an offset of 10 with
+    an exact duplicate pair, the duplicate gives exactly 0, every value is float64's rounded to
+    float32, in the (value, index) order. Without the rescoring the values are off by far more
+    (the check can fail). (On a GPU the blocks' cdist is shifted by a reference point as well,
+    so that the selection follows the centred scale: tests/test_gpu_zoo.py.)"""
+    monkeypatch.setattr(knn_mod, "_torch_blocks", lambda call: False)
+    monkeypatch.setattr(knn_mod, "_work_dtype", lambda call: call.dtype)  # float32 blocks, as on a GPU
+    monkeypatch.setattr(knn_mod, "MIN_BLOCK_COLUMNS", 16)
+    monkeypatch.setattr(knn_mod, "RESCORE_ELEMENTS", 64)  # several rescoring chunks
+    x, y = _data(40, 90, 5, seed=21)
+    x, y = x + 10, y + 10
+    y[17] = x[3]
+    k = 20
+    call = knn_mod.prepare_knn(x, y, k, largest=largest)
+    v, i = _poisoned((40, k))
+    knn_mod.topk_blocked(call, v, i, block_elements=300)
+    ref = torch.cdist(x.double(), y.double(), compute_mode=EXACT)
+    assert torch.equal(v, ref.gather(1, i).float())
+    a, b = (v[:, 1:], v[:, :-1]) if largest else (v[:, :-1], v[:, 1:])
+    assert bool(((a < b) | ((a == b) & (i[:, :-1] < i[:, 1:]))).all())  # the (value, index) order
+    if not largest:
+        assert v[3, 0].item() == 0.0 and i[3, 0].item() == 17
+    monkeypatch.setattr(knn_mod, "_rescores", lambda call: False)
+    v2, i2 = _poisoned((40, k))
+    knn_mod.topk_blocked(call, v2, i2, block_elements=300)
+    assert (v2.double() - ref.gather(1, i2)).abs().max() > 1e-5  # float32 rounding: 2.4e-7 here

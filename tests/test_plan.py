@@ -409,3 +409,33 @@ def test_chunk_stream_switch(as_gpu, monkeypatch):
     monkeypatch.setattr(launcher, "available", lambda spec, device: spec.traits.endswith(", 0>"))
     P.clear_templates()
     assert plan("l1", 100).spec.traits.endswith(", 0>")
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (8, 0)], ids=["sm_90", "sm_80"])
+@pytest.mark.parametrize("K", [16, 13])
+def test_tensor_core_operands_are_centred(as_gpu, cap, K):
+    """Float32 DIFF calls on tensor cores read a and b shifted by the reference point (the mean
+    of b's finite rows), zero-padded where K needs it, the full plan and its template alike;
+    K(x, x) still reads one copy; a non-finite coordinate keeps its value and moves no shift;
+    DOT calls and 16-bit data read their operands unshifted."""
+    as_gpu[0] = cap
+    x, y = torch.randn(40, K) + 1000, torch.randn(30, K) + 1000
+    y[3, 2] = float("inf")
+    s = y[torch.arange(30) != 3].mean(0)
+    s[torch.arange(K) != 2] = y[:, torch.arange(K) != 2].mean(0)
+    for rep in range(2):
+        call = prepare_call(km.PRESETS["l2"], x, y)
+        plan = P.plan_distance(call, torch.empty(call.out_shape), COMPUTE_MODES[1], False)
+        a, b = plan.scratch[-1]["a"], plan.scratch[-1]["b"]
+        assert a.shape[-1] == b.shape[-1] == 16
+        torch.testing.assert_close(a[:, :K], x - s, rtol=0, atol=1e-3)
+        assert torch.equal(a[:, :K], x - P.reference_point(y)) and not a[:, K:].any()
+        assert b[3, 2] == float("inf") and abs(float(b[:, :K][torch.isfinite(b[:, :K])].mean())) < 1
+        assert plan.launches[-1].args[0] == a.data_ptr()
+    same = P.plan_distance(prepare_call(km.PRESETS["l2"], x, x), torch.empty(40, 40), COMPUTE_MODES[1], False)
+    assert same.scratch[-1]["a"] is same.scratch[-1]["b"] and abs(float(same.scratch[-1]["a"].mean())) < 1
+    dot = P.plan_distance(prepare_call(km.PRESETS["dot"], x, y), torch.empty(40, 30), COMPUTE_MODES[1], False)
+    assert float(dot.scratch[-1]["a"][:, :K].mean()) > 900
+    half = P.plan_distance(prepare_call(km.PRESETS["l2"], x.half(), y.half()), torch.empty(40, 30).half(),
+                           COMPUTE_MODES[1], False)
+    assert float(half.scratch[-1]["a"][:, :K].float().mean()) > 900

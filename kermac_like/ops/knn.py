@@ -315,6 +315,40 @@ def _block_values(call: TopkCall, xb: Tensor, yb: Tensor, m0: int, n0: int, work
                       epsilon=call.epsilon, compute_mode=COMPUTE_MODES[2], **hyp)
 
 
+def _rescores(call: TopkCall) -> bool:
+    """Whether the blocked path's selection is rescored by direct differences: knn p = 2 on a
+    GPU where torch.cdist's rule takes the matrix product (the package's tensor-core cdist,
+    shifted by a reference point: float32-grade relative to the data's centred scale, but not
+    relative to a near neighbour's small distance, nor 0 at a duplicate)."""
+    return call.p == 2 and not _torch_blocks(call) and _resolved_mode(call) == COMPUTE_MODES[1]
+
+
+RESCORE_ELEMENTS = 1 << 24  # gathered float64 coordinates of one rescoring chunk
+
+
+def _rescored(x: Tensor, y: Tensor, v: Tensor, i: Tensor, k: int, largest: bool) -> tuple:
+    """(values, indices) of the selected ``i`` (B, m, k) of rows ``x`` (B, m, K) among ``y``
+    (B, N, K), their distances recomputed by direct differences in float64 (rounded once to
+    float32: an exact duplicate gives 0) and put back in the (value, index) order. Where the
+    matrix product gave NaN or inf (an infinite coordinate: inf - inf), its value stays, as in
+    torch.cdist's matrix-product path."""
+    B, m, K = x.shape
+    exact = torch.empty(v.shape, dtype=torch.float64, device=v.device)
+    rows = max(1, RESCORE_ELEMENTS // max(1, k * K))
+    for b in range(B):
+        for r0 in range(0, m, rows):
+            r1 = min(m, r0 + rows)
+            g = y[b][i[b, r0:r1]].double()  # (rows, k, K)
+            g.sub_(x[b, r0:r1, None, :].double())
+            exact[b, r0:r1] = g.square_().sum(-1).sqrt_()
+    exact = torch.where(torch.isfinite(v), exact.to(v.dtype), v).reshape(B * m, k)
+    i = i.reshape(B * m, k)
+    by_index = torch.sort(i, dim=1).indices
+    exact, i = exact.gather(1, by_index), i.gather(1, by_index)
+    order = merge_order(exact, None, k, largest)
+    return exact.gather(1, order).view(B, m, k), i.gather(1, order).view(B, m, k)
+
+
 def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_elements: int | None = None,
                  debug: bool = False) -> tuple:
     """The top-k of a validated call by blocks: writes ``values`` and ``indices`` (checked by the
@@ -333,6 +367,7 @@ def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_eleme
     mb = max(1, min(M, budget // max(1, B * nb)))
     x = call.x.expand(*call.batch, M, K)
     y = call.y.expand(*call.batch, N, K)
+    rescore = _rescores(call)
     if debug:
         log.debug("topk k=%d largest=%s %s: blocked path on %s (%s), blocks of %d rows x %d columns, batch %s",
                   k, call.largest, call.desc if call.p is None else f"p={call.p:g}", call.device, work, mb, nb,
@@ -355,6 +390,9 @@ def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_eleme
             else:
                 cols = cols + n0
             run_v, run_i = merge_candidates(cand_v, cols, valid, k, call.largest)
+        if rescore:
+            run_v, run_i = _rescored(x[..., m0:m1, :].reshape(B, m1 - m0, K), y.reshape(B, N, K),
+                                     run_v.view(B, m1 - m0, k), run_i.view(B, m1 - m0, k), k, call.largest)
         values[..., m0:m1, :] = run_v.view(*call.batch, m1 - m0, k)
         indices[..., m0:m1, :] = run_i.view(*call.batch, m1 - m0, k)
     return values, indices

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..centring import centred, reference_point, shift_invariant
 from ..descriptor import KernelDescriptor
 from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
 from .. import torch_path
@@ -126,34 +127,56 @@ def _batch_plan(call: DistanceCall, tensors: dict):
     return plan_batch(call.batch, strides)
 
 
-def _padded_for_tensor_cores(call: DistanceCall) -> DistanceCall:
-    """The call with a and b zero-padded along K to whole 16-byte rows when K is not a
-    multiple of 16 bytes (the tensor-core kernels need aligned rows): x.y and |x - y|^2
-    are unchanged by zero columns; one copy of each input (M x K and N x K elements),
-    small beside the M x N output it unlocks (K = 37 at 20000^2: cdist p=2 3.05 -> 0.80 ms
-    on an H200, bench/notes/lowk.md)."""
+def _centres_for_tensor_cores(call: DistanceCall) -> bool:
+    """Whether the tensor-core kernels read a and b shifted by the call's reference point
+    (kermac_like.centring): every float32 DIFF call. Their product formula
+    |x|^2 + |y|^2 - 2 x.y loses eps (|x|^2 + |y|^2), so on data far from the origin
+    (cdist p = 2 at an offset of 1000 x the spread: relative error 0.95 unshifted) the
+    shift brings the error back to the data's centred scale; the copies are one pass over
+    a and b, small beside the M x N output (bench/notes/distance.md, "Data as it comes")."""
+    return shift_invariant(call.desc) and call.dtype == torch.float32
+
+
+def _tensor_core_operands(call: DistanceCall) -> tuple:
+    """(the call as the tensor-core kernels read it, pad_k, centre): a and b zero-padded
+    along K to whole 16-byte rows when K is not a multiple of 16 bytes (the kernels need
+    aligned rows; x.y and |x - y|^2 are unchanged by zero columns; K = 37 at 20000^2: cdist
+    p=2 3.05 -> 0.80 ms on an H200, bench/notes/lowk.md), and shifted by the reference
+    point (:func:`_centres_for_tensor_cores`); one copy of each input in all."""
     per = 16 // call.a.element_size()
-    if call.K % per == 0 or not call.desc.is_euclidean:
-        return call
-    Kp = -(-call.K // per) * per
-    a, b = _pad_pair(call.a, call.b, Kp)
-    return dataclasses.replace(call, a=a, b=b, K=Kp)
+    Kp = call.K if call.K % per == 0 or not call.desc.is_euclidean else -(-call.K // per) * per
+    centre = _centres_for_tensor_cores(call)
+    if Kp == call.K and not centre:
+        return call, 0, False
+    a, b = _prepared_pair(call.a, call.b, Kp, centre)
+    return dataclasses.replace(call, a=a, b=b, K=Kp), (Kp if Kp != call.K else 0), centre
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
-def _pad_pair(a: torch.Tensor, b: torch.Tensor, Kp: int) -> tuple:
-    """a and b zero-padded to Kp columns; one copy when they are the same memory, so that
-    the kernels still see a == b (their exact zero self-distance diagonal)."""
-    pa = _pad_k(a, Kp)
-    return pa, (pa if _same_memory(a, b) else _pad_k(b, Kp))
+def _prepared_pair(a: torch.Tensor, b: torch.Tensor, Kp: int, centre: bool) -> tuple:
+    """a and b zero-padded to Kp columns and, with ``centre``, shifted by the reference point
+    of b; one copy when they are the same memory, so that the kernels still see a == b
+    (their exact zero self-distance diagonal)."""
+    s = reference_point(b) if centre else None
+    pa = _pad_k(a, Kp, s)
+    return pa, (pa if _same_memory(a, b) else _pad_k(b, Kp, s))
 
 
-def _pad_k(t: torch.Tensor, Kp: int) -> torch.Tensor:
-    """``t`` zero-padded along its last mode to ``Kp`` columns (a fresh row-major tensor)."""
-    return torch.nn.functional.pad(t, (0, Kp - t.shape[-1]))
+def _pad_k(t: torch.Tensor, Kp: int, s: torch.Tensor | None = None) -> torch.Tensor:
+    """``t - s`` (``s`` None: ``t``) zero-padded along its last mode to ``Kp`` columns (a
+    fresh row-major tensor)."""
+    K = t.shape[-1]
+    if s is None:
+        return torch.nn.functional.pad(t, (0, Kp - K))
+    if Kp == K:
+        return centred(t, s)
+    buf = t.new_empty((*t.shape[:-1], Kp))
+    buf[..., K:].zero_()
+    torch.sub(t, s.to(t.dtype), out=buf[..., :K])
+    return buf
 
 
 # The SIMT kernel copies a k-contiguous (row-major) operand into its k-major shared tiles with
@@ -300,6 +323,7 @@ class _Template(NamedTuple):
     launches: tuple  # of (kernel, grid, args, positions, ArgBlock or None)
     scratch: tuple  # of (name, numel)
     pad_k: int = 0  # a and b are read zero-padded to this many columns (a copy per call)
+    centre: bool = False  # a and b are read shifted by the call's reference point (the same copy)
     kmajor: bool = False  # a and b are read from m-contiguous copies (a copy per call: _kmajor)
 
 
@@ -404,8 +428,8 @@ def _with_arg_blocks(t: _Template) -> _Template:
 def _instantiate_template(t: _Template, a, b, out, hyper_tensors: dict, device, debug: bool) -> Plan:
     """The plan of a cached template for the operands of a call (zero-padded copies of a
     and b where the template reads them padded)."""
-    if t.pad_k:
-        a, b = _pad_pair(a, b, t.pad_k)
+    if t.pad_k or t.centre:
+        a, b = _prepared_pair(a, b, t.pad_k or a.shape[-1], t.centre)
     if t.kmajor:
         a, b = _kmajor_pair(a, b)
     return _instantiate(t, {"a": a, "b": b, "out": out, **hyper_tensors}, device, debug)
@@ -511,10 +535,9 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     reference path."""
     from ..runtime.launcher import get_kernel, max_active_clusters, prefetch
 
-    padded = kmajor = False
+    pad_k, centre, kmajor = 0, False, False
     if kind == autotune.TENSOR_CORE:
-        padded_call = _padded_for_tensor_cores(call)
-        padded, call = padded_call is not call, padded_call
+        call, pad_k, centre = _tensor_core_operands(call)
     elif not _lowk_serves(kind, call.K) and _kmajor_worthwhile(call):
         kmajor = True
         a, b = _kmajor_pair(call.a, call.b)
@@ -533,9 +556,8 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     if family == "distance_lowk":
         spec, kept = _first_call_tier(spec, call, (av, bv, outv), compute_mode, debug)
         reusable = reusable and kept
-    pad_k = call.K if padded else 0
     if bplan.count == 0 or call.M == 0 or call.N == 0:
-        return _Template(family, spec, (), (), pad_k, kmajor), tensors, reusable
+        return _Template(family, spec, (), (), pad_k, centre, kmajor), tensors, reusable
     device = _device_index(call.device)
     if spec.kernel == WGMMA_KERNEL:  # the kernel and its b preparation compile side by side
         small, norms = wgmma_prepare_needs(call.desc, tf32=settings.tf32)
@@ -595,7 +617,7 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
             args += extra
         launches.append(_launch_template(kernel, grid, args))
     scratch = prepare.scratch if prepare is not None else ()
-    return _Template(family, spec, tuple(launches), scratch, pad_k, kmajor), tensors, reusable
+    return _Template(family, spec, tuple(launches), scratch, pad_k, centre, kmajor), tensors, reusable
 
 
 def b_entries(modes, strides) -> tuple:

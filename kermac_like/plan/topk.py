@@ -25,6 +25,7 @@ import os
 import numpy as np
 import torch
 
+from ..centring import centred_pair
 from ..descriptor import PRESETS
 from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
                                   MMA_VERSIONS, RESCORE_WARPS, mma_sel, mma_smem, topk_combine_spec, topk_mma_spec,
@@ -211,12 +212,14 @@ def candidate_bound(xn: torch.Tensor, ynorm, a: torch.Tensor, K: int, dot: bool)
 
 
 def rescore(xs: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, pad: torch.Tensor, last: torch.Tensor, ynorm,
-            k: int, *, dot: bool, largest: bool) -> tuple:
+            k: int, *, dot: bool, largest: bool, xn: torch.Tensor | None = None) -> tuple:
     """The k best of each row's candidates ``idx`` (b, sel) (``pad``: entries that are no
     candidate) by float32 values recomputed by direct differences (squared distances, or dot
     products), in the (value, index) order; and whether each row is certified: its k-th value
     clear of ``last`` (the approximate value of the row's last candidate, beyond which every
-    point left out lies) by :func:`candidate_bound`. Returns (values (b, k), indices, ok (b,))."""
+    point left out lies) by :func:`candidate_bound` with the norms the candidates were formed
+    from (``xn``: the rows' norms, default |xs|; ``ynorm``: the points' largest).
+    Returns (values (b, k), indices, ok (b,))."""
     xs = xs.float()
     yg = y[idx].float()  # (b, sel, K)
     if dot:
@@ -231,7 +234,7 @@ def rescore(xs: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, pad: torch.Ten
     ev, ii = ev.gather(1, oi), idx.gather(1, oi)
     ov = torch.sort(ev, dim=1, descending=largest, stable=True).indices[:, :k]
     ev, ii = ev.gather(1, ov), ii.gather(1, ov)
-    bound = candidate_bound(torch.linalg.vector_norm(xs, dim=1), ynorm, last, xs.shape[1], dot)
+    bound = candidate_bound(torch.linalg.vector_norm(xs, dim=1) if xn is None else xn, ynorm, last, xs.shape[1], dot)
     kth = ev[:, -1]
     ok = (kth > last + bound) if largest else (kth < last - bound)
     return ev, ii, ok | pad.any(1)
@@ -273,6 +276,11 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     sel = mma_sel(k)
     kernel = get_kernel(spec, device, debug=debug)
     x, y = _rows_ready(call.x), _rows_ready(call.y)
+    # Distances: the candidates' TF32 products and their bound on the data shifted by its
+    # reference point, so that the bound (and the share of rows it certifies) follows the data's
+    # centred scale, not |x| (features shifted by +3 at knn_d128: every row uncertified before);
+    # the rescoring's direct differences read the data as given.
+    xc, yc = (x, y) if dot else centred_pair(x, y)[:2]
     Kp = x.shape[1]
     slots = _sm_count(device) * _blocks_per_sm(kernel)
     rows = min(M, slots * MMA_BLOCK_M)  # one wave of row tiles per launch
@@ -282,7 +290,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     per = -(-n_tiles // split)
     split = -(-n_tiles // per)
     scratch = torch.empty((4 * split, rows, sel), dtype=torch.int64, device=call.device)
-    ynorm = torch.linalg.vector_norm(call.y.float(), dim=1).max()
+    ynorm = torch.linalg.vector_norm(yc, dim=1).max()
     fused = flags = None
     if FUSED_RESCORE:  # the rows' certificates (uint8) of the fused rescoring
         fused = get_kernel(topk_rescore_spec(dot, largest), device, debug=debug)
@@ -295,12 +303,12 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     bad = []
     for r0 in range(0, M, rows):
         rr = min(rows, M - r0)
-        args = (x.data_ptr() + r0 * Kp * 4, y.data_ptr(), scratch.data_ptr(), np.int32(rr), np.int32(N),
+        args = (xc.data_ptr() + r0 * Kp * 4, yc.data_ptr(), scratch.data_ptr(), np.int32(rr), np.int32(N),
                 np.int32(Kp), np.int64(Kp), np.int64(Kp), np.int32(1), np.int32(1), np.int32(1),
                 *(np.int64(0),) * 6, np.int32(split), np.int32(per))
         launch(kernel, (-(-rr // MMA_BLOCK_M), split, 1), args, debug=debug)
         if fused is not None:
-            xn = torch.linalg.vector_norm(call.x[r0:r0 + rr], dim=1)
+            xn = torch.linalg.vector_norm(xc[r0:r0 + rr], dim=1)
             launch(fused, (-(-rr // RESCORE_WARPS), 1, 1),
                    (scratch.data_ptr(), x.data_ptr() + r0 * Kp * 4, y.data_ptr(), xn.data_ptr(), ynorm.data_ptr(),
                     values.data_ptr() + r0 * svm * 4, indices.data_ptr() + r0 * sim * 8, flags.data_ptr() + r0,
@@ -314,7 +322,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
         for s0 in range(0, rr, RESCORE_ROWS):
             s1 = min(rr, s0 + RESCORE_ROWS)
             v, ii, ok = rescore(call.x[r0 + s0:r0 + s1], call.y, idx[s0:s1], pad[s0:s1], last[s0:s1], ynorm, k,
-                                dot=dot, largest=largest)
+                                dot=dot, largest=largest, xn=torch.linalg.vector_norm(xc[r0 + s0:r0 + s1], dim=1))
             values[r0 + s0:r0 + s1] = v.sqrt() if call.desc == PRESETS["l2"] else v
             indices[r0 + s0:r0 + s1] = ii
             bad.append((~ok).nonzero().squeeze(1) + (r0 + s0))

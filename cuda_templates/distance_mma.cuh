@@ -265,10 +265,45 @@ __device__ __forceinline__ void store_two(T* p, float y0, float y1) {
   }
 }
 
+// Near pairs (issue 42; bench/notes/distance.md, "Data as it comes"). The expansion's squared
+// distance is off by about 2^-21 (||x||^2 + ||y||^2) with Tf32x3, a large share of a small
+// distance (an exact duplicate came out as 0.0096 at D = 64). Entries whose expansion is below
+// kNearShare (||x||^2 + ||y||^2) of the rows as the kernel reads them (shifted by the planner's
+// reference point, so that the share follows the data's centred scale) are flagged in a
+// per-thread bit mask while the tile is written, and rewritten after it from the direct
+// differences of their two rows (read from global memory, through L1/L2), summed in fp64:
+// every difference and square of two floats is exact there, so an exact duplicate gives exactly
+// 0 and a near pair its float32-grade distance. Above the share the expansion's relative error
+// is at most about 2^-21 / kNearShare. On centred Gaussian data no entry is flagged at K >= 256
+// and about 2 % of them at K = 64 (cos(x, y) > 1/4). The rewrite is one loop over the set bits
+// (not unrolled), so the unrolled tile write keeps its code and registers.
+#ifndef KERMAC_LIKE_NEAR_SHARE
+#define KERMAC_LIKE_NEAR_SHARE 0.25f
+#endif
+
+// ||x - y||^2 of two float rows of K coordinates by direct differences in fp64, rounded once.
+__device__ __forceinline__ float direct_sq_distance(const float* x, const float* y, int K) {
+  double s = 0.0;
+#pragma unroll 1
+  for (int k = 0; k < K; ++k) {
+    const double d = (double)x[k] - (double)y[k];
+    s = fma(d, d, s);
+  }
+  return (float)s;
+}
+
+// Whether an entry's expansion is a near pair's (NaN and inf compare false: they keep the
+// expansion's value, as in torch.cdist's matrix-product path).
+__device__ __forceinline__ bool near_pair(float dot, float na, float nb) {
+  const float s = na + nb;
+  return fmaf(-2.f, dot, s) < KERMAC_LIKE_NEAR_SHARE * s;
+}
+
 // The fused epilogue of one kernel-matrix entry from its dot product and the two
 // squared row norms (both tensor-core kernels): ||x-y||^2 clamped at 0, sqrt,
 // "d < epsilon -> 0" (epsilon <= 0: no effect, also for a negative DOT), then
-// exp(-d / bw) or exp(-d^2 / (2 bw^2)) through ex2, plus the regularisation.
+// exp(-d / bw) or exp(-d^2 / (2 bw^2)) through ex2, plus the regularisation;
+// of_sq_distance: the same from a squared distance (the near pairs' rewrite).
 template <class Traits>
 struct EntryEpilogue {
   static constexpr bool kDiff = Traits::kInner == Inner::Diff;
@@ -298,6 +333,14 @@ struct EntryEpilogue {
     } else {
       d = dot;
     }
+    return tail(d, d2, regularised, plain, fma_exp);
+  }
+
+  __device__ __forceinline__ float of_sq_distance(float d2, bool regularised) const {
+    return tail(Traits::kOuter == Power::Sqrt ? sqrt_approx(d2) : d2, d2, regularised, false, false);
+  }
+
+  __device__ __forceinline__ float tail(float d, float d2, bool regularised, bool plain, bool fma_exp) const {
     if (plain) {
       regularised = false;
     } else if (d < eps) {
@@ -700,6 +743,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
 
+    // Near pairs (above): bit ((j kTilesM + i) 2 + h) 2 + e of near_mask.
+    constexpr bool kNear = kDiff && Traits::kPrecision == Precision::Tf32x3;
+    constexpr int kNearWords = kNear ? (kTilesM * kTilesN * 4 + 31) / 32 : 1;
+    unsigned near_mask[kNearWords];
+#pragma unroll
+    for (int w = 0; w < kNearWords; ++w) near_mask[w] = 0u;
 #pragma unroll
     for (int j = 0; j < kTilesN; ++j) {
       const int col = col0 + j * 8;  // columns col, col + 1 of MMA tile j
@@ -713,6 +762,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of MMA tile i
           const int m = m0 + row0 + i * 16 + h * 8;
           if (m >= M) continue;
+          if constexpr (kNear) {
+            const int b0 = ((j * kTilesM + i) * 2 + h) * 2;  // e = 0; e = 1 the next bit
+            near_mask[b0 / 32] |= (unsigned)near_pair(acc[i][j][2 * h], na[i][h], nb.x) << (b0 % 32);
+            near_mask[b0 / 32] |= (unsigned)near_pair(acc[i][j][2 * h + 1], na[i][h], nb.y) << (b0 % 32 + 1);
+          }
           const float y0 = finish(acc[i][j][2 * h], na[i][h], nb.x, reg_col[i][h] == col);
           const float y1 = finish(acc[i][j][2 * h + 1], na[i][h], nb.y, reg_col[i][h] == col + 1);
           if constexpr (Traits::kLayoutO == Layout::RowMajor) {
@@ -732,6 +786,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             store_one<T>(p, y0);
             if (n + 1 < N) store_one<T>(p + ldo, y1);
           }
+        }
+      }
+    }
+    if constexpr (kNear) {  // the near pairs rewritten from their direct differences
+#pragma unroll
+      for (int w = 0; w < kNearWords; ++w) {
+        for (unsigned bits = near_mask[w]; bits != 0u; bits &= bits - 1u) {
+          const int b = w * 32 + __ffs(bits) - 1;
+          const int e = b & 1, h = (b >> 1) & 1, i = (b >> 2) % kTilesM, j = (b >> 2) / kTilesM;
+          const int col = col0 + j * 8 + e;
+          const int m = m0 + row0 + i * 16 + h * 8, n = n0 + col;
+          if (n >= N) continue;
+          const bool regularised = reg_on && (long long)m + reg_diag == n;
+          const float y = finish.of_sq_distance(
+              direct_sq_distance(a_l + (long long)m * lda, b_l + (long long)n * ldb, K), regularised);
+          store_one<T>(Traits::kLayoutO == Layout::RowMajor ? out_l + (long long)m * ldo + n
+                                                            : out_l + (long long)n * ldo + m, y);
         }
       }
     }

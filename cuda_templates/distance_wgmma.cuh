@@ -610,6 +610,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                         (Traits::kLayoutO == Layout::ColMajor || vec_out) &&
                         (!reg_on || (long long)m0 + reg_diag >= n0 + kBlockN ||
                          (long long)m0 + kBlockM - 1 + reg_diag < n0);
+      // Near pairs (distance_mma.cuh): bit j of near_mask when one of the four entries of column
+      // pair j (rows h = 0, 1) is near; the four are rewritten after the tile (one register).
+      constexpr bool kNear = kDiff && kSplit;
+      unsigned near_mask = 0u;
+      if constexpr (kNear) {  // before the write (not inside it: its registers are the tight ones)
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const float2 nb = *reinterpret_cast<const float2*>(norm_b + col0 + j * 8);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            near_mask |= (unsigned)(near_pair(acc[4 * j + 2 * h], na[h], nb.x) |
+                                    near_pair(acc[4 * j + 2 * h + 1], na[h], nb.y)) << j;
+        }
+      }
       // kFast is a constant in each of the two calls below (inlined, folded).
       auto write_tile = [&](const bool kFast) {
 #pragma unroll
@@ -660,6 +674,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         write_tile(false);
       }
 #endif
+      if constexpr (kNear) {  // the near pairs' column pairs rewritten from their direct differences
+        for (unsigned bits = near_mask; bits != 0u; bits &= bits - 1u) {
+          const int j = __ffs(bits) - 1;
+#pragma unroll 1
+          for (int q = 0; q < 4; ++q) {
+            const int col = col0 + j * 8 + (q & 1);
+            const int m = m0 + row0 + (q >> 1) * 8, n = n0 + col;
+            if (m >= M || n >= N) continue;
+            const bool regularised = reg_on && (long long)m + reg_diag == n;
+            const float y = finish.of_sq_distance(
+                direct_sq_distance(a_l + (long long)m * lda, b_l + (long long)n * ldb, K), regularised);
+            if constexpr (Traits::kLayoutO == Layout::RowMajor) {
+              out_l[(long long)m * ldo + n] = y;
+            } else {
+              out_l[(long long)n * ldo + m] = y;
+            }
+          }
+        }
+      }
       release(prev_stage);  // the tile's last stage (b norms read)
     }
   }

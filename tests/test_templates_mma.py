@@ -372,6 +372,24 @@ def test_emulated_self_distance_is_exactly_zero(emulator):
     assert (torch.diagonal(y[0]) == 1.5).all()
 
 
+@pytest.mark.parametrize("cfg", EMULATED[:2], ids=lambda c: "-".join(map(str, c[:5])))
+def test_emulated_near_pairs_take_direct_differences(emulator, cfg):
+    """Exact duplicates in other memory give exactly 0 and near duplicates their float32-grade
+    distance (the near pairs' rewrite, distance_mma.cuh), every entry of a ragged tile; without
+    the rewrite (KERMAC_LIKE_NEAR_SHARE 0) the distance configuration fails both checks."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(1, 150, 64, generator=g)
+    b = torch.cat([torch.randn(1, 100, 64, generator=g), a[:, :40], a[:, 40:70] + 1e-3 * torch.randn(1, 30, 64, generator=g)], 1)
+    y, ref, untouched = emulate(emulator, cfg, a, b, bw=2.0 if cfg[2] != "None" else None)
+    assert untouched
+    dup = y[0, torch.arange(40), 100 + torch.arange(40)]
+    assert (dup == (0.0 if cfg[2] == "None" else 1.0)).all(), dup
+    near = y[0, 40 + torch.arange(30), 140 + torch.arange(30)].double()
+    want = ref[0, 40 + torch.arange(30), 140 + torch.arange(30)]
+    assert ((near - want).abs() <= 1e-6 * want.abs().clamp_min(1e-30) + (0 if cfg[2] == "None" else 1e-7)).all()
+    assert rel_error(y, ref) <= 1e-5
+
+
 def test_emulated_epsilon_and_shifted_regularisation(emulator):
     g = torch.Generator().manual_seed(4)
     cfg = EMULATED[0]
@@ -636,6 +654,7 @@ EMULATOR_SOURCE = r'''#include <ucontext.h>
 
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 #define __global__
 #define __launch_bounds__(...)
 #define __shared__
@@ -646,6 +665,7 @@ struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
 inline float2 make_float2(float a, float b) { return {a, b}; }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 using std::min;

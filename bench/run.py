@@ -4,6 +4,15 @@
     python bench/run.py --only cdist_p2 --only laplace_l2_kernel
     python bench/run.py --quick --out /tmp/b     # tiny sizes; on a CPU-only machine the reference path
     python bench/run.py --only gp_step           # GPyTorch ExactGP step, N = 10^5 (ours and GPyTorch) and 10^6
+    python bench/run.py --only knn_d3 --data pixels            # any workload on a data family (bench/datasets.py)
+    python bench/run.py --only robustness                       # every family: ~3-5 minutes on an H200 (estimated)
+    python bench/run.py --only robustness --families gaussian,shifted100 --scale 0.1
+
+Without --data every workload draws torch.randn (kmeans: Gaussian blobs) as before; --data
+NAME draws the workloads' points from that family instead (queries and points one draw of
+its structure; bandwidths times its spread, data_spread). The robustness workload runs
+knn_d3, knn_d128, knn_p1_d64, kmeans, cdist_p2, gauss_matvec_d3 and a Falkon fit on every
+family of --families (robustness_rows); it runs only when --only names it.
 
 Each row times kermac_like and its torch counterpart in this one process: the
 median of CUDA-event timings (perf_counter on a CPU) over --repeats calls, each
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -30,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -39,6 +50,7 @@ if str(ROOT) not in sys.path:  # a source checkout: kermac_like and bench/ live 
 
 import kermac_like as km  # noqa: E402
 from kermac_like.matvec import matvec_reference, prepare_matvec  # noqa: E402
+from bench import datasets  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -75,8 +87,12 @@ WORKLOADS = (
     "cold_compile",
     "warm_process",
     "lowk",
+    "robustness",
 )
 LINALG = ("solve_cholesky", "solve_lu", "eigh")
+# workloads whose data --data does not set (made by another module, a child process or their own rule)
+OWN_DATA = LINALG + ("krr_1m", "krr_1e9", "gp_step", "cold_compile", "warm_process", "robustness")
+OPT_IN = ("robustness",)  # run only when --only names them (a study of its own: minutes at full size)
 
 FULL = dict(cdist=(30000, 30000, 1024), laplace=(50000, 50000, 256), grad=(2, 10000, 10000, 768, 16),
             linalg=(10, 5000, 16))
@@ -90,8 +106,19 @@ QUICK = dict(kmeans=(5000, 16, 16, 20),
              knn_p1_d64=(1, 512, 512, 64, 16, 1.0), knn_batched=(4, 100, 100, 8, 8, 2.0),
              matvec_d3=(2000, 2000, 3), matvec_d256=(512, 512, 256), cdist=(256, 256, 64), laplace=(256, 256, 32), grad=(2, 128, 128, 32, 4),
              linalg=(2, 64, 4))
+# robustness (issue 42): per problem, the sizes of the workload it runs (kmeans: N, D, clusters,
+# iterations; falkon: N, D, centres), at --scale 1; robust_sizes scales them per family
+FULL["robustness"] = dict(knn_d3=(1, 100_000, 100_000, 3, 10, 2.0), knn_d128=(1, 100_000, 100_000, 128, 10, 2.0),
+                          knn_p1_d64=(1, 20_000, 20_000, 64, 16, 1.0), kmeans=(1_000_000, 16, 256, 20),
+                          cdist=(30000, 30000, 1024), matvec_d3=(100_000, 100_000, 3), falkon=(100_000, 8, 2000))
+QUICK["robustness"] = dict(knn_d3=QUICK["knn_d3"], knn_d128=QUICK["knn_d128"], knn_p1_d64=QUICK["knn_p1_d64"],
+                           kmeans=QUICK["kmeans"], cdist=(256, 256, 1024), matvec_d3=QUICK["matvec_d3"],
+                           falkon=(2000, 8, 100))
 ERR_ROWS = 256  # rows of the output compared with float64
 GRAD_SLICE = (8, 256)  # (n, m) corner of the cdist_grad output compared with float64
+TINY = torch.finfo(torch.float32).tiny  # max_rel's floor for distances
+KERNEL_FLOOR = 1e-5  # max_rel's floor for kernel values and sums
+TIE_REL = 1e-5  # knn_quality: distances within this (relative) of the k-th are ties
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -101,11 +128,37 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+def max_rel(ours: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
+    """max |ours - ref| / max(|ref|, floor), in float64 (0 for empty tensors)."""
+    ref = ref.double()
+    return float(((ours.double() - ref).abs() / ref.abs().clamp_min(floor)).max()) if ref.numel() else 0.0
+
+
+def cdist64(x: torch.Tensor, y: torch.Tensor, p: float = 2.0) -> torch.Tensor:
+    """The float64 distances of reference: torch.cdist without the matrix-product form."""
+    return torch.cdist(x.double(), y.double(), p=p, compute_mode="donot_use_mm_for_euclid_dist")
+
+
+@functools.lru_cache(maxsize=None)
+def data_spread(name: str, d: int, device: torch.device) -> float:
+    """The scale of family ``name`` at d features: the RMS of the column standard deviations of
+    4096 of its rows (seed 0, float64; translation-invariant, ~1 for gaussian), 1 when all are 0.
+    --data and robustness multiply the workloads' bandwidths by it."""
+    x = datasets.make(name, 4096, d, device=device, dtype=torch.float64)
+    s = float(x.var(0, correction=0).mean().sqrt())
+    return s if s > 0 else 1.0
+
+
 class Bench:
-    def __init__(self, args, device):
+    """One run's settings, sizes and generator. ``data``: the family of the workloads' points
+    (None: torch.randn, the data before --data); ``near``: queries are perturbed points of the
+    family (datasets.pair); ``check64``: kmeans also measures against a float64 Lloyd."""
+
+    def __init__(self, args, device, data=None, sizes=None, near=False, check64=False):
         self.args = args
         self.device = device
-        self.sizes = QUICK if args.quick else FULL
+        self.sizes = sizes or (QUICK if args.quick else FULL)
+        self.data, self.near, self.check64 = data, near, check64
         self.gen = torch.Generator(device=device).manual_seed(args.seed)
 
     def randn(self, *shape):
@@ -113,6 +166,24 @@ class Bench:
 
     def rand(self, *shape):
         return torch.rand(*shape, device=self.device, generator=self.gen)
+
+    def pair(self, m, n, d, *batch):
+        """Queries (*batch, m, d) and points (*batch, n, d): torch.randn, x first, or ``data``'s family."""
+        if self.data is None:
+            return self.randn(*batch, m, d), self.randn(*batch, n, d)
+        b = math.prod(batch)
+        x, y = datasets.pair(self.data, b * m, b * n, d, near=self.near, device=self.device, generator=self.gen)
+        return x.reshape(*batch, m, d), y.reshape(*batch, n, d)
+
+    def points(self, n, d):
+        """n rows of ``data``'s family (torch.randn without one)."""
+        if self.data is None:
+            return self.randn(n, d)
+        return datasets.make(self.data, n, d, device=self.device, generator=self.gen)
+
+    def spread(self, d):
+        """The bandwidths' factor: 1 on the default data, else data_spread of the family."""
+        return 1.0 if self.data is None else data_spread(self.data, d, self.device)
 
     def reps(self, cap=None):
         return self.args.repeats if cap is None or self.args.quick else min(self.args.repeats, cap)
@@ -144,27 +215,29 @@ class Bench:
     # -- cdist -------------------------------------------------------------------------
     def cdist(self, p, ours_cap, torch_cap):
         M, N, K = self.sizes["cdist"]
-        make = lambda: (self.randn(M, K), self.randn(N, K))  # noqa: E731
+        make = lambda: self.pair(M, N, K)  # noqa: E731
         ours = time_calls(lambda x, y: km.cdist(x, y, p=p), make, self.device,
                           repeats=self.reps(ours_cap), warmup=self.warm(1 if ours_cap else None), keep_last=True)
         x, y = ours.last_inputs
         r = min(ERR_ROWS, M)
-        ref = torch.cdist(x[:r].double(), y.double(), p=p, compute_mode="donot_use_mm_for_euclid_dist")
-        err = rel_err(ours.last_output[:r], ref)
-        terr = rel_err(torch.cdist(x[:r], y, p=p), ref)
+        ref = cdist64(x[:r], y, p)
+        theirs_r = torch.cdist(x[:r], y, p=p)
+        err, terr = rel_err(ours.last_output[:r], ref), rel_err(theirs_r, ref)
+        mx, tmx = max_rel(ours.last_output[:r], ref, TINY), max_rel(theirs_r, ref, TINY)
         ours.last_inputs = ours.last_output = None
-        del x, y, ref
+        del x, y, ref, theirs_r
         theirs = time_calls(lambda x, y: torch.cdist(x, y, p=p), make, self.device,
                             repeats=self.reps(torch_cap), warmup=self.warm(1 if torch_cap else None))
         kerm, note = self.time_kermac(lambda x, y: kermac.cdist(x, y, p=p), make, self.reps(torch_cap), 1)
-        return self.row(f"cdist_p{p:g}", f"{M}x{N}x{K}", ours, theirs, kerm, err, terr, note)
+        return self.row(f"cdist_p{p:g}", f"{M}x{N}x{K}", ours, theirs, kerm, err, terr, note, max_error=mx,
+                        torch_max_error=tmx)
 
     # -- Laplace kernel matrix ---------------------------------------------------------------
     def laplace(self):
         M, N, K = self.sizes["laplace"]
-        bw = math.sqrt(2.0 * K)  # the typical distance between standard normal rows: values around e^-1
+        bw = math.sqrt(2.0 * K) * self.spread(K)  # ~ the distance of standard normal rows: values around e^-1
         desc = km.preset("laplace_l2")
-        make = lambda: (self.randn(M, K), self.randn(N, K))  # noqa: E731
+        make = lambda: self.pair(M, N, K)  # noqa: E731
 
         def torch_laplace(x, y):
             return torch.cdist(x, y).div_(-bw).exp_()
@@ -173,7 +246,7 @@ class Bench:
                           repeats=self.reps(), warmup=self.warm(), keep_last=True)
         x, y = ours.last_inputs
         r = min(ERR_ROWS, M)
-        ref = torch.exp(-torch.cdist(x[:r].double(), y.double(), compute_mode="donot_use_mm_for_euclid_dist") / bw)
+        ref = torch.exp(-cdist64(x[:r], y) / bw)
         err = rel_err(ours.last_output[:r], ref)
         terr = rel_err(torch_laplace(x[:r], y), ref)
         ours.last_inputs = ours.last_output = None
@@ -185,7 +258,12 @@ class Bench:
     # -- cdist_grad -----------------------------------------------------------------------
     def cdist_grad(self, p):
         L, K, M, N, O = self.sizes["grad"]
-        make = lambda: (self.rand(L, K, M), self.randn(L, N, K), self.randn(L, O, K), self.randn(L, N, M))  # noqa: E731
+
+        def make():  # a = x^T: uniform on [0, 1) without --data, the family's queries with it
+            if self.data is None:
+                return self.rand(L, K, M), self.randn(L, N, K), self.randn(L, O, K), self.randn(L, N, M)
+            x, y = self.pair(M, N, K, L)
+            return x.mT.contiguous(), y, self.randn(L, O, K), self.randn(L, N, M)
         cap = None if p == 2 else 5
         ours = time_calls(lambda a, b, c, d: km.cdist_grad(a, b, c, d, p=p), make, self.device,
                           repeats=self.reps(cap), warmup=self.warm(), keep_last=True)
@@ -290,13 +368,14 @@ def torch_gauss_matvec(x, y, v, bw, block=4096):
 def gauss_matvec_rows(bench, name, D, Cs):
     """Gaussian kernel matvec (KeOps' benchmark (a) at D = 3): kernel_matvec beside torch in
     row blocks, same process; v uniform in [0, 1) (kernel sums: no cancellation), error vs
-    float64 on the first ERR_ROWS rows, peak extra GPU memory of our call."""
+    float64 on the first ERR_ROWS rows (max_error: max_rel, floor KERNEL_FLOOR), peak extra GPU
+    memory of our call."""
     M, N, K = bench.sizes[name]
-    bw = 1.0 if K <= 3 else math.sqrt(K)  # randn points: kernel values around e^-3 (D=3), e^-1 (D=256)
+    bw = (1.0 if K <= 3 else math.sqrt(K)) * bench.spread(K)  # randn: values around e^-3 (D=3), e^-1 (D=256)
     desc = km.preset("gaussian_l2")
     rows = []
     for C in Cs:
-        make = lambda: (bench.randn(M, K), bench.randn(N, K), bench.rand(N, C))  # noqa: E731
+        make = lambda: (*bench.pair(M, N, K), bench.rand(N, C))  # noqa: E731
         ours = time_calls(lambda x, y, v: km.kernel_matvec(desc, x, y, v, bandwidth=bw), make, bench.device,
                           repeats=bench.reps(), warmup=bench.warm(), keep_last=True)
         x, y, v = ours.last_inputs
@@ -312,10 +391,11 @@ def gauss_matvec_rows(bench, name, D, Cs):
         r = min(ERR_ROWS, M)
         call = prepare_matvec(desc, x[:r].double(), y.double(), v.double(), bandwidth=bw)
         ref = matvec_reference(call)
-        err = rel_err(ours.last_output[:r], ref)
-        terr = rel_err(torch_gauss_matvec(x[:r], y, v, bw), ref)
+        theirs_r = torch_gauss_matvec(x[:r], y, v, bw)
+        err, terr = rel_err(ours.last_output[:r], ref), rel_err(theirs_r, ref)
+        mx, tmx = max_rel(ours.last_output[:r], ref, KERNEL_FLOOR), max_rel(theirs_r, ref, KERNEL_FLOOR)
         ours.last_inputs = ours.last_output = None
-        del x, y, v, ref
+        del x, y, v, ref, theirs_r
         slow = M * N * K > 10**12 and not bench.args.quick
         theirs = time_calls(lambda x, y, v: torch_gauss_matvec(x, y, v, bw), make, bench.device,
                             repeats=1 if slow else bench.reps(3), warmup=0 if slow else bench.warm(1))
@@ -323,7 +403,7 @@ def gauss_matvec_rows(bench, name, D, Cs):
         if peak is not None:
             note += f"; peak extra GPU memory {peak:.1f} MB"
         rows.append(bench.row(f"gauss_matvec_d{K}", f"{M}x{N}x{K}, C={C}, bw={bw:.3g}", ours, theirs, None, err,
-                              terr, note, peak_extra_mb=peak))
+                              terr, note, peak_extra_mb=peak, max_error=mx, torch_max_error=tmx))
     return rows
 
 
@@ -335,21 +415,22 @@ def gauss_logsumexp_rows(bench):
     on the bandwidth)."""
     M, N, K = bench.sizes["matvec_d3"]
     desc = km.preset("gaussian_l2")
-    make = lambda: (bench.randn(M, K), bench.randn(N, K), bench.randn(N))  # noqa: E731
+    s = bench.spread(K)
+    make = lambda: (*bench.pair(M, N, K), bench.randn(N))  # noqa: E731
     from kermac_like.plan import logsumexp as plan_lse
 
     plan_lse.FUSED = True  # the fused kernel is what this row measures (the default)
-    ours = time_calls(lambda x, y, w: km.kernel_logsumexp(desc, x, y, w, bandwidth=1.0), make, bench.device,
+    ours = time_calls(lambda x, y, w: km.kernel_logsumexp(desc, x, y, w, bandwidth=s), make, bench.device,
                       repeats=bench.reps(), warmup=bench.warm(), keep_last=True)
     x, y, w = ours.last_inputs
     ours.last_inputs = ours.last_output = None
     r = min(ERR_ROWS, M)
-    got = km.kernel_logsumexp(desc, x[:r], y, w, bandwidth=1e-3).double()
-    ref = km.kernel_logsumexp(desc, x[:r].double(), y.double(), w.double(), bandwidth=1e-3)
+    got = km.kernel_logsumexp(desc, x[:r], y, w, bandwidth=1e-3 * s).double()
+    ref = km.kernel_logsumexp(desc, x[:r].double(), y.double(), w.double(), bandwidth=1e-3 * s)
     err = ((got - ref).abs() / ref.abs().clamp_min(1)).max().item()
     del x, y, w
-    make_mv = lambda: (bench.randn(M, K), bench.randn(N, K), bench.rand(N, 1))  # noqa: E731
-    mv = time_calls(lambda x, y, v: km.kernel_matvec(desc, x, y, v, bandwidth=1.0), make_mv, bench.device,
+    make_mv = lambda: (*bench.pair(M, N, K), bench.rand(N, 1))  # noqa: E731
+    mv = time_calls(lambda x, y, v: km.kernel_matvec(desc, x, y, v, bandwidth=s), make_mv, bench.device,
                     repeats=bench.reps(), warmup=bench.warm())
     ratio = ours.median_ms / mv.median_ms
     note = (f"kernel_matvec at the same size {mv.median_ms:.4g} ms, ours / matvec {ratio:.2f}; "
@@ -496,16 +577,30 @@ def torch_knn_blocked(x, y, k, p):
     return torch.cat(vals), torch.cat(idx)
 
 
+def knn_quality(vals, idx, d64, k):
+    """(error, recall, match) of k-nearest-neighbour answers for the rows of d64 (their float64
+    distances to every point): error, the largest |value - float64 distance of its pair| / max(that
+    distance, TINY); recall, the share of float64's k nearest (stable sort) found; match, the share of
+    rows whose k indices are distinct points within TIE_REL (relative) of float64's k-th distance
+    (float64's set up to ties)."""
+    picked = d64.gather(-1, idx)
+    want = torch.sort(d64, dim=-1, stable=True).indices[..., :k]
+    hits = sum(len(set(a) & set(b)) for a, b in zip(idx.reshape(-1, k).tolist(), want.reshape(-1, k).tolist()))
+    kth = d64.gather(-1, want[..., -1:])
+    ok = (picked <= kth * (1 + TIE_REL)).all(-1) & (idx.sort(-1).values.diff(dim=-1) != 0).all(-1)
+    return max_rel(vals, picked, TINY), hits / want.numel(), float(ok.double().mean())
+
+
 def knn_rows(bench, name):
     """k nearest neighbours (km.knn) beside torch in row blocks (cdist + topk) or, for the batch of
     small problems, torch.topk(torch.cdist) at once. Problems beyond KNN_TORCH_FULL_PAIRS pairs time
-    torch on its first KNN_TORCH_SLICE rows and scale linearly to M (said in the note). Error
-    column: the largest relative difference of a returned distance from the float64 distance of its
-    pair, on the first ERR_ROWS rows; recall: the share of the float64 k nearest found there (ours,
-    torch); peak extra GPU memory of our call beyond inputs and outputs."""
+    torch on its first KNN_TORCH_SLICE rows and scale linearly to M (said in the note). On the first
+    ERR_ROWS rows (knn_quality, ours and torch): error column, the largest relative difference of a
+    returned distance from the float64 distance of its pair; recall; index_match. Peak extra GPU
+    memory of our call beyond inputs and outputs."""
     B, M, N, D, k, p = bench.sizes[name]
     bshape = (B,) if B > 1 else ()
-    make = lambda: (bench.randn(*bshape, M, D), bench.randn(*bshape, N, D))  # noqa: E731
+    make = lambda: bench.pair(M, N, D, *bshape)  # noqa: E731
     big = M * N * B > KNN_TORCH_FULL_PAIRS and not bench.args.quick
     ours = time_calls(lambda x, y: km.knn(x, y, k, p=p), make, bench.device, repeats=bench.reps(3 if big else None),
                       warmup=bench.warm(1 if big else None), keep_last=True)
@@ -521,26 +616,17 @@ def knn_rows(bench, name):
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     r = min(ERR_ROWS, M)
     xs, ys = (x[:1, :r], y[:1]) if B > 1 else (x[:r], y)
-    d64 = torch.cdist(xs.double(), ys.double(), p=p, compute_mode="donot_use_mm_for_euclid_dist")
-    want = torch.sort(d64, dim=-1, stable=True).indices[..., :k]
-
-    def quality(vals, idx):
-        picked = d64.gather(-1, idx)
-        err = float(((vals.double() - picked).abs() / picked.abs().clamp_min(1e-300)).max())
-        hits = sum(len(set(a) & set(b)) for a, b in zip(idx.reshape(-1, k).tolist(), want.reshape(-1, k).tolist()))
-        return err, hits / want.numel()
-
+    d64 = cdist64(xs, ys, p)
     ov, oi = (v[:1, :r], i[:1, :r]) if B > 1 else (v[:r], i[:r])
-    err, recall = quality(ov, oi)
-    tv, ti = torch_knn_blocked(xs, ys, k, p)
-    terr, trecall = quality(tv, ti)
+    err, recall, match = knn_quality(ov, oi, d64, k)
+    terr, trecall, tmatch = knn_quality(*torch_knn_blocked(xs, ys, k, p), d64, k)
     ours.last_inputs = ours.last_output = None
     del x, y, v, i, d64
     note = (f"k={k}, p={p:g}; recall vs float64 on {r} rows: ours {recall:.6f}, torch {trecall:.6f}; "
             + ("torch: topk(cdist) over the batch" if B > 1 else "torch: row blocks (cdist + topk)"))
     if big:
         S = min(KNN_TORCH_SLICE, M)
-        slice_make = lambda: (bench.randn(S, D), bench.randn(N, D))  # noqa: E731
+        slice_make = lambda: bench.pair(S, N, D)  # noqa: E731
         part = time_calls(lambda x, y: torch_knn_blocked(x, y, k, p), slice_make, bench.device, repeats=1,
                           warmup=1)
         theirs = type(part)(part.median_ms * M / S, [t * M / S for t in part.times_ms])
@@ -552,20 +638,33 @@ def knn_rows(bench, name):
         note += f"; peak extra GPU memory {peak:.1f} MB"
     size = (f"{B}x" if B > 1 else "") + f"{M}x{N}x{D}"
     return [bench.row(name, size, ours, theirs, None, err, terr, note, peak_extra_mb=peak, recall=recall,
-                      torch_recall=trecall)]
+                      torch_recall=trecall, index_match=match, torch_index_match=tmatch)]
+
+
+def inertia64(X, centres) -> float:
+    """The float64 inertia of centres: every row's squared cdist64 distance to its nearest, summed."""
+    c = centres.double()
+    block = max(1, KNN_TORCH_ELEMENTS // (2 * c.shape[0]))
+    return sum(float(cdist64(X[i:i + block], c).min(1).values.square().sum()) for i in range(0, X.shape[0], block))
+
+
 def kmeans_rows(bench):
-    """k-means (kermac_like.cluster.KMeans): N points in D dimensions around C Gaussian means,
-    float32, k-means++ then 20 Lloyd iterations (tol = 0, max_iter = 20). Ours: the whole fit;
-    torch: the same 20 iterations written by hand in row blocks (torch.cdist, argmin, index_add_;
-    examples/kmeans.py's torch_lloyd) from our k-means++ centres, in the same run. Error column:
-    the relative difference of the inertia of the final centres (ours from those same centres,
-    torch's), each computed by the float32 assignment. The note gives the seeding's time and
-    ours from the same centres alone."""
+    """k-means (kermac_like.cluster.KMeans): N points in D dimensions around C Gaussian means (or
+    --data's family), float32, k-means++ then 20 Lloyd iterations (tol = 0, max_iter = 20). Ours:
+    the whole fit; torch: the same 20 iterations written by hand in row blocks (torch.cdist, argmin,
+    index_add_; examples/kmeans.py's torch_lloyd) from our k-means++ centres, in the same run. Error
+    column: the relative difference of the inertia of the final centres (ours from those same
+    centres, torch's), each computed by the float32 assignment. The note gives the seeding's time
+    and ours from the same centres alone. With bench.check64, max_error / torch_max_error: the
+    relative difference of those final centres' inertia64 from a float64 Lloyd's (torch_lloyd in
+    float64 from the same centres)."""
     from kermac_like.cluster import KMeans, kmeans_plusplus
 
     N, D, C, iters = bench.sizes["kmeans"]
 
     def make():
+        if bench.data is not None:
+            return (bench.points(N, D),)
         means = 4 * bench.randn(C, D)
         return (means[torch.randint(0, C, (N,), device=bench.device, generator=bench.gen)] + bench.randn(N, D),)
 
@@ -593,14 +692,19 @@ def kmeans_rows(bench):
         return float(d.double().square().sum())
 
     ref = inertia(torch_centres)
-    err = abs(model.inertia_ - ref) / ref
+    err = abs(model.inertia_ - ref) / max(ref, TINY)
+    extra = {}
+    if bench.check64:
+        ref = inertia64(X, torch_lloyd(X.double(), start.double(), iters)[0])
+        extra = dict(max_error=abs(inertia64(X, model.cluster_centers_) - ref) / max(ref, TINY),
+                     torch_max_error=abs(inertia64(X, torch_centres) - ref) / max(ref, TINY))
     note = (f"{C} clusters, k-means++ then {iters} Lloyd iterations (tol 0), float32; k-means++ alone "
             f"{fmt_time(seed.median_ms)}, our {iters} iterations from the same centres {fmt_time(from_start.median_ms)} "
             f"({from_start.median_ms and theirs.median_ms / from_start.median_ms:.1f}x torch's); torch: the same "
             f"iterations in row blocks (cdist, argmin, index_add_) from our k-means++ centres; error: inertia of "
             f"the final centres, ours vs torch's")
     return [bench.row("kmeans", f"{N}x{D}, {C} clusters", ours, theirs, None, err, None, note,
-                      seeding_ms=seed.median_ms, lloyd_ms=from_start.median_ms)]
+                      seeding_ms=seed.median_ms, lloyd_ms=from_start.median_ms, **extra)]
 
 
 def gp_step_rows(bench):
@@ -790,27 +894,25 @@ def bench_lowk(bench):
     floor = time_calls(lambda o: o.fill_(1.0), lambda: (out,), dev, repeats=bench.reps(), warmup=bench.warm())
 
     def ops(K):
-        bw = math.sqrt(2.0 * K)
+        bw = math.sqrt(2.0 * K) * bench.spread(K)
         lap, gau = km.preset("laplace_l2"), km.preset("gaussian_l2")
-        ref64 = lambda x, y, p: torch.cdist(x.double(), y.double(), p=p,  # noqa: E731
-                                            compute_mode="donot_use_mm_for_euclid_dist")
         return {
             "cdist_p1": (lambda x, y: km.cdist(x, y, p=1.0, out=out), lambda x, y: torch.cdist(x, y, p=1.0),
-                         lambda x, y: ref64(x, y, 1.0), lambda x, y: kermac.cdist(x, y, p=1.0)),
+                         lambda x, y: cdist64(x, y, 1.0), lambda x, y: kermac.cdist(x, y, p=1.0)),
             "cdist_p2": (lambda x, y: km.cdist(x, y, p=2.0, out=out),
                          lambda x, y: torch.cdist(x, y, p=2.0),
-                         lambda x, y: ref64(x, y, 2.0), lambda x, y: kermac.cdist(x, y, p=2.0)),
+                         lambda x, y: cdist64(x, y, 2.0), lambda x, y: kermac.cdist(x, y, p=2.0)),
             "laplace_l2": (lambda x, y: km.run_kernel(lap, x, y, bandwidth=bw, out=out),
                            lambda x, y: torch.cdist(x, y).div_(-bw).exp_(),
-                           lambda x, y: torch.exp(-ref64(x, y, 2.0) / bw), None),
+                           lambda x, y: torch.exp(-cdist64(x, y, 2.0) / bw), None),
             "gaussian_l2": (lambda x, y: km.run_kernel(gau, x, y, bandwidth=bw, out=out),
                             lambda x, y: torch.cdist(x, y).square_().div_(-2 * bw * bw).exp_(),
-                            lambda x, y: torch.exp(-ref64(x, y, 2.0) ** 2 / (2 * bw * bw)), None),
+                            lambda x, y: torch.exp(-cdist64(x, y, 2.0) ** 2 / (2 * bw * bw)), None),
         }
 
     torch_slow = {"cdist_p1"}  # torch's p=1 cdist takes ~0.5 s at 20000^2: 2 repeats
     for K in LOWK_K_QUICK if bench.args.quick else LOWK_K:
-        make = lambda K=K: (bench.randn(M, K), bench.randn(N, K))  # noqa: E731
+        make = lambda K=K: bench.pair(M, N, K)  # noqa: E731
         for name, (ours_fn, torch_fn, ref_fn, kermac_fn) in ops(K).items():
             out.fill_(float("nan"))  # poison: every entry must be written
             ours = time_calls(ours_fn, make, dev, repeats=bench.reps(), warmup=bench.warm(), keep_last=True)
@@ -834,19 +936,18 @@ def bench_lowk(bench):
     del out
     # A batch of small problems: L kernel matrices (a hyper-parameter sweep), one launch.
     K = 3
-    bw = torch.linspace(0.5, 4.0, L, device=dev)
+    bw = torch.linspace(0.5, 4.0, L, device=dev) * bench.spread(K)
     bout = torch.empty(L, bm, bn, device=dev)
     lap = km.preset("laplace_l2")
     bfloor = time_calls(lambda o: o.fill_(1.0), lambda: (bout,), dev, repeats=bench.reps(), warmup=bench.warm())
-    make = lambda: (bench.randn(L, bm, K), bench.randn(L, bn, K))  # noqa: E731
+    make = lambda: bench.pair(bm, bn, K, L)  # noqa: E731
     bout.fill_(float("nan"))
     ours = time_calls(lambda x, y: km.run_kernel(lap, x, y, bandwidth=bw, out=bout), make, dev,
                       repeats=bench.reps(), warmup=bench.warm(), keep_last=True)
     x, y = ours.last_inputs
     assert not torch.isnan(bout).any(), "lowk batch: out not fully written"
     torch_fn = lambda x, y: torch.cdist(x, y).div_(-bw[:, None, None]).exp_()  # noqa: E731
-    ref = torch.exp(-torch.cdist(x.double(), y.double(), compute_mode="donot_use_mm_for_euclid_dist")
-                    / bw.double()[:, None, None])
+    ref = torch.exp(-cdist64(x, y) / bw.double()[:, None, None])
     err, terr = rel_err(bout, ref), rel_err(torch_fn(x, y), ref)
     ours.last_inputs = ours.last_output = None
     theirs = time_calls(torch_fn, make, dev, repeats=bench.reps(), warmup=bench.warm())
@@ -892,6 +993,160 @@ def plot_lowk(rows, path, title):
     return None
 
 
+# -- robustness: the same calls on every data family (issue 42) ---------------------------------
+def falkon_rows(bench):
+    """A Falkon fit (KernelRidge, solver nystrom, Gaussian kernel, tol 1e-4, as krr_1e9 runs it) on
+    the bench's points: N rows of D features, m centres, bandwidth sqrt(D) times the data's spread,
+    alpha 1e-6 N, max_iter 300; target sin(z w) + 0.1 noise, z the rows standardised per column, w
+    a random unit vector (--seed). No torch column. max_error: max |prediction - the float64 fit's|
+    / max(max |the float64 fit's|, KERNEL_FLOOR) on the first ERR_ROWS training rows (the same
+    centres: the same random_state)."""
+    from kermac_like.solvers import KernelRidge
+
+    N, D, m = bench.sizes["falkon"]
+    bw = math.sqrt(D) * bench.spread(D)
+    w = torch.randn(D, generator=torch.Generator().manual_seed(bench.args.seed), dtype=torch.float64)
+    w = (w / w.norm()).to(device=bench.device, dtype=torch.float32)
+
+    def make():
+        X = bench.points(N, D)
+        z = (X - X.mean(0)) / X.std(0, correction=0).clamp_min(TINY)
+        return X, torch.sin(z @ w) + 0.1 * bench.randn(N)
+
+    def fit(X, y):
+        return KernelRidge("gaussian_l2", bandwidth=bw, alpha=1e-6 * N, solver="nystrom", n_centers=m, tol=1e-4,
+                           max_iter=300, random_state=bench.args.seed).fit(X, y)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = time_calls(fit, make, bench.device, repeats=bench.reps(3), warmup=bench.warm(1), keep_last=True)
+    (X, y), model = ours.last_inputs, ours.last_output
+    ours.last_inputs = ours.last_output = None
+    r = min(ERR_ROWS, N)
+    ref = fit(X.double(), y.double()).predict(X[:r].double())
+    err = float((model.predict(X[:r]).double() - ref).abs().max() / ref.abs().max().clamp_min(KERNEL_FLOOR))
+    note = (f"{model.n_iter_} CG iterations to relative residual {model.residual_:.1e}, bw {bw:.3g}; no torch column"
+            + "".join(f"; warning: {str(c.message)[:150]}" for c in caught[:1]))
+    return [bench.row("falkon", f"N={N}, D={D}, m={m}", ours, None, None, None, None, note, max_error=err,
+                      iterations=model.n_iter_, residual=model.residual_)]
+
+
+ROBUST = {  # problem -> (its key in bench.sizes, the workload that runs it on a Bench)
+    "knn_d3": ("knn_d3", lambda b: knn_rows(b, "knn_d3")),
+    "knn_d128": ("knn_d128", lambda b: knn_rows(b, "knn_d128")),
+    "knn_p1_d64": ("knn_p1_d64", lambda b: knn_rows(b, "knn_p1_d64")),
+    "kmeans": ("kmeans", kmeans_rows),
+    "cdist_p2": ("cdist", lambda b: [b.cdist(2.0, None, None)]),
+    "gauss_matvec_d3": ("matvec_d3", lambda b: gauss_matvec_rows(b, "matvec_d3", 3, (1,))),
+    "falkon": ("falkon", falkon_rows),
+}
+ROBUST_REPEATS = 3  # timed calls per cell at most (--repeats lowers it), after at most one warm-up
+
+
+def robust_sizes(base, family, scale):
+    """bench.sizes of one family's cells: base's row counts times scale (at least 1), or a
+    scikit-learn set's own rows and columns (queries: as many rows of the set again) with its
+    clusters at most rows / 16 and centres at most rows / 2; k, clusters, centres at most the rows."""
+    own = datasets.native_shape(family)
+    rows = (lambda n: own[0]) if own else (lambda n: max(1, round(n * scale)))
+    cols = (lambda d: own[1]) if own else (lambda d: d)
+    share = (lambda n, q: max(1, n // q)) if own else (lambda n, q: n)
+    out = {}
+    for key, s in base.items():
+        if key.startswith("knn"):
+            B, M, N, D, k, p = s
+            out[key] = (B, rows(M), rows(N), cols(D), min(k, rows(N)), p)
+        elif key == "kmeans":
+            N, D, C, iters = s
+            out[key] = (rows(N), cols(D), min(C, share(rows(N), 16)), iters)
+        elif key == "falkon":
+            N, D, m = s
+            out[key] = (rows(N), cols(D), min(m, share(rows(N), 2)))
+        else:  # (M, N, D)
+            M, N, D = s
+            out[key] = (rows(M), rows(N), cols(D))
+    return out
+
+
+def robustness_rows(bench):
+    """Issue 42, right and fast on data as it comes: every problem of ROBUST on every family of
+    --families (gaussian first, always: the baseline). A cell is the problem's workload on a Bench
+    of that family (its own generator, seeded with --seed), at robust_sizes, with at most
+    ROBUST_REPEATS timed calls after one warm-up; knn's queries are points of the family perturbed
+    by datasets.NEAR of each column's spread (pair near=True), the other problems draw queries
+    apart. A scikit-learn set runs at its own size, after gaussian at that size. Per cell, ours and
+    the workload's torch column: the time, the time over gaussian's same call in this run, the
+    error against float64 on the first ERR_ROWS rows (distances: max_rel over max(ref, TINY);
+    kernel sums: over max(ref, KERNEL_FLOOR); knn: the values against float64's distance of their
+    pairs, and index_match, the share of rows whose indices are float64's up to ties within
+    TIE_REL; kmeans: the final centres' inertia64 against a float64 Lloyd's from the same centres;
+    falkon: the predictions against a float64 fit's). A cell that raises is a row with failed=True."""
+    args = bench.args
+    rargs = argparse.Namespace(**dict(vars(args), repeats=min(args.repeats, ROBUST_REPEATS),
+                                      warmup=min(args.warmup, 1)))
+    families = ["gaussian"] + [f for f in args.families if f != "gaussian"]
+    rows, base = [], {}
+
+    def cell(problem, family, sizes, at, baseline_for=None):
+        key, run = ROBUST[problem]
+        b = Bench(rargs, bench.device, data=family, sizes=sizes, near=problem.startswith("knn"), check64=True)
+        t0 = time.perf_counter()
+        try:
+            r = dict(run(b)[0], failed=False)
+        except Exception as e:  # a family that breaks a call is a finding, not the end of the run
+            r = dict(size="x".join(map(str, sizes[key])), ours_ms=None, torch_ms=None, failed=True,
+                     note=f"failed: {type(e).__name__}: {str(e)[:200]}")
+        if bench.device.type == "cuda":
+            torch.cuda.empty_cache()
+        g = base.get(at, r)
+        rel = lambda ms, ref: ms / ref if ms and ref else None  # noqa: E731
+        out = dict(workload="robustness", problem=problem, family=family, baseline_for=baseline_for,
+                   size=r["size"], ours_ms=r["ours_ms"], torch_ms=r["torch_ms"], kermac_ms=None, unit="ms",
+                   ours_vs_gaussian=rel(r["ours_ms"], g["ours_ms"]),
+                   torch_vs_gaussian=rel(r["torch_ms"], g["torch_ms"]),
+                   error=r.get("max_error", r.get("error")), torch_error=r.get("torch_max_error", r.get("torch_error")),
+                   index_match=r.get("index_match"), torch_index_match=r.get("torch_index_match"),
+                   note=r["note"], failed=r["failed"], seconds=round(time.perf_counter() - t0, 1))
+        add_ratios(out)
+        print(f"  robustness {problem} {family}{f' (for {baseline_for})' if baseline_for else ''}: "
+              f"ours {fmt_time(out['ours_ms'])} ({fmt_ratio(out['ours_vs_gaussian'])} gaussian), torch "
+              f"{fmt_time(out['torch_ms'])}, error {fmt_err(out['error'])} / torch {fmt_err(out['torch_error'])}"
+              + (f", {r['note']}" if r["failed"] else "") + f"; {out['seconds']} s", file=sys.stderr, flush=True)
+        return out
+
+    for problem, (key, _) in ROBUST.items():
+        for family in families:
+            sizes = robust_sizes(bench.sizes["robustness"], family, args.scale)
+            at = (problem, sizes[key])
+            if at not in base:
+                base[at] = cell(problem, "gaussian", sizes, at, None if family == "gaussian" else family)
+                rows.append(base[at])
+            if family != "gaussian":
+                rows.append(cell(problem, family, sizes, at))
+    return rows
+
+
+def robustness_table(rows):
+    """The robustness rows as one markdown table (lines)."""
+    head = ["problem", "family", "size", "kermac_like", "vs gaussian", "torch", "torch vs gaussian", "error vs fp64",
+            "torch error", "knn index match (ours / torch)", "failure"]
+    lines = ["", "Robustness (issue 42): times relative to gaussian's same call in this run; error vs fp64 on "
+             f"{ERR_ROWS} rows: distances max |v - ref| / max(ref, {TINY:.1e}), kernel sums / max(ref, "
+             f"{KERNEL_FLOOR:g}), knn values vs float64's distance of their pair, kmeans the final inertia vs a "
+             "float64 Lloyd's, falkon the predictions vs a float64 fit's; knn index match: the share of rows "
+             f"whose indices are float64's up to ties within {TIE_REL:g}.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    share = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    for r in rows:
+        match = "-" if r.get("index_match") is None else f"{share(r['index_match'])} / {share(r['torch_index_match'])}"
+        fam = r["family"] + (f" ({r['baseline_for']}'s size)" if r.get("baseline_for") else "")
+        cells = [r["problem"], fam, r["size"], fmt_time(r["ours_ms"]), fmt_ratio(r["ours_vs_gaussian"]),
+                 fmt_time(r["torch_ms"]), fmt_ratio(r["torch_vs_gaussian"]), fmt_err(r["error"]),
+                 fmt_err(r["torch_error"]), match, r["note"].replace("|", "/") if r["failed"] else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 # -- output -----------------------------------------------------------------------------------
 def fmt_time(ms, unit="ms"):
     if ms is None:
@@ -912,16 +1167,22 @@ def fmt_err(x):
 
 
 def markdown(meta, rows):
+    """The header line, the table of the rows, then robustness_table's of the robustness rows."""
+    robust = [r for r in rows if r["workload"] == "robustness"]
+    rows = [r for r in rows if r["workload"] != "robustness"]
     with_k = any(r.get("kermac_ms") is not None for r in rows)
     head = ["workload", "size", "kermac_like", "torch", "speed-up vs torch"]
     if with_k:
         head += ["Kermac", "speed-up vs Kermac"]
     head += ["error vs fp64", "torch error", "notes"]
     lines = [f"Device: {meta['device']}; {meta['path']}; torch {meta['torch']}; kermac_like {meta['kermac_like']}; "
-             f"{meta['date']}" + (" (--quick sizes)" if meta["quick"] else ""),
+             f"{meta['date']}" + (" (--quick sizes)" if meta["quick"] else "")
+             + (f"; data: {meta['data']}" if meta.get("data") else ""),
              "",
              "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
+    if robust and not rows:
+        lines = lines[:1]
     for r in rows:
         unit = r.get("unit", "ms")
         cells = [r["workload"], r["size"], fmt_time(r.get("ours_ms"), unit), fmt_time(r.get("torch_ms"), unit),
@@ -930,6 +1191,8 @@ def markdown(meta, rows):
             cells += [fmt_time(r.get("kermac_ms"), unit), fmt_ratio(r.get("kermac_speedup"))]
         cells += [fmt_err(r.get("error")), fmt_err(r.get("torch_error")), r.get("note", "").replace("|", "/")]
         lines.append("| " + " | ".join(cells) + " |")
+    if robust:
+        lines += robustness_table(robust)
     return "\n".join(lines) + "\n"
 
 
@@ -1040,7 +1303,7 @@ def main(argv=None):
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="folder for results.json, speedup.png, table.md")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds; a CPU runs the reference path)")
-    ap.add_argument("--only", "--workloads", dest="only", action="append", metavar="NAME", help=f"run only these workloads: {', '.join(WORKLOADS)}")
+    ap.add_argument("--only", "--workloads", dest="only", action="append", metavar="NAME", help=f"run only these workloads: {', '.join(WORKLOADS)}; without it, all but {', '.join(OPT_IN)}")
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed calls per measurement (default 10, 3 with --quick)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2, 1 with --quick)")
@@ -1048,17 +1311,35 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gp-sizes", default="5e4,1e5,1e6", metavar="N,...",
                     help="gp_step's sizes (GPyTorch's RBFKernel beside ours up to 10^5; default 5e4,1e5,1e6)")
+    ap.add_argument("--data", default=None, choices=tuple(datasets.FAMILIES), metavar="NAME",
+                    help="draw the workloads' points from this family of bench/datasets.py (without it: torch.randn, "
+                         f"kmeans Gaussian blobs, as before); one of {', '.join(datasets.FAMILIES)}")
+    ap.add_argument("--families", default=None, metavar="NAME,...",
+                    help="robustness: the families to run (gaussian, the baseline, always runs); without it, every "
+                         "one whose packages are installed")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="robustness: its row counts times this (scikit-learn sets keep their own size)")
     args = ap.parse_args(argv)
     if args.repeats is None:
         args.repeats = 3 if args.quick else 10
     if args.warmup is None:
         args.warmup = 1 if args.quick else 2
-    wanted = list(WORKLOADS)
+    wanted = [w for w in WORKLOADS if w not in OPT_IN]
     if args.only:
         bad = [w for w in args.only if w not in WORKLOADS]
         if bad:
             ap.error(f"--only: unknown workload(s) {bad}; valid: {', '.join(WORKLOADS)}")
         wanted = [w for w in WORKLOADS if w in args.only]
+    if not args.scale > 0:
+        ap.error(f"--scale: expected a number > 0, got {args.scale}")
+    have = datasets.available()
+    args.families = args.families.split(",") if args.families else list(have)
+    bad = [f for f in args.families if f not in datasets.FAMILIES]
+    if bad:
+        ap.error(f"--families: unknown family(s) {bad}; valid: {', '.join(datasets.FAMILIES)}")
+    missing = [f for f in args.families if f not in have]
+    if missing:
+        ap.error(f"--families: {missing} need scikit-learn (pip install scikit-learn)")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
@@ -1069,12 +1350,19 @@ def main(argv=None):
                 torch=torch.__version__, cuda=torch.version.cuda, kermac_like=km.__version__,
                 kermac=getattr(kermac, "__version__", "installed") if kermac is not None else None,
                 python=sys.version.split()[0], quick=args.quick, repeats=args.repeats, warmup=args.warmup,
-                argv=sys.argv[1:] if argv is None else list(argv))
+                argv=sys.argv[1:] if argv is None else list(argv), data=args.data)
     print(f"device: {dev_name}: {path}; torch {torch.__version__}, kermac_like {km.__version__}"
           + (f", Kermac {meta['kermac']}" if kermac is not None else ", Kermac not installed")
           + (" [--quick sizes]" if args.quick else ""), flush=True)
 
-    bench = Bench(args, device)
+    if args.data:
+        own = [w for w in wanted if w in OWN_DATA]
+        meta["data_not_applied"] = own
+        if own:
+            print(f"--data {args.data}: not applied to {', '.join(own)} (their data are made elsewhere)")
+    if "robustness" in wanted:
+        meta.update(families=args.families, scale=args.scale)
+    bench = Bench(args, device, data=args.data)
     if device.type == "cuda" and not args.quick:
         spin_up(device)
     steps = []  # (label, thunk returning a list of rows)
@@ -1105,6 +1393,8 @@ def main(argv=None):
             steps.append((w, lambda: kmeans_rows(bench)))
         elif w == "gp_step":
             steps.append((w, lambda: gp_step_rows(bench)))
+        elif w == "robustness":
+            steps.append((w, lambda: robustness_rows(bench)))
     lin = [w for w in wanted if w in LINALG]
     if lin:
         steps.append(("linalg (" + ", ".join(lin) + ")", lambda: bench.linalg(lin)))
@@ -1127,6 +1417,8 @@ def main(argv=None):
                         torch_error=None, unit="ms", note=f"failed: {type(e).__name__}: {str(e)[:200]}",
                         speedup=None, kermac_speedup=None) for n in names]
         for r in got:
+            if r["workload"] == "robustness":  # robustness_rows says each cell as it ends
+                continue
             progress.write(f"  {r['workload']}: ours {fmt_time(r.get('ours_ms'), r.get('unit', 'ms'))}, "
                            f"torch {fmt_time(r.get('torch_ms'), r.get('unit', 'ms'))}, "
                            f"speed-up {fmt_ratio(r.get('speedup'))}, error {fmt_err(r.get('error'))}")
@@ -1136,6 +1428,7 @@ def main(argv=None):
         progress.step()
     progress.close()
     meta["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    failed += [f"robustness {r['problem']} on {r['family']}" for r in rows if r.get("failed")]
     order = {w: i for i, w in enumerate(WORKLOADS)}
     rows.sort(key=lambda r: order.get(r["workload"], len(order)))
 
@@ -1144,7 +1437,7 @@ def main(argv=None):
     (out / "results.json").write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
     table = markdown(meta, rows)
     (out / "table.md").write_text(table)
-    why = plot(rows, out / "speedup.png", f"kermac_like speed-ups, {dev_name}, {meta['date'][:10]}")
+    why = plot([r for r in rows if r["workload"] != "robustness"], out / "speedup.png", f"kermac_like speed-ups, {dev_name}, {meta['date'][:10]}")
     if "lowk" in wanted:
         first = next((r for r in rows if r.get("op") in LOWK_OPS), None)
         size = first["size"].split("x")[0] if first else "?"

@@ -1,0 +1,94 @@
+"""Issue 42 on CUDA tensors: data as it comes (bench/datasets.py's families) through cdist p = 2
+on tensor cores, the Laplace / Gaussian l2 kernel matrices and knn (tensor-core candidates, the
+fused SIMT selection, the blocked path at k > 16): every value within 1e-5 relative of float64
+computed from the given float32 inputs (kernel values within 1e-5 of max(value, 1e-5)), exact
+zeros at duplicates, index sets as float64's up to ties within 1e-5 (tests/knn_oracle.py), and
+the same answers for the data shifted by a common offset. Skipped without a GPU of compute
+capability 8.0+."""
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import kermac_like as km
+from knn_oracle import assert_acceptable
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from bench import datasets  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+EXACT = "donot_use_mm_for_euclid_dist"
+FAMILIES = [f for f in datasets.FAMILIES if f not in datasets.SKLEARN]
+
+
+def _pair(name, M, N, K, seed=0):
+    """x (M, K) near rows of y (N, K), and y with two exact duplicates of x's rows appended."""
+    x, y = datasets.pair(name, M, N, K, seed=seed, near=True, device="cuda")
+    return x, torch.cat([y, x[3:4], x[7:8]])
+
+
+def _dense(x, y):
+    return torch.cdist(x.double(), y.double(), compute_mode=EXACT)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("K", [64, 256])
+def test_cdist_p2_on_every_family(name, K):
+    x, y = _pair(name, 300, 700, K)
+    ref = _dense(x, y)
+    for offset in (0.0, 1000.0):  # and shifted far from the origin: the same float32-grade values
+        xs, ys = (x, y) if offset == 0 else (x + offset, y + offset)
+        want = ref if offset == 0 else _dense(xs, ys)
+        out = torch.full((300, y.shape[0]), float("nan"), device="cuda")
+        km.cdist(xs, ys, out=out)
+        err = (out.double() - want).abs() / want.clamp_min(1e-30)
+        assert float(err[want > 0].max()) <= 1e-5, (name, offset, float(err[want > 0].max()))
+        assert (out[want == 0] == 0).all() and out[3, -2] == 0 and out[7, -1] == 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("kernel", ["laplace_l2", "gaussian_l2"])
+def test_kernel_matrices_on_every_family(name, kernel):
+    x, y = _pair(name, 257, 513, 96)
+    d = _dense(x, y)
+    bw = float(d.median())  # a bandwidth of the data's scale
+    want = torch.exp(-d / bw) if kernel == "laplace_l2" else torch.exp(-d.square() / (2 * bw * bw))
+    got = km.run_kernel(km.preset(kernel), x, y, bandwidth=bw)
+    err = (got.double() - want).abs() / want.clamp_min(1e-5)
+    assert float(err.max()) <= 1e-5, (name, kernel, float(err.max()))
+    assert got[3, -2] == 1 and got[7, -1] == 1
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("K,k,p", [(128, 10, 2.0), (128, 40, 2.0), (8, 10, 2.0), (64, 10, 1.0)])
+def test_knn_on_every_family(name, K, k, p):
+    """K = 128, k = 10: the tensor-core candidates; k = 40: the blocked path; K = 8 and p = 1: the
+    fused SIMT selection. Shifted by 1000 x the spread: values and index sets still float64's."""
+    x, y = _pair(name, 400, 3000, K)
+    for offset in (0.0, 1000.0):
+        xs, ys = (x, y) if offset == 0 else (x + offset, y + offset)
+        dense = torch.cdist(xs.double(), ys.double(), p=p, compute_mode=EXACT)
+        v, i = km.knn(xs, ys, k, p=p)
+        assert_acceptable(v, i, dense, k, False)
+        assert v[3, 0] == 0 and v[7, 0] == 0  # the duplicates, exactly
+
+
+def test_knn_shifted_rows_are_certified_on_tensor_cores(monkeypatch):
+    """Features shifted by +3 (all positive) at K = 128: the tensor-core candidates certify every
+    row as on centred data (no row takes the blocked path; before the shift by a reference point
+    every row did)."""
+    from kermac_like.ops import knn as knn_mod
+
+    calls = []
+    real = knn_mod.topk_blocked
+    monkeypatch.setattr(knn_mod, "topk_blocked", lambda call, *a, **kw: calls.append(call.M) or real(call, *a, **kw))
+    y = datasets.make("gaussian", 4096, 128, seed=5, device="cuda") + 3
+    x = y[:512] + 1e-2 * datasets.make("gaussian", 512, 128, seed=6, device="cuda")
+    v, i = km.knn(x, y, 10)
+    assert not calls, calls
+    assert_acceptable(v, i, _dense(x, y), 10, False)

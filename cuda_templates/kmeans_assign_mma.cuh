@@ -11,7 +11,9 @@
 //
 //   kmeans_assign_prep_kernel (one CTA): the centres split c = hi + lo (TF32), in the B-fragment
 //     order of mma.m16n8k8 (uint4 {hi(k t), hi(k t+4), lo(k t), lo(k t+4)} per (8 columns, k-step,
-//     lane)), cn[n] = ||c_n||^2 (fp32; 2^127 for the padded columns n >= C), cmax = max_n cn[n].
+//     lane)), followed in the same buffer by the centres in groups of 32, ct[((n / 32) K + q) 32 +
+//     n % 32] = c_n[q] ((Cp / 32, K, 32) f32: the rescan's coalesced reads at fixed offsets),
+//     cn[n] = ||c_n||^2 (fp32; 2^127 for the padded columns n >= C), cmax = max_n cn[n].
 //   kmeans_assign_mma_kernel: a CTA owns kBlockM points; each warp 16 kMt of them, their -2 x split
 //     hi + lo in registers as A fragments (exact scaling). The CTA streams the centres in tiles of
 //     kBlockN (cp.async, two stages); per 8 columns the accumulators start at cn[n] + X (X: the
@@ -27,8 +29,11 @@
 //     fl(second - best) > tau B, tau from the host (plan.kmeans.assign_tau): then the best column is
 //     the label of the exact float32 path (proof in the notes: tau B bounds twice the MMA error of a
 //     value, twice the key's quantisation and the exact path's own rounding 4 gamma_{K+4} B). The
-//     warp rescans every uncertified row (32 lanes over the centres, the exact path's values and
-//     keys, a warp minimum); a certified row's v_label is computed once by the exact arithmetic.
+//     warp rescans its uncertified rows one at a time (32 lanes over the centres, read
+//     coalesced from ct, the rows in registers: the exact path's values and keys, the smallest and
+//     the second smallest by a warp merge; the second gives the row's lower bound); a certified
+//     row's v_label is computed once by the exact arithmetic. B is the data's scale about the
+//     origin: callers centre the data (cluster.KMeans) so that it is the centred scale.
 // No N x C matrix, no atomics: bitwise repeatable. cert[i] (optional): 1 where certified.
 #pragma once
 
@@ -55,6 +60,9 @@ struct KmeansAssignTraits {
   static constexpr int kTileBytes = kTileFrag + kBlockN * 4;    // + cn
   static constexpr int kSmemBytes = 2 * kTileBytes;
   static constexpr int kKeyBits = 5;
+  // The rescan's row in registers, else read at each centre (broadcast loads): where that fits the
+  // launch bounds without spills (kK 8 and 64 spill a register with it: ptxas, sm_80 and sm_90).
+  static constexpr bool kRescanRegs = kK_ == 16 || kK_ == 32;
   static_assert(kBlockN / 8 * 2 <= (1 << kKeyBits), "KmeansAssignTraits: the place of a column needs <= 5 bits");
   static_assert(kTileBytes % 16 == 0, "KmeansAssignTraits: tiles are 16-byte chunks");
 };
@@ -92,6 +100,38 @@ __device__ __forceinline__ float exact_value(const float* xi, i64 sxk, const flo
     a0 = math::fma_rn(d, d, a0);
   }
   return a0;
+}
+
+// The same from a row at stride sx (registers for a unit stride into a local array) and a centre whose
+// coordinates lie 32 floats apart (the rescan's copy ct): the same operations in the same order, so the
+// same bits.
+template <int kK>
+__device__ __forceinline__ float exact_value_ct(const float* v, i64 sx, const float* ct_n, int K, int split) {
+  float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+  for (int q = 0; q < kK; ++q) {
+    if (q < K) {
+      const float d = math::sub_rn(v[q * sx], ct_n[q * 32]);
+      if (split && (q & 1)) a1 = math::fma_rn(d, d, a1);
+      else a0 = math::fma_rn(d, d, a0);
+    }
+  }
+  return split ? math::add_rn(a0, a1) : a0;
+}
+
+// The rescan's running (smallest key (value bits, index), second smallest value bits) of a row; merge
+// is symmetric (both sides of a shuffle end with the same), the second is the smallest value of every
+// entry but the first (a duplicate of the first value included).
+struct Keys {
+  unsigned v1, n1, v2;
+};
+__device__ __forceinline__ void merge_keys(Keys& a, unsigned v1, unsigned n1, unsigned v2) {
+  if (v1 < a.v1 || (v1 == a.v1 && n1 < a.n1)) {
+    a.v2 = min(a.v1, min(a.v2, v2));
+    a.v1 = v1, a.n1 = n1;
+  } else {
+    a.v2 = min(a.v2, min(v1, v2));
+  }
 }
 
 // Running (best value, best column, second value) of a row in the order (value as a signed integer,
@@ -148,7 +188,8 @@ __device__ __forceinline__ bool keeps_label(float ub, float m, float kap) {
 }  // namespace kmeans_assign_detail
 
 // Grid (1, 1, 1), Traits::kThreads threads. c (C, K) at row stride ldc (K contiguous); cf (Cp / 8,
-// kSteps, 32) uint4 and cn (Cp) with Cp = C rounded up to kBlockN; cmax[0] = max_{n < C} cn[n].
+// kSteps, 32) uint4 then ct (Cp / 32, K, 32) f32 in the same buffer, and cn (Cp) with Cp = C rounded up to
+// kBlockN; cmax[0] = max_{n < C} cn[n].
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) kmeans_assign_prep_kernel(
     const float* __restrict__ c, uint4* __restrict__ cf, float* __restrict__ cn, float* __restrict__ cmax, int C,
@@ -169,6 +210,12 @@ __global__ void __launch_bounds__(Traits::kThreads) kmeans_assign_prep_kernel(
     mma_detail::split_tf32x3(__float_as_uint(v0), h0, l0);
     mma_detail::split_tf32x3(__float_as_uint(v1), h1, l1);
     cf[e] = uint4{h0, h1, l0, l1};
+  }
+  float* ct = reinterpret_cast<float*>(cf + entries);  // (Cp / 32, K, 32): the rescan's copy
+  for (i64 e = tid; e < i64(K) * Cp; e += T) {
+    const i64 b = e / (32 * K), r = e - b * 32 * K;
+    const i64 n = b * 32 + (r & 31);
+    ct[e] = n < C ? c[n * ldc + (r >> 5)] : 0.0f;
   }
   float m = 0.0f;
   for (int n = tid; n < Cp; n += T) {
@@ -331,45 +378,63 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
     }
   }
   const bool live = m >= 0 && m < N;
-  // A row's results; with ub: its bounds (the certified gap gives lb, else lb = 0), the cluster's
-  // largest ub (float bits of a value >= 0 order as integers), and the count of changed labels.
-  auto finish = [&](i64 p, int label, float v, bool certified) {
-    if (changed && labels[p] != label) atomicAdd(changed, 1);
-    labels[p] = label;
-    dist[p] = sqrtf(v);
-    if (cert) cert[p] = certified ? 1 : 0;
-    if (ub) {
-      const float u = upper_of(v, gu);
-      float l = 0.0f;
-      if (certified) {  // min_{n != label} ||x - c_n||^2 >= ||x - c_label||^2 + gap - tau B (the notes)
-        const float inc = below(math::sub_rn(below(gap), above(thr)));
-        const float lsq = down(math::add_rn(lower_sq_of(v, gl), inc));
-        l = down(math::sqrt_rn(lsq));
-      }
-      ub[p] = u;
-      lb[p] = l;
-      atomicMax(rmax + label, __float_as_int(u));
-    }
-  };
-  if (live && ok) finish(point(m), mine, exact_value(x + point(m) * sxm, sxk, c + i64(mine) * ldc, K, split), true);
-  // The uncertified rows, one at a time by the whole warp: keys (value bits, n) of the exact path.
+  const i64 pm = live ? point(m) : 0;
+  // The row's exact-path value v of its label and, on uncertified rows, the second smallest value v2 of
+  // every other centre (the rescan's).
+  float v = 0.0f, v2 = 0.0f;
+  if (live && ok) v = exact_value(x + pm * sxm, sxk, c + i64(mine) * ldc, K, split);
+  // The uncertified rows, one at a time by the whole warp: every centre's exact-path value (lane l takes
+  // the centres l, l + 32, ..., read coalesced from ct; the row's coordinates in registers), the
+  // smallest key (value bits, n) and the second smallest value, merged over the warp; the row's lane
+  // keeps them.
+  constexpr int KR = S * 8;
+  const i64 Cp = (C + BN - 1) / BN * BN;
+  const float* ct = reinterpret_cast<const float*>(cf + Cp / 8 * S * 32) + lane;
   unsigned todo = ballot(live && !ok);
   while (todo) {
     const int src = __ffs(todo) - 1;
     todo &= todo - 1;
-    const i64 pr = point(m_warp + (shfl_int(int(m - m_warp), src)));
-    const float* xi = x + pr * sxm;
-    unsigned kv = 0xffffffffu, kn = 0xffffffffu;  // (value bits, index): the smallest
-    for (int n = lane; n < C; n += 32) {
-      const unsigned b = __float_as_uint(exact_value(xi, sxk, c + i64(n) * ldc, K, split));
-      if (b < kv || (b == kv && unsigned(n) < kn)) kv = b, kn = unsigned(n);
+    const float* xi = x + point(m_warp + shfl_int(int(m - m_warp), src)) * sxm;
+    float xr[Tr::kRescanRegs ? KR : 1];
+    if constexpr (Tr::kRescanRegs) {
+#pragma unroll
+      for (int q = 0; q < KR; ++q) xr[q] = q < K ? xi[q * sxk] : 0.0f;
+    }
+    Keys k{0xffffffffu, 0xffffffffu, 0xffffffffu};
+    const float* cg = ct;  // the lane's centre in each group of 32
+#pragma unroll 1
+    for (int n = lane; n < C; n += 32, cg += 32 * K) {
+      const float e = Tr::kRescanRegs ? exact_value_ct<KR>(xr, 1, cg, K, split)
+                                      : exact_value_ct<KR>(xi, sxk, cg, K, split);
+      merge_keys(k, __float_as_uint(e), unsigned(n), 0xffffffffu);
     }
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const unsigned ov = unsigned(shfl_xor_int(int(kv), o)), on = unsigned(shfl_xor_int(int(kn), o));
-      if (ov < kv || (ov == kv && on < kn)) kv = ov, kn = on;
+      const unsigned ov = unsigned(shfl_xor_int(int(k.v1), o)), on = unsigned(shfl_xor_int(int(k.n1), o));
+      const unsigned o2 = unsigned(shfl_xor_int(int(k.v2), o));
+      merge_keys(k, ov, on, o2);
     }
-    if (lane == src) finish(pr, int(kn), __uint_as_float(kv), false);
+    if (lane == src) mine = int(k.n1), v = __uint_as_float(k.v1), v2 = __uint_as_float(k.v2);
+  }
+  if (!live) return;
+  // The row's results; with ub: its bounds (lb from the certified gap, or from the rescan's v2), the
+  // cluster's largest ub (float bits of a value >= 0 order as integers), and the count of changed labels.
+  if (changed && labels[pm] != mine) atomicAdd(changed, 1);
+  labels[pm] = mine;
+  dist[pm] = sqrtf(v);
+  if (cert) cert[pm] = ok ? 1 : 0;
+  if (ub) {
+    const float u = upper_of(v, gu);
+    float lsq;
+    if (ok) {  // min_{n != label} ||x - c_n||^2 >= ||x - c_label||^2 + gap - tau B (the notes)
+      const float inc = below(math::sub_rn(below(gap), above(thr)));
+      lsq = down(math::add_rn(lower_sq_of(v, gl), inc));
+    } else {  // every other centre's exact value is >= v2 (NaN where there is none: lb 0)
+      lsq = lower_sq_of(v2, gl);
+    }
+    ub[pm] = u;
+    lb[pm] = down(math::sqrt_rn(lsq));
+    atomicMax(rmax + mine, __float_as_int(u));
   }
 }
 

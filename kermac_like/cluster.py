@@ -18,8 +18,16 @@ in one pass): on CUDA in float32 three fused kernels a round (cuda_templates/kme
 kermac_like/plan/kmeans.py) and one host synchronisation a round; elsewhere torch ops, one host
 synchronisation a proposal (the same draws from the same uniforms).
 
-Memory beyond X: O(N) (labels, distances, the sort's permutation), one row block of X in
-float64 and the knn op's own blocks; never N x n_clusters (``transform``'s output aside).
+The fit runs about a reference point s (:func:`_reference`: per column a median of the data
+rounded to a power of two below its spread): X - s once per fit, the seeding and every iteration
+in those coordinates, the centres given back as c + s. Distances do not depend on s, but their
+rounding does: the tensor-core assignment's certificate and the pruned iterations' bounds lose
+eps x the squared norms of what they are fed, so on data far from the origin (shifted,
+all-positive, pixel-like) they would lose eps |x|^2 instead of eps times the centred scale.
+
+Memory beyond X: X - s where s is not 0 (a copy of X), O(N) (labels, distances, the sort's
+permutation), one row block of X in float64 and the knn op's own blocks; never N x n_clusters
+(``transform``'s output aside).
 numpy in, numpy out (``labels_`` int32, centres in X's float dtype, as scikit-learn); torch
 tensors in, tensors out on their device (labels int64), the fit on X's device.
 """
@@ -36,6 +44,7 @@ import torch
 from ._args import all_finite
 from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, TransformerMixin, check_is_fitted,
                          check_n_features)
+from .centring import REFERENCE_ROWS, centred, reference_point
 from .ops.knn import knn
 from .runtime.specs.kmeans import BLOCK_M as _SEED_BLOCK_M, ROUND as _SEED_ROUND, TRIALS as _SEED_TRIALS
 
@@ -150,10 +159,12 @@ def segment_sums(X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | 
 
 
 def _relocate_empty(X, weights, labels, d2, sums, wsum, verbose) -> None:
-    """scikit-learn's rule for clusters left without weight: each takes one of the points
-    farthest from their centres (the farthest first, ties by the smaller index), which leaves
-    its old cluster. ``sums`` and ``wsum`` are updated in place. ``d2``: the squared distances
-    (N,), or a callable giving them (called only when a cluster is empty)."""
+    """scikit-learn's rule for clusters left without weight: the j-th empty cluster takes the j-th
+    point farthest from its centre (ties by the smaller index), which leaves its old cluster.
+    ``sums`` and ``wsum`` are updated in place, by tensor ops (no loop over the clusters): the
+    points leaving one cluster are summed in their order (a stable sort, a segmented sum) and
+    subtracted once, so the result is repeatable on a GPU too. ``d2``: the squared distances (N,),
+    or a callable giving them (called only when a cluster is empty)."""
     empty = (wsum == 0).nonzero()[:, 0]
     n_empty = int(empty.numel())
     if n_empty == 0:
@@ -163,15 +174,15 @@ def _relocate_empty(X, weights, labels, d2, sums, wsum, verbose) -> None:
     far = torch.sort(d2, descending=True, stable=True).indices[:n_empty]
     if verbose:
         print(f"Relocating {n_empty} empty cluster(s) to the farthest points.")
-    for j in range(n_empty):  # in order: a point's old cluster may lose several points
-        new, i = empty[j], far[j]
-        old = labels[i]
-        w = torch.ones((), dtype=torch.float64, device=X.device) if weights is None else weights[i].double()
-        xw = X[i].double() * w
-        sums[old] -= xw
-        sums[new] = xw
-        wsum[new] = w
-        wsum[old] -= w
+    w = (torch.ones(n_empty, dtype=torch.float64, device=X.device) if weights is None
+         else weights.index_select(0, far).double())
+    xw = X.index_select(0, far).double() * w.unsqueeze(1)
+    old, order = torch.sort(labels.index_select(0, far), stable=True)
+    left, count = torch.unique_consecutive(old, return_counts=True)
+    sums.index_add_(0, left, torch.segment_reduce(xw.index_select(0, order), "sum", lengths=count, axis=0).neg_())
+    wsum.index_add_(0, left, torch.segment_reduce(w.index_select(0, order), "sum", lengths=count).neg_())
+    sums[empty] = xw
+    wsum[empty] = w
 
 
 # -- seeding ------------------------------------------------------------------------------------
@@ -409,6 +420,21 @@ def _same_clustering(a: torch.Tensor, b: torch.Tensor, C: int) -> bool:
     return pairs.numel() == torch.unique(a).numel() == torch.unique(b).numel()
 
 
+def _reference(X: torch.Tensor) -> torch.Tensor:
+    """(D,) in X's dtype and device: the fit's reference point s, :func:`centring.reference_point`
+    (per column a median of a sample of the rows: one of the data's own values) rounded to a
+    multiple of the largest power of two at most the column's spread (the root mean square of the
+    same sample about it; unrounded where that is 0). So x - s rounds by at most eps |x - s| (eps
+    times the centred scale) and not at all on a power-of-two lattice (integers, pixels: s stays on
+    it) or far from the origin (x and s within a factor of two: Sterbenz), and data centred within
+    its spread get s = 0: the fit is then that of X itself, bitwise (and X is not copied)."""
+    ref = reference_point(X).to(device=X.device, dtype=torch.float64)
+    sample = X[::max(1, -(-X.shape[0] // REFERENCE_ROWS))].to(torch.float64) - ref
+    spread = sample.square_().mean(0).sqrt_()
+    grid = torch.exp2(torch.floor(torch.log2(spread)))
+    return torch.where(spread > 0, torch.round(ref / grid) * grid, ref).to(X.dtype)
+
+
 def _tolerance(X: torch.Tensor, tol: float) -> float:
     """scikit-learn's _tolerance: tol x the mean over features of the (population) variance,
     in float64 by row blocks."""
@@ -469,10 +495,14 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     cores with a certificate, and the iterations after the first assign only the points whose
     label distance bounds cannot prove (Hamerly's bounds with Elkan's half-distance test): the
     same labels as assigning every point, bitwise (``KERMAC_LIKE_KMEANS_BOUNDS=0`` assigns every
-    point). Device memory: X, plus ~24 bytes a point for the bounded iterations (labels, two
-    bounds, a distance and the work list) and O(n_clusters x n_features) per step; no
-    n_samples x n_clusters matrix. Errors: ``ValueError`` naming the argument for bad parameters,
-    shapes, n_clusters > n_samples and NaN/inf in X; ``NotFittedError`` before ``fit``.
+    point). The fit, predict, transform and score run about a reference point of the training data
+    (the module's docstring): a common shift of the data shifts the centres and changes no label
+    beyond float32 rounding of the centred coordinates (none where the shift is exact, e.g. on a
+    power-of-two lattice). Device memory: X and, unless the data are centred already, X - s;
+    ~24 bytes a point for the bounded iterations (labels, two bounds, a distance and the work list)
+    and O(n_clusters x n_features) per step; no n_samples x n_clusters matrix. Errors:
+    ``ValueError`` naming the argument for bad parameters, shapes, n_clusters > n_samples and
+    NaN/inf in X; ``NotFittedError`` before ``fit``.
     """
 
     def __init__(self, n_clusters=8, *, init="k-means++", n_init=1, max_iter=300, tol=1e-4, random_state=None,
@@ -613,24 +643,30 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                              f"n_clusters={C}")
         centres0 = None if isinstance(init, str) else self._init_array(Xt, C)
         rs = _random_state(self.random_state)
-        tol_abs = _tolerance(Xt, tol)
-        best = None
         with torch.no_grad():
+            ref = _reference(Xt)  # the fit in X - ref (the module's docstring)
+            shifted = bool(ref.any())
+            Xc = centred(Xt, ref) if shifted else Xt
+            if centres0 is not None and shifted:
+                centres0 = centred(centres0, ref)
+            tol_abs = _tolerance(Xc, tol)
+            best = None
             for _ in range(n_init):
                 if centres0 is not None:
                     start = centres0
                 else:
                     g = torch.Generator(device=Xt.device).manual_seed(int(rs.randint(np.iinfo(np.int32).max)))
                     if init == "k-means++":
-                        start = kmeans_plusplus(Xt, C, w, g, debug=self.debug)[0]
+                        start = kmeans_plusplus(Xc, C, w, g, debug=self.debug)[0]
                     else:
-                        start = _random_init(Xt, C, w, g)[0]
+                        start = _random_init(Xc, C, w, g)[0]
                 if self.verbose:
                     print("Initialization complete")
-                labels, inertia, centres, n_iter = lloyd(Xt, w, start, max_iter, tol_abs, self.verbose, self.debug)
+                labels, inertia, centres, n_iter = lloyd(Xc, w, start, max_iter, tol_abs, self.verbose, self.debug)
                 if best is None or (inertia < best[1] and not _same_clustering(labels, best[0], C)):
                     best = (labels, inertia, centres, n_iter)
-        labels, inertia, centres, n_iter = best
+            labels, inertia, centred_centres, n_iter = best
+            centres = centred_centres + ref if shifted else centred_centres
         distinct = int(torch.unique(labels).numel())
         if distinct < C:
             warnings.warn(f"Number of distinct clusters ({distinct}) found smaller than n_clusters ({C}). "
@@ -643,6 +679,8 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.inertia_ = inertia
         self.n_iter_ = n_iter
         self._n_features_out = C
+        # predict, transform and score work about the same point, from the centres before the shift back
+        self._centring = (ref, centred_centres) if shifted else None
         return self
 
     def fit_predict(self, X, y=None, sample_weight=None):
@@ -651,30 +689,35 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
 
     # -- after fit ----------------------------------------------------------------------------------
     def _query(self, X):
-        """(X tensor on the centres' device and dtype, X was a tensor, X's device)."""
+        """(X, the centres), both on the centres' device and dtype and about the fit's reference point;
+        X was a tensor; X's device. The centres: the fit's own before the shift back (c + s rounds c)
+        while cluster_centers_ holds what the fit gave it, else cluster_centers_ - s."""
         check_is_fitted(self)
         Xt, was_tensor = self._validate(X, reset=False)
-        c = self._centres()
-        return Xt.to(device=c.device, dtype=c.dtype), was_tensor, Xt.device
-
-    def _centres(self) -> torch.Tensor:
         c = self.cluster_centers_
-        return c if _is_tensor(c) else torch.from_numpy(np.ascontiguousarray(c))
+        c = c if _is_tensor(c) else torch.from_numpy(np.ascontiguousarray(c))
+        Xq = Xt.to(device=c.device, dtype=c.dtype)
+        if getattr(self, "_centring", None) is not None:
+            ref, cc = (t.to(device=c.device, dtype=c.dtype) for t in self._centring)
+            with torch.no_grad():
+                Xq = centred(Xq, ref)
+                c = cc if cc.shape == c.shape and torch.equal(cc + ref, c) else centred(c, ref)
+        return Xq, c, was_tensor, Xt.device
 
     def predict(self, X, sample_weight=None):
         """The nearest centre of each point (int32 for numpy, int64 tensors for tensors)."""
-        Xt, was_tensor, dev = self._query(X)
+        Xq, c, was_tensor, dev = self._query(X)
         with torch.no_grad():
-            labels, _ = _assign(Xt, self._centres(), self.debug)
+            labels, _ = _assign(Xq, c, self.debug)
         return labels.to(dev) if was_tensor else labels.cpu().numpy().astype(np.int32)
 
     def transform(self, X):
         """Euclidean distances (n_samples, n_clusters) to the centres, in the centres' dtype."""
         from .ops.distance import cdist
 
-        Xt, was_tensor, dev = self._query(X)
+        Xq, c, was_tensor, dev = self._query(X)
         with torch.no_grad():
-            out = cdist(Xt, self._centres(), compute_mode=_DIRECT, debug=self.debug)
+            out = cdist(Xq, c, compute_mode=_DIRECT, debug=self.debug)
         return out.to(dev) if was_tensor else out.cpu().numpy()
 
     def fit_transform(self, X, y=None, sample_weight=None):
@@ -683,10 +726,10 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
 
     def score(self, X, y=None, sample_weight=None):
         """Minus the (weighted) sum of squared distances of X to the nearest centre."""
-        Xt, _, _ = self._query(X)
-        w = self._sample_weight(sample_weight, Xt)
+        Xq, c, _, _ = self._query(X)
+        w = self._sample_weight(sample_weight, Xq)
         with torch.no_grad():
-            _, d2 = _assign(Xt, self._centres(), self.debug)
+            _, d2 = _assign(Xq, c, self.debug)
         return -_inertia(d2, w)
 
     def get_feature_names_out(self, input_features=None):

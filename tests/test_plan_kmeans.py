@@ -122,7 +122,7 @@ def test_assign_switch_on_plans_the_kernel(as_gpu, monkeypatch, K, kK, block_m, 
     assert float(main.args[14]) == assign_tau(K) and int(main.args[15]) == split == assign_split(K)
     assert main.args[16:21] == (0, 0, 0, 0, 0)  # every point, no bounds
     cp = -(-C // block_n) * block_n
-    assert plan.scratch[1].numel() == cp * kK * 2 and plan.scratch[2].numel() == cp
+    assert plan.scratch[1].numel() == cp * (kK * 2 + K) and plan.scratch[2].numel() == cp  # fragments, ct
     labels, dist, cert = plan.out
     assert labels.dtype == torch.int64 and dist.dtype == torch.float32 and cert.dtype == torch.uint8
     assert plan_assign(torch.randn(N, K, dtype=torch.float64), torch.randn(C, K, dtype=torch.float64)) is None

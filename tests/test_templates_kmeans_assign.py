@@ -35,7 +35,6 @@ DRIVER = r'''
 using std::max;
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
-inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 namespace kermac_like { namespace kmeans_assign_detail {
 inline int shfl_xor_int(int v, int m) { return __float_as_int(__shfl_xor_sync(0xffffffffu, __int_as_float(v), m)); }
 inline int shfl_int(int v, int src) {
@@ -72,7 +71,7 @@ void run(const AArgs& A, const float* x, const float* c, long long* labels, floa
          int* changed = nullptr) {
   const int C = (int)A.C, K = (int)A.K, N = rows ? n_rows : (int)A.N;
   const int cp = (C + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
-  std::vector<uint4> cf(size_t(cp) / 8 * Tr::kSteps * 32);
+  std::vector<uint4> cf(size_t(cp) / 8 * Tr::kSteps * 32 + (size_t(cp) * K + 3) / 4);  // fragments, then ct
   std::vector<float> cn(cp, -7.0f);
   float cmax = -7.0f;
   launch_grid<Tr>(1, 1, [&] { kmeans_assign_prep_kernel<Tr>(c, cf.data(), cn.data(), &cmax, C, K, K); });
@@ -251,10 +250,12 @@ def emulate_step(exe, x, c_new, labels, ub, lb, drift, mdl, halfs, rth, tmp):
 
 def _data(kind, N, K, C, seed):
     rng = np.random.default_rng(seed)
-    if kind == "blobs":  # bench/run.py's kmeans data
-        means = 4 * rng.standard_normal((C, K))
-        x = means[rng.integers(0, C, N)] + rng.standard_normal((N, K))
+    if kind in ("blobs", "shifted"):  # bench/run.py's kmeans data; shifted: 8 blobs, 300 x their spread away
+        means = 4 * rng.standard_normal((C if kind == "blobs" else 8, K))
+        x = means[rng.integers(0, len(means), N)] + rng.standard_normal((N, K))
         c = x[rng.choice(N, C, replace=False)] + 0.1 * rng.standard_normal((C, K))
+        if kind == "shifted":
+            x, c = x + 1200.0, c + 1200.0
         return x.astype(np.float32), c.astype(np.float32)
     x = rng.standard_normal((N, K)).astype(np.float32)
     c = rng.standard_normal((C, K)).astype(np.float32)
@@ -282,6 +283,13 @@ def _float64_order(x, c):
     return best, gap, d
 
 
+# blobs far from the origin (shift 300 x the blobs' spread): the certificate's width tau (|x|^2 + |c|^2)
+# exceeds most gaps, so most rows go through the rescan (many a warp; the row read or in registers)
+SHIFTED = [
+    pytest.param("shifted", 300, 16, 130, id="K16-C130-shifted"),
+    pytest.param("shifted", 200, 5, 40, id="K5-C40-shifted"),
+    pytest.param("shifted", 100, 33, 40, id="K33-C40-shifted"),
+]
 CASES = [
     pytest.param("ties", 300, 16, 70, id="K16-C70-ties"),
     pytest.param("blobs", 300, 16, 300, id="K16-C300-blobs-3tiles"),
@@ -291,7 +299,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind, N, K, C", CASES)
+@pytest.mark.parametrize("kind, N, K, C", CASES + SHIFTED)
 def test_labels_and_distances_are_the_exact_paths(emulator, tmp_path, kind, N, K, C):
     x, c = _data(kind, N, K, C, seed=N + K + C)
     labels, dist, cert, rl, rd = emulate(emulator, x, c, tmp_path)
@@ -307,7 +315,9 @@ def test_labels_and_distances_are_the_exact_paths(emulator, tmp_path, kind, N, K
     assert (gap[ok] > 4 * (K + 4) * 2.0 ** -24 * B[ok]).all()
     wide = gap > 1e-5 * B  # labels equal the float64 argmin wherever the gap is not a near-tie
     assert np.array_equal(labels[wide], best[wide])
-    if C > 1:
+    if kind == "shifted":
+        assert ok.mean() < 0.5, "the rescan is what this case tests"
+    elif C > 1:
         assert ok.mean() > 0.5, f"only {ok.mean():.2f} of the rows certified"
     if kind == "ties":
         assert not ok[:60].any() or (gap[:60][ok[:60]] > 0).all()
@@ -365,15 +375,23 @@ def _check_bounds(x, c, labels, ub, lb):
     assert (lb.astype(np.float64) <= other.min(1)).all(), "a lower bound above the second distance"
 
 
-@pytest.mark.parametrize("kind, N, K, C", [CASES[0], CASES[1], CASES[3], CASES[4]])
+@pytest.mark.parametrize("kind, N, K, C", [CASES[0], CASES[1], CASES[3], CASES[4], SHIFTED[0]])
 def test_assignment_bounds_hold(emulator, tmp_path, kind, N, K, C):
-    """The assignment's bounds: valid in real arithmetic, lb from the certified gap (0 elsewhere), rmax the
-    largest ub of each cluster; on blob data lb > ub for most rows (bounds that prune)."""
+    """The assignment's bounds: valid in real arithmetic, lb from the certified gap or, on rescanned rows,
+    from the second smallest exact value (within float32 rounding of the second distance: not 0, so the
+    next step's filter can keep the row), rmax the largest ub of each cluster; on blob data lb > ub for
+    most rows (bounds that prune)."""
     x, c = _data(kind, N, K, C, seed=N + K + C + 1)
     labels, dist, cert, rl, rd, ub, lb, rmax = emulate(emulator, x, c, tmp_path, bounds=True)
     assert np.array_equal(labels, rl) and np.array_equal(dist.view(np.int32), rd.view(np.int32))
     _check_bounds(x, c, labels, ub, lb)
-    assert (lb[cert == 0] == 0).all() and (ub >= dist).all()
+    assert (ub >= dist).all()
+    if C > 1:
+        d = _true_dists(x, c)
+        d[np.arange(N), labels] = np.inf
+        unc = cert == 0
+        assert unc.any() or kind == "blobs"
+        assert (lb[unc] >= d.min(1)[unc] * (1 - 1e-5)).all(), "a rescanned row's lb is not tight"
     for a in range(C):
         mine = ub[labels == a]
         assert rmax[a] == (mine.max().view(np.int32) if mine.size else 0)
@@ -391,11 +409,13 @@ def _step_case(emulator, tmp_path, kind, N, K, C, move, seed):
 
 
 @pytest.mark.parametrize("kind, N, K, C, move", [("blobs", 300, 16, 70, 0.05), ("blobs", 300, 16, 300, 0.3),
-                                                 ("ties", 300, 16, 70, 0.01), ("ties", 150, 33, 70, 0.01)])
+                                                 ("ties", 300, 16, 70, 0.01), ("ties", 150, 33, 70, 0.01),
+                                                 ("shifted", 300, 16, 130, 0.01)])
 def test_pruned_step_is_the_full_assignment(emulator, tmp_path, kind, N, K, C, move):
     """A step after the centres moved: the filter keeps the points its rule proves, the assignment takes the
     work list; every label and the exact mode's distance bits equal the full assignment's at the new centres,
-    the changed count is the number of new labels, and the bounds still hold."""
+    the changed count is the number of new labels, and the bounds still hold. Shifted blobs: the rows the
+    first assignment rescanned (most) keep their label by the rescan's lb."""
     x, c, c_new, labels0, ub, lb, rmax = _step_case(emulator, tmp_path, kind, N, K, C, move, seed=N + C + K)
     import torch
 

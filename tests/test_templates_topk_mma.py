@@ -54,7 +54,6 @@ inline bool __any_sync(unsigned, bool p) {
   emu::warp_sync();
   return any;
 }
-inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline void __trap() { fail("__trap"); }
 #include "topk_mma.cuh"
 

@@ -283,7 +283,8 @@ def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, cer
     spec, pspec = assign_spec(K), assign_prep_spec(K)
     kK, bn = assign_k_bucket(K), spec.launch.block_n
     cp = -(-C // bn) * bn
-    cf = torch.empty(cp * kK * 2, dtype=torch.float32, device=dev)  # (cp / 8, kK / 8, 32) uint4
+    # (cp / 8, kK / 8, 32) uint4 B fragments, then (cp / 32, K, 32) f32 centres for the rescan's coalesced reads
+    cf = torch.empty(cp * (kK * 2 + K), dtype=torch.float32, device=dev)
     cn = torch.empty(cp, dtype=torch.float32, device=dev)
     cmax = torch.empty(1, dtype=torch.float32, device=dev)
     labels = torch.empty(N, dtype=torch.int64, device=dev) if labels is None else labels

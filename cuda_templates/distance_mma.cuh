@@ -281,16 +281,39 @@ __device__ __forceinline__ void store_two(T* p, float y0, float y1) {
 #define KERMAC_LIKE_NEAR_SHARE 0.25f
 #endif
 
-// ||x - y||^2 of two float rows of K coordinates by direct differences in fp64, rounded once.
-__device__ __forceinline__ float direct_sq_distance(const float* x, const float* y, int K) {
+// ||x - y||^2 of two float rows of K coordinates (strides sx, sy) by direct differences in fp64,
+// rounded once.
+__device__ __forceinline__ float direct_sq_distance(const float* x, long long sx, const float* y, long long sy,
+                                                    int K) {
   double s = 0.0;
 #pragma unroll 1
   for (int k = 0; k < K; ++k) {
-    const double d = (double)x[k] - (double)y[k];
+    const double d = (double)x[k * sx] - (double)y[k * sy];
     s = fma(d, d, s);
   }
   return (float)s;
 }
+
+// The operands as the caller gave them, before the planner's shift and zero padding (the kernels'
+// trailing arguments): the near pairs' direct differences read them, so that they are those of
+// the given float32 values (a shifted copy rounds coordinates far from the reference point).
+// Row m of batch entry (l0, l1, l2): a0 + a_bs.offset(l0, l1, l2) + m a_sm, coordinate k at
+// k a_sk, k < k0. a0 == nullptr: the kernel's own operands (no copy was made, or only a padded one).
+struct NearOperands {
+  const float* a0;
+  const float* b0;
+  int k0;
+  long long a_sm, a_sk, b_sm, b_sk;
+  BatchStride a_bs, b_bs;
+
+  // ||a[m] - b[n]||^2 of batch entry (l0, l1, l2), from a0/b0, or from the kernel's own rows.
+  __device__ __forceinline__ float operator()(int l0, int l1, int l2, int m, int n, const float* a_l, long long lda,
+                                              const float* b_l, long long ldb, int K) const {
+    if (a0 == nullptr) return direct_sq_distance(a_l + (long long)m * lda, 1, b_l + (long long)n * ldb, 1, K);
+    return direct_sq_distance(a0 + a_bs.offset(l0, l1, l2) + (long long)m * a_sm, a_sk,
+                              b0 + b_bs.offset(l0, l1, l2) + (long long)n * b_sm, b_sk, k0);
+  }
+};
 
 // Whether an entry's expansion is a near pair's (NaN and inf compare false: they keep the
 // expansion's value, as in torch.cdist's matrix-product path).
@@ -655,9 +678,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                         long long outer_p_bs1, long long outer_p_bs2, float outer_p,
                         const float* bw_ptr, long long bw_bs0, long long bw_bs1, long long bw_bs2,
                         float bandwidth, const float* reg_ptr, long long reg_bs0, long long reg_bs1,
-                        long long reg_bs2, float regularization, long long reg_diag, float epsilon) {
+                        long long reg_bs2, float regularization, long long reg_diag, float epsilon,
+                        const float* __restrict__ a0 = nullptr, const float* __restrict__ b0 = nullptr,
+                        int k0 = 0, long long a0_sm = 0, long long a0_sk = 0, long long b0_sm = 0,
+                        long long b0_sk = 0, long long a0_bs0 = 0, long long a0_bs1 = 0, long long a0_bs2 = 0,
+                        long long b0_bs0 = 0, long long b0_bs1 = 0, long long b0_bs2 = 0) {
   using T = typename Traits::T;
   using namespace mma_detail;
+  const NearOperands near_ops{a0, b0, k0, a0_sm, a0_sk, b0_sm, b0_sk, {a0_bs0, a0_bs1, a0_bs2}, {b0_bs0, b0_bs1, b0_bs2}};
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kTilesM = Traits::kTilesM, kTilesN = Traits::kTilesN;
   constexpr int kStages = Traits::kStages, kStageBytes = Traits::kStageBytes;
@@ -799,8 +827,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           const int m = m0 + row0 + i * 16 + h * 8, n = n0 + col;
           if (n >= N) continue;
           const bool regularised = reg_on && (long long)m + reg_diag == n;
-          const float y = finish.of_sq_distance(
-              direct_sq_distance(a_l + (long long)m * lda, b_l + (long long)n * ldb, K), regularised);
+          const float y = finish.of_sq_distance(near_ops(l0, l1, l2, m, n, a_l, lda, b_l, ldb, K), regularised);
           store_one<T>(Traits::kLayoutO == Layout::RowMajor ? out_l + (long long)m * ldo + n
                                                             : out_l + (long long)n * ldo + m, y);
         }

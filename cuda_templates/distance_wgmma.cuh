@@ -362,7 +362,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                              long long bw_bs2, float bandwidth, const float* reg_ptr, long long reg_bs0,
                              long long reg_bs1, long long reg_bs2, float regularization,
                              long long reg_diag, float epsilon, const float* __restrict__ b_blocks,
-                             const float* __restrict__ b_norm, long long bc0, long long bc1, long long bc2) {
+                             const float* __restrict__ b_norm, long long bc0, long long bc1, long long bc2,
+                             const float* __restrict__ a0 = nullptr, const float* __restrict__ b0 = nullptr,
+                             int k0 = 0, long long a0_sm = 0, long long a0_sk = 0, long long b0_sm = 0,
+                             long long b0_sk = 0, long long a0_bs0 = 0, long long a0_bs1 = 0,
+                             long long a0_bs2 = 0, long long b0_bs0 = 0, long long b0_bs1 = 0,
+                             long long b0_bs2 = 0) {
   using namespace mma_detail;
   using namespace wgmma_detail;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -683,8 +688,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             const int m = m0 + row0 + (q >> 1) * 8, n = n0 + col;
             if (m >= M || n >= N) continue;
             const bool regularised = reg_on && (long long)m + reg_diag == n;
-            const float y = finish.of_sq_distance(
-                direct_sq_distance(a_l + (long long)m * lda, b_l + (long long)n * ldb, K), regularised);
+            const NearOperands near_ops{a0,    b0,    k0, a0_sm, a0_sk, b0_sm,
+                                        b0_sk, {a0_bs0, a0_bs1, a0_bs2}, {b0_bs0, b0_bs1, b0_bs2}};
+            const float y = finish.of_sq_distance(near_ops(l0, l1, l2, m, n, a_l, lda, b_l, ldb, K), regularised);
             if constexpr (Traits::kLayoutO == Layout::RowMajor) {
               out_l[(long long)m * ldo + n] = y;
             } else {

@@ -429,11 +429,14 @@ def test_tensor_core_operands_are_centred(as_gpu, cap, K):
         assert a.shape[-1] == b.shape[-1] == 16
         assert torch.equal(a[:, :K], x - s) and torch.equal(P.reference_point(y), s) and not a[:, K:].any()
         assert b[3, 2] == float("inf") and abs(float(b[:, :K][torch.isfinite(b[:, :K])].mean())) < 1
-        assert plan.launches[-1].args[0] == a.data_ptr()
+        main = plan.launches[-1].args
+        assert main[0] == a.data_ptr()
+        # the near pairs' direct differences read the operands as given (ABI.md: a0, b0, k0, strides)
+        assert list(main[-13:-6]) == [x.data_ptr(), y.data_ptr(), K, K, 1, K, 1]
     same = P.plan_distance(prepare_call(km.PRESETS["l2"], x, x), torch.empty(40, 40), COMPUTE_MODES[1], False)
     assert same.scratch[-1]["a"] is same.scratch[-1]["b"] and abs(float(same.scratch[-1]["a"].mean())) < 1
     dot = P.plan_distance(prepare_call(km.PRESETS["dot"], x, y), torch.empty(40, 30), COMPUTE_MODES[1], False)
-    assert float(dot.scratch[-1]["a"][:, :K].mean()) > 900
+    assert float(dot.scratch[-1]["a"][:, :K].mean()) > 900 and dot.launches[-1].args[-13] == 0
     half = P.plan_distance(prepare_call(km.PRESETS["l2"], x.half(), y.half()), torch.empty(40, 30).half(),
                            COMPUTE_MODES[1], False)
     assert float(half.scratch[-1]["a"][:, :K].float().mean()) > 900

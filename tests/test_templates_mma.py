@@ -511,7 +511,8 @@ def gpu_run(cfg, a, b, out, *, bw=1.0, lam=0.0, reg_diag=0, eps=0.0, bw_t=None, 
             i64(0), i64(a.stride(0) if La > 1 else 0), i64(0),
             i64(0), i64(b.stride(0) if Lb > 1 else 0), i64(0),
             i64(0), i64(out.stride(0) if batch > 1 else 0), i64(0),
-            *hp(None, 0.0), *hp(None, 0.0), *hp(bw_t, bw), *hp(lam_t, lam), i64(reg_diag), f32(eps)]
+            *hp(None, 0.0), *hp(None, 0.0), *hp(bw_t, bw), *hp(lam_t, lam), i64(reg_diag), f32(eps),
+            0, 0, i32(0), *(i64(0),) * 10]  # no operands as given (ABI.md): near pairs from a and b
     grid = (-(-M // BLOCK_M), -(-N // BLOCK_N), min(grid_z or batch, 65535))
     config = LaunchConfig(grid=grid, block=(THREADS, 1, 1), shmem_size=SMEM_BYTES)
     torch.cuda.synchronize()

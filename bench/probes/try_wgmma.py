@@ -200,6 +200,7 @@ def run(variant, cfg, a, b, out, *, bw=1.0, lam=0.0, reg_diag=0, eps=0.0, bw_t=N
     if variant.prepared:  # the op = b preparation + the distance kernel, timed together
         pre, extra = prepare(cfg, b, keep)
         args += extra
+    args += [0, 0, i32(0), *(i64(0),) * 10]  # no operands as given (ABI.md): near pairs from a and b
     bm, bn = variant.block
     grid = (-(-M // bm), -(-N // bn), min(grid_z or batch, 65535))
     if variant.prepared:  # grid counts clusters of vertically adjacent tiles

@@ -118,9 +118,15 @@ def _few_tiles(call: DistanceCall) -> bool:
     return tiles <= _FEW_TILES
 
 
+# The matrices of a plan's tensors (batch modes before the last two): the operands, the output, and
+# the operands as given (a0, b0) that the tensor-core kernels' near pairs read when they read a
+# shifted copy.
+_MATRICES = ("a", "b", "out", "a0", "b0")
+
+
 def _batch_plan(call: DistanceCall, tensors: dict):
     strides = {k: batch_strides(call.batch, t.shape[:-2], t.stride()[:-2]) for k, t in tensors.items()
-               if k in ("a", "b", "out")}
+               if k in _MATRICES}
     for k, v in tensors.items():
         if k not in strides:
             strides[k] = batch_strides(call.batch, tuple(v.shape), tuple(v.stride()))
@@ -234,16 +240,18 @@ def _lowk_serves(kind: str, K: int) -> bool:
     return kind == autotune.LOWK and K <= LOWK_GENERIC_MAX_K
 
 
-def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: Settings, kind: str):
+def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: Settings, kind: str,
+            given: dict | None = None):
     """(spec, views, tensors, batch plan, family) for a GPU call served by ``kind``
-    (runtime.autotune's kinds), or None for the reference path."""
+    (runtime.autotune's kinds), or None for the reference path. ``given``: the operands as the
+    caller gave them ({"a0", "b0"}) where the call reads shifted copies."""
     tf32 = settings.tf32
     tf32_types = (torch.float32, torch.float16, torch.bfloat16)
     if kind == autotune.TENSOR_CORE and call.desc.is_euclidean and call.dtype in tf32_types:
         av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
         bv = analyse_matrix("b", call.b, prefer=Layout.ROW_MAJOR)
         outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
-        tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
+        tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **(given or {}), **hypers}
         bplan = _batch_plan(call, tensors)
         per = 16 // call.a.element_size()
         offsets_ok = _aligned(bplan, ("a", "b"), per)
@@ -428,11 +436,12 @@ def _with_arg_blocks(t: _Template) -> _Template:
 def _instantiate_template(t: _Template, a, b, out, hyper_tensors: dict, device, debug: bool) -> Plan:
     """The plan of a cached template for the operands of a call (zero-padded copies of a
     and b where the template reads them padded)."""
+    given = {"a0": a, "b0": b} if t.centre else {}
     if t.pad_k or t.centre:
         a, b = _prepared_pair(a, b, t.pad_k or a.shape[-1], t.centre)
     if t.kmajor:
         a, b = _kmajor_pair(a, b)
-    return _instantiate(t, {"a": a, "b": b, "out": out, **hyper_tensors}, device, debug)
+    return _instantiate(t, {"a": a, "b": b, "out": out, **given, **hyper_tensors}, device, debug)
 
 
 def _remember_call(call_key, t: _Template, call: DistanceCall) -> None:
@@ -535,9 +544,11 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     reference path."""
     from ..runtime.launcher import get_kernel, max_active_clusters, prefetch
 
-    pad_k, centre, kmajor = 0, False, False
+    pad_k, centre, kmajor, given = 0, False, False, None
     if kind == autotune.TENSOR_CORE:
+        a0, b0 = call.a, call.b
         call, pad_k, centre = _tensor_core_operands(call)
+        given = {"a0": a0, "b0": b0} if centre else None
     elif not _lowk_serves(kind, call.K) and _kmajor_worthwhile(call):
         kmajor = True
         a, b = _kmajor_pair(call.a, call.b)
@@ -546,7 +557,7 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     for k, v in call.hypers.items():
         if isinstance(v, torch.Tensor):
             hypers[k] = v if v.dtype == torch.float32 else v.float()  # at most batch-many scalars
-    chosen = _select(call, out, hypers, compute_mode, settings, kind)
+    chosen = _select(call, out, hypers, compute_mode, settings, kind, given)
     if chosen is None:
         return None
     spec, (av, bv, outv), tensors, bplan, family = chosen
@@ -615,9 +626,23 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
             step, extra = prepare.launch_for(ptr("b"))
             launches.append(_launch_template(*step))
             args += extra
+        if family in ("distance_mma", "distance_wgmma"):
+            args += _given_args(tensors, bplan, ptr)
         launches.append(_launch_template(kernel, grid, args))
     scratch = prepare.scratch if prepare is not None else ()
     return _Template(family, spec, tuple(launches), scratch, pad_k, centre, kmajor), tensors, reusable
+
+
+def _given_args(tensors: dict, bplan, ptr) -> list:
+    """The tensor-core kernels' trailing arguments: the operands as given (a0, b0: pointers, K, row
+    and coordinate strides, kernel-mode batch strides) whose direct differences their near pairs
+    take when the kernels read shifted copies (distance_mma.cuh, NearOperands); zeros otherwise."""
+    if "a0" not in tensors:
+        return [0, 0, np.int32(0), *(np.int64(0),) * 10]
+    a0, b0 = tensors["a0"], tensors["b0"]
+    return [ptr("a0"), ptr("b0"), np.int32(a0.shape[-1]),
+            *(np.int64(v) for v in (a0.stride(-2), a0.stride(-1), b0.stride(-2), b0.stride(-1))),
+            *(np.int64(v) for v in bplan.strides["a0"][1]), *(np.int64(v) for v in bplan.strides["b0"][1])]
 
 
 def b_entries(modes, strides) -> tuple:

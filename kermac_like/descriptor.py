@@ -230,6 +230,12 @@ PRESETS: "types.MappingProxyType[str, KernelDescriptor]" = types.MappingProxyTyp
     "dot": KernelDescriptor(_D.DOT, _I.NOOP, _I.NOOP, KernelType.NONE),
 })
 del _D, _I
+# Error model. DIFF descriptors depend on x - y alone: every path is accurate relative to the
+# data's centred scale whatever its offset (the product-formula paths shift the data by a
+# reference point: kermac_like/centring.py). DOT (<x, y>) is not translation invariant: its
+# float32 sums (3xTF32 on tensor cores) are within about K 2^-23 |x| |y| of the exact dot
+# product, relative to the norms from the origin, so nearly orthogonal rows far from the origin
+# lose relative accuracy as any float32 matrix product does.
 
 
 def preset(name: str) -> KernelDescriptor:

@@ -29,6 +29,18 @@ not fit anywhere.
 
 The constructor validates like run_kernel (TypeError/ValueError naming the
 argument).  The operator is immutable; x and y are referenced, not copied.
+
+Products of DIFF descriptors are translation invariant (kernel_matvec's error model):
+where kernel_matvec's path forms distances by the product formula
+(``plan.matvec.matvec_shifts``: the sm_90 tensor-core kernel, the torch path's matrix
+product), the operator shifts x and y by their reference point once, at its first such
+product, keeps the shifted copies (one tensor if y is x; rebuilt when x or y are changed
+in place; shared with ``K.T``) and hands them to kernel_matvec marked as centred, so that a
+CG or Lanczos loop pays no shift per product. Memory: those copies, M x K and N x K
+elements, for the operator's lifetime. Under autograd (x or y requiring grad) each product
+shifts the tensors themselves, a differentiable subtraction of the detached reference
+point: gradients are those of x and y. DOT descriptors are never shifted (their error is
+relative to |x| |y|).
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ class KernelOperator:
     """
 
     __slots__ = ("descriptor", "x", "y", "hypers", "regularization_offset_x", "regularization_offset_y", "epsilon",
-                 "debug", "batch_shape", "_M", "_N")
+                 "debug", "batch_shape", "_M", "_N", "_centred")
 
     def __init__(self, descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, *, p=None, inner_p=None,
                  outer_p=None, bandwidth=None, regularization=None, regularization_offset_x: int = 0,
@@ -76,6 +88,9 @@ class KernelOperator:
         self.debug = bool(debug)
         self.batch_shape = tuple(call.batch)
         self._M, self._N = call.M, call.N
+        # [(x, y, their versions, reference point s, x - s, y - s)]: built by the first product that
+        # needs the shift (_operands), shared with the transpose (whose x is this y)
+        self._centred = [None]
 
     # -- what it is ------------------------------------------------------------------
     @property
@@ -114,10 +129,52 @@ class KernelOperator:
 
     # -- products --------------------------------------------------------------------------
     def matmul(self, v: torch.Tensor, *, out=None) -> torch.Tensor:
-        """``K @ v`` through :func:`kermac_like.kernel_matvec` (v ``(N,)`` or ``(..., N, C)``)."""
+        """``K @ v`` through :func:`kermac_like.kernel_matvec` (v ``(N,)`` or ``(..., N, C)``);
+        x and y shifted by their reference point where its path takes the product formula
+        (see the module docstring)."""
         from .matvec import kernel_matvec
 
-        return kernel_matvec(self.descriptor, self.x, self.y, v, out=out, **self._kwargs())
+        x, y = self._operands(v, out)
+        return kernel_matvec(self.descriptor, x, y, v, out=out, **self._kwargs())
+
+    def _operands(self, v, out) -> tuple:
+        """(x, y) for kernel_matvec: as given, or shifted by their reference point (cached; per
+        call under autograd) where the product's path forms distances by the product formula."""
+        from .plan.matvec import mark_centred, matvec_shifts, pair_reference, shifted_pair
+
+        x, y = self.x, self.y
+        if not (isinstance(v, torch.Tensor) and x.dtype in (torch.float32, torch.float64)):
+            return x, y  # 16-bit data: kernel_matvec shifts float32 copies per call
+        wide = x.dtype != torch.float64 and (v.dtype == torch.float64
+                                             or (isinstance(out, torch.Tensor) and out.dtype == torch.float64))
+        if torch.compiler.is_compiling() or not matvec_shifts(self.descriptor, x, y, wide):
+            return x, y
+        try:
+            key = (x._version, y._version)
+        except RuntimeError:  # inference tensors: kernel_matvec shifts them per call
+            return x, y
+        grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
+        entry = self._centred[0]
+        if entry is not None and entry[0] is x and entry[1] is y and entry[2] == key:
+            s, xc, yc = entry[3:]
+        elif entry is not None and entry[0] is y and entry[1] is x and entry[2] == key[::-1]:  # built by K.T
+            s, yc, xc = entry[3:]
+        else:
+            s = xc = yc = None
+        if s is None or (xc is None and not grad):
+            if grad:  # the reference point alone: the products shift x and y themselves below
+                s = pair_reference(x, y)
+            else:
+                xc, yc, s = shifted_pair(x, y, point=s)
+                mark_centred(s, xc, yc)
+            self._centred[0] = (x, y, key, s, xc, yc)
+        if not grad:
+            return xc, yc
+        # differentiable: x - s and y - s themselves (s is detached), one tensor where y is x
+        xg = (x - s.to(x.dtype)) if (x.requires_grad or xc is None) else xc
+        yg = xg if y is x else (y - s.to(y.dtype)) if (y.requires_grad or yc is None) else yc
+        mark_centred(s, xg, yg)
+        return xg, yg
 
     def __matmul__(self, v):
         if not isinstance(v, torch.Tensor):
@@ -135,9 +192,11 @@ class KernelOperator:
     @property
     def T(self) -> "KernelOperator":
         """The transpose of the matrix modes (batch modes stay): x and y swapped, offsets swapped."""
-        return KernelOperator(self.descriptor, self.y, self.x, regularization_offset_x=self.regularization_offset_y,
-                              regularization_offset_y=self.regularization_offset_x, epsilon=self.epsilon,
-                              debug=self.debug, **{k: v for k, v in self.hypers.items() if v is not None})
+        t = KernelOperator(self.descriptor, self.y, self.x, regularization_offset_x=self.regularization_offset_y,
+                           regularization_offset_y=self.regularization_offset_x, epsilon=self.epsilon,
+                           debug=self.debug, **{k: v for k, v in self.hypers.items() if v is not None})
+        t._centred = self._centred  # the shifted copies, shared
+        return t
 
     mT = T
 

@@ -31,6 +31,16 @@ Functions rebuild it from) with
   products. linear_operator's own backward solves triangular systems with all N rows as
   right-hand sides (its PivotedCholesky Function, torch's QR backward): PivotedCholesky.backward
   took 17 s of a gp_step at N = 10^6 on an H200 (bench/notes/gpytorch.md).
+
+Error model: the kernels depend on x1 - x2 only, and every path computes them so. The products
+that form distances by the product formula centre their operands: the tensor-core CG products
+(_products.py) on x2's mean inside the kernels, kernel_matvec's tensor-core and matrix-product
+paths on the operands' reference point, except for an operator built with ``centred=True``
+(kernels.py centres x1 and x2 on x1's mean once per forward), whose operands kernel_matvec reads
+as they are (plan.matvec.mark_centred), so that no CG iteration shifts them again. The entries
+(pivoted Cholesky rows and columns, the diagonal) are direct differences, and dense blocks
+GPyTorch's sq_dist / dist on x1, x2 centred on x1's mean. So data offset by 1000 x its spread
+give the products of centred data, to the float32 rounding of the inputs.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from linear_operator.utils.permutation import apply_permutation
 from ..descriptor import preset
 from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec, prepare_matvec
 from ..ops.matvec_backward import contraction
+from ..plan.matvec import mark_centred
 from . import _cg, _products, _switches
 
 __all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS"]
@@ -55,9 +66,19 @@ __all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense
 KERNELS = {"rbf": preset("gaussian_l2"), "laplace": preset("laplace_l2")}
 
 
-def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str, outputscale=None) -> torch.Tensor:
-    """The dense kernel matrix (GPyTorch's formulas), for small blocks."""
-    k = sq_dist(x1, x2).div_(-2.0).exp_() if kernel == "rbf" else dist(x1, x2).neg_().exp_()
+def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str, outputscale=None, centred: bool = False
+                ) -> torch.Tensor:
+    """The dense kernel matrix (GPyTorch's formulas), for small blocks. Both distances are formed by the
+    product formula (torch.cdist's matrix product, sq_dist's expansion) on x1, x2 centred on x1's mean, as
+    sq_dist does itself and GPyTorch's MaternKernel does before dist (translation invariant); ``centred``:
+    x1 and x2 come centred (the operator's flag), dist reads them as they are."""
+    if kernel == "rbf":
+        k = sq_dist(x1, x2).div_(-2.0).exp_()  # (centres on x1's mean itself)
+    elif centred:
+        k = dist(x1, x2).neg_().exp_()
+    else:
+        mean = x1.detach().mean(dim=-2, keepdim=True)
+        k = dist(x1 - mean, x2 - mean).neg_().exp_()
     return k if outputscale is None else k * outputscale[..., None, None]
 
 
@@ -72,6 +93,10 @@ class KermacKernelLinearOperator(KernelLinearOperator):
             raise ValueError(f"kernel: expected one of {sorted(KERNELS)}, got {kernel!r}")
         if tuple(num_outputs_per_input) != (1, 1):
             raise ValueError(f"num_outputs_per_input: expected (1, 1), got {num_outputs_per_input!r}")
+        if not params.get("centred", False):
+            params.pop("centred", None)
+        elif params["centred"] is not True:
+            raise TypeError(f"centred: expected a bool, got {type(params['centred']).__name__}")
         if params.get("outputscale") is None:
             params.pop("outputscale", None)
         elif not torch.is_tensor(params["outputscale"]):
@@ -84,6 +109,12 @@ class KermacKernelLinearOperator(KernelLinearOperator):
     @property
     def kernel(self) -> str:
         return self.nontensor_params["kernel"]
+
+    @property
+    def centred(self) -> bool:
+        """Whether x1 and x2 come centred together (``centred=True``: the package's kernels centre them on x1's
+        mean once per forward), so that kernel_matvec reads them as they are (no shift per product)."""
+        return bool(self.nontensor_params.get("centred", False))
 
     @property
     def outputscale(self) -> torch.Tensor | None:
@@ -139,7 +170,10 @@ class KermacKernelLinearOperator(KernelLinearOperator):
             out = _products.matmul(self, x1, x2, rhs)
             if out is not None:
                 return out
-        return kernel_matvec(KERNELS[self.kernel], x1.contiguous(), x2.contiguous(), rhs.contiguous(), bandwidth=1.0)
+        x1, x2 = x1.contiguous(), x2.contiguous()
+        if self.centred:  # centred together (kernels.py): read as they are, whichever tensors carry them now
+            mark_centred(object(), x1, x2)
+        return kernel_matvec(KERNELS[self.kernel], x1, x2, rhs.contiguous(), bandwidth=1.0)
 
     def _bilinear_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
         # The gradients of sum_c u_c^T (s K(x1, x2)) v_c (GPyTorch's training backward: U the solves, V the

@@ -13,6 +13,10 @@ Served (else the caller keeps kernel_matvec): ``KERMAC_LIKE_GP_TC`` not "0"; the
 right-hand side (N, C) or (N,) with C >= MIN_COLUMNS; no autograd (CG and Lanczos run inside
 linear_operator's Functions; the bilinear derivative keeps kernel_matvec's autograd). The data must be
 finite (the expanded form, as GPyTorch's own ``sq_dist``: an infinite coordinate gives NaN, not 0).
+
+The expanded form's error grows with the operands' squared distance from its centre, which the kernels take
+as x2's mean (plan.falkon.FalkonProducts: subtracted from x1's and x2's rows as they are loaded): the
+products are translation invariant, with no shifted copy of x1 or x2 per product.
 """
 
 from __future__ import annotations

@@ -7,6 +7,13 @@ constraints, ``ard_num_dims``, ``batch_shape`` and ``active_dims``, usable insid
 ``gpytorch.settings.max_cholesky_size`` it returns a :class:`KermacKernelLinearOperator`
 (products through kermac_like.kernel_matvec, memory O(N D)); at or below it, and for the
 diagonal, GPyTorch's own dense computation (the Cholesky path takes the dense matrix anyway).
+
+Both centre the inputs once per forward on x1's mean (per batch entry), as GPyTorch's own
+``sq_dist`` does: the kernels are translation invariant, and the products that form distances by
+the product formula (kernel_matvec's tensor-core and matrix-product paths) lose eps times the
+squared distance of the data from the origin, which on data far from it (shifted coordinates,
+all-positive features) exceeds the distances themselves. The operator is told so (``centred=True``),
+so that no CG or Lanczos product shifts them again.
 """
 
 from __future__ import annotations
@@ -34,10 +41,13 @@ class RBFKernel(gpytorch.kernels.RBFKernel):
     def forward(self, x1, x2, diag=False, **params):
         if not _lazy(x1, x2, diag, params):
             return super().forward(x1, x2, diag=diag, **params)
-        z1 = x1.div(self.lengthscale)
+        # centred on x1's mean (detached: the kernel depends on differences only, so its gradient is 0)
+        mean = x1.detach().mean(dim=-2, keepdim=True)
+        z1 = (x1 - mean).div(self.lengthscale)
         # one tensor for both sides of a training covariance: its backward is one contraction pass
         # (KermacKernelLinearOperator._bilinear_derivative)
-        return KermacKernelLinearOperator(z1, z1 if x2 is x1 else x2.div(self.lengthscale), kernel="rbf")
+        z2 = z1 if x2 is x1 else (x2 - mean).div(self.lengthscale)
+        return KermacKernelLinearOperator(z1, z2, kernel="rbf", centred=True)
 
 
 class MaternKernel(gpytorch.kernels.MaternKernel):
@@ -55,4 +65,5 @@ class MaternKernel(gpytorch.kernels.MaternKernel):
             return super().forward(x1, x2, diag=diag, **params)
         mean = x1.mean(dim=-2, keepdim=True)  # GPyTorch's centring: the float32 distances lose less
         z1 = (x1 - mean).div(self.lengthscale)
-        return KermacKernelLinearOperator(z1, z1 if x2 is x1 else (x2 - mean).div(self.lengthscale), kernel="laplace")
+        z2 = z1 if x2 is x1 else (x2 - mean).div(self.lengthscale)
+        return KermacKernelLinearOperator(z1, z2, kernel="laplace", centred=True)

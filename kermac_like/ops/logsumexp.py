@@ -12,6 +12,14 @@ calls with K <= 64 in one pass over y, no block in memory; the blocked computati
 rest; memory O((M + N) C) plus one block. Autograd with
 respect to x, y and log_weights: the backward weights each block by the softmax
 ``exp(-phi + log_weights - out)`` and differentiates phi on it (never M x N either).
+
+Error model: phi depends on x - y only (DIFF descriptors), and every path computes it so: the
+fused kernel's direct form and the blocked path (run_kernel without the matrix product,
+"donot_use_mm_for_euclid_dist") take direct differences, the backward too; the fused kernel's
+expanded exponent (|u|^2 + |w|^2 - 2 u.w) works on u = x - c, w = y - c about a centre c of the
+data, and the planner takes it only where its error bound, computed from those centred u and w,
+allows (plan/logsumexp.py expand_params): data offset by 1000 x its spread take the same path
+with the error of centred data. Nothing is shifted here.
 """
 
 from __future__ import annotations
@@ -184,7 +192,10 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
     finite wherever one term is, however small the kernel values (the sum is combined around
     a running maximum in blocks of at most BLOCK_ELEMENTS values, in a fixed order: the same
     inputs give the same bits), computed in float32 from float32/16-bit inputs and in float64
-    on CPU tensors and float64 inputs. Memory O((M + N) C) plus one block.
+    on CPU tensors and float64 inputs. Memory O((M + N) C) plus one block. Translation
+    invariant: the error is that of centred data whatever the data's offset (direct
+    differences, or the fused kernel's expanded exponent about the data's centre where its
+    bound on centred data allows it).
 
     Differentiable with respect to x, y and log_weights (a softmax-weighted sum of phi's
     derivatives, blocked; zero gradient at zero distance); not with respect to the

@@ -288,9 +288,24 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     v's tiles (N x C) and, for several ranges, a float64 carry (M x C); matvec_blocked one
     kernel tile of at most plan.matvec.MATVEC_TILE_ELEMENTS (128 MB) and the distance kernel's copy
     of one y block. Where x or y lack 16-byte aligned rows (K not a multiple of 4, views),
-    the tensor-core paths read zero-padded row-major copies. The fused kernels' sums are
+    the tensor-core paths read zero-padded row-major copies; for DIFF descriptors the sm_90
+    kernel always reads such copies, shifted (the error model below), and so does the torch
+    path's matrix product (M x K and N x K elements). The fused kernels' sums are
     accumulated per y tile in float32 and across tiles in float64, and combined in a fixed
-    order: results are bitwise identical from run to run. NaN/inf
+    order: results are bitwise identical from run to run.
+
+    Error model: DIFF descriptors are translation invariant, and every path computes them so:
+    where distances come from the product formula ``|x|^2 + |y|^2 - 2 <x, y>`` on the operands
+    as given (the sm_90 tensor-core kernel; the torch path's matrix product of SQUARE inner
+    powers), x and y are first shifted by one reference point (their mean,
+    kermac_like.centring: one elementwise pass and a copy of each, no host synchronisation),
+    and the tensor-core tiles of matvec_blocked are run_kernel's, which do the same; the fused
+    SIMT kernel takes direct differences or centres its expanded form itself. The kernel
+    values' error is thus eps times the data's centred scale (data offset by 1000 x its spread
+    is computed as well as centred data), not eps (|x|^2 + |y|^2). The shift is applied where
+    a path needs it only, and not at all for DOT descriptors, whose error is relative to
+    |x| |y| as the dot product's own. Gradients are those of x and y as given (a common shift
+    changes no distance; the backward takes direct differences). NaN/inf
     propagate like the dense product (an infinite distance gives k = 0, a NaN gives NaN; on
     the Gaussian's fast path a pair of infinite coordinates gives 0 rather than NaN; on the
     torch path, where SQUARE inner powers take the matrix product above 25 rows of x or y, an

@@ -37,6 +37,12 @@ DOT) plus at most a fixed block budget on the reference path.
 
 Gradients with respect to tensor hyper-parameters and double backward raise
 ``NotImplementedError``.
+
+Translation invariance: the DIFF contraction forms acc and psi from direct differences
+a[m,k] - b[n,k] on both paths (no product formula), so it needs no shift and reads x and y as
+the forward received them; dL/dv is a kernel_matvec, shift invariant as the forward (its
+product-formula paths shift their operands themselves). A common shift of x and y changes no
+gradient. DOT gradients are matrix products of x and y as given (error relative to |x| |y|).
 """
 
 from __future__ import annotations

@@ -9,6 +9,16 @@ float64 mode then, as before).
 fit; its ``rows(x, v)`` and ``cols(x, w)`` take any float32 rows x (N, K) of that fit, and
 ``rows_pv(x, v)`` computes K(x, z) v for several columns with the products k v on tensor cores too
 (``falkon_rows_pv_kernel``; GPyTorch's CG products, kermac_like.gpytorch).
+
+Error model: the exponent -s |x - z|^2 comes from the product formula (a_i + b_j + 2 u.w), whose error
+grows with |u|^2 + |w|^2, so both sides are centred first, on one point for the fit: the centres'
+mean (``FalkonProducts.centre``), subtracted in float32 in the kernels themselves as x's rows and the
+centres are loaded (u = r (x - centre), w = r (z - centre); exact for coordinates within a factor of
+two of the centre's, Sterbenz). The products are therefore translation invariant (data offset by
+1000 x its spread give the values of centred data up to the rounding of the inputs) at no cost per
+chunk: no shifted copy of the rows is made, N streamed rows are read once per product as before.
+The error is ~2^-24 s (|u|^2 + |w|^2) in the exponent with u, w about the centres' mean: the data's
+centred scale, not its distance from the origin.
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ The expanded exponent (LseTraits kVariant 3, one column, an exponential of the s
 distance, no batch): expand_params computes on the device, without a host synchronisation, a
 bound on its rounding error from the data and passes the kernel [flag, centre]; the kernel takes
 the expanded loop where the flag is set (and keeps the direct one where it is not).
+
+Translation invariance: the expanded exponent forms |u|^2 + |w|^2 - 2 u.w, the product formula, but
+on u = x - c, w = y - c about the centre c of x's finite rows (subtracted in the kernel, exact for
+coordinates within a factor of two of c's), and expand_params's bound is computed from those centred
+u and w: data offset by any vector get the same flag (up to the rounding of c) and the same error as
+centred data. The direct form takes differences. Nothing else is shifted.
 """
 
 from __future__ import annotations
@@ -78,7 +84,9 @@ def expand_params(desc, x: torch.Tensor, y: torch.Tensor, bandwidth) -> torch.Te
     EXPAND_TOL = 4e-6 the result stays within ~3e-6 of max(1, |value|). randn D = 3, 10^6 points:
     max |u|^2 + max |w|^2 ~ 62, bound 1.9e-6 / bw^2: the expanded form from bw ~ 0.7 up.
     Non-finite rows and points are left out of the maxima: the kernel keeps the direct loop in a
-    CTA with a non-finite row and gives non-finite points the direct form's term."""
+    CTA with a non-finite row and gives non-finite points the direct form's term. The bound and
+    the kernel's loop use the same centred data (u, w about c): translation invariant, the fast
+    path is chosen on shifted data as on centred data."""
     K = x.shape[-1]
     xf, yf = x.reshape(-1, K).float(), y.reshape(-1, K).float()
     fx, fy = torch.isfinite(xf).all(-1), torch.isfinite(yf).all(-1)

@@ -1,17 +1,31 @@
 """The kernel_matvec rule: a validated kernel_matvec call -> the plan of the fused SIMT
 matvec kernel (cuda_templates/matvec.cuh), of the Hopper tensor-core kernel
 (:mod:`.matvec_wgmma`), of tensor-core kernel tiles times v (:func:`matvec_blocked`),
-or the reference path."""
+or the reference path.
+
+Translation invariance (kermac_like.centring): the paths that form DIFF distances by the
+product formula ``|x|^2 + |y|^2 - 2 <x, y>`` on the operands as given (:func:`matvec_shifts`:
+the Hopper tensor-core kernel, the torch path's matrix product) read x and y shifted by one
+reference point (:func:`shifted_pair`), so that their error is ``eps`` times the data's centred
+scale, as on centred data, instead of ``eps (|x|^2 + |y|^2)``. The others need no shift: the
+fused SIMT kernel takes direct differences or centres its expanded form itself (the mean of a
+CTA's rows; the float64 mode's symmetric centre), matvec_blocked's tensor-core tiles are
+run_kernel's, which shift their operands (plan/distance.py), and the float64 mode of the torch
+path takes direct differences. Operands that a caller centred once (:func:`mark_centred`, e.g.
+KernelOperator's copies) are read as they are. DOT descriptors are never shifted."""
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from .. import torch_path
+from ..centring import reference_point, shift_invariant
+from ..descriptor import PowerType
 from ..runtime.specs.matvec import MAX_C, combine_spec, expands, matvec_spec, part_bytes
 from .core import (
     HYPERS,
@@ -28,10 +42,11 @@ from .core import (
     _wgmma_enabled,
     choose_split,
 )
-from .distance import DistanceCall, plan_distance
+from .distance import DistanceCall, _same_memory, plan_distance
 from .matvec_wgmma import _plan_matvec_wgmma
 
-__all__ = ["plan_matvec", "matvec_blocked", "MATVEC_BLOCKED_MIN_K", "MATVEC_TILE_ELEMENTS"]
+__all__ = ["plan_matvec", "matvec_blocked", "MATVEC_BLOCKED_MIN_K", "MATVEC_TILE_ELEMENTS", "matvec_shifts",
+           "shifted_pair", "pair_reference", "mark_centred", "centred_together"]
 
 log_matvec = logging.getLogger("kermac_like.matvec")
 
@@ -45,6 +60,106 @@ MATVEC_BLOCKED_MIN_K = 32
 MATVEC_TILE_ELEMENTS = 1 << 25
 
 
+# -- the shift of the product formula (kermac_like.centring) --------------------------------------
+_CENTRED_ATTR = "_kermac_like_centred"
+
+
+def mark_centred(point, *tensors: torch.Tensor) -> None:
+    """Record on each tensor that it holds data shifted by the reference point ``point`` (or any
+    object standing for it: operands marked with the same object were shifted together), so
+    that the paths that would shift them (:func:`plan_matvec`) read them as they are. The mark
+    holds the tensor's version: an in-place change voids it. No-op while compiling and where a
+    tensor has no version counter (inference mode)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        try:
+            setattr(t, _CENTRED_ATTR, (point, t._version))
+        except (RuntimeError, AttributeError):  # inference tensors; subclasses without attributes
+            pass
+
+
+def _mark_of(t: torch.Tensor):
+    mark = getattr(t, _CENTRED_ATTR, None)
+    if mark is None:
+        return None
+    try:
+        return mark[0] if mark[1] == t._version else None
+    except RuntimeError:
+        return None
+
+
+def centred_together(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether x and y carry valid marks of one reference point (:func:`mark_centred`)."""
+    px = _mark_of(x)
+    return px is not None and px is _mark_of(y)
+
+
+def matvec_shifts(desc, x: torch.Tensor, y: torch.Tensor, wide: bool) -> bool:
+    """Whether :func:`plan_matvec`'s path for a call on x (..., M, K) and y (..., N, K) forms DIFF
+    distances by the product formula from the operands as given, and so reads them shifted by
+    a reference point (:func:`shifted_pair`): on the torch path (CPU tensors, float64), a
+    SQUARE inner power outside the float64 mode where torch.cdist takes the matrix product (M or
+    N above 25); on a GPU, the sm_90 tensor-core kernel (Euclidean, K > MATVEC_BLOCKED_MIN_K,
+    float32, not the float64 mode). ``wide``: the float64 mode (a float64 out or v of
+    float32/16-bit data). DOT descriptors: never."""
+    K = x.shape[-1]
+    if not shift_invariant(desc) or K == 0:
+        return False
+    if x.dtype == torch.float64 or not _gpu_ok(x):
+        return (desc.inner_power is PowerType.SQUARE and not wide
+                and torch_path.uses_mm(torch_path.DEFAULT_MODE, x.shape[-2], y.shape[-2]))
+    return (K > MATVEC_BLOCKED_MIN_K and desc.is_euclidean and x.dtype == torch.float32 and not wide
+            and _wgmma_enabled(x.device, Settings.current()))
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """t without its broadcast modes other than the last (stride 0, size > 1): size 1 there."""
+    lead = list(zip(t.shape[:-1], t.stride()[:-1]))
+    if not any(st == 0 and n > 1 for n, st in lead):
+        return t
+    return t[tuple(slice(0, 1) if (st == 0 and n > 1) else slice(None) for n, st in lead)]
+
+
+def _shifted(t: torch.Tensor, s: torch.Tensor, pad_to: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """``t - s`` computed in ``dtype`` (a 16-bit t widened first), a fresh row-major tensor
+    zero-padded to ``pad_to`` columns, with t's broadcast modes kept broadcast (not copied)."""
+    c = _compact(t)
+    K = t.shape[-1]
+    Kp = pad_to or K
+    buf = torch.empty((*c.shape[:-1], Kp), dtype=dtype, device=t.device)
+    if Kp > K:
+        buf[..., K:].zero_()
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    torch.sub(c, s.to(device=t.device, dtype=wide), out=buf[..., :K])
+    return buf if c is t else buf.expand(*t.shape[:-1], Kp)
+
+
+def pair_reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """kermac_like.centring.reference_point of x and y (once where they are the same memory), their
+    broadcast modes not materialised: (K,) float32, detached, no host synchronisation."""
+    return reference_point(_compact(x)) if _same_memory(x, y) else reference_point(_compact(x), _compact(y))
+
+
+@torch.no_grad()
+def shifted_pair(x: torch.Tensor, y: torch.Tensor, *, point: torch.Tensor | None = None, pad_to: int | None = None,
+                 dtype: torch.dtype | None = None) -> tuple:
+    """(x - s, y - s, s) for the product formula: s = ``point``, default
+    kermac_like.centring.reference_point of x and y (the mean of their finite coordinates,
+    float32, no host synchronisation); fresh row-major tensors in ``dtype`` (default x's;
+    float32 for 16-bit data, whose subtraction would round) zero-padded to ``pad_to`` columns,
+    broadcast batch modes left broadcast, outside autograd (a common shift changes no distance,
+    so the callers' gradients are those of x and y). Where x and y are the same memory, one
+    tensor for both (the kernels' exact zero self-distance). Cost: one elementwise pass over
+    each operand and, without ``point``, one reduction; memory: one copy of each."""
+    same = _same_memory(x, y)
+    if point is None:
+        point = pair_reference(x, y)
+    dtype = dtype or (x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32)
+    xs = _shifted(x, point, pad_to, dtype)
+    return xs, (xs if same else _shifted(y, point, pad_to, dtype)), point
+
+
 def matvec_blocked(call, out: torch.Tensor, debug: bool = False, compute_mode: str = "use_mm_for_euclid_dist_if_necessary",
                    tile_elements: int | None = None) -> torch.Tensor:
     """kernel_matvec as kernel tiles times v: each tile (all batch entries, at most
@@ -54,7 +169,10 @@ def matvec_blocked(call, out: torch.Tensor, debug: bool = False, compute_mode: s
     inputs and output: one tile, the accumulators of one row block (and the distance
     kernel's own scratch), whatever M and N. A float64 ``out`` of float32 inputs: float64
     accumulators and products (the tile converted to float64, the tile a third the size so that
-    the float32 tile and its float64 copy stay within the same bytes)."""
+    the float32 tile and its float64 copy stay within the same bytes). The tiles' DIFF distances
+    are shift invariant as run_kernel's are: its tensor-core kernels read each tile's operands
+    shifted by their reference point (plan/distance.py), its exact kernels take direct
+    differences; nothing is shifted here."""
     budget = tile_elements or MATVEC_TILE_ELEMENTS
     wide = torch.float64 if torch.float64 in (call.dtype, out.dtype) else torch.float32
     if wide != call.dtype:
@@ -99,6 +217,13 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     :func:`matvec_blocked`); the torch reference for CPU tensors, float64, GPUs before
     sm_80 and K == 0.
 
+    DIFF calls whose path forms distances by the product formula (:func:`matvec_shifts`: the
+    sm_90 tensor-core kernel, the torch path's matrix product) read x and y shifted by their
+    reference point (:func:`shifted_pair`; one pass and one copy of each, no host
+    synchronisation) unless they are marked as centred together (:func:`mark_centred`): the
+    error is then that of centred data whatever the data's offset. DOT calls read them as given
+    (their error is relative to |x| |y|, as the dot product's own).
+
     A float64 ``out`` of float32/16-bit inputs (validated by ops.matvec) is the float64 mode:
     the fused kernel with TOut = double (v read as float64, a float32 v widened by a copy of
     N x C; float64 products, sums, split scratch and combination; the totals stored
@@ -106,11 +231,16 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     Hopper kernel matvec_wgmma rounds its output in float32: not used), float64 accumulation
     on the reference path. ``call.f32_partials`` selects the blocked float64 mode where the
     fused kernel takes the float64 mode's expanded form (``matvec_spec``'s rule)."""
-    if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
-        if debug:
-            log_matvec.debug("kernel_matvec %r: torch path (%s, %s)", call.desc, call.device, call.dtype)
-        return _reference_plan(lambda: torch_path.matvec(call, out), debug)
     wide_out = out.dtype == torch.float64 and call.dtype != torch.float64
+    if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
+        shift = matvec_shifts(call.desc, call.x, call.y, wide_out) and not centred_together(call.x, call.y)
+        if shift:  # the matrix product's sums, on x and y shifted by their reference point
+            x, y, _ = shifted_pair(call.x, call.y, dtype=torch_path.work_dtype(call.dtype))
+            call = replace(call, x=x, y=y)
+        if debug:
+            log_matvec.debug("kernel_matvec %r: torch path (%s, %s)%s", call.desc, call.device, call.dtype,
+                             ", x and y shifted by their reference point" if shift else "")
+        return _reference_plan(lambda: torch_path.matvec(call, out), debug)
     if call.K > MATVEC_BLOCKED_MIN_K and call.desc.is_euclidean and call.dtype == torch.float32:
         settings = Settings.current()
         if not wide_out and _wgmma_enabled(call.device, settings):

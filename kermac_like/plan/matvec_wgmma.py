@@ -1,6 +1,12 @@
 """kernel_matvec on Hopper: the plan of matvec_wgmma_kernel (cuda_templates/matvec_wgmma.cuh)
 after the distance rule's wgmma b preparation (:class:`.distance._WgmmaPrepare`), chosen
-by :func:`.matvec.plan_matvec` for Euclidean/DOT float32 calls on sm_90."""
+by :func:`.matvec.plan_matvec` for Euclidean/DOT float32 calls on sm_90.
+
+The kernel forms squared distances by the product formula in 3xTF32 (b's squared norms from
+the preparation, the dot products on the tensor cores), whose error is ~eps (|x|^2 + |y|^2):
+DIFF calls read x and y shifted by their reference point (:func:`.matvec.shifted_pair`), so
+that the error is eps times the data's centred scale whatever its offset; DOT calls read them
+as given (error relative to |x| |y|, as the dot product's own)."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..centring import shift_invariant
 from ..descriptor import KernelDescriptor
 from ..layout import batch_strides
 from ..runtime.specs.matvec import MAX_C, c_bucket, combine_spec
@@ -86,9 +93,12 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     of MAX_C; a split N range is finished by matvec_combine_kernel (one range) or
     matvec_carry_kernel (several). Memory beyond inputs and output: the prepared y of one
     range, v's tiles (N x C), split sums (<= MATVEC_SCRATCH_BYTES) and the float64 carry
-    (batch x M x C, several ranges only); padded copies of x and y where their rows are
-    not 16-byte aligned."""
+    (batch x M x C, several ranges only); for DIFF descriptors, x and y shifted by their
+    reference point (one copy of each, zero-padded to whole 16-byte rows; one for both where
+    x is y; none where they are marked as centred together, :func:`.matvec.mark_centred`),
+    else padded copies of x and y where their rows are not 16-byte aligned."""
     from ..runtime.launcher import get_kernel, max_active_clusters, prefetch
+    from .matvec import centred_together, shifted_pair
 
     om = out.unsqueeze(-1) if call.vector else out
     device = _device_index(call.device)
@@ -99,7 +109,10 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     if N == 0:  # an empty sum
         return _reference_plan(lambda: (om.zero_(), out)[1], debug)
     x, y = call.x, call.y
-    if not (_tc_rows_ok(x) and _tc_rows_ok(y)):
+    if shift_invariant(call.desc) and not centred_together(x, y):
+        # the product formula on x - s, y - s (fresh row-major copies, K zero-padded to whole 16-byte rows)
+        x, y, _ = shifted_pair(x, y, pad_to=-(-K // 4) * 4)
+    elif not (_tc_rows_ok(x) and _tc_rows_ok(y)):
         # fresh row-major copies, K zero-padded to whole 16-byte rows (one copy if x is y)
         Kp = -(-K // 4) * 4
         px = _pad_k(x, Kp).contiguous()

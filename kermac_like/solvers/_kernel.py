@@ -9,6 +9,15 @@ products the solvers need.
   float64 mode of kernel_matvec's internals (Falkon's products, :func:`falkon_blocked`).
 * ``gram_of_rows(a, z)``: K(a, z)^T K(a, z) (m x m), accumulated over row blocks
   of ``a`` so that no N x m matrix exists at once.
+
+Translation invariance (kermac_like.centring): a DIFF kernel's dense blocks on the torch path's
+matrix product (CPU tensors, float64 data: torch.cdist's norm expansion where a block has more
+than 25 rows or columns) are computed from a and b shifted by one reference point, that of the
+second operand (the centres or landmarks of the solvers' blocks, so that every row block of one
+matrix shares it), whose error is then eps times the data's centred scale rather than
+eps (|a|^2 + |b|^2); on a GPU run_kernel's tensor-core kernels shift their operands themselves
+and the exact kernels need no shift. The products go through kernel_matvec, whose paths are
+shift invariant the same way. DOT kernels are never shifted.
 """
 
 from __future__ import annotations
@@ -18,8 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..descriptor import InnerOperator, KernelDescriptor, KernelType, preset
+from .. import torch_path
+from ..centring import reference_point, shift_invariant
+from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from ..ops.distance import run_kernel
+from ..plan.core import _gpu_ok
 
 __all__ = ["SolverKernel", "resolve_kernel", "BLOCK_BYTES", "falkon_blocked"]
 
@@ -83,9 +95,24 @@ class SolverKernel:
     def hypers(self) -> dict:
         return dict(self.hyper_items)
 
-    def matrix(self, a: torch.Tensor, b: torch.Tensor, *, regularization=None, out=None) -> torch.Tensor:
-        """K(a, b) (+ regularization on the diagonal), dense."""
+    def matrix(self, a: torch.Tensor, b: torch.Tensor, *, regularization=None, out=None,
+               reference: torch.Tensor | None = None) -> torch.Tensor:
+        """K(a, b) (+ regularization on the diagonal), dense. Where its path takes the torch path's
+        matrix product (:meth:`shifts`), a and b are shifted by ``reference`` (default the
+        reference point of b; one copy of each, one if a is b) first."""
+        if self.shifts(a, b):
+            from ..plan.matvec import shifted_pair
+
+            a, b, _ = shifted_pair(a, b, point=reference_point(b) if reference is None else reference)
         return run_kernel(self.desc, a, b, regularization=regularization, out=out, **self.hypers)
+
+    def shifts(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether :meth:`matrix` shifts a and b: a DIFF kernel of SQUARE inner power on float32 or
+        float64 data whose run_kernel call takes the torch path (CPU tensors, float64) and there
+        torch.cdist's matrix product (more than 25 rows of a or b)."""
+        return (shift_invariant(self.desc) and self.desc.inner_power is PowerType.SQUARE and a.shape[-1] > 0
+                and a.dtype in (torch.float32, torch.float64) and (a.dtype == torch.float64 or not _gpu_ok(a))
+                and torch_path.uses_mm(torch_path.DEFAULT_MODE, a.shape[-2], b.shape[-2]))
 
     def matvec(self, a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, out=None, *,
                f32_partials: bool = False) -> torch.Tensor:
@@ -129,8 +156,9 @@ class SolverKernel:
         m = z.shape[0]
         g = torch.zeros((m, m), dtype=acc_dtype, device=a.device)
         rows = max(1, BLOCK_BYTES // max(1, m * a.element_size()))
+        ref = reference_point(z) if self.shifts(a, z) else None  # one reference point for every block
         for i in range(0, a.shape[0], rows):
-            blk = self.matrix(a[i:i + rows], z)
+            blk = self.matrix(a[i:i + rows], z, reference=ref)
             g += (blk.T @ blk).to(acc_dtype)
         return g
 

@@ -14,6 +14,16 @@
 * :class:`FalkonPreconditioner` for the Nyström estimator (Rudi et al. 2017): with
   K_ZZ + delta I = T^T T and T T^T / m + (alpha / N) I = A^T A, B = N^-1/2 T^-1 A^-1 makes
   B^T (K_Zn K_nZ + alpha K_ZZ) B close to the identity.
+
+Translation invariance: K_ZZ (and the landmark preconditioner's K_ZZ and K_Zn K_nZ) come from
+the kernel's dense blocks, whose DIFF distances are formed from operands shifted by the
+reference point of the centres z where a block takes the product formula
+(solvers._kernel.SolverKernel.matrix; run_kernel's tensor cores shift by the same point), one
+point for every block of a matrix. So the factorisations see K_ZZ with the error of centred data
+whatever the data's offset (at 1000 x the spread the unshifted product formula loses ~eps 10^6
+times the spread's square in every exponent). The products over the rows are shift invariant as
+well, with no shifted copy of the rows: plan.falkon's kernels centre x and z on the centres' mean
+as they load them, kernel_matvec's paths as its docstring says.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import numpy as np
 import torch
 
 from .. import linalg
+from ..centring import reference_point
 
 log = logging.getLogger("kermac_like.solvers")
 
@@ -178,9 +189,13 @@ class FalkonPreconditioner:
         rows = block_rows or _block_rows(m)
         self.w = w = torch.empty((m, m), dtype=torch.float64, device=z.device)
 
+        # One reference point for every row block of K_ZZ where kernel.matrix shifts its operands (the
+        # torch path's matrix product; run_kernel's tensor cores shift by the same point, z's)
+        ref = reference_point(z) if _shifts(kernel, z) else None
+
         def kzz():  # K_ZZ in row blocks: no m x m matrix but w
             for r0 in range(0, m, rows):
-                w[r0:r0 + rows].copy_(kernel.matrix(z[r0:r0 + rows], z))
+                w[r0:r0 + rows].copy_(_matrix(kernel, z[r0:r0 + rows], z, ref))
             return w
 
         # The shift of K_ZZ: the spectral size of its entries' rounding, eps sqrt(m), with float32/16-bit
@@ -241,6 +256,16 @@ class FalkonPreconditioner:
         u = self._a_inv(g)
         p = products(self._t_inv(u) * self.scale)
         return self._a_inv_t(self._t_inv_t(p) * self.scale + (alpha * self.scale ** 2) * u)
+
+
+def _shifts(kernel, z: torch.Tensor) -> bool:
+    """Whether ``kernel.matrix`` shifts its operands for blocks against z (SolverKernel.shifts)."""
+    shifts = getattr(kernel, "shifts", None)
+    return bool(shifts is not None and shifts(z, z))
+
+
+def _matrix(kernel, a: torch.Tensor, b: torch.Tensor, ref):
+    return kernel.matrix(a, b) if ref is None else kernel.matrix(a, b, reference=ref)
 
 
 def _block_rows(m: int) -> int:

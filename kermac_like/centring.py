@@ -16,7 +16,9 @@ their gradients). A median is one of the data's own values: data on a lattice (i
 intensities, counts, multiples of a price tick) stay on it after the shift, so their differences
 and the products of the kernels stay exact, where a mean (38.37 for pixels) would round each
 coordinate; and one far outlier (heavy tails) does not move it. Non-finite inputs keep their
-semantics: ``s`` is finite, so ``inf - s = inf`` and ``NaN - s = NaN``.
+semantics: a column that holds an infinity or a NaN anywhere in the given points is not shifted
+(``s`` = 0 there), so the product formula meets the same ``inf * 0 = NaN`` and ``inf - inf``
+as torch.cdist's matrix product on the data as given; elsewhere ``s`` is finite.
 
 DOT descriptors (``<x, y>``) are not translation invariant and are never shifted.
 """
@@ -43,15 +45,20 @@ REFERENCE_ROWS = 1024  # rows of the sample whose median is the reference point
 def reference_point(*points: torch.Tensor) -> torch.Tensor:
     """(K,) float32: per column, the median of the finite coordinates of a strided sample of the
     rows of ``points`` (each (..., n, K); of a batch, its first entry), 0 where a column has no
-    finite value. No host synchronisation."""
+    finite value in the sample or a non-finite one anywhere in ``points`` (one maximum and one
+    minimum over each: two reads). No host synchronisation."""
     if not points:
         raise ValueError("points: expected at least one tensor")
     K = points[0].shape[-1]
-    rows = []
+    rows, finite = [], None
     for p in points:
         if p.shape[-1] != K:
             raise ValueError(f"points: expected {K} columns, got {p.shape[-1]}")
         p = p.detach()
+        if p.numel():
+            dims = tuple(range(p.dim() - 1))
+            ok = torch.isfinite(p.amax(dim=dims)) & torch.isfinite(p.amin(dim=dims))
+            finite = ok if finite is None else finite & ok.to(finite.device)
         while p.dim() > 2:
             p = p[0]
         step = max(1, -(-p.shape[0] // REFERENCE_ROWS))
@@ -60,8 +67,8 @@ def reference_point(*points: torch.Tensor) -> torch.Tensor:
     if sample.shape[0] == 0:
         return sample.new_zeros(K)
     sample = sample.masked_fill(torch.isinf(sample), float("nan"))
-    s = torch.nanmedian(sample, dim=0).values
-    return s.nan_to_num_(nan=0.0)
+    s = torch.nanmedian(sample, dim=0).values.nan_to_num_(nan=0.0)
+    return s if finite is None else s.masked_fill_(~finite, 0.0)
 
 
 def centred(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

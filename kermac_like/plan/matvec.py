@@ -145,7 +145,7 @@ def pair_reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def shifted_pair(x: torch.Tensor, y: torch.Tensor, *, point: torch.Tensor | None = None, pad_to: int | None = None,
                  dtype: torch.dtype | None = None) -> tuple:
     """(x - s, y - s, s) for the product formula: s = ``point``, default
-    kermac_like.centring.reference_point of x and y (the mean of their finite coordinates,
+    kermac_like.centring.reference_point of x and y (per column the median of a row sample,
     float32, no host synchronisation); fresh row-major tensors in ``dtype`` (default x's;
     float32 for 16-bit data, whose subtraction would round) zero-padded to ``pad_to`` columns,
     broadcast batch modes left broadcast, outside autograd (a common shift changes no distance,

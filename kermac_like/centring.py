@@ -77,10 +77,10 @@ def centred(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def centred_pair(x: torch.Tensor, y: torch.Tensor, s: torch.Tensor | None = None) -> tuple:
-    """(x - s, y - s, s) with ``s`` = :func:`reference_point` of y unless given. When x and y
-    are one tensor, its centred copy serves both."""
+    """(x - s, y - s, s) with ``s`` = :func:`reference_point` of y and x unless given. When x and
+    y are one tensor, its centred copy serves both."""
     if s is None:
-        s = reference_point(y)
+        s = reference_point(y) if x is y else reference_point(y, x)
     yc = centred(y, s)
     xc = yc if (x is y) else centred(x, s)
     return xc, yc, s

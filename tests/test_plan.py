@@ -421,14 +421,14 @@ def test_tensor_core_operands_are_centred(as_gpu, cap, K):
     as_gpu[0] = cap
     x, y = torch.randn(40, K) + 1000, torch.randn(30, K) + 1000
     y[3, 2] = float("inf")
-    s = y.nanmedian(0).values  # one of y's values per column; not column 2, which holds an inf (torch's inf * 0)
-    s[2] = 0
+    s = torch.cat([y, x]).nanmedian(0).values  # one of the data's values per column;
+    s[2] = 0  # not in column 2, which holds an inf (torch's inf * 0 = NaN kept)
     for rep in range(2):
         call = prepare_call(km.PRESETS["l2"], x, y)
         plan = P.plan_distance(call, torch.empty(call.out_shape), COMPUTE_MODES[1], False)
         a, b = plan.scratch[-1]["a"], plan.scratch[-1]["b"]
         assert a.shape[-1] == b.shape[-1] == 16
-        assert torch.equal(a[:, :K], x - s) and torch.equal(P.reference_point(y), s) and not a[:, K:].any()
+        assert torch.equal(a[:, :K], x - s) and torch.equal(P.reference_point(y, x), s) and not a[:, K:].any()
         assert b[3, 2] == float("inf") and abs(float(b[:, [0, 1, 3]].mean())) < 1 and torch.equal(b[:, 2], y[:, 2])
         main = plan.launches[-1].args
         assert main[0] == a.data_ptr()

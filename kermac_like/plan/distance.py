@@ -164,9 +164,10 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _prepared_pair(a: torch.Tensor, b: torch.Tensor, Kp: int, centre: bool) -> tuple:
     """a and b zero-padded to Kp columns and, with ``centre``, shifted by the reference point
-    of b; one copy when they are the same memory, so that the kernels still see a == b
+    of b and a (kermac_like.centring: a column with a non-finite value in either stays
+    unshifted); one copy when they are the same memory, so that the kernels still see a == b
     (their exact zero self-distance diagonal)."""
-    s = reference_point(b) if centre else None
+    s = (reference_point(b) if _same_memory(a, b) else reference_point(b, a)) if centre else None
     pa = _pad_k(a, Kp, s)
     return pa, (pa if _same_memory(a, b) else _pad_k(b, Kp, s))
 

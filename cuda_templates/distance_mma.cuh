@@ -265,33 +265,50 @@ __device__ __forceinline__ void store_two(T* p, float y0, float y1) {
   }
 }
 
-// Near pairs (issue 42; bench/notes/distance.md, "Data as it comes"). The expansion's squared
-// distance is off by about 2^-21 (||x||^2 + ||y||^2) with Tf32x3, a large share of a small
-// distance (an exact duplicate came out as 0.0096 at D = 64). Entries whose expansion is below
-// kNearShare (||x||^2 + ||y||^2) of the rows as the kernel reads them (shifted by the planner's
-// reference point, so that the share follows the data's centred scale) are flagged in a
-// per-thread bit mask while the tile is written, and rewritten after it from the direct
-// differences of their two rows (read from global memory, through L1/L2), summed in fp64:
+// Near pairs (issue 42; bench/notes/data_zoo.md). The expansion's squared distance is off by
+// about sqrt(K) 2^-24 (||x||^2 + ||y||^2) with Tf32x3 (the tensor cores' fp32 accumulation;
+// measured), a large share of a small distance (an exact duplicate came out as 0.0096 at D = 64).
+// Entries whose expansion is below kNearShare = 1/32 of ||x||^2 + ||y||^2 of the rows as the
+// kernel reads them (shifted by the planner's reference point, so that the share follows the
+// data's centred scale) are flagged, one bit per MMA tile (or column pair) of the thread, before
+// or while the tile is written, and rewritten after it from the direct differences of their two
+// rows as the caller gave them (NearOperands), summed in fp64 by the whole warp (coalesced rows):
 // every difference and square of two floats is exact there, so an exact duplicate gives exactly
 // 0 and a near pair its float32-grade distance. Above the share the expansion's relative error
-// is at most about 2^-21 / kNearShare. On centred Gaussian data no entry is flagged at K >= 256
-// and about 2 % of them at K = 64 (cos(x, y) > 1/4). The rewrite is one loop over the set bits
-// (not unrolled), so the unrolled tile write keeps its code and registers.
+// in the distance is at most about 16 sqrt(K) 2^-24 (5e-6 at K = 1024; measured 1e-6 at ratio 1).
+// The share is a cost bound as much as an error bound: blob data whose blobs sit far apart have
+// every within-blob pair near a ratio of (blob spread / blob offset)^2, and at 1/4 the rewrite
+// of an eighth of all pairs took 3.2 s for cdist 30000^2 x 1024 (bench/notes/data_zoo.md).
 #ifndef KERMAC_LIKE_NEAR_SHARE
-#define KERMAC_LIKE_NEAR_SHARE 0.25f
+#define KERMAC_LIKE_NEAR_SHARE 0.03125f
+#endif
+
+#ifndef KERMAC_LIKE_MMA_HOST_EMULATION
+__device__ __forceinline__ unsigned near_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
+__device__ __forceinline__ int near_shfl(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ double near_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 #endif
 
 // ||x - y||^2 of two float rows of K coordinates (strides sx, sy) by direct differences in fp64,
-// rounded once.
-__device__ __forceinline__ float direct_sq_distance(const float* x, long long sx, const float* y, long long sy,
-                                                    int K) {
-  double s = 0.0;
+// summed by the 32 lanes of a warp (lane l: coordinates l, l + 32, ...; coalesced reads of the
+// two rows), rounded once; every lane gets the sum.
+__device__ __forceinline__ float warp_sq_distance(const float* x, long long sx, const float* y, long long sy, int K,
+                                                  int lane) {
+  double s0 = 0.0, s1 = 0.0;
 #pragma unroll 1
-  for (int k = 0; k < K; ++k) {
-    const double d = (double)x[k * sx] - (double)y[k * sy];
-    s = fma(d, d, s);
+  for (int k = lane; k < K; k += 64) {
+    const double d0 = (double)x[k * sx] - (double)y[k * sy];
+    s0 = fma(d0, d0, s0);
+    if (k + 32 < K) {
+      const double d1 = (double)x[(k + 32) * sx] - (double)y[(k + 32) * sy];
+      s1 = fma(d1, d1, s1);
+    }
   }
-  return (float)s;
+  return (float)near_sum(s0 + s1);
 }
 
 // The operands as the caller gave them, before the planner's shift and zero padding (the kernels'
@@ -306,14 +323,37 @@ struct NearOperands {
   long long a_sm, a_sk, b_sm, b_sk;
   BatchStride a_bs, b_bs;
 
-  // ||a[m] - b[n]||^2 of batch entry (l0, l1, l2), from a0/b0, or from the kernel's own rows.
+  // ||a[m] - b[n]||^2 of batch entry (l0, l1, l2), from a0/b0, or from the kernel's own rows: the
+  // whole warp computes it (warp_sq_distance), every lane with the same (m, n).
   __device__ __forceinline__ float operator()(int l0, int l1, int l2, int m, int n, const float* a_l, long long lda,
-                                              const float* b_l, long long ldb, int K) const {
-    if (a0 == nullptr) return direct_sq_distance(a_l + (long long)m * lda, 1, b_l + (long long)n * ldb, 1, K);
-    return direct_sq_distance(a0 + a_bs.offset(l0, l1, l2) + (long long)m * a_sm, a_sk,
-                              b0 + b_bs.offset(l0, l1, l2) + (long long)n * b_sm, b_sk, k0);
+                                              const float* b_l, long long ldb, int K, int lane) const {
+    if (a0 == nullptr) return warp_sq_distance(a_l + (long long)m * lda, 1, b_l + (long long)n * ldb, 1, K, lane);
+    return warp_sq_distance(a0 + a_bs.offset(l0, l1, l2) + (long long)m * a_sm, a_sk,
+                            b0 + b_bs.offset(l0, l1, l2) + (long long)n * b_sm, b_sk, k0, lane);
   }
 };
+
+// The near pairs' rewrite after a tile's write, by the whole warp: while a lane holds a flagged
+// entry (``next(m, n)`` pops one and returns whether it had one), the lowest such lane's (m, n)
+// is broadcast, the warp sums its direct differences (NearOperands), and that lane writes
+// ``store(m, n, d2)``. Every lane of the warp calls it (the ballots and shuffles are the warp's).
+template <class Next, class Store>
+__device__ __forceinline__ void rewrite_near_pairs(const NearOperands& ops, int l0, int l1, int l2, const float* a_l,
+                                                   long long lda, const float* b_l, long long ldb, int K, int lane,
+                                                   Next&& next, Store&& store) {
+  int m = 0, n = 0;
+  bool mine = next(m, n);
+#pragma unroll 1
+  for (unsigned who = near_ballot(mine); who != 0u; who = near_ballot(mine)) {
+    const int src = __ffs(who) - 1;
+    const int pm = near_shfl(m, src), pn = near_shfl(n, src);
+    const float d2 = ops(l0, l1, l2, pm, pn, a_l, lda, b_l, ldb, K, lane);
+    if (lane == src) {
+      store(pm, pn, d2);
+      mine = next(m, n);
+    }
+  }
+}
 
 // Whether an entry's expansion is a near pair's (NaN and inf compare false: they keep the
 // expansion's value, as in torch.cdist's matrix-product path).
@@ -771,12 +811,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
 
-    // Near pairs (above): bit ((j kTilesM + i) 2 + h) 2 + e of near_mask.
+    // Near pairs (above): bit j kTilesM + i of near_mask when one of the four entries of MMA tile
+    // (i, j) that this thread holds is near; the four are rewritten after the tile (one register).
     constexpr bool kNear = kDiff && Traits::kPrecision == Precision::Tf32x3;
-    constexpr int kNearWords = kNear ? (kTilesM * kTilesN * 4 + 31) / 32 : 1;
-    unsigned near_mask[kNearWords];
-#pragma unroll
-    for (int w = 0; w < kNearWords; ++w) near_mask[w] = 0u;
+    static_assert(kTilesM * kTilesN <= 32, "distance_mma_kernel: one near-pair bit per MMA tile");
+    unsigned near_mask = 0u;
 #pragma unroll
     for (int j = 0; j < kTilesN; ++j) {
       const int col = col0 + j * 8;  // columns col, col + 1 of MMA tile j
@@ -791,9 +830,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           const int m = m0 + row0 + i * 16 + h * 8;
           if (m >= M) continue;
           if constexpr (kNear) {
-            const int b0 = ((j * kTilesM + i) * 2 + h) * 2;  // e = 0; e = 1 the next bit
-            near_mask[b0 / 32] |= (unsigned)near_pair(acc[i][j][2 * h], na[i][h], nb.x) << (b0 % 32);
-            near_mask[b0 / 32] |= (unsigned)near_pair(acc[i][j][2 * h + 1], na[i][h], nb.y) << (b0 % 32 + 1);
+            near_mask |= (unsigned)(near_pair(acc[i][j][2 * h], na[i][h], nb.x) |
+                                    near_pair(acc[i][j][2 * h + 1], na[i][h], nb.y)) << (j * kTilesM + i);
           }
           const float y0 = finish(acc[i][j][2 * h], na[i][h], nb.x, reg_col[i][h] == col);
           const float y1 = finish(acc[i][j][2 * h + 1], na[i][h], nb.y, reg_col[i][h] == col + 1);
@@ -817,21 +855,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
     }
-    if constexpr (kNear) {  // the near pairs rewritten from their direct differences
-#pragma unroll
-      for (int w = 0; w < kNearWords; ++w) {
-        for (unsigned bits = near_mask[w]; bits != 0u; bits &= bits - 1u) {
-          const int b = w * 32 + __ffs(bits) - 1;
-          const int e = b & 1, h = (b >> 1) & 1, i = (b >> 2) % kTilesM, j = (b >> 2) / kTilesM;
-          const int col = col0 + j * 8 + e;
-          const int m = m0 + row0 + i * 16 + h * 8, n = n0 + col;
-          if (n >= N) continue;
-          const bool regularised = reg_on && (long long)m + reg_diag == n;
-          const float y = finish.of_sq_distance(near_ops(l0, l1, l2, m, n, a_l, lda, b_l, ldb, K), regularised);
-          store_one<T>(Traits::kLayoutO == Layout::RowMajor ? out_l + (long long)m * ldo + n
-                                                            : out_l + (long long)n * ldo + m, y);
+    if constexpr (kNear) {  // the near pairs rewritten from their direct differences, warp by warp
+      int q = 4, tile = 0;  // entry q of the current flagged MMA tile (h = q / 2, e = q % 2); 4: none
+      auto next = [&](int& m, int& n) {  // pop this lane's next entry of a flagged tile in range
+        for (;;) {
+          if (q == 4) {
+            if (near_mask == 0u) return false;
+            tile = __ffs(near_mask) - 1;
+            near_mask &= near_mask - 1u;
+            q = 0;
+          }
+          m = m0 + row0 + (tile % kTilesM) * 16 + (q >> 1) * 8;
+          n = n0 + col0 + (tile / kTilesM) * 8 + (q & 1);
+          ++q;
+          if (m < M && n < N) return true;
         }
-      }
+      };
+      auto store = [&](int m, int n, float d2) {
+        const bool regularised = reg_on && (long long)m + reg_diag == n;
+        store_one<T>(Traits::kLayoutO == Layout::RowMajor ? out_l + (long long)m * ldo + n
+                                                          : out_l + (long long)n * ldo + m,
+                     finish.of_sq_distance(d2, regularised));
+      };
+      rewrite_near_pairs(near_ops, l0, l1, l2, a_l, lda, b_l, ldb, K, lane, next, store);
     }
   }
 }

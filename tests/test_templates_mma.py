@@ -874,6 +874,39 @@ struct Mma16 {
 inline float sqrt_approx(float x) { return std::sqrt(x); }
 inline float exp2_approx(float x) { return std::exp2(x); }
 
+// the warp's near-pair rewrite (distance_mma.cuh)
+inline unsigned near_ballot(bool p) {
+  auto& w = emu::warps[emu::warp()];
+  w.u[emu::lane()][6] = p;
+  emu::warp_sync();
+  unsigned r = 0;
+  for (int l = 0; l < 32; ++l) r |= (w.u[l][6] != 0u ? 1u : 0u) << l;
+  emu::warp_sync();
+  return r;
+}
+inline int near_shfl(int v, int src) {
+  auto& w = emu::warps[emu::warp()];
+  w.u[emu::lane()][5] = (unsigned)v;
+  emu::warp_sync();
+  const int r = (int)w.u[src][5];
+  emu::warp_sync();
+  return r;
+}
+inline double near_sum(double v) {
+  static double parts[32][32];
+  const int wp = emu::warp(), l = emu::lane();
+  parts[wp][l] = v;
+  emu::warp_sync();
+  double r = 0.0;  // the tree of shfl_xor 16, 8, 4, 2, 1
+  double t[32];
+  for (int i = 0; i < 32; ++i) t[i] = parts[wp][i];
+  for (int o = 16; o > 0; o >>= 1)
+    for (int i = 0; i < 32; ++i) if (i < (i ^ o)) { const double a = t[i] + t[i ^ o]; t[i] = a; t[i ^ o] = a; }
+  r = t[l];
+  emu::warp_sync();
+  return r;
+}
+
 }  // namespace mma_detail
 }  // namespace kermac_like
 

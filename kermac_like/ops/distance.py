@@ -332,7 +332,7 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     Accuracy on any data: the tensor-core path reads float32 x1 and x2 shifted by a reference
     point near the data (kermac_like/centring.py: one copy of each), so its error follows the
     data's centred scale, not its distance from the origin, and pairs whose expansion is below
-    a quarter of their shifted squared norms are recomputed from direct differences of the
+    1/32 of their shifted squared norms are recomputed from direct differences of the
     given inputs (exact duplicates give exactly 0): every value within about 1e-6 relative of
     float64 at any offset (bench/notes/data_zoo.md); ``compute_mode="donot_use_mm_for_euclid_dist"``
     takes the exact kernels.

@@ -1115,6 +1115,8 @@ def robustness_rows(bench):
         return out
 
     for problem, (key, _) in ROBUST.items():
+        if problem not in args.problems:
+            continue
         for family in families:
             sizes = robust_sizes(bench.sizes["robustness"], family, args.scale)
             at = (problem, sizes[key])
@@ -1319,6 +1321,8 @@ def main(argv=None):
                          "one whose packages are installed")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="robustness: its row counts times this (scikit-learn sets keep their own size)")
+    ap.add_argument("--problems", default=None, metavar="NAME,...",
+                    help=f"robustness: the problems to run (default: all of {', '.join(ROBUST)})")
     args = ap.parse_args(argv)
     if args.repeats is None:
         args.repeats = 3 if args.quick else 10
@@ -1340,6 +1344,10 @@ def main(argv=None):
     missing = [f for f in args.families if f not in have]
     if missing:
         ap.error(f"--families: {missing} need scikit-learn (pip install scikit-learn)")
+    args.problems = args.problems.split(",") if args.problems else list(ROBUST)
+    bad = [p for p in args.problems if p not in ROBUST]
+    if bad:
+        ap.error(f"--problems: unknown problem(s) {bad}; valid: {', '.join(ROBUST)}")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:

@@ -265,22 +265,23 @@ __device__ __forceinline__ void store_two(T* p, float y0, float y1) {
   }
 }
 
-// Near pairs (issue 42; bench/notes/data_zoo.md). The expansion's squared distance is off by
-// about sqrt(K) 2^-24 (||x||^2 + ||y||^2) with Tf32x3 (the tensor cores' fp32 accumulation;
-// measured), a large share of a small distance (an exact duplicate came out as 0.0096 at D = 64).
-// Entries whose expansion is below kNearShare = 1/32 of ||x||^2 + ||y||^2 of the rows as the
-// kernel reads them (shifted by the planner's reference point, so that the share follows the
-// data's centred scale) are flagged, one bit per MMA tile (or column pair) of the thread, before
-// or while the tile is written, and rewritten after it from the direct differences of their two
-// rows as the caller gave them (NearOperands), summed in fp64 by the whole warp (coalesced rows):
-// every difference and square of two floats is exact there, so an exact duplicate gives exactly
-// 0 and a near pair its float32-grade distance. Above the share the expansion's relative error
-// in the distance is at most about 16 sqrt(K) 2^-24 (5e-6 at K = 1024; measured 1e-6 at ratio 1).
-// The share is a cost bound as much as an error bound: blob data whose blobs sit far apart have
-// every within-blob pair near a ratio of (blob spread / blob offset)^2, and at 1/4 the rewrite
-// of an eighth of all pairs took 3.2 s for cdist 30000^2 x 1024 (bench/notes/data_zoo.md).
+// Near pairs (issue 42; bench/notes/data_zoo.md). The expansion's squared distance is off by up
+// to about K 2^-24 (||x||^2 + ||y||^2) with Tf32x3 (the tensor cores' fp32 accumulation is biased:
+// measured 0.35 K 2^-24 on blob data at K = 1024), a large share of a small distance (an exact
+// duplicate came out as 0.0096 at D = 64). Entries whose expansion is below kNearShare = 2^-10 of
+// ||x||^2 + ||y||^2 of the rows as the kernel reads them (shifted by the planner's reference
+// point, so that the share follows the data's centred scale) are flagged, one bit per MMA tile
+// (or column pair) of the thread, and rewritten after the tile from the direct differences of
+// their two rows as the caller gave them (NearOperands), summed in fp64 by the whole warp
+// (coalesced rows): every difference and square of two floats is exact there, so an exact
+// duplicate gives exactly 0 and a near pair its float32-grade distance. Above the share the
+// distance's relative error is up to about K 2^-24 (||x||^2 + ||y||^2) / (2 d^2). The share is a
+// cost bound: at 1/32, blob data (every within-blob pair at a ratio of about 0.012 of its shifted
+// norms) rewrote an eighth of all pairs, cdist 30000^2 x 1024 2.9 s against 15 ms; at 2^-10,
+// 15.1 ms with errors up to 8.9e-4 there (torch.cdist 3.6e-4). Shifting by a point near each
+// tile rather than near the data is the way to both (bench/notes/data_zoo.md, "What remains").
 #ifndef KERMAC_LIKE_NEAR_SHARE
-#define KERMAC_LIKE_NEAR_SHARE 0.03125f
+#define KERMAC_LIKE_NEAR_SHARE 0.0009765625f
 #endif
 
 #ifndef KERMAC_LIKE_MMA_HOST_EMULATION

@@ -331,11 +331,13 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     of about x2's size (twice for 3xTF32) for x2 in the kernel's tile layout.
     Accuracy on any data: the tensor-core path reads float32 x1 and x2 shifted by a reference
     point near the data (kermac_like/centring.py: one copy of each), so its error follows the
-    data's centred scale, not its distance from the origin, and pairs whose expansion is below
-    1/32 of their shifted squared norms are recomputed from direct differences of the
-    given inputs (exact duplicates give exactly 0): every value within about 1e-6 relative of
-    float64 at any offset (bench/notes/data_zoo.md); ``compute_mode="donot_use_mm_for_euclid_dist"``
-    takes the exact kernels.
+    data's centred scale, not its distance from the origin (about 1e-6 relative at any offset),
+    and pairs whose expansion is below 2^-10 of their shifted squared norms are recomputed from
+    direct differences of the given inputs (exact duplicates give exactly 0). Between those, a
+    pair's relative error is up to about K 2^-24 (|x1 - s|^2 + |x2 - s|^2) / (2 d^2): on tightly
+    clustered or low-rank data far from its reference point, up to 1e-3
+    (bench/notes/data_zoo.md); ``compute_mode="donot_use_mm_for_euclid_dist"`` takes the exact
+    kernels.
     p = 0 and p = inf call torch.cdist; CPU tensors, float64 inputs, and float16/bfloat16
     inputs off the tensor-core path take the torch path (on the inputs' device:
     kermac_like/torch_path.py, torch.cdist's kernels and its matrix product under the same

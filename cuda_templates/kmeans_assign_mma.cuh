@@ -34,6 +34,11 @@
 //     the second smallest by a warp merge; the second gives the row's lower bound); a certified
 //     row's v_label is computed once by the exact arithmetic. B is the data's scale about the
 //     origin: callers centre the data (cluster.KMeans) so that it is the centred scale.
+//   Local certificate (KmeansAssignTraits<kK, true>; issue 42, bench/notes/kmeans.md "round 3"): the same
+//     arguments, labels[] holding each row's old label; per CTA r = the centre of its first row's old label,
+//     rows and centres enter the MMAs as fl(x - r), fl(c - r) (the CTA builds each tile itself), centres
+//     with ||c - r||^2 > 9 X'_cta left out (never a row's nearest), B' = X'_warp + the largest kept
+//     ||c - r||^2: the local scale, not the distance from the origin. rows[r] < 0: padding, skipped.
 // No N x C matrix, no atomics: bitwise repeatable. cert[i] (optional): 1 where certified.
 #pragma once
 
@@ -45,10 +50,13 @@
 namespace kermac_like {
 
 // kK_: K padded to 8, 16, 32 or 64 (the A fragments of kMt m16 tiles in registers).
-template <int kK_>
+// kLocal_: the certificate about the CTA's local reference (the rows ordered by their old labels in labels[];
+// plan.kmeans.plan_assign(local=True)); a separate instantiation, so the global one keeps its registers.
+template <int kK_, bool kLocal_ = false>
 struct KmeansAssignTraits {
   static_assert(kK_ == 8 || kK_ == 16 || kK_ == 32 || kK_ == 64, "KmeansAssignTraits: kK is 8, 16, 32 or 64");
   static constexpr int kK = kK_;
+  static constexpr bool kLocal = kLocal_;
   static constexpr int kSteps = kK_ / 8;                       // k-steps of 8
   static constexpr int kMt = kK_ <= 16 ? 2 : 1;                // m16 tiles per warp (128 registers)
   static constexpr int kWarps = 8;
@@ -243,10 +251,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
     float tau, int split, const int* __restrict__ rows, float* __restrict__ ub, float* __restrict__ lb,
     int* __restrict__ rmax, int* __restrict__ changed, float gu, float gl) {
   using Tr = Traits;
+  constexpr bool local = Tr::kLocal;
   using namespace kmeans_assign_detail;
   using mma_detail::mma_tf32;
   // Row r of the launch is point rows[r] (the pruned iteration's work list) or point r.
   auto point = [&](i64 r) -> i64 { return rows ? i64(rows[r]) : r; };
+  // local: rows[r] < 0 pads (the host starts each label's rows at a CTA: one reference per label); skipped.
+  auto real = [&](i64 r) -> bool { return r < N && (!local || !rows || rows[r] >= 0); };
   constexpr int S = Tr::kSteps, MT = Tr::kMt, BN = Tr::kBlockN, R = 2 * MT;
   constexpr int kMask = (1 << Tr::kKeyBits) - 1;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -254,6 +265,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const i64 m_warp = i64(blockIdx.x) * Tr::kBlockM + warp * 16 * MT;
+
+  // local: the CTA's reference r = the centre of its first row's label (labels[] holds the old labels;
+  // the host orders the rows by them), kept in the second stage (the local mode builds its tiles in the
+  // first); the rows and the centres enter the MMAs as fl(x - r), fl(c - r).
+  // Stage 1 holds (kK) r, (4) {X'_cta, 9 X'_cta}, (kThreads) the reductions' slots (between them each thread's
+  // largest kept cn'): shared memory, not registers, across the tile loop (ptxas spilled them under the launch
+  // bounds); the addresses formed where used.
+#define KM_RS (reinterpret_cast<float*>(smem + Tr::kTileBytes))
+#define KM_SX (reinterpret_cast<float*>(smem + Tr::kTileBytes) + S * 8)
+#define KM_RED (reinterpret_cast<float*>(smem + Tr::kTileBytes) + S * 8 + 4)
+  if constexpr (local) {
+    const i64 m0 = i64(blockIdx.x) * Tr::kBlockM;
+    i64 a = real(m0) ? labels[point(m0)] : 0;
+    a = a < 0 ? 0 : (a >= C ? C - 1 : a);
+    for (int q = tid; q < S * 8; q += Tr::kThreads) KM_RS[q] = q < K ? c[a * ldc + q] : 0.0f;
+    __syncthreads();
+  }
 
   // A fragments of -2 x (exact), split; partial squared norms of rows g, g + 8 of each m16 tile.
   unsigned ah[MT][S][4], al[MT][S][4];
@@ -267,7 +295,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
       for (int r = 0; r < 4; ++r) {
         const i64 m = m_warp + i * 16 + g + 8 * (r & 1);
         const int q = s * 8 + t + 4 * (r >> 1);
-        const float v = m < N && q < K ? x[point(m) * sxm + q * sxk] : 0.0f;
+        const bool in = real(m) && q < K;
+        float v = in ? x[point(m) * sxm + q * sxk] : 0.0f;
+        if (local && in) v = math::sub_rn(v, KM_RS[q]);
         sq[r & 1] = math::fma_rn(v, v, sq[r & 1]);
         mma_detail::split_tf32x3(__float_as_uint(-2.0f * v), ah[i][s][r], al[i][s][r]);
       }
@@ -284,6 +314,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
   for (int r = 1; r < R; ++r) xbar = fmaxf(xbar, xn[r]);
 #pragma unroll
   for (int o = 4; o < 32; o <<= 1) xbar = fmaxf(xbar, __shfl_xor_sync(0xffffffffu, xbar, o));
+  // local: X' = the CTA's largest ||fl(x - r)||^2; centres with ||fl(c - r)||^2 > 9 X' are left out (never
+  // a row's nearest: r is a centre, so d_best <= ||x - r|| <= sqrt X' < ||x - c|| (the notes)); kmax: the
+  // largest ||fl(c - r)||^2 of the kept centres (B' = X'_warp + kmax).
+  if constexpr (local) {
+    const float xcta = block_reduce<Tr::kThreads>(KM_RED, xbar, [](float p, float q) { return fmaxf(p, q); });
+    if (tid == 0) KM_SX[0] = xcta, KM_SX[1] = math::mul_rn(9.0f, xcta);  // read after build_tile's barrier
+    KM_RED[tid] = 0.0f;  // each thread's largest kept cn' (reduced after the tiles)
+  }
 
   const int tiles = (C + BN - 1) / BN;
   const unsigned smem_base = mma_detail::smem_u32(smem);
@@ -301,20 +339,54 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
 #pragma unroll
   for (int r = 0; r < R; ++r) best[r] = Best{0x7fffffff, 0x7fffffff, 0x7fffffff};
 
-  load_tile(0, 0);
-  mma_detail::cp_async_commit();
-  for (int tile = 0; tile < tiles; ++tile) {
-    mma_detail::cp_async_wait<0>();
-    __syncthreads();  // the tile is in for everyone; the other stage is free
-    if (tile + 1 < tiles) load_tile((tile + 1) & 1, tile + 1);
-    mma_detail::cp_async_commit();
-    const unsigned char* st = smem + (tile & 1) * Tr::kTileBytes;
+  // local: a tile built in stage 0 by the CTA: cn' (2^127 for the padding and the left-out centres), then
+  // the fragments of fl(c - r) (zero for those: their values stay 2^127).
+  auto build_tile = [&](int tile) {
+    unsigned char* st = smem;
+    float* cns = reinterpret_cast<float*>(st + Tr::kTileFrag);
+    uint4* fr = reinterpret_cast<uint4*>(st);
+    __syncthreads();  // the previous tile's MMAs are done
+#pragma unroll 1
+    for (int j = tid; j < BN; j += Tr::kThreads) {
+      const int n = tile * BN + j;
+      float s = 0x1p127f;
+      if (n < C) {
+        float a = 0.0f;
+#pragma unroll 1
+        for (int q = 0; q < K; ++q) {
+          const float d = math::sub_rn(c[i64(n) * ldc + q], KM_RS[q]);
+          a = math::fma_rn(d, d, a);
+        }
+        if (a <= KM_SX[1]) s = a, KM_RED[tid] = fmaxf(KM_RED[tid], a);  // NaN: left out
+      }
+      cns[j] = s;
+    }
+    __syncthreads();
+    // entry e = (j8 S + s) 32 + lane: a thread keeps its lane (kThreads is a multiple of 32)
+    const int k0 = (lane & 3), jl = lane >> 2;
+#pragma unroll 1
+    for (int e = tid; e < BN / 8 * S * 32; e += Tr::kThreads) {
+      const int js = e >> 5, s = js % S, j = (js / S) * 8 + jl, q0 = s * 8 + k0, q1 = q0 + 4;
+      const bool kept = cns[j] < 0x1p127f;
+      const float* cr = c + i64(tile * BN + j) * ldc;
+      const float v0 = kept && q0 < K ? math::sub_rn(cr[q0], KM_RS[q0]) : 0.0f;
+      const float v1 = kept && q1 < K ? math::sub_rn(cr[q1], KM_RS[q1]) : 0.0f;
+      unsigned h0, l0, h1, l1;
+      mma_detail::split_tf32x3(__float_as_uint(v0), h0, l0);
+      mma_detail::split_tf32x3(__float_as_uint(v1), h1, l1);
+      fr[e] = uint4{h0, h1, l0, l1};
+    }
+    __syncthreads();
+  };
+
+  // One tile's MMAs and keys from stage st, merged into best.
+  auto mma_tile = [&](const unsigned char* st, int tile) {
     const uint4* fr = reinterpret_cast<const uint4*>(st);
     const float* cns = reinterpret_cast<const float*>(st + Tr::kTileFrag);
     int b1[R], b2[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) b1[r] = b2[r] = 0x7fffffff;
-#pragma unroll 4
+#pragma unroll (Tr::kLocal ? 2 : 4)
     for (int j = 0; j < BN / 8; ++j) {
       const float2 cp = *reinterpret_cast<const float2*>(cns + j * 8 + 2 * t);
       const float c0 = cp.x + xbar, c1 = cp.y + xbar;
@@ -348,6 +420,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
       const int p = b1[r] & kMask;
       merge(best[r], b1[r] & ~kMask, n0 + (p >> 1) * 8 + 2 * t + (p & 1), b2[r] & ~kMask);
     }
+  };
+  // Two loops (not one with a branch per tile): ptxas spilled under the launch bounds with one.
+  if constexpr (local) {
+    for (int tile = 0; tile < tiles; ++tile) {
+      build_tile(tile);
+      mma_tile(smem, tile);
+    }
+  } else {
+    load_tile(0, 0);
+    mma_detail::cp_async_commit();
+    for (int tile = 0; tile < tiles; ++tile) {
+      mma_detail::cp_async_wait<0>();
+      __syncthreads();  // the tile is in for everyone; the other stage is free
+      if (tile + 1 < tiles) load_tile((tile + 1) & 1, tile + 1);
+      mma_detail::cp_async_commit();
+      mma_tile(smem + (tile & 1) * Tr::kTileBytes, tile);
+    }
   }
   mma_detail::cp_async_wait<0>();
 
@@ -361,8 +450,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
     }
 
   // Lane t of the quad finishes row r = t (rows g + 8 (r & 1) + 16 (r >> 1) of the warp).
-  const float bw = xbar + cmax[0];
-  const float thr = tau * bw;
+  // local: B' = X'_warp + kmax over the CTA; tau 1.01 x: the shifts' rounding (<= 8 u B' on a gap, the notes).
+  float kmax = 0.0f;
+  if constexpr (local) {
+    kmax = block_reduce<Tr::kThreads>(KM_RED, KM_RED[tid], [](float p, float q) { return fmaxf(p, q); });
+  }
+  const float bw = xbar + (local ? kmax : cmax[0]);
+  const float thr = (local ? tau * 1.01f : tau) * bw;
   const bool in_range = bw >= 0x1p-60f && bw <= 0x1p100f;
   int mine = 0;
   bool ok = false;
@@ -377,7 +471,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
       ok = in_range && gap > thr;
     }
   }
-  const bool live = m >= 0 && m < N;
+  const bool live = m >= 0 && real(m);
   const i64 pm = live ? point(m) : 0;
   // The row's exact-path value v of its label and, on uncertified rows, the second smallest value v2 of
   // every other centre (the rescan's).
@@ -429,6 +523,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
     if (ok) {  // min_{n != label} ||x - c_n||^2 >= ||x - c_label||^2 + gap - tau B (the notes)
       const float inc = below(math::sub_rn(below(gap), above(thr)));
       lsq = down(math::add_rn(lower_sq_of(v, gl), inc));
+      // local: the left-out centres are farther than 3 sqrt X' - sqrt X' (fp32 slack: 1.97^2 > 3.88)
+      if (local) lsq = fminf(lsq, down(math::mul_rn(3.88f, KM_SX[0])));
     } else {  // every other centre's exact value is >= v2 (NaN where there is none: lb 0)
       lsq = lower_sq_of(v2, gl);
     }
@@ -437,6 +533,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kmeans_a
     atomicMax(rmax + mine, __float_as_int(u));
   }
 }
+#undef KM_RS
+#undef KM_SX
+#undef KM_RED
 
 // The pruned iteration's filter (plan.kmeans.BoundedAssign), one point per thread, grid
 // (ceil(N / kThreads), 1, 1). The centres moved: drift[n] >= ||c_n(new) - c_n(old)||; the centres n != a

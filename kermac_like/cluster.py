@@ -238,7 +238,7 @@ def seed_uniforms(n_clusters: int, generator: torch.Generator, device) -> torch.
 
 
 def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, generator: torch.Generator,
-                    debug: bool = False):
+                    debug: bool = False, hint: list | None = None):
     """k-means++ seeding (Arthur and Vassilvitskii): the first centre drawn with probability
     proportional to the weight, each next one proportional to weight x squared distance to the
     nearest centre so far (D^2 sampling, exactly). Never N x n_clusters. Returns (centres (C, D)
@@ -257,18 +257,20 @@ def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | No
     in float32 (16-bit data upcast) the fused kernels of cuda_templates/kmeans.cuh draw
     (kermac_like.plan.kmeans: about C / 128 rounds, one host synchronisation a round); else, and
     as their oracle, the torch path :func:`_kmeans_plusplus_torch` (the same algorithm from the
-    same uniforms). Memory: O(N) besides X."""
+    same uniforms). Memory: O(N) besides X. ``hint`` (a list): gets each point's nearest centre index as
+    the seeding last folded it (the first Lloyd assignment's row order: plan.kmeans.BoundedAssign)."""
     u = seed_uniforms(n_clusters, generator, X.device)
     if X.is_cuda:
         from .plan.kmeans import seed_plusplus
 
-        out = seed_plusplus(X, n_clusters, weights, u, debug=debug)
+        out = seed_plusplus(X, n_clusters, weights, u, debug=debug, hint=hint)
         if out is not None:
             return out
-    return _kmeans_plusplus_torch(X, n_clusters, weights, u)
+    return _kmeans_plusplus_torch(X, n_clusters, weights, u, hint)
 
 
-def _kmeans_plusplus_torch(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor):
+def _kmeans_plusplus_torch(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor,
+                           hint: list | None = None):
     """kmeans_plusplus by torch ops from the uniforms ``u`` (seed_uniforms): the rounds of the
     fused kernels, each proposal decided on the host (one synchronisation a proposal), each
     round's fold over the candidates of the triangle bound in row blocks."""
@@ -331,6 +333,8 @@ def _kmeans_plusplus_torch(X: torch.Tensor, n_clusters: int, weights: torch.Tens
             d2[cb] = torch.where(better, dn, old)
             near[cb] = torch.where(better, k + s, near.index_select(0, cb))
         s = j
+    if hint is not None:
+        hint.append(near)
     return centres, idx
 
 
@@ -363,12 +367,21 @@ def _inertia(d2, weights):
     return float(d2.sum() if weights is None else (d2 * weights.to(torch.float64)).sum())
 
 
-def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False):
+def _local_certificate() -> bool:
+    """Whether Lloyd's first assignment takes the local certificate (plan.kmeans.LOCAL), for which the
+    seeding hands over each point's nearest centre (one more fold of its last round)."""
+    from .plan.kmeans import LOCAL
+
+    return LOCAL
+
+
+def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=None):
     """scikit-learn's _kmeans_single_lloyd: (labels, inertia, centres, n_iter).
 
     On CUDA in float32 (K <= 16, 2 to 8192 clusters; plan.kmeans.bounds_serve) the iterations after the
     first assign only the points whose label the distance bounds cannot prove (plan.kmeans.BoundedAssign):
-    the same labels, centres, inertia and n_iter as assigning every point, bitwise."""
+    the same labels, centres, inertia and n_iter as assigning every point, bitwise. ``hint``: each point's
+    nearest centre as the seeding knew it (orders the first assignment's rows; any values are valid)."""
     C = centres.shape[0]
     from .plan.kmeans import BoundedAssign, bounds_serve
 
@@ -382,7 +395,7 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False):
             labels, d2 = _assign(X, centres, debug)
             same = labels_old is not None and torch.equal(labels, labels_old)
         elif i == 0:
-            labels, same = bounded.first(centres), False
+            labels, same = bounded.first(centres, hint), False
         else:
             labels, changed = bounded.step(centres)
             same = changed == 0
@@ -652,17 +665,19 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             tol_abs = _tolerance(Xc, tol)
             best = None
             for _ in range(n_init):
+                hint = [] if _local_certificate() else None  # the seeding's nearest centres (BoundedAssign.first)
                 if centres0 is not None:
                     start = centres0
                 else:
                     g = torch.Generator(device=Xt.device).manual_seed(int(rs.randint(np.iinfo(np.int32).max)))
                     if init == "k-means++":
-                        start = kmeans_plusplus(Xc, C, w, g, debug=self.debug)[0]
+                        start = kmeans_plusplus(Xc, C, w, g, debug=self.debug, hint=hint)[0]
                     else:
                         start = _random_init(Xc, C, w, g)[0]
                 if self.verbose:
                     print("Initialization complete")
-                labels, inertia, centres, n_iter = lloyd(Xc, w, start, max_iter, tol_abs, self.verbose, self.debug)
+                labels, inertia, centres, n_iter = lloyd(Xc, w, start, max_iter, tol_abs, self.verbose, self.debug,
+                                                         hint[0] if hint else None)
                 if best is None or (inertia < best[1] and not _same_clustering(labels, best[0], C)):
                     best = (labels, inertia, centres, n_iter)
             labels, inertia, centred_centres, n_iter = best

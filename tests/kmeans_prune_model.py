@@ -133,6 +133,46 @@ def certified(X, rows, labels_old, d2sorted, c, tau, mode):
     return ok
 
 
+def certified_cta(X, rows, labels_old, d2sorted, c, tau, bm=256):
+    """The certificate as implemented (kmeans_assign_mma.cuh KmeansAssignTraits<kK, true>, plan.kmeans.local_rows):
+    rows ordered by old label, each label's rows from a CTA's start (CTAs of ``bm`` rows, one label each), r =
+    the CTA's label's centre, X'_cta = the CTA's largest ||x - r||^2, centres with ||c - r||^2 > 9 X'_cta left
+    out, B' = X'_warp (32 rows) + the largest kept ||c - r||^2, tau x 1.01."""
+    gap = d2sorted[:, 1] - d2sorted[:, 0]
+    ok = np.zeros(len(rows), dtype=bool)
+    lab = labels_old[rows]
+    order = np.argsort(lab, kind="stable")
+    sl = lab[order]
+    starts = np.flatnonzero(np.r_[True, sl[1:] != sl[:-1], True])
+    for s0, s1 in zip(starts[:-1], starts[1:]):
+        r = c[sl[s0]]
+        cc = ((c - r) ** 2).sum(1)
+        for b0 in range(s0, s1, bm):
+            idx = order[b0:min(b0 + bm, s1)]
+            xn = ((X[rows[idx]] - r) ** 2).sum(1)
+            Xc = xn.max()
+            kmax = cc[cc <= 9.0 * Xc].max()
+            for w in range(0, len(idx), 32):
+                B = xn[w:w + 32].max() + kmax
+                ok[idx[w:w + 32]] = gap[idx[w:w + 32]] > tau * 1.01 * B
+    return ok
+
+
+def first_only(X, c0, tau=TAU16, bm=256):
+    """The first assignment's uncertified shares: global, per-warp local (the round-2 model), as implemented
+    (certified_cta) with the exact labels as the old ones and with the labels at c0 of all but the last 128
+    centres (the seeding's state before its last round: the hint plan.kmeans.BoundedAssign.first gets)."""
+    D = sqd(X, c0)
+    lab = D.argmin(1)
+    srt = two_smallest(D)
+    allrows = np.arange(X.shape[0])
+    hint = D[:, :max(1, c0.shape[0] - 128)].argmin(1)
+    return {"global": 1 - certified(X, allrows, lab, srt, c0, tau, "global").mean(),
+            "local_warp": 1 - certified(X, allrows, lab, srt, c0, tau, "local").mean(),
+            "cta_exact": 1 - certified_cta(X, allrows, lab, srt, c0, tau, bm).mean(),
+            "cta_hint": 1 - certified_cta(X, allrows, hint, srt, c0, tau, bm).mean()}
+
+
 def simulate(X, c0, iters=20, G=64, tau=TAU16):
     N, C = X.shape[0], c0.shape[0]
     grp = groups_of(c0, G)
@@ -256,12 +296,18 @@ def main():
     ap.add_argument("--groups", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--only", default=None)
+    ap.add_argument("--first-only", action="store_true", help="the first assignment's uncertified shares only")
     a = ap.parse_args()
     for name, X in families(a.n, a.d, a.clusters, 0).items():
         if a.only and name not in a.only.split(","):
             continue
         t0 = time.time()
         c0 = seeding(X, a.clusters, 0)
+        if a.first_only:
+            r = first_only(X.numpy(), c0)
+            print(f"{name:14s} first uncertified: " + ", ".join(f"{k} {v:.4f}" for k, v in r.items()) +
+                  f"  ({time.time() - t0:.0f} s)", flush=True)
+            continue
         r = simulate(X.numpy(), c0, a.iters, a.groups)
         wl = r["work"]
         print(f"{name:14s} first uncert global {r['uncert_first_global']:.3f} local {r['uncert_first_local']:.3f} | "

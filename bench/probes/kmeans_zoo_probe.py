@@ -20,6 +20,7 @@ bitwise, and the share of equal labels on a sample of --sample rows. Families (N
 GPU (one H200, ~2 minutes: 6 families x 4 fits of ~0.15-0.5 s, one torch-path fit of ~2-4 s each, compiles):
 
     PYTHONPATH=. python3 bench/probes/kmeans_zoo_probe.py
+    PYTHONPATH=. python3 bench/probes/kmeans_zoo_probe.py --local 0 --no-torch   # the global certificate's fits
 
 CPU check (seconds): PYTHONPATH=. python3 bench/probes/kmeans_zoo_probe.py -n 20000 --clusters 32 --reps 1
 """
@@ -112,12 +113,22 @@ def fit_ms(X, C, iters, device):
 
 
 def uncertified(X, ref, centres):
-    """Share of rows the certificate leaves to the rescan in one full assignment (None: not on this device)."""
+    """Shares of rows the certificate leaves to the rescan in one full assignment (None: not on this device):
+    (global: B about the reference point, rows in order; local: about each CTA's reference centre, rows
+    ordered by their labels, the labels of the global assignment as the old ones)."""
     if not plan_km.assign_serves(X, centres) or X.shape[1] > plan_km.ASSIGN_UP_TO:
-        return None
+        return None, None
     Xc = X if ref is None else X - ref
-    plan = plan_km.plan_assign(Xc, centres.contiguous(), certificates=True)
-    return 1.0 - float(plan.run()[2].float().mean())
+    c = centres.contiguous()
+    labels, _, cert = plan_km.plan_assign(Xc, c, certificates=True).run()
+    glob = 1.0 - float(cert.float().mean())
+    rows = torch.sort(labels, stable=True).indices.int()
+    old = labels.clone()
+    _, _, cert = plan_km.plan_assign(Xc, c, certificates=True, rows=rows, n_rows=Xc.shape[0], labels=old,
+                                     local=True).run()
+    if not torch.equal(old, labels):
+        raise AssertionError("local certificate: labels differ from the global assignment's")
+    return glob, 1.0 - float(cert.float().mean())
 
 
 def main():
@@ -131,7 +142,11 @@ def main():
     ap.add_argument("--only", nargs="*", help="families to run (default: all)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch-path fit")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--local", type=int, choices=(0, 1), default=None,
+                    help="plan.kmeans.LOCAL for the fits (the local certificate; default: the module's, on)")
     args = ap.parse_args()
+    if args.local is not None:
+        plan_km.LOCAL = bool(args.local)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     N, D, C = args.n, args.d, args.clusters
     print(f"{device} {torch.cuda.get_device_name() if device.type == 'cuda' else ''}: N={N} D={D} clusters={C} "
@@ -157,14 +172,15 @@ def main():
         lloyd_ms = statistics.median(p.get("lloyd", 0.0) for p in parts)
         ref = None if getattr(m, "_centring", None) is None else m._centring[0]
         final = m.cluster_centers_ if ref is None else m._centring[1]
-        unc0, unc1 = uncertified(X, ref, timer.start), uncertified(X, ref, final)
+        (unc0, loc0), (unc1, loc1) = uncertified(X, ref, timer.start), uncertified(X, ref, final)
         base = med if name == "bench" else base
         ratio = f" ({med / base:5.2f}x bench)" if base else ""
         line = (f"{name:14s} fit {med:8.1f} ms{ratio} | seeding {seed_ms:7.1f} | Lloyd "
                 f"{lloyd_ms:7.1f} | rest {med - seed_ms - lloyd_ms:6.1f} | reference point "
                 f"{'0 (no copy)' if ref is None else 'shifted'}")
         if unc0 is not None:
-            line += f" | uncertified at start {unc0:.3f}, at end {unc1:.3f}"
+            line += (f" | uncertified at start {unc0:.3f} (local {loc0:.4f}), at end {unc1:.3f} (local {loc1:.4f})"
+                     f" | LOCAL={int(plan_km.LOCAL)}")
         print(line)
         if steps:
             print(f"{'':14s} points per pruned step (of {N}): {steps}; sum {sum(steps) / N:.2f} N")

@@ -38,7 +38,7 @@ log = logging.getLogger("kermac_like.kmeans")
 __all__ = ["Seeding", "seed_plusplus", "fused_serves", "FUSED", "segsum_serves", "plan_segment_sums",
            "segment_sums_fused", "SEGSUM_FUSED", "ASSIGN_MMA", "assign_serves", "assign_tau", "assign_split",
            "plan_assign", "assign_mma", "ASSIGN_UP_TO", "BOUNDS", "BOUNDS_MAX_C", "bound_consts", "centre_bounds",
-           "bounds_serve", "BoundedAssign"]
+           "bounds_serve", "BoundedAssign", "LOCAL", "local_rows"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # KERMAC_LIKE_KMEANS_FUSED=0 sends CUDA seedings to the torch path (cluster._kmeans_plusplus_torch).
@@ -52,6 +52,13 @@ SEGSUM_FUSED = os.environ.get("KERMAC_LIKE_KMEANS_SEGSUM", "1") != "0"
 # D = 8 1.3-1.5x faster; D = 32 no faster (C = 1024, 4096) or slower (C = 256): K <= 16 only.
 ASSIGN_MMA = os.environ.get("KERMAC_LIKE_KMEANS_ASSIGN_MMA", "1") != "0"
 ASSIGN_UP_TO = 16
+# The pruned iterations' assignments with the certificate about a local reference (issue 42, Design 1:
+# kmeans_assign_mma.cuh KmeansAssignTraits<kK, true>; rows ordered by their old labels, each CTA's rows and
+# centres measured from the centre of its first row's label, far centres left out): the same labels and
+# distances bitwise, far fewer rows to the exact rescan on data whose clusters are small against their
+# distance from the reference point. Opt-in (KERMAC_LIKE_KMEANS_LOCAL=1) until it is measured on a GPU:
+# verified on the CPU emulator only (bench/notes/kmeans.md, "Issue 42, round 3").
+LOCAL = os.environ.get("KERMAC_LIKE_KMEANS_LOCAL", "0") not in ("", "0")
 
 
 def fused_serves(X: torch.Tensor) -> bool:
@@ -138,6 +145,7 @@ class Seeding:
         while e < self.C:
             s, e = e, go(self.round(s, e))
             rounds += 1
+        self.last = s  # the last round's centres [s, C) are drawn, not folded into (d2, near)
         if self.debug:
             log.debug("kmeans++ seeding: %d centres in %d rounds", self.C, rounds)
         self.rounds = rounds
@@ -145,12 +153,20 @@ class Seeding:
 
 
 def seed_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor,
-                  debug: bool = False):
+                  debug: bool = False, hint: list | None = None):
     """(centres (C, K) in X's dtype, indices (C,) int64) of the fused seeding, or None when it
-    does not serve X."""
+    does not serve X. ``hint`` (a list) gets every point's nearest centre (N,) int32 after one more
+    update launch (the last round's fold: the first Lloyd assignment's row order, plan.kmeans.BoundedAssign)."""
     if not fused_serves(X):
         return None
-    centres, idx = Seeding(X, n_clusters, weights, u, debug).run()
+    seeding = Seeding(X, n_clusters, weights, u, debug)
+    centres, idx = seeding.run()
+    if hint is not None:  # fold the last round too (its gaps and the update, no draw): near is the nearest
+        from ..runtime.launcher import launch
+
+        for ln in seeding.round(seeding.last, n_clusters)[:-1]:
+            launch(ln.kernel, ln.grid, ln.args, debug=debug)
+        hint.append(seeding.near)
     if X.dtype != torch.float32:  # the rows themselves, in X's dtype
         centres = X.index_select(0, idx)
     return centres, idx
@@ -264,13 +280,16 @@ class _Bounds(NamedTuple):
 
 def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, certificates: bool = False,
                 rows: torch.Tensor | None = None, n_rows: int | None = None, labels: torch.Tensor | None = None,
-                dist: torch.Tensor | None = None, bounds: _Bounds | None = None):
+                dist: torch.Tensor | None = None, bounds: _Bounds | None = None, local: bool = False):
     """The plan of one assignment: its run returns (labels (N,) int64, dist (N,) float32, cert (N,) uint8
     or None): knn(X, centres, 1, direct differences)'s indices and values, bitwise. Two launches: the
     centres' split (one CTA), then kmeans_assign_mma_kernel. None when the kernel does not serve.
 
     For the pruned iterations (BoundedAssign): ``rows`` (int32) assigns only the points rows[:n_rows],
-    writing into the given ``labels`` / ``dist`` at those points; ``bounds`` adds their distance bounds."""
+    writing into the given ``labels`` / ``dist`` at those points; ``bounds`` adds their distance bounds.
+    ``local`` (kK <= 32): ``labels`` holds every assigned point's old label in [0, C) (any such label is
+    valid; the certificate is tight where the rows come ordered by it) and the kernel certifies about each
+    CTA's reference centre (KmeansAssignTraits<kK, true>)."""
     if not assign_serves(X, centres):
         return None
     from ..runtime.launcher import get_kernel, prefetch
@@ -280,7 +299,8 @@ def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, cer
     N, K = X.shape
     C = centres.shape[0]
     c = centres if centres.stride(1) == 1 else centres.contiguous()
-    spec, pspec = assign_spec(K), assign_prep_spec(K)
+    local = bool(local) and labels is not None and assign_k_bucket(K) <= 32  # kK 64 local: spills (ptxas)
+    spec, pspec = assign_spec(K, local), assign_prep_spec(K)
     kK, bn = assign_k_bucket(K), spec.launch.block_n
     cp = -(-C // bn) * bn
     # (cp / 8, kK / 8, 32) uint4 B fragments, then (cp / 32, K, 32) f32 centres for the rescan's coalesced reads
@@ -306,7 +326,8 @@ def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, cer
             np.float32(assign_tau(K)), np.int32(assign_split(K)), ptr(rows), ptr(b.ub), ptr(b.lb), ptr(b.rmax),
             ptr(b.changed), np.float32(gu), np.float32(gl))
     if debug:
-        log.debug("kmeans assignment on tensor cores: N=%d K=%d (kK %d) clusters=%d: grid %s", M, K, kK, C, grid)
+        log.debug("kmeans assignment on tensor cores: N=%d K=%d (kK %d) clusters=%d local=%s: grid %s", M, K, kK, C,
+                  local, grid)
     launches = (Launch(prep, (1, 1, 1), pargs),) + ((Launch(main, grid, args),) if M > 0 else ())
     return Plan("kmeans_assign", spec, launches, (labels, dist, cert), scratch=(c, cf, cn, cmax), debug=debug)
 
@@ -388,6 +409,31 @@ def bounds_serve(X: torch.Tensor, n_clusters: int) -> bool:
             and assign_serves(X, X[:1]))
 
 
+def local_rows(keys: torch.Tensor, src: torch.Tensor | None, n_clusters: int, block_m: int) -> tuple:
+    """(rows (M,) int32, M): the launch rows of a local-certificate assignment (plan_assign(local=True)):
+    the points ``src`` (or 0..n-1) ordered by ``keys`` (their old labels in [0, C), stable), each label's rows
+    starting at a CTA (a multiple of ``block_m``; the gaps padded with -1, which the kernel skips), so that a
+    CTA's reference centre is its rows' own; without the padding (rows only sorted) where it would more than
+    double the launch. One host synchronisation (M)."""
+    n = keys.shape[0]
+    dev = keys.device
+    k = keys.int()
+    order = torch.sort(k, stable=True).indices
+    sk = k[order]
+    rows = (order if src is None else src[order]).int()
+    cnt = torch.bincount(sk, minlength=n_clusters)
+    pc = (cnt + block_m - 1) // block_m * block_m
+    M = int(pc.sum())
+    if M > 2 * n:
+        return rows, n
+    start = torch.cumsum(cnt, 0) - cnt
+    pstart = torch.cumsum(pc, 0) - pc
+    pos = pstart[sk] + (torch.arange(n, device=dev) - start[sk])
+    out = torch.full((M,), -1, dtype=torch.int32, device=dev)
+    out[pos] = rows
+    return out, M
+
+
 class BoundedAssign:
     """Lloyd's assignments over the iterations of one run, pruned by Hamerly's bounds (an upper bound on
     each point's distance to its centre, a lower bound on the distance to every other centre), tightened by
@@ -434,10 +480,20 @@ class BoundedAssign:
         kernel = get_kernel(bounds_spec(), _device_index(X.device), debug=self.debug)
         launch(kernel, (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
 
-    def first(self, centres: torch.Tensor) -> torch.Tensor:
+    def first(self, centres: torch.Tensor, hint: torch.Tensor | None = None) -> torch.Tensor:
+        """The full assignment; ``hint`` (N,) int: each point's nearest centre index as far as known (the
+        seeding's), which orders the rows for the local certificate (LOCAL); any values are valid."""
         self.rmax.zero_()
-        plan_assign(self.X, centres, self.debug, labels=self.labels, dist=self.dist,
-                    bounds=_Bounds(self.ub, self.lb, self.rmax)).run()
+        N, K = self.X.shape
+        C = centres.shape[0]
+        local = LOCAL and hint is not None and hint.shape == (N,) and assign_k_bucket(K) <= 32
+        rows, M = None, N
+        if local:
+            h = hint.int().clamp(0, C - 1)
+            self.labels.copy_(h)
+            rows, M = local_rows(h, None, C, assign_spec(K, True).launch.block_m)
+        plan_assign(self.X, centres, self.debug, labels=self.labels, dist=self.dist, rows=rows, n_rows=M,
+                    bounds=_Bounds(self.ub, self.lb, self.rmax), local=local).run()
         self.centres, self.fresh, self.assigned = centres, True, self.X.shape[0]
         return self.labels
 
@@ -452,8 +508,13 @@ class BoundedAssign:
         self._filter(stats)
         n = int(self.counters[0].item())
         if n:
-            plan_assign(X, c, self.debug, rows=self.work, n_rows=n, labels=self.labels, dist=self.dist,
-                        bounds=_Bounds(self.ub, self.lb, self.rmax, self.counters[1:])).run()
+            local = LOCAL and assign_k_bucket(X.shape[1]) <= 32
+            rows, M = self.work, n
+            if local:  # the work list by old label, each label's rows from a CTA's start
+                w = self.work[:n]
+                rows, M = local_rows(self.labels[w.long()], w, c.shape[0], assign_spec(X.shape[1], True).launch.block_m)
+            plan_assign(X, c, self.debug, rows=rows, n_rows=M, labels=self.labels, dist=self.dist,
+                        bounds=_Bounds(self.ub, self.lb, self.rmax, self.counters[1:]), local=local).run()
         if self.debug:
             log.debug("kmeans pruned assignment: %d of %d points assigned", n, X.shape[0])
         self.assigned = n

@@ -97,14 +97,16 @@ def assign_shape(kK: int) -> LaunchShape:
     return LaunchShape(threads=256, block_m=8 * 16 * mt, block_n=bn, smem_bytes=2 * (bn * kK * 8 + bn * 4))
 
 
-def _assign_traits(kK: int) -> str:
-    return f"kermac_like::KmeansAssignTraits<{int(kK)}>"
+def _assign_traits(kK: int, local: bool = False) -> str:
+    return f"kermac_like::KmeansAssignTraits<{int(kK)}{', true' if local else ''}>"
 
 
-def assign_spec(K: int) -> KernelSpec:
-    """The assignment kernel (mma.sync 3xTF32, certified, the exact rescan inside) for K coordinates."""
+def assign_spec(K: int, local: bool = False) -> KernelSpec:
+    """The assignment kernel (mma.sync 3xTF32, certified, the exact rescan inside) for K coordinates;
+    ``local``: the certificate about each CTA's reference centre (rows ordered by their old labels; issue 42,
+    bench/notes/kmeans.md), compiled on first use."""
     kK = assign_k_bucket(K)
-    return KernelSpec("kmeans_assign_mma.cuh", "kermac_like::kmeans_assign_mma_kernel", _assign_traits(kK),
+    return KernelSpec("kmeans_assign_mma.cuh", "kermac_like::kmeans_assign_mma_kernel", _assign_traits(kK, local),
                       assign_shape(kK))
 
 

@@ -334,6 +334,32 @@ struct NearOperands {
   }
 };
 
+// A lane's flagged entries, popped one at a time: each set bit b of `mask` names four entries, rows
+// r, r + 8 and columns c, c + 1 from origin(b, r, c) (an MMA tile's, or a column pair's); those
+// outside M x N are skipped.
+template <class Origin>
+struct NearEntries {
+  unsigned mask;
+  int M, N;
+  Origin origin;
+  int q = 4, r = 0, c = 0;  // entry q of the current four (row q / 2, column q % 2); 4: none
+
+  __device__ __forceinline__ bool operator()(int& m, int& n) {
+    for (;;) {
+      if (q == 4) {
+        if (mask == 0u) return false;
+        origin(__ffs(mask) - 1, r, c);
+        mask &= mask - 1u;
+        q = 0;
+      }
+      m = r + (q >> 1) * 8;
+      n = c + (q & 1);
+      ++q;
+      if (m < M && n < N) return true;
+    }
+  }
+};
+
 // The near pairs' rewrite after a tile's write, by the whole warp: while a lane holds a flagged
 // entry (``next(m, n)`` pops one and returns whether it had one), the lowest such lane's (m, n)
 // is broadcast, the warp sums its direct differences (NearOperands), and that lane writes
@@ -857,21 +883,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
     if constexpr (kNear) {  // the near pairs rewritten from their direct differences, warp by warp
-      int q = 4, tile = 0;  // entry q of the current flagged MMA tile (h = q / 2, e = q % 2); 4: none
-      auto next = [&](int& m, int& n) {  // pop this lane's next entry of a flagged tile in range
-        for (;;) {
-          if (q == 4) {
-            if (near_mask == 0u) return false;
-            tile = __ffs(near_mask) - 1;
-            near_mask &= near_mask - 1u;
-            q = 0;
-          }
-          m = m0 + row0 + (tile % kTilesM) * 16 + (q >> 1) * 8;
-          n = n0 + col0 + (tile / kTilesM) * 8 + (q & 1);
-          ++q;
-          if (m < M && n < N) return true;
-        }
+      auto tile_origin = [&](int tile, int& r, int& c) {  // MMA tile (tile % kTilesM, tile / kTilesM)
+        r = m0 + row0 + (tile % kTilesM) * 16;
+        c = n0 + col0 + (tile / kTilesM) * 8;
       };
+      NearEntries<decltype(tile_origin)> next{near_mask, M, N, tile_origin};
       auto store = [&](int m, int n, float d2) {
         const bool regularised = reg_on && (long long)m + reg_diag == n;
         store_one<T>(Traits::kLayoutO == Layout::RowMajor ? out_l + (long long)m * ldo + n

@@ -682,22 +682,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (kNear) {  // the near pairs' column pairs rewritten from their direct differences
         const NearOperands near_ops{a0,    b0,    k0, a0_sm, a0_sk, b0_sm,
                                     b0_sk, {a0_bs0, a0_bs1, a0_bs2}, {b0_bs0, b0_bs1, b0_bs2}};
-        int q = 4;  // entry q of the current column pair (rows h = q / 2, columns e = q % 2); 4: none
-        int j = 0;
-        auto next = [&](int& m, int& n) {  // pop this lane's next entry of a flagged column pair in range
-          for (;;) {
-            if (q == 4) {
-              if (near_mask == 0u) return false;
-              j = __ffs(near_mask) - 1;
-              near_mask &= near_mask - 1u;
-              q = 0;
-            }
-            m = m0 + row0 + (q >> 1) * 8;
-            n = n0 + col0 + j * 8 + (q & 1);
-            ++q;
-            if (m < M && n < N) return true;
-          }
+        auto pair_origin = [&](int j, int& r, int& c) {  // column pair j of rows row0, row0 + 8
+          r = m0 + row0;
+          c = n0 + col0 + j * 8;
         };
+        NearEntries<decltype(pair_origin)> next{near_mask, M, N, pair_origin};
         auto store = [&](int m, int n, float d2) {
           const float y = finish.of_sq_distance(d2, reg_on && (long long)m + reg_diag == n);
           if constexpr (Traits::kLayoutO == Layout::RowMajor) {

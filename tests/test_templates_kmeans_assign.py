@@ -39,23 +39,8 @@ inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; 
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 namespace kermac_like { namespace kmeans_assign_detail {
 inline int shfl_xor_int(int v, int m) { return __float_as_int(__shfl_xor_sync(0xffffffffu, __int_as_float(v), m)); }
-inline int shfl_int(int v, int src) {
-  auto& w = emu::warps[emu::warp()];
-  w.u[emu::lane()][6] = (unsigned)v;
-  emu::warp_sync();
-  const int r = (int)w.u[src][6];
-  emu::warp_sync();
-  return r;
-}
-inline unsigned ballot(bool p) {
-  auto& w = emu::warps[emu::warp()];
-  w.u[emu::lane()][7] = p;
-  emu::warp_sync();
-  unsigned b = 0;
-  for (int l = 0; l < 32; ++l) b |= (w.u[l][7] ? 1u : 0u) << l;
-  emu::warp_sync();
-  return b;
-}
+inline int shfl_int(int v, int src) { return mma_detail::near_shfl(v, src); }  // the prelude's warp primitives
+inline unsigned ballot(bool p) { return mma_detail::near_ballot(p); }
 }}
 // one fiber runs at a time between warp_syncs: plain read-modify-writes are atomic here
 inline int atomicAdd(int* p, int v) { const int o = *p; *p = o + v; return o; }

@@ -29,7 +29,8 @@ import torch
 
 from .descriptor import InnerOperator, KernelDescriptor
 
-__all__ = ["reference_point", "centred", "shift_invariant", "centred_pair", "REFERENCE_ROWS"]
+__all__ = ["reference_point", "centred", "shift_invariant", "shifted_pair", "pair_reference", "same_memory",
+           "REFERENCE_ROWS"]
 
 
 def shift_invariant(desc: KernelDescriptor | None) -> bool:
@@ -76,11 +77,53 @@ def centred(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.sub(t, s.detach().to(t.dtype))
 
 
-def centred_pair(x: torch.Tensor, y: torch.Tensor, s: torch.Tensor | None = None) -> tuple:
-    """(x - s, y - s, s) with ``s`` = :func:`reference_point` of y and x unless given. When x and
-    y are one tensor, its centred copy serves both."""
-    if s is None:
-        s = reference_point(y) if x is y else reference_point(y, x)
-    yc = centred(y, s)
-    xc = yc if (x is y) else centred(x, s)
-    return xc, yc, s
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are one view of the same memory (pointer, shape and strides)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """t without its broadcast modes other than the last (stride 0, size > 1): size 1 there."""
+    lead = list(zip(t.shape[:-1], t.stride()[:-1]))
+    if not any(st == 0 and n > 1 for n, st in lead):
+        return t
+    return t[tuple(slice(0, 1) if (st == 0 and n > 1) else slice(None) for n, st in lead)]
+
+
+def _shifted(t: torch.Tensor, s: torch.Tensor, pad_to: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """``t - s`` computed in ``dtype`` (a 16-bit t widened first), a fresh row-major tensor
+    zero-padded to ``pad_to`` columns, with t's broadcast modes kept broadcast (not copied)."""
+    c = _compact(t)
+    K = t.shape[-1]
+    Kp = pad_to or K
+    buf = torch.empty((*c.shape[:-1], Kp), dtype=dtype, device=t.device)
+    if Kp > K:
+        buf[..., K:].zero_()
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    torch.sub(c, s.to(device=t.device, dtype=wide), out=buf[..., :K])
+    return buf if c is t else buf.expand(*t.shape[:-1], Kp)
+
+
+def pair_reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """reference_point of x and y (once where they are the same memory), their
+    broadcast modes not materialised: (K,) float32, detached, no host synchronisation."""
+    return reference_point(_compact(x)) if same_memory(x, y) else reference_point(_compact(x), _compact(y))
+
+
+@torch.no_grad()
+def shifted_pair(x: torch.Tensor, y: torch.Tensor, *, point: torch.Tensor | None = None, pad_to: int | None = None,
+                 dtype: torch.dtype | None = None) -> tuple:
+    """(x - s, y - s, s) for the product formula: s = ``point``, default
+    reference_point of x and y (per column the median of a row sample,
+    float32, no host synchronisation); fresh row-major tensors in ``dtype`` (default x's;
+    float32 for 16-bit data, whose subtraction would round) zero-padded to ``pad_to`` columns,
+    broadcast batch modes left broadcast, outside autograd (a common shift changes no distance,
+    so the callers' gradients are those of x and y). Where x and y are the same memory, one
+    tensor for both (the kernels' exact zero self-distance). Cost: one elementwise pass over
+    each operand and, without ``point``, one reduction; memory: one copy of each."""
+    same = same_memory(x, y)
+    if point is None:
+        point = pair_reference(x, y)
+    dtype = dtype or (x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32)
+    xs = _shifted(x, point, pad_to, dtype)
+    return xs, (xs if same else _shifted(y, point, pad_to, dtype)), point

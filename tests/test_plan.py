@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kermac_like as km
+from kermac_like.centring import reference_point
 from kermac_like.plan import distance as P
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
 from kermac_like.runtime import launcher
@@ -428,7 +429,7 @@ def test_tensor_core_operands_are_centred(as_gpu, cap, K):
         plan = P.plan_distance(call, torch.empty(call.out_shape), COMPUTE_MODES[1], False)
         a, b = plan.scratch[-1]["a"], plan.scratch[-1]["b"]
         assert a.shape[-1] == b.shape[-1] == 16
-        assert torch.equal(a[:, :K], x - s) and torch.equal(P.reference_point(y, x), s) and not a[:, K:].any()
+        assert torch.equal(a[:, :K], x - s) and torch.equal(reference_point(y, x), s) and not a[:, K:].any()
         assert b[3, 2] == float("inf") and abs(float(b[:, [0, 1, 3]].mean())) < 1 and torch.equal(b[:, 2], y[:, 2])
         main = plan.launches[-1].args
         assert main[0] == a.data_ptr()

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..centring import centred, reference_point, shift_invariant
+from ..centring import same_memory as _same_memory, shift_invariant, shifted_pair
 from ..descriptor import KernelDescriptor
 from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
 from .. import torch_path
@@ -158,32 +158,20 @@ def _tensor_core_operands(call: DistanceCall) -> tuple:
     return dataclasses.replace(call, a=a, b=b, K=Kp), (Kp if Kp != call.K else 0), centre
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-
-
 def _prepared_pair(a: torch.Tensor, b: torch.Tensor, Kp: int, centre: bool) -> tuple:
-    """a and b zero-padded to Kp columns and, with ``centre``, shifted by the reference point
-    of b and a (kermac_like.centring: a column with a non-finite value in either stays
+    """a and b zero-padded to Kp columns and, with ``centre``, shifted by their reference point
+    (kermac_like.centring.shifted_pair: a column with a non-finite value in either stays
     unshifted); one copy when they are the same memory, so that the kernels still see a == b
     (their exact zero self-distance diagonal)."""
-    s = (reference_point(b) if _same_memory(a, b) else reference_point(b, a)) if centre else None
-    pa = _pad_k(a, Kp, s)
-    return pa, (pa if _same_memory(a, b) else _pad_k(b, Kp, s))
+    if centre:
+        return shifted_pair(a, b, pad_to=Kp)[:2]
+    pa = _pad_k(a, Kp)
+    return pa, (pa if _same_memory(a, b) else _pad_k(b, Kp))
 
 
-def _pad_k(t: torch.Tensor, Kp: int, s: torch.Tensor | None = None) -> torch.Tensor:
-    """``t - s`` (``s`` None: ``t``) zero-padded along its last mode to ``Kp`` columns (a
-    fresh row-major tensor)."""
-    K = t.shape[-1]
-    if s is None:
-        return torch.nn.functional.pad(t, (0, Kp - K))
-    if Kp == K:
-        return centred(t, s)
-    buf = t.new_empty((*t.shape[:-1], Kp))
-    buf[..., K:].zero_()
-    torch.sub(t, s.to(t.dtype), out=buf[..., :K])
-    return buf
+def _pad_k(t: torch.Tensor, Kp: int) -> torch.Tensor:
+    """``t`` zero-padded along its last mode to ``Kp`` columns (a fresh row-major tensor)."""
+    return torch.nn.functional.pad(t, (0, Kp - t.shape[-1]))
 
 
 # The SIMT kernel copies a k-contiguous (row-major) operand into its k-major shared tiles with

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import torch_path
-from ..centring import reference_point, shift_invariant
+from ..centring import pair_reference, shift_invariant, shifted_pair  # noqa: F401  (re-exported: the matvec paths' one shift)
 from ..descriptor import PowerType
 from ..runtime.specs.matvec import MAX_C, combine_spec, expands, matvec_spec, part_bytes
 from .core import (
@@ -42,7 +42,7 @@ from .core import (
     _wgmma_enabled,
     choose_split,
 )
-from .distance import DistanceCall, _same_memory, plan_distance
+from .distance import DistanceCall, plan_distance
 from .matvec_wgmma import _plan_matvec_wgmma
 
 __all__ = ["plan_matvec", "matvec_blocked", "MATVEC_BLOCKED_MIN_K", "MATVEC_TILE_ELEMENTS", "matvec_shifts",
@@ -111,53 +111,6 @@ def matvec_shifts(desc, x: torch.Tensor, y: torch.Tensor, wide: bool) -> bool:
                 and torch_path.uses_mm(torch_path.DEFAULT_MODE, x.shape[-2], y.shape[-2]))
     return (K > MATVEC_BLOCKED_MIN_K and desc.is_euclidean and x.dtype == torch.float32 and not wide
             and _wgmma_enabled(x.device, Settings.current()))
-
-
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """t without its broadcast modes other than the last (stride 0, size > 1): size 1 there."""
-    lead = list(zip(t.shape[:-1], t.stride()[:-1]))
-    if not any(st == 0 and n > 1 for n, st in lead):
-        return t
-    return t[tuple(slice(0, 1) if (st == 0 and n > 1) else slice(None) for n, st in lead)]
-
-
-def _shifted(t: torch.Tensor, s: torch.Tensor, pad_to: int | None, dtype: torch.dtype) -> torch.Tensor:
-    """``t - s`` computed in ``dtype`` (a 16-bit t widened first), a fresh row-major tensor
-    zero-padded to ``pad_to`` columns, with t's broadcast modes kept broadcast (not copied)."""
-    c = _compact(t)
-    K = t.shape[-1]
-    Kp = pad_to or K
-    buf = torch.empty((*c.shape[:-1], Kp), dtype=dtype, device=t.device)
-    if Kp > K:
-        buf[..., K:].zero_()
-    wide = torch.float64 if dtype == torch.float64 else torch.float32
-    torch.sub(c, s.to(device=t.device, dtype=wide), out=buf[..., :K])
-    return buf if c is t else buf.expand(*t.shape[:-1], Kp)
-
-
-def pair_reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """kermac_like.centring.reference_point of x and y (once where they are the same memory), their
-    broadcast modes not materialised: (K,) float32, detached, no host synchronisation."""
-    return reference_point(_compact(x)) if _same_memory(x, y) else reference_point(_compact(x), _compact(y))
-
-
-@torch.no_grad()
-def shifted_pair(x: torch.Tensor, y: torch.Tensor, *, point: torch.Tensor | None = None, pad_to: int | None = None,
-                 dtype: torch.dtype | None = None) -> tuple:
-    """(x - s, y - s, s) for the product formula: s = ``point``, default
-    kermac_like.centring.reference_point of x and y (per column the median of a row sample,
-    float32, no host synchronisation); fresh row-major tensors in ``dtype`` (default x's;
-    float32 for 16-bit data, whose subtraction would round) zero-padded to ``pad_to`` columns,
-    broadcast batch modes left broadcast, outside autograd (a common shift changes no distance,
-    so the callers' gradients are those of x and y). Where x and y are the same memory, one
-    tensor for both (the kernels' exact zero self-distance). Cost: one elementwise pass over
-    each operand and, without ``point``, one reduction; memory: one copy of each."""
-    same = _same_memory(x, y)
-    if point is None:
-        point = pair_reference(x, y)
-    dtype = dtype or (x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32)
-    xs = _shifted(x, point, pad_to, dtype)
-    return xs, (xs if same else _shifted(y, point, pad_to, dtype)), point
 
 
 def matvec_blocked(call, out: torch.Tensor, debug: bool = False, compute_mode: str = "use_mm_for_euclid_dist_if_necessary",

@@ -25,7 +25,7 @@ import os
 import numpy as np
 import torch
 
-from ..centring import centred_pair
+from ..centring import shifted_pair
 from ..descriptor import PRESETS
 from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
                                   MMA_VERSIONS, RESCORE_WARPS, mma_sel, mma_smem, topk_combine_spec, topk_mma_spec,
@@ -280,8 +280,8 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     # reference point, so that the bound (and the share of rows it certifies) follows the data's
     # centred scale, not |x| (features shifted by +3 at knn_d128: every row uncertified before);
     # the rescoring's direct differences read the data as given.
-    xc, yc = (x, y) if dot else centred_pair(x, y)[:2]
     Kp = x.shape[1]
+    xc, yc = (x, y) if dot else shifted_pair(call.x, call.y, pad_to=Kp)[:2]  # one copy each, padded too
     slots = _sm_count(device) * _blocks_per_sm(kernel)
     rows = min(M, slots * MMA_BLOCK_M)  # one wave of row tiles per launch
     m_tiles = -(-rows // MMA_BLOCK_M)

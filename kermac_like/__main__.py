@@ -1,4 +1,4 @@
-"""Command line: ``python -m kermac_like cache info|clear|precompile`` (and ``precompile`` alone), ``tune``.
+"""Command line: ``python -m kermac_like cache info|clear|precompile`` (and ``precompile`` alone), ``tune``, ``config``.
 
     python -m kermac_like tune --preset laplace_l2 -K 3 -K 37 -M 20000 -N 20000   # time, store winners
     python -m kermac_like tune --list                                            # stored winners
@@ -7,6 +7,7 @@
     python -m kermac_like precompile --arch sm_80 --all          # no GPU needed
     python -m kermac_like precompile --preset laplace_l2 --preset l1   # for the current GPU
     python -m kermac_like precompile --all --arch sm_90 --bundle   # prebuilt kernels: kermac_like/prebuilt/
+    python -m kermac_like config                                 # the effective settings
 """
 
 from __future__ import annotations
@@ -128,6 +129,19 @@ def _cmd_tune(args) -> int:
     return 0
 
 
+def _cmd_config(args) -> int:
+    from .config import describe
+
+    rows = describe()
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    width = max(len(r["env"]) for r in rows)
+    for r in rows:
+        print(f"{r['env']:<{width}}  {r['value']!r:<14} {r['source']:<8} {r['doc']}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kermac_like", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -163,6 +177,9 @@ def main(argv=None) -> int:
     tune.add_argument("--list", action="store_true", help="print the stored winners and exit")
     tune.add_argument("-d", "--debug", action="store_true", help="log every candidate's timing")
     tune.set_defaults(func=_cmd_tune)
+    config = sub.add_parser("config", help="the effective settings (KERMAC_LIKE_* variables): value, source, meaning")
+    config.add_argument("--json", action="store_true", help="as JSON, with each setting's accepted values")
+    config.set_defaults(func=_cmd_config)
     args = ap.parse_args(argv)
     return args.func(args)
 

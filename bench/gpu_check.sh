@@ -62,8 +62,6 @@ if has bench; then
 fi
 if has host; then
   timeout "$T" python3 bench/host_overhead.py --label after > "$OUT/host_after.json"
-  KERMAC_LIKE_RAW_LAUNCH=0 timeout "$T" python3 bench/host_overhead.py --label after_cuda_core_launch \
-    > "$OUT/host_after_cuda_core.json"
   if [ -d .gl/before/kermac_like ]; then
     PYTHONPATH=/tmp/site:$PWD/.gl/before KERMAC_LIKE_CACHE_DIR=/tmp/kermac_like_cache_before \
       timeout "$T" python3 bench/host_overhead.py --label before > "$OUT/host_before.json"

@@ -8,15 +8,16 @@ attached so that the records are visible in scripts and examples.
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from . import config
 
 _root = logging.getLogger("kermac_like")
 _handler_installed = False
 
 
 def env_debug() -> bool:
-    return os.environ.get("KERMAC_LIKE_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    return config.get("debug")
 
 
 def resolve(debug: bool) -> bool:

@@ -181,16 +181,35 @@ SETTINGS = _declare(
 )
 
 _UNSET = object()
+# The environment as os.environ keeps it (encoded names and values): a read is one dict lookup
+# (~30 ns, against ~700 ns for os.environ.get's encode and decode), and os.environ's writes
+# (monkeypatch.setenv included) land in it. Elsewhere than CPython's os._Environ: os.environ itself.
 _environ = os.environ
-_parsed: dict = {}  # name -> (environment text, its value)
+_data, _encode = getattr(_environ, "_data", None), getattr(_environ, "encodekey", None)
+if not isinstance(_data, dict) or _encode is None:
+    _data, _encode = _environ, str
+_KEYS = {name: _encode(s.env) for name, s in SETTINGS.items()}
+_parsed: dict = {}  # name -> (the environment's raw value, its parsed value)
 _overrides: dict = {}  # name -> value, while override() scopes are open
+
+
+def _unknown(name) -> ValueError:
+    return ValueError(f"{name!r} is not a setting of kermac_like; the settings are: {', '.join(SETTINGS)}")
 
 
 def _setting(name: str) -> Setting:
     s = SETTINGS.get(name)
     if s is None:
-        raise ValueError(f"{name!r} is not a setting of kermac_like; the settings are: {', '.join(SETTINGS)}")
+        raise _unknown(name)
     return s
+
+
+def _read(name: str, raw):
+    s = SETTINGS[name]
+    text = _environ.get(s.env)
+    value = s.default if text is None or not text.strip() else s.parse(text)
+    _parsed[name] = (raw, value)
+    return value
 
 
 def get(name: str):
@@ -200,14 +219,14 @@ def get(name: str):
         value = _overrides.get(name, _UNSET)
         if value is not _UNSET:
             return value
-    s = SETTINGS.get(name) or _setting(name)
-    text = _environ.get(s.env)
+    try:
+        raw = _data.get(_KEYS[name])
+    except KeyError:
+        raise _unknown(name) from None
     hit = _parsed.get(name)
-    if hit is not None and hit[0] == text:
+    if hit is not None and hit[0] == raw:
         return hit[1]
-    value = s.default if text is None or not text.strip() else s.parse(text)
-    _parsed[name] = (text, value)
-    return value
+    return _read(name, raw)
 
 
 @contextlib.contextmanager

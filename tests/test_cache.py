@@ -652,10 +652,12 @@ logging.basicConfig(level=logging.DEBUG, format="%(process)d %(relativeCreated)d
 cache_py, directory, rank, n_modules, n_kernels, sync = sys.argv[1:]
 rank, n_modules, n_kernels = int(rank), int(n_modules), int(n_kernels)
 import types
-pkg = types.ModuleType("kermac_like_standalone")  # a bare parent: cache.py's relative
-pkg.__path__ = [os.path.dirname(cache_py)]        # imports resolve without running __init__
-sys.modules[pkg.__name__] = pkg
-spec = importlib.util.spec_from_file_location("kermac_like_standalone.cache", cache_py)
+top = os.path.dirname(os.path.dirname(os.path.dirname(cache_py)))  # kermac_like/
+for name, path in (("", top), (".runtime", os.path.join(top, "runtime")), (".runtime.cache", os.path.dirname(cache_py))):
+    pkg = types.ModuleType("kermac_like_standalone" + name)  # bare parents: cache.py's relative imports
+    pkg.__path__ = [path]                                    # (and kermac_like.config) resolve without
+    sys.modules[pkg.__name__] = pkg                          # running any __init__
+spec = importlib.util.spec_from_file_location("kermac_like_standalone.runtime.cache.store", cache_py)
 kc = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = kc
 spec.loader.exec_module(kc)

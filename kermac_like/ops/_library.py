@@ -31,17 +31,16 @@ transforms every call goes through the op.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from .. import config
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 
 __all__ = ["NAMESPACE", "descriptor_ints", "descriptor_from_ints", "split_hyper", "join_hyper", "direct_call",
            "call_op", "register_autograd"]
 
 NAMESPACE = "kermac_like"
-DIRECT_EAGER = os.environ.get("KERMAC_LIKE_DIRECT_EAGER", "1") != "0"
 
 
 def descriptor_ints(desc: KernelDescriptor) -> list:
@@ -74,7 +73,7 @@ def direct_call(*tensors, grad: bool = True) -> bool:
     nothing but the backend kernel would act on it (``grad=False``: the op takes no part
     in autograd, so inputs that require grad do not matter). Checked in this order so
     that a compiling tracer stops at the first test (and records the op)."""
-    if torch.compiler.is_compiling() or not DIRECT_EAGER:
+    if torch.compiler.is_compiling() or not config.get("direct_eager"):
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import _debug
+from .. import _debug, config
 from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
@@ -188,10 +187,9 @@ def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
             else:
                 return None
         values = tuple(parts)
-    env = os.environ
     return (op, values, a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16, b.shape, b.stride(), b.dtype, b.device,
             b.data_ptr() % 16, o, compute_mode, torch.backends.cuda.matmul.allow_tf32,
-            env.get("KERMAC_LIKE_WGMMA"), env.get("KERMAC_LIKE_AUTOTUNE"), env.get("KERMAC_LIKE_DEBUG"))
+            config.get("wgmma"), config.get("autotune"), config.get("debug"))
 
 
 def _run_cached(key, a, b, out, hypers: dict | None = None):

@@ -130,7 +130,6 @@ import atexit
 import concurrent.futures
 import ctypes
 import logging
-import os
 import re
 import threading
 import warnings
@@ -138,6 +137,8 @@ import weakref
 
 import torch
 from torch import Tensor
+
+from .. import config
 
 from ._library import direct_call
 
@@ -151,9 +152,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kermac_like.linalg")
-
-# Upper bound on the streams (and cuSOLVER handles) used for one batch.
-MAX_STREAMS = max(1, int(os.environ.get("KERMAC_LIKE_LINALG_STREAMS", "16")))
 
 # cuSOLVER / cuBLAS / CUDA enum values, as exposed by nvmath.bindings
 # (tests check them against nvmath's enums): kept as plain ints so that the
@@ -236,7 +234,7 @@ def _work_copy(t: torch.Tensor, overwrite: bool) -> torch.Tensor:
 
 
 def _debug_on(debug: bool) -> bool:
-    return debug or os.environ.get("KERMAC_LIKE_DEBUG", "") not in ("", "0")
+    return debug or config.get("debug")
 
 
 # --------------------------------------------------------------------------- #
@@ -354,7 +352,7 @@ def _cusolver():
 
 
 _lock = threading.Lock()
-_streams: dict[int, list] = {}  # device index -> [torch.cuda.Stream], grown to <= MAX_STREAMS
+_streams: dict[int, list] = {}  # device index -> [torch.cuda.Stream], grown to <= config "linalg_streams"
 _solvers: list["_Solver"] = []  # every handle set ever made (for atexit and adoption)
 _local = threading.local()  # .solvers: {device index: _Solver} of this thread
 _host_pools: dict = {}  # device index -> ThreadPoolExecutor (see _host_pool)
@@ -362,7 +360,6 @@ _host_pools: dict = {}  # device index -> ThreadPoolExecutor (see _host_pool)
 # batch from one worker thread per stream slot lets them overlap on the GPU.
 # Small matrices return to the host at once (measured n=128), so they stay on the
 # calling thread; at n=5000 (L=10) the threads took eigh from 2212 ms to 1248 ms on an H200.
-EIGH_HOST_THREADS = os.environ.get("KERMAC_LIKE_LINALG_THREADS", "1") != "0"
 EIGH_HOST_THREADS_MIN_N = 1024
 _atexit_registered = False
 
@@ -486,7 +483,7 @@ def _host_pool(device: int):
         pool = _host_pools.get(device)
         if pool is None:
             pool = _host_pools[device] = concurrent.futures.ThreadPoolExecutor(
-                max_workers=MAX_STREAMS, thread_name_prefix=f"kermac_like-linalg-{device}")
+                max_workers=config.get("linalg_streams"), thread_name_prefix=f"kermac_like-linalg-{device}")
         return pool
 
 
@@ -506,7 +503,7 @@ def _run_batched(cs, device, batch, query, enqueue, *, extra_slot_bytes=0, log=F
     ``record_stream`` is needed.
     """
     solver = _solver(cs, device, log)
-    slots = min(batch, MAX_STREAMS)
+    slots = min(batch, config.get("linalg_streams"))
     solver.ensure(slots, log)
     streams = _pool_streams(device, slots)
     current = torch.cuda.current_stream(device)
@@ -704,8 +701,9 @@ def warmup(device=None, shapes=WARMUP_SHAPES, dtypes=(torch.float32, torch.float
     device = torch.device("cuda", index)
     with torch.cuda.device(index):
         solver = _solver(cs, index, False)
-        solver.ensure(MAX_STREAMS, False)
-        _pool_streams(index, MAX_STREAMS)
+        streams = config.get("linalg_streams")
+        solver.ensure(streams, False)
+        _pool_streams(index, streams)
         g = torch.Generator(device=device).manual_seed(0)
         for dt in dtypes:
             seen = set()
@@ -825,7 +823,7 @@ def _eigh_gpu(cs, work, w, info, L, n, log):
                   dt, w_ptr + i * n * esize, dt, ws, ws_bytes, host, host_bytes, i_ptr + 4 * i)
 
     with torch.cuda.device(device):
-        threads = EIGH_HOST_THREADS and n >= EIGH_HOST_THREADS_MIN_N
+        threads = n >= EIGH_HOST_THREADS_MIN_N
         _run_batched(cs, device, L, query, enqueue, log=log, what="eigh", host_threads=threads)
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Callable, NamedTuple
 
 import torch
 
+from .. import config
 from ..layout import batch_strides, plan_batch
 
 __all__ = ["HYPERS", "Settings", "Launch", "Plan", "choose_split", "MATVEC_SCRATCH_BYTES"]
@@ -24,10 +24,10 @@ class Settings(NamedTuple):
     """Global switches a plan depends on, read once per call.
 
     ``tf32``: torch's ``allow_tf32`` matmul flag (plain TF32 instead of 3xTF32; the
-    wgmma kernel and its b preparation must agree, hence read once); ``wgmma``:
-    ``KERMAC_LIKE_WGMMA != "0"``; ``wgmma_always``: ``KERMAC_LIKE_WGMMA == "always"``
-    (also the calls of a few output tiles, which otherwise take the one-launch mma.sync
-    kernel: :func:`.distance._few_tiles`); ``grad_mma``: ``KERMAC_LIKE_GRAD_MMA != "0"``."""
+    wgmma kernel and its b preparation must agree, hence read once); ``wgmma``: the setting
+    wgmma (``KERMAC_LIKE_WGMMA``) not "off"; ``wgmma_always``: it is "always" (also the calls
+    of a few output tiles, which otherwise take the one-launch mma.sync kernel:
+    :func:`.distance._few_tiles`); ``grad_mma``: the setting grad_mma."""
 
     tf32: bool
     wgmma: bool
@@ -36,10 +36,9 @@ class Settings(NamedTuple):
 
     @staticmethod
     def current() -> "Settings":
-        env = os.environ
-        wgmma = env.get("KERMAC_LIKE_WGMMA", "1")
-        return Settings(bool(torch.backends.cuda.matmul.allow_tf32), wgmma != "0",
-                        env.get("KERMAC_LIKE_GRAD_MMA", "1") != "0", wgmma == "always")
+        wgmma = config.get("wgmma")
+        return Settings(bool(torch.backends.cuda.matmul.allow_tf32), wgmma != "off", config.get("grad_mma"),
+                        wgmma == "always")
 
 
 class Launch(NamedTuple):

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,7 +20,7 @@ import torch
 from ..centring import same_memory as _same_memory, shift_invariant, shifted_pair
 from ..descriptor import KernelDescriptor
 from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
-from .. import torch_path
+from .. import config, torch_path
 from ..runtime import autotune
 from ..runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from ..runtime.specs import (
@@ -498,9 +497,8 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
 # low-K presets), while the specialised kernel compiles in a worker thread; such a plan is
 # not kept, so the first call after that compile takes the specialised kernel. Both compute
 # every output with the same operations in the same k order (the zero-filled k of the
-# run-time-K chunks add exact zeros): the same results. KERMAC_LIKE_JIT_TIER=0: wait for
-# the compile instead (bench/notes/jit.md).
-_JIT_TIER = os.environ.get("KERMAC_LIKE_JIT_TIER", "1") != "0"
+# run-time-K chunks add exact zeros): the same results. The setting jit_tier off
+# (KERMAC_LIKE_JIT_TIER=0): wait for the compile instead (bench/notes/jit.md).
 
 
 def _first_call_tier(spec, call: DistanceCall, views, compute_mode: str, debug: bool) -> tuple:
@@ -509,7 +507,7 @@ def _first_call_tier(spec, call: DistanceCall, views, compute_mode: str, debug: 
 
     # Not under spec_override (a probe or test wants its own spec) nor while autotuning (the
     # timings must be the specialised kernel's).
-    if not _JIT_TIER or lowk_bucket(call.K) == 0 or _OVERRIDES or autotune.autotune_enabled(call.autotune):
+    if not config.get("jit_tier") or lowk_bucket(call.K) == 0 or _OVERRIDES or autotune.autotune_enabled(call.autotune):
         return spec, True
     device = _device_index(call.device)
     if available(spec, device):

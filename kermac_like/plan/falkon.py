@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from .. import config
 from ..descriptor import PRESETS
 from ..runtime.specs.falkon import (MAX_K, PAD, c_chunk, cols_spec, k_bucket, prep_spec, pv_nq, rows_pv_spec,
                                     rows_spec, vprep_spec)
@@ -43,9 +43,8 @@ _LOG2E = 1.0 / math.log(2.0)
 
 
 def enabled() -> bool:
-    """KERMAC_LIKE_FALKON_MMA, "1" (default) or "0" (kernel_matvec's blocked float64 mode), read at
-    each fit."""
-    return os.environ.get("KERMAC_LIKE_FALKON_MMA", "1") != "0"
+    """The setting falkon_mma (KERMAC_LIKE_FALKON_MMA; off: kernel_matvec's blocked float64 mode)."""
+    return config.get("falkon_mma")
 
 
 def serves(desc, hypers: dict, z: torch.Tensor) -> bool:

@@ -22,12 +22,12 @@ per 1024 points, freed when the seeding returns.
 from __future__ import annotations
 
 import logging
-import os
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from .. import config
 from ..runtime.specs.kmeans import (ASSIGN_MAX_K, BLOCK_M, BOUNDS_LAUNCH, ROUND, SEGSUM_ROWS, THREADS, TRIALS,
                                     assign_k_bucket, assign_prep_spec, assign_spec, bounds_spec, draw_spec, gap_spec,
                                     segsum_combine_spec, segsum_spec, update_spec)
@@ -35,35 +35,31 @@ from .core import Launch, Plan, _device_index, _gpu_ok
 
 log = logging.getLogger("kermac_like.kmeans")
 
-__all__ = ["Seeding", "seed_plusplus", "fused_serves", "FUSED", "segsum_serves", "plan_segment_sums",
-           "segment_sums_fused", "SEGSUM_FUSED", "ASSIGN_MMA", "assign_serves", "assign_tau", "assign_split",
-           "plan_assign", "assign_mma", "ASSIGN_UP_TO", "BOUNDS", "BOUNDS_MAX_C", "bound_consts", "centre_bounds",
-           "bounds_serve", "BoundedAssign", "LOCAL", "local_rows"]
+__all__ = ["Seeding", "seed_plusplus", "fused_serves", "segsum_serves", "plan_segment_sums",
+           "segment_sums_fused", "assign_serves", "assign_tau", "assign_split",
+           "plan_assign", "assign_mma", "ASSIGN_UP_TO", "BOUNDS_MAX_C", "bound_consts", "centre_bounds",
+           "bounds_serve", "BoundedAssign", "local_rows"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# KERMAC_LIKE_KMEANS_FUSED=0 sends CUDA seedings to the torch path (cluster._kmeans_plusplus_torch).
-FUSED = os.environ.get("KERMAC_LIKE_KMEANS_FUSED", "1") != "0"
-# KERMAC_LIKE_KMEANS_SEGSUM=0 sends Lloyd's update on CUDA to the torch path (sort + segment_reduce).
-SEGSUM_FUSED = os.environ.get("KERMAC_LIKE_KMEANS_SEGSUM", "1") != "0"
+# The settings kmeans_fused and kmeans_segsum off (KERMAC_LIKE_KMEANS_FUSED=0, _SEGSUM=0) send CUDA
+# seedings (cluster._kmeans_plusplus_torch) and Lloyd's update (sort + segment_reduce) to torch.
 # Lloyd's assignment (CUDA, float32, K <= ASSIGN_UP_TO) on the tensor-core kernel
 # (cuda_templates/kmeans_assign_mma.cuh: the same labels and distances as knn's, bitwise);
-# KERMAC_LIKE_KMEANS_ASSIGN_MMA=0 turns it off. Measured on an H100 at N = 10^7
+# the setting kmeans_assign_mma off (KERMAC_LIKE_KMEANS_ASSIGN_MMA=0) turns it off. Measured on an H100 at N = 10^7
 # (bench/probes/kmeans_assign_probe.py, bench/notes/kmeans.md): D = 16, 1024 centres 13.9 -> 8.7 ms;
 # D = 8 1.3-1.5x faster; D = 32 no faster (C = 1024, 4096) or slower (C = 256): K <= 16 only.
-ASSIGN_MMA = os.environ.get("KERMAC_LIKE_KMEANS_ASSIGN_MMA", "1") != "0"
 ASSIGN_UP_TO = 16
 # The pruned iterations' assignments with the certificate about a local reference (issue 42, Design 1:
 # kmeans_assign_mma.cuh KmeansAssignTraits<kK, true>; rows ordered by their old labels, each CTA's rows and
 # centres measured from the centre of its first row's label, far centres left out): the same labels and
 # distances bitwise, far fewer rows to the exact rescan on data whose clusters are small against their
-# distance from the reference point. Opt-in (KERMAC_LIKE_KMEANS_LOCAL=1) until it is measured on a GPU:
-# verified on the CPU emulator only (bench/notes/kmeans.md, "Issue 42, round 3").
-LOCAL = os.environ.get("KERMAC_LIKE_KMEANS_LOCAL", "0") not in ("", "0")
+# distance from the reference point. Opt-in (the setting kmeans_local, KERMAC_LIKE_KMEANS_LOCAL=1) until it
+# is measured on a GPU: verified on the CPU emulator only (bench/notes/kmeans.md, "Issue 42, round 3").
 
 
 def fused_serves(X: torch.Tensor) -> bool:
     """Whether the fused kernels serve a seeding of X (N, K) (else: the torch path)."""
-    return (FUSED and X.dim() == 2 and X.dtype in _DTYPES and 0 < X.shape[0] < 2 ** 31 - BLOCK_M
+    return (config.get("kmeans_fused") and X.dim() == 2 and X.dtype in _DTYPES and 0 < X.shape[0] < 2 ** 31 - BLOCK_M
             and X.shape[1] > 0 and _gpu_ok(X))
 
 
@@ -176,7 +172,7 @@ def seed_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None
 def segsum_serves(X: torch.Tensor, n_clusters: int) -> bool:
     """Whether the fused segmented sum serves Lloyd's update of X (float32 on sm_80+)."""
     N, K = X.shape
-    return (SEGSUM_FUSED and X.dtype == torch.float32 and 0 < N < 2 ** 31 and K > 0
+    return (config.get("kmeans_segsum") and X.dtype == torch.float32 and 0 < N < 2 ** 31 and K > 0
             and n_clusters * (K + 1) < 2 ** 31 and N // SEGSUM_ROWS + n_clusters < 2 ** 31 and _gpu_ok(X))
 
 
@@ -258,9 +254,9 @@ def assign_split(K: int) -> int:
 
 
 def assign_serves(X: torch.Tensor, centres: torch.Tensor) -> bool:
-    """Whether the tensor-core assignment serves X (N, K) against centres (C, K): ASSIGN_MMA, float32
+    """Whether the tensor-core assignment serves X (N, K) against centres (C, K): kmeans_assign_mma, float32
     CUDA tensors on sm_80+, 1 <= K <= 64."""
-    if not (ASSIGN_MMA and X.dim() == 2 and centres.dim() == 2 and X.dtype == torch.float32
+    if not (config.get("kmeans_assign_mma") and X.dim() == 2 and centres.dim() == 2 and X.dtype == torch.float32
             and centres.dtype == torch.float32):
         return False
     N, K = X.shape
@@ -345,8 +341,8 @@ def assign_mma(X: torch.Tensor, centres: torch.Tensor, debug: bool = False):
 
 
 # -- Lloyd's iterations with distance bounds (cuda_templates/kmeans_assign_mma.cuh kmeans_bounds_kernel) --
-# KERMAC_LIKE_KMEANS_BOUNDS=0 assigns every point in every iteration instead (the same labels, bitwise).
-BOUNDS = os.environ.get("KERMAC_LIKE_KMEANS_BOUNDS", "1") != "0"
+# The setting kmeans_bounds off (KERMAC_LIKE_KMEANS_BOUNDS=0) assigns every point in every iteration
+# instead (the same labels, bitwise).
 # The centre statistics are C x C (float64, in row blocks): up to this many centres.
 BOUNDS_MAX_C = 8192
 BOUNDS_THREADS = BOUNDS_LAUNCH.threads
@@ -403,9 +399,9 @@ def centre_bounds(old: torch.Tensor, new: torch.Tensor, rmax: torch.Tensor, kap:
 
 
 def bounds_serve(X: torch.Tensor, n_clusters: int) -> bool:
-    """Whether Lloyd's iterations on X (N, K) run pruned (BoundedAssign): BOUNDS, the tensor-core assignment
+    """Whether Lloyd's iterations on X (N, K) run pruned (BoundedAssign): kmeans_bounds, the tensor-core assignment
     serves (K <= ASSIGN_UP_TO) and 2 <= n_clusters <= BOUNDS_MAX_C."""
-    return (BOUNDS and X.dim() == 2 and X.shape[1] <= ASSIGN_UP_TO and 2 <= n_clusters <= BOUNDS_MAX_C
+    return (config.get("kmeans_bounds") and X.dim() == 2 and X.shape[1] <= ASSIGN_UP_TO and 2 <= n_clusters <= BOUNDS_MAX_C
             and assign_serves(X, X[:1]))
 
 
@@ -482,11 +478,11 @@ class BoundedAssign:
 
     def first(self, centres: torch.Tensor, hint: torch.Tensor | None = None) -> torch.Tensor:
         """The full assignment; ``hint`` (N,) int: each point's nearest centre index as far as known (the
-        seeding's), which orders the rows for the local certificate (LOCAL); any values are valid."""
+        seeding's), which orders the rows for the local certificate (kmeans_local); any values are valid."""
         self.rmax.zero_()
         N, K = self.X.shape
         C = centres.shape[0]
-        local = LOCAL and hint is not None and hint.shape == (N,) and assign_k_bucket(K) <= 32
+        local = config.get("kmeans_local") and hint is not None and hint.shape == (N,) and assign_k_bucket(K) <= 32
         rows, M = None, N
         if local:
             h = hint.int().clamp(0, C - 1)
@@ -508,7 +504,7 @@ class BoundedAssign:
         self._filter(stats)
         n = int(self.counters[0].item())
         if n:
-            local = LOCAL and assign_k_bucket(X.shape[1]) <= 32
+            local = config.get("kmeans_local") and assign_k_bucket(X.shape[1]) <= 32
             rows, M = self.work, n
             if local:  # the work list by old label, each label's rows from a CTA's start
                 w = self.work[:n]

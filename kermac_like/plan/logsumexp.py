@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import numpy as np
 import torch
 
+from .. import config
 from ..descriptor import KernelType
 from ..runtime.specs import logsumexp as specs
 from ..runtime.specs.matvec import expandable  # exp(-S d^2) of the squared l2 distance
@@ -46,13 +46,8 @@ __all__ = ["plan_logsumexp", "fused_serves", "expand_params", "SCRATCH_BYTES", "
 
 SCRATCH_BYTES = 32 << 20  # largest split scratch of one launch ([split][batch][M][kC][2] float32)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The fused kernel serves GPU calls by default (tests/test_gpu_logsumexp.py and compute-sanitizer's
-# logsumexp family passed on an H100, 2026-11-26); KERMAC_LIKE_LSE_FUSED=0 sends them to the
-# blocked path (running maximum over run_kernel blocks) instead.
-FUSED = os.environ.get("KERMAC_LIKE_LSE_FUSED", "1") != "0"
-# The expanded exponent where the data allow it; KERMAC_LIKE_LSE_EXPAND=0: the direct form's kernel
-# (kVariant 2) for every call, as before it.
-EXPAND = os.environ.get("KERMAC_LIKE_LSE_EXPAND", "1") != "0"
+# The expanded exponent where the data allow it; the setting lse_expand off (KERMAC_LIKE_LSE_EXPAND=0):
+# the direct form's kernel (kVariant 2) for every call, as before it.
 # The expanded exponent's error bound (natural log units) at which the kernel takes it: 2.5x below
 # the 1e-5 target of max(1, |value|) (see expand_params for the bound and its constant).
 EXPAND_TOL = 4e-6
@@ -60,8 +55,9 @@ _LN2_U32 = math.log(2.0) * 2.0 ** -24  # unit roundoff of float32, log2 -> natur
 
 
 def fused_serves(call, lw: torch.Tensor) -> bool:
-    """Whether the fused kernel serves this validated call (else: the blocked path)."""
-    return (FUSED and call.a.dtype in _DTYPES and lw.dtype == call.a.dtype and 0 < call.K <= MAX_K
+    """Whether the fused kernel serves this validated call (else: the blocked path, a running maximum
+    over run_kernel blocks)."""
+    return (call.a.dtype in _DTYPES and lw.dtype == call.a.dtype and 0 < call.K <= MAX_K
             and call.N < 2 ** 31 - 1 and call.M < 2 ** 31 - 1
             and (call.epsilon is None or call.epsilon <= 0) and _gpu_ok(call.a))
 
@@ -113,10 +109,10 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
     hypers, strides, bplan = batch_plan(call, tensors, skip=("regularization",))
     L = bplan.count
     # The expanded exponent (kVariant 3's spec, flag and centre on the device): one column, one
-    # batch entry, the shipped pair loop (probes' TUNING choose their own) and EXPAND; else the
+    # batch entry, the shipped pair loop (probes' TUNING choose their own) and lse_expand; else the
     # direct form's kernel (kVariant 2).
     tune = specs.TUNING or specs.default_tuning(specs.k_bucket(K), c_bucket(min(C, MAX_C)), call.desc, dtype)
-    expand = (EXPAND and C == 1 and L == 1 and expandable(call.desc) and tune.get("variant") == 3
+    expand = (config.get("lse_expand") and C == 1 and L == 1 and expandable(call.desc) and tune.get("variant") == 3
               and M > 0 and N > 0)
     variant = None if expand or specs.TUNING is not None else 2
     spec = lse_spec(call.desc, dtype, K, min(C, MAX_C), variant=variant)

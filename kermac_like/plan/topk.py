@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import numpy as np
 import torch
 
+from .. import config
 from ..centring import shifted_pair
 from ..descriptor import PRESETS
 from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
@@ -126,9 +126,8 @@ RESCORE_ROWS = 1024  # rows per rescoring block: (rows, kSel, K) gathered float3
 # The candidates rescored by topk_rescore_kernel (cuda_templates/topk_rescore.cuh: lists merged,
 # values, order and certificate in one launch, no gathered temporary) instead of rescore()'s
 # torch blocks: 0.11 ms instead of 7.7 ms per launch of 16896 rows on an H200, same indices and
-# certificates (bench/notes/knn.md, "Fused rescoring"). KERMAC_LIKE_TOPK_FUSED_RESCORE=0 restores
-# the torch rescoring (the oracle of the tests).
-FUSED_RESCORE = os.environ.get("KERMAC_LIKE_TOPK_FUSED_RESCORE", "1") not in ("", "0")
+# certificates (bench/notes/knn.md, "Fused rescoring"). The setting topk_fused_rescore off
+# (KERMAC_LIKE_TOPK_FUSED_RESCORE=0) restores the torch rescoring (the oracle of the tests).
 # topk_mma's version (runtime.specs.topk.topk_mma_spec): 2, topk_mma_kernel; 3, 4 or 5,
 # topk_mma_pipelined_kernel (the cp.async ring runs on across y tiles; 4 also scans in registers;
 # 5 also keeps x in shared memory, K <= 128, else 4), the same candidate lists bit for bit.
@@ -138,7 +137,7 @@ FUSED_RESCORE = os.environ.get("KERMAC_LIKE_TOPK_FUSED_RESCORE", "1") not in (""
 # (bench/results/2026-11-26-session12/run3, `bench/probes/topk_probe.py --only mma6`): 26.60 against
 # version 5's 47.90 ms per launch, the merged candidates of all 16896 rows equal to version 5's, the
 # whole knn_d128 call 1,772 against 4,582 ms in the probe: 6 (5 where 6 cannot run: see mma_version).
-MMA_VERSION = int(os.environ.get("KERMAC_LIKE_TOPK_MMA_VERSION", "6") or 6)
+# The version: the setting topk_mma_version (KERMAC_LIKE_TOPK_MMA_VERSION, default 6).
 _FLIP = -(1 << 63)  # the scratch keys' top bit (int64 order = key order)
 
 
@@ -167,12 +166,13 @@ def _sm90(device: torch.device) -> bool:
 
 
 def mma_version(call):
-    """The topk_mma version a call runs: MMA_VERSION (5 and 6 only where K <= MMA_V5_MAX_K, else 4;
+    """The topk_mma version a call runs: the setting topk_mma_version (5 and 6 only where K <= MMA_V5_MAX_K, else 4;
     6 only on sm_90 devices, else 5),
     or the highest lower one whose shared memory fits the device's opt-in limit per block (an
     A100's 163 KiB holds none at kSel 24: those calls take the blocked path); None if none fits."""
     wide = -(-call.K // 4) * 4 > MMA_V5_MAX_K
-    want = 4 if MMA_VERSION >= 5 and wide else MMA_VERSION
+    version = config.get("topk_mma_version")
+    want = 4 if version >= 5 and wide else version
     optin = _smem_optin(call.x.device)
     sel = mma_sel(call.k)
     # version 6 (wgmma, sm_90a) on sm_90 devices only; elsewhere the versions below it
@@ -262,7 +262,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     the exact one (B = 2^-8 |x| max|y| + K 2^-22 (|x|^2 + max|y|^2) for distances, 2^-9 |x|
     max|y| for dot products, plus 2^-16 of the value for the float32 rescoring). Rows that are
     not certified (NaN rows, near-ties across the margin) are recomputed by the blocked path.
-    With FUSED_RESCORE, topk_rescore_kernel does the merge, the rescoring, the order and the
+    With topk_fused_rescore, topk_rescore_kernel does the merge, the rescoring, the order and the
     certificate of each launch's rows in one launch (same candidates, same bound; the float32
     sums in another order: values within a few ulps)."""
     from ..ops.knn import topk_blocked
@@ -292,7 +292,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     scratch = torch.empty((4 * split, rows, sel), dtype=torch.int64, device=call.device)
     ynorm = torch.linalg.vector_norm(yc, dim=1).max()
     fused = flags = None
-    if FUSED_RESCORE:  # the rows' certificates (uint8) of the fused rescoring
+    if config.get("topk_fused_rescore"):  # the rows' certificates (uint8) of the fused rescoring
         fused = get_kernel(topk_rescore_spec(dot, largest), device, debug=debug)
         flags = torch.empty(M, dtype=torch.uint8, device=call.device)
         svm, svj = values.stride()

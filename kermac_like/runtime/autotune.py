@@ -25,12 +25,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import statistics
 import threading
 
 import torch
 
+from .. import config
 from ..descriptor import InnerOperator, KernelDescriptor, PowerType
 
 log = logging.getLogger("kermac_like.autotune")
@@ -40,7 +40,7 @@ __all__ = ["LOWK", "SIMT", "TENSOR_CORE", "candidates", "default_choice", "tunin
 
 LOWK, SIMT, TENSOR_CORE = "lowk", "simt", "tensor-core"
 AUTOTUNE_REPEATS = 5
-ENV_AUTOTUNE = "KERMAC_LIKE_AUTOTUNE"
+ENV_AUTOTUNE = config.SETTINGS["autotune"].env
 
 _memo: dict = {}  # tuning key -> choice (this process)
 _memo_lock = threading.Lock()
@@ -68,7 +68,7 @@ def autotune_enabled(autotune: bool | None = None) -> bool:
         autotune = getattr(_override, "value", None)
     if autotune is not None:
         return bool(autotune)
-    return os.environ.get(ENV_AUTOTUNE, "").strip().lower() in ("1", "true", "yes", "on")
+    return config.get("autotune")
 
 
 def k_bucket(K: int) -> int:

@@ -26,6 +26,7 @@ import re
 import time
 from pathlib import Path
 
+from .. import config
 from .._version import __version__
 from .specs import KernelSpec, LaunchShape, render_source  # noqa: F401  (re-exported)
 
@@ -160,7 +161,7 @@ def _check_arch(arch: str) -> str:
 def _lineinfo() -> bool:
     """KERMAC_LIKE_LINEINFO=1: compile with -lineinfo (source lines in compute-sanitizer and
     profiler reports; the code is the same, the cache key differs)."""
-    return os.environ.get("KERMAC_LIKE_LINEINFO", "") not in ("", "0")
+    return config.get("lineinfo")
 
 
 def _options(arch: str) -> tuple:

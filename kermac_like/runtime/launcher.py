@@ -11,8 +11,7 @@ A launch that repeats (a plan template's, :mod:`kermac_like.plan`) can carry an
 configuration built once; a call patches the pointer slots and calls the driver
 (``cuLaunchKernel``, ``cuLaunchKernelEx`` for clusters) directly, which saves the
 per-call argument conversion and configuration of ``cuda.core``'s launch
-(bench/notes/ops.md). ``KERMAC_LIKE_RAW_LAUNCH=0`` sends every launch through
-``cuda.core``.
+(bench/notes/ops.md).
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ from .compiler import KernelSpec, arch_of_device, compile_specs, kernel_key
 log = logging.getLogger("kermac_like.launcher")
 
 __all__ = ["LoadedKernel", "get_kernel", "prefetch", "available", "wait_pending", "launch", "clear_loaded", "max_active_clusters", "ArgBlock"]
-
-RAW_LAUNCH = os.environ.get("KERMAC_LIKE_RAW_LAUNCH", "1") != "0"
 
 _STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -452,7 +449,7 @@ def launch(kernel: LoadedKernel, grid: tuple, args: tuple, *, debug: bool = Fals
     clustered kernel (``spec.launch.cluster > 1``) ``grid`` counts clusters. ``block``:
     the launch's :class:`ArgBlock` (same kernel and grid), which takes the pointers from
     ``args`` and launches through the driver."""
-    if block is not None and RAW_LAUNCH and not debug:
+    if block is not None and not debug:
         return block.launch([args[i] for i in block.positions])
     device = kernel.device
     if torch.cuda.current_device() != device:

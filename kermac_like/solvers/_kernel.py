@@ -6,7 +6,7 @@ products the solvers need.
 * ``matvec(a, b, v)``: K(a, b) @ v without the matrix, through
   :class:`kermac_like.KernelOperator` (kernel_matvec) where the package has it;
   otherwise K(a, b) in row blocks of bounded size times v. ``f32_partials``: the blocked
-  float64 mode of kernel_matvec's internals (Falkon's products, :func:`falkon_blocked`).
+  float64 mode of kernel_matvec's internals (Falkon's products).
 * ``gram_of_rows(a, z)``: K(a, z)^T K(a, z) (m x m), accumulated over row blocks
   of ``a`` so that no N x m matrix exists at once.
 
@@ -22,7 +22,6 @@ shift invariant the same way. DOT kernels are never shifted.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -33,18 +32,10 @@ from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType,
 from ..ops.distance import run_kernel
 from ..plan.core import _gpu_ok
 
-__all__ = ["SolverKernel", "resolve_kernel", "BLOCK_BYTES", "falkon_blocked"]
+__all__ = ["SolverKernel", "resolve_kernel", "BLOCK_BYTES"]
 
 # Largest dense kernel block (bytes) the fallback product and the Gram accumulation build at once.
 BLOCK_BYTES = 1 << 30
-
-
-def falkon_blocked() -> bool:
-    """Whether Falkon's products (float32/16-bit data, float64 vectors) run in kernel_matvec's
-    blocked float64 mode (v rounded to float32 once, float32 partials of 8 points added into the
-    float64 sums; predicted ~1.4x the float64 mode's speed at D = 8, bench/notes/krr_1e9.md):
-    KERMAC_LIKE_FALKON_BLOCKED, "1" (default) or "0" (the float64 mode), read at each fit."""
-    return os.environ.get("KERMAC_LIKE_FALKON_BLOCKED", "1") != "0"
 
 
 def resolve_kernel(kernel, bandwidth, p) -> "SolverKernel":

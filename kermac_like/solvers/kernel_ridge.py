@@ -45,7 +45,7 @@ from .. import linalg
 from .._estimator import BaseEstimator, MultiOutputMixin, RegressorMixin, check_feature_names, check_is_fitted
 from ._cg import local_dots, pcg
 from ._dist import Comm
-from ._kernel import falkon_blocked, resolve_kernel
+from ._kernel import resolve_kernel
 from ._nystrom import FalkonPreconditioner, LandmarkNystromPreconditioner, build_bytes, gather_global_rows, sample_indices
 from ._rows import HostMemoryError, RowSource
 
@@ -574,7 +574,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         idx = sample_indices(n_total, m, seed)
         z = gather_global_rows(comm, X, offset, idx, device=dev)
 
-        # The products in kernel_matvec's blocked float64 mode unless KERMAC_LIKE_FALKON_BLOCKED=0: the
+        # The products in kernel_matvec's blocked float64 mode (1.13x the float64 mode's fit at N = 10^7): the
         # float64 mode's kernel values and float64 sums, v rounded to float32 and float32 partials of
         # 8 pairs (~0.2 2^-24 of sum |k v| per product). B amplifies that rounding too: on the CPU model
         # (N = 2e4, m = 2e3) CG took 37 iterations instead of 30, same predictions to 7e-5 relative
@@ -582,7 +582,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         # In that mode, the Gaussian kernel at K <= 32 on sm_80+ takes both products on tensor cores
         # (plan.falkon, KERMAC_LIKE_FALKON_MMA): the same arithmetic with the exponent's dot product in
         # 3xTF32 and one kernel value per pair in both products (bench/notes/krr_1e9.md).
-        products = kernel.centre_products(z, blocked=falkon_blocked(), debug=debug)
+        products = kernel.centre_products(z, blocked=True, debug=debug)
 
         # One pass over the rows = one (m, C) float64 block: sum over the chunks c of K_Zc (...).
         def data_pass(v64=None, minus_y=False, flags=None):

@@ -2,7 +2,8 @@
 
 The file name, the schema stamp and the touch interval are shared by the full cache
 (store.py, with SQLAlchemy) and the warm-start reader (warm.py, standard library only),
-so this module imports nothing beyond the standard library. The directory checks decide
+so this module imports nothing beyond the standard library and the package's settings
+(kermac_like/config.py, itself standard library only). The directory checks decide
 whether the file can be used at all (else the cache runs in memory): it must be writable,
 and trusted: owned by this user and not writable by group or others (untrusted_reason).
 """
@@ -10,10 +11,11 @@ and trusted: owned by this user and not writable by group or others (untrusted_r
 from __future__ import annotations
 
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
+
+from ... import config
 
 __all__ = ["SCHEMA_VERSION", "DB_FILENAME", "ENV_DIR", "DEFAULT_MAX_BYTES", "default_cache_dir", "untrusted_reason"]
 
@@ -21,20 +23,19 @@ __all__ = ["SCHEMA_VERSION", "DB_FILENAME", "ENV_DIR", "DEFAULT_MAX_BYTES", "def
 # stamped with another version is then moved aside and rebuilt.
 SCHEMA_VERSION = 2  # 2: the autotuner's table (tuning)
 DB_FILENAME = "kernels-v1.sqlite"
-ENV_DIR = "KERMAC_LIKE_CACHE_DIR"
+ENV_DIR = config.SETTINGS["cache_dir"].env
 TOUCH_INTERVAL_S = 60.0  # last_used_at is refreshed at most this often per module
 
-DEFAULT_MAX_BYTES = 2 * 1024**3
-ENV_MAX_BYTES = "KERMAC_LIKE_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = config.SETTINGS["cache_max_bytes"].default
 
 
 def default_cache_dir() -> Path:
     """``$KERMAC_LIKE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kermac_like``, else the
     platform's user cache dir (``~/.cache/kermac_like`` on Linux)."""
-    env = os.environ.get(ENV_DIR)
+    env = config.get("cache_dir")
     if env:
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = config.get("xdg_cache_home")
     if xdg and os.path.isabs(xdg):  # the XDG spec says to ignore relative values
         return Path(xdg) / "kermac_like"
     try:
@@ -45,26 +46,14 @@ def default_cache_dir() -> Path:
     if sys.platform == "darwin":
         return home / "Library" / "Caches" / "kermac_like"
     if sys.platform.startswith("win"):
-        local = os.environ.get("LOCALAPPDATA")
+        local = config.get("localappdata")
         return (Path(local) if local else home / "AppData" / "Local") / "kermac_like" / "Cache"
     return home / ".cache" / "kermac_like"
 
 
-_SIZE_RE = re.compile(r"(\d+)\s*(?:([kmgt])(?:i?b)?|b)?", re.IGNORECASE)
-
-
 def _resolve_max_bytes(max_bytes: int | None) -> int:
     if max_bytes is None:
-        text = os.environ.get(ENV_MAX_BYTES, "").strip()
-        if not text:
-            return DEFAULT_MAX_BYTES
-        match = _SIZE_RE.fullmatch(text)
-        if match is None:
-            raise ValueError(
-                f"{ENV_MAX_BYTES} must be a byte count such as 2147483648 or 2G, got {text!r}"
-            )
-        unit = (match.group(2) or "").lower()
-        return int(match.group(1)) * 1024 ** " kmgt".index(unit or " ")
+        return config.get("cache_max_bytes")
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
         raise TypeError(f"max_bytes must be an int or None, got {type(max_bytes).__name__}")
     if max_bytes < 0:

@@ -35,12 +35,13 @@ import threading
 import time
 from pathlib import Path
 
+from ... import config
 from .location import DB_FILENAME, SCHEMA_VERSION, TOUCH_INTERVAL_S, default_cache_dir, untrusted_reason
 
 __all__ = ["SCHEMA_VERSION", "DB_FILENAME", "ENV_BUNDLE", "default_cache_dir", "read_kernel", "read_kernel_status", "read_bundled",
            "bundle_dirs", "package_bundle_dir"]
 
-ENV_BUNDLE = "KERMAC_LIKE_BUNDLE"
+ENV_BUNDLE = config.SETTINGS["bundle"].env
 
 _SELECT = (
     "SELECT k.lowered_name, k.module_sha256, m.cubin, m.last_used_at "
@@ -159,7 +160,7 @@ def prepare_in_background() -> threading.Thread | None:
     CUDA context alone takes far longer); a first call that comes earlier computes or waits
     for the same memoised values (bench/notes/jit.md). Best effort: any failure leaves the
     first call to do the work as before. KERMAC_LIKE_PREPARE=0 turns it off."""
-    if os.environ.get("KERMAC_LIKE_PREPARE", "") == "0":
+    if not config.get("prepare"):
         return None
 
     def run():
@@ -192,8 +193,7 @@ def package_bundle_dir() -> Path:
 
 def bundle_dirs() -> tuple:
     """The bundle folders in lookup order: ``$KERMAC_LIKE_BUNDLE``'s, then the package's."""
-    env = os.environ.get(ENV_BUNDLE, "")
-    dirs = [Path(p).expanduser() for p in env.split(os.pathsep) if p]
+    dirs = [Path(p).expanduser() for p in config.get("bundle")]
     return tuple(dirs) + (package_bundle_dir(),)
 
 

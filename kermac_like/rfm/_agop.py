@@ -1,0 +1,161 @@
+"""The average gradient outer product without the gradient tensor.
+
+For the predictor f_o(v) = sum_i c[i, o] k(u_i, v) (u_i: the n centres, c: (n, O) coefficients)
+and evaluation points v_j (m of them), :func:`agop_sum` returns
+
+    sum_j sum_o grad f_o(v_j) grad f_o(v_j)^T        (D, D)       (diag: its diagonal, (D,))
+
+in blocks of B evaluation points: per block, the weight matrix w (n, B) (one run_kernel call, and
+one cdist where the kernel's weight has a power of the distance), the block's gradients
+(O, D, B) by one contraction, and their outer products added into the (D, D) sum. Nothing of
+size O x m x D or n x m exists at once: memory is O(D^2 + O D B + n B) with
+B = ``block_bytes`` / (n * itemsize * (1 or 2)), 512 MiB of weights by default.
+
+The contraction: cdist_grad (the fused kernel, float32 on sm_80+ GPUs) with a = w, b = u^T,
+c = (scale * coefficients)^T, d = v_block^T and the kernel's p; elsewhere (CPU tensors,
+float64) for p = 2 one matrix product per block: grad f_o(v_j) = v_j (w^T c_o)_j - (w^T (c_o u))_j
+on points shifted by a reference point (the centres' median: the two terms cancel to the
+data's centred scale only), and for other p cdist_grad's reference in blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..centring import reference_point
+from ..ops.distance import cdist
+from ..ops.grad import cdist_grad
+from ..plan.core import _gpu_ok
+from ._kernel import RFMKernel
+
+__all__ = ["agop_sum", "function_gradients", "gradient_blocks", "AGOP_BLOCK_BYTES", "DISTANCE_FLOOR"]
+
+AGOP_BLOCK_BYTES = 1 << 29
+# Pairs closer than this (in the transformed space) get the weight of this distance: their
+# difference factor is 0 (identical points, the cusp of the Laplace kernels) or as small.
+DISTANCE_FLOOR = 1e-10
+
+
+def _fused(u: torch.Tensor) -> bool:
+    return u.dtype == torch.float32 and _gpu_ok(u)
+
+
+def _distances(u: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    """r (n, B). Off the fused path, p = 2 takes torch.cdist's matrix product on points shifted
+    by the centres' reference point, whose error eps (|u|^2 + |v|^2) swamps the distance of near
+    pairs (identical rows come out at 1e-8 instead of 0): those below 2^-10 of the shifted
+    norms are recomputed from direct differences."""
+    if p != 2 or _fused(u):
+        return cdist(u, v, p=p)
+    s = reference_point(u).to(u.dtype)
+    us, vs = u - s, v - s
+    r = cdist(us, vs, p=2.0)
+    nu, nv = us.square().sum(1), vs.square().sum(1)
+    near = (r.square() < 2.0 ** -10 * (nu[:, None] + nv[None, :])).nonzero()
+    if near.numel():
+        i, j = near[:, 0], near[:, 1]
+        r[i, j] = (us[i] - vs[j]).norm(dim=1)
+    return r
+
+
+def _weights(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """w / scale = k(u_i, v_j) r_ij^(q - p): (n, B). Pairs closer than DISTANCE_FLOOR: on the fused
+    path, the weight of that distance (cdist_grad's difference factor is exactly 0 for identical
+    points); elsewhere 0 (the p = 2 matrix product's implicit differences are not exact)."""
+    w = kernel.solver_kernel(bandwidth).matrix(u, v)
+    power = kernel.weight_power
+    if power != 0:
+        r = _distances(u, v, kernel.p)
+        if _fused(u):
+            r.clamp_min_(DISTANCE_FLOOR)
+        else:
+            w.masked_fill_(r < DISTANCE_FLOOR, 0.0)
+            r.clamp_min_(DISTANCE_FLOOR)
+        if power == -1:
+            w.div_(r)
+        else:
+            w.mul_(r.pow_(power))
+        del r
+    return w
+
+
+def gradient_blocks(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: torch.Tensor, v: torch.Tensor, *,
+                    block_bytes: int = AGOP_BLOCK_BYTES):
+    """Yield (j0, g) with g (O, B, D) the gradients at v[j0:j0+B] of f_o = sum_i coef[i, o] k(u_i, .)
+    (u (n, D) centres, coef (n, O), v (m, D)), in the data's dtype."""
+    n, D = u.shape
+    m = v.shape[0]
+    dt = u.dtype
+    scale = kernel.weight_scale(bandwidth)
+    c = coef.to(dt) * scale  # (n, O)
+    O = c.shape[1]
+    per_col = n * u.element_size() * (1 if kernel.weight_power == 0 else 2)
+    B = max(1, min(m, int(block_bytes) // max(1, per_col)))
+    if _fused(u):
+        ut = u.T.contiguous()  # (D, n)
+        ct = c.T.contiguous()  # (O, n)
+        for j0 in range(0, m, B):
+            vb = v[j0:j0 + B]
+            w = _weights(kernel, bandwidth, u, vb)  # (n, B)
+            g = cdist_grad(w, ut, ct, vb.T.contiguous(), p=kernel.p)  # (O, D, B)
+            del w
+            yield j0, g.mT
+        return
+    if kernel.p == 2:
+        s = reference_point(u).to(dt)
+        uc = u - s
+        wide = torch.cat([c, (c[:, :, None] * uc[:, None, :]).reshape(n, O * D)], 1)  # (n, O (1 + D))
+        for j0 in range(0, m, B):
+            vb = v[j0:j0 + B]
+            w = _weights(kernel, bandwidth, u, vb)  # (n, B)
+            prod = w.T @ wide  # (B, O (1 + D))
+            del w
+            g = (vb - s)[None] * prod[:, :O].T[:, :, None] - prod[:, O:].reshape(-1, O, D).transpose(0, 1)
+            yield j0, g  # (O, B, D)
+        return
+    ut = u.T.contiguous()
+    ct = c.T.contiguous()
+    for j0 in range(0, m, B):
+        vb = v[j0:j0 + B]
+        w = _weights(kernel, bandwidth, u, vb)
+        g = cdist_grad(w, ut, ct, vb.T.contiguous(), p=kernel.p)  # (O, D, B)
+        del w
+        yield j0, g.mT
+
+
+@torch.no_grad()
+def function_gradients(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: torch.Tensor,
+                       v: torch.Tensor, *, block_bytes: int = AGOP_BLOCK_BYTES) -> torch.Tensor:
+    """The gradients (O, m, D) of f_o = sum_i coef[i, o] k(u_i, .) at the rows of v: the whole
+    tensor (for tests and small problems; :func:`agop_sum` never forms it)."""
+    out = torch.empty((coef.shape[1], v.shape[0], v.shape[1]), dtype=u.dtype, device=u.device)
+    for j0, g in gradient_blocks(kernel, bandwidth, u, coef, v, block_bytes=block_bytes):
+        out[:, j0:j0 + g.shape[1]] = g
+    return out
+
+
+@torch.no_grad()
+def agop_sum(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: torch.Tensor, v: torch.Tensor, *,
+             diag: bool = False, center: bool = False, block_bytes: int = AGOP_BLOCK_BYTES) -> torch.Tensor:
+    """sum over the points v_j and outputs o of grad f_o(v_j) grad f_o(v_j)^T: (D, D) in float64
+    (``diag``: its diagonal, (D,)); ``center``: of the gradients minus their mean over all points
+    and outputs (xRFM's center_grads, over the whole sample). Memory O(D^2 + n B) (module docstring)."""
+    D = u.shape[1]
+    f64 = torch.float64
+    acc = torch.zeros((D,) if diag else (D, D), dtype=f64, device=u.device)
+    total = torch.zeros(D, dtype=f64, device=u.device) if center else None
+    for _, g in gradient_blocks(kernel, bandwidth, u, coef, v, block_bytes=block_bytes):
+        # (O, B, D): the outer products of the block's gradients, in the data's dtype, summed in float64
+        if diag:
+            acc += g.square().sum((0, 1), dtype=f64)
+        elif g.shape[0] == 1:
+            acc += (g[0].T @ g[0]).to(f64)
+        else:
+            acc += (g.mT @ g).sum(0, dtype=f64)
+        if center:
+            total += g.sum((0, 1), dtype=f64)
+    if center:
+        count = coef.shape[1] * v.shape[0]
+        mean = total / max(1, count)
+        acc -= count * (mean.square() if diag else torch.outer(mean, mean))
+    return acc

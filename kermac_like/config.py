@@ -114,9 +114,12 @@ class Setting(NamedTuple):
             return self.default
         if isinstance(value, str):
             return self.parse(value)
+        given = value
+        if self.type == "choice" and isinstance(value, bool):
+            value = ("off", "on")[value] if "on" in self.choices else None
         ok = value in self.choices if self.type == "choice" else _TYPES[self.type].check(value)
-        if not ok or (self.type == "choice" and isinstance(value, bool)):
-            raise ValueError(f"override({self.name}={value!r}): {self.env} accepts {self.accepted}")
+        if not ok:
+            raise ValueError(f"override({self.name}={given!r}): {self.env} accepts {self.accepted}")
         if self.type == "paths":
             return tuple(str(p) for p in value)
         if self.type == "bool":

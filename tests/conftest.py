@@ -136,6 +136,16 @@ def set_tf32():
     torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+@pytest.fixture
+def settings():
+    """``settings(name=value, ...)``: kermac_like.config.override(...) until the test ends (calls
+    nest: a later call for the same name wins, and the teardown restores each in turn)."""
+    from kermac_like.config import override
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(override(**values))
+
+
 class _StubKernel:
     """What the planner keeps of a loaded kernel when nothing is launched."""
 

@@ -153,7 +153,7 @@ def test_fused_seeding_zero_weights_and_16_bit_on_cuda():
 
 
 @pytest.mark.parametrize("K,weighted", [(16, False), (3, True), (300, True)])
-def test_fused_segment_sums_on_cuda(monkeypatch, K, weighted):
+def test_fused_segment_sums_on_cuda(monkeypatch, K, weighted, settings):
     """Lloyd's update by kmeans_segsum_kernel against the torch path (sort + segment_reduce):
     exact on integer data, within float64 rounding on Gaussian data; a cluster of most points
     (many items), empty clusters; bitwise the same twice."""
@@ -173,9 +173,9 @@ def test_fused_segment_sums_on_cuda(monkeypatch, K, weighted):
         s, ws = segment_sums(X, labels, wi, C)
         s2, ws2 = segment_sums(X, labels, wi, C)
         assert torch.equal(s, s2) and torch.equal(ws, ws2)
-        monkeypatch.setattr(plan_km, "SEGSUM_FUSED", False)
+        settings(kmeans_segsum=False)
         r, rw = segment_sums(X, labels, wi, C)
-        monkeypatch.setattr(plan_km, "SEGSUM_FUSED", True)
+        settings(kmeans_segsum=True)
         if integer:
             assert torch.equal(s, r) and torch.equal(ws, rw)
         else:
@@ -187,7 +187,7 @@ def test_fused_segment_sums_on_cuda(monkeypatch, K, weighted):
 # -- the assignment on tensor cores (plan.kmeans.ASSIGN_MMA) -------------------------------------------
 @pytest.mark.parametrize("K, C, blobs", [(16, 256, True), (16, 1024, False), (5, 70, False), (33, 300, True),
                                          (64, 129, False)])
-def test_mma_assignment_is_knns_on_cuda(monkeypatch, K, C, blobs):
+def test_mma_assignment_is_knns_on_cuda(monkeypatch, K, C, blobs, settings):
     """One assignment with the switch on: knn(X, centres, 1, direct)'s labels and distance bits, every
     row (certified rows by the certificate, the others by the kernel's exact rescan), near-ties,
     duplicate centres and points on centres included; bitwise repeatable; most rows certified."""
@@ -195,7 +195,7 @@ def test_mma_assignment_is_knns_on_cuda(monkeypatch, K, C, blobs):
     from kermac_like.cluster import _DIRECT
     from kermac_like.plan import kmeans as plan_km
 
-    monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
+    settings(kmeans_assign_mma=True)
     g = torch.Generator(device="cuda").manual_seed(K + C)
     N = 200_000
     if blobs:
@@ -218,7 +218,7 @@ def test_mma_assignment_is_knns_on_cuda(monkeypatch, K, C, blobs):
     assert all(torch.equal(a, b) for a, b in zip((labels, dist, cert), again))
 
 
-def test_mma_assignment_fit_same_as_knn_fit_on_cuda(monkeypatch):
+def test_mma_assignment_fit_same_as_knn_fit_on_cuda(monkeypatch, settings):
     """KMeans fit (N = 2e5, D = 16, C = 256, k-means++ then 20 iterations at tol 0) with the switch on:
     the labels, centres and inertia of the switch-off fit, bitwise (the assignment is knn's, row for
     row), and bitwise repeatable."""
@@ -230,7 +230,7 @@ def test_mma_assignment_fit_same_as_knn_fit_on_cuda(monkeypatch):
     X = means[torch.randint(0, C, (N,), device="cuda", generator=g)] + torch.randn(N, D, device="cuda", generator=g)
     fits = []
     for on in (False, True, True):
-        monkeypatch.setattr(plan_km, "ASSIGN_MMA", on)
+        settings(kmeans_assign_mma=on)
         m = KMeans(C, max_iter=20, tol=0.0, random_state=0).fit(X)
         fits.append((m.labels_, m.cluster_centers_, m.inertia_, m.n_iter_))
     for other in fits[1:]:
@@ -240,7 +240,7 @@ def test_mma_assignment_fit_same_as_knn_fit_on_cuda(monkeypatch):
 
 # -- pruned iterations (plan.kmeans.BOUNDS, BoundedAssign) ----------------------------------------------
 @pytest.mark.parametrize("case", ["blobs16", "uniform3-weighted", "empties8", "blobs16-verbose"])
-def test_pruned_fit_same_as_full_fit_on_cuda(monkeypatch, capsys, case):
+def test_pruned_fit_same_as_full_fit_on_cuda(monkeypatch, capsys, case, settings):
     """KMeans with the distance bounds on and off: the same labels, centres, inertia, n_iter and verbose
     log, bitwise; the bounds leave most points unassigned in the later iterations of blob data. Cases:
     blobs (N = 2e5, D = 16, C = 256), uniform D = 3 with weights, an init with duplicate centres (empty
@@ -273,7 +273,7 @@ def test_pruned_fit_same_as_full_fit_on_cuda(monkeypatch, capsys, case):
     monkeypatch.setattr(plan_km.BoundedAssign, "step", spy)
     fits, logs = [], []
     for on in (False, True, True):
-        monkeypatch.setattr(plan_km, "BOUNDS", on)
+        settings(kmeans_bounds=on)
         m = KMeans(C, init=init, max_iter=30, tol=0.0, random_state=0, verbose=verbose).fit(X, sample_weight=weights)
         fits.append((m.labels_, m.cluster_centers_, m.inertia_, m.n_iter_))
         logs.append(capsys.readouterr().out)

@@ -227,7 +227,7 @@ def test_nccl_two_gpus_match_one(tmp_path):
 
 @pytest.mark.parametrize("name,largest", [("l2", False), ("squared_l2", False), ("dot", True), ("l2", True)])
 @pytest.mark.parametrize("integer", [False, True])
-def test_fused_rescore_matches_torch_rescore(monkeypatch, name, largest, integer):
+def test_fused_rescore_matches_torch_rescore(monkeypatch, name, largest, integer, settings):
     """plan.topk.FUSED_RESCORE (cuda_templates/topk_rescore.cuh) against the torch rescore() it
     replaces, on the tensor-core path (K = 128, M = 3000, N = 20000, k = 10), also with 128 rows
     per launch (a short last launch). Integer data (exact sums): the same indices and values,
@@ -249,7 +249,7 @@ def test_fused_rescore_matches_torch_rescore(monkeypatch, name, largest, integer
             monkeypatch.setattr(plan_topk, "_sm_count", lambda device: 1)  # one CTA per SM: 128 rows a launch
         out = {}
         for fused in (False, True):
-            monkeypatch.setattr(plan_topk, "FUSED_RESCORE", fused)
+            settings(topk_fused_rescore=fused)
             n = len(calls)
             out[fused] = km.kernel_topk(desc, x, y, 10, largest=largest)
             torch.cuda.synchronize()
@@ -264,13 +264,13 @@ def test_fused_rescore_matches_torch_rescore(monkeypatch, name, largest, integer
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_tensor_core_path_over_several_launches(monkeypatch, fused):
+def test_tensor_core_path_over_several_launches(monkeypatch, fused, settings):
     """K > 64: more rows than one launch of topk_mma_kernel takes (SMs x 128 rows), so the last
     launch is short; its lists are packed at its own row count (the bug fixed in session 9 read
     them at the full launch's stride). Every row against float64, both rescoring paths."""
     from kermac_like.plan import topk as plan_topk
 
-    monkeypatch.setattr(plan_topk, "FUSED_RESCORE", fused)
+    settings(topk_fused_rescore=fused)
     rows = torch.cuda.get_device_properties(0).multi_processor_count * 128
     x, y = _data(rows + 777, 1500, 96, seed=96)
     v, i = km.knn(x, y, 10)

@@ -9,13 +9,6 @@ import kermac_like as km
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _fused_on(monkeypatch):
-    from kermac_like.plan import logsumexp as plan_lse
-
-    monkeypatch.setattr(plan_lse, "FUSED", True)  # the fused kernel, whatever KERMAC_LIKE_LSE_FUSED says
-
-
 def test_float32_against_float64_including_underflow():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(300, 3, generator=g), torch.randn(4000, 3, generator=g)
@@ -90,7 +83,7 @@ def test_expanded_exponent_against_float64():
     import dataclasses
 
     from kermac_like.descriptor import KernelType
-    from kermac_like.plan import logsumexp as plan_lse
+    from kermac_like.config import override
     from kermac_like.plan.logsumexp import expand_params
 
     g = torch.Generator().manual_seed(3)
@@ -116,9 +109,6 @@ def test_expanded_exponent_against_float64():
             assert not fin[1700] and torch.equal(fin, torch.isfinite(got)) and fin.sum() == 2999
             err = ((got - want).abs() / want.abs().clamp_min(1))[fin].max().item()
             assert err < 1e-5, (K, desc, bw, err)
-            plan_lse.EXPAND = False
-            try:
+            with override(lse_expand=False):
                 direct = km.kernel_logsumexp(desc, x, y2, lw, bandwidth=bw).double()
-            finally:
-                plan_lse.EXPAND = True
             assert ((direct - want).abs() / want.abs().clamp_min(1))[fin].max() < 1e-5

@@ -20,8 +20,8 @@ def _plan(a, p):
     return P._plan_distance_gpu(call, out, COMPUTE_MODES[0], False, P.Settings.current())
 
 
-def test_first_call_runs_the_generic_kernel_while_the_specialised_one_compiles(as_gpu, monkeypatch):
-    monkeypatch.setattr(P, "_JIT_TIER", True)  # (off in the rest of the suite: conftest.py)
+def test_first_call_runs_the_generic_kernel_while_the_specialised_one_compiles(as_gpu, monkeypatch, settings):
+    settings(jit_tier=True)  # (off in the rest of the suite: conftest.py)
     ready, fetched = set(), []
     monkeypatch.setattr(launcher, "available", lambda spec, device: spec in ready)
     monkeypatch.setattr(launcher, "prefetch", lambda specs, device, debug=False: fetched.extend(specs))
@@ -42,8 +42,8 @@ def test_first_call_runs_the_generic_kernel_while_the_specialised_one_compiles(a
     assert plan.spec == fetched[0] and P._TEMPLATES
 
 
-def test_tier_off(as_gpu, monkeypatch):
-    monkeypatch.setattr(P, "_JIT_TIER", False)
+def test_tier_off(as_gpu, monkeypatch, settings):
+    settings(jit_tier=False)
     monkeypatch.setattr(launcher, "available", lambda spec, device: "0>" in spec.traits)
     plan = _plan(torch.randn(300, 5), 1.7)
     assert ", 5, " in plan.spec.traits

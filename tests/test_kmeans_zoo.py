@@ -197,7 +197,7 @@ def test_shift_invariance_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["bench", "wide_blobs", "wide_blobs_centred", "wide_blobs_shifted", "relu",
                                     "pixels"])
-def test_families_on_cuda(monkeypatch, family):
+def test_families_on_cuda(monkeypatch, family, settings):
     """Each family on CUDA: the pruned fit is the full-assignment fit bitwise (the rescanned rows' lower
     bounds hold), bitwise repeatable, and the labels of the first iterations agree with the CPU path's
     from the same centres."""
@@ -206,7 +206,7 @@ def test_families_on_cuda(monkeypatch, family):
     x = _cuda_families(200_000, 16, 10)[family]
     fits = []
     for on in (False, True, True):
-        monkeypatch.setattr(plan_km, "BOUNDS", on)
+        settings(kmeans_bounds=on)
         m = fit(x, 256, max_iter=20)
         fits.append((m.labels_, m.cluster_centers_, m.inertia_, m.n_iter_))
     for other in fits[1:]:
@@ -235,7 +235,7 @@ def test_empty_clusters_relocated_on_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["bench", "wide_blobs", "wide_blobs_shifted", "relu"])
-def test_local_certificate_on_cuda(monkeypatch, family):
+def test_local_certificate_on_cuda(monkeypatch, family, settings):
     """plan.kmeans.LOCAL (the certificate about each CTA's reference centre, rows ordered by label): the same fit
     bitwise as the global certificate's; one full assignment in local mode gives the global one's labels and
     distance bits, and on the wide blobs leaves < 2 % of the rows to the rescan (global: ~20 %)."""
@@ -244,7 +244,7 @@ def test_local_certificate_on_cuda(monkeypatch, family):
     x = _cuda_families(200_000, 16, 10)[family]
     fits = []
     for on in (False, True):
-        monkeypatch.setattr(plan_km, "LOCAL", on)
+        settings(kmeans_local=on)
         m = fit(x, 256, max_iter=20)
         fits.append((m.labels_, m.cluster_centers_, m.inertia_, m.n_iter_))
     assert torch.equal(fits[0][0], fits[1][0]) and torch.equal(fits[0][1], fits[1][1])

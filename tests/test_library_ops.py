@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kermac_like as km
-from kermac_like.ops import _library
+from kermac_like.config import override
 from kermac_like.ops import linalg as _linalg  # noqa: F401  (registers the linalg ops)
 from kermac_like.ops import distance as distance_op
 from kermac_like.ops import knn as knn_op
@@ -149,7 +149,7 @@ def test_compile_fullgraph_linalg():
 
 
 # -- the eager fast path ------------------------------------------------------------------------
-def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(monkeypatch):
+def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(monkeypatch, settings):
     x, y = torch.randn(6, 3), torch.randn(5, 3)
 
     def refuse(*args):
@@ -166,7 +166,7 @@ def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(monkeypa
     with pytest.raises(AssertionError, match="dispatcher"), FakeTensorMode() as mode:  # a dispatch mode
         km.cdist(mode.from_tensor(x), mode.from_tensor(y), 1.5)
     monkeypatch.undo()
-    monkeypatch.setattr(_library, "DIRECT_EAGER", False)
+    settings(direct_eager=False)
     via_dispatcher = km.cdist(x, y, 1.5)
     assert torch.equal(direct, via_dispatcher)
 
@@ -207,8 +207,7 @@ def test_eager_autograd_matches_the_dispatcher(monkeypatch, dtype):
             for mod, attr in ((distance_op, "_RUN_KERNEL"), (matvec_op, "_MATVEC"), (knn_op, "_TOPK")):
                 m.setattr(mod, attr, refuse)
             eager = run(f)
-        with monkeypatch.context() as m:
-            m.setattr(_library, "DIRECT_EAGER", False)
+        with override(direct_eager=False):
             via_dispatcher = run(f)
         assert torch.equal(eager[0], via_dispatcher[0]), name
         for a, b in zip(eager[1], via_dispatcher[1]):

@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 
+from kermac_like import config
 from kermac_like.ops import linalg
 
 DTYPES = [torch.float32, torch.float64]
@@ -395,7 +396,7 @@ def test_gpu_solve_laplace(fn, dtype):
 @gpu
 @needs_cuda
 def test_gpu_lu_nonsymmetric_and_batch_larger_than_pool():
-    L = linalg.MAX_STREAMS + 3  # several entries share a stream and its workspace
+    L = config.get("linalg_streams") + 3  # several entries share a stream and its workspace
     a = general_matrix(L, 64, torch.float64, device="cuda")
     b = torch.randn(L, 5, 64, dtype=torch.float64, device="cuda")
     x, finfo, _ = linalg.solve_lu(a, b)
@@ -552,7 +553,7 @@ def test_gpu_no_leak_over_1000_calls():
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base_mem
     assert linalg.cache_info() == base_info
-    assert all(n <= linalg.MAX_STREAMS for n in base_info["streams"].values())
+    assert all(n <= config.get("linalg_streams") for n in base_info["streams"].values())
 
 
 @gpu
@@ -745,7 +746,7 @@ class _FakeEvent:
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch):
+def fake_gpu(monkeypatch, settings):
     """Route CPU tensors through the cuSOLVER code path with a NumPy cuSOLVER."""
     import contextlib
 
@@ -756,7 +757,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(linalg, "_streams", {})
     monkeypatch.setattr(linalg, "_local", threading.local())
     monkeypatch.setattr(linalg, "_atexit_registered", True)
-    monkeypatch.setattr(linalg, "MAX_STREAMS", 2)
+    settings(linalg_streams=2)
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)

@@ -251,17 +251,12 @@ def test_solver_products_select_the_blocked_instantiation(as_gpu, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:KernelRidge")  # five iterations: not converged
-@pytest.mark.parametrize("env,want", [(None, True), ("1", True), ("0", False)])
-def test_falkon_env_switch_selects_blocked_products(monkeypatch, env, want):
-    """KERMAC_LIKE_FALKON_BLOCKED (default "1") decides whether Falkon's products ask for the
-    blocked float64 mode (read at each fit; the CPU path computes them as the float64 mode)."""
+def test_falkon_asks_for_blocked_products(monkeypatch):
+    """Falkon's products ask for the blocked float64 mode (the CPU path computes them as the
+    float64 mode)."""
     from kermac_like.solvers import KernelRidge
     from kermac_like.solvers import _kernel
 
-    if env is None:
-        monkeypatch.delenv("KERMAC_LIKE_FALKON_BLOCKED", raising=False)
-    else:
-        monkeypatch.setenv("KERMAC_LIKE_FALKON_BLOCKED", env)
     flags = []
     real = _kernel.SolverKernel.matvec
 
@@ -275,7 +270,7 @@ def test_falkon_env_switch_selects_blocked_products(monkeypatch, env, want):
     y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(400, generator=g)
     KernelRidge("gaussian_l2", bandwidth=0.5, alpha=1e-2, solver="nystrom", n_centers=50, random_state=0,
                 max_iter=5).fit(x, y)
-    assert flags and set(flags) == {want}
+    assert flags and set(flags) == {True}
 
 
 @pytest.mark.parametrize("name", ["gaussian_l2", "dot", "laplace_l2"])

@@ -367,7 +367,7 @@ def test_spec_override_keeps_its_templates_apart(as_gpu):
             pass
 
 
-def test_chunk_stream_switch(as_gpu, monkeypatch):
+def test_chunk_stream_switch(as_gpu, monkeypatch, settings):
     """specs.distance_lowk.LOWK_CHUNKED_UP_TO (the switch; LOWK_MAX_K: off): cdist p=1 at
     64 < K <= it plans the low-K chunk stream (kChunksK = ceil(K / 32), kK rounded up to whole
     chunks), beyond it and with the switch off the SIMT kernel; the matrix-product mode and
@@ -406,7 +406,7 @@ def test_chunk_stream_switch(as_gpu, monkeypatch):
     assert plan("l2", 100).family != "distance_lowk"  # the matrix-product mode: tensor cores
     assert plan("p_norm", 100, p=1.5).family == "distance"  # LOWK_UP_TO["pow"]
     # the first call of a stream kernel not yet compiled: the generic variant serves it
-    monkeypatch.setattr(P, "_JIT_TIER", True)
+    settings(jit_tier=True)
     monkeypatch.setattr(launcher, "available", lambda spec, device: spec.traits.endswith(", 0>"))
     P.clear_templates()
     assert plan("l1", 100).spec.traits.endswith(", 0>")

@@ -12,8 +12,8 @@ from kermac_like.runtime.specs.kmeans import TRIALS, draw_spec, gap_spec, k_buck
 
 
 @pytest.fixture(autouse=True)
-def _fused_on(monkeypatch):
-    monkeypatch.setattr(plan_km, "FUSED", True)  # on unless KERMAC_LIKE_KMEANS_FUSED=0 is set
+def _fused_on(settings):
+    settings(kmeans_fused=True)  # on unless KERMAC_LIKE_KMEANS_FUSED=0 is set
 
 
 def test_cpu_tensors_take_the_torch_path():
@@ -83,33 +83,32 @@ def test_segment_sums_plan(as_gpu):
     assert plan_segment_sums(torch.randn(N, K, dtype=torch.float64), perm, bounds, None, C) is None
 
 
-# -- Lloyd's assignment on tensor cores (plan.kmeans.ASSIGN_MMA) --------------------------------------
-def test_assign_switch_off_keeps_knn(as_gpu, monkeypatch):
+# -- Lloyd's assignment on tensor cores (setting kmeans_assign_mma) --------------------------------------
+def test_assign_switch_off_keeps_knn(as_gpu, monkeypatch, settings):
     """Off (KERMAC_LIKE_KMEANS_ASSIGN_MMA=0; on by default): no plan, cluster._assign takes knn."""
-    import os
-
+    from kermac_like.config import SETTINGS
     from kermac_like.plan.kmeans import assign_mma, plan_assign
 
-    assert plan_km.ASSIGN_MMA == (os.environ.get("KERMAC_LIKE_KMEANS_ASSIGN_MMA", "1") != "0")
-    monkeypatch.setattr(plan_km, "ASSIGN_MMA", False)
+    assert SETTINGS["kmeans_assign_mma"].default is True
+    settings(kmeans_assign_mma=False)
     X, c = torch.randn(1000, 16), torch.randn(64, 16)
     assert plan_assign(X, c) is None and assign_mma(X, c) is None
     # on: K beyond ASSIGN_UP_TO (where the SIMT argmin measured as fast or faster) stays on knn,
     # though the kernel itself serves it
-    monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
+    settings(kmeans_assign_mma=True)
     X, c = torch.randn(1000, plan_km.ASSIGN_UP_TO + 1), torch.randn(64, plan_km.ASSIGN_UP_TO + 1)
     assert assign_mma(X, c) is None and plan_assign(X, c) is not None
 
 
 @pytest.mark.parametrize("K, kK, block_m, block_n, split", [(16, 16, 256, 128, 0), (5, 8, 256, 128, 0),
                                                              (33, 64, 128, 32, 1), (32, 32, 128, 64, 0)])
-def test_assign_switch_on_plans_the_kernel(as_gpu, monkeypatch, K, kK, block_m, block_n, split):
+def test_assign_switch_on_plans_the_kernel(as_gpu, monkeypatch, K, kK, block_m, block_n, split, settings):
     """On: the prep kernel (one CTA) then kmeans_assign_mma_kernel over ceil(N / kBlockM) CTAs, with
     the certificate's tau and topk's partial-sum rule; float64, K > 64 and CPU-only calls: no plan."""
     from kermac_like.plan.kmeans import assign_split, assign_tau, plan_assign
     from kermac_like.runtime.specs.kmeans import assign_prep_spec, assign_spec
 
-    monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
+    settings(kmeans_assign_mma=True)
     N, C = 3000, 300
     plan = plan_assign(torch.randn(N, K), torch.randn(C, K), certificates=True)
     assert plan.family == "kmeans_assign"
@@ -170,25 +169,24 @@ def test_centre_bounds_are_outward(C, K):
     assert far.any() or C == 2
 
 
-def test_bounds_serve_rule(as_gpu, monkeypatch):
-    """Pruned iterations: BOUNDS on, the tensor-core assignment serving, K <= ASSIGN_UP_TO, 2 <= C <=
+def test_bounds_serve_rule(as_gpu, monkeypatch, settings):
+    """Pruned iterations: kmeans_bounds on, the tensor-core assignment serving, K <= ASSIGN_UP_TO, 2 <= C <=
     BOUNDS_MAX_C; KERMAC_LIKE_KMEANS_BOUNDS=0 (or the assignment off) assigns every point."""
-    import os
-
+    from kermac_like.config import SETTINGS
     from kermac_like.plan.kmeans import bounds_serve
 
-    assert plan_km.BOUNDS == (os.environ.get("KERMAC_LIKE_KMEANS_BOUNDS", "1") != "0")
-    monkeypatch.setattr(plan_km, "BOUNDS", True)
-    monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
+    assert SETTINGS["kmeans_bounds"].default is True
+    settings(kmeans_bounds=True)
+    settings(kmeans_assign_mma=True)
     X = torch.randn(100, 16)
     assert bounds_serve(X, 2) and bounds_serve(X, plan_km.BOUNDS_MAX_C)
     assert not bounds_serve(X, 1) and not bounds_serve(X, plan_km.BOUNDS_MAX_C + 1)
     assert not bounds_serve(torch.randn(100, plan_km.ASSIGN_UP_TO + 1), 8)
     assert not bounds_serve(X.double(), 8)
-    monkeypatch.setattr(plan_km, "ASSIGN_MMA", False)
+    settings(kmeans_assign_mma=False)
     assert not bounds_serve(X, 8)
-    monkeypatch.setattr(plan_km, "ASSIGN_MMA", True)
-    monkeypatch.setattr(plan_km, "BOUNDS", False)
+    settings(kmeans_assign_mma=True)
+    settings(kmeans_bounds=False)
     assert not bounds_serve(X, 8)
 
 

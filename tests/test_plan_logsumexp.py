@@ -7,14 +7,8 @@ import torch
 
 import kermac_like as km
 from kermac_like.ops.distance import prepare_call
-from kermac_like.plan import logsumexp as plan_lse
 from kermac_like.plan.logsumexp import EXPAND_TOL, expand_params, fused_serves, plan_logsumexp
 from kermac_like.runtime.specs.logsumexp import lse_spec
-
-
-@pytest.fixture(autouse=True)
-def _fused_on(monkeypatch):
-    monkeypatch.setattr(plan_lse, "FUSED", True)  # on unless KERMAC_LIKE_LSE_FUSED=0 is set
 
 
 def _call(M, N, K, desc="gaussian_l2", dtype=torch.float32, **hyp):
@@ -71,7 +65,7 @@ def test_expand_guard_randn_bandwidths_and_far_data():
     assert 0 < EXPAND_TOL <= 1e-5 / 2
 
 
-def test_expand_launch_argument(as_gpu, monkeypatch):
+def test_expand_launch_argument(as_gpu, settings):
     lw = torch.zeros(1000, 1)
     call = _call(600, 1000, 3, bandwidth=1.0)
     plan = plan_logsumexp(call, lw, torch.empty(600, 1))
@@ -80,7 +74,7 @@ def test_expand_launch_argument(as_gpu, monkeypatch):
     assert plan.launches[0].args[-1] == plan.scratch[-1].data_ptr() and plan.scratch[-1].shape == (4,)
     two = plan_logsumexp(call, torch.zeros(1000, 2), torch.empty(600, 2))  # two columns: variant 2, no pointer
     assert two.launches[0].args[-1] == 0 and ", 2, 8, 0>" not in two.launches[0].kernel.spec.traits
-    monkeypatch.setattr(plan_lse, "EXPAND", False)  # KERMAC_LIKE_LSE_EXPAND=0: the direct form's kernel
+    settings(lse_expand=False)  # KERMAC_LIKE_LSE_EXPAND=0: the direct form's kernel
     off = plan_logsumexp(call, lw, torch.empty(600, 1))
     assert off.launches[0].args[-1] == 0 and off.launches[0].kernel.spec == lse_spec(call.desc, torch.float32, 3, 1,
                                                                                      variant=2)

@@ -370,9 +370,6 @@ def test_gpu_kernel_logsumexp(name, bw, monkeypatch):
     """kernel_logsumexp on the GPU (the fused kernel: one column takes the expanded exponent where its bound
     allows, two columns the direct form) within 1e-5 of max(1, |value|) of float64 on the given inputs; the
     offset data's values are the centred data's."""
-    from kermac_like.plan import logsumexp as plan_lse
-
-    monkeypatch.setattr(plan_lse, "FUSED", True)  # the fused kernel, whatever KERMAC_LIKE_LSE_FUSED says
     desc = km.preset(name)
     data = _cuda_data((2000, 3), (5000, 3), seed=30)
     g = torch.Generator(DEV).manual_seed(3)

@@ -277,7 +277,7 @@ def test_pipelined_compiles_without_spills(arch):
 
 
 @pytest.mark.parametrize("version", [2, 3, 4, 5])
-def test_planner_selects_the_version(monkeypatch, version):
+def test_planner_selects_the_version(monkeypatch, version, settings):
     """plan.topk.MMA_VERSION (env KERMAC_LIKE_TOPK_MMA_VERSION) picks topk_mma_pipelined_kernel
     for 3 and 4, with the same arguments and grid as topk_mma_kernel (the launch is stood in for)."""
     import torch
@@ -292,7 +292,7 @@ def test_planner_selects_the_version(monkeypatch, version):
     monkeypatch.setattr(P, "_sm_count", lambda device: 1)
     monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
     monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
-    monkeypatch.setattr(P, "MMA_VERSION", version)
+    settings(topk_mma_version=version)
     seen = []
 
     class Stop(Exception):
@@ -312,7 +312,7 @@ def test_planner_selects_the_version(monkeypatch, version):
     assert (", %d>" % version in spec.traits) == (version > 2)
 
 
-def test_version5_falls_back_beyond_k128(monkeypatch, emulator, tmp_path):
+def test_version5_falls_back_beyond_k128(monkeypatch, emulator, tmp_path, settings):
     """Version 5 keeps x in shared memory for K <= 128: the planner takes version 4 beyond, and
     the kernel traps if called beyond (never silently wrong lists)."""
     import torch
@@ -325,7 +325,7 @@ def test_version5_falls_back_beyond_k128(monkeypatch, emulator, tmp_path):
     monkeypatch.setattr(P, "_sm_count", lambda device: 1)
     monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
     monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
-    monkeypatch.setattr(P, "MMA_VERSION", 5)
+    settings(topk_mma_version=5)
     seen = []
 
     class Stop(Exception):
@@ -346,7 +346,7 @@ def test_version5_falls_back_beyond_k128(monkeypatch, emulator, tmp_path):
         emulate(emulator, len(VERSIONS) * 0 + 3, x, x, 1, tmp_path / "trap")
 
 
-def test_version_fits_the_device_shared_memory(monkeypatch):
+def test_version_fits_the_device_shared_memory(monkeypatch, settings):
     """The planner takes the highest version up to MMA_VERSION whose shared memory fits the
     device's opt-in limit per block, and no tensor-core path where none fits (an A100's 163 KiB
     at kSel 24): those calls take the blocked path."""
@@ -356,7 +356,7 @@ def test_version_fits_the_device_shared_memory(monkeypatch):
     from kermac_like.plan import topk as P
 
     call = prepare_knn(torch.randn(40, 128), torch.randn(90, 128), 10)  # kSel 24
-    monkeypatch.setattr(P, "MMA_VERSION", 5)
+    settings(topk_mma_version=5)
     for optin, want in ((232448, 5), (226000, 4), (220000, 3), (200 * 1024, 2), (163 * 1024, None)):
         monkeypatch.setattr(P, "_smem_optin", lambda device, _o=optin: _o)
         assert P.mma_version(call) == want, optin

@@ -233,7 +233,7 @@ def test_v6_candidates_equal_v5(emulator, tmp_path, cfg, M, N, K, n_split, data)
 # ---------------------------------------------------------------------------- planner
 
 
-def test_planner_version6_rule(monkeypatch):
+def test_planner_version6_rule(monkeypatch, settings):
     """MMA_VERSION = 6 takes version 6 on sm_90 devices for K <= 128 (its spec: topk_wgmma_kernel,
     384 threads, sm_90a), version 5 elsewhere, version 4 beyond K = 128; Tf32x3 has no version 6."""
     import torch
@@ -242,7 +242,7 @@ def test_planner_version6_rule(monkeypatch):
     from kermac_like.plan import topk as P
     from kermac_like.runtime.specs.topk import mma_smem, topk_mma_spec
 
-    monkeypatch.setattr(P, "MMA_VERSION", 6)
+    settings(topk_mma_version=6)
     monkeypatch.setattr(P, "_smem_optin", lambda device: 232448)
     narrow = prepare_knn(torch.randn(40, 128), torch.randn(90, 128), 10)
     wide = prepare_knn(torch.randn(40, 132), torch.randn(90, 132), 10)

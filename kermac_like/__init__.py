@@ -21,6 +21,8 @@ Public API::
                          the [gpytorch] extra, imported on first use)
     neighbors.NearestNeighbors / KNeighborsClassifier / KNeighborsRegressor (scikit-learn's, multi-GPU)
     cluster.KMeans (scikit-learn's Lloyd k-means: knn(X, centres, 1) assignments, deterministic updates)
+    rfm.RFMRegressor / RFMClassifier (Recursive Feature Machines: the AGOP in blocks through cdist_grad,
+                         Cholesky or Falkon per iteration; scikit-learn estimators)
 """
 
 from ._version import __version__
@@ -65,12 +67,13 @@ __all__ = [
     "neighbors",
     "cluster",
     "gpytorch",
+    "rfm",
 ]
 
 
 def __getattr__(name):
     # Submodules with heavier imports load on first use.
-    if name in ("linalg", "solvers", "neighbors", "cluster", "gpytorch"):
+    if name in ("linalg", "solvers", "neighbors", "cluster", "gpytorch", "rfm"):
         import importlib
 
         return importlib.import_module("." + name, __name__)

@@ -246,7 +246,7 @@ sklearn = pytest.importorskip("sklearn")
 from sklearn.utils.estimator_checks import parametrize_with_checks  # noqa: E402
 
 
-@parametrize_with_checks([RFMRegressor(bandwidth=5.0, iters=2), RFMClassifier(bandwidth=5.0, iters=2)])
+@parametrize_with_checks([RFMRegressor(bandwidth=5.0, iters=1), RFMClassifier(bandwidth=5.0, iters=1)])
 def test_check_estimator(estimator, check):
     check(estimator)
 

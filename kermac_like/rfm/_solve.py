@@ -35,10 +35,15 @@ class KernelMachine:
 
 
 def _cholesky(kernel: SolverKernel, u: torch.Tensor, y: torch.Tensor, reg: float):
+    """(c (C, n), info): cuSOLVER in place on a GPU, torch.linalg on a CPU."""
     k = kernel.matrix(u, u, regularization=reg)
-    c, info, _ = linalg.solve_cholesky(k, y.T.to(u.dtype).contiguous(), overwrite_a=True)
+    if u.is_cuda:
+        c, info, _ = linalg.solve_cholesky(k, y.T.to(u.dtype).contiguous(), overwrite_a=True)
+    else:
+        factor, info = torch.linalg.cholesky_ex(k, out=(k, torch.empty((), dtype=torch.int32)))
+        c = torch.cholesky_solve(y.to(u.dtype), factor).T
     del k
-    return c, int(info.max().item()) if info.dim() else int(info.item())
+    return c, int(info.item())
 
 
 def solve_cholesky(kernel: SolverKernel, u: torch.Tensor, y: torch.Tensor, reg: float) -> KernelMachine:

@@ -57,22 +57,23 @@ def event_ms(fn, *args):
     return ms, out
 
 
-def interleaved(module, switch: str, fn, reps: int, before=None):
-    """Time ``fn()`` with ``module.<switch>`` False and True, interleaved: one warm-up call each, then
-    ``reps`` rounds of both (``before()`` ahead of every timed call). Returns ({False: median ms,
-    True: median ms}, {switch: last output}); the switch is left False."""
+def interleaved(setting: str, fn, reps: int, before=None):
+    """Time ``fn()`` with the boolean setting ``setting`` (kermac_like.config) off and on, interleaved:
+    one warm-up call each, then ``reps`` rounds of both (``before()`` ahead of every timed call).
+    Returns ({False: median ms, True: median ms}, {switch: last output})."""
+    from kermac_like import config
+
     times, outs = {False: [], True: []}, {}
     for on in (False, True):
-        setattr(module, switch, on)
-        outs[on] = fn()
+        with config.override(**{setting: on}):
+            outs[on] = fn()
     for _ in range(reps):
         for on in (False, True):
-            setattr(module, switch, on)
-            if before is not None:
-                before()
-            ms, outs[on] = event_ms(fn)
+            with config.override(**{setting: on}):
+                if before is not None:
+                    before()
+                ms, outs[on] = event_ms(fn)
             times[on].append(ms)
-    setattr(module, switch, False)
     return {k: statistics.median(v) for k, v in times.items()}, outs
 
 

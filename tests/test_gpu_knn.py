@@ -228,7 +228,7 @@ def test_nccl_two_gpus_match_one(tmp_path):
 @pytest.mark.parametrize("name,largest", [("l2", False), ("squared_l2", False), ("dot", True), ("l2", True)])
 @pytest.mark.parametrize("integer", [False, True])
 def test_fused_rescore_matches_torch_rescore(monkeypatch, name, largest, integer, settings):
-    """plan.topk.FUSED_RESCORE (cuda_templates/topk_rescore.cuh) against the torch rescore() it
+    """the setting topk_fused_rescore (cuda_templates/topk_rescore.cuh) against the torch rescore() it
     replaces, on the tensor-core path (K = 128, M = 3000, N = 20000, k = 10), also with 128 rows
     per launch (a short last launch). Integer data (exact sums): the same indices and values,
     bitwise. Gaussian data: the float32 sums are reduced in another order, so values agree to

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kermac_like.cluster import KMeans, _assign  # noqa: E402
+from kermac_like import config  # noqa: E402
 from kermac_like.plan import kmeans as plan_km  # noqa: E402
 from _timing import event_ms  # noqa: E402
 from _timing import interleaved as _interleaved  # noqa: E402
@@ -42,7 +43,7 @@ REPS = 5
 
 def interleaved(fn, reps=REPS):
     """{False: median ms off, True: median ms on}, {switch: last output}; one warm-up call each."""
-    return _interleaved(plan_km, "ASSIGN_MMA", fn, reps)
+    return _interleaved("kmeans_assign_mma", fn, reps)
 
 
 def blobs(D, C, g):
@@ -63,9 +64,8 @@ def main():
         (l0, d0), (l1, d1) = outs[False], outs[True]
         diff = int((l0 != l1).sum())
         same_d2 = bool(torch.equal(d0.view(torch.int64), d1.view(torch.int64)))
-        plan_km.ASSIGN_MMA = True
-        cert = plan_km.plan_assign(X, centres, certificates=True).run()[2]
-        plan_km.ASSIGN_MMA = False
+        with config.override(kmeans_assign_mma=True):
+            cert = plan_km.plan_assign(X, centres, certificates=True).run()[2]
         unc = 1.0 - float(cert.float().mean())
         rows.append((f"assign D={D} C={C}", ms[False], ms[True], PRED.get((D, C)), f"labels differ {diff}, d2 equal "
                      f"{same_d2}, uncertified {100 * unc:.3f} %"))

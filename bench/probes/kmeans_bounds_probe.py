@@ -46,13 +46,12 @@ def main():
         return out
 
     plan_km.BoundedAssign.step = spy
-    times, outs = interleaved(plan_km, "BOUNDS", fit, REPS, before=assigned.clear)
+    times, outs = interleaved("kmeans_bounds", fit, REPS, before=assigned.clear)
     a, b = outs[False], outs[True]
     same = (torch.equal(a.labels_, b.labels_) and torch.equal(a.cluster_centers_, b.cluster_centers_)
             and a.inertia_ == b.inertia_ and a.n_iter_ == b.n_iter_)
     print("points assigned per step (bounds on):", assigned)
     # one step's parts, on the fitted model's last centres moved by one more update
-    plan_km.BOUNDS = True
     ba = plan_km.BoundedAssign(X, C)
     c0 = start.contiguous()
     ba.first(c0)

@@ -28,6 +28,7 @@ CPU check (seconds): PYTHONPATH=. python3 bench/probes/kmeans_zoo_probe.py -n 20
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -37,10 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kermac_like import cluster  # noqa: E402
+from kermac_like import cluster, config  # noqa: E402
 from kermac_like.plan import kmeans as plan_km  # noqa: E402
 
-SWITCHES = ("FUSED", "SEGSUM_FUSED", "ASSIGN_MMA", "BOUNDS")
+SWITCHES = ("kmeans_fused", "kmeans_segsum", "kmeans_assign_mma", "kmeans_bounds")  # off: the torch path
 
 
 def families(n, d, C, seed, device):
@@ -143,10 +144,10 @@ def main():
     ap.add_argument("--no-torch", action="store_true", help="skip the torch-path fit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--local", type=int, choices=(0, 1), default=None,
-                    help="plan.kmeans.LOCAL for the fits (the local certificate; default: the module's, on)")
+                    help="the setting kmeans_local for the fits (the local certificate; default: the environment's)")
     args = ap.parse_args()
     if args.local is not None:
-        plan_km.LOCAL = bool(args.local)
+        os.environ["KERMAC_LIKE_KMEANS_LOCAL"] = str(args.local)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     N, D, C = args.n, args.d, args.clusters
     print(f"{device} {torch.cuda.get_device_name() if device.type == 'cuda' else ''}: N={N} D={D} clusters={C} "
@@ -180,19 +181,13 @@ def main():
                 f"{'0 (no copy)' if ref is None else 'shifted'}")
         if unc0 is not None:
             line += (f" | uncertified at start {unc0:.3f} (local {loc0:.4f}), at end {unc1:.3f} (local {loc1:.4f})"
-                     f" | LOCAL={int(plan_km.LOCAL)}")
+                     f" | LOCAL={int(config.get('kmeans_local'))}")
         print(line)
         if steps:
             print(f"{'':14s} points per pruned step (of {N}): {steps}; sum {sum(steps) / N:.2f} N")
         if not args.no_torch:
-            saved = {s: getattr(plan_km, s) for s in SWITCHES}
-            try:
-                for s in SWITCHES:
-                    setattr(plan_km, s, False)
+            with config.override(**dict.fromkeys(SWITCHES, False)):
                 t_ms, t = fit_ms(X, C, args.iters, device)
-            finally:
-                for s, v in saved.items():
-                    setattr(plan_km, s, v)
             pick = torch.Generator(device=device).manual_seed(1)
             idx = torch.randperm(N, device=device, generator=pick)[:args.sample]
             same_c = torch.equal(t.cluster_centers_, m.cluster_centers_)

@@ -24,7 +24,6 @@ import torch
 
 sys.path.insert(0, ".")
 import kermac_like as km  # noqa: E402
-from kermac_like.plan import logsumexp as plan_lse  # noqa: E402
 from kermac_like.runtime.specs import logsumexp as specs  # noqa: E402
 
 # (label, TUNING): None is the shipped default.
@@ -89,7 +88,6 @@ def main():
     ap.add_argument("--only", action="append", choices=list(VARIANTS))
     args = ap.parse_args()
     dev = torch.device("cuda")
-    plan_lse.FUSED = True
     t0 = time.perf_counter()
     # Compile every variant first (in parallel: NVRTC runs outside the GIL).
     from kermac_like.runtime.launcher import get_kernel

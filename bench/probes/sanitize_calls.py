@@ -19,6 +19,7 @@ import sys
 import torch
 
 import kermac_like as km
+from kermac_like import config
 from kermac_like.plan import distance as P
 from kermac_like.ops.distance import prepare_call
 from kermac_like.reference import cdist_grad_reference, distance_reference
@@ -275,11 +276,10 @@ def topk_mma():
 
 
 def topk_rescore():
-    """topk_rescore.cuh (plan.topk.FUSED_RESCORE): topk_mma's cases with the fused rescoring,
+    """topk_rescore.cuh (the setting topk_fused_rescore): topk_mma's cases with the fused rescoring,
     and several launches of one wave (a short last one) by a small SM count."""
     from kermac_like.plan import topk as plan_topk
-    saved, sm = plan_topk.FUSED_RESCORE, plan_topk._sm_count
-    plan_topk.FUSED_RESCORE = True
+    sm = plan_topk._sm_count
     try:
         g = torch.Generator(device="cuda").manual_seed(12)
         for M, N, K in ((131, 700, 128), (5, 3000, 96), (257, 513, 200)):
@@ -291,14 +291,12 @@ def topk_rescore():
         x = torch.randn(300, 128, device="cuda", generator=g)
         _knn_check(x, torch.randn(900, 128, device="cuda", generator=g), 10)
     finally:
-        plan_topk.FUSED_RESCORE, plan_topk._sm_count = saved, sm
+        plan_topk._sm_count = sm
 
 
 def logsumexp():
     """logsumexp.cuh (the fused kernel): several column chunks, a -inf weight column, a batch,
     the underflowing bandwidth, few rows (split N)."""
-    from kermac_like.plan import logsumexp as plan_lse
-    plan_lse.FUSED = True
     g = torch.Generator(device="cuda").manual_seed(11)
     for (L, M, N, K, C), bw in (((2, 131, 1031, 3, 11), 0.5), ((1, 7, 5000, 8, 1), 1e-3), ((2, 300, 97, 37, 2), 2.0)):
         x = torch.randn(L, M, K, device="cuda", generator=g)
@@ -362,10 +360,9 @@ def kmeans():
                                                                                          generator=g)
     fits = []
     for on in (True, False):
-        plan_km.BOUNDS = on
-        m = KMeans(n_clusters=40, max_iter=12, tol=0.0, random_state=0).fit(xb)
+        with config.override(kmeans_bounds=on):
+            m = KMeans(n_clusters=40, max_iter=12, tol=0.0, random_state=0).fit(xb)
         fits.append((m.labels_, m.cluster_centers_, m.inertia_))
-    plan_km.BOUNDS = True
     assert torch.equal(fits[0][0], fits[1][0]) and torch.equal(fits[0][1], fits[1][1]), "pruned fit differs"
 
 

@@ -9,6 +9,7 @@ random data with poisoned outputs, then timings of the issue's workloads beside 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -18,6 +19,7 @@ import torch
 
 sys.path.insert(0, ".")
 import kermac_like as km  # noqa: E402
+from kermac_like import config  # noqa: E402
 
 
 def fused(desc, x, y, k, largest, hypers=None):
@@ -332,14 +334,14 @@ def run_mma3(M=10 ** 6):
         xm = torch.randn(M, K, device=dev, generator=g)
         outs = {}
         for v in versions:
-            P.MMA_VERSION = v
+            os.environ["KERMAC_LIKE_TOPK_MMA_VERSION"] = str(v)
             t, extra, outs[v] = whole_knn(xm, y, k, rows)
             same = (torch.equal(outs[v][0], outs[versions[0]][0]) and torch.equal(outs[v][1], outs[versions[0]][1]))
-            print(f"knn_d128 M = N = 10^6, k = 10, MMA_VERSION={v} (FUSED_RESCORE={P.FUSED_RESCORE}): {t:.0f} ms, "
+            print(f"knn_d128 M = N = 10^6, k = 10, MMA_VERSION={v} (FUSED_RESCORE={config.get('topk_fused_rescore')}): {t:.0f} ms, "
                   f"peak {extra:.0f} MiB beyond inputs; outputs == version {versions[0]}: {same}", flush=True)
             if v != versions[0]:
                 del outs[v]
-        P.MMA_VERSION = 2
+        os.environ.pop("KERMAC_LIKE_TOPK_MMA_VERSION", None)
     except Exception:
         traceback.print_exc()
 
@@ -448,7 +450,7 @@ def run_mma6(M=10 ** 6):
         kth = torch.topk(ref, k, dim=1, largest=False).values[:, -1:]
         outs = {}
         for v in versions:
-            P.MMA_VERSION = v
+            os.environ["KERMAC_LIKE_TOPK_MMA_VERSION"] = str(v)
             t, extra, (vals, idx) = whole_knn(xm, y, k, rows)
             got = torch.gather(ref, 1, idx[pick])
             err = ((vals[pick].double() - got).abs() / got.abs().clamp_min(1e-30)).max().item()
@@ -462,10 +464,10 @@ def run_mma6(M=10 ** 6):
                   f"(rows with equal indices {idx_same:.6f})", flush=True)
             if v != 5:
                 del outs[v]
-        P.MMA_VERSION = 5
+        os.environ.pop("KERMAC_LIKE_TOPK_MMA_VERSION", None)
     except Exception:
         traceback.print_exc()
-        P.MMA_VERSION = 5
+        os.environ.pop("KERMAC_LIKE_TOPK_MMA_VERSION", None)
 
     print("\n| version | ms per launch | us per tile | merged == v5 (rows) | knn_d128 ms | peak MiB | max rel err | "
           "beyond k-th | outputs == v5 |")
@@ -481,7 +483,7 @@ def run_mma6(M=10 ** 6):
 
 
 def run_rescore(M=10 ** 6):
-    """plan.topk.FUSED_RESCORE (cuda_templates/topk_rescore.cuh) against the torch rescoring:
+    """the setting topk_fused_rescore (cuda_templates/topk_rescore.cuh) against the torch rescoring:
     one launch's wave of rows against 10^6 points (D = 128, k = 10) with the rescoring alone
     timed on the same candidate scratch (and its extra memory), then knn_d128's whole call
     (M = N = 10^6) with the flag off and on: CUDA events, median of 3, and the peak memory
@@ -545,7 +547,7 @@ def run_rescore(M=10 ** 6):
     del x, scratch, out
     xm = torch.randn(M, K, device=dev, generator=g)
     for flag in (False, True):
-        P.FUSED_RESCORE = flag
+        os.environ["KERMAC_LIKE_TOPK_FUSED_RESCORE"] = str(int(flag))
         fused(km.PRESETS["l2"], xm[:rows], y, k, False)  # compiled and warm
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

@@ -53,7 +53,7 @@ typedef unsigned long long u64;
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_,
           bool kLargest_, int kSel_ = 0, int kRows_ = 0, int kUnrollJ_ = 0>
 struct TopkTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogue_, T_> {
-  static_assert(kK_ >= 1 && kK_ <= 64, "TopkTraits: kK is the padded K, 1..64");
+  static_assert(kK_ >= 1 && kK_ <= 128, "TopkTraits: kK is the padded K, 1..128");
   static_assert(kSel_ >= 0 && kSel_ <= 32, "TopkTraits: kSel is 0 (lists in memory) or 1..32 (in registers)");
 
   static constexpr int kK = kK_;

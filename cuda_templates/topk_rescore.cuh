@@ -193,7 +193,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const float kth = val[Tr::kMaxSel - 1];
     const u64 last_key = cur[sel - 1];
     const float last = topk_detail::value_of<Tr>(unsigned(last_key >> 32));
-    const float xn = xnorm[m], yn = *ynorm;
+    const float xn = xnorm[m];
+    float yn = *ynorm;
+    if constexpr (!kDot && !Tr::kLargest) {  // the window: a point that can displace the k-th lies
+      // within sqrt(kth) of x, its norm below (|x| + sqrt(kth)) (1 + 2^-16 + K 2^-22)
+      const float scale = math::add_rn(1.0f + 0x1p-16f, bound_k);
+      if (yn == yn) yn = fminf(yn, math::mul_rn(math::add_rn(xn, math::sqrt_rn(kth)), scale));  // NaN: none certified
+    }
     float bound = math::mul_rn(math::mul_rn(kDot ? 0x1p-9f : 0x1p-8f, xn), yn);
     if constexpr (!kDot)
       bound = math::add_rn(bound, math::mul_rn(bound_k, math::add_rn(math::mul_rn(xn, xn), math::mul_rn(yn, yn))));

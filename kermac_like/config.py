@@ -167,8 +167,9 @@ SETTINGS = _declare(
             "argmin)"),
     Setting("kmeans_bounds", "bool", True, "Lloyd's iterations pruned by distance bounds (off: every point every "
             "iteration)"),
-    Setting("kmeans_local", "bool", False, "the pruned assignment's certificate about each CTA's reference centre "
-            "(opt-in until measured on a GPU)"),
+    Setting("kmeans_local", "choice", "auto", "the pruned assignment's certificate about each CTA's reference centre "
+            "(auto: where the first assignment's global certificate leaves more than plan.kmeans.LOCAL_SHARE of the "
+            "rows uncertified)", ("auto", "on", "off")),
     Setting("lse_expand", "bool", True, "kernel_logsumexp's expanded exponent where its error bound allows (off: "
             "the direct form's kernel)"),
     Setting("falkon_mma", "bool", True, "Falkon's Gaussian products on tensor cores (off: kernel_matvec's blocked "

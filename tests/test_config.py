@@ -78,11 +78,11 @@ def test_override_scopes_over_the_environment(monkeypatch):
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0")
     monkeypatch.setenv("KERMAC_LIKE_LINALG_STREAMS", "4")
     with config.override(wgmma="always", linalg_streams="2", kmeans_local=True):
-        assert (config.get("wgmma"), config.get("linalg_streams"), config.get("kmeans_local")) == ("always", 2, True)
+        assert (config.get("wgmma"), config.get("linalg_streams"), config.get("kmeans_local")) == ("always", 2, "on")
         with config.override(wgmma=True, linalg_streams=None):  # None: the default, whatever the environment says
             assert config.get("wgmma") == "on" and config.get("linalg_streams") == 16
         assert config.get("wgmma") == "always" and config.get("linalg_streams") == 2
-    assert config.get("wgmma") == "off" and config.get("linalg_streams") == 4 and config.get("kmeans_local") is False
+    assert config.get("wgmma") == "off" and config.get("linalg_streams") == 4 and config.get("kmeans_local") == "auto"
 
 
 def test_override_rejects_before_changing_anything():
@@ -96,7 +96,7 @@ def test_override_rejects_before_changing_anything():
             with config.override(kmeans_local=True, **bad):
                 pass
         assert config.SETTINGS[name].accepted in str(caught.value)
-        assert config.get("kmeans_local") is False  # the valid part of the call was not applied
+        assert config.get("kmeans_local") == "auto"  # the valid part of the call was not applied
     with pytest.raises(ValueError, match="not a setting"):
         config.get("no_such_switch")
 

@@ -94,6 +94,33 @@ def test_knn_on_every_family(name, K, k, p):
         assert v[3, 0] == 0 and v[7, 0] == 0  # the duplicates, exactly
 
 
+@pytest.mark.parametrize("name", ["blobs_wide", "blobs_tight", "onehot", "student_t"])
+def test_knn_uncertified_rows_take_the_fused_selection(monkeypatch, name):
+    """K = 128, k = 10 on the families whose rows the TF32 bound leaves uncertified (clusters far
+    from the reference point, ties, heavy tails): those rows are recomputed by the fused SIMT
+    selection (K <= 128), never by the blocked path, with float64's values and index sets."""
+    from kermac_like.ops import knn as knn_mod
+    from kermac_like.plan import topk as plan_topk
+
+    blocked, simt = [], []
+    real_blocked, real_plan = knn_mod.topk_blocked, plan_topk.plan_topk
+    monkeypatch.setattr(knn_mod, "topk_blocked", lambda call, *a, **kw: blocked.append(call.M) or real_blocked(call, *a, **kw))
+
+    def spy(call, *a, fallback=False, **kw):
+        if fallback:
+            simt.append(call.M)
+        return real_plan(call, *a, fallback=fallback, **kw)
+
+    monkeypatch.setattr(plan_topk, "plan_topk", spy)
+    x, y = _pair(name, 600, 5000, 128)
+    v, i = km.knn(x, y, 10)
+    assert not blocked, blocked
+    if name == "onehot":  # 75 % duplicate rows: ties at the k-th value, never certified
+        assert simt and simt[0] > 0
+    assert_acceptable(v, i, _dense(x, y), 10, False)
+    assert v[3, 0] == 0 and v[7, 0] == 0
+
+
 def test_knn_shifted_rows_are_certified_on_tensor_cores(monkeypatch):
     """Features shifted by +3 (all positive) at K = 128: the tensor-core candidates certify every
     row as on centred data (no row takes the blocked path; before the shift by a reference point

@@ -26,6 +26,7 @@ INSTANCES = [
     ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::None", 3, "false", 8),
     ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::Laplace", 3, "true", 32),
     ("Inner::Dot, Power::Noop, Power::Noop, Epilogue::None", 12, "true", 12),
+    ("Inner::Diff, Power::Square, Power::Sqrt, Epilogue::None", 128, "false", 12),  # the wide bucket (fallback)
 ]
 
 SHIM = THREAD_SHIM + r"""

@@ -134,13 +134,13 @@ def _oracle(x, y, scratch, k, sel, yn, dot, largest, root=False):
 
 def _approx(x, y, dot, seed, scale=0.9):
     """Approximate values as the TF32 candidates: the float32 values perturbed by up to
-    ``scale`` of candidate_bound."""
+    ``scale`` of each pair's candidate_bound."""
     g = torch.Generator().manual_seed(seed)
     exact = x @ y.T if dot else (x[:, None, :] - y[None, :, :]).square().sum(-1)
     if scale == 0:
         return exact
-    b = candidate_bound(torch.linalg.vector_norm(x, dim=1)[:, None], torch.linalg.vector_norm(y, dim=1).max(), exact,
-                        x.shape[1], dot)
+    b = candidate_bound(torch.linalg.vector_norm(x, dim=1)[:, None], torch.linalg.vector_norm(y, dim=1)[None, :], exact,
+                        x.shape[1], dot)  # each pair's bound: its own point's norm, as the TF32 products err
     approx = exact + scale * b * (2 * torch.rand(exact.shape, generator=g) - 1)
     return approx if dot else approx.clamp_min(0)  # the kernel's max(., 0)
 
@@ -204,7 +204,7 @@ def test_integer_ties_and_pads_are_exact(runner, tmp_path, which):
     assert torch.equal(i, ri) and torch.equal(ok, rok) and torch.equal(v, rv) and ok.all()
 
 
-def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch):
+def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch, settings):
     """plan.topk._run_mma end to end on CPU tensors with FUSED_RESCORE off and on: the launches
     are stood in for (topk_mma_kernel: the lists of exact values written at its pointer and
     packed layout; topk_rescore_kernel: this runner, reading and writing the planner's pointers
@@ -227,7 +227,7 @@ def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch):
     monkeypatch.setattr(P, "_sm_count", lambda device: 1)  # 128 rows a launch: 128, 12
     monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
     monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
-    monkeypatch.setattr(P, "MMA_VERSION", 2)  # the stand-in below answers topk_mma_kernel (every version: same ABI)
+    settings(topk_mma_version=2)  # the stand-in below answers topk_mma_kernel (every version: same ABI)
 
     def read(ptr, count, dtype):
         return torch.frombuffer(bytearray(ctypes.string_at(ptr, count * dtype.itemsize)), dtype=dtype)
@@ -276,7 +276,7 @@ def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch):
     certified = []
     out = {}
     for fused in (False, True):
-        monkeypatch.setattr(P, "FUSED_RESCORE", fused)
+        settings(topk_fused_rescore=fused)
         base[0] = None
         v = torch.full((k, M), -7.0).t()  # strided outputs
         i = torch.full((M, 2 * k), -7, dtype=torch.int64)[:, ::2]

@@ -143,7 +143,7 @@ def main():
     ap.add_argument("--only", nargs="*", help="families to run (default: all)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch-path fit")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--local", type=int, choices=(0, 1), default=None,
+    ap.add_argument("--local", choices=("auto", "on", "off", "0", "1"), default=None,
                     help="the setting kmeans_local for the fits (the local certificate; default: the environment's)")
     args = ap.parse_args()
     if args.local is not None:
@@ -181,7 +181,7 @@ def main():
                 f"{'0 (no copy)' if ref is None else 'shifted'}")
         if unc0 is not None:
             line += (f" | uncertified at start {unc0:.3f} (local {loc0:.4f}), at end {unc1:.3f} (local {loc1:.4f})"
-                     f" | LOCAL={int(config.get('kmeans_local'))}")
+                     f" | kmeans_local={config.get('kmeans_local')}")
         print(line)
         if steps:
             print(f"{'':14s} points per pruned step (of {N}): {steps}; sum {sum(steps) / N:.2f} N")

@@ -27,7 +27,7 @@ import torch
 from .. import config
 from ..centring import shifted_pair
 from ..descriptor import PRESETS
-from ..runtime.specs.topk import (MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
+from ..runtime.specs.topk import (FALLBACK_MAX_K, MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
                                   MMA_VERSIONS, RESCORE_WARPS, mma_sel, mma_smem, topk_combine_spec, topk_mma_spec,
                                   topk_rescore_spec, topk_spec)
 from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
@@ -41,20 +41,23 @@ SCRATCH_BYTES = 32 << 20  # largest split scratch of one call ([split][batch][M]
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def fused_serves(call) -> bool:
-    """Whether the fused kernel serves this validated call (else: the blocked path)."""
+def fused_serves(call, wide: bool = False) -> bool:
+    """Whether the fused kernel serves this validated call (else: the blocked path); ``wide``:
+    up to FALLBACK_MAX_K coordinates (the tensor-core candidates' uncertified rows)."""
     reg = call.hypers.get("regularization")
-    return (call.dtype in _DTYPES and 0 < call.K <= MAX_K and 1 <= call.k <= MAX_SELECT
+    return (call.dtype in _DTYPES and 0 < call.K <= (FALLBACK_MAX_K if wide else MAX_K) and 1 <= call.k <= MAX_SELECT
             and call.N < 2 ** 31 - 1 and call.M < 2 ** 31 - 1
             and (reg is None or (not isinstance(reg, torch.Tensor) and reg == 0))
             and (call.epsilon is None or call.epsilon <= 0) and _gpu_ok(call.x))
 
 
-def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = False):
-    if mma_serves(call):
+def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = False, *, fallback: bool = False):
+    """``fallback``: the exact SIMT selection of rows the tensor-core candidates left
+    uncertified (K up to FALLBACK_MAX_K; never the tensor-core path again)."""
+    if not fallback and mma_serves(call):
         return Plan("topk_mma", None, (), values, reference=lambda: _run_mma(call, values, indices, debug),
                     debug=debug)
-    if not fused_serves(call):
+    if not fused_serves(call, wide=fallback):
         return None
     from ..runtime.launcher import get_kernel
 
@@ -201,14 +204,28 @@ def _decode(bits: torch.Tensor, dot: bool, largest: bool) -> torch.Tensor:
     return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # the low word's bit pattern
 
 
-def candidate_bound(xn: torch.Tensor, ynorm, a: torch.Tensor, K: int, dot: bool) -> torch.Tensor:
+def candidate_bound(xn: torch.Tensor, ynorm, a: torch.Tensor, K: int, dot: bool,
+                    kth: torch.Tensor | None = None) -> torch.Tensor:
     """How far a TF32 candidate value can be from the float32 one, for rows of norm ``xn``
     against points of norm <= ``ynorm`` (``a``: the values at stake, for the float32 rounding
     of the rescoring): twice the TF32 rounding of both operands (2^-10 |x||y| per dot product,
-    with fp32 accumulation over K), and for squared distances the two norms' fp32 sums."""
+    with fp32 accumulation over K), and for squared distances the two norms' fp32 sums.
+
+    ``kth`` (squared distances, smallest first): the row's k-th exact value. A point that can
+    displace it lies within sqrt(kth) of x, so its norm is at most |x| + sqrt(kth) (with the
+    norms' own float32 error as slack): the bound then takes that window's norm where it is
+    below ``ynorm`` (far points and heavy tails no longer widen every row's bound)."""
     if dot:
         return 2.0 ** -9 * xn * ynorm + 2.0 ** -16 * a.abs()
+    if kth is not None:
+        ynorm = torch.minimum(ynorm, (xn + kth.sqrt()) * window_scale(K))  # a NaN norm still certifies nothing
     return 2.0 ** -8 * xn * ynorm + K * 2.0 ** -22 * (xn * xn + ynorm * ynorm) + 2.0 ** -16 * a.abs()
+
+
+def window_scale(K: int) -> float:
+    """The slack factor of candidate_bound's window (float32): 1 + 2^-16 (the rescored k-th
+    value's rounding) + K 2^-22 (the norms' float32 sums), as topk_rescore.cuh forms it."""
+    return float(np.float32(np.float32(1.0 + 2.0 ** -16) + np.float32(K * 2.0 ** -22)))
 
 
 def rescore(xs: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, pad: torch.Tensor, last: torch.Tensor, ynorm,
@@ -234,8 +251,9 @@ def rescore(xs: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, pad: torch.Ten
     ev, ii = ev.gather(1, oi), idx.gather(1, oi)
     ov = torch.sort(ev, dim=1, descending=largest, stable=True).indices[:, :k]
     ev, ii = ev.gather(1, ov), ii.gather(1, ov)
-    bound = candidate_bound(torch.linalg.vector_norm(xs, dim=1) if xn is None else xn, ynorm, last, xs.shape[1], dot)
     kth = ev[:, -1]
+    bound = candidate_bound(torch.linalg.vector_norm(xs, dim=1) if xn is None else xn, ynorm, last, xs.shape[1], dot,
+                            kth=None if dot or largest else kth)
     ok = (kth > last + bound) if largest else (kth < last - bound)
     return ev, ii, ok | pad.any(1)
 
@@ -261,7 +279,8 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     beyond the candidates' last, and an approximate value is within the TF32 error bound B of
     the exact one (B = 2^-8 |x| max|y| + K 2^-22 (|x|^2 + max|y|^2) for distances, 2^-9 |x|
     max|y| for dot products, plus 2^-16 of the value for the float32 rescoring). Rows that are
-    not certified (NaN rows, near-ties across the margin) are recomputed by the blocked path.
+    not certified (NaN rows, near-ties across the margin) are recomputed by the fused SIMT
+    selection (K <= FALLBACK_MAX_K; beyond it the blocked path).
     With topk_fused_rescore, topk_rescore_kernel does the merge, the rescoring, the order and the
     certificate of each launch's rows in one launch (same candidates, same bound; the float32
     sums in another order: values within a few ulps)."""
@@ -331,9 +350,16 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
         sub = dataclasses.replace(call, x=call.x[bad], M=int(bad.numel()))
         v = torch.empty((sub.M, k), dtype=values.dtype, device=values.device)
         i = torch.empty((sub.M, k), dtype=torch.int64, device=values.device)
-        topk_blocked(sub, v, i, debug=debug)
+        # the exact SIMT selection (float32 direct differences, as the rescoring's) where K fits
+        # its registers; the blocked path beyond
+        simt = plan_topk(sub, v, i, debug, fallback=True)
+        if simt is not None:
+            simt.run()
+        else:
+            topk_blocked(sub, v, i, debug=debug)
         values[bad] = v
         indices[bad] = i
         if debug:
-            log.debug("topk: %d of %d rows recomputed by the blocked path", sub.M, M)
+            log.debug("topk: %d of %d rows recomputed by the %s", sub.M, M,
+                      "SIMT selection" if simt is not None else "blocked path")
     return values

@@ -15,7 +15,7 @@ import torch
 from ...descriptor import PRESETS, KernelDescriptor
 from .kernel_spec import CPP_TYPES, KernelSpec, LaunchShape, bucket
 
-__all__ = ["K_BUCKETS", "SEL_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "MMA_MAX_SELECT", "k_bucket",
+__all__ = ["K_BUCKETS", "WIDE_K_BUCKETS", "FALLBACK_MAX_K", "SEL_BUCKETS", "MAX_K", "MAX_SELECT", "MAX_SPLIT", "MMA_MAX_SELECT", "k_bucket",
            "sel_bucket", "mma_sel", "rows_per_thread", "topk_spec", "topk_combine_spec", "topk_mma_spec", "topk_rescore_spec",
            "shipped"]
 
@@ -24,7 +24,11 @@ CAP = 16  # TopkTraits::kCap of the lists in memory (kSel = 0)
 # Padded K of the x rows in registers (each bucket one instantiation: K = 1..8 exact, then
 # steps whose padding costs at most a third of the inner operations).
 K_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
-MAX_K = K_BUCKETS[-1]  # larger K: the blocked path
+MAX_K = K_BUCKETS[-1]  # larger K: the tensor-core candidates (plan.topk.mma_serves), else the blocked path
+# Rows of x up to 128 floats in registers (one row per thread, no spills: 166-206 registers on
+# sm_90): the exact selection of the rows the tensor-core candidates leave uncertified.
+WIDE_K_BUCKETS = (96, 128)
+FALLBACK_MAX_K = WIDE_K_BUCKETS[-1]
 MAX_SELECT = 1024  # largest k of the fused kernel (the list of a row lives in the indices output)
 # Register lists (kSel): k up to the last bucket; beyond it the lists live in memory (kSel = 0).
 SEL_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
@@ -33,9 +37,9 @@ MAX_SPLIT = 512  # topk_combine_kernel's kMaxSplit
 _T = CPP_TYPES
 
 
-def k_bucket(K: int) -> int:
-    """kK for K coordinates; 0 beyond MAX_K (no fused kernel)."""
-    return bucket(K, K_BUCKETS, 0)
+def k_bucket(K: int, wide: bool = False) -> int:
+    """kK for K coordinates; 0 beyond MAX_K (``wide``: FALLBACK_MAX_K) (no fused kernel)."""
+    return bucket(K, K_BUCKETS + WIDE_K_BUCKETS if wide else K_BUCKETS, 0)
 
 
 def sel_bucket(k: int) -> int:
@@ -74,14 +78,14 @@ TUNING: dict | None = None
 
 def topk_spec(desc: KernelDescriptor, dtype, K: int, largest: bool, k: int, *, rows: int = 0,
               unroll_j: int = 0) -> KernelSpec:
-    """The selection kernel for ``desc`` over K coordinates (K <= MAX_K) selecting k;
+    """The selection kernel for ``desc`` over K coordinates (K <= FALLBACK_MAX_K) selecting k;
     ``rows`` / ``unroll_j``: TopkTraits' tuning knobs kRows / kUnrollJ (0: the default, or
     :data:`TUNING`'s)."""
     if TUNING is not None and not (rows or unroll_j):
         rows, unroll_j = TUNING.get("rows", 0), TUNING.get("unroll_j", 0)
-    kK = k_bucket(K)
+    kK = k_bucket(K, wide=True)
     if kK == 0:
-        raise ValueError(f"topk: K = {K} is beyond the fused kernel's {MAX_K}")
+        raise ValueError(f"topk: K = {K} is beyond the fused kernel's {FALLBACK_MAX_K}")
     if not 1 <= k <= MAX_SELECT:
         raise ValueError(f"topk: k = {k} is outside the fused kernel's 1..{MAX_SELECT}")
     kSel = sel_bucket(k)
@@ -195,6 +199,7 @@ def shipped():
         yield topk_spec(desc, f32, 3, False, 1)  # the argmin (k-means' assignment)
         yield topk_spec(desc, f32, 3, False, 100)  # lists in memory
         yield topk_combine_spec(desc, f32, False)
+    yield topk_spec(PRESETS["l2"], f32, 128, False, 10)  # knn_d128's uncertified rows
     for name in ("laplace_l2", "gaussian_l2"):
         yield topk_spec(PRESETS[name], f32, 3, True, 10)
         yield topk_combine_spec(PRESETS[name], f32, True)

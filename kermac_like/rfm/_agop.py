@@ -62,20 +62,21 @@ def _weights(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, v: torch.Tens
     """w / scale = k(u_i, v_j) r_ij^(q - p): (n, B). Pairs closer than DISTANCE_FLOOR: on the fused
     path, the weight of that distance (cdist_grad's difference factor is exactly 0 for identical
     points); elsewhere 0 (the p = 2 matrix product's implicit differences are not exact)."""
-    w = kernel.solver_kernel(bandwidth).matrix(u, v)
     power = kernel.weight_power
-    if power != 0:
+    if power == 0:
+        return kernel.solver_kernel(bandwidth).matrix(u, v)
+    if _fused(u):  # the kernel and the distances from two fused kernels
+        w = kernel.solver_kernel(bandwidth).matrix(u, v)
+        r = cdist(u, v, p=kernel.p).clamp_min_(DISTANCE_FLOOR)
+    else:  # one distance matrix, the kernel from it
         r = _distances(u, v, kernel.p)
-        if _fused(u):
-            r.clamp_min_(DISTANCE_FLOOR)
-        else:
-            w.masked_fill_(r < DISTANCE_FLOOR, 0.0)
-            r.clamp_min_(DISTANCE_FLOOR)
-        if power == -1:
-            w.div_(r)
-        else:
-            w.mul_(r.pow_(power))
-        del r
+        zero = r < DISTANCE_FLOOR
+        w = r.div(kernel.length(bandwidth)).pow_(kernel.q).neg_().exp_().masked_fill_(zero, 0.0)
+        r.clamp_min_(DISTANCE_FLOOR)
+    if power == -1:
+        w.div_(r)
+    else:
+        w.mul_(r.pow_(power))
     return w
 
 

@@ -368,11 +368,12 @@ def _inertia(d2, weights):
 
 
 def _local_certificate() -> bool:
-    """Whether Lloyd's first assignment takes the local certificate (plan.kmeans.LOCAL), for which the
-    seeding hands over each point's nearest centre (one more fold of its last round)."""
-    from .plan.kmeans import LOCAL
+    """Whether Lloyd's first assignment takes the local certificate (the setting kmeans_local "on"; "auto"
+    decides at the first assignment), for which the seeding hands over each point's nearest centre (one more
+    fold of its last round)."""
+    from . import config
 
-    return LOCAL
+    return config.get("kmeans_local") == "on"
 
 
 def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=None):

@@ -273,6 +273,11 @@ def topk_mma():
         y = torch.randn(N, K, device="cuda", generator=g)
         for k in (1, 10):
             _knn_check(x, y, k)
+    # binary points, x their copies: ties at the k-th value leave rows uncertified, recomputed by the SIMT
+    # selection (topk.cuh's wide buckets kK = 96, 128)
+    for M, N, K in ((200, 1500, 128), (70, 900, 96)):
+        y = torch.randint(0, 2, (N, K), device="cuda", generator=g).float()
+        _knn_check(y[:M].clone(), y, 10)
 
 
 def topk_rescore():

@@ -85,3 +85,36 @@ def check_int(name: str, x) -> int:
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name}: expected an integer, got {type(x).__name__}")
     return int(x)
+
+
+def check_device(name: str, device) -> torch.device:
+    """``device`` (a torch.device, a str such as "cuda:1", or a CUDA ordinal) as a torch.device.
+
+    A CUDA device that this process cannot use is a ValueError naming ``name``: on a torch
+    built without CUDA, one line saying so (instead of torch's AssertionError from deep inside
+    the first CUDA call), and likewise where no CUDA device is visible or the ordinal is past
+    the last one."""
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"{name}: {device!r} is not a torch device ({e})") from None
+    elif isinstance(device, numbers.Integral) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"{name}: a CUDA ordinal is >= 0, got {device}")
+        dev = torch.device("cuda", int(device))
+    else:
+        raise TypeError(f"{name}: expected a torch.device, a str or a CUDA ordinal, got {type(device).__name__}")
+    if dev.type == "cuda":
+        if not torch.backends.cuda.is_built():
+            raise ValueError(f"{name}: {str(dev)!r} asked for, but this torch ({torch.__version__}) has no CUDA "
+                             "(a CPU-only build); pass 'cpu', or install a CUDA build of torch")
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: {str(dev)!r} asked for, but torch sees no CUDA device "
+                             "(torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}: {str(dev)!r} asked for, but only {torch.cuda.device_count()} CUDA "
+                             "device(s) are visible")
+    return dev

@@ -14,7 +14,8 @@ first (ascending for ``largest=False``, descending for ``largest=True``), exact 
 smaller column index. NaN is ordered as torch.topk and torch.sort order it: above every
 number, +inf included, so a NaN comes first with ``largest=True`` and last with
 ``largest=False`` (where it is selected only when a row has fewer than k numbers); NaNs tie
-with each other (smaller index first), and -0.0 ties with 0.0.
+with each other (smaller index first), and -0.0 ties with 0.0. On the CPU path a query row
+with a NaN coordinate (all its values NaN) takes torch.topk's indices of its all-NaN row.
 
 Internal entry points: :func:`prepare_topk` (validation -> :class:`TopkCall`),
 :func:`topk_forward` (no autograd), :func:`topk_blocked` (the blocked path),
@@ -349,6 +350,20 @@ def _rescored(x: Tensor, y: Tensor, v: Tensor, i: Tensor, k: int, largest: bool)
     return exact.gather(1, order).view(B, m, k), i.gather(1, order).view(B, m, k)
 
 
+def _nan_rows_as_torch(call: TopkCall, xb: Tensor, run_v: Tensor, run_i: Tensor) -> None:
+    """Rows of a NaN query point (a NaN coordinate in ``xb`` (R, K); every value of the row is
+    then NaN, except under p = inf, where torch.cdist's maximum skips NaN) get torch.topk's
+    indices of an all-NaN row of N values, in place of the index order: torch.topk breaks
+    such ties in an order of its own, which depends on N, k and largest only."""
+    if call.p is not None and math.isinf(call.p):
+        return
+    rows = xb.isnan().any(1) & run_v.isnan().all(1)
+    if not bool(rows.any()):
+        return
+    nan_row = torch.full((call.N,), math.nan, dtype=torch.float32, device=run_v.device)
+    run_i[rows] = torch.topk(nan_row, call.k, largest=call.largest, sorted=True).indices
+
+
 def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_elements: int | None = None,
                  debug: bool = False) -> tuple:
     """The top-k of a validated call by blocks: writes ``values`` and ``indices`` (checked by the
@@ -393,6 +408,8 @@ def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_eleme
         if rescore:
             run_v, run_i = _rescored(x[..., m0:m1, :].reshape(B, m1 - m0, K), y.reshape(B, N, K),
                                      run_v.view(B, m1 - m0, k), run_i.view(B, m1 - m0, k), k, call.largest)
+        if _torch_blocks(call):
+            _nan_rows_as_torch(call, x[..., m0:m1, :].reshape(R, K), run_v, run_i)
         values[..., m0:m1, :] = run_v.view(*call.batch, m1 - m0, k)
         indices[..., m0:m1, :] = run_i.view(*call.batch, m1 - m0, k)
     return values, indices
@@ -610,12 +627,14 @@ def kernel_topk(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, 
     ``largest``: None picks False for distances (DIFF descriptors without epilogue: the
     nearest points) and True for LAPLACE/GAUSSIAN kernels and DOT similarities. Hyper-parameters,
     regularisation and broadcasting of batch modes (and of tensor hyper-parameters) as in
-    run_kernel. The result equals ``torch.topk`` of run_kernel computed in float64,
-    ``sorted=True``, with ties in a fixed order: (value, index) lexicographically, the smaller
-    index first among equal values; NaN ranks above every number as in torch.topk (first with
-    largest=True, last with largest=False). On a CPU the blocked path computes the values in
-    float64 and selects exactly; on a GPU the fused kernel computes them in float32 (16-bit
-    inputs too), so pairs whose values differ by float32 rounding may be selected differently.
+    run_kernel. The result equals ``torch.topk`` of run_kernel computed in float64 from the
+    given inputs, ``sorted=True``, with ties in a fixed order: (value, index) lexicographically,
+    the smaller index first among equal values; NaN ranks above every number as in torch.topk
+    (first with largest=True, last with largest=False), and on the CPU path a query row with a
+    NaN coordinate gets torch.topk's own indices of its all-NaN row. On a CPU the blocked path
+    computes the values in float64 and selects exactly; on a GPU the fused kernel computes them
+    in float32 (16-bit inputs too), so pairs whose values differ by float32 rounding may be
+    selected differently. The values returned are the selected values rounded to x's dtype.
 
     ``out=(values, indices)`` (any strides run_kernel's out takes) is written in place and
     returned; it is left untouched when an argument is rejected. values differentiate with
@@ -624,6 +643,17 @@ def kernel_topk(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, 
     the custom op ``torch.ops.kermac_like.kernel_topk`` (``kernel_topk_out`` for ``out=``).
     Memory beyond inputs and outputs: O((M + N) K) and one block of the matrix
     (BLOCK_ELEMENTS_CPU / BLOCK_ELEMENTS_GPU values) on the blocked path.
+
+    >>> import torch, kermac_like as km
+    >>> x = torch.tensor([[0.0, 0.0], [3.0, 1.0]])
+    >>> y = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 0.0]])
+    >>> values, indices = km.kernel_topk(km.preset("gaussian_l2"), x, y, 1, bandwidth=1.0)
+    >>> indices                      # the largest kernel value of each row: its nearest point
+    tensor([[0],
+            [2]])
+    >>> values                       # exp(-1 / 2)
+    tensor([[0.6065],
+            [0.6065]])
     """
     debug = _debug.resolve(debug)
     call = prepare_topk(descriptor, x, y, k, largest=largest, p=p, inner_p=inner_p, outer_p=outer_p,
@@ -644,6 +674,27 @@ def knn(x: torch.Tensor, y: torch.Tensor, k: int, *, p: float = 2.0, largest: bo
     are those of the product formula, NaN and inf included. x ``(..., M, D)``, y ``(..., N, D)``,
     ``1 <= k <= N``; ``out``, dtypes, autograd, memory and errors (ValueError / TypeError naming
     the argument) as in :func:`kernel_topk`.
+
+    Order: the order of the distances computed in float64 from the given inputs (on a CPU,
+    torch.cdist's formula for ``compute_mode`` evaluated in float64; on a GPU the fused kernels
+    select on float32 distances, see :func:`kernel_topk`), ties by the smaller index, NaN last
+    as in torch.topk; a query row with a NaN coordinate gets torch.topk's indices of its NaN
+    row on the CPU path. ``torch.topk(torch.cdist(x, y), k, largest=False)`` on float32 inputs
+    selects by float32 distances instead: where two distances of a row are within float32
+    rounding of each other (the product formula's rounding grows with the points' norms, and
+    near ties are common at small D: 2.5 rows in 10^4 at D = 2 on Gaussian data) its indices
+    can differ from these, and it breaks exact ties in no stated order.
+
+    >>> import torch, kermac_like as km
+    >>> x = torch.tensor([[0.0, 0.0], [3.0, 1.0]])
+    >>> y = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 0.0]])
+    >>> distances, indices = km.knn(x, y, k=2)
+    >>> indices
+    tensor([[0, 1],
+            [2, 0]])
+    >>> distances
+    tensor([[1.0000, 2.0000],
+            [1.0000, 2.2361]])
     """
     debug = _debug.resolve(debug)
     call = prepare_knn(x, y, k, p=p, largest=largest, compute_mode=compute_mode)

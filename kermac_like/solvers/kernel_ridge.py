@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from .. import _debug
-from .._args import all_finite, finite_flag
+from .._args import all_finite, check_device, finite_flag
 from .. import linalg
 from .._estimator import BaseEstimator, MultiOutputMixin, RegressorMixin, check_feature_names, check_is_fitted
 from ._cg import local_dots, pcg
@@ -63,6 +63,8 @@ SOLVERS = ("auto", "cholesky", "cg", "nystrom")
 # auto takes cholesky while the N x N matrix needs at most this fraction of the free memory.
 CHOLESKY_MEMORY_FRACTION = 0.25
 DEFAULT_MAX_ITER = 1000
+# fitted arrays: numpy arrays after a numpy fit, tensors after a tensor fit
+_FITTED_ARRAYS = ("X_fit_", "dual_coef_", "centers_")
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,7 +260,19 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
     because its entries cancel), ``solver_`` (the solver used),
     ``n_iter_`` (CG iterations, 1 for cholesky's direct solve), ``residual_`` (relative residual reached,
     None for cholesky), ``n_features_in_``, ``n_samples_fit_`` (N over all ranks),
-    ``fit_time_`` (seconds, the host clock after a device synchronisation).
+    ``fit_time_`` (seconds, the host clock after a device synchronisation). ``X_fit_``,
+    ``dual_coef_`` and ``centers_`` (nystrom: every centre) follow X's type: numpy arrays after a
+    fit on numpy data (as scikit-learn's), tensors on the compute device after a fit on tensors.
+
+    >>> import numpy as np
+    >>> from kermac_like.solvers import KernelRidge
+    >>> X = np.linspace(0, 1, 20).reshape(-1, 1)
+    >>> y = np.sin(3 * X[:, 0])
+    >>> model = KernelRidge("gaussian_l2", bandwidth=0.3, alpha=1e-3).fit(X, y)
+    >>> model.solver_, type(model.dual_coef_).__name__, model.dual_coef_.shape
+    ('cholesky', 'ndarray', (20, 1))
+    >>> model.predict([[0.5]]).round(3)          # sin(1.5) = 0.997
+    array([0.996])
     """
 
     def __init__(self, kernel="laplace_l2", *, bandwidth=None, alpha=1.0, solver="auto", n_centers=None,
@@ -309,16 +323,13 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                                or not math.isfinite(mg) or mg < 1):
             raise ValueError(f"max_gpu_bytes: expected a number of bytes >= 1 or None, got {mg!r}")
         if self.device is not None:
-            try:
-                torch.device(self.device)
-            except (RuntimeError, TypeError) as e:
-                raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
+            check_device("device", self.device)
         return kernel
 
     def _compute_device(self, data_device: torch.device) -> torch.device:
         if self.device is None:
             return data_device
-        dev = torch.device(self.device)
+        dev = check_device("device", self.device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         return dev
@@ -332,7 +343,8 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
     def fit(self, X, y):
         """Fit on (X, y): X (n, D), y (n,) or (n, C). Under torch.distributed: this rank's rows."""
         debug = _debug.resolve(self.debug)
-        for name in ("X_fit_", "dual_coef_", "centers_", "preconditioner_rank_", "n_iter_", "residual_", "data_mode_"):
+        for name in ("X_fit_", "dual_coef_", "centers_", "preconditioner_rank_", "n_iter_", "residual_", "data_mode_",
+                     "_fitted"):
             self.__dict__.pop(name, None)  # a refit never keeps a previous solver's attributes
         comm = Comm()
         # Everything that can fail is checked locally first, then exchanged: every rank raises
@@ -340,7 +352,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         err, meta = None, None
         try:
             kernel = self._check_params()
-            Xt, _ = _as_tensor("X", X)
+            Xt, x_numpy = _as_tensor("X", X)
             dev = self._compute_device(Xt.device)
             _shape_2d("X", Xt)
             if y is None:
@@ -412,6 +424,12 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.fit_time_ = time.perf_counter() - t0
+        # The fitted arrays follow X's type (numpy in, numpy attributes, as scikit-learn's); predict
+        # reads the tensors (a CPU tensor and its array share memory).
+        self._fitted = {name: self.__dict__[name] for name in _FITTED_ARRAYS if name in self.__dict__}
+        if x_numpy:
+            for name, t in self._fitted.items():
+                setattr(self, name, t.detach().cpu().numpy())
         self.solver_ = solver
         self.n_features_in_ = int(Xt.shape[1])
         self.n_samples_fit_ = n_total
@@ -695,7 +713,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             if stream:  # row chunks of X through the device, the prediction gathered where X is
                 out = self._predict_chunks(Xt)
             else:
-                out = self._kernel.matvec(Xt, self.X_fit_, self.dual_coef_)
+                out = self._kernel.matvec(Xt, self._fitted["X_fit_"], self._fitted["dual_coef_"])
             out = comm.all_reduce(out).to(self._out_dtype)
         if self._y_1d:
             out = out[:, 0]
@@ -706,11 +724,11 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
     def _predict_chunks(self, Xt):
         """K(X, X_fit) dual_coef with X's rows streamed through the device (RowSource) under
         max_gpu_bytes, minus what the fitted model holds there; the output on X's device."""
-        coef = self.dual_coef_
+        x_fit, coef = self._fitted["X_fit_"], self._fitted["dual_coef_"]
         out = torch.empty((Xt.shape[0], coef.shape[1]), dtype=torch.promote_types(self._dtype, coef.dtype),
                           device=Xt.device)
         budget = None
-        fitted = self.X_fit_.numel() * self.X_fit_.element_size() + coef.numel() * coef.element_size()
+        fitted = x_fit.numel() * x_fit.element_size() + coef.numel() * coef.element_size()
         if self.max_gpu_bytes is not None:
             budget = max(1, int(self.max_gpu_bytes) - fitted)
         elif self._device.type == "cuda" and Xt.device != self._device:
@@ -718,7 +736,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         rows = RowSource(Xt, None, self._device, budget=budget, c=coef.shape[1])
         try:
             for s, xc, _ in rows.chunks():
-                o = self._kernel.matvec(xc, self.X_fit_, coef)
+                o = self._kernel.matvec(xc, x_fit, coef)
                 out[s:s + xc.shape[0]].copy_(o)
         finally:
             rows.release()

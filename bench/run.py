@@ -88,11 +88,12 @@ WORKLOADS = (
     "warm_process",
     "lowk",
     "robustness",
+    "rfm",
 )
 LINALG = ("solve_cholesky", "solve_lu", "eigh")
 # workloads whose data --data does not set (made by another module, a child process or their own rule)
-OWN_DATA = LINALG + ("krr_1m", "krr_1e9", "gp_step", "cold_compile", "warm_process", "robustness")
-OPT_IN = ("robustness",)  # run only when --only names them (a study of its own: minutes at full size)
+OWN_DATA = LINALG + ("krr_1m", "krr_1e9", "gp_step", "cold_compile", "warm_process", "robustness", "rfm")
+OPT_IN = ("robustness", "rfm")  # run only when --only names them (studies of their own: minutes at full size)
 
 FULL = dict(cdist=(30000, 30000, 1024), laplace=(50000, 50000, 256), grad=(2, 10000, 10000, 768, 16),
             linalg=(10, 5000, 16))
@@ -1400,6 +1401,9 @@ def main(argv=None):
             steps.append((w, lambda: gp_step_rows(bench)))
         elif w == "robustness":
             steps.append((w, lambda: robustness_rows(bench)))
+        elif w == "rfm":  # bench/rfm_bench.py: RFM fits beside xRFM (issue 45)
+            steps.append((w, lambda: __import__("bench.rfm_bench", fromlist=["rfm_rows"]).rfm_rows(
+                bench.device, bench.args.quick)))
     lin = [w for w in wanted if w in LINALG]
     if lin:
         steps.append(("linalg (" + ", ".join(lin) + ")", lambda: bench.linalg(lin)))

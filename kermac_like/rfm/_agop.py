@@ -43,15 +43,16 @@ def _fused(u: torch.Tensor) -> bool:
 def _distances(u: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
     """r (n, B). Off the fused path, p = 2 takes torch.cdist's matrix product on points shifted
     by the centres' reference point, whose error eps (|u|^2 + |v|^2) swamps the distance of near
-    pairs (identical rows come out at 1e-8 instead of 0): those below 2^-10 of the shifted
-    norms are recomputed from direct differences."""
+    pairs (identical rows come out at 1e-8 instead of 0): those below 2^-5 of the largest shifted
+    norm are recomputed from direct differences."""
     if p != 2 or _fused(u):
         return cdist(u, v, p=p)
     s = reference_point(u).to(u.dtype)
     us, vs = u - s, v - s
     r = cdist(us, vs, p=2.0)
-    nu, nv = us.square().sum(1), vs.square().sum(1)
-    near = (r.square() < 2.0 ** -10 * (nu[:, None] + nv[None, :])).nonzero()
+    # one threshold for the block (the largest norms): a superset of the near pairs, one pass
+    limit = 2.0 ** -5 * float(us.square().sum(1).max() + vs.square().sum(1).max()) ** 0.5
+    near = (r < limit).nonzero()
     if near.numel():
         i, j = near[:, 0], near[:, 1]
         r[i, j] = (us[i] - vs[j]).norm(dim=1)

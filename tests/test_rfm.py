@@ -122,8 +122,8 @@ def test_trace_normalisation_and_power():
 @pytest.mark.parametrize("kernel,exponent,norm_p", [("l2", 1.0, 2.0), ("l1", 1.0, 2.0), ("lpq", 1.0, 1.5)])
 def test_same_as_xrfm_after_one_iteration(kernel, exponent, norm_p):
     rfm_mod = pytest.importorskip("xrfm.rfm_src.recursive_feature_machine")
-    x, y = task(200, 6, seed=4)
-    xv, yv = task(60, 6, seed=5)
+    x, y = task(120, 6, seed=4)
+    xv, yv = task(40, 6, seed=5)
     xt = task(50, 6, seed=6)[0]
     theirs = rfm_mod.RFM(kernel=kernel, iters=1, bandwidth=5.0, exponent=exponent, norm_p=norm_p, device="cpu",
                          verbose=False, solver="solve")
@@ -138,8 +138,8 @@ def test_same_as_xrfm_after_one_iteration(kernel, exponent, norm_p):
 
 # -- early stopping, the kept model, the solvers ----------------------------------------------------
 def test_early_stopping_keeps_the_best_iteration():
-    x, y = task(150, 6, seed=8)
-    xv, yv = task(80, 6, seed=9)
+    x, y = task(100, 6, seed=8)
+    xv, yv = task(60, 6, seed=9)
     est = RFMRegressor(bandwidth=5.0, iters=4, early_stop_multiplier=None).fit(x, y, eval_set=(xv, yv))
     scores = [h["metric"] for h in est.history_]
     assert len(scores) == 5 and est.best_iter_ == int(np.argmin(scores))
@@ -254,7 +254,7 @@ def test_check_estimator(estimator, check):
 def test_grid_search_over_bandwidth_and_reg():
     from sklearn.model_selection import GridSearchCV, KFold
 
-    x, y = task(120, 5, seed=14)
+    x, y = task(90, 5, seed=14)
     grid = GridSearchCV(RFMRegressor(iters=1), {"bandwidth": [0.05, 5.0], "reg": [1e-3, 100.0]}, cv=KFold(3))
     grid.fit(x, y)
     assert grid.best_params_ == {"bandwidth": 5.0, "reg": 1e-3}, grid.cv_results_["mean_test_score"]

@@ -21,8 +21,9 @@ try:
 except ImportError:  # a source checkout: the package sits one level up
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     import kermac_like  # noqa: F401
+from kermac_like._args import check_device  # noqa: E402
 
-__all__ = ["parser", "setup", "median_ms", "rel_err", "fmt_ms", "sync"]
+__all__ = ["parser", "setup", "device_arg", "median_ms", "rel_err", "fmt_ms", "sync"]
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -40,13 +41,26 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def device_arg(value, debug: bool = False) -> torch.device:
+    """The ``--device`` option as a torch.device. A device this torch cannot use (a CUDA device
+    on a CPU-only build) ends the script with one line on stderr and exit status 2, as
+    argparse's own errors do; with ``-d`` the traceback instead."""
+    try:
+        return check_device("--device", value)
+    except (TypeError, ValueError) as e:
+        if debug:
+            raise
+        print(f"{pathlib.Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def setup(args) -> torch.device:
     """Configure logging, the seed and the device; print which path runs."""
     if args.debug:
         logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
         logging.getLogger("kermac_like").setLevel(logging.DEBUG)
     torch.manual_seed(args.seed)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_arg(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), args.debug)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if args.quick:

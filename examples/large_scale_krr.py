@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from _common import parser
+from _common import device_arg, parser
 
 import kermac_like as km  # noqa: F401
 from kermac_like.solvers import KernelRidge
@@ -132,7 +132,7 @@ def main(argv=None):
         p.error("-D: the target function uses 8 coordinates; pass -D >= 8")
     rank, world, device = init_distributed()
     if args.device is not None and world == 1:
-        device = torch.device(args.device)
+        device = device_arg(args.device, args.debug)
     q = args.quick
     n = args.N or (1000 if q else 1_000_000)
     n_test = args.n_test or (300 if q else 10_000)

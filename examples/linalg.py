@@ -23,6 +23,7 @@ try:
 except ImportError:  # running from a source checkout without installing
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     from kermac_like import linalg
+from _common import device_arg  # noqa: E402
 
 
 def laplace_matrices(L, n, d, bandwidth, reg, dtype, device, generator):
@@ -85,7 +86,7 @@ def main(argv=None):
         logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         logging.getLogger("kermac_like").setLevel(logging.DEBUG)
 
-    device = torch.device(args.device)
+    device = device_arg(args.device, args.debug)
     dtype = getattr(torch, args.dtype)
     L = args.batch if args.batch is not None else (3 if args.quick else 10)
     n = args.size if args.size is not None else (200 if args.quick else 5000)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -54,8 +55,7 @@ def _cmd_precompile(args) -> int:
     elif args.preset:
         specs = [s for name in args.preset for s in specs_for_descriptor(preset(name))]
     else:
-        print("precompile: give --all or at least one --preset NAME", file=sys.stderr)
-        return 2
+        raise UsageError("give --all or at least one --preset NAME")
     arch = args.arch
     if arch is None:
         import torch
@@ -63,13 +63,14 @@ def _cmd_precompile(args) -> int:
         from .runtime.compiler import arch_of_device
 
         if not torch.cuda.is_available():
-            print("precompile: no CUDA device here; pass --arch (e.g. --arch sm_80)", file=sys.stderr)
-            return 2
+            why = "no CUDA device is visible" if torch.backends.cuda.is_built() else "this torch has no CUDA"
+            raise UsageError(f"--arch: not given, and there is no GPU to take it from ({why}); pass e.g. --arch sm_80")
         arch = arch_of_device(torch.device("cuda", torch.cuda.current_device()))
     t0 = time.perf_counter()
+    counter = sys.stderr.isatty() and not debug  # the debug log has a line per compile instead
 
     def progress(done, total):
-        if sys.stderr.isatty():
+        if counter:
             print(f"\r  compiled {done}/{total}", end="", file=sys.stderr, flush=True)
 
     if args.bundle is not None:
@@ -78,12 +79,33 @@ def _cmd_precompile(args) -> int:
         summary = write_bundle(specs, arch, args.bundle or None, processes=args.jobs, debug=debug, progress=progress)
     else:
         summary = precompile_specs(specs, arch, processes=args.jobs, debug=debug, progress=progress)
-    if sys.stderr.isatty():
+    if counter:
         print(file=sys.stderr)
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
     summary["seconds"] = round(summary["seconds"], 3)
-    print(json.dumps(summary))
+    print(json.dumps(summary) if args.json else precompile_text(summary))
     return 0
+
+
+SPILLS_SHOWN = 5  # spilling kernels the text summary names (--json lists every one)
+
+
+def precompile_text(summary: dict) -> str:
+    """precompile's summary for a person: counts, seconds, the bundle, the kernels that spill."""
+    s = summary
+    lines = [f"{s['arch']}: {s['requested']} kernel(s) requested, {s['cached']} already cached, {s['compiled']} "
+             f"compiled ({s['programs']} NVRTC program(s) in {s['processes']} process(es)) in {s['seconds']:.1f} s"
+             f" ({s.get('wall_seconds', s['seconds']):.1f} s in all)"]
+    if s.get("bundle"):
+        lines.append(f"bundle: {s['bundle']}")
+    spills = s.get("spills") or {}
+    if spills:
+        lines.append(f"{len(spills)} compiled kernel(s) spill registers (bytes stored / loaded):")
+        for expr, (stores, loads) in list(spills.items())[:SPILLS_SHOWN]:
+            lines.append(f"  {stores} / {loads}  {expr}")
+        if len(spills) > SPILLS_SHOWN:
+            lines.append(f"  and {len(spills) - SPILLS_SHOWN} more (--json lists them all)")
+    return "\n".join(lines)
 
 
 def _cmd_tune(args) -> int:
@@ -142,15 +164,50 @@ def _cmd_config(args) -> int:
     return 0
 
 
+class UsageError(ValueError):
+    """A command line that cannot run as given (exit status 2, like argparse's own errors)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``PROG: error: MESSAGE`` on stderr and exit status 2 (the
+    usage comes with -h), for unknown subcommands, options and choices alike."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (-h for help)\n")
+
+
+def _prog() -> str:
+    """``kermac-like`` when run through the entry point, else ``python -m kermac_like``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "kermac-like" if name.startswith("kermac-like") else "python -m kermac_like"
+
+
+def _arch(text: str) -> str:
+    from .runtime.compiler import _check_arch
+
+    try:
+        return _check_arch(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kermac_like", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    from .descriptor import PRESETS
+    from .runtime.specs import FAMILIES
+
+    prog = _prog()
+    ap = _Parser(prog=prog, description=__doc__.splitlines()[0].replace("python -m kermac_like", prog))
+    ap.add_argument("--debug", dest="traceback", action="store_true",
+                    help="on an error, show the traceback (the subcommands' -d/--debug do too)")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
     def add_precompile(p):
-        p.add_argument("--arch", help="target such as sm_80 or sm_90 (default: the current GPU's)")
+        p.add_argument("--arch", type=_arch, help="target such as sm_80 or sm_90 (default: the current GPU's)")
         p.add_argument("--all", action="store_true", help="every shipped template instantiation")
-        p.add_argument("--family", action="append", help="with --all: only this kernel family (repeatable)")
-        p.add_argument("--preset", action="append", help="descriptor preset name (repeatable)")
+        p.add_argument("--family", action="append", choices=list(FAMILIES),
+                       help="with --all: only this kernel family (repeatable)")
+        p.add_argument("--preset", action="append", choices=list(PRESETS), help="descriptor preset name (repeatable)")
+        p.add_argument("--json", action="store_true", help="print the whole summary as JSON (every spilling kernel)")
         p.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile processes (default: cores)")
         p.add_argument("-d", "--debug", action="store_true", help="log compile times and resource usage")
         p.add_argument("--bundle", nargs="?", const="", default=None, metavar="DIR",
@@ -166,8 +223,8 @@ def main(argv=None) -> int:
     add_precompile(csub.add_parser("precompile", help="compile kernels into the cache"))
     add_precompile(sub.add_parser("precompile", help="compile kernels into the cache"))
     tune = sub.add_parser("tune", help="time the candidate kernels of distance calls and store the winners")
-    tune.add_argument("--preset", action="append", help="descriptor preset (repeatable; default l1, l2, laplace_l2, "
-                      "gaussian_l2)")
+    tune.add_argument("--preset", action="append", choices=list(PRESETS),
+                      help="descriptor preset (repeatable; default l1, l2, laplace_l2, gaussian_l2)")
     tune.add_argument("-K", type=int, action="append", help="dimension (repeatable; default 1 3 8 16 32 64 128 256)")
     tune.add_argument("-M", type=int, default=20000)
     tune.add_argument("-N", type=int, default=20000)
@@ -181,7 +238,16 @@ def main(argv=None) -> int:
     config.add_argument("--json", action="store_true", help="as JSON, with each setting's accepted values")
     config.set_defaults(func=_cmd_config)
     args = ap.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as e:  # one line for a person; the traceback with --debug or -d
+        if args.traceback or getattr(args, "debug", False):
+            raise
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        usage = isinstance(e, UsageError)
+        print(f"{ap.prog} {args.cmd}: error: {message} ({'-h for help' if usage else '--debug for the traceback'})",
+              file=sys.stderr)
+        return 2 if usage else 1
 
 
 if __name__ == "__main__":

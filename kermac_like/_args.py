@@ -110,7 +110,7 @@ def check_device(name: str, device) -> torch.device:
     if dev.type == "cuda":
         if not torch.backends.cuda.is_built():
             raise ValueError(f"{name}: {str(dev)!r} asked for, but this torch ({torch.__version__}) has no CUDA "
-                             "(a CPU-only build); pass 'cpu', or install a CUDA build of torch")
+                             "(a CPU-only build of torch)")
         if not torch.cuda.is_available():
             raise ValueError(f"{name}: {str(dev)!r} asked for, but torch sees no CUDA device "
                              "(torch.cuda.is_available() is False)")

@@ -50,7 +50,7 @@ def test_precompile_all_then_nothing(shipped, arch):
             if st > SPILL_ALLOWANCE.get(expr.split("<", 1)[0].rsplit("::", 1)[-1], 0)}
     assert not over, f"{arch}: shipped kernels spill beyond their allowance: {over}"
     env = {"KERMAC_LIKE_CACHE_DIR": str(d)}
-    r = _cli("precompile", "--arch", arch, "--all", env=env)
+    r = _cli("precompile", "--arch", arch, "--all", "--json", env=env)
     assert r.returncode == 0, r.stderr
     second = json.loads(r.stdout.strip().splitlines()[-1])
     assert second["compiled"] == 0 and second["cached"] == n, second
@@ -72,7 +72,7 @@ def test_cli_clear_and_info(shipped, tmp_path):
     env = {"KERMAC_LIKE_CACHE_DIR": str(d)}
     reach = [s for s in specs_for_descriptor(km.PRESETS["dot"]) if s.supports("sm_80")]
     beyond = [s for s in reach if s not in set(render.shipped_specs())]
-    r = _cli("precompile", "--arch", "sm_80", "--preset", "dot", env=env)
+    r = _cli("precompile", "--arch", "sm_80", "--preset", "dot", "--json", env=env)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert 0 < summary["compiled"] == len(beyond) and summary["cached"] == len(reach) - len(beyond), summary

@@ -120,6 +120,8 @@ def _check_data(x, y) -> None:
 
 def _check_k(k, N: int) -> int:
     k = check_int("k", k)
+    if N == 0 and k >= 1:
+        raise ValueError(f"y: has no rows (N = 0): there are no points to select the k = {k} best of")
     if not 1 <= k <= N:
         raise ValueError(f"k: expected 1 <= k <= {N} (the points of y), got {k}")
     return k

@@ -341,8 +341,9 @@ def _cusolver():
                 _warned_fallback = True
                 warnings.warn(
                     f"kermac_like.linalg: nvmath-python is not available ({e}); CUDA "
-                    f"tensors take torch.linalg (may synchronise the host). Install "
-                    f"nvmath-python (e.g. pip install nvmath-python[cu12]) for cuSOLVER.",
+                    f"tensors take torch.linalg (may synchronise the host). For cuSOLVER, "
+                    f"install the extra of your CUDA toolkit: pip install 'kermac_like[cu13]' "
+                    f"(CUDA 13) or 'kermac_like[cu12]' (CUDA 12).",
                     RuntimeWarning,
                     stacklevel=4,
                 )

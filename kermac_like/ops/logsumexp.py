@@ -91,8 +91,9 @@ def _phi_differentiable(desc: KernelDescriptor, xb: Tensor, yb: Tensor, hyp: dic
 
 def _blocks(batch: tuple, M: int, N: int, C: int) -> tuple:
     B = math.prod(batch) if batch else 1
-    nb = min(N, max(256, BLOCK_ELEMENTS // max(1, B * M * C)))
-    mb = min(M, max(1, BLOCK_ELEMENTS // max(1, B * nb * C)))
+    # at least 1: no rows of y (an empty sum: -inf, as torch.logsumexp) or of x loop zero times
+    nb = max(1, min(N, max(256, BLOCK_ELEMENTS // max(1, B * M * C))))
+    mb = max(1, min(M, max(1, BLOCK_ELEMENTS // max(1, B * nb * C))))
     return mb, nb
 
 

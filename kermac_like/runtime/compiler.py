@@ -106,6 +106,31 @@ def template_hash() -> str:
 
 # NVRTC's wheels (CUDA 13, CUDA 12): the library cuda.pathfinder loads first when installed.
 _NVRTC_WHEELS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12")
+# What brings the CUDA path's packages (pyproject.toml's extras, one per CUDA toolkit).
+CUDA_EXTRA = "pip install 'kermac_like[cu13]' (CUDA 13) or 'kermac_like[cu12]' (CUDA 12)"
+
+
+@functools.lru_cache(maxsize=None)
+def require_cuda_packages() -> None:
+    """cuda-core and cuda-bindings, or one ImportError naming the extra that brings them (the
+    plain install has neither and runs the CPU path). Every kernel key passes here
+    (:func:`nvrtc_version`, which checks NVRTC itself), so every CUDA call and precompile
+    does, once per process when they are there."""
+    import importlib
+
+    missing = []
+    for dist, module in (("cuda-core", "cuda.core"), ("cuda-bindings", "cuda.bindings")):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(dist)
+    if missing:
+        raise _missing(" and ".join(missing))
+
+
+def _missing(what: str) -> ImportError:
+    return ImportError(f"kermac_like: the CUDA path needs {what}, which the plain install leaves out (it runs "
+                       f"CPU tensors only); install the extra of your CUDA toolkit: {CUDA_EXTRA}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,9 +138,11 @@ def nvrtc_version() -> str:
     """NVRTC's "major.minor" (part of every kernel key): from the NVRTC wheel's metadata
     when one is installed, so that a warm start, which compiles nothing, does not load the
     library (its dlopen took 75-105 ms of a warm first call on the 2-core CI machine,
-    bench/notes/jit.md); else from NVRTC itself. A compile checks the two agree."""
+    bench/notes/jit.md); else from NVRTC itself. A compile checks the two agree. Without
+    the CUDA extra's packages: an ImportError naming it (:func:`require_cuda_packages`)."""
     import importlib.metadata as md
 
+    require_cuda_packages()
     for dist in _NVRTC_WHEELS:
         try:
             m = re.match(r"(\d+)\.(\d+)", md.version(dist))
@@ -123,7 +150,10 @@ def nvrtc_version() -> str:
             continue
         if m:
             return f"{m.group(1)}.{m.group(2)}"
-    return loaded_nvrtc_version()
+    try:
+        return loaded_nvrtc_version()
+    except Exception as e:  # no NVRTC library where cuda.pathfinder looks
+        raise _missing(f"NVRTC ({type(e).__name__}: {e})") from e
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from .. import _debug
+from .._args import check_device
 from ..descriptor import KernelDescriptor
 from ..layout import Layout
 from .specs import (distance_spec, distance_tunings, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec,
@@ -59,11 +60,14 @@ def precompile(descriptors, device=None, *, arch: str | None = None, processes: 
     if arch is None:
         import torch
 
-        if not torch.cuda.is_available():
-            raise ValueError("device: no CUDA device; pass arch='sm_80' (or newer) to compile without one")
-        if device is None:
-            device = torch.cuda.current_device()
-        arch = arch_of_device(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
+        try:
+            dev = check_device("device", "cuda" if device is None else device)
+        except ValueError as e:
+            raise ValueError(f"{e}; pass arch='sm_80' (or newer) to compile without a GPU") from None
+        if dev.type != "cuda":
+            raise ValueError(f"device: {str(dev)!r} is not a CUDA device; pass a CUDA device, or arch='sm_80' (or "
+                             "newer) to compile without a GPU")
+        arch = arch_of_device(torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev)
     specs = [s for d in descriptors for s in specs_for_descriptor(d)]
     return precompile_specs(specs, arch, processes=processes, debug=debug)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 
@@ -162,17 +163,26 @@ def _free_bytes(device: torch.device) -> int:
 
 
 class _Progress:
-    """tqdm bar (rank 0, when asked) plus the per-iteration logging of the CG loop."""
+    """tqdm bar (rank 0, when asked) plus the per-iteration logging of the CG loop. While the bar
+    is up, the console handlers of the root and package loggers write through tqdm
+    (logging_redirect_tqdm), so that debug records land on lines of their own, not on the bar's."""
 
     def __init__(self, show: bool, total: int, label: str):
         self.bar = None
+        self._redirect = None
         if show:
             try:
                 from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=total, desc=label, unit="it", leave=False)
+                from tqdm.contrib.logging import logging_redirect_tqdm
             except ImportError:
-                self.bar = None
+                return
+            loggers = [lg for lg in (logging.getLogger(), logging.getLogger("kermac_like"))
+                       if any(isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+                              for h in lg.handlers)]  # (it gives a logger without a console handler one)
+            if loggers:
+                self._redirect = logging_redirect_tqdm(loggers=loggers, tqdm_class=tqdm)
+                self._redirect.__enter__()
+            self.bar = tqdm(total=total, desc=label, unit="it", leave=False)
 
     def __call__(self, it, residual):
         if self.bar is not None:
@@ -182,6 +192,8 @@ class _Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -92,6 +92,17 @@ class KernelDescriptor:
 
     Fields accept the enums, their names (case-insensitive) or their values.
     Impossible combinations raise ``ValueError`` at construction.
+
+    >>> import torch, kermac_like as km
+    >>> d = km.KernelDescriptor("diff", "abs", "noop", "laplace")   # exp(-sum |x - y| / bandwidth)
+    >>> d
+    KernelDescriptor(DIFF, ABS, NOOP, LAPLACE)
+    >>> d == km.preset("laplace_l1")
+    True
+    >>> x = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    >>> km.run_kernel(d, x, x, bandwidth=2.0)
+    tensor([[1.0000, 0.3679],
+            [0.3679, 1.0000]])
     """
 
     inner_operator: InnerOperator
@@ -239,7 +250,14 @@ del _D, _I
 
 
 def preset(name: str) -> KernelDescriptor:
-    """The preset descriptor called ``name`` (see ``PRESETS``)."""
+    """The preset descriptor called ``name`` (see ``PRESETS``).
+
+    >>> import kermac_like as km
+    >>> km.preset("gaussian_l2")
+    KernelDescriptor(DIFF, SQUARE, SQRT, GAUSSIAN)
+    >>> sorted(km.PRESETS)[:4]
+    ['dot', 'gaussian_l2', 'l1', 'l2']
+    """
     try:
         return PRESETS[name]
     except KeyError:

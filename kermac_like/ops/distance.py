@@ -226,6 +226,16 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     ``autotune``: time the candidate kernels once per problem class and keep the
     fastest (stored in the kernel cache); None follows ``KERMAC_LIKE_AUTOTUNE``
     (kermac_like/runtime/autotune.py).
+
+    >>> import torch, kermac_like as km
+    >>> a = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    >>> b = torch.tensor([[0.0, 0.0], [1.0, 1.0], [3.0, 0.0]])
+    >>> km.run_kernel(km.preset("gaussian_l2"), a, b, bandwidth=2.0)    # exp(-|a - b|^2 / 8)
+    tensor([[1.0000, 0.7788, 0.3247],
+            [0.0439, 0.1969, 0.1353]])
+    >>> km.run_kernel(km.preset("laplace_l2"), a, a, bandwidth=5.0, regularization=0.5)
+    tensor([[1.5000, 0.3679],
+            [0.3679, 1.5000]])
     """
     key = None
     if not debug and autotune is None and type(descriptor) is KernelDescriptor:
@@ -348,6 +358,18 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     float16 or bfloat16 on one device. Bad arguments (p < 0, a K that differs, a non-floating
     tensor, ``out``'s shape) raise ValueError / TypeError naming the argument, before anything
     is written to ``out``.
+
+    >>> import torch, kermac_like as km
+    >>> x1 = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    >>> x2 = torch.tensor([[0.0, 0.0], [1.0, 1.0], [3.0, 0.0]])
+    >>> km.cdist(x1, x2)
+    tensor([[0.0000, 1.4142, 3.0000],
+            [5.0000, 3.6056, 4.0000]])
+    >>> km.cdist(x1, x2, p=1.0)
+    tensor([[0., 2., 3.],
+            [7., 5., 4.]])
+    >>> torch.equal(km.cdist(x1, x2), torch.cdist(x1, x2))
+    True
     """
     if out is None and not skip_epilogue and not debug and autotune is None:
         res = _cpu_cdist(x1, x2, p, compute_mode)

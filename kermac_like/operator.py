@@ -61,6 +61,22 @@ class KernelOperator:
     ``bandwidth``, ``regularization`` with ``regularization_offset_x`` and
     ``regularization_offset_y``, ``epsilon`` (floats, or tensors over batch modes),
     ``debug``.
+
+    >>> import torch, kermac_like as km
+    >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+    >>> K = km.KernelOperator(km.preset("gaussian_l2"), x, x, bandwidth=1.0)
+    >>> K.shape
+    torch.Size([3, 3])
+    >>> K @ torch.tensor([[1.0], [0.0], [-1.0]])               # kernel_matvec underneath
+    tensor([[ 0.8647],
+            [ 0.0000],
+            [-0.8647]])
+    >>> K.diagonal()
+    tensor([1., 1., 1.])
+    >>> K.to_dense()
+    tensor([[1.0000, 0.6065, 0.1353],
+            [0.6065, 1.0000, 0.6065],
+            [0.1353, 0.6065, 1.0000]])
     """
 
     __slots__ = ("descriptor", "x", "y", "hypers", "regularization_offset_x", "regularization_offset_y", "epsilon",

@@ -41,6 +41,15 @@ def cdist_grad(a, b, c, d, *, out=None, p=2.0, debug: bool = False) -> torch.Ten
     ``d[n,m] == b[n,k]`` the factor is 0.  Views are accepted; an operand whose
     last mode is not unit-stride is copied.  ``out`` must have a unit-stride
     last mode; it is left untouched when an argument is rejected.
+
+    >>> import torch, kermac_like as km
+    >>> a = torch.tensor([[1.0, 2.0]])      # (K, M) = (1, 2)
+    >>> b = torch.tensor([[0.0], [3.0]])    # (N, K) = (2, 1)
+    >>> c = torch.tensor([[1.0]])           # (O, K) = (1, 1)
+    >>> d = torch.ones(2, 2)                # (N, M)
+    >>> km.cdist_grad(a, b, c, d)           # p = 2: c[o, k] a[k, m] (d[n, m] - b[n, k])
+    tensor([[[ 1.,  2.],
+             [-2., -4.]]])
     """
     debug = _debug.resolve(debug)
     for name, t in (("a", a), ("b", b), ("c", c), ("d", d)):

@@ -202,6 +202,13 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
     derivatives, blocked; zero gradient at zero distance); not with respect to the
     hyper-parameters. ``out``: written in place and returned (left untouched when an argument
     is rejected). Errors: TypeError/ValueError naming the argument.
+
+    >>> import torch, kermac_like as km
+    >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+    >>> km.kernel_logsumexp(km.preset("gaussian_l2"), x, x, bandwidth=1.0)
+    tensor([0.5550, 0.7944, 0.5550])
+    >>> torch.logsumexp(-torch.cdist(x, x) ** 2 / 2, dim=1)   # the same, through the matrix
+    tensor([0.5550, 0.7944, 0.5550])
     """
     debug = _debug.resolve(debug)
     if not isinstance(descriptor, KernelDescriptor):

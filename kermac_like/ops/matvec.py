@@ -315,6 +315,17 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     and returned; it is left untouched when an argument is rejected. Underneath it is the
     custom op ``torch.ops.kermac_like.kernel_matvec`` (``kernel_matvec_out`` for ``out=``):
     fake shapes for torch.compile, autograd for x, y and v (ops/matvec_backward.py).
+
+    >>> import torch, kermac_like as km
+    >>> g = km.preset("gaussian_l2")
+    >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+    >>> v = torch.tensor([[1.0], [0.0], [-1.0]])
+    >>> km.kernel_matvec(g, x, x, v, bandwidth=1.0)          # the matrix is never formed
+    tensor([[ 0.8647],
+            [ 0.0000],
+            [-0.8647]])
+    >>> torch.allclose(km.run_kernel(g, x, x, bandwidth=1.0) @ v, km.kernel_matvec(g, x, x, v, bandwidth=1.0))
+    True
     """
     debug = _debug.resolve(debug)
     call = prepare_matvec(descriptor, x, y, v, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,

@@ -287,6 +287,13 @@ class NearestNeighbors(_KNeighborsBase):
 
     Fitted attributes: ``n_features_in_``, ``n_samples_fit_`` (over all ranks),
     ``effective_metric_``, ``effective_metric_params_``.
+
+    >>> import numpy as np
+    >>> from kermac_like.neighbors import NearestNeighbors
+    >>> X = np.array([[0.0], [1.0], [2.0], [10.0]])
+    >>> distances, indices = NearestNeighbors(n_neighbors=2).fit(X).kneighbors([[1.2]])
+    >>> distances, indices
+    (array([[0.2, 0.8]]), array([[1, 2]]))
     """
 
     def __init__(self, n_neighbors=5, *, p=2, metric="minkowski", debug=False):
@@ -318,6 +325,15 @@ class KNeighborsClassifier(ClassifierMixin, _KNeighborsBase):
     ``p``, ``metric``, ``debug`` as in :class:`NearestNeighbors`. Ties of the vote go to the
     smallest class. Fitted: ``classes_``, ``n_features_in_``, ``n_samples_fit_``,
     ``effective_metric_``, ``outputs_2d_`` (False: one target).
+
+    >>> import numpy as np
+    >>> from kermac_like.neighbors import KNeighborsClassifier
+    >>> X = np.array([[0.0], [1.0], [2.0], [10.0]])
+    >>> clf = KNeighborsClassifier(n_neighbors=3).fit(X, [0, 0, 1, 1])
+    >>> clf.predict([[0.4], [9.0]])
+    array([0, 1])
+    >>> clf.predict_proba([[0.4]])
+    array([[0.66666667, 0.33333333]])
     """
 
     def __init__(self, n_neighbors=5, *, weights="uniform", p=2, metric="minkowski", debug=False):
@@ -400,7 +416,15 @@ class KNeighborsClassifier(ClassifierMixin, _KNeighborsBase):
 class KNeighborsRegressor(RegressorMixin, _KNeighborsBase):
     """Average of the neighbours' targets (scikit-learn's KNeighborsRegressor, brute force):
     uniform or ``weights="distance"`` / a callable, parameters as in :class:`KNeighborsClassifier`.
-    Predictions float64 for numpy targets, the targets' float dtype for tensors."""
+    Predictions float64 for numpy targets, the targets' float dtype for tensors.
+
+    >>> import torch
+    >>> from kermac_like.neighbors import KNeighborsRegressor
+    >>> X = torch.tensor([[0.0], [1.0], [2.0], [10.0]])
+    >>> reg = KNeighborsRegressor(n_neighbors=2).fit(X, torch.tensor([0.0, 1.0, 2.0, 10.0]))
+    >>> reg.predict(torch.tensor([[1.6]]))          # tensors in, tensors out
+    tensor([1.5000])
+    """
 
     def __init__(self, n_neighbors=5, *, weights="uniform", p=2, metric="minkowski", debug=False):
         self.n_neighbors = n_neighbors

@@ -731,6 +731,12 @@ def solve_cholesky(a, b, *, overwrite_a=False, overwrite_b=False, check_errors=F
     itself with ``overwrite_b``), NaN for entries whose factorisation failed;
     int32 info tensors of shape ``(L,)`` or ``()``. Does not synchronise the
     host unless ``check_errors``, which raises :class:`LinAlgError` on failure.
+
+    >>> import torch, kermac_like as km
+    >>> a = torch.tensor([[4.0, 2.0], [2.0, 3.0]])
+    >>> x, factor_info, solve_info = km.linalg.solve_cholesky(a, torch.tensor([[2.0, 1.0]]))
+    >>> x, int(factor_info), int(solve_info)
+    (tensor([[0.5000, 0.0000]]), 0, 0)
     """
     return _solve_call("solve_cholesky", a, b, overwrite_a, overwrite_b, check_errors, debug)
 
@@ -742,6 +748,12 @@ def solve_lu(a, b, *, overwrite_a=False, overwrite_b=False, check_errors=False, 
     ``a^T`` column-major) per batch entry; same shapes, outputs and options
     as :func:`solve_cholesky`. ``factor_info = i > 0`` flags an exactly
     singular ``U``; that entry's ``x`` is NaN.
+
+    >>> import torch, kermac_like as km
+    >>> a = torch.tensor([[0.0, 1.0], [2.0, 0.0]])      # needs pivoting
+    >>> x, factor_info, _ = km.linalg.solve_lu(a, torch.tensor([[3.0, 4.0]]))
+    >>> x, int(factor_info)
+    (tensor([[2., 3.]]), 0)
     """
     return _solve_call("solve_lu", a, b, overwrite_a, overwrite_b, check_errors, debug)
 
@@ -754,6 +766,14 @@ def eigh(a, *, overwrite_a=False, check_errors=False, debug=False):
     eigenvectors as columns, ``(L, N, N)`` or ``(N, N)``, a transposed view
     of the work buffer (of ``a`` itself with ``overwrite_a``); int32 info of
     shape ``(L,)`` or ``()``. Outputs of failed entries are NaN.
+
+    >>> import torch, kermac_like as km
+    >>> a = torch.tensor([[2.0, 1.0], [1.0, 2.0]])
+    >>> w, v, info = km.linalg.eigh(a)
+    >>> w
+    tensor([1., 3.])
+    >>> torch.allclose(a @ v, v * w)
+    True
     """
     _check_a(a)
     _check_overwrite(a, "a", overwrite_a)

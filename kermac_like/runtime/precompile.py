@@ -46,7 +46,13 @@ def precompile(descriptors, device=None, *, arch: str | None = None, processes: 
     ``arch`` (e.g. ``"sm_90"``, no GPU needed) or else the architecture of
     ``device`` (default: the current CUDA device).  Many kernels go into one
     NVRTC program, and programs compile in parallel processes.  Returns a summary
-    dict (requested, cached, compiled, seconds, ...).
+    dict (requested, cached, compiled, seconds, ...). Needs NVRTC (the ``cu13`` or ``cu12``
+    extra), not a GPU; the example compiles, which takes a while, so it is not run as a test.
+
+    >>> import kermac_like as km
+    >>> summary = km.precompile([km.preset("l1"), km.preset("laplace_l2")], arch="sm_90")  # doctest: +SKIP
+    >>> summary["requested"] == summary["cached"] + summary["compiled"]                   # doctest: +SKIP
+    True
     """
     from .compiler import arch_of_device, precompile_specs
 

@@ -83,7 +83,21 @@ def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str, outputscale=
 
 
 class KermacKernelLinearOperator(KernelLinearOperator):
-    """KernelLinearOperator with the matrix-free products of the package; see the module docstring."""
+    """KernelLinearOperator with the matrix-free products of the package; see the module docstring.
+
+    ``x1``, ``x2``: the inputs already divided by the lengthscale; ``kernel``: "rbf" or "laplace".
+
+    >>> import torch
+    >>> from kermac_like.gpytorch import KermacKernelLinearOperator
+    >>> z = torch.tensor([[0.0], [1.0], [2.0]])
+    >>> K = KermacKernelLinearOperator(z, z, kernel="rbf")      # exp(-|z1 - z2|^2 / 2)
+    >>> K @ torch.ones(3, 1)
+    tensor([[1.7419],
+            [2.2131],
+            [1.7419]])
+    >>> KermacKernelLinearOperator(z, z, kernel="laplace").to_dense()[0]
+    tensor([1.0000, 0.3679, 0.1353])
+    """
 
     def __init__(self, x1, x2, covar_func=None, num_outputs_per_input=(1, 1), num_nonbatch_dimensions=None,
                  **params):

@@ -36,7 +36,22 @@ def _lazy(x1: torch.Tensor, x2: torch.Tensor, diag: bool, params: dict) -> bool:
 
 class RBFKernel(gpytorch.kernels.RBFKernel):
     """``k(x1, x2) = exp(-|x1 - x2|^2 / (2 l^2))`` (per-dimension l with ``ard_num_dims``), a drop-in
-    for :class:`gpytorch.kernels.RBFKernel` with matrix-free products (see the module docstring)."""
+    for :class:`gpytorch.kernels.RBFKernel` with matrix-free products (see the module docstring).
+
+    >>> import torch, gpytorch
+    >>> from kermac_like.gpytorch import RBFKernel
+    >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+    >>> k = RBFKernel()
+    >>> k.lengthscale = 1.0
+    >>> with gpytorch.settings.max_cholesky_size(0), torch.no_grad():   # matrix-free at any N
+    ...     K = k(x).evaluate_kernel()
+    ...     print(type(K).__name__)
+    ...     print(K @ torch.tensor([[1.0], [0.0], [-1.0]]))
+    KermacKernelLinearOperator
+    tensor([[ 0.8647],
+            [ 0.0000],
+            [-0.8647]])
+    """
 
     def forward(self, x1, x2, diag=False, **params):
         if not _lazy(x1, x2, diag, params):
@@ -52,7 +67,18 @@ class RBFKernel(gpytorch.kernels.RBFKernel):
 
 class MaternKernel(gpytorch.kernels.MaternKernel):
     """``k(x1, x2) = exp(-|x1 - x2| / l)``: :class:`gpytorch.kernels.MaternKernel` with ``nu=0.5`` (the
-    Laplace kernel; the only smoothness the package's kernels provide), matrix-free products."""
+    Laplace kernel; the only smoothness the package's kernels provide), matrix-free products.
+
+    >>> import torch, gpytorch
+    >>> from kermac_like.gpytorch import MaternKernel
+    >>> k = MaternKernel()
+    >>> k.lengthscale = 2.0
+    >>> with gpytorch.settings.max_cholesky_size(0), torch.no_grad():
+    ...     print(k(torch.tensor([[0.0], [1.0], [2.0]])).to_dense())
+    tensor([[1.0000, 0.6065, 0.3679],
+            [0.6065, 1.0000, 0.6065],
+            [0.3679, 0.6065, 1.0000]])
+    """
 
     def __init__(self, nu: float = 0.5, **kwargs):
         if nu != 0.5:

@@ -139,6 +139,7 @@ import torch
 from torch import Tensor
 
 from .. import config
+from .._args import check_device
 
 from ._library import direct_call
 
@@ -468,7 +469,13 @@ def _shutdown() -> None:
 
 
 def cache_info() -> dict:
-    """Cached GPU resources: pool streams per device, handle sets, handles."""
+    """Cached GPU resources: pool streams per device, handle sets, handles.
+
+    >>> import kermac_like as km
+    >>> info = km.linalg.cache_info()           # {"streams": {device: n}, "solvers": n, "handles": n}
+    >>> sorted(info)
+    ['handles', 'solvers', 'streams']
+    """
     with _lock:
         return {
             "streams": {d: len(s) for d, s in _streams.items()},
@@ -671,9 +678,16 @@ def warmup(device=None, shapes=WARMUP_SHAPES, dtypes=(torch.float32, torch.float
     matrices, c right-hand sides) and each dtype in ``dtypes``, so that CUDA has
     loaded the kernels those calls use (see "First call" in the module docstring).
     Later calls at these shapes do not synchronise the host. ``device``: a CUDA
-    device (default: the current one); a CPU device, or CUDA or nvmath-python
-    missing, makes it return at once (the reference path never waits for a GPU).
-    Handles are per thread: a thread that solves calls its own warmup.
+    device (default: the current one); a CPU device, no ``device`` on a machine
+    without CUDA, or nvmath-python missing, makes it return at once (the reference
+    path never waits for a GPU); a CUDA device that this torch cannot use is a
+    ValueError naming ``device``. Handles are per thread: a thread that solves calls
+    its own warmup.
+
+    >>> import kermac_like as km
+    >>> km.linalg.warmup("cpu")                 # CPU tensors take torch.linalg: nothing to do
+    >>> sorted(km.linalg.cache_info())
+    ['handles', 'solvers', 'streams']
     """
     if device is not None and not isinstance(device, (str, int, torch.device)):
         raise TypeError(f"device: expected a torch.device, str or int, got {type(device).__name__}")
@@ -692,7 +706,7 @@ def warmup(device=None, shapes=WARMUP_SHAPES, dtypes=(torch.float32, torch.float
         if not torch.cuda.is_available():
             return
         device = torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    device = check_device("device", device)
     if device.type != "cuda":
         return
     cs = _cusolver()

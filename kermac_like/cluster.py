@@ -502,6 +502,15 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     centres in X's float dtype and int32 labels (scikit-learn's types); a tensor X: tensors on
     its device, int64 labels.
 
+    >>> import numpy as np
+    >>> from kermac_like.cluster import KMeans
+    >>> X = np.array([[0.0, 0.0], [0.0, 1.0], [10.0, 10.0], [10.0, 11.0]])
+    >>> fit = KMeans(n_clusters=2, random_state=0).fit(X)
+    >>> sorted(fit.cluster_centers_.tolist()), fit.inertia_
+    ([[0.0, 0.5], [10.0, 10.5]], 1.0)
+    >>> fit.labels_.dtype, bool(fit.labels_[0] == fit.labels_[1] != fit.labels_[2])
+    (dtype('int32'), True)
+
     The assignment is ``knn(X, centres, 1)``: on a CPU (and for float64 on a GPU) exact in
     float64; on a GPU in float32 for float32 data, so points whose two nearest centres are
     within float32 rounding of each other may take the other one. Inertia is summed in float64.

@@ -30,7 +30,7 @@ import torch
 from .descriptor import InnerOperator, KernelDescriptor
 
 __all__ = ["reference_point", "centred", "shift_invariant", "shifted_pair", "pair_reference", "same_memory",
-           "REFERENCE_ROWS"]
+           "mark_centred", "centred_together", "REFERENCE_ROWS"]
 
 
 def shift_invariant(desc: KernelDescriptor | None) -> bool:
@@ -127,3 +127,38 @@ def shifted_pair(x: torch.Tensor, y: torch.Tensor, *, point: torch.Tensor | None
     dtype = dtype or (x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32)
     xs = _shifted(x, point, pad_to, dtype)
     return xs, (xs if same else _shifted(y, point, pad_to, dtype)), point
+
+
+# -- operands shifted once by their caller ------------------------------------------------------
+_CENTRED_ATTR = "_kermac_like_centred"
+
+
+def mark_centred(point, *tensors: torch.Tensor) -> None:
+    """Record on each tensor that it holds data shifted by the reference point ``point`` (or any
+    object standing for it: operands marked with the same object were shifted together), so
+    that the paths that would shift them (:func:`kermac_like.plan.matvec.plan_matvec`) read them
+    as they are. The mark holds the tensor's version: an in-place change voids it. No-op while
+    compiling and where a tensor has no version counter (inference mode)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        try:
+            setattr(t, _CENTRED_ATTR, (point, t._version))
+        except (RuntimeError, AttributeError):  # inference tensors; subclasses without attributes
+            pass
+
+
+def _mark_of(t: torch.Tensor):
+    mark = getattr(t, _CENTRED_ATTR, None)
+    if mark is None:
+        return None
+    try:
+        return mark[0] if mark[1] == t._version else None
+    except RuntimeError:
+        return None
+
+
+def centred_together(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether x and y carry valid marks of one reference point (:func:`mark_centred`)."""
+    px = _mark_of(x)
+    return px is not None and px is _mark_of(y)

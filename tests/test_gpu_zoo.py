@@ -100,10 +100,9 @@ def test_knn_uncertified_rows_take_the_fused_selection(monkeypatch, name):
     from the reference point, ties, heavy tails): those rows are recomputed by the fused SIMT
     selection (K <= 128), never by the blocked path, with float64's values and index sets."""
     from kermac_like.ops import knn as knn_mod
-    from kermac_like.plan import topk as plan_topk
 
     blocked, simt = [], []
-    real_blocked, real_plan = knn_mod.topk_blocked, plan_topk.plan_topk
+    real_blocked, real_plan = knn_mod.topk_blocked, knn_mod.plan_topk
     monkeypatch.setattr(knn_mod, "topk_blocked", lambda call, *a, **kw: blocked.append(call.M) or real_blocked(call, *a, **kw))
 
     def spy(call, *a, fallback=False, **kw):
@@ -111,7 +110,7 @@ def test_knn_uncertified_rows_take_the_fused_selection(monkeypatch, name):
             simt.append(call.M)
         return real_plan(call, *a, fallback=fallback, **kw)
 
-    monkeypatch.setattr(plan_topk, "plan_topk", spy)
+    monkeypatch.setattr(knn_mod, "plan_topk", spy)
     x, y = _pair(name, 600, 5000, 128)
     v, i = km.knn(x, y, 10)
     assert not blocked, blocked

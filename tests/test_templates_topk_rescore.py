@@ -209,10 +209,11 @@ def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch, settings):
     are stood in for (topk_mma_kernel: the lists of exact values written at its pointer and
     packed layout; topk_rescore_kernel: this runner, reading and writing the planner's pointers
     and strides), 128 rows a launch (a short last one), strided outputs. Same indices and
-    certificates as the torch path; the uncertified rows go to the blocked path either way."""
+    certificates as the torch path; the uncertified rows it returns go to the blocked path either
+    way (ops.knn.recompute_rows)."""
     import ctypes
 
-    from kermac_like.ops.knn import prepare_knn
+    from kermac_like.ops.knn import prepare_knn, recompute_rows
     from kermac_like.plan import topk as P
     from kermac_like.runtime import launcher
 
@@ -280,7 +281,7 @@ def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch, settings):
         base[0] = None
         v = torch.full((k, M), -7.0).t()  # strided outputs
         i = torch.full((M, 2 * k), -7, dtype=torch.int64)[:, ::2]
-        P._run_mma(call, v, i, False)
+        recompute_rows(call, v, i, P._run_mma(call, v, i, False))
         out[fused] = v, i
     assert launches == ["topk_mma_kernel"] * 2 + ["topk_mma_kernel", "topk_rescore_kernel"] * 2
     assert 0 < sum(certified) < M

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
-from ..plan import DistanceCall
-from ._library import call_op, descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
+from ..plan import DistanceCall, run_distance
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
 from .grad import cdist_grad
 
 __all__ = ["setup_context", "backward"]
@@ -68,15 +68,19 @@ def backward(ctx, grad):
 
 def _distances(call, compute_mode: str, debug: bool) -> torch.Tensor:
     """d of ``call`` (its descriptor without epilogue, regularisation and epsilon), through
-    the op so that a traced backward records it (eagerly its implementation: call_op)."""
-    from .distance import _run_kernel_impl
-
+    the op ``kermac_like::run_kernel`` so that a traced backward records it; eagerly, where
+    direct_call allows it, what the op's implementation runs (ops/distance.py: the plan of the
+    call, run_distance)."""
     desc = call.desc
     plain = KernelDescriptor(desc.inner_operator, desc.inner_power, desc.outer_power, KernelType.NONE)
     hp = call.hypers
-    return call_op(torch.ops.kermac_like.run_kernel.default, _run_kernel_impl,
-                   call.a, call.b, descriptor_ints(plain), *split_hyper(hp["inner_p"]), *split_hyper(hp["outer_p"]),
-                   None, None, None, None, call.reg_diag, None, compute_mode, debug)
+    ip, op = split_hyper(hp["inner_p"]), split_hyper(hp["outer_p"])
+    if direct_call(call.a, call.b, ip[1], op[1]):
+        hypers = dict(inner_p=hp["inner_p"], outer_p=hp["outer_p"], bandwidth=None, regularization=None)
+        return run_distance(DistanceCall.of(plain, call.a, call.b, hypers, call.reg_diag, None), None, compute_mode,
+                            debug)
+    return torch.ops.kermac_like.run_kernel.default(call.a, call.b, descriptor_ints(plain), *ip, *op, None, None, None,
+                                                    None, call.reg_diag, None, compute_mode, debug)
 
 
 def _distance_backward(call, a, b, y, grad, needs, compute_mode, debug):

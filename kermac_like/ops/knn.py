@@ -19,6 +19,7 @@ with a NaN coordinate (all its values NaN) takes torch.topk's indices of its all
 
 Internal entry points: :func:`prepare_topk` (validation -> :class:`TopkCall`),
 :func:`topk_forward` (no autograd), :func:`topk_blocked` (the blocked path),
+:func:`recompute_rows` (the rows the tensor-core candidates left uncertified),
 :func:`topk_backward_pairs` (the gradient at the selected pairs) and :func:`merge_candidates` /
 :func:`merge_order` (the exact merge, shared with the multi-process search of
 :mod:`kermac_like.neighbors`).
@@ -42,12 +43,13 @@ from ..plan import DistanceCall
 from ..plan.topk import plan_topk
 from ..reference import distance_reference
 from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
-from .distance import COMPUTE_MODES, prepare_call
+from . import distance_backward
+from .distance import COMPUTE_MODES, cdist, prepare_call, run_kernel
 
 log = logging.getLogger("kermac_like.knn")
 
 __all__ = ["kernel_topk", "knn", "TopkCall", "prepare_topk", "prepare_knn", "topk_forward", "topk_blocked",
-           "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
+           "recompute_rows", "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
 
 # Elements of one block of kernel values on the blocked path (all batch entries together):
 # 16 MB of float64 on a CPU, 128 MB of float32 on a GPU (plan.MATVEC_TILE_ELEMENTS).
@@ -301,8 +303,6 @@ def _block_values(call: TopkCall, xb: Tensor, yb: Tensor, m0: int, n0: int, work
     if call.p is not None:  # knn: torch.cdist's distances
         if _torch_blocks(call):
             return torch.cdist(xw, yw, p=call.p, compute_mode=_resolved_mode(call))
-        from .distance import cdist
-
         return cdist(xw, yw, p=call.p, compute_mode=_resolved_mode(call))
     hyp = {name: _hyper_to(h, work) for name, h in call.hypers.items()}
     if _torch_blocks(call):
@@ -310,8 +310,6 @@ def _block_values(call: TopkCall, xb: Tensor, yb: Tensor, m0: int, n0: int, work
         if cp is not None and hyp["regularization"] is None and call.epsilon is None:
             return torch.cdist(xw, yw, p=cp, compute_mode=COMPUTE_MODES[2])  # direct differences
         return distance_reference(call.desc, xw, yw, reg_diag=call.reg_diag - n0 + m0, epsilon=call.epsilon, **hyp)
-    from .distance import run_kernel
-
     # Direct differences (as the fused kernels and the reference form them): a block's values do
     # not depend on the block's size, as torch.cdist's matrix-product rule would make them.
     return run_kernel(call.desc, xw, yw, regularization_offset_x=m0 + call.reg_diag, regularization_offset_y=n0,
@@ -417,6 +415,28 @@ def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_eleme
     return values, indices
 
 
+def recompute_rows(call: TopkCall, values: Tensor, indices: Tensor, rows: Tensor, debug: bool = False) -> None:
+    """Rows ``rows`` (int64 indices) of ``values`` and ``indices`` (``(M, k)``) computed anew: the rows
+    the tensor-core candidates left uncertified (plan.topk's "topk_mma" plan), by the exact SIMT
+    selection (float32 direct differences, as the rescoring's) where K fits its registers, else by
+    the blocked path. One host synchronisation (the number of rows)."""
+    if not rows.numel():
+        return
+    sub = replace(call, x=call.x[rows], M=int(rows.numel()))
+    v = torch.empty((sub.M, call.k), dtype=values.dtype, device=values.device)
+    i = torch.empty((sub.M, call.k), dtype=torch.int64, device=values.device)
+    simt = plan_topk(sub, v, i, debug, fallback=True)
+    if simt is not None:
+        simt.run()
+    else:
+        topk_blocked(sub, v, i, debug=debug)
+    values[rows] = v
+    indices[rows] = i
+    if debug:
+        log.debug("topk: %d of %d rows recomputed by the %s", sub.M, call.M,
+                  "SIMT selection" if simt is not None else "blocked path")
+
+
 def topk_forward(call: TopkCall, out=None, *, debug: bool = False) -> tuple:
     """Compute a validated call without autograd; ``out`` (values, indices) checked by the
     caller, or None. The fused plan gets contiguous values/indices (``out``'s own tensors when
@@ -437,7 +457,9 @@ def _topk_forward(call: TopkCall, values: Tensor, indices: Tensor, debug: bool) 
         i = indices if indices.is_contiguous() else torch.empty_like(indices, memory_format=torch.contiguous_format)
         plan = plan_topk(call, v, i, debug)
         if plan is not None:
-            plan.run()
+            uncertified = plan.run()
+            if plan.family == "topk_mma":  # the tensor-core candidates: the rows they left uncertified
+                recompute_rows(call, v, i, uncertified, debug)
             if v is not values:
                 values.copy_(v)
             if i is not indices:
@@ -463,9 +485,6 @@ def topk_backward_pairs(call: TopkCall, indices: Tensor, grad: Tensor, needs: tu
     BACKWARD_BLOCK_ELEMENTS) and differentiated by run_kernel's backward
     (ops/distance_backward.py: weight 0 at zero distance, like cdist); p = 0 has zero
     gradients and p = inf torch.cdist's. Never M x N; memory O((M + N) K) plus one block."""
-    from . import distance_backward
-    from .distance import run_kernel
-
     batch, M, N, K, k = call.batch, call.M, call.N, call.K, call.k
     B = math.prod(batch) if batch else 1
     x = call.x.expand(*batch, M, K)

@@ -21,7 +21,7 @@ from ..centring import same_memory as _same_memory, shift_invariant, shifted_pai
 from ..descriptor import KernelDescriptor
 from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
 from .. import config, torch_path
-from ..runtime import autotune
+from ..runtime import autotune, launcher
 from ..runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from ..runtime.specs import (
     LOWK_GENERIC_MAX_K,
@@ -414,9 +414,7 @@ def _launch_template(kernel, grid, args) -> tuple:
 def _with_arg_blocks(t: _Template) -> _Template:
     """The template with an ArgBlock per launch (packed once: a template that serves later
     calls; one built for a single call keeps cuda.core's launch)."""
-    from ..runtime.launcher import ArgBlock
-
-    launches = tuple((k, g, a, pos, ArgBlock(k, g, a, pos) if ArgBlock.supports(a, pos) else None)
+    launches = tuple((k, g, a, pos, launcher.ArgBlock(k, g, a, pos) if launcher.ArgBlock.supports(a, pos) else None)
                      for k, g, a, pos, _ in t.launches)
     return t._replace(launches=launches)
 
@@ -503,23 +501,21 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
 
 def _first_call_tier(spec, call: DistanceCall, views, compute_mode: str, debug: bool) -> tuple:
     """(the low-K spec that serves this call now, whether its template may be kept)."""
-    from ..runtime.launcher import available, prefetch
-
     # Not under spec_override (a probe or test wants its own spec) nor while autotuning (the
     # timings must be the specialised kernel's).
     if not config.get("jit_tier") or lowk_bucket(call.K) == 0 or _OVERRIDES or autotune.autotune_enabled(call.autotune):
         return spec, True
     device = _device_index(call.device)
-    if available(spec, device):
+    if launcher.available(spec, device):
         return spec, True
     if autotune.uses_mm(compute_mode, call.M, call.N) and desc_mm_ok(call.desc):
         return spec, True  # kMmNonFinite exists at compile-time K only
     av, bv, outv = views
     first, second = (bv, av) if outv.layout is Layout.COL_MAJOR else (av, bv)
     generic = lowk_spec(call.desc, first.layout, second.layout, LOWK_MAX_K + 1, chunks=0)
-    if not available(generic, device):
+    if not launcher.available(generic, device):
         return spec, True
-    prefetch([spec], device, debug=debug)
+    launcher.prefetch([spec], device, debug=debug)
     if debug:
         log.debug("run_kernel %r K=%d: %s compiling in the background; this call runs %s", call.desc, call.K,
                   spec.name_expression, generic.name_expression)
@@ -529,8 +525,6 @@ def _first_call_tier(spec, call: DistanceCall, views, compute_mode: str, debug: 
 def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings, kind: str):
     """(template, the tensors it reads, whether it serves later calls), or None for the
     reference path."""
-    from ..runtime.launcher import get_kernel, max_active_clusters, prefetch
-
     pad_k, centre, kmajor, given = 0, False, False, None
     if kind == autotune.TENSOR_CORE:
         a0, b0 = call.a, call.b
@@ -559,8 +553,8 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     device = _device_index(call.device)
     if spec.kernel == WGMMA_KERNEL:  # the kernel and its b preparation compile side by side
         small, norms = wgmma_prepare_needs(call.desc, tf32=settings.tf32)
-        prefetch([spec, wgmma_prepare_spec(small=small, norms=norms)], device, debug=debug)
-    kernel = get_kernel(spec, device, debug=debug)
+        launcher.prefetch([spec, wgmma_prepare_spec(small=small, norms=norms)], device, debug=debug)
+    kernel = launcher.get_kernel(spec, device, debug=debug)
     L = bplan.count
     # The low-K kernel writes a column-major out as the row-major out^T = kernel(b, a).
     swap = family == "distance_lowk" and outv.layout is Layout.COL_MAJOR
@@ -572,7 +566,7 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     if spec.launch.persistent:  # the blocks (or clusters) walk all tiles of all batch entries
         c = spec.launch.cluster
         if c > 1:  # clusters of c CTAs over c vertically adjacent tiles
-            grid = (min(-(-grid[0] // c) * grid[1] * L, max_active_clusters(kernel)), 1, 1)
+            grid = (min(-(-grid[0] // c) * grid[1] * L, launcher.max_active_clusters(kernel)), 1, 1)
         else:
             grid = (min(grid[0] * grid[1] * L, _sm_count(device)), 1, 1)
     path = {"distance": "simt", "distance_lowk": "low-K"}.get(family, "tensor-core")
@@ -651,8 +645,6 @@ class _WgmmaPrepare:
     to whole 256 x 16 tiles, allocated by every call from torch's caching allocator."""
 
     def __init__(self, call: DistanceCall, bplan, bv, spec, tf32: bool, device: int, debug: bool):
-        from ..runtime.launcher import get_kernel
-
         small, norms = wgmma_prepare_needs(call.desc, tf32=tf32)
         self.spec = wgmma_prepare_spec(small=small, norms=norms)
         sb = bplan.strides["b"][1]
@@ -667,7 +659,7 @@ class _WgmmaPrepare:
         self.norms = _Ptr("wgmma_norms", 0) if norms else 0
         if norms:
             self.scratch += (("wgmma_norms", self.rows),)
-        self.kernel = get_kernel(self.spec, device, debug=debug)
+        self.kernel = launcher.get_kernel(self.spec, device, debug=debug)
 
     def launch_for(self, b_ptr):
         """((kernel, grid, args) of the preparation for b at ``b_ptr``, the arguments the

@@ -32,6 +32,7 @@ import torch
 
 from .. import config
 from ..descriptor import PRESETS
+from ..runtime import launcher
 from ..runtime.specs.falkon import (MAX_K, PAD, c_chunk, cols_spec, k_bucket, prep_spec, pv_nq, rows_pv_spec,
                                     rows_spec, vprep_spec)
 from .core import _device_index, _gpu_ok
@@ -105,8 +106,6 @@ class FalkonProducts:
     sums (split x N x C)."""
 
     def __init__(self, z: torch.Tensor, bandwidth: float, debug: bool = False, columns: str = "falkon"):
-        from ..runtime.launcher import get_kernel, launch, prefetch
-
         self.debug = debug
         self.device = _device_index(z.device)
         # CTA slots of the device: both kernels run 2 CTAs per SM
@@ -125,13 +124,13 @@ class FalkonProducts:
         spec = prep_spec(self.K)
         products = ([vprep_spec(self.K, 2), rows_pv_spec(self.K, 2)] if columns == "pv"
                     else [rows_spec(self.K, 1), cols_spec(self.K, 1)])
-        prefetch([spec, *products], self.device, debug=debug)
-        prep = get_kernel(spec, self.device, debug=debug)
+        launcher.prefetch([spec, *products], self.device, debug=debug)
+        prep = launcher.get_kernel(spec, self.device, debug=debug)
         entries = max(self.Mp // 8 * S * 32, self.Mp)
         grid = (-(-entries // spec.launch.threads), 1, 1)
-        launch(prep, grid, (zc.data_ptr(), np.int64(zc.stride(0)), np.int32(self.M), np.int32(self.K),
-                            self.centre.data_ptr(), np.float32(self.scale), np.int32(self.Mp), self.zf.data_ptr(),
-                            self.zb.data_ptr()), debug=debug)
+        launcher.launch(prep, grid, (zc.data_ptr(), np.int64(zc.stride(0)), np.int32(self.M), np.int32(self.K),
+                                     self.centre.data_ptr(), np.float32(self.scale), np.int32(self.Mp),
+                                     self.zf.data_ptr(), self.zb.data_ptr()), debug=debug)
 
     def _row_split(self, N: int, spec) -> tuple:
         """(CTAs of rows, centre-range splits, centre tiles per split) of a rows-kernel launch over N rows."""
@@ -148,8 +147,6 @@ class FalkonProducts:
 
     def rows(self, x: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """K(x, z) v: (N, C) float64 for v (M, C) (float64 or float32; rounded to float32 once)."""
-        from ..runtime.launcher import get_kernel, launch
-
         x = self._x(x)
         N, C = x.shape[0], v.shape[1]
         dev = x.device
@@ -163,7 +160,7 @@ class FalkonProducts:
         while c0 < C:
             kC = c_chunk(C - c0, self.kK)
             spec = rows_spec(self.K, kC)
-            kern = get_kernel(spec, self.device, debug=self.debug)
+            kern = launcher.get_kernel(spec, self.device, debug=self.debug)
             vc = vp[:, c0:c0 + kC].contiguous()
             ctas, split, per = self._row_split(N, spec)
             if split == 1:
@@ -174,10 +171,11 @@ class FalkonProducts:
             if self.debug:
                 log.debug("falkon rows: N=%d M=%d K=%d columns %d..%d: grid (%d, %d), %d centre tiles per split",
                           N, self.M, self.K, c0, c0 + kC, ctas, split, per)
-            launch(kern, (ctas, split, 1),
-                   (x.data_ptr(), np.int64(x.stride(0)), np.int64(N), np.int32(self.K), self.centre.data_ptr(),
-                    np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(), vc.data_ptr(), np.int32(self.Mp),
-                    dst.data_ptr(), np.int64(so), np.int64(ss), np.int32(per)), debug=self.debug)
+            launcher.launch(kern, (ctas, split, 1),
+                            (x.data_ptr(), np.int64(x.stride(0)), np.int64(N), np.int32(self.K),
+                             self.centre.data_ptr(), np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(),
+                             vc.data_ptr(), np.int32(self.Mp), dst.data_ptr(), np.int64(so), np.int64(ss),
+                             np.int32(per)), debug=self.debug)
             if split > 1:  # the splits added in order (torch's sum over a leading dimension of <= 264)
                 out[:, c0:c0 + kC] = dst.sum(dim=0)
             c0 += kC
@@ -194,8 +192,6 @@ class FalkonProducts:
         A CG loop calls this with one x and right-hand sides of one shape: the launches of such a call
         (kernels, grids, splits, the fragment and split buffers, the packed arguments) are kept per
         (x, N, C, v's strides), so a repeat costs the host little more than its launches."""
-        from ..runtime.launcher import launch
-
         x = self._x(x)
         if v.dim() != 2 or v.shape[0] != self.M or v.dtype != torch.float32 or v.device != x.device:
             raise ValueError(f"v: expected float32 ({self.M}, C) on {x.device}, got {tuple(v.shape)} {v.dtype} "
@@ -215,26 +211,24 @@ class FalkonProducts:
         vp, ap, op = v.data_ptr(), amax.data_ptr(), out.data_ptr()
         for p in plan:
             pa = (vp + 4 * p.c0 * v.stride(1), *p.pargs[1:5], ap + 4 * p.c0, *p.pargs[6:])
-            launch(p.prep, p.pgrid, pa, debug=self.debug, block=p.blocks[0])
+            launcher.launch(p.prep, p.pgrid, pa, debug=self.debug, block=p.blocks[0])
             dst = op + 8 * p.c0 if p.dst is None else p.dst.data_ptr()
             ka = (*p.kargs[:9], ap + 4 * p.c0, *p.kargs[10:12], dst, *p.kargs[13:])
-            launch(p.kern, p.grid, ka, debug=self.debug, block=p.blocks[1])
+            launcher.launch(p.kern, p.grid, ka, debug=self.debug, block=p.blocks[1])
             if p.dst is not None:  # the splits added in order
                 out[:, p.c0:p.c0 + p.cc] = p.dst.sum(dim=0)
         return out
 
     def _pv_plan(self, x: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list[_PvLaunch]:
         """The launches of rows_pv for x and a v of this shape and strides (see rows_pv)."""
-        from ..runtime.launcher import ArgBlock, get_kernel
-
         N, C = x.shape[0], v.shape[1]
         plan, c0 = [], 0
         while c0 < C:
             nq = pv_nq(C - c0)
             cc = min(8 * nq, C - c0)
-            prep = get_kernel(vprep_spec(self.K, nq), self.device, debug=self.debug)
+            prep = launcher.get_kernel(vprep_spec(self.K, nq), self.device, debug=self.debug)
             spec = rows_pv_spec(self.K, nq)
-            kern = get_kernel(spec, self.device, debug=self.debug)
+            kern = launcher.get_kernel(spec, self.device, debug=self.debug)
             entries = self.Mp // 16 * nq * 32
             vf = torch.empty(entries * 4, dtype=torch.int32, device=x.device)
             pgrid = (-(-entries // prep.spec.launch.threads), 1, 1)
@@ -253,16 +247,15 @@ class FalkonProducts:
             if self.debug:
                 log.debug("falkon rows_pv: N=%d M=%d K=%d columns %d..%d: grid (%d, %d), %d centre tiles per split",
                           N, self.M, self.K, c0, c0 + cc, ctas, split, per)
-            blocks = (ArgBlock(prep, pgrid, pargs, (0, 5)) if ArgBlock.supports(pargs, (0, 5)) else None,
-                      ArgBlock(kern, grid, kargs, (9, 12)) if ArgBlock.supports(kargs, (9, 12)) else None)
+            arg_block = launcher.ArgBlock
+            blocks = (arg_block(prep, pgrid, pargs, (0, 5)) if arg_block.supports(pargs, (0, 5)) else None,
+                      arg_block(kern, grid, kargs, (9, 12)) if arg_block.supports(kargs, (9, 12)) else None)
             plan.append(_PvLaunch(c0, cc, prep, pgrid, pargs, kern, grid, kargs, dst, vf, blocks))
             c0 += cc
         return plan
 
     def cols(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """K(z, x) w: (M, C) float64 for w (N, C) (float64 or float32; rounded to float32 once)."""
-        from ..runtime.launcher import get_kernel, launch
-
         x = self._x(x)
         N, C = x.shape[0], w.shape[1]
         dev = x.device
@@ -277,7 +270,7 @@ class FalkonProducts:
         while c0 < C:
             kC = c_chunk(C - c0, self.kK)
             spec = cols_spec(self.K, kC)
-            kern = get_kernel(spec, self.device, debug=self.debug)
+            kern = launcher.get_kernel(spec, self.device, debug=self.debug)
             ctas = self.Mp // spec.launch.block_n
             bm = spec.launch.block_m
             x_tiles = -(-N // bm)
@@ -288,11 +281,11 @@ class FalkonProducts:
             if self.debug:
                 log.debug("falkon cols: N=%d M=%d K=%d columns %d..%d: grid (%d, %d), %d rows per split",
                           N, self.M, self.K, c0, c0 + kC, ctas, split, per)
-            launch(kern, (ctas, split, 1),
-                   (x.data_ptr(), np.int64(x.stride(0)), np.int64(N), np.int32(self.K), self.centre.data_ptr(),
-                    np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(), w32[:, c0:].data_ptr(),
-                    np.int64(w32.stride(0)), np.int32(self.M), dst.data_ptr(), np.int64(kC),
-                    np.int64(self.M * kC), np.int64(per)), debug=self.debug)
+            launcher.launch(kern, (ctas, split, 1),
+                            (x.data_ptr(), np.int64(x.stride(0)), np.int64(N), np.int32(self.K),
+                             self.centre.data_ptr(), np.float32(self.scale), self.zf.data_ptr(), self.zb.data_ptr(),
+                             w32[:, c0:].data_ptr(), np.int64(w32.stride(0)), np.int32(self.M), dst.data_ptr(),
+                             np.int64(kC), np.int64(self.M * kC), np.int64(per)), debug=self.debug)
             out[:, c0:c0 + kC] = dst.sum(dim=0) if split > 1 else dst[0]
             c0 += kC
         return out

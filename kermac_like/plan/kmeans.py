@@ -28,9 +28,11 @@ import numpy as np
 import torch
 
 from .. import config
+from ..runtime import launcher
 from ..runtime.specs.kmeans import (ASSIGN_MAX_K, BLOCK_M, BOUNDS_LAUNCH, ROUND, SEGSUM_ROWS, THREADS, TRIALS,
                                     assign_k_bucket, assign_prep_spec, assign_spec, bounds_spec, draw_spec, gap_spec,
                                     segsum_combine_spec, segsum_spec, update_spec)
+from ..runtime.specs.topk import k_bucket, rows_per_thread, sel_bucket
 from .core import Launch, Plan, _device_index, _gpu_ok
 
 log = logging.getLogger("kermac_like.kmeans")
@@ -75,8 +77,6 @@ class Seeding:
 
     def __init__(self, X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None, u: torch.Tensor,
                  debug: bool = False):
-        from ..runtime.launcher import get_kernel, prefetch
-
         device = _device_index(X.device)
         dev = X.device
         N, K = X.shape
@@ -98,8 +98,8 @@ class Seeding:
         self.gap = torch.empty(C, dtype=torch.float32, device=dev)
         self.count = torch.zeros(1, dtype=torch.int32, device=dev)
         specs = [update_spec(K), gap_spec(), draw_spec()]
-        prefetch(specs, device, debug=debug)  # compiled side by side on a first call
-        self.upd, self.gapk, self.draw = (get_kernel(sp, device, debug=debug) for sp in specs)
+        launcher.prefetch(specs, device, debug=debug)  # compiled side by side on a first call
+        self.upd, self.gapk, self.draw = (launcher.get_kernel(sp, device, debug=debug) for sp in specs)
         sxm, sxk = (np.int64(st) for st in self.x.stride())
         self._common = (np.int32(N), np.int32(K), sxm, sxk, np.int64(K))
         if debug:
@@ -134,11 +134,9 @@ class Seeding:
     def run(self) -> tuple:
         """(centres (C, K) float32, idx (C,) int64): the launches round after round, one host
         synchronisation a round (the count of centres drawn)."""
-        from ..runtime.launcher import launch
-
         def go(launches):
             for ln in launches:
-                launch(ln.kernel, ln.grid, ln.args, debug=self.debug)
+                launcher.launch(ln.kernel, ln.grid, ln.args, debug=self.debug)
             return int(self.count.item())
 
         s, e, rounds = 0, go(self.start()), 1
@@ -162,10 +160,8 @@ def seed_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | None
     seeding = Seeding(X, n_clusters, weights, u, debug)
     centres, idx = seeding.run()
     if hint is not None:  # fold the last round too (its gaps and the update, no draw): near is the nearest
-        from ..runtime.launcher import launch
-
         for ln in seeding.round(seeding.last, n_clusters)[:-1]:
-            launch(ln.kernel, ln.grid, ln.args, debug=debug)
+            launcher.launch(ln.kernel, ln.grid, ln.args, debug=debug)
         hint.append(seeding.near)
     if X.dtype != torch.float32:  # the rows themselves, in X's dtype
         centres = X.index_select(0, idx)
@@ -187,8 +183,6 @@ def plan_segment_sums(X: torch.Tensor, perm: torch.Tensor, bounds: torch.Tensor,
     float64, weight per cluster (C,) float64). None when the kernels do not serve X."""
     if not segsum_serves(X, n_clusters):
         return None
-    from ..runtime.launcher import get_kernel, prefetch
-
     device = _device_index(X.device)
     dev = X.device
     N, K = X.shape
@@ -201,9 +195,9 @@ def plan_segment_sums(X: torch.Tensor, perm: torch.Tensor, bounds: torch.Tensor,
     n_items = -(-N // SEGSUM_ROWS) + C  # at least every cluster's item count (no host synchronisation)
     part = torch.empty(n_items * (K + 1), dtype=torch.float64, device=dev)
     out = torch.empty(C * (K + 1), dtype=torch.float64, device=dev)
-    prefetch([segsum_spec(), segsum_combine_spec()], device, debug=debug)
-    main = get_kernel(segsum_spec(), device, debug=debug)
-    comb = get_kernel(segsum_combine_spec(), device, debug=debug)
+    launcher.prefetch([segsum_spec(), segsum_combine_spec()], device, debug=debug)
+    main = launcher.get_kernel(segsum_spec(), device, debug=debug)
+    comb = launcher.get_kernel(segsum_combine_spec(), device, debug=debug)
     sxm, sxk = (np.int64(t) for t in X.stride())
     args = (X.data_ptr(), 0 if w is None else w.data_ptr(), perm.data_ptr(), bounds.data_ptr(), items.data_ptr(),
             part.data_ptr(), np.int32(K), np.int32(C), sxm, sxk, np.int32(SEGSUM_ROWS))
@@ -251,8 +245,6 @@ def assign_tau(K: int) -> float:
 def assign_split(K: int) -> int:
     """1 where knn's SIMT kernel sums a distance in two interleaved partial sums (TopkTraits::kAcc == 2
     for k = 1: one row per thread and kK >= 8), else 0: the kernel's exact path mirrors it."""
-    from ..runtime.specs.topk import k_bucket, rows_per_thread, sel_bucket
-
     kK = k_bucket(K)
     return int(rows_per_thread(kK, sel_bucket(1)) == 1 and kK >= 8)
 
@@ -292,8 +284,6 @@ def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, cer
     CTA's reference centre (KmeansAssignTraits<kK, true>)."""
     if not assign_serves(X, centres):
         return None
-    from ..runtime.launcher import get_kernel, prefetch
-
     device = _device_index(X.device)
     dev = X.device
     N, K = X.shape
@@ -310,9 +300,9 @@ def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, cer
     labels = torch.empty(N, dtype=torch.int64, device=dev) if labels is None else labels
     dist = torch.empty(N, dtype=torch.float32, device=dev) if dist is None else dist
     cert = torch.empty(N, dtype=torch.uint8, device=dev) if certificates else None
-    prefetch([pspec, spec], device, debug=debug)
-    prep = get_kernel(pspec, device, debug=debug)
-    main = get_kernel(spec, device, debug=debug)
+    launcher.prefetch([pspec, spec], device, debug=debug)
+    prep = launcher.get_kernel(pspec, device, debug=debug)
+    main = launcher.get_kernel(spec, device, debug=debug)
     sxm, sxk = (np.int64(t) for t in X.stride())
     ldc = np.int64(c.stride(0))
     pargs = (c.data_ptr(), cf.data_ptr(), cn.data_ptr(), cmax.data_ptr(), np.int32(C), np.int32(K), ldc)
@@ -467,8 +457,6 @@ class BoundedAssign:
     def _filter(self, stats=None):
         """One kmeans_bounds_kernel launch over every point at self.centres: the filter with ``stats``
         (centre_bounds' four (C,) tensors), else the exact mode into self.dist."""
-        from ..runtime.launcher import get_kernel, launch
-
         X, c = self.X, self.centres
         N, K = X.shape
         gu, _, kap = self.consts
@@ -478,8 +466,8 @@ class BoundedAssign:
         sxm, sxk = (np.int64(t) for t in X.stride())
         args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), *ptrs, np.int32(N), np.int32(K), sxm, sxk,
                 np.int64(c.stride(0)), np.int32(assign_split(K)), np.float32(kap), np.float32(gu))
-        kernel = get_kernel(bounds_spec(), _device_index(X.device), debug=self.debug)
-        launch(kernel, (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
+        kernel = launcher.get_kernel(bounds_spec(), _device_index(X.device), debug=self.debug)
+        launcher.launch(kernel, (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
 
     def first(self, centres: torch.Tensor, hint: torch.Tensor | None = None) -> torch.Tensor:
         """The full assignment; ``hint`` (N,) int: each point's nearest centre index as far as known (the

@@ -34,6 +34,7 @@ import torch
 
 from .. import config
 from ..descriptor import KernelType
+from ..runtime import launcher
 from ..runtime.specs import logsumexp as specs
 from ..runtime.specs.matvec import expandable  # exp(-S d^2) of the squared l2 distance
 from ..runtime.specs.logsumexp import MAX_C, MAX_K, MAX_SPLIT, c_bucket, lse_combine_spec, lse_spec
@@ -100,8 +101,6 @@ def expand_params(desc, x: torch.Tensor, y: torch.Tensor, bandwidth) -> torch.Te
 def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = False):
     if not fused_serves(call, lw):
         return None
-    from ..runtime.launcher import get_kernel
-
     device = _device_index(call.a.device)
     M, N, K, C = call.M, call.N, call.K, lw.shape[-1]
     dtype = call.a.dtype
@@ -135,7 +134,7 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
     for c0 in range(0, C, MAX_C):
         cc = min(MAX_C, C - c0)
         spec_c = lse_spec(call.desc, dtype, K, cc, variant=variant)
-        kernel = get_kernel(spec_c, device, debug=debug)
+        kernel = launcher.get_kernel(spec_c, device, debug=debug)
         kC = c_bucket(cc)
         m_tiles = -(-M // spec_c.launch.block_m)
         n_tiles = -(-N // spec_c.launch.block_n)
@@ -148,7 +147,7 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
         if split > 1:
             part = torch.empty(split * L * M * kC * 2, dtype=torch.float32, device=call.a.device)
             scratch.append(part)
-            combine = get_kernel(lse_combine_spec(call.desc, dtype, cc), device, debug=debug)
+            combine = launcher.get_kernel(lse_combine_spec(call.desc, dtype, cc), device, debug=debug)
         grid = (m_tiles, split, min(L, 65535))
         if debug:
             log.debug("logsumexp %r: M=%d N=%d K=%d columns %d..%d batch=%s: grid %s, %d y tiles per split", call.desc,

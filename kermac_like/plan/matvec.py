@@ -24,8 +24,15 @@ import numpy as np
 import torch
 
 from .. import torch_path
-from ..centring import pair_reference, shift_invariant, shifted_pair  # noqa: F401  (re-exported: the matvec paths' one shift)
+from ..centring import (  # noqa: F401  (re-exported: the matvec paths' one shift and its marks)
+    centred_together,
+    mark_centred,
+    pair_reference,
+    shift_invariant,
+    shifted_pair,
+)
 from ..descriptor import PowerType
+from ..runtime import launcher
 from ..runtime.specs.matvec import MAX_C, combine_spec, expands, matvec_spec, part_bytes
 from .core import (
     HYPERS,
@@ -58,41 +65,6 @@ log_matvec = logging.getLogger("kermac_like.matvec")
 MATVEC_BLOCKED_MIN_K = 32
 # Elements of one kernel tile of matvec_blocked (float32: 128 MB).
 MATVEC_TILE_ELEMENTS = 1 << 25
-
-
-# -- the shift of the product formula (kermac_like.centring) --------------------------------------
-_CENTRED_ATTR = "_kermac_like_centred"
-
-
-def mark_centred(point, *tensors: torch.Tensor) -> None:
-    """Record on each tensor that it holds data shifted by the reference point ``point`` (or any
-    object standing for it: operands marked with the same object were shifted together), so
-    that the paths that would shift them (:func:`plan_matvec`) read them as they are. The mark
-    holds the tensor's version: an in-place change voids it. No-op while compiling and where a
-    tensor has no version counter (inference mode)."""
-    if torch.compiler.is_compiling():
-        return
-    for t in tensors:
-        try:
-            setattr(t, _CENTRED_ATTR, (point, t._version))
-        except (RuntimeError, AttributeError):  # inference tensors; subclasses without attributes
-            pass
-
-
-def _mark_of(t: torch.Tensor):
-    mark = getattr(t, _CENTRED_ATTR, None)
-    if mark is None:
-        return None
-    try:
-        return mark[0] if mark[1] == t._version else None
-    except RuntimeError:
-        return None
-
-
-def centred_together(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether x and y carry valid marks of one reference point (:func:`mark_centred`)."""
-    px = _mark_of(x)
-    return px is not None and px is _mark_of(y)
 
 
 def matvec_shifts(desc, x: torch.Tensor, y: torch.Tensor, wide: bool) -> bool:
@@ -201,8 +173,6 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
         if debug:
             log_matvec.debug("kernel_matvec %r: K=%d, tensor-core distance tiles times v", call.desc, call.K)
         return Plan("matvec_blocked", None, (), out, reference=lambda: matvec_blocked(call, out, debug), debug=debug)
-    from ..runtime.launcher import get_kernel
-
     om = out.unsqueeze(-1) if call.vector else out
     device = _device_index(call.device)
     v = call.v.to(torch.float64) if wide_out else call.v  # the float64 mode reads v as float64
@@ -240,7 +210,7 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
                            f32_partials=call.f32_partials)
         first = first or spec
         if kernel is None or kernel.spec != spec:
-            kernel = get_kernel(spec, device, debug=debug)
+            kernel = launcher.get_kernel(spec, device, debug=debug)
         m_tiles = -(-M // spec.launch.block_m)
         n_tiles = -(-N // spec.launch.block_n)
         slots = _sm_count(device) * _blocks_per_sm(kernel)
@@ -253,7 +223,7 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
                 part = torch.empty(split * L * M * cc, dtype=part_dtype, device=call.device)
                 scratch.append(part)
             if combine is None:
-                combine = get_kernel(combine_spec(call.dtype, out_dtype), device, debug=debug)
+                combine = launcher.get_kernel(combine_spec(call.dtype, out_dtype), device, debug=debug)
         grid = (m_tiles, split, min(L, 65535))
         if debug:
             log_matvec.debug("kernel_matvec %r: M=%d N=%d K=%d C=%d (columns %d..%d) batch=%s: grid %s, %d y tiles "

@@ -4,7 +4,7 @@ by :func:`.matvec.plan_matvec` for Euclidean/DOT float32 calls on sm_90.
 
 The kernel forms squared distances by the product formula in 3xTF32 (b's squared norms from
 the preparation, the dot products on the tensor cores), whose error is ~eps (|x|^2 + |y|^2):
-DIFF calls read x and y shifted by their reference point (:func:`.matvec.shifted_pair`), so
+DIFF calls read x and y shifted by their reference point (:func:`kermac_like.centring.shifted_pair`), so
 that the error is eps times the data's centred scale whatever its offset; DOT calls read them
 as given (error relative to |x| |y|, as the dot product's own)."""
 
@@ -17,9 +17,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..centring import shift_invariant
+from ..centring import centred_together, shift_invariant, shifted_pair
 from ..descriptor import KernelDescriptor
 from ..layout import batch_strides
+from ..runtime import launcher
 from ..runtime.specs.matvec import MAX_C, c_bucket, combine_spec
 from ..runtime.specs import wgmma_prepare_needs, wgmma_prepare_spec
 from ..runtime.specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
@@ -95,11 +96,8 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     range, v's tiles (N x C), split sums (<= MATVEC_SCRATCH_BYTES) and the float64 carry
     (batch x M x C, several ranges only); for DIFF descriptors, x and y shifted by their
     reference point (one copy of each, zero-padded to whole 16-byte rows; one for both where
-    x is y; none where they are marked as centred together, :func:`.matvec.mark_centred`),
+    x is y; none where they are marked as centred together, :func:`kermac_like.centring.mark_centred`),
     else padded copies of x and y where their rows are not 16-byte aligned."""
-    from ..runtime.launcher import get_kernel, max_active_clusters, prefetch
-    from .matvec import centred_together, shifted_pair
-
     om = out.unsqueeze(-1) if call.vector else out
     device = _device_index(call.device)
     M, N, K, C = call.M, call.N, call.K, call.C
@@ -137,16 +135,16 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     scratch = [x, y, vps, *(h for h in hypers.values() if isinstance(h, torch.Tensor))]
 
     small, norms = wgmma_prepare_needs(call.desc, tf32=tf32)  # compiled side by side with the kernels
-    prefetch([*(matvec_wgmma_spec(call.desc, c_bucket(cc), tf32=tf32) for _, cc in chunks),
+    launcher.prefetch([*(matvec_wgmma_spec(call.desc, c_bucket(cc), tf32=tf32) for _, cc in chunks),
               wgmma_prepare_spec(small=small, norms=norms)], device, debug=debug)
 
     kernels = {}
     for c0, cc in chunks:
         spec = matvec_wgmma_spec(call.desc, c_bucket(cc), tf32=tf32)
         if spec not in kernels:
-            kernels[spec] = get_kernel(spec, device, debug=debug)
+            kernels[spec] = launcher.get_kernel(spec, device, debug=debug)
     first_spec = next(iter(kernels))
-    clusters = max_active_clusters(kernels[first_spec])
+    clusters = launcher.max_active_clusters(kernels[first_spec])
     tiles_m = -(-M // first_spec.launch.block_m)
     pairs_m = -(-tiles_m // first_spec.launch.cluster)  # items per split and batch entry
     carry = part = combine = carry_k = None
@@ -216,7 +214,7 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
                     cgrid = (max(1, min(-(-total // 256), _sm_count(device) * 8)), 1, 1)
                     if len(ranges) == 1:  # the split sums into out (the regularisation is in the sums)
                         if combine is None:
-                            combine = get_kernel(combine_spec(torch.float32), device, debug=debug)
+                            combine = launcher.get_kernel(combine_spec(torch.float32), device, debug=debug)
                         cargs = (part.data_ptr(), 0, out_ptr, np.int32(M), np.int32(N), np.int32(cc), np.int64(0),
                                  np.int64(0), np.int64(som), np.int64(soc), np.int32(Lk), np.int32(bplan.modes[1]),
                                  np.int32(bplan.modes[2]), *([np.int64(0)] * 3), *(np.int64(s_) for s_ in so),
@@ -225,7 +223,7 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
                         launches.append(Launch(combine, cgrid, cargs))
                     else:
                         if carry_k is None:
-                            carry_k = get_kernel(carry_spec(), device, debug=debug)
+                            carry_k = launcher.get_kernel(carry_spec(), device, debug=debug)
                         cargs = (part.data_ptr(), carry_ptr, out_ptr, np.int32(M), np.int32(cc), np.int64(som),
                                  np.int64(soc), np.int32(Lk), np.int32(bplan.modes[1]), np.int32(bplan.modes[2]),
                                  *(np.int64(s_) for s_ in so), np.int32(split), np.int32(mode))

@@ -3,9 +3,11 @@ cuda_templates/topk.cuh.
 
 ``plan_topk(call, values, indices, debug)`` returns a :class:`kermac_like.plan.Plan` that
 writes ``values`` (``(*batch, M, k)``, x's dtype) and ``indices`` (same shape, int64), or
-None when no fused kernel serves the call; the caller then takes the blocked path. The
-fused kernel serves float32/16-bit CUDA tensors on sm_80 and newer with K <= MAX_K
-coordinates, k <= MAX_SELECT, no regularisation and no epsilon cut.
+None when no fused kernel serves the call; the caller then takes the blocked path (for K >
+MAX_K the tensor-core candidates' plan, whose run() returns the rows it left uncertified: the
+caller recomputes those, ops/knn.py). The fused kernel serves float32/16-bit CUDA tensors on
+sm_80 and newer with K <= MAX_K coordinates, k <= MAX_SELECT, no regularisation and no epsilon
+cut.
 
 One launch of topk_kernel per host-loop batch entry over (row tiles, N splits, batch). With
 one N range per row tile the kernel keeps each row's list in the indices output and decodes
@@ -18,7 +20,6 @@ depend on the split count.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch
 from .. import config
 from ..centring import shifted_pair
 from ..descriptor import PRESETS
+from ..runtime import launcher
 from ..runtime.specs.topk import (FALLBACK_MAX_K, MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
                                   MMA_VERSIONS, RESCORE_WARPS, mma_sel, mma_smem, topk_combine_spec, topk_mma_spec,
                                   topk_rescore_spec, topk_spec)
@@ -52,18 +54,18 @@ def fused_serves(call, wide: bool = False) -> bool:
 
 
 def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = False, *, fallback: bool = False):
-    """``fallback``: the exact SIMT selection of rows the tensor-core candidates left
-    uncertified (K up to FALLBACK_MAX_K; never the tensor-core path again)."""
+    """The plan of a validated call, or None (the blocked path). The tensor-core plan (family
+    "topk_mma", :func:`mma_serves`) returns from ``run()`` the rows it left uncertified
+    (:func:`_run_mma`), for the caller to recompute; ``fallback``: the exact SIMT selection of
+    such rows (K up to FALLBACK_MAX_K; never the tensor-core path again)."""
     if not fallback and mma_serves(call):
         return Plan("topk_mma", None, (), values, reference=lambda: _run_mma(call, values, indices, debug),
                     debug=debug)
     if not fused_serves(call, wide=fallback):
         return None
-    from ..runtime.launcher import get_kernel
-
     device = _device_index(call.device)
     spec = topk_spec(call.desc, call.dtype, call.K, call.largest, call.k)
-    kernel = get_kernel(spec, device, debug=debug)
+    kernel = launcher.get_kernel(spec, device, debug=debug)
     tensors = {"x": call.x, "y": call.y, "values": values, "indices": indices}
     hypers, strides, bplan = batch_plan(call, tensors, skip=("regularization",))
     L = bplan.count
@@ -81,7 +83,7 @@ def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = F
     if split > 1:
         part = torch.empty(split * L * M * k, dtype=torch.int64, device=call.device)
         scratch.append(part)
-        combine = get_kernel(topk_combine_spec(call.desc, call.dtype, call.largest), device, debug=debug)
+        combine = launcher.get_kernel(topk_combine_spec(call.desc, call.dtype, call.largest), device, debug=debug)
     scratch += [h for h in hypers.values() if isinstance(h, torch.Tensor)]  # float32 copies stay alive
     grid = (m_tiles, split, min(L, 65535))
     if debug:
@@ -278,22 +280,20 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     when its k-th exact value is clear of every point left out: those have approximate values
     beyond the candidates' last, and an approximate value is within the TF32 error bound B of
     the exact one (B = 2^-8 |x| max|y| + K 2^-22 (|x|^2 + max|y|^2) for distances, 2^-9 |x|
-    max|y| for dot products, plus 2^-16 of the value for the float32 rescoring). Rows that are
-    not certified (NaN rows, near-ties across the margin) are recomputed by the fused SIMT
-    selection (K <= FALLBACK_MAX_K; beyond it the blocked path).
+    max|y| for dot products, plus 2^-16 of the value for the float32 rescoring). Returns the rows
+    that are not certified (NaN rows, near-ties across the margin): int64 indices on the device,
+    which the caller recomputes (ops/knn.py: the fused SIMT selection, ``plan_topk(...,
+    fallback=True)``, where K <= FALLBACK_MAX_K; beyond it the blocked path).
     With topk_fused_rescore, topk_rescore_kernel does the merge, the rescoring, the order and the
     certificate of each launch's rows in one launch (same candidates, same bound; the float32
     sums in another order: values within a few ulps)."""
-    from ..ops.knn import topk_blocked
-    from ..runtime.launcher import get_kernel, launch
-
     dot = call.desc.inner_operator.name == "DOT"
     largest, k, M, N, K = call.largest, call.k, call.M, call.N, call.K
     device = _device_index(call.device)
     version = mma_version(call)
     spec = topk_mma_spec(dot, largest, k, version=version)
     sel = mma_sel(k)
-    kernel = get_kernel(spec, device, debug=debug)
+    kernel = launcher.get_kernel(spec, device, debug=debug)
     x, y = _rows_ready(call.x), _rows_ready(call.y)
     # Distances: the candidates' TF32 products and their bound on the data shifted by its
     # reference point, so that the bound (and the share of rows it certifies) follows the data's
@@ -312,7 +312,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     ynorm = torch.linalg.vector_norm(yc, dim=1).max()
     fused = flags = None
     if config.get("topk_fused_rescore"):  # the rows' certificates (uint8) of the fused rescoring
-        fused = get_kernel(topk_rescore_spec(dot, largest), device, debug=debug)
+        fused = launcher.get_kernel(topk_rescore_spec(dot, largest), device, debug=debug)
         flags = torch.empty(M, dtype=torch.uint8, device=call.device)
         svm, svj = values.stride()
         sim, sij = indices.stride()
@@ -325,15 +325,16 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
         args = (xc.data_ptr() + r0 * Kp * 4, yc.data_ptr(), scratch.data_ptr(), np.int32(rr), np.int32(N),
                 np.int32(Kp), np.int64(Kp), np.int64(Kp), np.int32(1), np.int32(1), np.int32(1),
                 *(np.int64(0),) * 6, np.int32(split), np.int32(per))
-        launch(kernel, (-(-rr // MMA_BLOCK_M), split, 1), args, debug=debug)
+        launcher.launch(kernel, (-(-rr // MMA_BLOCK_M), split, 1), args, debug=debug)
         if fused is not None:
             xn = torch.linalg.vector_norm(xc[r0:r0 + rr], dim=1)
-            launch(fused, (-(-rr // RESCORE_WARPS), 1, 1),
-                   (scratch.data_ptr(), x.data_ptr() + r0 * Kp * 4, y.data_ptr(), xn.data_ptr(), ynorm.data_ptr(),
-                    values.data_ptr() + r0 * svm * 4, indices.data_ptr() + r0 * sim * 8, flags.data_ptr() + r0,
-                    np.int32(rr), np.int32(N), np.int32(Kp), np.int32(k), np.int32(sel), np.int32(4 * split),
-                    np.int64(Kp), np.int64(Kp), np.int64(svm), np.int64(svj), np.int64(sim), np.int64(sij),
-                    np.float32(K * 2.0 ** -22), np.int32(call.desc == PRESETS["l2"])), debug=debug)
+            launcher.launch(fused, (-(-rr // RESCORE_WARPS), 1, 1),
+                            (scratch.data_ptr(), x.data_ptr() + r0 * Kp * 4, y.data_ptr(), xn.data_ptr(),
+                             ynorm.data_ptr(), values.data_ptr() + r0 * svm * 4, indices.data_ptr() + r0 * sim * 8,
+                             flags.data_ptr() + r0, np.int32(rr), np.int32(N), np.int32(Kp), np.int32(k),
+                             np.int32(sel), np.int32(4 * split), np.int64(Kp), np.int64(Kp), np.int64(svm),
+                             np.int64(svj), np.int64(sim), np.int64(sij), np.float32(K * 2.0 ** -22),
+                             np.int32(call.desc == PRESETS["l2"])), debug=debug)
             continue
         # the kernel's layout is [4 * split][rr][sel]: a short last launch packs its lists
         lists = scratch.view(-1)[:4 * split * rr * sel].view(4 * split, rr, sel)
@@ -345,21 +346,4 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
             values[r0 + s0:r0 + s1] = v.sqrt() if call.desc == PRESETS["l2"] else v
             indices[r0 + s0:r0 + s1] = ii
             bad.append((~ok).nonzero().squeeze(1) + (r0 + s0))
-    bad = (flags == 0).nonzero().squeeze(1) if fused is not None else torch.cat(bad)
-    if bad.numel():  # (one host synchronisation per call) the rows the bound does not certify
-        sub = dataclasses.replace(call, x=call.x[bad], M=int(bad.numel()))
-        v = torch.empty((sub.M, k), dtype=values.dtype, device=values.device)
-        i = torch.empty((sub.M, k), dtype=torch.int64, device=values.device)
-        # the exact SIMT selection (float32 direct differences, as the rescoring's) where K fits
-        # its registers; the blocked path beyond
-        simt = plan_topk(sub, v, i, debug, fallback=True)
-        if simt is not None:
-            simt.run()
-        else:
-            topk_blocked(sub, v, i, debug=debug)
-        values[bad] = v
-        indices[bad] = i
-        if debug:
-            log.debug("topk: %d of %d rows recomputed by the %s", sub.M, M,
-                      "SIMT selection" if simt is not None else "blocked path")
-    return values
+    return (flags == 0).nonzero().squeeze(1) if fused is not None else torch.cat(bad)

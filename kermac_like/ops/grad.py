@@ -10,6 +10,8 @@ cdist is the same contraction with O = 1.
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Optional
 
 import torch
@@ -17,11 +19,14 @@ from torch import Tensor
 
 from .. import _debug
 from .._args import check_same, check_scalar_or_tensor, check_tensor
+from ..centring import REFERENCE_ROWS
 from ..layout import Layout, analyse_output, broadcast_batch_shape, broadcast_shapes
 from ..plan import plan_cdist_grad
 from ._library import direct_call, join_hyper, split_hyper
 
 __all__ = ["cdist_grad"]
+
+log_grad = logging.getLogger("kermac_like.grad")
 
 
 def _check_grad_out(out, shape, dtype, device):
@@ -91,7 +96,54 @@ def _batch(a, b, c, d, p) -> tuple:
     return tuple(broadcast_shapes(*shapes))
 
 
+def _row_reference(b: Tensor) -> Tensor:
+    """(..., N, 1): per feature n a reference value r_n for the CPU p = 2 path, the median of a
+    strided sample of row n of b (at most REFERENCE_ROWS of its K points) rounded to a multiple of
+    the largest power of two at most the sample's root-mean-square spread about it (0 where the
+    data are centred within their spread, so that nothing is copied; unrounded where the spread is
+    0). b - r and d - r are then exact for values within a factor of two of r (Sterbenz)."""
+    K = b.shape[-1]
+    sample = b[..., ::max(1, -(-K // REFERENCE_ROWS))].to(torch.float64)  # (..., N, k)
+    ref = sample.median(-1, keepdim=True).values
+    spread = (sample - ref).square_().mean(-1, keepdim=True).sqrt_()
+    grid = torch.exp2(torch.floor(torch.log2(spread)))
+    return torch.where(spread > 0, torch.round(ref / grid) * grid, ref).to(b.dtype)
+
+
+def _cpu_p2(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> Tensor:
+    """p = 2 on the CPU: sum_k c[o,k] a[k,m] (d[n,m] - b[n,k]) splits into two matrix products,
+    ``d[n,m] (c a)[o,m] - ((c[o,:] * b[n,:]) a)[o n, m]``, each by torch's BLAS. The products
+    cancel where d and b are far from the origin (both terms grow with the offset, their
+    difference does not), so b and d are first taken about a per-feature reference point
+    (:func:`_row_reference`; a common shift changes nothing but the rounding), which the
+    difference does not depend on. Error: that of float sums of K terms of c a (d - b) on centred
+    data, as the direct formula's."""
+    r = _row_reference(b)
+    if bool(r.any()):
+        b, d = b - r, d - r
+    O, N, K = c.shape[-2], b.shape[-2], c.shape[-1]
+    ca = c @ a  # (..., O, M)
+    cb = (c.unsqueeze(-2) * b.unsqueeze(-3)).flatten(-3, -2)  # (..., O N, K)
+    out = (cb @ a).unflatten(-2, (O, N))  # (..., O, N, M)
+    return out.neg_().addcmul_(d.unsqueeze(-3), ca.unsqueeze(-2))
+
+
+def _cpu_p2_serves(a, b, c, d, p) -> bool:
+    """Whether :func:`_cpu_p2` serves: CPU float32/float64 operands, p = 2 (a number), all finite (a
+    NaN or infinity keeps the direct formula's NaN where one of its products is 0 x inf; one float64
+    sum of each operand, finite only if every value is, and whose overflow at ~1e308 only sends
+    the call to the direct formula)."""
+    return (a.device.type == "cpu" and not isinstance(p, torch.Tensor) and p == 2
+            and a.dtype in (torch.float32, torch.float64) and min(a.numel(), b.numel(), c.numel(), d.numel()) > 0
+            and math.isfinite(float(sum(t.sum(dtype=torch.float64) for t in (a, b, c, d)))))
+
+
 def _run(a, b, c, d, p, out, debug: bool) -> Tensor:
+    if _cpu_p2_serves(a, b, c, d, p):
+        if debug:
+            log_grad.debug("cdist_grad p=2: CPU matrix products (%s)", a.dtype)
+        res = _cpu_p2(a, b, c, d)
+        return res if out is None else out.copy_(res)
     sizes = (a.shape[-2], a.shape[-1], b.shape[-2], c.shape[-2])  # K, M, N, O
     plan = plan_cdist_grad(a, b, c, d, p, out, _batch(a, b, c, d, p), sizes, debug)
     res = plan.run()

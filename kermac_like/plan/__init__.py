@@ -32,35 +32,15 @@ One module per rule, over a shared core:
 * :mod:`.logsumexp`: kernel_logsumexp's fused forward.
 
 A new kernel family is one template, one spec module (runtime/specs) and one rule module
-here. The names below are re-exported for the ops, tests and probes; module state (the
-size limits and spec functions tests and probes replace) is patched in the module that
-reads it.
+here. The names below are re-exported for the ops; tests and probes reach the planner's
+caches and overrides through :mod:`kermac_like.testing`.
 """
 
-from .core import (
-    HYPERS,
-    MATVEC_SCRATCH_BYTES,
-    Launch,
-    Plan,
-    Settings,
-    _device_index,
-    _gpu_ok,
-    _sm_count,
-    _smem_per_sm,
-    _wgmma_enabled,
-    choose_split,
-)
+from .core import HYPERS, MATVEC_SCRATCH_BYTES, Launch, Plan, Settings, choose_split
 from .distance import (
-    _BY_CALL,
-    _FEW_TILES,
-    _FEW_TILES_MAX_K,
-    _TEMPLATES,
     WGMMA_BLOCK_K,
     WGMMA_KERNEL,
     DistanceCall,
-    _kmajor,
-    _plan_distance_gpu,
-    _select,
     b_entries,
     clear_templates,
     plan_distance,
@@ -70,7 +50,7 @@ from .distance import (
     uses_mm,
 )
 from .cdist_grad import plan_cdist_grad
-from .matvec_wgmma import MATVEC_WGMMA_BLOCK_BYTES, MATVEC_WGMMA_TILE, _plan_matvec_wgmma, _prepare_v
+from .matvec_wgmma import MATVEC_WGMMA_BLOCK_BYTES, MATVEC_WGMMA_TILE
 from .matvec import MATVEC_BLOCKED_MIN_K, MATVEC_TILE_ELEMENTS, matvec_blocked, plan_matvec
 from .topk import plan_topk
 

@@ -48,6 +48,11 @@ class Launch(NamedTuple):
     block: object = None  # runtime.launcher.ArgBlock of a cached template's launch
 
 
+# The lists of the open kermac_like.testing.record_plans() scopes: Plan.run appends itself to
+# each (one truth test of an empty list when none is open).
+_recorders: list = []
+
+
 class Plan(NamedTuple):
     family: str
     spec: object  # KernelSpec of the main kernel, None for the reference path
@@ -59,6 +64,9 @@ class Plan(NamedTuple):
 
     def run(self):
         """Execute the plan; returns the result (``out``, or the reference's result)."""
+        if _recorders:  # kermac_like.testing.record_plans
+            for seen in _recorders:
+                seen.append(self)
         if self.reference is not None:
             return self.reference()
         if self.launches:

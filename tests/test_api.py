@@ -169,7 +169,7 @@ def test_inf_and_zero_p_autograd_through_torch():
 def test_all_finite_checks_every_block():
     """_args.all_finite: blocks of FINITE_BLOCK elements along the first dimension, a NaN or inf in
     any block (the first, a middle one, the last partial one) found, empty and 0-d tensors."""
-    from kermac_like import _args
+    from kermac_like.testing import args as _args
 
     old = _args.FINITE_BLOCK
     try:

@@ -28,13 +28,12 @@ def test_booleans_parse_one_way(monkeypatch, text, want):
 
 def test_debug_false_is_off_everywhere(monkeypatch):
     """KERMAC_LIKE_DEBUG=false used to turn linalg's debug output on (it only tested for "" and "0")."""
-    from kermac_like import _debug
     from kermac_like.ops import linalg
 
     monkeypatch.setenv("KERMAC_LIKE_DEBUG", "false")
-    assert not _debug.env_debug() and not linalg._debug_on(False)
+    assert not config.get("debug") and not linalg._debug_on(False)
     monkeypatch.setenv("KERMAC_LIKE_DEBUG", "on")
-    assert _debug.env_debug() and linalg._debug_on(False)
+    assert config.get("debug") and linalg._debug_on(False)
 
 
 @pytest.mark.parametrize("name,text", [("debug", "maybe"), ("prepare", "2"), ("linalg_streams", "0"),

@@ -8,11 +8,10 @@ import torch
 
 from kermac_like import linalg
 from kermac_like.solvers import KernelRidge
-from kermac_like.solvers._kernel import resolve_kernel
-from kermac_like.solvers._nystrom import FalkonPreconditioner, _lauum_upper, build_bytes
+from kermac_like.testing import solver_kernel, solver_nystrom
 
 f64 = torch.float64
-KERNEL = resolve_kernel("gaussian_l2", 1.0, None)
+KERNEL = solver_kernel.resolve_kernel("gaussian_l2", 1.0, None)
 
 
 def centres(m, d=3, dtype=f64, seed=0):
@@ -62,7 +61,7 @@ def test_lauum_upper_blocked(rows):
     w = torch.full((m, m), float("nan"), dtype=f64)
     w.copy_(torch.tril(t.T, -1) + torch.triu(w))  # T^T strictly below the diagonal, NaN elsewhere
     lower = torch.tril(w, -1).clone()
-    _lauum_upper(w, t.diagonal().clone(), 0.25, rows)
+    solver_nystrom._lauum_upper(w, t.diagonal().clone(), 0.25, rows)
     assert torch.equal(torch.tril(w, -1), lower)
     assert rel(torch.triu(w), torch.triu(0.25 * t @ t.T)) < 1e-14
 
@@ -71,7 +70,7 @@ def test_lauum_upper_blocked(rows):
 def test_one_buffer_equals_two_matrices(dtype):
     m, n_total, alpha = 150, 2000, 0.05
     z = centres(m, dtype=dtype)
-    pre = FalkonPreconditioner(KERNEL, z, n_total, alpha, block_rows=32)  # blocks with a remainder
+    pre = solver_nystrom.FalkonPreconditioner(KERNEL, z, n_total, alpha, block_rows=32)  # blocks with a remainder
     t, apply, apply_t = two_matrices(z, n_total, alpha, pre.shift)
     g = torch.randn(m, 2, dtype=f64, generator=torch.Generator().manual_seed(3))
     assert rel(pre.apply(g), apply(g)) < 1e-12
@@ -105,9 +104,9 @@ def test_failed_factorisation_rebuilds_its_input(monkeypatch, stage):
     monkeypatch.setattr(linalg, "solve_cholesky", flaky)
     m, n_total, alpha = 80, 1000, 0.05
     z = centres(m)
-    base = FalkonPreconditioner(KERNEL, z, n_total, alpha, block_rows=32) if stage else None
+    base = solver_nystrom.FalkonPreconditioner(KERNEL, z, n_total, alpha, block_rows=32) if stage else None
     calls.clear()
-    pre = FalkonPreconditioner(KERNEL, z, n_total, alpha, block_rows=32)
+    pre = solver_nystrom.FalkonPreconditioner(KERNEL, z, n_total, alpha, block_rows=32)
     assert len(calls) == 3
     g = torch.randn(m, 1, dtype=f64, generator=torch.Generator().manual_seed(5))
     if stage == 0:
@@ -124,11 +123,11 @@ def test_failed_factorisation_rebuilds_its_input(monkeypatch, stage):
 
 def test_preconditioner_holds_one_matrix():
     m = 120
-    pre = FalkonPreconditioner(KERNEL, centres(m, dtype=torch.float32), 500, 0.1)
+    pre = solver_nystrom.FalkonPreconditioner(KERNEL, centres(m, dtype=torch.float32), 500, 0.1)
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for t in vars(pre).values() if isinstance(t, torch.Tensor)}
     assert sum(held.values()) == 8 * m * m + 16 * m  # the buffer and the two diagonals
-    assert build_bytes(20000) - 8 * 20000**2 < 0.2e9  # the build's blocks at m = 20 000
+    assert solver_nystrom.build_bytes(20000) - 8 * 20000**2 < 0.2e9  # the build's blocks at m = 20 000
 
 
 def test_fit_equals_dense_nystrom_solution():
@@ -138,7 +137,7 @@ def test_fit_equals_dense_nystrom_solution():
     y = torch.sin(3 * x[:, :1]) + 0.1 * torch.randn(n, 1, dtype=f64, generator=g)
     est = KernelRidge("gaussian_l2", bandwidth=0.5, alpha=alpha, solver="nystrom", n_centers=m, tol=1e-11,
                       random_state=0).fit(x, y)
-    kernel = resolve_kernel("gaussian_l2", 0.5, None)
+    kernel = solver_kernel.resolve_kernel("gaussian_l2", 0.5, None)
     z = est.centers_
     kzn = kernel.matrix(z, x)
     kzz = kernel.matrix(z, z) + torch.finfo(f64).eps * m * torch.eye(m, dtype=f64)  # T^T T, float64 data

@@ -15,7 +15,7 @@ pytest.importorskip("linear_operator")
 from linear_operator.operators import DiagLinearOperator, LinearOperator  # noqa: E402
 
 from kermac_like.gpytorch import KermacKernelLinearOperator, MaternKernel, RBFKernel, ScaledExactGP  # noqa: E402
-from kermac_like.gpytorch import _operator  # noqa: E402
+from kermac_like.testing import gp_operator as _operator  # noqa: E402
 
 F64 = torch.float64
 CG = 0  # max_cholesky_size: every solve on CG / Lanczos

@@ -1,4 +1,4 @@
-"""kermac_like.gpytorch._cg.linear_cg against linear_operator's linear_cg (CPU): the same solves and
+"""The GPyTorch operator's linear_cg (kermac_like.testing.gp_cg) against linear_operator's linear_cg (CPU): the same solves and
 tridiagonals bit for bit (float64 and float32, with and without preconditioner and tridiagonals, batches,
 zero and vector right-hand sides, an initial guess, a stop on the tolerance, on the iteration cap and on the
 tridiagonal's end), the same errors and warnings; one product fewer and host reads only where the stopping
@@ -16,7 +16,7 @@ pytest.importorskip("linear_operator")
 from linear_operator import settings  # noqa: E402
 from linear_operator.utils.linear_cg import linear_cg as lo_linear_cg  # noqa: E402
 
-from kermac_like.gpytorch import _cg  # noqa: E402
+from kermac_like.testing import gp_cg as _cg  # noqa: E402
 
 
 def spd(n, batch=(), dtype=torch.float64, seed=0, spectrum=None):

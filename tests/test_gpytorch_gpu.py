@@ -72,7 +72,7 @@ def test_float64_cuda_matches_gpytorch_within_1e4():
     the pivoted-Cholesky preconditioner and with the solves run to a CG tolerance of 1e-4. With
     GPyTorch's defaults (N = 2000 is at its preconditioning threshold; CG tolerance 1) the two
     sides' MLLs differed by 2.6e-4 and their gradients by 1e-2 on an H200, deterministically,
-    with predictions equal to 4e-15 and both diagonals exactly 1 (bench/probes/gp64_probes.py);
+    with predictions equal to 4e-15 and both diagonals exactly 1 (bench/notes/gpytorch.md);
     without the preconditioner they agree to 2.4e-12 (MLL) and 3.6e-9 (gradient). On CPU the
     two agree to 1e-15 with the preconditioner too. Which step of the preconditioned estimate
     diverges on CUDA is not traced (bench/notes/gpytorch.md)."""
@@ -136,9 +136,9 @@ def test_step_at_1e5_without_the_matrix():
 
 def test_cg_products_on_tensor_cores(monkeypatch):
     """The operator's several-column products (CG / Lanczos) run on the tensor-core rows kernel
-    (kermac_like.gpytorch._products): the same product as kernel_matvec's SIMT kernel
+    (kermac_like.testing.gp_products): the same product as kernel_matvec's SIMT kernel
     (KERMAC_LIKE_GP_TC=0) within 2e-6 relative, and a training step takes that path."""
-    from kermac_like.gpytorch import _products
+    from kermac_like.testing import gp_products as _products
     from kermac_like.plan.falkon import FalkonProducts
 
     x, _ = data(6000, 8, seed=2)
@@ -168,7 +168,7 @@ def test_pivoted_cholesky_graph_is_the_eager_loop(monkeypatch):
     """The pivoted-Cholesky loop replayed from its CUDA graph (captured once per shape on copies of the
     operator's tensors) gives the eager loop's factor and permutation bit for bit, for two operators of one
     shape (the second replays the first's graph on its own data) and a tolerance stop."""
-    from kermac_like.gpytorch import _operator
+    from kermac_like.testing import gp_operator as _operator
 
     x, _ = data(3000, 8, seed=5)
     x = x.float()

@@ -17,7 +17,8 @@ import torch
 pytest.importorskip("sklearn")
 from sklearn.cluster import KMeans as SkKMeans  # noqa: E402
 
-from kermac_like.cluster import KMeans, _reference, _relocate_empty  # noqa: E402
+from kermac_like import cluster  # noqa: E402
+from kermac_like.cluster import KMeans  # noqa: E402
 
 
 def wide_blobs(n, d, seed, shift=0.0):
@@ -44,13 +45,13 @@ def test_reference_point():
     """0 on centred data (the fit of X itself, no copy); on a lattice of integers the shift keeps data on
     it; shifted data: the shift moves the reference point by the same amount when it is on its grid."""
     g = torch.Generator().manual_seed(0)
-    assert not _reference(torch.randn(5000, 16, generator=g)).any()
+    assert not cluster._reference(torch.randn(5000, 16, generator=g)).any()
     px = pixels(3000, 16, 1)
-    s = _reference(px)
+    s = cluster._reference(px)
     assert torch.equal(s, s.round()) and s.dtype == torch.float32
     x = wide_blobs(3000, 16, 2)
-    assert torch.equal(_reference(x + 1024.0), _reference(x) + 1024.0)
-    assert _reference(x.double()).dtype == torch.float64
+    assert torch.equal(cluster._reference(x + 1024.0), cluster._reference(x) + 1024.0)
+    assert cluster._reference(x.double()).dtype == torch.float64
 
 
 def test_shift_exact_in_float32_gives_the_same_fit():
@@ -143,7 +144,7 @@ def test_empty_clusters_relocated_by_tensor_ops(weighted):
     sums, wsum = segment_sums(X, labels, w, 10)
     ref_s, ref_w = sums.clone(), wsum.clone()
     _relocate_loop(X, w, labels, d2, ref_s, ref_w)
-    _relocate_empty(X, w, labels, lambda: d2, sums, wsum, False)
+    cluster._relocate_empty(X, w, labels, lambda: d2, sums, wsum, False)
     torch.testing.assert_close(sums, ref_s, rtol=1e-14, atol=1e-12)
     torch.testing.assert_close(wsum, ref_w, rtol=1e-14, atol=1e-12)
     assert (wsum > 0).all()
@@ -251,7 +252,6 @@ def test_local_certificate_on_cuda(monkeypatch, family, settings):
     for other in fits[1:]:
         assert torch.equal(fits[0][0], other[0]) and torch.equal(fits[0][1], other[1])
         assert fits[0][2] == other[2] and fits[0][3] == other[3]
-    from kermac_like import cluster
 
     xc = (x - cluster._reference(x)).contiguous()
     c = xc[torch.randperm(len(xc), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))[:1024]]

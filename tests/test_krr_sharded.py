@@ -16,8 +16,7 @@ import torch
 from gloo_spawn import spawn_workers
 
 from kermac_like.solvers import KernelRidge
-from kermac_like.solvers._nystrom import build_bytes, sample_indices
-from kermac_like.solvers._rows import RowSource, plan_rows
+from kermac_like.testing import solver_nystrom, solver_rows
 
 
 def data(n, n_test=50, d=3, targets=2, seed=0, dtype=torch.float64):
@@ -29,34 +28,34 @@ def data(n, n_test=50, d=3, targets=2, seed=0, dtype=torch.float64):
 
 
 KW = dict(bandwidth=1.0, alpha=0.5, solver="nystrom", n_centers=60, tol=1e-9, random_state=3)
-FIXED = build_bytes(60) + 8 * 60 * (3 + 4 * 2)  # the preconditioner's part of max_gpu_bytes (m = 60, D = 3, C = 2)
+FIXED = solver_nystrom.build_bytes(60) + 8 * 60 * (3 + 4 * 2)  # the preconditioner's part of max_gpu_bytes (m = 60, D = 3, C = 2)
 STREAM = FIXED + 40000  # 1000 rows of 40 bytes: ~750 resident rows, the rest streamed
 
 
 def test_sample_indices_o_m_and_deterministic():
-    a = sample_indices(10**12, 1000, 7)  # no 10^12-element permutation
+    a = solver_nystrom.sample_indices(10**12, 1000, 7)  # no 10^12-element permutation
     assert a.shape == (1000,) and a.dtype == torch.int64
     assert bool((a[1:] > a[:-1]).all()) and int(a[0]) >= 0 and int(a[-1]) < 10**12  # sorted, distinct
-    assert torch.equal(a, sample_indices(10**12, 1000, 7)) and not torch.equal(a, sample_indices(10**12, 1000, 8))
-    small = sample_indices(50, 50, 1)
+    assert torch.equal(a, solver_nystrom.sample_indices(10**12, 1000, 7)) and not torch.equal(a, solver_nystrom.sample_indices(10**12, 1000, 8))
+    small = solver_nystrom.sample_indices(50, 50, 1)
     assert torch.equal(small, torch.arange(50))
 
 
 def test_plan_rows():
     # on the device without a budget: all resident, one chunk
-    assert plan_rows(1000, 40, 48, None, True) == (1000, 1000, 0)
+    assert solver_rows.plan_rows(1000, 40, 48, None, True) == (1000, 1000, 0)
     # host data, fits the budget: all copied once
-    assert plan_rows(1000, 40, 48, 10**6, False)[0] == 1000
+    assert solver_rows.plan_rows(1000, 40, 48, 10**6, False)[0] == 1000
     # does not fit: a resident prefix and two stream buffers, everything within the budget
-    res, work, slot = plan_rows(1000, 40, 48, 20000, False)
+    res, work, slot = solver_rows.plan_rows(1000, 40, 48, 20000, False)
     assert 0 < res < 1000 and slot >= 1 and res * 40 + slot * (2 * 40 + 48) <= 20000
     with pytest.raises(ValueError, match="^max_gpu_bytes"):
-        plan_rows(1000, 40, 48, 100, False)
+        solver_rows.plan_rows(1000, 40, 48, 100, False)
 
 
 def test_row_source_chunks_cover_rows_in_order():
     x, y, _ = data(1000)
-    src = RowSource(x, y, "cpu", budget=15000, c=2)
+    src = solver_rows.RowSource(x, y, "cpu", budget=15000, c=2)
     assert src.mode == "resident+stream" and src.slot_rows < 1000
     seen = []
     for s, xc, yc in src.chunks():
@@ -68,7 +67,7 @@ def test_row_source_chunks_cover_rows_in_order():
 
 def test_row_source_pure_stream():
     x, y, _ = data(300)
-    src = RowSource(x, y, "cpu", budget=4000, c=2)
+    src = solver_rows.RowSource(x, y, "cpu", budget=4000, c=2)
     src.n_res = 0  # every row through the two buffers
     got = [(s, xc.clone(), yc.clone()) for s, xc, yc in src.chunks()]
     assert len(got) > 2 and torch.equal(torch.cat([g[1] for g in got]), x) and torch.equal(torch.cat([g[2] for g in got]), y)
@@ -204,7 +203,7 @@ def _worker(rank, port, q):
             elif case == "host_memory":
                 kw["max_gpu_bytes"] = FIXED + 32000
                 if rank == 1:
-                    from kermac_like.solvers import _rows
+                    from kermac_like.testing import solver_rows as _rows
 
                     def fail(self):
                         raise _rows.HostMemoryError("not enough host memory for the chunk buffers: simulated")

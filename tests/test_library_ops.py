@@ -14,7 +14,7 @@ from kermac_like.ops import linalg as _linalg  # noqa: F401  (registers the lina
 from kermac_like.ops import distance as distance_op
 from kermac_like.ops import knn as knn_op
 from kermac_like.ops import matvec as matvec_op
-from kermac_like.ops._library import descriptor_from_ints, descriptor_ints
+from kermac_like.testing import library
 
 F64 = torch.float64
 MODE = "use_mm_for_euclid_dist_if_necessary"
@@ -32,7 +32,7 @@ def _distance_args(requires_grad: bool):
     a = torch.randn(2, 5, 3, generator=g, dtype=F64, requires_grad=requires_grad)
     b = torch.randn(4, 3, generator=g, dtype=F64, requires_grad=requires_grad)
     bw = torch.tensor([[1.5], [2.0]], dtype=F64)  # per batch entry, broadcast over a second mode
-    desc = descriptor_ints(km.PRESETS["laplace_p"])
+    desc = library.descriptor_ints(km.PRESETS["laplace_p"])
     return (a, b, desc, 1.3, None, 1.3, None, None, bw, 0.25, None, 1, 1e-6, MODE, False)
 
 
@@ -59,7 +59,7 @@ def _op_cases():
         yield f"{routine}_inplace", getattr(OPS, f"{routine}_inplace").default, (spd.clone(), rhs.clone(), False, False)
         yield f"{routine}_into", getattr(OPS, f"{routine}_into").default, (spd, rhs.clone(), False, False)
     x = torch.randn(2, 6, 3, dtype=F64, requires_grad=True)
-    topk = (x, torch.randn(15, 3, dtype=F64), descriptor_ints(km.PRESETS["laplace_p"]), 1.3, None, 1.3, None, None,
+    topk = (x, torch.randn(15, 3, dtype=F64), library.descriptor_ints(km.PRESETS["laplace_p"]), 1.3, None, 1.3, None, None,
             torch.tensor([1.5, 2.0], dtype=F64), 0.25, None, 1, None, 4, True, None, MODE, False)
     yield "kernel_topk", OPS.kernel_topk.default, topk
     plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in topk)
@@ -81,7 +81,7 @@ def test_opcheck(name, op, args):
 
 def test_descriptor_round_trip():
     for desc in km.KernelDescriptor.all():
-        assert descriptor_from_ints(descriptor_ints(desc)) == desc
+        assert library.descriptor_from_ints(library.descriptor_ints(desc)) == desc
 
 
 # -- torch.compile(fullgraph=True) on CPU: one small function per op family ------------------
@@ -310,7 +310,7 @@ def test_gpu_opcheck():
     a = torch.randn(2, 70, 32, device="cuda", generator=g, requires_grad=True)
     b = torch.randn(50, 32, device="cuda", generator=g, requires_grad=True)
     for name in ("l2", "l1", "laplace_l2"):  # tensor cores (wgmma on sm_90), SIMT, fused epilogue
-        args = (a, b, descriptor_ints(km.PRESETS[name]), None, None, None, None, 3.0, None, None, None, 0, None,
+        args = (a, b, library.descriptor_ints(km.PRESETS[name]), None, None, None, None, 3.0, None, None, None, 0, None,
                 MODE, False)
         torch.library.opcheck(OPS.run_kernel.default, args)
     ga, gb, gc, gd = (torch.randn(2, 32, 48, device="cuda", generator=g), torch.randn(40, 32, device="cuda", generator=g),

@@ -228,24 +228,19 @@ def test_solver_products_select_the_blocked_instantiation(as_gpu, monkeypatch):
     """SolverKernel.matvec(..., f32_partials=True) of float32 data and a float64 v plans the
     blocked float64 mode's kernel (planned as on sm_90, not run); without the flag, and through the
     public kernel_matvec, the float64 mode's."""
-    from kermac_like.ops import matvec as ops_matvec
-    from kermac_like.solvers._kernel import resolve_kernel
+    from kermac_like import testing
+    from kermac_like.runtime import launcher
 
-    planned = []
-
-    def recording(call, out, debug):
-        p = plan_matvec_mod.plan_matvec(call, out, debug)
-        planned.append(p.launches[0].kernel.spec.traits)
-        return type("Done", (), {"run": lambda self: out})()
-
-    monkeypatch.setattr(ops_matvec, "plan_matvec", recording)
-    kernel = resolve_kernel("gaussian_l2", 1.5, None)
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: None)  # planned, not run
+    kernel = testing.solver_kernel.resolve_kernel("gaussian_l2", 1.5, None)
     x, z = torch.randn(5000, 8), torch.randn(300, 8)
     v = torch.randn(300, 1, dtype=torch.float64)
-    kernel.matvec(x, z, v, f32_partials=True)
-    kernel.matvec(z, x, torch.randn(5000, 1, dtype=torch.float64), f32_partials=True)
-    kernel.matvec(x, z, v)
-    km.kernel_matvec(km.preset("gaussian_l2"), x, z, v, bandwidth=1.5)
+    with testing.record_plans() as plans:
+        kernel.matvec(x, z, v, f32_partials=True)
+        kernel.matvec(z, x, torch.randn(5000, 1, dtype=torch.float64), f32_partials=True)
+        kernel.matvec(x, z, v)
+        km.kernel_matvec(km.preset("gaussian_l2"), x, z, v, bandwidth=1.5)
+    planned = [p.kernels[0].traits for p in plans]
     assert [t.endswith("false, double, 8>") for t in planned] == [True, True, False, False]
     assert all(t.endswith("false, double>") for t in planned[2:])
 
@@ -255,7 +250,7 @@ def test_falkon_asks_for_blocked_products(monkeypatch):
     """Falkon's products ask for the blocked float64 mode (the CPU path computes them as the
     float64 mode)."""
     from kermac_like.solvers import KernelRidge
-    from kermac_like.solvers import _kernel
+    from kermac_like.testing import solver_kernel as _kernel
 
     flags = []
     real = _kernel.SolverKernel.matvec
@@ -942,9 +937,9 @@ def _op_case(vector=False):
     bw = torch.tensor([0.9, 1.4], dtype=F64)
     desc = km.preset("gaussian_l2")
     call = mv.prepare_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1)
-    from kermac_like.ops.matvec import _op_args
+    from kermac_like.ops import matvec as ops_matvec
 
-    return desc, x, y, v, bw, _op_args(call, v)
+    return desc, x, y, v, bw, ops_matvec._op_args(call, v)
 
 
 @pytest.mark.parametrize("vector", [False, True])
@@ -960,10 +955,10 @@ def test_custom_op_float64_out_of_float32_inputs():
     desc, x, y, v, bw, _ = _op_case()
     x, y, v, bw = x.float(), y.float(), v.float(), bw.float()
     call = mv.prepare_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1)
-    from kermac_like.ops.matvec import _op_args
+    from kermac_like.ops import matvec as ops_matvec
 
     out = torch.full((2, 6, 2), float("nan"), dtype=F64)
-    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec_out.default, (*_op_args(call, v), False, out))
+    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec_out.default, (*ops_matvec._op_args(call, v), False, out))
 
     def f(x, y, v, out):
         return km.kernel_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1, out=out)
@@ -982,11 +977,11 @@ def test_custom_op_float64_v_of_float32_inputs():
     x, y, bw = x.float(), y.float(), bw.float()
     call = mv.prepare_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1)
     assert call.wide_v and call.out_dtype == F64
-    from kermac_like.ops.matvec import _op_args
+    from kermac_like.ops import matvec as ops_matvec
 
-    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec.default, (*_op_args(call, v), False))
+    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec.default, (*ops_matvec._op_args(call, v), False))
     out = torch.full((2, 6, 2), float("nan"), dtype=F64)
-    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec_out.default, (*_op_args(call, v), False, out))
+    torch.library.opcheck(torch.ops.kermac_like.kernel_matvec_out.default, (*ops_matvec._op_args(call, v), False, out))
 
     def f(x, y, v):
         return km.kernel_matvec(desc, x, y, v, bandwidth=bw, regularization=0.3, regularization_offset_x=1)

@@ -124,7 +124,7 @@ def test_arg_blocks_hold_the_launch_arguments(as_gpu, cap):
     import ctypes
     import struct
 
-    from kermac_like.runtime.launcher import ArgBlock, _slot_format
+    from kermac_like.runtime.launcher import ArgBlock
 
     as_gpu[0] = cap
     g = torch.Generator().manual_seed(1)
@@ -141,7 +141,7 @@ def test_arg_blocks_hold_the_launch_arguments(as_gpu, cap):
             base = ctypes.addressof(block.slots)
             assert [block.params[i] for i in range(len(args))] == [base + 8 * i for i in range(len(args))]
             for i, v in enumerate(args):
-                got = struct.unpack_from(_slot_format(v), block.slots, 8 * i)[0]
+                got = struct.unpack_from(launcher._slot_format(v), block.slots, 8 * i)[0]
                 assert got == v or (np.isnan(v) and np.isnan(got)), (i, v, got)
             assert ArgBlock.supports(args, block.positions)
     assert not ArgBlock.supports((np.int32(1), 1.5), ())  # a Python float: left to cuda.core

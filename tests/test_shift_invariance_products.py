@@ -220,16 +220,15 @@ def test_cpu_wgmma_plan_reads_shifted_operands(as_gpu):
 def test_cpu_solver_blocks_share_one_reference_point(monkeypatch):
     """SolverKernel.matrix on the torch path's matrix product shifts by the reference point of b (the centres),
     gram_of_rows computes it once for all its blocks, and the offset data give the centred data's blocks."""
-    from kermac_like.solvers import _kernel
-    from kermac_like.solvers._kernel import resolve_kernel
+    from kermac_like.testing import solver_kernel as _kernel
 
-    kern = resolve_kernel("gaussian_l2", 1.0, None)
+    kern = _kernel.resolve_kernel("gaussian_l2", 1.0, None)
     data = datasets((300, 4), (40, 4), seed=7)
     (xc, zc), (xo, zo) = data["centred"], data["offset"]
     torch.testing.assert_close(kern.matrix(xo, zo), kern.matrix(xc, zc), rtol=0, atol=1e-6)
     check_values(kern.matrix(xo, zo), ref_kernel("gaussian_l2", xo, zo, 1.0))
     assert kern.shifts(xo, zo) and not kern.shifts(xo[:20], zo[:20])
-    assert not resolve_kernel("dot", None, None).shifts(xo, zo)
+    assert not _kernel.resolve_kernel("dot", None, None).shifts(xo, zo)
     seen = []
     monkeypatch.setattr(_kernel, "reference_point", lambda *p: seen.append(len(p)) or reference_point(*p))
     monkeypatch.setattr(_kernel, "BLOCK_BYTES", 40 * 4 * 64)  # blocks of 64 rows

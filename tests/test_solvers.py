@@ -17,7 +17,7 @@ import torch
 from gloo_spawn import spawn_workers
 
 from kermac_like.solvers import ConvergenceWarning, KernelRidge
-from kermac_like.solvers._cg import pcg
+from kermac_like.testing import solver_cg
 
 sklearn = pytest.importorskip("sklearn")
 from sklearn.gaussian_process.kernels import Matern  # noqa: E402
@@ -165,7 +165,7 @@ def test_cg_one_host_read_per_iteration():
     def dots(pairs):
         return torch.stack([(u * v).sum(0, dtype=torch.float64) for u, v in pairs]).as_subclass(Counted)
 
-    res = pcg(lambda v: a @ v, lambda r: r.clone(), b, tol=1e-10, max_iter=100, dots=dots)
+    res = solver_cg.pcg(lambda v: a @ v, lambda r: r.clone(), b, tol=1e-10, max_iter=100, dots=dots)
     assert res.converged and res.n_iter > 3
     assert len(reads) == res.n_iter + 2  # one per iteration, one before the first, one for the true residual
     assert torch.allclose(a @ res.x.as_subclass(torch.Tensor), b, atol=1e-8)
@@ -201,12 +201,12 @@ def test_cg_true_residual_checks_keep_the_best_iterate(grow_after):
         return float(((b - a @ x).norm(dim=0) / b.norm(dim=0)).max())
 
     a, apply_a, _ = _noisy_spd(grow_after=grow_after)
-    res = pcg(apply_a, lambda r: r.clone(), b, tol=1e-12, max_iter=1000, check_every=5)
+    res = solver_cg.pcg(apply_a, lambda r: r.clone(), b, tol=1e-12, max_iter=1000, check_every=5)
     checked = true_residual(a, res.x)
     assert not res.converged and res.n_iter < 100, res.n_iter
     assert checked == pytest.approx(res.residual, rel=0.5)  # reported: the x's own (measured with noise)
     a, apply_a, _ = _noisy_spd(grow_after=grow_after)
-    plain = pcg(apply_a, lambda r: r.clone(), b, tol=1e-12, max_iter=300)
+    plain = solver_cg.pcg(apply_a, lambda r: r.clone(), b, tol=1e-12, max_iter=300)
     assert plain.n_iter == 300 or not math.isfinite(plain.residual)
     if grow_after is None:
         assert checked < 3 * true_residual(a, plain.x) and checked < 0.05
@@ -229,10 +229,10 @@ def test_cg_check_at_tol_is_the_verification():
         return 0.5 * (b - a @ x)
 
     rec = []
-    pcg(lambda v: a @ v, lambda r: r.clone(), b, tol=1e-30, max_iter=3, progress=lambda it, w: rec.append(w))
+    solver_cg.pcg(lambda v: a @ v, lambda r: r.clone(), b, tol=1e-30, max_iter=3, progress=lambda it, w: rec.append(w))
     tol = 0.75 * rec[2]
     assert rec[0] > tol and rec[1] > tol  # the recursion is above tol up to the check
-    res = pcg(lambda v: a @ v, lambda r: r.clone(), b, tol=tol, max_iter=50, check_every=3, residual=residual)
+    res = solver_cg.pcg(lambda v: a @ v, lambda r: r.clone(), b, tol=tol, max_iter=50, check_every=3, residual=residual)
     assert res.converged and res.n_iter == 3 and len(calls) == 1, (res.n_iter, len(calls))
     assert res.residual == pytest.approx(0.5 * rec[2], rel=1e-6)
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import kermac_like as km
-from kermac_like._args import check_device
 from kermac_like.runtime import compiler
 from kermac_like.solvers import KernelRidge
+from kermac_like.testing import args
 
 ROOT = Path(__file__).resolve().parents[1]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
@@ -26,12 +26,12 @@ def test_cuda_device_without_cuda_is_one_value_error():
     why = "has no CUDA" if not torch.backends.cuda.is_built() else "sees no CUDA device"
     for device in ("cuda", "cuda:1", 0, torch.device("cuda")):
         with pytest.raises(ValueError, match=f"^device: 'cuda(:[01])?' asked for, but .*{why}"):
-            check_device("device", device)
-    assert check_device("device", "cpu") == torch.device("cpu")
+            args.check_device("device", device)
+    assert args.check_device("device", "cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="^device: 'nosuch' is not a torch device"):
-        check_device("device", "nosuch")
+        args.check_device("device", "nosuch")
     with pytest.raises(TypeError, match="^device: expected a torch.device"):
-        check_device("device", 1.5)
+        args.check_device("device", 1.5)
     X, y = np.random.default_rng(0).random((20, 2)), np.zeros(20)
     with pytest.raises(ValueError, match=f"^device: 'cuda' asked for, but .*{why}"):
         KernelRidge(bandwidth=1.0, device="cuda").fit(X, y)

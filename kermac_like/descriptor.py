@@ -137,6 +137,18 @@ class KernelDescriptor:
 
     # -- what the descriptor needs at call time ---------------------------------
     @property
+    def fused_ok(self) -> bool:
+        """Whether the fused CUDA templates compute this descriptor (the planner's routing
+        predicate): True for every descriptor of the four enums; the formula kernels
+        (kermac_like/formula.py) take the torch path on every device."""
+        return True
+
+    @property
+    def param_names(self) -> tuple:
+        """The names of the descriptor's own hyper-parameters beyond run_kernel's (none here)."""
+        return ()
+
+    @property
     def needs_inner_p(self) -> bool:
         return self.inner_power is PowerType.POW
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import torch
 
+from . import formula_path
 from ._args import check_same, check_tensor
 from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 
@@ -60,7 +61,8 @@ class KernelOperator:
     ``x, y``: ``p`` (sets ``inner_p`` and ``outer_p``), ``inner_p``, ``outer_p``,
     ``bandwidth``, ``regularization`` with ``regularization_offset_x`` and
     ``regularization_offset_y``, ``epsilon`` (floats, or tensors over batch modes),
-    ``debug``.
+    ``debug``, and a formula kernel's own hyper-parameters (kermac_like/formula.py) as
+    keyword arguments.
 
     >>> import torch, kermac_like as km
     >>> x = torch.tensor([[0.0], [1.0], [2.0]])
@@ -84,7 +86,7 @@ class KernelOperator:
 
     def __init__(self, descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, *, p=None, inner_p=None,
                  outer_p=None, bandwidth=None, regularization=None, regularization_offset_x: int = 0,
-                 regularization_offset_y: int = 0, epsilon=None, debug: bool = False):
+                 regularization_offset_y: int = 0, epsilon=None, debug: bool = False, **params):
         from .ops.distance import prepare_call
 
         check_tensor("x", x)
@@ -94,7 +96,7 @@ class KernelOperator:
             raise ValueError(f"y: last dimension {y.shape[-1]} differs from x's {x.shape[-1]} (the contracted K mode)")
         call = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                             regularization=regularization, regularization_offset_x=regularization_offset_x,
-                            regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+                            regularization_offset_y=regularization_offset_y, epsilon=epsilon, params=params)
         self.descriptor = descriptor
         self.x, self.y = x, y
         self.hypers = dict(call.hypers)  # inner_p, outer_p, bandwidth, regularization: resolved
@@ -252,6 +254,13 @@ class KernelOperator:
                 return h.to(wide).reshape(*h.shape, *([1] * extra))
             return h
 
+        if not desc.fused_ok:  # a formula kernel: its values of the paired rows
+            hp = {k: (h.to(wide).reshape(*h.shape, 1) if isinstance(h, torch.Tensor) else h)
+                  for k, h in self.hypers.items()}
+            if offset != self.regularization_offset_x - self.regularization_offset_y:
+                hp["regularization"] = None
+            k = formula_path.values(desc, x.unsqueeze(-2), y.unsqueeze(-2), hp, diag=0, epsilon=self.epsilon)
+            return k[..., 0, 0].expand(*self.batch_shape, n).to(self.dtype)
         if desc.inner_operator is InnerOperator.DOT:
             acc = (x * y).sum(-1)
         else:

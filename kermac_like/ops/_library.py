@@ -44,6 +44,8 @@ NAMESPACE = "kermac_like"
 
 
 def descriptor_ints(desc: KernelDescriptor) -> list:
+    if not desc.fused_ok:  # a formula kernel: its ops compute it on the torch path, never through an op schema
+        raise TypeError(f"descriptor: {desc!r} is not one of the fused descriptors the ops' schemas carry")
     return [int(desc.inner_operator), int(desc.inner_power), int(desc.outer_power), int(desc.kernel_type)]
 
 

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _debug, config
+from .. import _debug, config, formula, formula_path
 from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
@@ -40,11 +40,13 @@ COMPUTE_MODES = (
 
 def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
                  regularization_offset_x=0, regularization_offset_y=0, epsilon=None, names=("a", "b"),
-                 extra_shapes=None) -> DistanceCall:
+                 extra_shapes=None, params=None) -> DistanceCall:
     """Validate a run_kernel call; raises TypeError/ValueError naming the argument. ``names``:
     the operands' names in the calling op's terms (kernel_matvec's and knn's x and y);
     ``extra_shapes``: batch shapes of that op's other operands ({name: shape}), which must
-    broadcast with the data and the hyper-parameters (the call's batch includes them)."""
+    broadcast with the data and the hyper-parameters (the call's batch includes them);
+    ``params``: the descriptor's own hyper-parameters (a formula kernel's alpha, q, period, c or
+    expression parameters: kermac_like/formula.py), which join the call's hypers by name."""
     if not isinstance(descriptor, KernelDescriptor):
         raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
     na, nb = names
@@ -66,6 +68,19 @@ def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwi
     oy = check_int("regularization_offset_y", regularization_offset_y)
     inner_p = inner_p if inner_p is not None else p
     outer_p = outer_p if outer_p is not None else p
+    own = {}
+    if not descriptor.fused_ok:  # a formula kernel: its own hyper-parameters, bandwidth among them
+        for name, v in (("p", p), ("inner_p", inner_p), ("outer_p", outer_p)):
+            if v is not None:
+                raise TypeError(f"{name}: {descriptor!r} takes no {name} (a p-norm's p is the descriptor's own)")
+        given = dict(params or {})
+        if bandwidth is not None:
+            given["bandwidth"] = bandwidth
+        own = formula.check_params(descriptor, given, dev)
+        bandwidth = own.pop("bandwidth", None)
+    elif params:
+        name = next(iter(params))
+        raise TypeError(f"{name}: an unexpected keyword argument ({descriptor!r} has no hyper-parameter {name!r})")
     if descriptor.needs_inner_p:
         if inner_p is None:
             raise ValueError(f"p: {descriptor!r} has a POW inner power; pass p or inner_p")
@@ -80,12 +95,12 @@ def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwi
             raise ValueError("outer_p: must be > 0 (the outer power is x^(1/outer_p))")
     else:
         outer_p = None
-    if descriptor.needs_bandwidth:
+    if descriptor.needs_bandwidth and descriptor.fused_ok:
         if bandwidth is None:
             raise ValueError(f"bandwidth: {descriptor!r} has a {descriptor.kernel_type.name} epilogue; pass bandwidth")
-    else:
+    elif descriptor.fused_ok:
         bandwidth = None
-    hypers = dict(inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth, regularization=regularization)
+    hypers = dict(inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth, regularization=regularization, **own)
     shapes = {na: tuple(a.shape[:-2]), nb: tuple(b.shape[:-2]), **(extra_shapes or {})}
     shapes.update({k: tuple(v.shape) for k, v in hypers.items() if isinstance(v, torch.Tensor)})
     batch = broadcast_batch_shape(shapes)
@@ -212,7 +227,7 @@ def _needs_grad(*xs) -> bool:
 def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *, out=None, p=None, inner_p=None,
                outer_p=None, bandwidth=None, regularization=None, regularization_offset_x: int = 0,
                regularization_offset_y: int = 0, epsilon=None, compute_mode: str = COMPUTE_MODES[0],
-               autotune: bool | None = None, debug: bool = False) -> torch.Tensor:
+               autotune: bool | None = None, debug: bool = False, **params) -> torch.Tensor:
     """Fused kernel matrix ``out[..., m, n] = kernel(a[..., m, :], b[..., n, :])``.
 
     ``a`` is ``(..., M, K)``, ``b`` is ``(..., N, K)``; leading modes broadcast.
@@ -226,6 +241,10 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     ``autotune``: time the candidate kernels once per problem class and keep the
     fastest (stored in the kernel cache); None follows ``KERMAC_LIKE_AUTOTUNE``
     (kermac_like/runtime/autotune.py).
+    ``**params``: the hyper-parameters of a formula kernel (kermac_like/formula.py: alpha, q,
+    period, c, an expression's names), floats or tensors over batch modes like ``bandwidth``;
+    formula kernels take the torch path on every device (differentiable with respect to a, b
+    and every tensor hyper-parameter through torch's autograd of their formulas).
 
     >>> import torch, kermac_like as km
     >>> a = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
@@ -238,7 +257,7 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
             [0.3679, 1.5000]])
     """
     key = None
-    if not debug and autotune is None and type(descriptor) is KernelDescriptor:
+    if not debug and autotune is None and type(descriptor) is KernelDescriptor and not params:
         hp = (p, inner_p, outer_p, bandwidth, regularization, regularization_offset_x, regularization_offset_y, epsilon)
         key = _call_key(("run_kernel", descriptor), hp, a, b, out, compute_mode)
         if key is not None:
@@ -255,24 +274,32 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     return _run_kernel(descriptor, a, b, out=out, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                        regularization=regularization, regularization_offset_x=regularization_offset_x,
                        regularization_offset_y=regularization_offset_y, epsilon=epsilon, compute_mode=compute_mode,
-                       autotune=autotune, debug=debug, call_key=key)
+                       autotune=autotune, debug=debug, call_key=key, params=params)
 
 
 def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regularization, regularization_offset_x,
-                regularization_offset_y, epsilon, compute_mode, autotune, debug, call_key):
+                regularization_offset_y, epsilon, compute_mode, autotune, debug, call_key, params=None):
     """run_kernel after its call-key lookup missed (``call_key``: that key, or None)."""
     debug = _debug.resolve(debug)
     if compute_mode not in COMPUTE_MODES:
         raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
     call = prepare_call(descriptor, a, b, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                         regularization=regularization, regularization_offset_x=regularization_offset_x,
-                        regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+                        regularization_offset_y=regularization_offset_y, epsilon=epsilon, params=params)
     if autotune is not None and not isinstance(autotune, bool):
         raise TypeError(f"autotune: expected a bool or None, got {type(autotune).__name__}")
     call.autotune = autotune
     _check_out(out, call.out_shape, call.dtype, call.device)
     hyper_tensors = [v for v in call.hypers.values() if isinstance(v, torch.Tensor)]
     grad = _needs_grad(call.a, call.b, *hyper_tensors)
+    if not call.desc.fused_ok:  # a formula kernel: the torch path, autograd through its torch formulas
+        if not grad:
+            return run_distance(call, out, compute_mode, debug)
+        work = torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
+        res = formula_path.values(call.desc, call.a.to(work), call.b.to(work), call.hypers, diag=call.reg_diag,
+                                  epsilon=call.epsilon, compute_mode=compute_mode)
+        res = res.expand(call.out_shape).to(call.dtype)
+        return res if out is None else out.copy_(res)
     if grad:
         for name, v in call.hypers.items():
             if isinstance(v, torch.Tensor) and v.requires_grad:

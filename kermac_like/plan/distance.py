@@ -20,7 +20,7 @@ import torch
 from ..centring import same_memory as _same_memory, shift_invariant, shifted_pair
 from ..descriptor import KernelDescriptor
 from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
-from .. import config, torch_path
+from .. import config, formula_path, torch_path
 from ..runtime import autotune, launcher
 from ..runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from ..runtime.specs import (
@@ -281,7 +281,12 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
 def plan_distance(call: DistanceCall, out: torch.Tensor | None, compute_mode: str, debug: bool,
                   settings: Settings | None = None, call_key=None) -> Plan:
     """The plan of a validated run_kernel call writing ``out`` (checked; None: a fresh tensor,
-    on the torch path its kernels' own result)."""
+    on the torch path its kernels' own result). A descriptor no template knows
+    (``desc.fused_ok`` False: kermac_like/formula.py) takes the torch path on every device."""
+    if not call.desc.fused_ok:
+        if debug:
+            log.debug("run_kernel %r: torch path (a formula kernel; %s, %s)", call.desc, call.device, call.dtype)
+        return _reference_plan(functools.partial(formula_path.distance, call, out, compute_mode), debug)
     if call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.a):
         if out is None:
             out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)

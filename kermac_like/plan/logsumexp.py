@@ -99,7 +99,7 @@ def expand_params(desc, x: torch.Tensor, y: torch.Tensor, bandwidth) -> torch.Te
 
 
 def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = False):
-    if not fused_serves(call, lw):
+    if not call.desc.fused_ok or not fused_serves(call, lw):
         return None
     device = _device_index(call.a.device)
     M, N, K, C = call.M, call.N, call.K, lw.shape[-1]

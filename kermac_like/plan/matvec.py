@@ -23,7 +23,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from .. import torch_path
+from .. import formula_path, torch_path
 from ..centring import (  # noqa: F401  (re-exported: the matvec paths' one shift and its marks)
     centred_together,
     mark_centred,
@@ -155,7 +155,14 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     unrounded), matvec_blocked with float64 accumulation for the tensor-core calls (the
     Hopper kernel matvec_wgmma rounds its output in float32: not used), float64 accumulation
     on the reference path. ``call.f32_partials`` selects the blocked float64 mode where the
-    fused kernel takes the float64 mode's expanded form (``matvec_spec``'s rule)."""
+    fused kernel takes the float64 mode's expanded form (``matvec_spec``'s rule). A descriptor no
+    template knows (``desc.fused_ok`` False: kermac_like/formula.py) takes the torch path on every
+    device (kermac_like/formula_path.py)."""
+    if not call.desc.fused_ok:
+        if debug:
+            log_matvec.debug("kernel_matvec %r: torch path (a formula kernel; %s, %s)", call.desc, call.device,
+                             call.dtype)
+        return _reference_plan(lambda: formula_path.matvec(call, out), debug)
     wide_out = out.dtype == torch.float64 and call.dtype != torch.float64
     if not (call.K > 0 and call.dtype != torch.float64 and _gpu_ok(call.x)):
         shift = matvec_shifts(call.desc, call.x, call.y, wide_out) and not centred_together(call.x, call.y)

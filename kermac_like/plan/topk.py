@@ -57,7 +57,10 @@ def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = F
     """The plan of a validated call, or None (the blocked path). The tensor-core plan (family
     "topk_mma", :func:`mma_serves`) returns from ``run()`` the rows it left uncertified
     (:func:`_run_mma`), for the caller to recompute; ``fallback``: the exact SIMT selection of
-    such rows (K up to FALLBACK_MAX_K; never the tensor-core path again)."""
+    such rows (K up to FALLBACK_MAX_K; never the tensor-core path again). A descriptor no template
+    knows (``desc.fused_ok`` False): None."""
+    if call.desc is not None and not call.desc.fused_ok:
+        return None
     if not fallback and mma_serves(call):
         return Plan("topk_mma", None, (), values, reference=lambda: _run_mma(call, values, indices, debug),
                     debug=debug)

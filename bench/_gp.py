@@ -1,4 +1,4 @@
-"""The probes' GPyTorch training step (bench/probes/gp_step_*.py, gp_tc_check.py): the data of bench/run.py's
+"""bench/run.py's GPyTorch training step: the data of its
 gp_step (x uniform in [-1, 1]^8, y a smooth function plus noise) and one ExactGP step (ScaleKernel around the
 given kernel, constant mean, GPyTorch's defaults, max_cholesky_size 0): the MLL and its backward."""
 

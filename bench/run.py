@@ -512,9 +512,9 @@ def krr_1e9_rows(bench):
         argv += ["--lam", "1e-4", "--dtype", "float32"]
     # --quick: the preconditioner's own bytes + 100 kB, less than the rows and their temporaries
     # (so that the row streams); else the 16 GB.
-    from kermac_like.solvers._nystrom import build_bytes
+    from kermac_like.testing import solver_nystrom
 
-    stream_bytes = (build_bytes(m) + 100_000) if quick else 16_000_000_000
+    stream_bytes = (solver_nystrom.build_bytes(m) + 100_000) if quick else 16_000_000_000
     size = f"N={n}, D=8, gaussian bw 1.5, m={m}, tol 1e-4" + (" (quick)" if quick else "")
     gpu = bench.device.type == "cuda"
 

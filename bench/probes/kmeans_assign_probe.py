@@ -21,6 +21,7 @@ D = 8, C = 1024: 8.6 / ~3; D = 16: C = 256: 4.3 / ~1.3, C = 1024: 14.1 / ~5 (4-7
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -29,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kermac_like.cluster import KMeans, _assign  # noqa: E402
+from kermac_like import cluster  # noqa: E402
+from kermac_like.cluster import KMeans  # noqa: E402
 from kermac_like import config  # noqa: E402
 from kermac_like.plan import kmeans as plan_km  # noqa: E402
 from _timing import event_ms  # noqa: E402
@@ -60,7 +62,7 @@ def main():
     for D, C in SHAPES:
         X = blobs(D, C, g)
         centres = X[torch.randperm(N, device="cuda", generator=g)[:C]].clone()
-        ms, outs = interleaved(lambda X=X, centres=centres: _assign(X, centres, False))
+        ms, outs = interleaved(lambda X=X, centres=centres: cluster._assign(X, centres, False))
         (l0, d0), (l1, d1) = outs[False], outs[True]
         diff = int((l0 != l1).sum())
         same_d2 = bool(torch.equal(d0.view(torch.int64), d1.view(torch.int64)))
@@ -100,4 +102,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -11,6 +11,7 @@ CUDA events around the collective call, median of the repeats after a warm-up. C
 compares the first and the last ERR_ROWS rows with a one-process search of the whole y (values and indices), and
 prints the peak extra GPU memory of the collective call.
 """
+import argparse
 import os
 import statistics
 import sys
@@ -86,4 +87,7 @@ def main():
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="environment: KNN_N (M = N, default 10^6), KNN_REPS (default 3)")
+    parser.parse_args()
     main()

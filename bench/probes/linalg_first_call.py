@@ -6,6 +6,7 @@ GPU takes about as long as the sleep.
     python3 bench/probes/linalg_first_call.py [cold|warm] [STEP,STEP,...]   # GPU machine
 """
 
+import argparse
 import json
 import subprocess
 import sys
@@ -51,8 +52,11 @@ print("RESULT " + json.dumps({"step": steps[upto].__name__, "host_ms": round(t *
 
 
 def main():
-    mode = sys.argv[1] if len(sys.argv) > 1 else "cold"
-    which = [int(i) for i in sys.argv[2].split(",")] if len(sys.argv) > 2 else range(11)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", choices=("cold", "warm"), default="cold")
+    parser.add_argument("steps", nargs="?", default="0,1,2,3,4,5,6,7,8,9,10", help="comma-separated steps (default: all)")
+    args = parser.parse_args()
+    mode, which = args.mode, [int(i) for i in args.steps.split(",")]
     for i in which:
         r = subprocess.run([sys.executable, "-c", CHILD, str(i), mode], capture_output=True, text=True)
         line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]

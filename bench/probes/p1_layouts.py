@@ -1,6 +1,6 @@
 """Issue #16 probe: does an m-contiguous (ColMajor) operand, which the SIMT and low-K kernels copy
 with 16-byte cp.async instead of 4-byte transposing copies, make cdist p=1 faster? The profile
-(bench/probes/ncu_p1.sh) puts the largest non-issue stall of the K = 1024 kernel at the 4-byte
+(bench/notes/distance.md) puts the largest non-issue stall of the K = 1024 kernel at the 4-byte
 LDGSTS (lg_throttle) and half the low-K kernel's warp time in its tile loads.
 
     python3 bench/probes/p1_layouts.py        (GPU; table last)
@@ -9,6 +9,7 @@ Columns: row-major inputs read as they are (plan.distance._kmajor off), ColMajor
 row-major inputs transposed by torch inside the timed call, and the public call (which makes
 k-major copies where plan.distance._kmajor_worthwhile says so).
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -22,11 +23,14 @@ from kermac_like.plan import distance as P  # noqa: E402
 
 KMAJOR_MIN_OUT = P._KMAJOR_MIN_OUT
 
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--quick", action="store_true", help="only K = 128 and K = 37")
+args = parser.parse_args()
 dev = torch.device("cuda")
 rows = []
 cases = [(30000, 1024, "cdist", 5), (20000, 256, "cdist", 10), (20000, 128, "cdist", 10), (20000, 96, "cdist", 10),
          (4096, 512, "cdist", 20), (4096, 1024, "cdist", 20), (10000, 1024, "pnorm", 5), (20000, 37, "cdist", 20)]
-if "--quick" in sys.argv:
+if args.quick:
     cases = [c for c in cases if c[1] in (128, 37)]
 for M, K, op, reps in cases:
     out = torch.empty(M, M, device=dev)

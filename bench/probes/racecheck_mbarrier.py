@@ -18,7 +18,7 @@ If the mbarrier modes are reported and the named-barrier mode is not, the report
 distance_wgmma_kernel is the tool not modelling mbarrier ordering, not a race of ours.
 """
 
-import sys
+import argparse
 
 import torch
 
@@ -102,4 +102,6 @@ def main(mode_name: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "mbar-cpasync")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", choices=tuple(MODES), default="mbar-cpasync")
+    main(parser.parse_args().mode)

@@ -1,10 +1,11 @@
 """Times of the kernels that the NaN / sanitizer changes touch, at bench/run.py's sizes
 (CUDA events, medians after warm-up, fresh random data per call; bench/_timing.py).
-Run it from two checkouts in alternation to compare (bench/probes/safety_gpu.sh).
+bench/gpu_check.sh runs it from two checkouts in alternation to compare.
 
     PYTHONPATH=<checkout> python3 bench/probes/safety_timing.py LABEL [REPEATS]
 """
 
+import argparse
 import json
 import os
 import sys
@@ -17,9 +18,12 @@ from _timing import time_calls  # noqa: E402
 
 import kermac_like as km  # noqa: E402
 
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("label", help="the name on each TIMING line (before, after)")
+parser.add_argument("repeats", nargs="?", type=int, default=7, help="timed calls per case (default 7)")
+args = parser.parse_args()
+label, reps = args.label, args.repeats
 dev = torch.device("cuda")
-label = sys.argv[1]
-reps = int(sys.argv[2]) if len(sys.argv) > 2 else 7
 
 
 def rnd(*shape):

@@ -13,6 +13,7 @@ so that a run under the sanitizer also shows the calls did their work.
 from __future__ import annotations
 
 import functools
+import argparse
 import os
 import sys
 
@@ -347,7 +348,6 @@ def kmeans():
     # N not a multiple of the CTA's rows, a duplicate centre and points on bisectors (uncertified rows:
     # the kernel's exact rescan), against knn's labels and distance bits
     from kermac_like import knn
-    from kermac_like.cluster import _DIRECT
     from kermac_like.plan import kmeans as plan_km
     for K, C in ((5, 300), (16, 37)):
         xa = torch.randn(2017, K, device="cuda", generator=g)
@@ -356,7 +356,7 @@ def kmeans():
         ar = torch.arange(64, device="cuda")
         xa[:64] = 0.5 * (ca[ar % C] + ca[(ar + 1) % C])
         lab, dist, cert = plan_km.plan_assign(xa, ca, certificates=True).run()
-        d_ref, l_ref = knn(xa, ca, 1, compute_mode=_DIRECT)
+        d_ref, l_ref = knn(xa, ca, 1, compute_mode="donot_use_mm_for_euclid_dist")
         assert torch.equal(lab, l_ref[:, 0]) and torch.equal(dist, d_ref[:, 0]), "tensor-core assignment differs"
     # Lloyd's pruned iterations (kmeans_bounds_kernel, the assignment on a work list with bounds) against
     # every point assigned: blob data, N not a multiple of the filter's 256 points
@@ -422,10 +422,18 @@ FAMILIES = {
 
 
 def main(argv):
-    if argv == ["--list"]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("families", nargs="*", metavar="FAMILY", help="the families to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the families' names and exit")
+    parser.add_argument("--warm", action="store_true", help="run every family once (compiles the kernels)")
+    args = parser.parse_args(argv)
+    if args.list:
         print(" ".join(FAMILIES))
         return
-    names = list(FAMILIES) if not argv or argv == ["--warm"] else argv
+    unknown = [n for n in args.families if n not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown families {unknown}; known: {' '.join(FAMILIES)}")
+    names = args.families or list(FAMILIES)
     for name in names:
         fn, env = FAMILIES[name]
         saved = {k: os.environ.get(k) for k in env}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import re
-import sys
+import argparse
 
 START = re.compile(r"^========= (Error|Warning|Invalid|Race|Barrier|Uninitialized)", re.I)
 SUMMARY = re.compile(r"^========= (ERROR|RACECHECK|ERROR SUMMARY|LEAK).*SUMMARY.*$|^========= ERROR SUMMARY.*$")
@@ -36,13 +36,17 @@ def reports(text: str):
 
 
 def main():
-    text = open(sys.argv[1], errors="replace").read()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("log", help="a compute-sanitizer log")
+    parser.add_argument("-v", "--verbose", action="store_true", help="also our reports, grouped")
+    args = parser.parse_args()
+    text = open(args.log, errors="replace").read()
     ours, foreign = [], []
     for r in reports(text):
         (ours if any("kermac_like::" in line for line in r) else foreign).append(r)
     summary = " | ".join(m.group(0).strip("= ") for m in map(SUMMARY.match, text.splitlines()) if m) or "-"
     print(len(ours), len(foreign), summary)
-    if len(sys.argv) > 2:
+    if args.verbose:
         groups = collections.Counter()
         for r in ours:
             head = re.sub(r"0x[0-9a-f]+|\(\d+,\d+,\d+\)", "#", r[0])

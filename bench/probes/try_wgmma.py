@@ -17,6 +17,7 @@ cuda_templates/ (the package itself only for the package-path check).
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
@@ -574,4 +575,11 @@ DEV = STREAM = None
 SMS = 132
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", action="append", help="comma-separated variants timed instead of the default set")
+    parser.add_argument("--also", action="append", help="comma-separated variants timed beside the default set")
+    parser.add_argument("--mma", action="store_true", help="also time the mma.sync kernel")
+    parser.add_argument("--correct", action="append", help="comma-separated variants also checked for correctness")
+    parser.add_argument("--no-correct", action="store_true", help="skip the correctness cases")
+    parser.parse_args()  # (the options are read from sys.argv where the module sets up its tables)
     sys.exit(main())

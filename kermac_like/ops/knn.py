@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _debug
+from .. import _debug, formula_path
 from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType
 from ..layout import analyse_output, broadcast_batch_shape
@@ -139,16 +139,18 @@ def _check_largest(largest, default: bool) -> bool:
 
 def prepare_topk(descriptor, x, y, k, *, largest=None, p=None, inner_p=None, outer_p=None, bandwidth=None,
                  regularization=None, regularization_offset_x=0, regularization_offset_y=0,
-                 epsilon=None) -> TopkCall:
-    """Validate a kernel_topk call; TypeError/ValueError naming the argument."""
+                 epsilon=None, params=None) -> TopkCall:
+    """Validate a kernel_topk call; TypeError/ValueError naming the argument (``params``: a formula
+    kernel's own hyper-parameters)."""
     if not isinstance(descriptor, KernelDescriptor):
         raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
     _check_data(x, y)
     dc = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                       regularization=regularization, regularization_offset_x=regularization_offset_x,
-                      regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"))
+                      regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"), params=params)
     k = _check_k(k, dc.N)
-    distance = descriptor.inner_operator is InnerOperator.DIFF and descriptor.kernel_type is KernelType.NONE
+    distance = (descriptor.inner_operator is InnerOperator.DIFF and descriptor.kernel_type is KernelType.NONE
+                and descriptor.fused_ok)  # (a formula's values are kernel values)
     return TopkCall(descriptor, x, y, k, _check_largest(largest, not distance), dc.hypers, dc.reg_diag, dc.epsilon,
                     dc.batch, dc.M, dc.N, dc.K, distance)
 
@@ -305,6 +307,10 @@ def _block_values(call: TopkCall, xb: Tensor, yb: Tensor, m0: int, n0: int, work
             return torch.cdist(xw, yw, p=call.p, compute_mode=_resolved_mode(call))
         return cdist(xw, yw, p=call.p, compute_mode=_resolved_mode(call))
     hyp = {name: _hyper_to(h, work) for name, h in call.hypers.items()}
+    if not call.desc.fused_ok:  # a formula kernel: its torch path's values, direct differences
+        with torch.no_grad():
+            return formula_path.values(call.desc, xw, yw, hyp, diag=call.reg_diag - n0 + m0, epsilon=call.epsilon,
+                                       compute_mode=COMPUTE_MODES[2])
     if _torch_blocks(call):
         cp = _CDIST_PRESETS.get(call.desc)
         if cp is not None and hyp["regularization"] is None and call.epsilon is None:
@@ -614,11 +620,37 @@ def _op_args(call: TopkCall) -> tuple:
             call.largest, call.p, call.compute_mode)
 
 
+def _formula_pairs(call: TopkCall, indices: Tensor) -> Tensor:
+    """The values of the selected pairs of a formula kernel recomputed by its torch formulas
+    (differentiable with respect to x, y and the tensor hyper-parameters): y's rows gathered,
+    memory O(M k K)."""
+    batch, M, N, K, k = call.batch, call.M, call.N, call.K, call.k
+    work = torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
+    x = call.x.to(work).expand(*batch, M, K)
+    y = call.y.to(work).expand(*batch, N, K)
+    b = torch.gather(y.unsqueeze(-3).expand(*batch, M, N, K), -2, indices.unsqueeze(-1).expand(*batch, M, k, K))
+    hyp = {name: (h.to(work).reshape(*h.shape, 1) if isinstance(h, torch.Tensor) else h)
+           for name, h in call.hypers.items()}
+    v = formula_path.values(call.desc, x.unsqueeze(-2), b, hyp, epsilon=call.epsilon).squeeze(-2)  # (*batch, M, k)
+    lam = hyp["regularization"]
+    if lam is not None:  # the pairs on the regularised diagonal
+        on = (indices - torch.arange(M, device=indices.device).unsqueeze(-1)) == call.reg_diag
+        v = v + on.to(v.dtype) * (lam.reshape(*lam.shape, 1) if isinstance(lam, Tensor) else lam)
+    return v.to(call.dtype)
+
+
 def _run(call: TopkCall, out, debug: bool) -> tuple:
     if out is not None:
         out = _check_out(call, out)
     hyper_tensors = [h for h in call.hypers.values() if isinstance(h, torch.Tensor)]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (call.x, call.y, *hyper_tensors))
+    if call.desc is not None and not call.desc.fused_ok:
+        # A formula kernel: the blocked selection of its torch path's values (no op schema carries it);
+        # under autograd the selected pairs' values recomputed differentiably.
+        v, i = topk_forward(call, None, debug=debug)
+        if grad:
+            v = _formula_pairs(call, i)
+        return (v, i) if out is None else (out[0].copy_(v), out[1].copy_(i))
     if grad:
         for name, h in call.hypers.items():
             if isinstance(h, torch.Tensor) and h.requires_grad:
@@ -640,7 +672,7 @@ def _run(call: TopkCall, out, debug: bool) -> tuple:
 def kernel_topk(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, k: int, *, largest=None, out=None,
                 p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
                 regularization_offset_x: int = 0, regularization_offset_y: int = 0, epsilon=None,
-                debug: bool = False) -> tuple:
+                debug: bool = False, **params) -> tuple:
     """The k best entries of each row of ``run_kernel(descriptor, x, y, ...)`` and their
     column indices, without the M x N matrix: ``(values, indices)``, both ``(..., M, k)``,
     values in x's dtype, indices int64 (rows of y).
@@ -680,7 +712,7 @@ def kernel_topk(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, 
     call = prepare_topk(descriptor, x, y, k, largest=largest, p=p, inner_p=inner_p, outer_p=outer_p,
                         bandwidth=bandwidth, regularization=regularization,
                         regularization_offset_x=regularization_offset_x,
-                        regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+                        regularization_offset_y=regularization_offset_y, epsilon=epsilon, params=params)
     return _run(call, out, debug)
 
 

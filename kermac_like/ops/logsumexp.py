@@ -31,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import _debug
+from .. import _debug, formula_path
 from .._args import check_same, check_tensor
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from ..layout import analyse_output
@@ -181,7 +181,7 @@ class _LogSumExp(torch.autograd.Function):
 
 
 def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_weights=None, *, out=None, p=None,
-                     inner_p=None, outer_p=None, bandwidth=None, epsilon=None, debug: bool = False) -> Tensor:
+                     inner_p=None, outer_p=None, bandwidth=None, epsilon=None, debug: bool = False, **params) -> Tensor:
     """``out[..., m, c] = log sum_n exp(-phi(x_m, y_n) + log_weights[..., n, c])``, stably.
 
     ``descriptor`` needs a LAPLACE or GAUSSIAN epilogue: its kernel is ``exp(-phi)`` with
@@ -203,6 +203,12 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
     hyper-parameters. ``out``: written in place and returned (left untouched when an argument
     is rejected). Errors: TypeError/ValueError naming the argument.
 
+    A formula kernel (kermac_like/formula.py, its hyper-parameters as ``**params``) must be
+    positive (``descriptor.positive``; else ValueError): ``out = log sum_n k(x_m, y_n) w_n`` with
+    log k from the log of its epilogue (closed forms for the built-ins, SymPy's expand_log of an
+    expression), on the torch path in blocks, differentiable with respect to x, y, log_weights and
+    its tensor hyper-parameters.
+
     >>> import torch, kermac_like as km
     >>> x = torch.tensor([[0.0], [1.0], [2.0]])
     >>> km.kernel_logsumexp(km.preset("gaussian_l2"), x, x, bandwidth=1.0)
@@ -213,9 +219,12 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
     debug = _debug.resolve(debug)
     if not isinstance(descriptor, KernelDescriptor):
         raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
-    if descriptor.kernel_type not in (KernelType.LAPLACE, KernelType.GAUSSIAN):
+    if not descriptor.fused_ok:
+        if not descriptor.positive:
+            raise ValueError(f"descriptor: {descriptor!r} is not a positive kernel (its log is not defined everywhere)")
+    elif descriptor.kernel_type not in (KernelType.LAPLACE, KernelType.GAUSSIAN):
         raise ValueError(f"descriptor: {descriptor!r} has no LAPLACE or GAUSSIAN epilogue (its kernel must be exp(-phi))")
-    if descriptor.inner_operator is not InnerOperator.DIFF:
+    elif descriptor.inner_operator is not InnerOperator.DIFF:
         raise ValueError(f"descriptor: {descriptor!r} is not a distance (inner operator DIFF)")
     check_tensor("x", x)
     check_tensor("y", y)
@@ -230,8 +239,11 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
             raise ValueError(f"log_weights: expected {y.shape[-2]} rows (the points of y), got shape "
                              f"{tuple(log_weights.shape)}")
     call = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
-                        epsilon=epsilon, names=("x", "y"), extra_shapes={"log_weights": tuple(lw.shape[:-2])})
+                        epsilon=epsilon, names=("x", "y"), extra_shapes={"log_weights": tuple(lw.shape[:-2])},
+                        params=params)
     for name, h in call.hypers.items():
+        if not descriptor.fused_ok:
+            break  # (a formula kernel's hyper-parameters are differentiable)
         if isinstance(h, Tensor) and h.requires_grad and torch.is_grad_enabled():
             raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
     shape = (*call.batch, call.M) if vector else (*call.batch, call.M, lw.shape[-1])
@@ -246,7 +258,10 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
     if debug:
         log.debug("kernel_logsumexp %r: M=%d N=%d K=%d C=%d batch=%s in %s blocks of %d x %d", descriptor, call.M,
                   call.N, call.K, lw.shape[-1], call.batch, work, *_blocks(call.batch, call.M, call.N, lw.shape[-1]))
-    res = _LogSumExp.apply(x, y, lw, call, work, debug)
+    if not descriptor.fused_ok:
+        res = formula_path.logsumexp(call, lw, work)
+    else:
+        res = _LogSumExp.apply(x, y, lw, call, work, debug)
     res = (res.squeeze(-1) if vector else res).to(x.dtype)
     if out is None:
         return res

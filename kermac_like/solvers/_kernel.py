@@ -39,20 +39,23 @@ BLOCK_BYTES = 1 << 30
 
 
 def resolve_kernel(kernel, bandwidth, p) -> "SolverKernel":
-    """The validated kernel of an estimator: ``kernel`` a preset name or a KernelDescriptor."""
+    """The validated kernel of an estimator: ``kernel`` a preset name or a KernelDescriptor (a formula
+    kernel of kermac_like/formula.py included: its other hyper-parameters are the descriptor's
+    defaults, a missing one a ValueError naming it at the first product)."""
     if isinstance(kernel, str):
         desc = preset(kernel)  # ValueError naming `name`; re-raised below with `kernel`
     elif isinstance(kernel, KernelDescriptor):
         desc = kernel
     else:
         raise TypeError(f"kernel: expected a preset name or a KernelDescriptor, got {type(kernel).__name__}")
-    if desc.inner_operator is not InnerOperator.DOT and desc.kernel_type is KernelType.NONE:
+    if desc.fused_ok and desc.inner_operator is not InnerOperator.DOT and desc.kernel_type is KernelType.NONE:
         raise ValueError(
             f"kernel: {desc!r} is a distance, not a positive definite kernel; take a LAPLACE or GAUSSIAN "
             "epilogue (e.g. 'laplace_l2', 'gaussian_l2') or 'dot'"
         )
     hypers = {}
-    if desc.needs_bandwidth:
+    own_default = not desc.fused_ok and dict(desc.params).get("bandwidth") is not None
+    if desc.needs_bandwidth and not (bandwidth is None and own_default):  # (else the formula's own default)
         if bandwidth is None:
             raise ValueError(f"bandwidth: the kernel {desc!r} needs a bandwidth")
         if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:

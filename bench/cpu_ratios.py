@@ -15,6 +15,15 @@ the per-repeat ratios (ours / torch; the target is <= 1.25). The torch way:
 * kernel_matvec: row blocks of ``TORCH_BLOCK_ELEMENTS`` kernel entries, each
   ``torch.exp(<cdist block> / -bw) @ v`` (Gaussian: the squared distance over -2 bw^2).
 
+Rows against the library a class stands in for (issue 46, item 2; target <= 1.0 unless noted):
+
+* kmeans: ``kermac_like.cluster.KMeans`` against scikit-learn's ``KMeans(algorithm="lloyd")``,
+  both on the same numpy float32 blobs from the same initial centres (n_init=1): 4000 x 10, 16
+  clusters with the default tol and max_iter; 50 000 x 16, 64 clusters, 20 iterations (tol=0).
+  ``--check`` prints the largest centre difference and both n_iter.
+* cdist_grad p = 2 (a (K, M), b (N, K), c (O, K), d (N, M)): the torch way is the contraction
+  split into two matrix products, ``d (c a) - ((c * b) a)`` (examples/cdist_grad.py).
+
 Uses only the public API, so it runs against any version of the package on ``sys.path``.
 Threads: torch's intra-op default (``--threads`` to change it).
 """
@@ -43,8 +52,50 @@ def _torch_matvec(kind: str, x, y, v, bw: float):
     return out
 
 
+def _blobs(n, d, c, seed=0):
+    """(X (n, d) float32 numpy: c Gaussian blobs, init (c, d): c distinct rows of X)."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    X = (4 * rng.randn(c, d)[rng.randint(0, c, n)] + rng.randn(n, d)).astype(np.float32)
+    return X, X[rng.choice(n, c, replace=False)].copy()
+
+
+def _kmeans_rows():
+    try:
+        from sklearn.cluster import KMeans as SkKMeans
+    except ImportError:
+        return
+    from kermac_like.cluster import KMeans
+
+    for (n, d, c), kw in (((4000, 10, 16), {}), ((50000, 16, 64), dict(max_iter=20, tol=0.0))):
+        def ours(X, init, c=c, kw=kw):
+            m = KMeans(c, init=init, n_init=1, **kw).fit(X)
+            return torch.from_numpy(m.cluster_centers_), m.n_iter_
+
+        def theirs(X, init, c=c, kw=kw):
+            m = SkKMeans(c, init=init, n_init=1, algorithm="lloyd", **kw).fit(X)
+            return torch.from_numpy(m.cluster_centers_), m.n_iter_
+
+        label = f"{n}x{d}, {c} clusters" + (f", {kw['max_iter']} it." if kw else "")
+        yield (f"kmeans_{n}x{d}x{c}", label, lambda n=n, d=d, c=c: _blobs(n, d, c), ours, theirs)
+
+
+def _torch_cdist_grad_p2(a, b, c, d):
+    O, N = c.shape[-2], b.shape[-2]
+    ca = c @ a
+    cb = (c.unsqueeze(-2) * b.unsqueeze(-3)).flatten(-3, -2)
+    return (cb @ a).unflatten(-2, (O, N)).neg_().addcmul_(d.unsqueeze(-3), ca.unsqueeze(-2))
+
+
+def _grad_inputs(K, M, N, O, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(K, M, generator=g), torch.randn(N, K, generator=g), torch.randn(O, K, generator=g),
+            torch.randn(N, M, generator=g))
+
+
 def rows():
-    """(name, shape label, make inputs, ours, torch way)."""
+    """(name, shape label, make inputs: (m, n, k, c) for _inputs or a callable, ours, torch way)."""
     for p in (1.0, 2.0):
         for m, k in ((2000, 3), (2000, 64), (4000, 256)):
             yield (f"cdist_p{p:g}_k{k}", f"{m}x{m}x{k}", (m, m, k, 0),
@@ -58,6 +109,9 @@ def rows():
             yield (f"kernel_matvec_{kind}_c{c}", f"4000x4000x64 C={c}", (4000, 4000, 64, c),
                    lambda x, y, v, d=desc: km.kernel_matvec(d, x, y, v, bandwidth=8.0),
                    lambda x, y, v, kind=kind: _torch_matvec(kind, x, y, v, 8.0))
+    yield ("cdist_grad_p2", "K=M=2000, N=32, O=4", lambda: _grad_inputs(2000, 2000, 32, 4),
+           lambda a, b, c, d: km.cdist_grad(a, b, c, d, p=2.0), _torch_cdist_grad_p2)
+    yield from _kmeans_rows()
 
 
 def _inputs(m, n, k, c, seed=0):
@@ -115,12 +169,17 @@ def main():
     for name, shape, dims, ours, theirs in rows():
         if wanted and not any(w in name for w in wanted):
             continue
-        inp = _inputs(*dims)
+        inp = dims() if callable(dims) else _inputs(*dims)
         r = measure(ours, theirs, inp, args.repeats, args.warmup)
+        extra = ""
         if args.check:
-            r["max_abs_diff"] = (ours(*inp) - theirs(*inp)).abs().max().item()
+            a, b = ours(*inp), theirs(*inp)
+            if isinstance(a, tuple):  # (result, n_iter)
+                extra = f" n_iter {a[1]} / {b[1]}"
+                a, b = a[0], b[0]
+            r["max_abs_diff"] = (a - b).abs().max().item()
+            extra = f" diff {r['max_abs_diff']:.1e}" + extra
         results[name] = dict(shape=shape, **r)
-        extra = f" diff {r['max_abs_diff']:.1e}" if args.check else ""
         print(f"| {name} | {shape} | {r['ours_ms']:.2f} | {r['torch_ms']:.2f} | {r['ratio']:.2f} "
               f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}){extra} |", flush=True)
     if args.json:

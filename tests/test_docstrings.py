@@ -13,7 +13,7 @@ import pytest
 import kermac_like as km
 
 # Subpackages whose __all__ is public API beside kermac_like's own.
-SUBPACKAGES = ("linalg", "solvers", "neighbors", "cluster", "gpytorch")
+SUBPACKAGES = ("linalg", "solvers", "neighbors", "cluster", "gpytorch", "rfm")
 
 
 def _public() -> dict:

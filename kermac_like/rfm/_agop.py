@@ -129,7 +129,16 @@ def gradient_blocks(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: 
 def function_gradients(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: torch.Tensor,
                        v: torch.Tensor, *, block_bytes: int = AGOP_BLOCK_BYTES) -> torch.Tensor:
     """The gradients (O, m, D) of f_o = sum_i coef[i, o] k(u_i, .) at the rows of v: the whole
-    tensor (for tests and small problems; :func:`agop_sum` never forms it)."""
+    tensor (for tests and small problems; :func:`agop_sum` never forms it).
+
+    >>> import torch
+    >>> from kermac_like.rfm import function_gradients, resolve_rfm_kernel
+    >>> g = torch.Generator().manual_seed(0)
+    >>> u = torch.randn(50, 3, generator=g, dtype=torch.float64)
+    >>> coef = torch.randn(50, 1, generator=g, dtype=torch.float64)
+    >>> function_gradients(resolve_rfm_kernel("laplace_l2", 1.0, 2.0), 2.0, u, coef, u[:10]).shape
+    torch.Size([1, 10, 3])
+    """
     out = torch.empty((coef.shape[1], v.shape[0], v.shape[1]), dtype=u.dtype, device=u.device)
     for j0, g in gradient_blocks(kernel, bandwidth, u, coef, v, block_bytes=block_bytes):
         out[:, j0:j0 + g.shape[1]] = g
@@ -141,7 +150,18 @@ def agop_sum(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: torch.T
              diag: bool = False, center: bool = False, block_bytes: int = AGOP_BLOCK_BYTES) -> torch.Tensor:
     """sum over the points v_j and outputs o of grad f_o(v_j) grad f_o(v_j)^T: (D, D) in float64
     (``diag``: its diagonal, (D,)); ``center``: of the gradients minus their mean over all points
-    and outputs (xRFM's center_grads, over the whole sample). Memory O(D^2 + n B) (module docstring)."""
+    and outputs (xRFM's center_grads, over the whole sample). Memory O(D^2 + n B) (module docstring).
+
+    >>> import torch
+    >>> from kermac_like.rfm import agop_sum, function_gradients, resolve_rfm_kernel
+    >>> g = torch.Generator().manual_seed(0)
+    >>> u = torch.randn(50, 3, generator=g, dtype=torch.float64)
+    >>> coef = torch.randn(50, 1, generator=g, dtype=torch.float64)
+    >>> k = resolve_rfm_kernel("laplace_l2", 1.0, 2.0)
+    >>> G = function_gradients(k, 2.0, u, coef, u[:10])
+    >>> torch.allclose(agop_sum(k, 2.0, u, coef, u[:10]), torch.einsum("omd,ome->de", G, G))
+    True
+    """
     D = u.shape[1]
     f64 = torch.float64
     acc = torch.zeros((D,) if diag else (D, D), dtype=f64, device=u.device)

@@ -47,7 +47,12 @@ _D, _P, _L = InnerOperator.DIFF, PowerType, KernelType.LAPLACE
 
 @dataclass(frozen=True)
 class RFMKernel:
-    """exp(-(||u - v||_p / (scale * bandwidth))^q)."""
+    """exp(-(||u - v||_p / (scale * bandwidth))^q).
+
+    >>> from kermac_like.rfm import resolve_rfm_kernel
+    >>> resolve_rfm_kernel("lpq", 1.5, 1.5)
+    RFMKernel(name='lpq', p=1.5, q=1.5, scale=1.0)
+    """
 
     name: str
     p: float
@@ -88,7 +93,12 @@ class RFMKernel:
 
 
 def resolve_rfm_kernel(kernel, exponent, norm_p) -> RFMKernel:
-    """The validated kernel of an estimator's parameters; errors name the parameter."""
+    """The validated kernel of an estimator's parameters; errors name the parameter.
+
+    >>> from kermac_like.rfm import resolve_rfm_kernel
+    >>> resolve_rfm_kernel("laplace_l2", 1.0, 2.0)
+    RFMKernel(name='laplace_l2', p=2.0, q=1.0, scale=1.0)
+    """
     if isinstance(kernel, KernelDescriptor):
         found = [n for n, d in PRESETS.items() if d == kernel and n in ("laplace_l2", "laplace_l1", "laplace_p",
                                                                           "gaussian_l2")]

@@ -382,6 +382,22 @@ class RFMRegressor(MultiOutputMixin, RegressorMixin, _RFMBase):
     ``best_iter_`` (the kept model's iteration, 0..iters), ``history_`` (per iteration: ``iter``,
     the eval_set's ``metric``, ``seconds``, ``bandwidth``), ``bandwidth_``, ``solver_``,
     ``fit_time_``, ``n_features_in_``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kermac_like.rfm import RFMRegressor
+    >>> g = torch.Generator().manual_seed(0)
+    >>> X = torch.randn(200, 5, generator=g, dtype=torch.float64)
+    >>> y = X[:, 0] * X[:, 1]
+    >>> model = RFMRegressor(bandwidth=5.0, iters=2).fit(X, y)
+    >>> model.M_.shape, model.n_iter_
+    (torch.Size([5, 5]), 2)
+    >>> d = torch.diagonal(model.M_)   # the metric weighs the two features y depends on
+    >>> bool(d[:2].min() > 100 * d[2:].max())
+    True
+    >>> model.predict(X[:3]).shape
+    torch.Size([3])
     """
 
     _metrics = ("mse", "mae")
@@ -448,6 +464,16 @@ class RFMClassifier(ClassifierMixin, _RFMBase):
     mean squared error of predict_proba against one-hot labels, xRFM's for classification),
     "accuracy" or "logloss". Every other parameter, the memory bound and the fitted attributes are
     :class:`RFMRegressor`'s, plus ``classes_``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from kermac_like.rfm import RFMClassifier
+    >>> X = np.random.default_rng(0).standard_normal((150, 4))
+    >>> y = (X[:, 0] > 0).astype(int)
+    >>> clf = RFMClassifier(bandwidth=5.0, iters=1).fit(X, y)
+    >>> clf.classes_, clf.predict_proba(X[:2]).shape, clf.score(X, y)
+    (array([0, 1]), (2, 2), 1.0)
     """
 
     _metrics = ("brier", "accuracy", "logloss")

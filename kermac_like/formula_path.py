@@ -342,7 +342,9 @@ class _Matvec(torch.autograd.Function):
                     hb = [h.detach().to(work).requires_grad_(n) for h, n in zip(hts, nh)]
                     hp = dict(call.hypers)
                     hp.update(zip(names, hb))
-                    k = values(call.desc, xb, yb, hp, diag=call.reg_diag + m0 - n0, epsilon=call.epsilon)
+                    # direct differences: zero gradient at coincident points (the product form's is not)
+                    k = values(call.desc, xb, yb, hp, diag=call.reg_diag + m0 - n0, epsilon=call.epsilon,
+                               compute_mode=DIRECT)
                     gb = gw[..., m0:m1, :]
                     if nv:
                         gv[..., n0:n1, :] += torch.matmul(k.detach().mT, gb)

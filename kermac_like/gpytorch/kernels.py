@@ -1,12 +1,15 @@
 """Drop-in GPyTorch kernels whose covariance never stores the N x N matrix.
 
-:class:`RBFKernel` and :class:`MaternKernel` (nu = 1/2, the Laplace kernel) subclass
-``gpytorch.kernels.RBFKernel`` / ``MaternKernel``: the same lengthscale parameter, priors,
+:class:`RBFKernel`, :class:`MaternKernel` (nu = 1/2, 3/2, 5/2), :class:`RQKernel` and
+:class:`PeriodicKernel` subclass GPyTorch's kernels of those names: the same lengthscale parameter, priors,
 constraints, ``ard_num_dims``, ``batch_shape`` and ``active_dims``, usable inside
 ``ScaleKernel`` and any model that takes GPyTorch's. Only ``forward`` differs: above
 ``gpytorch.settings.max_cholesky_size`` it returns a :class:`KermacKernelLinearOperator`
 (products through kermac_like.kernel_matvec, memory O(N D)); at or below it, and for the
 diagonal, GPyTorch's own dense computation (the Cholesky path takes the dense matrix anyway).
+Matérn 3/2 and 5/2, RQ and periodic are the formula kernels of kermac_like/formula.py, whose
+covariance is a :class:`KermacFormulaLinearOperator` (kernel_matvec's torch path in blocks on any
+device, until the fused templates learn them).
 
 Both centre the inputs once per forward on x1's mean (per batch entry), as GPyTorch's own
 ``sq_dist`` does: the kernels are translation invariant, and the products that form distances by
@@ -21,9 +24,15 @@ from __future__ import annotations
 import gpytorch
 import torch
 
+from ..formula import matern, periodic, rational_quadratic
+from ._formula import KermacFormulaLinearOperator
 from ._operator import KermacKernelLinearOperator
 
-__all__ = ["RBFKernel", "MaternKernel"]
+__all__ = ["RBFKernel", "MaternKernel", "RQKernel", "PeriodicKernel"]
+
+_MATERN = {1.5: matern(1.5), 2.5: matern(2.5)}
+_RQ = rational_quadratic()
+_PERIODIC = periodic(1.0)
 
 
 def _lazy(x1: torch.Tensor, x2: torch.Tensor, diag: bool, params: dict) -> bool:
@@ -66,8 +75,9 @@ class RBFKernel(gpytorch.kernels.RBFKernel):
 
 
 class MaternKernel(gpytorch.kernels.MaternKernel):
-    """``k(x1, x2) = exp(-|x1 - x2| / l)``: :class:`gpytorch.kernels.MaternKernel` with ``nu=0.5`` (the
-    Laplace kernel; the only smoothness the package's kernels provide), matrix-free products.
+    """:class:`gpytorch.kernels.MaternKernel` (``nu`` = 0.5, 1.5 or 2.5) with matrix-free products: nu = 1/2
+    ``exp(-d)`` (the Laplace kernel's fused products), nu = 3/2 ``(1 + sqrt(3) d) exp(-sqrt(3) d)``, nu = 5/2
+    ``(1 + sqrt(5) d + 5 d^2 / 3) exp(-sqrt(5) d)`` (kermac_like.matern) of ``d = |x1 - x2| / l``.
 
     >>> import torch, gpytorch
     >>> from kermac_like.gpytorch import MaternKernel
@@ -81,9 +91,8 @@ class MaternKernel(gpytorch.kernels.MaternKernel):
     """
 
     def __init__(self, nu: float = 0.5, **kwargs):
-        if nu != 0.5:
-            raise ValueError(f"nu: kermac_like.gpytorch.MaternKernel supports nu=0.5 (the Laplace kernel), got {nu!r}; "
-                             "use gpytorch.kernels.MaternKernel for nu=1.5 or 2.5")
+        if nu not in (0.5, 1.5, 2.5):
+            raise ValueError(f"nu: expected 0.5, 1.5 or 2.5, got {nu!r}")
         super().__init__(nu=nu, **kwargs)
 
     def forward(self, x1, x2, diag=False, **params):
@@ -92,4 +101,56 @@ class MaternKernel(gpytorch.kernels.MaternKernel):
         mean = x1.mean(dim=-2, keepdim=True)  # GPyTorch's centring: the float32 distances lose less
         z1 = (x1 - mean).div(self.lengthscale)
         z2 = z1 if x2 is x1 else (x2 - mean).div(self.lengthscale)
+        if self.nu != 0.5:
+            return KermacFormulaLinearOperator(z1, z2, descriptor=_MATERN[self.nu],
+                                               bandwidth=z1.new_ones(self.batch_shape))
         return KermacKernelLinearOperator(z1, z2, kernel="laplace", centred=True)
+
+
+class RQKernel(gpytorch.kernels.RQKernel):
+    """:class:`gpytorch.kernels.RQKernel`, ``(1 + |x1 - x2|^2 / (2 alpha l^2))^-alpha``, with matrix-free
+    products (kermac_like.rational_quadratic; alpha's gradient through kernel_matvec's backward).
+
+    >>> import torch, gpytorch
+    >>> from kermac_like.gpytorch import RQKernel
+    >>> k = RQKernel()
+    >>> k.lengthscale, k.alpha = 1.0, 0.5
+    >>> with gpytorch.settings.max_cholesky_size(0), torch.no_grad():
+    ...     print(k(torch.tensor([[0.0], [2.0]])).to_dense())
+    tensor([[1.0000, 0.4472],
+            [0.4472, 1.0000]])
+    """
+
+    def forward(self, x1, x2, diag=False, **params):
+        if not _lazy(x1, x2, diag, params):
+            return super().forward(x1, x2, diag=diag, **params)
+        mean = x1.detach().mean(dim=-2, keepdim=True)
+        z1 = (x1 - mean).div(self.lengthscale)
+        z2 = z1 if x2 is x1 else (x2 - mean).div(self.lengthscale)
+        return KermacFormulaLinearOperator(z1, z2, descriptor=_RQ, alpha=self.alpha.reshape(self.batch_shape),
+                                           bandwidth=z1.new_ones(self.batch_shape))
+
+
+class PeriodicKernel(gpytorch.kernels.PeriodicKernel):
+    """:class:`gpytorch.kernels.PeriodicKernel`, ``exp(-2 sum_k sin^2(pi |x1_k - x2_k| / p_k) / l)``, with
+    matrix-free products (kermac_like.periodic on x / p, bandwidth sqrt(l)). A per-dimension period
+    (``ard_num_dims``) is folded into the inputs; a lengthscale that differs between dimensions is not a
+    bandwidth of the formula: such a kernel keeps GPyTorch's dense forward.
+
+    >>> import torch, gpytorch
+    >>> from kermac_like.gpytorch import PeriodicKernel
+    >>> k = PeriodicKernel()
+    >>> k.lengthscale, k.period_length = 1.0, 1.0
+    >>> with gpytorch.settings.max_cholesky_size(0), torch.no_grad():
+    ...     print(k(torch.tensor([[0.0], [0.5], [1.0]])).to_dense()[0])
+    tensor([1.0000, 0.1353, 1.0000])
+    """
+
+    def forward(self, x1, x2, diag=False, **params):
+        ls = self.lengthscale  # (*batch, 1, D or 1)
+        if not _lazy(x1, x2, diag, params) or (ls.shape[-1] > 1 and x1.shape[-1] > 1):
+            return super().forward(x1, x2, diag=diag, **params)
+        z1 = x1.div(self.period_length)
+        z2 = z1 if x2 is x1 else x2.div(self.period_length)
+        return KermacFormulaLinearOperator(z1, z2, descriptor=_PERIODIC,
+                                           bandwidth=ls.reshape(self.batch_shape).sqrt())

@@ -296,8 +296,11 @@ def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regula
         if not grad:
             return run_distance(call, out, compute_mode, debug)
         work = torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
+        # direct differences unless the matrix product is asked for: torch.cdist's backward of the product
+        # form is not 0 at coincident points (the square root of a rounding residue)
+        mode = compute_mode if compute_mode == COMPUTE_MODES[1] else COMPUTE_MODES[2]
         res = formula_path.values(call.desc, call.a.to(work), call.b.to(work), call.hypers, diag=call.reg_diag,
-                                  epsilon=call.epsilon, compute_mode=compute_mode)
+                                  epsilon=call.epsilon, compute_mode=mode)
         res = res.expand(call.out_shape).to(call.dtype)
         return res if out is None else out.copy_(res)
     if grad:

@@ -631,7 +631,8 @@ def _formula_pairs(call: TopkCall, indices: Tensor) -> Tensor:
     b = torch.gather(y.unsqueeze(-3).expand(*batch, M, N, K), -2, indices.unsqueeze(-1).expand(*batch, M, k, K))
     hyp = {name: (h.to(work).reshape(*h.shape, 1) if isinstance(h, torch.Tensor) else h)
            for name, h in call.hypers.items()}
-    v = formula_path.values(call.desc, x.unsqueeze(-2), b, hyp, epsilon=call.epsilon).squeeze(-2)  # (*batch, M, k)
+    v = formula_path.values(call.desc, x.unsqueeze(-2), b, hyp, epsilon=call.epsilon,
+                            compute_mode=COMPUTE_MODES[2]).squeeze(-2)  # (*batch, M, k)
     lam = hyp["regularization"]
     if lam is not None:  # the pairs on the regularised diagonal
         on = (indices - torch.arange(M, device=indices.device).unsqueeze(-1)) == call.reg_diag

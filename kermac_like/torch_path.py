@@ -30,9 +30,8 @@ import torch
 
 from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from .layout import broadcast_shapes
-from .runtime.autotune import uses_mm
 
-__all__ = ["distance", "matvec", "work_dtype", "block_elements", "DIRECT", "MATVEC_COLUMNS"]
+__all__ = ["distance", "matvec", "work_dtype", "block_elements", "uses_mm", "DIRECT", "MATVEC_COLUMNS"]
 
 DIRECT = "donot_use_mm_for_euclid_dist"
 DEFAULT_MODE = "use_mm_for_euclid_dist_if_necessary"
@@ -47,6 +46,18 @@ CPU_BLOCK_ELEMENTS = 1 << 22
 GPU_BLOCK_ELEMENTS = 1 << 24
 # Column block of kernel_matvec: the rows of x meet at most this many points of y at once.
 MATVEC_COLUMNS = 4096
+
+
+def uses_mm(compute_mode: str, M: int, N: int) -> bool:
+    """torch.cdist's choice between the matrix-product (norm expansion) and the
+    direct-difference computation of p = 2 distances, mirrored so that both give the
+    same NaN and inf (tests/test_nonfinite.py): "use_mm_for_euclid_dist_if_necessary"
+    takes the matrix product when either operand has more than 25 rows. On a GPU the matrix
+    product is the tensor-core kernel, the direct computation the exact kernels (low-K, SIMT:
+    runtime/autotune.py); here torch's matrix product and torch.cdist's direct kernels."""
+    if compute_mode == "use_mm_for_euclid_dist":
+        return True
+    return compute_mode == "use_mm_for_euclid_dist_if_necessary" and (M > 25 or N > 25)
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -32,6 +32,10 @@ import torch
 
 from .. import config
 from ..descriptor import InnerOperator, KernelDescriptor, PowerType
+from ..layout import Layout, analyse_matrix
+from ..torch_path import uses_mm  # torch.cdist's matrix-product rule (re-exported)
+from . import cache as kernel_cache, compiler
+from .specs import LOWK_GENERIC_MAX_K, LOWK_MAX_K, distance_lowk
 
 log = logging.getLogger("kermac_like.autotune")
 
@@ -81,26 +85,12 @@ def size_bucket(n: int) -> int:
     return max(int(n) - 1, 0).bit_length()
 
 
-def uses_mm(compute_mode: str, M: int, N: int) -> bool:
-    """torch.cdist's choice between the matrix-product (norm expansion) and the
-    direct-difference computation of p = 2 distances, mirrored so that both give the
-    same NaN and inf (tests/test_nonfinite.py): "use_mm_for_euclid_dist_if_necessary"
-    takes the matrix product when either operand has more than 25 rows. Here the matrix
-    product is the tensor-core kernel; the direct computation the exact kernels (low-K,
-    SIMT)."""
-    if compute_mode == "use_mm_for_euclid_dist":
-        return True
-    return compute_mode == "use_mm_for_euclid_dist_if_necessary" and (M > 25 or N > 25)
-
-
 def candidates(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_mode: str, M: int = 1 << 30,
                N: int = 1 << 30) -> list:
     """The kinds that can serve a call. Euclidean and DOT descriptors take the tensor
     cores exactly where torch.cdist takes its matrix product (:func:`uses_mm`: a choice
     of NaN/inf semantics, so never timed against the exact kernels), the exact kernels
     elsewhere; other descriptors the exact kernels."""
-    from .specs import LOWK_GENERIC_MAX_K, LOWK_MAX_K
-
     if desc.is_euclidean and uses_mm(compute_mode, M, N):
         out = [TENSOR_CORE] if dtype in (torch.float32, torch.float16, torch.bfloat16) else []
         if dtype == torch.float32 and K <= LOWK_MAX_K:
@@ -135,8 +125,6 @@ LOWK_MM_UP_TO = 8
 def _lowk_up_to(cls: str) -> int:
     """The default table's low-K limit for a descriptor class: LOWK_UP_TO, for |x - y|
     raised to where the planner gives the chunk stream (LOWK_CHUNKED_UP_TO)."""
-    from .specs import distance_lowk
-
     if cls == "abs":
         return max(LOWK_UP_TO[cls], distance_lowk.LOWK_CHUNKED_UP_TO)
     return LOWK_UP_TO[cls]
@@ -163,9 +151,6 @@ def default_choice(desc: KernelDescriptor, dtype: torch.dtype, K: int, compute_m
 
 def tuning_key(call, out: torch.Tensor, compute_mode: str, tf32: bool) -> str:
     """The problem class of a call on its device (see the module docstring)."""
-    from ..layout import Layout, analyse_matrix
-    from .compiler import template_hash
-
     dev = call.device
     cap = torch.cuda.get_device_capability(dev)
     name = torch.cuda.get_device_name(dev)
@@ -177,15 +162,13 @@ def tuning_key(call, out: torch.Tensor, compute_mode: str, tf32: bool) -> str:
     parts = (repr(call.desc), str(call.dtype).replace("torch.", ""), f"K{k_bucket(call.K)}",
              f"MN{size_bucket(call.M * call.N)}", f"L{size_bucket(L)}",
              "colout" if out_layout is Layout.COL_MAJOR else "rowout", tc, "tf32" if tf32 else "fp32",
-             f"{name} sm_{cap[0]}{cap[1]}", template_hash()[:16])
+             f"{name} sm_{cap[0]}{cap[1]}", compiler.template_hash()[:16])
     return "|".join(parts)
 
 
 def stored(key: str):
     """(choice, timings dict) the autotuner stored for ``key``, or None."""
-    from .cache import get_cache
-
-    row = get_cache().get_tuning(key)
+    row = kernel_cache.get_cache().get_tuning(key)
     if row is None:
         return None
     try:
@@ -211,8 +194,6 @@ def _time_kind(run, kind: str, device, repeats: int) -> float:
 
 def measure(key: str, cands: list, run, device, *, repeats: int = AUTOTUNE_REPEATS, debug: bool = False):
     """Time ``run(kind)`` for every candidate; store and return (winner, timings)."""
-    from .cache import get_cache
-
     timings = {}
     for kind in cands:
         try:
@@ -222,7 +203,8 @@ def measure(key: str, cands: list, run, device, *, repeats: int = AUTOTUNE_REPEA
     if not timings:
         raise RuntimeError(f"autotune: no candidate of {cands} ran for {key}")
     winner = min(timings, key=timings.get)
-    get_cache().put_tuning(key, winner, json.dumps(timings, sort_keys=True), torch.cuda.get_device_name(device))
+    kernel_cache.get_cache().put_tuning(key, winner, json.dumps(timings, sort_keys=True),
+                                        torch.cuda.get_device_name(device))
     if debug:
         log.debug("autotune %s: %s (%s)", key, winner,
                   ", ".join(f"{k} {v:.4g} ms" for k, v in sorted(timings.items(), key=lambda kv: kv[1])))

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .. import config
 from .._version import __version__
+from . import cache as kernel_cache
 from .specs import KernelSpec, LaunchShape, render_source  # noqa: F401  (re-exported)
 
 log = logging.getLogger("kermac_like.compiler")
@@ -318,10 +319,6 @@ def compile_specs(specs, arch: str, *, debug: bool = False):
         raise ValueError("specs: one program compiles for one architecture variant")
     full_arch = _check_arch(arch) + suffixes.pop()
     cubin, mapping, seconds, text = _compile_group(specs, full_arch)
-    # Imported after NVRTC: the record's module imports SQLAlchemy, which the launcher
-    # imports in another thread meanwhile (launcher._open_cache_in_background).
-    from .cache import ModuleRecord
-
     res_by_lowered = parse_ptxas_log(text)
     resources = {e: res_by_lowered.get(mapping[e], {}) for e in mapping}
     for expr, res in resources.items():
@@ -333,7 +330,10 @@ def compile_specs(specs, arch: str, *, debug: bool = False):
         log.debug("compiled %d kernel(s) for %s in %.2f s", len(specs), full_arch, seconds)
         for expr, res in resources.items():
             log.debug("  %s: %s", expr, res)
-    record = ModuleRecord(
+    # Looked up after NVRTC: the record's module imports SQLAlchemy on its first use (the cache
+    # package loads it lazily), which the launcher imports in another thread meanwhile
+    # (launcher._open_cache_in_background).
+    record = kernel_cache.ModuleRecord(
         cubin=cubin,
         arch=full_arch,
         compile_seconds=seconds,
@@ -360,10 +360,8 @@ def precompile_specs(specs, arch: str, *, cache=None, processes: int | None = No
     ``reports``, when given, receives every compiled kernel's ptxas report (name expression ->
     compile_specs' resources entry).
     """
-    from .cache import get_cache
-
     _check_arch(arch)
-    cache = cache if cache is not None else get_cache()
+    cache = cache if cache is not None else kernel_cache.get_cache()
     specs = [s for s in dict.fromkeys(specs) if s.supports(arch)]
     keys = {kernel_key(s, arch): s for s in specs}
     present = cache.contains(list(keys))

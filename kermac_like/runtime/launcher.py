@@ -30,6 +30,7 @@ import numpy as np
 
 import torch
 
+from . import cache as kernel_cache
 from .cache.warm import read_bundled, read_kernel, read_kernel_status
 from .compiler import KernelSpec, arch_of_device, compile_specs, kernel_key
 
@@ -102,10 +103,8 @@ def _open_cache_in_background():
     box = {}
 
     def run():
-        from .cache import get_cache
-
         try:
-            box["cache"] = get_cache()
+            box["cache"] = kernel_cache.get_cache()
         except BaseException as e:  # re-raised in the caller's thread
             box["error"] = e
 
@@ -152,9 +151,7 @@ def _find_or_compile(spec: KernelSpec, arch: str, key: str, debug: bool, looked:
         record, _ = compile_specs([spec], arch, debug=debug)
         cache_of().put(record)
         return (record.cubin, record.kernels[0][2], hashlib.sha256(record.cubin).hexdigest()), "compiled"
-    from .cache import get_cache
-
-    cache = get_cache()  # the full cache decides what the warm read doubted
+    cache = kernel_cache.get_cache()  # the full cache decides what the warm read doubted
     entry = cache.get(key)
     if entry is not None:
         return (entry.cubin, entry.lowered_name, entry.module_sha256), "cache"

@@ -8,6 +8,8 @@ from .. import _debug
 from .._args import check_device
 from ..descriptor import KernelDescriptor
 from ..layout import Layout
+from . import cache as kernel_cache, compiler
+from .cache import DB_FILENAME, warm
 from .specs import (distance_spec, distance_tunings, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec,
                     wgmma_traits_spec)
 from .specs.matvec import C_BUCKETS
@@ -54,8 +56,6 @@ def precompile(descriptors, device=None, *, arch: str | None = None, processes: 
     >>> summary["requested"] == summary["cached"] + summary["compiled"]                   # doctest: +SKIP
     True
     """
-    from .compiler import arch_of_device, precompile_specs
-
     debug = _debug.resolve(debug)
     if isinstance(descriptors, KernelDescriptor):
         descriptors = [descriptors]
@@ -73,9 +73,10 @@ def precompile(descriptors, device=None, *, arch: str | None = None, processes: 
         if dev.type != "cuda":
             raise ValueError(f"device: {str(dev)!r} is not a CUDA device; pass a CUDA device, or arch='sm_80' (or "
                              "newer) to compile without a GPU")
-        arch = arch_of_device(torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev)
+        dev = torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev
+        arch = compiler.arch_of_device(dev)
     specs = [s for d in descriptors for s in specs_for_descriptor(d)]
-    return precompile_specs(specs, arch, processes=processes, debug=debug)
+    return compiler.precompile_specs(specs, arch, processes=processes, debug=debug)
 
 
 def write_bundle(specs, arch: str, directory=None, *, processes: int | None = None, debug: bool = False,
@@ -91,16 +92,13 @@ def write_bundle(specs, arch: str, directory=None, *, processes: int | None = No
     import sqlite3
     from pathlib import Path
 
-    from .cache import DB_FILENAME, KernelCache
-    from .cache import warm
-    from .compiler import precompile_specs
-
     directory = Path(directory) if directory is not None else warm.package_bundle_dir()
-    cache = KernelCache(directory, max_bytes=1 << 40)  # a bundle is never evicted from
+    cache = kernel_cache.KernelCache(directory, max_bytes=1 << 40)  # a bundle is never evicted from
     if cache.in_memory:
         raise OSError(f"bundle: cannot write a kernel file in {directory}")
     try:
-        summary = precompile_specs(specs, arch, cache=cache, processes=processes, debug=debug, progress=progress)
+        summary = compiler.precompile_specs(specs, arch, cache=cache, processes=processes, debug=debug,
+                                            progress=progress)
     finally:
         cache.close()
     path = directory / DB_FILENAME

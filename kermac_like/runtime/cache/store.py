@@ -77,6 +77,7 @@ from .schema import (  # noqa: F401
     modules_table,
     tuning_table,
 )
+from .warm import close_reader
 
 _IOERR_RETRIES = 3  # transient 'disk I/O error' while another process creates the file
 
@@ -618,8 +619,6 @@ class KernelCache:
             problem = _probe(self._file, thorough)
             if problem is None:
                 return False
-            from .warm import close_reader
-
             close_reader()  # this process's warm-start reader lets go of the file first
             stamp = time.strftime("%Y%m%d-%H%M%S")
             aside = self._file.with_name(f"{self._file.name}.corrupt-{stamp}")

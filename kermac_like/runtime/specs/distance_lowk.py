@@ -4,7 +4,7 @@ tiles per block a call gets, the shipped set."""
 
 from __future__ import annotations
 
-from ...descriptor import PRESETS, KernelDescriptor
+from ...descriptor import PRESETS, InnerOperator, KernelDescriptor, PowerType
 from ...layout import Layout
 from .kernel_spec import KernelSpec, LaunchShape
 
@@ -64,8 +64,6 @@ LOWK_TILES_N = 2
 
 def desc_mm_ok(desc: KernelDescriptor) -> bool:
     """Whether kMmNonFinite applies: the squared-difference (Euclidean) inner operator."""
-    from ...descriptor import InnerOperator, PowerType
-
     return desc.inner_operator is InnerOperator.DIFF and desc.inner_power is PowerType.SQUARE
 
 

@@ -28,7 +28,7 @@ def _rel(got, want):
 @pytest.mark.parametrize("L", [(), (2,)])
 def test_p2_cpu_path_accurate(L, offset):
     a, b, c, d = _operands(L, 300, 40, 6, 3, offset)
-    assert grad_mod._cpu_p2_serves(a, b, c, d, 2.0)
+    assert grad_mod._cpu_p2_serves(a, 2.0)
     want = cdist_grad_reference(a.double(), b.double(), c.double(), d.double(), 2.0)
     direct = cdist_grad_reference(a, b, c, d, 2.0)  # the float32 direct formula, as before
     got = km.cdist_grad(a, b, c, d, p=2.0)
@@ -46,12 +46,17 @@ def test_p2_cpu_path_float64_out_and_broadcast():
     assert _rel(out, want) < 1e-13
 
 
-def test_p2_nonfinite_takes_the_direct_formula():
-    a, b, c, d = _operands((), 20, 7, 3, 2)
-    a[4, 2] = math.inf
-    d[1, 3] = math.nan
-    assert not grad_mod._cpu_p2_serves(a, b, c, d, 2.0)
+@pytest.mark.parametrize("where", ["a", "b", "c", "d"])
+def test_p2_nonfinite_takes_the_direct_formula(where, monkeypatch):
+    ops = dict(zip("abcd", _operands((), 20, 7, 3, 2)))
+    ops[where].view(-1)[5] = math.inf
+    ops["d"][1, 3] = math.nan
+    a, b, c, d = (ops[k] for k in "abcd")
+    calls = []
+    fast = grad_mod._cpu_p2
+    monkeypatch.setattr(grad_mod, "_cpu_p2", lambda *t: calls.append(1) or fast(*t))
     got = km.cdist_grad(a, b, c, d, p=2.0)
+    assert calls  # tried, its non-finite result discarded
     want = cdist_grad_reference(a, b, c, d, 2.0)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
     fin = torch.isfinite(want)
@@ -60,5 +65,5 @@ def test_p2_nonfinite_takes_the_direct_formula():
 
 def test_p_other_than_2_unchanged():
     a, b, c, d = _operands((), 30, 9, 4, 2)
-    assert not grad_mod._cpu_p2_serves(a, b, c, d, 1.3)
+    assert not grad_mod._cpu_p2_serves(a, 1.3)
     assert torch.equal(km.cdist_grad(a, b, c, d, p=1.3), cdist_grad_reference(a, b, c, d, 1.3))

@@ -128,22 +128,22 @@ def _cpu_p2(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> Tensor:
     return out.neg_().addcmul_(d.unsqueeze(-3), ca.unsqueeze(-2))
 
 
-def _cpu_p2_serves(a, b, c, d, p) -> bool:
-    """Whether :func:`_cpu_p2` serves: CPU float32/float64 operands, p = 2 (a number), all finite (a
-    NaN or infinity keeps the direct formula's NaN where one of its products is 0 x inf; one float64
-    sum of each operand, finite only if every value is, and whose overflow at ~1e308 only sends
-    the call to the direct formula)."""
-    return (a.device.type == "cpu" and not isinstance(p, torch.Tensor) and p == 2
-            and a.dtype in (torch.float32, torch.float64) and min(a.numel(), b.numel(), c.numel(), d.numel()) > 0
-            and math.isfinite(float(sum(t.sum(dtype=torch.float64) for t in (a, b, c, d)))))
+def _cpu_p2_serves(a, p) -> bool:
+    """Whether :func:`_cpu_p2` is tried: CPU float32/float64 operands, p = 2 (a number)."""
+    return a.device.type == "cpu" and not isinstance(p, torch.Tensor) and p == 2 and a.dtype in (torch.float32,
+                                                                                                  torch.float64)
 
 
 def _run(a, b, c, d, p, out, debug: bool) -> Tensor:
-    if _cpu_p2_serves(a, b, c, d, p):
-        if debug:
-            log_grad.debug("cdist_grad p=2: CPU matrix products (%s)", a.dtype)
+    if _cpu_p2_serves(a, p) and min(a.numel(), b.numel(), c.numel(), d.numel()) > 0:
         res = _cpu_p2(a, b, c, d)
-        return res if out is None else out.copy_(res)
+        # A NaN or infinity in any operand reaches the result (every product of c a (d - b) meets it,
+        # and 0 x inf is NaN); only a finite result is kept: else the direct formula's own NaN and
+        # inf positions (one float64 sum of the result, whose overflow only costs the direct formula)
+        if math.isfinite(float(res.sum(dtype=torch.float64))):
+            if debug:
+                log_grad.debug("cdist_grad p=2: CPU matrix products (%s)", a.dtype)
+            return res if out is None else out.copy_(res)
     sizes = (a.shape[-2], a.shape[-1], b.shape[-2], c.shape[-2])  # K, M, N, O
     plan = plan_cdist_grad(a, b, c, d, p, out, _batch(a, b, c, d, p), sizes, debug)
     res = plan.run()

@@ -50,6 +50,9 @@ import torch
 from . import formula_path
 from ._args import check_same, check_tensor
 from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from .matvec import kernel_matvec
+from .ops.distance import prepare_call, run_kernel
+from .plan import matvec as plan_matvec
 
 __all__ = ["KernelOperator"]
 
@@ -87,8 +90,6 @@ class KernelOperator:
     def __init__(self, descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, *, p=None, inner_p=None,
                  outer_p=None, bandwidth=None, regularization=None, regularization_offset_x: int = 0,
                  regularization_offset_y: int = 0, epsilon=None, debug: bool = False, **params):
-        from .ops.distance import prepare_call
-
         check_tensor("x", x)
         check_tensor("y", y)
         check_same("y", y, "x", x)
@@ -150,22 +151,18 @@ class KernelOperator:
         """``K @ v`` through :func:`kermac_like.kernel_matvec` (v ``(N,)`` or ``(..., N, C)``);
         x and y shifted by their reference point where its path takes the product formula
         (see the module docstring)."""
-        from .matvec import kernel_matvec
-
         x, y = self._operands(v, out)
         return kernel_matvec(self.descriptor, x, y, v, out=out, **self._kwargs())
 
     def _operands(self, v, out) -> tuple:
         """(x, y) for kernel_matvec: as given, or shifted by their reference point (cached; per
         call under autograd) where the product's path forms distances by the product formula."""
-        from .plan.matvec import mark_centred, matvec_shifts, pair_reference, shifted_pair
-
         x, y = self.x, self.y
         if not (isinstance(v, torch.Tensor) and x.dtype in (torch.float32, torch.float64)):
             return x, y  # 16-bit data: kernel_matvec shifts float32 copies per call
         wide = x.dtype != torch.float64 and (v.dtype == torch.float64
                                              or (isinstance(out, torch.Tensor) and out.dtype == torch.float64))
-        if torch.compiler.is_compiling() or not matvec_shifts(self.descriptor, x, y, wide):
+        if torch.compiler.is_compiling() or not plan_matvec.matvec_shifts(self.descriptor, x, y, wide):
             return x, y
         try:
             key = (x._version, y._version)
@@ -181,17 +178,17 @@ class KernelOperator:
             s = xc = yc = None
         if s is None or (xc is None and not grad):
             if grad:  # the reference point alone: the products shift x and y themselves below
-                s = pair_reference(x, y)
+                s = plan_matvec.pair_reference(x, y)
             else:
-                xc, yc, s = shifted_pair(x, y, point=s)
-                mark_centred(s, xc, yc)
+                xc, yc, s = plan_matvec.shifted_pair(x, y, point=s)
+                plan_matvec.mark_centred(s, xc, yc)
             self._centred[0] = (x, y, key, s, xc, yc)
         if not grad:
             return xc, yc
         # differentiable: x - s and y - s themselves (s is detached), one tensor where y is x
         xg = (x - s.to(x.dtype)) if (x.requires_grad or xc is None) else xc
         yg = xg if y is x else (y - s.to(y.dtype)) if (y.requires_grad or yc is None) else yc
-        mark_centred(s, xg, yg)
+        plan_matvec.mark_centred(s, xg, yg)
         return xg, yg
 
     def __matmul__(self, v):
@@ -224,8 +221,6 @@ class KernelOperator:
     # -- entries ------------------------------------------------------------------------------
     def to_dense(self, *, out=None) -> torch.Tensor:
         """The whole matrix, ``run_kernel(descriptor, x, y, ...)`` (M x N memory)."""
-        from .ops.distance import run_kernel
-
         return run_kernel(self.descriptor, self.x, self.y, out=out, **self._kwargs())
 
     def diagonal(self, offset: int = 0) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 
 from .. import config
 from ..layout import batch_strides, plan_batch
+from ..runtime import launcher
 
 __all__ = ["HYPERS", "Settings", "Launch", "Plan", "choose_split", "MATVEC_SCRATCH_BYTES"]
 
@@ -69,11 +70,8 @@ class Plan(NamedTuple):
                 seen.append(self)
         if self.reference is not None:
             return self.reference()
-        if self.launches:
-            from ..runtime.launcher import launch
-
-            for k, grid, args, block in self.launches:
-                launch(k, grid, args, debug=self.debug, block=block)
+        for k, grid, args, block in self.launches:
+            launcher.launch(k, grid, args, debug=self.debug, block=block)
         return self.out
 
 

@@ -43,14 +43,14 @@ def _is_tensor(a) -> bool:
     return isinstance(a, torch.Tensor)
 
 
-def _tensor_X(name: str, X: torch.Tensor) -> torch.Tensor:
+def _tensor_X(name: str, X: torch.Tensor, *, min_samples: int = 1) -> torch.Tensor:
     if X.dim() != 2:
         raise ValueError(f"Expected 2D array, got {X.dim()}D tensor instead ({name} of shape {tuple(X.shape)})")
     if X.is_complex() or X.dtype == torch.bool:
         raise ValueError(f"{name}: expected a real-valued tensor, got {X.dtype}")
     if not X.is_floating_point():
         X = X.to(torch.float64)
-    if X.shape[0] == 0:
+    if X.shape[0] < min_samples:
         raise ValueError(f"Found array with 0 sample(s) (shape={tuple(X.shape)}) while a minimum of 1 is required.")
     if not all_finite(X):
         raise ValueError(f"Input {name} contains NaN or infinity.")
@@ -99,11 +99,12 @@ class _KNeighborsBase(BaseEstimator):
         return int(n)
 
     # -- input conversion -------------------------------------------------------------------------
-    def _validate(self, X, y=None, *, reset: bool, y_numeric: bool = False):
+    def _validate(self, X, y=None, *, reset: bool, y_numeric: bool = False, min_samples: int = 1):
         """(X tensor, y array/tensor or None, X was a tensor). numpy/lists through scikit-learn's
-        validate_data (n_features_in_, feature names, its messages); tensors here."""
+        validate_data (n_features_in_, feature names, its messages); tensors here. ``min_samples=0``:
+        a rank's shard of a sharded fit may be empty (the total is checked in ``_fit_points``)."""
         if _is_tensor(X):
-            Xt = _tensor_X("X", X)
+            Xt = _tensor_X("X", X, min_samples=min_samples)
             check_n_features(self, Xt.shape[1], reset=reset, forget_names=True)
             if y is not None:
                 if not _is_tensor(y):
@@ -114,8 +115,13 @@ class _KNeighborsBase(BaseEstimator):
         if HAVE_SKLEARN:
             from sklearn.utils.validation import validate_data
 
-            if y is None:
-                Xa = validate_data(self, X, reset=reset, dtype=[np.float64, np.float32])
+            if y is None or (min_samples == 0 and np.shape(X)[:1] == (0,)):
+                Xa = validate_data(self, X, reset=reset, dtype=[np.float64, np.float32],
+                                   ensure_min_samples=min_samples)
+                if y is not None:  # an empty shard: its y (0 rows) is only checked against X's rows
+                    y = y.cpu().numpy() if _is_tensor(y) else np.asarray(y)
+                    if y.shape[0] != 0:
+                        raise ValueError(f"y: has {y.shape[0]} rows but X has 0")
             else:
                 Xa, y = validate_data(self, X, y.cpu().numpy() if _is_tensor(y) else y, reset=reset,
                                       dtype=[np.float64, np.float32], multi_output=True, y_numeric=y_numeric)
@@ -147,6 +153,9 @@ class _KNeighborsBase(BaseEstimator):
         self._counts = [m[0] for m in metas]
         self._offset = sum(self._counts[:comm.rank])
         self.n_samples_fit_ = sum(self._counts)
+        if self.n_samples_fit_ == 0:  # every shard empty (a shard of its own may be, under a process group)
+            raise ValueError(f"Found array with 0 sample(s) (shape={tuple(Xt.shape)}) on all {comm.size} ranks "
+                             "while a minimum of 1 is required.")
 
     # -- the search ---------------------------------------------------------------------------------
     def _query(self, X):
@@ -309,7 +318,7 @@ class NearestNeighbors(_KNeighborsBase):
         def local():
             self._check_n_neighbors(self.n_neighbors)
             self._effective_p()
-            return self._validate(X, reset=True), None
+            return self._validate(X, reset=True, min_samples=0 if comm.active else 1), None
 
         (Xt, _, was_tensor), _ = _collectively(comm, local)
         self._fit_np = not was_tensor
@@ -352,7 +361,7 @@ class KNeighborsClassifier(ClassifierMixin, _KNeighborsBase):
             _check_weights(self.weights)
             if y is None:
                 raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y is None")
-            Xt, yv, was_tensor = self._validate(X, y, reset=True)
+            Xt, yv, was_tensor = self._validate(X, y, reset=True, min_samples=0 if comm.active else 1)
             if _is_tensor(yv):
                 if yv.dim() == 2 and yv.shape[1] == 1:
                     yv = yv[:, 0]
@@ -448,7 +457,7 @@ class KNeighborsRegressor(RegressorMixin, _KNeighborsBase):
             _check_weights(self.weights)
             if y is None:
                 raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y is None")
-            return self._validate(X, y, reset=True, y_numeric=True), None
+            return self._validate(X, y, reset=True, y_numeric=True, min_samples=0 if comm.active else 1), None
 
         (Xt, y, was_tensor), _ = _collectively(comm, local)
         self._fit_np = not was_tensor
@@ -460,7 +469,7 @@ class KNeighborsRegressor(RegressorMixin, _KNeighborsBase):
             raise ValueError(f"y: expected shape (n_samples,) or (n_samples, n_targets), got {tuple(yt.shape)}")
         self._y_1d = yt.dim() == 1
         self._fit_points(Xt, comm)
-        self._y = yt.reshape(yt.shape[0], -1).to(Xt.device)
+        self._y = (yt.unsqueeze(1) if yt.dim() == 1 else yt).to(Xt.device)  # (n, C), n = 0 on an empty shard
         return self
 
     def predict(self, X):

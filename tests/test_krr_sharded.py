@@ -194,8 +194,6 @@ def _worker(rank, port, q):
                 X = xr[:, :2]
             elif case == "dtype" and rank == 1:
                 X, Y = xr.float(), yr.float()
-            elif case == "empty" and rank == 1:
-                X, Y = xr[:0], yr[:0]
             elif case == "nan_stream" and rank == 1:  # streamed: found in the first pass on the device
                 Y = yr.clone()
                 Y[5, 1] = float("nan")
@@ -230,7 +228,6 @@ BAD = {
     "kernel": r"^ValueError: bandwidth: rank 1 passes bandwidth=0.9, rank 0 passes bandwidth=1.0",
     "features": r"^ValueError: X: rank 1 passes features 2, rank 0 passes 3",
     "dtype": r"^ValueError: X: rank 1 passes dtype 'torch.float32'",
-    "empty": r"^ValueError: X: rank 1 passes 0 rows \(an empty shard",
     "nan_stream": r"^ValueError: y: contains NaN or infinity \(on rank 1\)$",
     "host_memory": r"^HostMemoryError: not enough host memory for the chunk buffers: simulated \(on rank 1\)$",
 }

@@ -19,9 +19,11 @@ points, prediction ``K(X, X_fit) c``. Four solvers:
   (of the device holding X, on every rank), else nystrom when ``n_centers`` is given, else cg.
 
 Under torch.distributed (a process group initialised before ``fit``) each rank passes its
-own rows to ``fit(X, y)``. nystrom never moves X or y: the m centres (one all_reduce of
-m x D) and one (m, C) block per pass over the rows (all_reduce) are all that cross ranks,
-whatever N (the per-rank memory bound is in KernelRidge's docstring); cg and cholesky
+own rows to ``fit(X, y)``, none on some ranks if need be (at least one row over all ranks): the
+result is the one-process fit on the shards concatenated in rank order. nystrom never moves X
+or y: the m centres (one all_reduce of m x D) and one (m, C) block per pass over the rows
+(all_reduce) are all that cross ranks, whatever N (the per-rank memory bound is in
+KernelRidge's docstring); cg and cholesky
 exchange the N x D points and N x C vectors (all_gather) and CG scalars and m x m blocks. ``predict(X)`` and ``score(X, y)``
 are collective: every rank passes the same X and receives the full prediction, each rank
 contributing the products against its own share of the fitted points. The fitted
@@ -353,7 +355,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
 
     # -- fit ------------------------------------------------------------------------------------
     def fit(self, X, y):
-        """Fit on (X, y): X (n, D), y (n,) or (n, C). Under torch.distributed: this rank's rows."""
+        """Fit on (X, y): X (n, D), y (n,) or (n, C). Under torch.distributed: this rank's rows (n = 0 allowed)."""
         debug = _debug.resolve(self.debug)
         for name in ("X_fit_", "dual_coef_", "centers_", "preconditioner_rank_", "n_iter_", "residual_", "data_mode_",
                      "_fitted"):
@@ -397,10 +399,6 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             raise ValueError(f"X: found 0 sample(s) (shape={tuple(Xt.shape)}) while a minimum of 1 is required.")
         # a rank that streams checks its data during the first pass: every rank joins that check's all_reduce
         defer_finite = any(m["defer"] for m in metas)
-        empty = [r for r, c in enumerate(counts) if c == 0]
-        if empty:
-            raise ValueError(f"X: rank {empty[0]} passes 0 rows (an empty shard; N = {n_total} over {comm.size} "
-                             "ranks); every rank must hold at least one training row")
         check_feature_names(self, X, reset=True)
         if self.n_centers is not None and self.n_centers > n_total:
             raise ValueError(f"n_centers: {self.n_centers} centres asked for {n_total} training samples")

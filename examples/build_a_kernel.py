@@ -10,6 +10,15 @@ A descriptor says what is computed for every pair of rows (x, y):
     d   = outer_power(acc)                              NOOP, SQRT, POW (acc^(1/p))
     out = kernel_type(d)                                NONE, LAPLACE exp(-d/bw), GAUSSIAN exp(-d^2/(2 bw^2))
 
+Kernels beyond that menu are formula descriptors: built-in ones (km.matern(2.5),
+km.rational_quadratic(), km.periodic(), ...) and kernels written as formulas,
+
+    km.kernel_expression("(1 + sqrt(5*r)/ell + 5*r/(3*ell**2)) * exp(-sqrt(5*r)/ell)",
+                         inner="(x - y)**2", params={"ell": 1.0})
+
+(SymPy-parsed: pip install 'kermac_like[expressions]'); they run on the torch path on any
+device until the fused templates learn them, and are not precompiled.
+
 km.precompile compiles every instantiation the descriptors can reach in a few
 NVRTC programs (in parallel processes) and stores them in the persistent cache,
 so the first call of each kernel is a cache hit.  Each kernel is then compared
@@ -38,7 +47,19 @@ def kernels(x, y):
     def diff(a, b):
         return a.unsqueeze(-2) - b.unsqueeze(-3)  # (M, N, K)
 
-    return [
+    def matern52(a, b):
+        s = 5 ** 0.5 * diff(a, b).pow(2).sum(-1).sqrt() / bw2
+        return (1 + s + s * s / 3) * torch.exp(-s)
+
+    try:  # a user-written kernel: the same Matern 5/2, as a formula of the squared distance r
+        written = [("Matern 5/2, user-written", km.kernel_expression(
+            "(1 + sqrt(5*r)/ell + 5*r/(3*ell**2)) * exp(-sqrt(5*r)/ell)", inner="(x - y)**2",
+            params={"ell": None}), dict(ell=bw2), matern52)]
+    except ImportError as e:  # SymPy missing
+        print(f"(the user-written kernel is skipped: {e})")
+        written = []
+    return written + [
+        ("Matern 5/2, built-in", km.matern(2.5), dict(bandwidth=bw2), matern52),
         ("laplace, p=1.5 norm", KernelDescriptor("diff", "pow", "pow", "laplace"), dict(p=1.5, bandwidth=bw15),
          lambda a, b: torch.exp(-diff(a, b).abs().pow(1.5).sum(-1).pow(1 / 1.5) / bw15)),
         ("dot product", KernelDescriptor("dot", "noop", "noop", "none"), {},
@@ -73,8 +94,8 @@ def main(argv=None):
     x = torch.randn(args.M, args.K, device=device)
     y = torch.randn(args.N, args.K, device=device)
     table = kernels(x, y)
-    descriptors = list(dict.fromkeys(d for _, d, _, _ in table))
-    print(f"{len(descriptors)} descriptors:")
+    descriptors = list(dict.fromkeys(d for _, d, _, _ in table if d.fused_ok))  # (formulas: the torch path)
+    print(f"{len(descriptors)} fused descriptors and {len(table) - len(descriptors)} formula kernels:")
     for name, desc, kw, _ in table:
         args_txt = ", ".join(f"{k}={v:.4g}" for k, v in kw.items())
         print(f"  {name:34s} {desc!r} {args_txt}")

@@ -141,7 +141,7 @@ def parse(text: str, variables, params, argname: str):
         raise ValueError(f"{argname}: not an expression{where_} ({e.msg})") from None
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
         raise ValueError(f"{argname}: {text!r} is not a valid expression ({e})") from None
-    if isinstance(expr, (bool, sympy.logic.boolalg.Boolean)) or not isinstance(expr, sympy.Expr):
+    if not isinstance(expr, sympy.Expr):  # (a symbol is both: a value)
         raise ValueError(f"{argname}: {text!r} is a condition, not a value (use where(cond, a, b))")
     if expr.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo):
         raise ValueError(f"{argname}: {text!r} is not finite (it simplifies to {expr})")

@@ -91,6 +91,15 @@ class FormulaDescriptor(KernelDescriptor):
     (``inner == ""``): DIFF SQUARE NOOP (|x - y|^2), DIFF SQUARE SQRT (|x - y|), DIFF ABS NOOP
     (|x - y|_1), DIFF POW POW (|x - y|_p, ``norm_p``), DOT (<x, y>). With an inner term they are
     DIFF NOOP NOOP (an inner term in x - y: translation invariant) or DOT NOOP NOOP (in x and y).
+
+    >>> import kermac_like as km
+    >>> d = km.rational_quadratic(alpha=2.0)
+    >>> d.fused_ok, d.param_names, d.positive
+    (False, ('alpha', 'bandwidth'), True)
+    >>> d == km.rational_quadratic(alpha=2.0), d == km.rational_quadratic(alpha=1.0)
+    (True, False)
+    >>> d.cuda_source()["epilogue"]
+    'powf(1 + (1.0F/2.0F)*r/(alpha*powf(bandwidth, 2)), -alpha)'
     """
 
     family: str = "expression"
@@ -331,12 +340,24 @@ def powered_exponential(q=None, *, p: float = 2.0, bandwidth=None) -> FormulaDes
 
 
 def cauchy(*, bandwidth=None) -> FormulaDescriptor:
-    """The Cauchy kernel 1 / (1 + |x - y|^2 / h^2)."""
+    """The Cauchy kernel 1 / (1 + |x - y|^2 / h^2).
+
+    >>> import torch, kermac_like as km
+    >>> km.run_kernel(km.cauchy(), torch.tensor([[0.0], [2.0]]), torch.tensor([[0.0]]), bandwidth=2.0)
+    tensor([[1.0000],
+            [0.5000]])
+    """
     return _builtin("cauchy", _SQ, {"bandwidth": bandwidth})
 
 
 def inverse_multiquadric(*, bandwidth=None) -> FormulaDescriptor:
-    """The inverse multiquadric 1 / sqrt(1 + |x - y|^2 / h^2)."""
+    """The inverse multiquadric 1 / sqrt(1 + |x - y|^2 / h^2).
+
+    >>> import torch, kermac_like as km
+    >>> km.run_kernel(km.inverse_multiquadric(), torch.tensor([[0.0], [3.0]]), torch.tensor([[0.0]]), bandwidth=1.0)
+    tensor([[1.0000],
+            [0.3162]])
+    """
     return _builtin("inverse_multiquadric", _SQ, {"bandwidth": bandwidth})
 
 
@@ -445,8 +466,6 @@ def kernel_expression(epilogue: str, *, inner: str = "(x - y)**2", params=(), po
     inner_expr = expression.parse(inner, expression.VARIABLES["inner"], names, "inner")
     epi_expr = expression.parse(epilogue, expression.VARIABLES["epilogue"], names, "epilogue")
     inner_vars = {str(s) for s in inner_expr.free_symbols}
-    if "r" in inner_vars:
-        raise ValueError(f"inner: r (position {expression.position_of(inner, 'r')}) belongs to the epilogue")
     used = inner_vars | {str(s) for s in epi_expr.free_symbols}
     for n in names:
         if n not in used:

@@ -41,9 +41,9 @@ class KermacFormulaLinearOperator(KernelLinearOperator):
     >>> z = torch.tensor([[0.0], [1.0], [2.0]])
     >>> K = KermacFormulaLinearOperator(z, z, descriptor=km.matern(2.5), bandwidth=torch.tensor(1.0))
     >>> K @ torch.ones(3, 1)
-    tensor([[1.5619],
-            [2.0479],
-            [1.5619]])
+    tensor([[1.6627],
+            [2.0480],
+            [1.6627]])
     """
 
     def __init__(self, x1, x2, covar_func=None, num_outputs_per_input=(1, 1), num_nonbatch_dimensions=None,

@@ -14,6 +14,8 @@ Public API::
     precompile(descriptors, device=None, debug=False)
     KernelOperator(descriptor, x, y, **hyper)   lazy kernel matrix: shape, @, .T, diagonal(), to_dense()
     KernelDescriptor, InnerOperator, PowerType, KernelType, PRESETS, preset
+    matern / rational_quadratic / powered_exponential / cauchy / inverse_multiquadric / additive /
+    periodic / polynomial / kernel_expression   formula kernels (FormulaDescriptor; the torch path)
     linalg.solve_cholesky / solve_lu / eigh
     solvers.KernelRidge (kernel ridge regression: cholesky, Nystrom-preconditioned cg, Falkon; multi-GPU;
                          a scikit-learn estimator)
@@ -38,6 +40,18 @@ else:  # and so is the launcher with the cache's warm-start reader (sqlite3): a 
     # the keys' inputs and the cache connection, prepared while the program makes its tensors
     _importlib.import_module(".runtime.cache.warm", __name__).prepare_in_background()
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
+from .formula import (
+    FormulaDescriptor,
+    additive,
+    cauchy,
+    inverse_multiquadric,
+    kernel_expression,
+    matern,
+    periodic,
+    polynomial,
+    powered_exponential,
+    rational_quadratic,
+)
 from .ops.distance import cdist, run_kernel
 from .ops.knn import kernel_topk, knn
 from .ops.logsumexp import kernel_logsumexp
@@ -62,6 +76,16 @@ __all__ = [
     "KernelType",
     "PRESETS",
     "preset",
+    "FormulaDescriptor",
+    "matern",
+    "rational_quadratic",
+    "powered_exponential",
+    "cauchy",
+    "inverse_multiquadric",
+    "additive",
+    "periodic",
+    "polynomial",
+    "kernel_expression",
     "linalg",
     "solvers",
     "neighbors",

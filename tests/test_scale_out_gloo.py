@@ -1,11 +1,12 @@
 """The multi-GPU code paths at 2, 4 and 8 ranks, on CPU processes in a gloo group (issue 47):
-KernelRidge's cg and nystrom (Falkon) solvers and NearestNeighbors with the training set sharded
-per rank, on uneven shards and with ranks that hold no rows. Every rank's result equals the
-one-process result on the concatenation of the shards in rank order: predictions within the
-solver's tolerance, the same Falkon centres, identical neighbours (indices) and distances.
+KernelRidge's cg and nystrom (Falkon) solvers (and cholesky) and NearestNeighbors (and the
+classifier and regressor on its search) with the training set sharded per rank, on uneven
+shards and with ranks that hold no rows. Every rank's result equals the one-process result on
+the concatenation of the shards in rank order: predictions within the solver's tolerance, the
+same Falkon centres, identical neighbours (indices) and distances.
 
-The default run spawns two ranks (one holds every row, the other none: both ways round). The
-4- and 8-rank cases are marked slow (8 processes importing torch take a while on a small CPU):
+The default run spawns two ranks (one holds every row, the other none, both ways round; then
+1 and 119 rows). The 4- and 8-rank cases are marked slow (8 processes importing torch take a while on a small CPU):
 
     python -m pytest tests/test_scale_out_gloo.py -m slow
 """
@@ -22,9 +23,11 @@ from kermac_like.neighbors import KNeighborsClassifier, KNeighborsRegressor, Nea
 from kermac_like.solvers import KernelRidge
 
 N, N_TEST, D, C, K = 120, 40, 3, 2, 7
+CHOLESKY = dict(bandwidth=0.8, alpha=0.05, solver="cholesky")
 CG = dict(bandwidth=0.8, alpha=0.05, solver="cg", n_landmarks=30, tol=1e-10, random_state=1)
 FALKON = dict(bandwidth=0.8, alpha=0.05, solver="nystrom", n_centers=40, tol=1e-10, random_state=2)
-TOL = {"cg": 1e-6, "nystrom": 1e-8}  # relative to the largest prediction (tol 1e-10 on the residual)
+# relative to the largest prediction (cg, nystrom: tol 1e-10 on the residual)
+TOL = {"cholesky": 1e-12, "cg": 1e-6, "nystrom": 1e-8}
 
 # Rows per rank, in rank order; every layout has uneven shards, most an empty one.
 LAYOUTS = {
@@ -56,7 +59,7 @@ def fit_all(x, y, xt, dup):
     """The estimators on this process's rows (x, y; ``dup``: the rows of with_duplicate(x)), collective
     under a process group."""
     out = {}
-    for name, kw in (("cg", CG), ("nystrom", FALKON)):
+    for name, kw in (("cholesky", CHOLESKY), ("cg", CG), ("nystrom", FALKON)):
         m = KernelRidge("gaussian_l2", **kw).fit(x, y)
         out[name] = m.predict(xt).numpy()
         if name == "nystrom":
@@ -109,7 +112,7 @@ def check(world):
     for rank, per_layout in results.items():
         for counts, got in zip(LAYOUTS[world], per_layout):
             where = (world, counts, rank)
-            for name in ("cg", "nystrom"):
+            for name in TOL:
                 err = np.abs(got[name] - ref[name]).max() / np.abs(ref[name]).max()
                 assert err <= TOL[name], (name, where, err)
             assert np.array_equal(got["centers"], ref["centers"]), where

@@ -121,7 +121,7 @@ def _cpu_p2(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> Tensor:
     r = _row_reference(b)
     if bool(r.any()):
         b, d = b - r, d - r
-    O, N, K = c.shape[-2], b.shape[-2], c.shape[-1]
+    O, N = c.shape[-2], b.shape[-2]
     ca = c @ a  # (..., O, M)
     cb = (c.unsqueeze(-2) * b.unsqueeze(-3)).flatten(-3, -2)  # (..., O N, K)
     out = (cb @ a).unflatten(-2, (O, N))  # (..., O, N, M)

@@ -34,6 +34,8 @@ tensors in, tensors out on their device (labels int64), the fit on X's device.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import numbers
 import warnings
@@ -41,6 +43,7 @@ import warnings
 import numpy as np
 import torch
 
+from . import config
 from ._args import all_finite
 from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, TransformerMixin, check_is_fitted,
                          check_n_features)
@@ -55,6 +58,8 @@ except ImportError:  # scikit-learn is optional
         """Fewer distinct clusters than n_clusters were found."""
 
 __all__ = ["KMeans"]
+
+log = logging.getLogger("kermac_like.kmeans")
 
 # Rows of X handled at once by the update, the seeding and the variance (memory: one block in
 # float64, 2^20 x D x 8 bytes).
@@ -116,20 +121,45 @@ def _label_keys(labels: torch.Tensor, n_clusters: int) -> torch.Tensor:
     return labels.to(torch.int32)
 
 
-def segment_sums(X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, n_clusters: int) -> tuple:
+def segment_sums(X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, n_clusters: int,
+                 x64: torch.Tensor | None = None) -> tuple:
     """(sums (C, D) float64, weight per cluster (C,) float64) of the points (times their weights)
-    by label, without atomics: a stable sort of the labels, then ``torch.segment_reduce`` in
-    float64 over row blocks of the sorted points, the blocks' partial sums added in block order.
-    Each block is laid out feature-major, (D, rows) flattened, so that the reduction is 1-D with
-    D x C segments (on CUDA one cub segmented reduction, a thread block per segment, each in a
-    fixed order). The result is the same bitwise run to run. ``unsafe=True``: the lengths sum to
-    the block's rows by construction, and the check would synchronise the host.
+    by label, without atomics, each cluster's points added in float64 in increasing row order. The
+    result is the same bitwise run to run.
+
+    On a CPU: ``index_add_`` of row blocks of X in float64 (one pass; it adds the rows in index
+    order), the blocks' partial sums added in block order; ``x64``: X in float64 where it is one
+    block (lloyd keeps it from iteration to iteration). On CUDA: a stable sort of the labels,
+    then ``torch.segment_reduce`` in float64 over row blocks of the sorted points, the blocks'
+    partial sums added in block order; each block laid out feature-major, (D, rows) flattened, so
+    that the reduction is 1-D with D x C segments (one cub segmented reduction, a thread block per
+    segment, each in a fixed order). ``unsafe=True``: the lengths sum to the block's rows by
+    construction, and the check would synchronise the host. Both give the same sums where X fits
+    one block (BLOCK_ROWS x 16 / D rows); above, the blocks group the rows differently (original
+    against sorted order), which can change the last bits.
 
     On CUDA in float32 (sm_80+) the sorted rows go to one fused kernel instead
     (cuda_templates/kmeans.cuh kmeans_segsum_kernel: each cluster's rows in items of at most 4096,
     summed in float64 in a fixed order, the items added in order): no gather, no float64 copy."""
     N, D = X.shape
     C = n_clusters
+    R = _block_rows(N, D)
+    if X.device.type == "cpu":
+        sums = torch.zeros((C, D), dtype=torch.float64)
+        wsum = torch.zeros(C, dtype=torch.float64)
+        for b0 in range(0, N, R):
+            lb = labels[b0:b0 + R]
+            xb = (X if x64 is None else x64)[b0:b0 + R].to(torch.float64)  # (rows, D); no copy if float64
+            if weights is not None:
+                wb = weights[b0:b0 + R].to(torch.float64)
+                xb = xb * wb.unsqueeze(1)
+                part_w = torch.zeros(C, dtype=torch.float64).index_add_(0, lb, wb)
+                wsum = part_w if b0 == 0 else wsum.add_(part_w)
+            part = torch.zeros((C, D), dtype=torch.float64).index_add_(0, lb, xb)
+            sums = part if b0 == 0 else sums.add_(part)
+        if weights is None:
+            wsum = torch.bincount(labels, minlength=C).to(torch.float64)
+        return sums, wsum
     keys = _label_keys(labels, C)
     sorted_keys, perm = torch.sort(keys, stable=True)
     bounds = torch.searchsorted(sorted_keys, torch.arange(C + 1, device=X.device, dtype=keys.dtype))
@@ -141,7 +171,6 @@ def segment_sums(X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | 
             return out
     sums = torch.zeros((D, C), dtype=torch.float64, device=X.device)
     wsum = None if weights is None else torch.zeros(C, dtype=torch.float64, device=X.device)
-    R = _block_rows(N, D)
     for b0 in range(0, N, R):
         b1 = min(N, b0 + R)
         p = perm[b0:b1]
@@ -349,10 +378,151 @@ def _random_init(X, n_clusters, weights, generator):
 
 
 # -- one Lloyd run ------------------------------------------------------------------------------
-def _assign(X, centres, debug):
-    """(labels (N,) int64, squared distances (N,) float64) to the nearest centre. On CUDA in float32
-    with K <= 16 (plan.kmeans.ASSIGN_UP_TO; KERMAC_LIKE_KMEANS_ASSIGN_MMA=0 turns it off): the certified
-    tensor-core kernel (cuda_templates/kmeans_assign_mma.cuh), bitwise knn's labels and distances."""
+# Kernel entries (rows x centres) of one block of the CPU assignment's product: 16 MB of float32.
+ASSIGN_BLOCK_ELEMENTS = 1 << 19
+# Centres up to which the CPU assignment lays its block out centre-major (one thread, 4000 x 10: each
+# row minimum over 16 centres 70-110 -> 5 us; 50 000 x 16, 64 centres: row-major the faster, 0.4 against
+# 1.0 ms for the minimum, 2.9-4.1 against 4.2-6.2 ms for the product).
+COLUMN_MAJOR_UP_TO = 32
+
+
+def _exact_float_matmul(dtype) -> bool:
+    """Whether a CPU matrix product in ``dtype`` is IEEE (every product and sum rounded in dtype):
+    not where torch may take bfloat16 or TF32 for float32 (set_float32_matmul_precision below
+    "highest", mkldnn's fp32_precision)."""
+    if dtype != torch.float32:
+        return True
+    mk = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    return (torch.get_float32_matmul_precision() == "highest"
+            and getattr(mk, "fp32_precision", "none") in ("none", "ieee"))
+
+
+class _NearestCpu:
+    """The nearest centre of each row of X (N, K) on a CPU: the labels of knn(X, centres, 1) in its
+    direct-difference float64 mode (the smallest distance, ties to the smaller index), bitwise, at the
+    cost of one matrix product in X's dtype.
+
+    Per row block: the squared distances by one product of [x, |x|^2, 1] and [-2c, 1, |c|^2]; each
+    value's low ``bits`` = ceil(log2 C) mantissa bits replaced by its column, so that one integer amin
+    over the bit patterns (monotone for values >= 0; a negative value is only a rounding of a distance
+    within the error bound) gives the smallest value and its column, a second amin after masking it
+    the runner-up. A row is certified when the runner-up exceeds the smallest by more than
+    ``tau (|x|^2 + max |c|^2)``, tau = (16 K + 32 + 2^(bits + 4)) u: at least twice, summed, the
+    product's error bound (gamma_(K+2) (|x| + |c|)^2, and u |x|^2, u |c|^2 for the rounded norms), the
+    direct float64 distances' own and the column bits (2^bits ulps of each value); (|x| + |c|)^2 <=
+    2 (|x|^2 + |c|^2). Other rows (ties, near ties) are rescored as knn does: torch.cdist in float64
+    by direct differences against every centre, the first of the smallest. Norms that could overflow
+    dtype rescore every row. ``d2``: the squared float64 distances to the given labels, as knn's
+    values (float64 direct differences, rounded to X's dtype), bitwise: torch.cdist's kernel on the
+    (row, centre) pairs.
+
+    Memory: [x, |x|^2, 1] (N x (K + 2) in X's dtype), its own block (ASSIGN_BLOCK_ELEMENTS values)
+    and O(N); the block and the per-row constants are kept from call to call (a fresh allocation
+    above glibc's mmap threshold costs its page faults every Lloyd iteration)."""
+
+    def __init__(self, X: torch.Tensor):
+        N, K = X.shape
+        self.X = X
+        self.work = w = X.dtype if _exact_float_matmul(X.dtype) else torch.float64
+        self.fi = torch.finfo(w)
+        self.ibits = torch.int32 if w == torch.float32 else torch.int64
+        self.xn = X.to(torch.float64).square().sum(1)  # (N,) |x|^2 (X itself is float64 data: not in place)
+        self.xn_max = float(self.xn.max())
+        self._per_c = None  # what labels() keeps for one number of centres (_setup)
+
+    def _setup(self, C: int) -> tuple:
+        """(centre-major, [x, |x|^2, 1] in that layout, tau |x|^2 in dtype (N,), tau, bits, block rows R,
+        the block's buffer, the column numbers, each block row's first value in the buffer) for C
+        centres. Up to COLUMN_MAJOR_UP_TO centres the block is laid out centre-major (C, rows): the row
+        minima are then reductions across rows, which torch vectorises, where a row of a few values is
+        not."""
+        if self._per_c is not None and self._per_c[0] == C:
+            return self._per_c[1]
+        X, w = self.X, self.work
+        N, K = X.shape
+        bits = max(1, (C - 1).bit_length())
+        tau = (16 * K + 32 + 2.0 ** (bits + 4)) * self.fi.eps / 2
+        centre_major = C <= COLUMN_MAJOR_UP_TO
+        xa = torch.cat([X.to(w), self.xn.to(w).unsqueeze(1), torch.ones((N, 1), dtype=w)], 1)  # (N, K + 2)
+        R = max(1, min(N, ASSIGN_BLOCK_ELEMENTS // C))
+        first_of_row = torch.arange(R) * (1 if centre_major else C)
+        out = (centre_major, xa.t().contiguous() if centre_major else xa, self.xn.mul(tau).to(w), tau, bits, R,
+               torch.empty(R * C, dtype=w), torch.arange(C, dtype=self.ibits), first_of_row)
+        self._per_c = (C, out)
+        return out
+
+    def labels(self, centres: torch.Tensor, debug: bool = False) -> torch.Tensor:
+        X, w, ibits = self.X, self.work, self.ibits
+        N, K = X.shape
+        C = centres.shape[0]
+        centre_major, xa, thr_x, tau, bits, R, buf, cols, first_of_row = self._setup(C)
+        c64 = centres.to(torch.float64)
+        cn = c64.square().sum(1)  # (C,) |c|^2
+        ca = torch.cat([c64.mul(-2.0), torch.ones((C, 1), dtype=torch.float64), cn.unsqueeze(1)], 1).to(w)
+        cn_max = float(cn.max())
+        if not self.xn_max + cn_max < self.fi.max / 64:  # the product could overflow: every row exactly
+            return self._exact(torch.arange(N), c64, torch.empty(N, dtype=torch.int64), debug)
+        thr_c = tau * cn_max + 16 * (K + 3) * self.fi.tiny  # the threshold's part common to every row
+        low = (1 << bits) - 1
+        labels, unsure = [], []
+        for b0 in range(0, N, R):
+            b1 = min(N, b0 + R)
+            rows = b1 - b0
+            if centre_major:  # (rows, C) squared distances, a view of buf in either layout
+                d = torch.mm(ca, xa[:, b0:b1], out=buf[:rows * C].view(C, rows)).t()
+            else:
+                d = torch.mm(xa[b0:b1], ca.t(), out=buf[:rows * C].view(rows, C))
+            key = d.view(ibits)  # the distances' bits
+            key.bitwise_and_(~low).bitwise_or_(cols)
+            first = key.amin(1)
+            lab = first.bitwise_and(low)
+            flat = torch.add(first_of_row[:rows], lab, alpha=key.stride(1))  # (rows,) int64: in buf
+            buf.view(ibits).index_fill_(0, flat, torch.iinfo(ibits).max)
+            second = key.amin(1)
+            # the values with their column bits (2^bits ulps, in tau); C = 1: second is NaN, certified
+            near = second.view(w).sub_(thr_c) <= first.view(w).add_(thr_x[b0:b1])
+            labels.append(lab.long())
+            unsure.append(near.nonzero()[:, 0].add_(b0) if b0 else near.nonzero()[:, 0])
+        labels = labels[0] if len(labels) == 1 else torch.cat(labels)
+        idx = unsure[0] if len(unsure) == 1 else torch.cat(unsure)
+        return self._exact(idx, c64, labels, debug)
+
+    def _exact(self, idx: torch.Tensor, c64: torch.Tensor, labels: torch.Tensor, debug: bool) -> torch.Tensor:
+        """``labels`` with rows ``idx`` rescored as knn's CPU path: float64 direct differences."""
+        if idx.numel():
+            exact = torch.cdist(self.X.index_select(0, idx).to(torch.float64), c64, compute_mode=_DIRECT)
+            labels[idx] = exact.argmin(1)
+        if debug:
+            log.debug("kmeans assignment on the CPU: %d rows, %d centres (K = %d, %s product), %d rescored",
+                      self.X.shape[0], c64.shape[0], self.X.shape[1], self.work, idx.numel())
+        return labels
+
+    def d2(self, centres: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(N,) float64: the squared distance of each row to centres[labels], as knn's value."""
+        X = self.X
+        N, K = X.shape
+        out = torch.empty(N, dtype=torch.float64)
+        c64 = centres.to(torch.float64)
+        R = max(1, min(N, ASSIGN_BLOCK_ELEMENTS // max(1, K)))
+        for b0 in range(0, N, R):
+            b1 = min(N, b0 + R)
+            pairs = torch.cdist(X[b0:b1].to(torch.float64).unsqueeze(1), c64.index_select(0, labels[b0:b1]).unsqueeze(1),
+                                compute_mode=_DIRECT)  # (rows, 1, 1): torch.cdist's kernel per pair
+            out[b0:b1] = pairs.view(-1).to(X.dtype)
+        return out.square_()
+
+
+def _assign(X, centres, debug, nearest=None, d2=True):
+    """(labels (N,) int64, squared distances (N,) float64 or None) to the nearest centre: the labels
+    and values of knn(X, centres, 1) in its direct-difference mode (float64 on a CPU). On the CPU by
+    :class:`_NearestCpu` (``nearest``: one built for X already; ``d2=False``: the distances left out,
+    None). On CUDA in float32 with K <= 16 (plan.kmeans.ASSIGN_UP_TO; KERMAC_LIKE_KMEANS_ASSIGN_MMA=0
+    turns it off): the certified tensor-core kernel (cuda_templates/kmeans_assign_mma.cuh), bitwise
+    knn's labels and distances; else knn (``d2`` ignored)."""
+    if X.device.type == "cpu":
+        nearest = nearest or _NearestCpu(X)
+        labels = nearest.labels(centres, debug)
+        return labels, (nearest.d2(centres, labels) if d2 else None)
     if X.is_cuda:
         from .plan.kmeans import assign_mma
 
@@ -368,11 +538,8 @@ def _inertia(d2, weights):
 
 
 def _local_certificate() -> bool:
-    """Whether Lloyd's first assignment takes the local certificate (the setting kmeans_local "on"; "auto"
-    decides at the first assignment), for which the seeding hands over each point's nearest centre (one more
-    fold of its last round)."""
-    from . import config
-
+    """Whether Lloyd's first assignment takes the local certificate (the setting kmeans_local), for which
+    the seeding hands over each point's nearest centre (one more fold of its last round)."""
     return config.get("kmeans_local") == "on"
 
 
@@ -387,20 +554,28 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
     from .plan.kmeans import BoundedAssign, bounds_serve
 
     bounded = BoundedAssign(X, C, debug) if X.is_cuda and bounds_serve(X, C) else None
+    # the CPU: one assignment object for the run, X in float64 for the update where it is one block;
+    # the distances only where they are read
+    nearest = x64 = None
+    if X.device.type == "cpu":
+        nearest = _NearestCpu(X)
+        x64 = X.to(torch.float64) if _block_rows(*X.shape) >= X.shape[0] else None
     labels_old = None
     strict = False
     labels = d2 = None
     i = 0
     for i in range(max_iter):
         if bounded is None:
-            labels, d2 = _assign(X, centres, debug)
+            labels, d2 = _assign(X, centres, debug, nearest, d2=nearest is None or verbose)
+            if d2 is None:  # the distances of this assignment, for an empty cluster's relocation
+                d2 = functools.partial(nearest.d2, centres, labels)
             same = labels_old is not None and torch.equal(labels, labels_old)
         elif i == 0:
             labels, same = bounded.first(centres, hint), False
         else:
             labels, changed = bounded.step(centres)
             same = changed == 0
-        sums, wsum = segment_sums(X, labels, weights, C)
+        sums, wsum = segment_sums(X, labels, weights, C, x64)
         _relocate_empty(X, weights, labels, d2 if bounded is None else bounded.exact_d2, sums, wsum, verbose)
         pos = wsum > 0
         new = torch.where(pos.unsqueeze(1), sums / torch.where(pos, wsum, 1.0).unsqueeze(1), sums).to(X.dtype)
@@ -423,9 +598,9 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
             labels = bounded.step(centres)[0]
         d2 = bounded.exact_d2()
     elif not strict:  # the final E-step: labels (and inertia) of the final centres
-        labels, d2 = _assign(X, centres, debug)
+        labels, d2 = _assign(X, centres, debug, nearest)
     # after a strict convergence the centres are those of the unchanged labels: d2 holds
-    return labels, _inertia(d2, weights), centres, i + 1
+    return labels, _inertia(d2() if callable(d2) else d2, weights), centres, i + 1
 
 
 def _same_clustering(a: torch.Tensor, b: torch.Tensor, C: int) -> bool:
@@ -442,8 +617,11 @@ def _reference(X: torch.Tensor) -> torch.Tensor:
     times the centred scale) and not at all on a power-of-two lattice (integers, pixels: s stays on
     it) or far from the origin (x and s within a factor of two: Sterbenz), and data centred within
     its spread get s = 0: the fit is then that of X itself, bitwise (and X is not copied)."""
-    ref = reference_point(X).to(device=X.device, dtype=torch.float64)
-    sample = X[::max(1, -(-X.shape[0] // REFERENCE_ROWS))].to(torch.float64) - ref
+    rows = X[::max(1, -(-X.shape[0] // REFERENCE_ROWS))]  # reference_point's own sample of X
+    # X is finite (validated): reference_point's scan of every row for infinities finds none, so
+    # it is given the sample alone (the same point; two reads of X fewer)
+    ref = reference_point(rows).to(device=X.device, dtype=torch.float64)
+    sample = rows.to(torch.float64) - ref
     spread = sample.square_().mean(0).sqrt_()
     grid = torch.exp2(torch.floor(torch.log2(spread)))
     return torch.where(spread > 0, torch.round(ref / grid) * grid, ref).to(X.dtype)
@@ -692,7 +870,7 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
                     best = (labels, inertia, centres, n_iter)
             labels, inertia, centred_centres, n_iter = best
             centres = centred_centres + ref if shifted else centred_centres
-        distinct = int(torch.unique(labels).numel())
+        distinct = int(torch.bincount(labels, minlength=C).count_nonzero())
         if distinct < C:
             warnings.warn(f"Number of distinct clusters ({distinct}) found smaller than n_clusters ({C}). "
                           "Possibly due to duplicate points in X.", ConvergenceWarning, stacklevel=2)

@@ -36,9 +36,8 @@ except ImportError:  # CPU-only use still works through the torch path (torch_pa
 else:  # and so is the launcher with the cache's warm-start reader (sqlite3): a few ms here
     import importlib as _importlib
 
-    _importlib.import_module(".runtime.launcher", __name__)
     # the keys' inputs and the cache connection, prepared while the program makes its tensors
-    _importlib.import_module(".runtime.cache.warm", __name__).prepare_in_background()
+    _importlib.import_module(".runtime.launcher", __name__).prepare_in_background()
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from .formula import (
     FormulaDescriptor,
@@ -53,6 +52,7 @@ from .formula import (
     rational_quadratic,
 )
 from .ops.distance import cdist, run_kernel
+from .ops.grad import cdist_grad
 from .ops.knn import kernel_topk, knn
 from .ops.logsumexp import kernel_logsumexp
 from .ops.matvec import kernel_matvec
@@ -101,8 +101,4 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module("." + name, __name__)
-    if name == "cdist_grad":
-        from .ops.grad import cdist_grad
-
-        return cdist_grad
     raise AttributeError(f"module 'kermac_like' has no attribute {name!r}")

@@ -802,8 +802,8 @@ _PREPARE_CHILD = r"""
 import json, sys
 import kermac_like
 from kermac_like.runtime.cache import warm
-from kermac_like.runtime import compiler
-t = warm.prepare_thread
+from kermac_like.runtime import compiler, launcher
+t = launcher.prepare_thread
 if t is not None:
     t.join(30)
 print(json.dumps(dict(

@@ -30,13 +30,15 @@ import numpy as np
 
 import torch
 
+from .. import config
 from . import cache as kernel_cache
-from .cache.warm import read_bundled, read_kernel, read_kernel_status
-from .compiler import KernelSpec, arch_of_device, compile_specs, kernel_key
+from .cache.warm import open_reader, read_bundled, read_kernel, read_kernel_status
+from .compiler import KernelSpec, arch_of_device, compile_specs, kernel_key, nvrtc_version, template_hash
 
 log = logging.getLogger("kermac_like.launcher")
 
-__all__ = ["LoadedKernel", "get_kernel", "prefetch", "available", "wait_pending", "launch", "clear_loaded", "max_active_clusters", "ArgBlock"]
+__all__ = ["LoadedKernel", "get_kernel", "prefetch", "available", "wait_pending", "launch", "clear_loaded", "max_active_clusters", "ArgBlock",
+           "prepare_in_background"]
 
 _STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -118,6 +120,36 @@ def _open_cache_in_background():
         return box["cache"]
 
     return result
+
+
+def prepare_in_background() -> threading.Thread | None:
+    """Start a daemon thread that does, once per process, what a warm first call otherwise does
+    itself before its lookup: the kernel keys' process-wide inputs (compiler.template_hash:
+    the templates read and hashed; compiler.nvrtc_version: the NVRTC wheel's metadata) and
+    the warm reader's connection to the cache file with its schema stamp read (cache.warm's
+    open_reader). ``import kermac_like`` starts it where cuda.core is installed, so that these
+    ~3-5 ms overlap what a program does between the import and its first call (creating its
+    CUDA tensors: the CUDA context alone takes far longer); a first call that comes earlier
+    computes or waits for the same memoised values (bench/notes/jit.md). Best effort: any
+    failure leaves the first call to do the work as before. KERMAC_LIKE_PREPARE=0 turns it off."""
+    if not config.get("prepare"):
+        return None
+
+    def run():
+        try:
+            template_hash()
+            nvrtc_version()
+            open_reader()
+        except Exception:  # noqa: BLE001 (best effort: the first call does it itself)
+            pass
+
+    global prepare_thread
+    t = prepare_thread = threading.Thread(target=run, name="kermac_like-prepare", daemon=True)
+    t.start()
+    return t
+
+
+prepare_thread = None  # the thread prepare_in_background started (tests join it)
 
 
 def _find(key: str) -> tuple:

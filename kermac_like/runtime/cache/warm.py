@@ -39,7 +39,7 @@ from ... import config
 from .location import DB_FILENAME, SCHEMA_VERSION, TOUCH_INTERVAL_S, default_cache_dir, untrusted_reason
 
 __all__ = ["SCHEMA_VERSION", "DB_FILENAME", "ENV_BUNDLE", "default_cache_dir", "read_kernel", "read_kernel_status", "read_bundled",
-           "bundle_dirs", "package_bundle_dir"]
+           "open_reader", "bundle_dirs", "package_bundle_dir"]
 
 ENV_BUNDLE = config.SETTINGS["bundle"].env
 
@@ -150,40 +150,16 @@ def _touch(path: Path, sha: str) -> None:
         pass
 
 
-def prepare_in_background() -> threading.Thread | None:
-    """Start a daemon thread that does, once per process, what a warm first call otherwise does
-    itself before its lookup: the kernel keys' process-wide inputs (compiler.template_hash:
-    the templates read and hashed; compiler.nvrtc_version: the NVRTC wheel's metadata) and
-    this module's connection to the cache file with its schema stamp read. ``import
-    kermac_like`` starts it where cuda.core is installed, so that these ~3-5 ms overlap what
-    a program does between the import and its first call (creating its CUDA tensors: the
-    CUDA context alone takes far longer); a first call that comes earlier computes or waits
-    for the same memoised values (bench/notes/jit.md). Best effort: any failure leaves the
-    first call to do the work as before. KERMAC_LIKE_PREPARE=0 turns it off."""
-    if not config.get("prepare"):
-        return None
-
-    def run():
-        try:
-            from ..compiler import nvrtc_version, template_hash
-
-            template_hash()
-            nvrtc_version()
-            path = default_cache_dir() / DB_FILENAME
-            st = os.stat(path)
-            if stat.S_ISREG(st.st_mode) and untrusted_reason(path.parent, path) is None:
-                with _reader_lock:
-                    _reader(path, st).execute("PRAGMA user_version").fetchall()
-        except Exception:  # noqa: BLE001 (best effort: the first call does it itself)
-            pass
-
-    global prepare_thread
-    t = prepare_thread = threading.Thread(target=run, name="kermac_like-prepare", daemon=True)
-    t.start()
-    return t
-
-
-prepare_thread = None  # the thread prepare_in_background started (tests join it)
+def open_reader() -> None:
+    """Open this process's read-only connection to the cache file and read its schema stamp, as
+    the first lookup does (:func:`kermac_like.runtime.launcher.prepare_in_background` does it
+    before the first call). A file that is not trusted is left alone; OSError where there is no
+    file, sqlite3.Error where it cannot be read."""
+    path = default_cache_dir() / DB_FILENAME
+    st = os.stat(path)
+    if stat.S_ISREG(st.st_mode) and untrusted_reason(path.parent, path) is None:
+        with _reader_lock:
+            _reader(path, st).execute("PRAGMA user_version").fetchall()
 
 
 def package_bundle_dir() -> Path:

@@ -11,9 +11,11 @@
 The data have a known answer: X uniform in [-1, 1]^D, y = f(X) + noise with a smooth f
 (noise 0.1, so the best possible test MSE against the noisy y is 0.01, against f it is 0).
 The training rows come in fixed chunks (16384 rows; 2^20 above N = 10^8; N / 64 below 2^18), each from its own
-seed; rank r of R takes chunks r, r + R, ... and generates only those, on its own device
-(a CUDA generator on a GPU, the CPU one otherwise): the same data set whatever the number of
-processes (for a given device type), and no rank ever holds more than its share.
+seed; rank r of R takes the r-th of R contiguous runs of chunks and generates only those, on its
+own device (a CUDA generator on a GPU, the CPU one otherwise): the shards concatenated in rank
+order are the same rows in the same order whatever the number of processes (for a given device
+type), so KernelRidge's random_state picks the same centres and landmarks and the fit is the same,
+and no rank ever holds more than its share.
 --host-data keeps the rows in host memory (the estimator runs on the GPU, device=, streaming
 row chunks when they do not fit or --max-gpu-bytes says so). Prints the fit
 time, CG iterations, relative residual and the test error; with --check-exact (default
@@ -48,8 +50,8 @@ def target(x: torch.Tensor) -> torch.Tensor:
 
 def chunk_rows(n: int) -> int:
     """Rows of one generator chunk: a function of n only (the data set does not depend on the number
-    of ranks); small n is cut into 64 chunks so that up to 64 ranks each hold some rows (an empty
-    shard is an error of the estimator)."""
+    of ranks); small n is cut into 64 chunks so that up to 64 ranks each hold some rows (a rank without
+    rows would only wait for the others)."""
     if n > BIG_N:
         return CHUNK_BIG
     return CHUNK if n >= 16 * CHUNK else max(1, -(-n // 64))
@@ -61,7 +63,8 @@ def make_data(n: int, d: int, *, rank: int = 0, world: int = 1, seed: int = 0, n
     ``device`` and written into this rank's share (on the host with ``host``, pinned with ``pin``)."""
     device = torch.device(device)
     chunk = chunk_rows(n)
-    mine = list(range(rank, -(-n // chunk), world))
+    chunks = -(-n // chunk)
+    mine = list(range(rank * chunks // world, (rank + 1) * chunks // world))
     rows = [min(chunk, n - k * chunk) for k in mine]
     where = torch.device("cpu") if host else device
     x = torch.empty((sum(rows), d), dtype=dtype, device=where, pin_memory=pin and host and device.type == "cuda")
@@ -173,7 +176,8 @@ def main(argv=None):
 
     kw = {"n_centers": n_centers} if args.solver in ("nystrom", "auto") else {}
     if not args.no_warmup and device.type == "cuda":  # compile the kernels on a small problem first
-        # 2048 rows on every rank (a rank-sharded 2048 would leave ranks > 0 empty: one chunk), and
+        # 2048 rows on every rank (a rank-sharded 2048 would leave ranks > 0 without rows, compiling
+        # nothing: one chunk), and
         # the same 16 rows to predict on every rank (predict is collective).
         xw, yw = make_data(2048, args.D, seed=args.seed + 1 + rank, dtype=dtype, device=device)
         xq = make_test(16, args.D, seed=args.seed + 1, dtype=dtype, device=device)[0]

@@ -119,8 +119,9 @@ def plan_falkon(cfg, counts, device, mem_per_rank=None) -> tuple[dict, list[str]
     """{ranks: N} and the lines saying why: N = falkon_n where a rank's share fits 90 % of the free
     memory, else falkon_fallback_n where that fits, else nothing."""
     plan, why = {}, []
+    gpu_free = free_memory(device, 1) if device == "cuda" and mem_per_rank is None else None
     for r in counts:
-        free = mem_per_rank if mem_per_rank is not None else free_memory(device, r)
+        free = mem_per_rank if mem_per_rank is not None else gpu_free or free_memory(device, r)
         for n in (cfg["falkon_n"], cfg["falkon_fallback_n"]):
             need = falkon_bytes(n, r, cfg["centers"], device)
             if need <= 0.9 * free:
@@ -293,7 +294,8 @@ def _write(out, args, cfg, counts, decisions, runs, rows=None):
                 torch=torch.__version__, rank_counts=counts, sizes=cfg, pred_rtol=args.pred_rtol,
                 decisions=sorted(set(decisions)), runs=runs)
     try:
-        meta["git"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        meta["git"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                     text=True).stdout.strip()
     except OSError:
         pass
     if rows is not None:

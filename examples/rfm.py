@@ -141,7 +141,7 @@ def synthetic(args, device):
     sync(device)
     t0 = time.perf_counter()
     est = RFMRegressor(bandwidth=args.bandwidth, reg=args.reg, iters=args.iters, device=device,
-                       random_state=args.seed, verbose=args.debug).fit(x, y, eval_set=(xv, yv))
+                       random_state=args.seed, verbose=args.debug, debug=args.debug).fit(x, y, eval_set=(xv, yv))
     sync(device)
     dt = time.perf_counter() - t0
     peak = f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB" if device.type == "cuda" else ""

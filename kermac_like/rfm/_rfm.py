@@ -15,6 +15,7 @@ than ``early_stop_multiplier`` times the best.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -27,10 +28,12 @@ from .._estimator import (BaseEstimator, ClassifierMixin, MultiOutputMixin, Regr
                           check_is_fitted)
 from ..ops.distance import cdist
 from ..solvers._nystrom import sample_indices
-from ..solvers.kernel_ridge import _Bad, _as_tensor, _free_bytes, _shape_2d
+from ..solvers.kernel_ridge import _Bad, _Progress, _as_tensor, _free_bytes, _shape_2d
 from ._agop import AGOP_BLOCK_BYTES, agop_sum
 from ._kernel import resolve_rfm_kernel
 from ._solve import solve_cholesky, solve_nystrom
+
+log = logging.getLogger("kermac_like.rfm")
 
 __all__ = ["RFMRegressor", "RFMClassifier"]
 
@@ -176,7 +179,11 @@ class _RFMBase(BaseEstimator):
         M = s.clone()
         history, best = [], None
         self.n_iter_ = 0
-        bar = _bar(self.verbose or debug, int(self.iters) + 1, type(self).__name__)
+        progress = _Progress(bool(self.verbose or debug), int(self.iters) + 1, type(self).__name__)
+        bar = progress.bar
+        if debug:
+            log.debug("%s: n=%d D=%d outputs=%d on %s (%s), solver %s, %s kernel, %d iterations", type(self).__name__,
+                      n, D, Y.shape[1], dev, dt, solver, kern.name, int(self.iters))
         try:
             for it in range(int(self.iters) + 1):
                 t0 = time.perf_counter()
@@ -209,6 +216,11 @@ class _RFMBase(BaseEstimator):
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 history.append(dict(iter=it, metric=score, seconds=time.perf_counter() - t0, bandwidth=bw))
+                if debug:
+                    log.debug("rfm iteration %d: bandwidth %.4g, %s solve, %s %s, %s, %.3f s", it, bw, solver, metric,
+                              "-" if score is None else f"{score:.4g}",
+                              "stop" if stop else "last" if it == int(self.iters) else "AGOP and metric update",
+                              history[-1]["seconds"])
                 if bar is not None:
                     bar.update(1)
                     if score is not None:
@@ -216,8 +228,7 @@ class _RFMBase(BaseEstimator):
                 if stop:
                     break
         finally:
-            if bar is not None:
-                bar.close()
+            progress.close()
         self.solver_ = solver
         self.history_ = history
         self.best_iter_ = best["iter"]
@@ -572,16 +583,6 @@ class RFMClassifier(ClassifierMixin, _RFMBase):
         hit = (_to_numpy(self.predict(X)) == _to_numpy(y).reshape(-1)).astype(np.float64)
         w = None if sample_weight is None else _to_numpy(sample_weight).astype(np.float64)
         return float(np.average(hit, weights=w))
-
-
-def _bar(show, total, label):
-    if not show:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=label, unit="it", leave=False)
 
 
 def _median_distance(u: torch.Tensor, p: float) -> float:

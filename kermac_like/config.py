@@ -179,6 +179,9 @@ SETTINGS = _declare(
     Setting("gp_symgrad", "bool", True, "the GPyTorch training backward in one contraction pass (off: "
             "linear_operator's)"),
     Setting("gp_graph", "bool", True, "the GPyTorch pivoted-Cholesky loop as a CUDA graph (off: eager)"),
+    Setting("gp_dense", "bool", True, "the GPyTorch operator's CPU products (and RBF training backward) on its kernel "
+            "matrix, formed once per operator where it has at most gpytorch._operator.DENSE_CPU_ELEMENTS entries (off: "
+            "kernel_matvec's blocks at every product)"),
     # -- other software's variables, read for the default cache directory --------------------
     Setting("xdg_cache_home", "path", None, "the XDG user cache directory (absolute paths only)", env="XDG_CACHE_HOME"),
     Setting("localappdata", "path", None, "Windows' local application data folder", env="LOCALAPPDATA"),

@@ -89,7 +89,9 @@ def test_batch_shape_and_priors():
 
 def test_cg_path_never_builds_the_matrix(monkeypatch):
     """On CG the products go through kernel_matvec; the only dense blocks are the pivoted
-    Cholesky preconditioner's rows (at most a few rows of N)."""
+    Cholesky preconditioner's rows (at most a few rows of N). (The CPU's stored kernel matrix,
+    KERMAC_LIKE_GP_DENSE, off: tests/test_gpytorch_dense.py.)"""
+    monkeypatch.setenv("KERMAC_LIKE_GP_DENSE", "0")
     x, y = data(n=150)
     blocks = []
     dense = _operator.dense_covar
@@ -533,6 +535,7 @@ def test_training_backward_is_one_contraction_pass(kernel_cls, monkeypatch):
 
     monkeypatch.setattr(matvec_backward, "contraction", counting)
     monkeypatch.setattr(_operator, "contraction", counting)
+    monkeypatch.setenv("KERMAC_LIKE_GP_DENSE", "0")  # the matrix-free backward (the stored matrix's: test_gpytorch_dense)
     x, y = data(n=150)
 
     def step():

@@ -10,7 +10,10 @@ Functions rebuild it from) with
 
 * ``_matmul``: ``kernel_matvec`` (O((M + N) C) memory). A float64 right-hand side of float32
   data takes kernel_matvec's float64 mode (float64 products and sums) where no gradient is
-  asked for, as in the solves of CG and Lanczos;
+  asked for, as in the solves of CG and Lanczos. On the CPU, below DENSE_CPU_ELEMENTS entries, the
+  products without gradient multiply by the kernel matrix formed once per operator
+  (``_dense_kernel``: kernel_matvec's own entries; at N = 2000 the same bits as its one block),
+  and the RBF training backward is two products with it;
 * gradients (``_bilinear_derivative``): kernel_matvec's backward contraction with respect to x1 and
   x2, and autograd carries them on to the lengthscale through ``x / lengthscale``. For one tensor
   in both slots (a training covariance: the kernels pass ``x / lengthscale`` once) the x1 and x2
@@ -55,15 +58,24 @@ from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.permutation import apply_permutation
 
 from ..descriptor import preset
+from ..ops.distance import run_kernel
 from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec, prepare_matvec
 from ..ops.matvec_backward import contraction
-from ..plan.matvec import mark_centred
+from ..plan.matvec import mark_centred, matvec_shifts, shifted_pair
 from . import _cg, _products, _switches
 
-__all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS"]
+__all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS",
+           "DENSE_CPU_ELEMENTS"]
 
 # name -> the package's descriptor, evaluated at bandwidth 1 on x / lengthscale
 KERNELS = {"rbf": preset("gaussian_l2"), "laplace": preset("laplace_l2")}
+
+# On the CPU an operator whose kernel matrix has at most this many entries (all batch entries; float32:
+# 128 MB, a square N of 5792) forms it once, at its first product, and multiplies by it (KERMAC_LIKE_GP_DENSE).
+# kernel_matvec's torch path recomputes the same entries at every product (its blocks: the padded matrix
+# product, the exponential), ~30 ms at N = 2000, D = 8 on one core, where the product with the stored matrix
+# takes ~2 ms; GPyTorch's own kernels store the matrix at every N.
+DENSE_CPU_ELEMENTS = 1 << 25
 
 
 def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str, outputscale=None, centred: bool = False
@@ -184,10 +196,42 @@ class KermacKernelLinearOperator(KernelLinearOperator):
             out = _products.matmul(self, x1, x2, rhs)
             if out is not None:
                 return out
+            dense = self._dense_kernel()  # the CPU: the kernel matrix formed once
+            if dense is not None:
+                return torch.matmul(dense[0], rhs)
         x1, x2 = x1.contiguous(), x2.contiguous()
         if self.centred:  # centred together (kernels.py): read as they are, whichever tensors carry them now
             mark_centred(object(), x1, x2)
         return kernel_matvec(KERNELS[self.kernel], x1, x2, rhs.contiguous(), bandwidth=1.0)
+
+    def _dense_kernel(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k(x1, x2) ``(*batch, M, N)`` without the outputscale, the x1 it was formed from) on the CPU where it
+        has at most DENSE_CPU_ELEMENTS entries, else None. Formed once per operator (again if x1 or x2 changed
+        in place) outside autograd, as kernel_matvec's torch path forms its blocks: run_kernel's matrix product
+        on x1 and x2 as given for an operator built ``centred``, else shifted by their reference point where
+        that path shifts them (plan.matvec.matvec_shifts), so the same entries; below MATVEC_COLUMNS points of
+        x2 and CPU_BLOCK_ELEMENTS entries (kermac_like/torch_path.py) it is kernel_matvec's one block, and the
+        product with it kernel_matvec's result bit for bit."""
+        x1, x2 = self.x1, self.x2
+        if not (_switches.on("DENSE") and x1.device.type == "cpu" and x2.device.type == "cpu"
+                and x1.dtype in (torch.float32, torch.float64) and x2.dtype == x1.dtype):
+            return None
+        batch = _broadcast_shape(x1.shape[:-2], x2.shape[:-2])
+        if math.prod(batch) * x1.shape[-2] * x2.shape[-2] > DENSE_CPU_ELEMENTS:
+            return None
+        key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in (x1, x2))
+        cached = self.__dict__.get("_kl_dense")
+        if cached is None or cached[0] != key:
+            desc = KERNELS[self.kernel]
+            a, b = x1.detach(), x2.detach()
+            if not self.centred and matvec_shifts(desc, a, b, False):
+                a, b, _ = shifted_pair(a, b)
+            out = torch.empty(*batch, x1.shape[-2], x2.shape[-2], dtype=x1.dtype)
+            with torch.no_grad():
+                run_kernel(desc, a, b, bandwidth=1.0, out=out)
+            cached = (key, (out, a))
+            self.__dict__["_kl_dense"] = cached
+        return cached[1]
 
     def _bilinear_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
         # The gradients of sum_c u_c^T (s K(x1, x2)) v_c (GPyTorch's training backward: U the solves, V the
@@ -204,11 +248,24 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         u = left_vecs.to(x.dtype)
         v = right_vecs.to(x.dtype)
         su = u if s is None else u * s.detach().to(x.dtype)
-        call = prepare_matvec(KERNELS[self.kernel], x, x, v, bandwidth=1.0)
-        hp = call.hypers
-        gx = contraction(call.desc, x.detach(), x.detach(), torch.cat([su, v], -1), torch.cat([v, su], -1),
-                         inner_p=hp["inner_p"], outer_p=hp["outer_p"], bandwidth=hp["bandwidth"],
-                         epsilon=call.epsilon)
+        dense = self._dense_kernel() if self.kernel == "rbf" else None
+        if dense is not None:
+            # the CPU: d/dx_m of exp(-|x_m - x_n|^2 / 2) is -(x_m - x_n) k_mn, so with W = (s U V^T + V s U^T) o K
+            # the contraction is sum_n W_mn (x_n - x_m) = (W x)_m - (sum_n W_mn) x_m: products with the stored K,
+            # on x as K was formed from it (centred or shifted; the sum is translation invariant). The two terms
+            # cancel where x_m is far from the points near it: W x and the row sums in float64 (float32 there:
+            # 3.8e-6 relative error against float64 at N = 1500, D = 8, against 5e-7 for the contraction's direct
+            # differences; float64: as the contraction, bench/notes/cpu_paths.md)
+            k, xs = dense
+            w = torch.matmul(torch.cat([su, v], -1), torch.cat([v, su], -1).mT).mul_(k).to(torch.float64)
+            xs = xs.to(torch.float64)
+            gx = torch.matmul(w, xs).sub_(w.sum(-1, keepdim=True) * xs)
+        else:
+            call = prepare_matvec(KERNELS[self.kernel], x, x, v, bandwidth=1.0)
+            hp = call.hypers
+            gx = contraction(call.desc, x.detach(), x.detach(), torch.cat([su, v], -1), torch.cat([v, su], -1),
+                             inner_p=hp["inner_p"], outer_p=hp["outer_p"], bandwidth=hp["bandwidth"],
+                             epsilon=call.epsilon)
         gs = None
         if s is not None and s.requires_grad:
             with torch.no_grad():

@@ -19,7 +19,12 @@ fused kernel's direct form and the blocked path (run_kernel without the matrix p
 expanded exponent (|u|^2 + |w|^2 - 2 u.w) works on u = x - c, w = y - c about a centre c of the
 data, and the planner takes it only where its error bound, computed from those centred u and w,
 allows (plan/logsumexp.py expand_params): data offset by 1000 x its spread take the same path
-with the error of centred data. Nothing is shifted here.
+with the error of centred data. On the CPU, float32 Euclidean Gaussian / Laplace calls form the
+squared distances by the matrix product as torch.cdist does, but about the data's reference point
+where that lowers the operands' norms, with the pairs the product cannot resolve (near pairs; at
+small bandwidths the terms that can matter) recomputed by direct differences
+(:func:`_forward_cpu_product`): never less accurate than torch.logsumexp over torch.cdist in
+float32 (bench/notes/cpu_paths.md), the other calls in float64 by direct differences.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch import Tensor
 from .. import _debug, formula_path
 from .._args import check_same, check_tensor
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from ..centring import shifted_pair
 from ..layout import analyse_output
 from ..plan.logsumexp import plan_logsumexp
 from .distance import COMPUTE_MODES, prepare_call, run_kernel
@@ -97,14 +103,128 @@ def _blocks(batch: tuple, M: int, N: int, C: int) -> tuple:
     return mb, nb
 
 
+# The CPU float32 path recomputes by direct differences the pairs whose squared distance from the matrix product
+# is below this fraction of their bound |u|^2 + max |w|^2 (u, w the operands as multiplied): the product's error
+# is a few eps times that bound, which near pairs (the largest terms of the sum) would carry as a relative
+# error of eps |u|^2 / |u - w|^2.
+NEAR_FRACTION = 2.0 ** -10
+
+
+def _cpu_product_terms(call, lw: Tensor):
+    """For the CPU float32 path (:func:`_forward_cpu_product`): ``[-2 u, 1, |u|^2]``, ``[w, |w|^2, 1]`` (their
+    product is ``|u - w|^2``) and each row's rescoring threshold NEAR_FRACTION (|u|^2 + max |w|^2), with (u, w)
+    x and y shifted by their reference point where that divides max |u|^2 + max |w|^2 by more than 4, else as
+    given (torch.cdist's operands: no rounding of a shift on data about the origin);
+    None where that path does not serve the call: Euclidean (SQUARE inner power, SQRT outer) Gaussian or
+    Laplace, float32 x, y and log_weights on the CPU, no batch modes, a float bandwidth, no epsilon, finite
+    squared norms (a non-finite coordinate, or one whose square passes float32's range, keeps the float64
+    direct differences, whose infinities give exp(-inf) = 0 where the product gives NaN)."""
+    desc = call.desc
+    if not (call.device.type == "cpu" and call.a.dtype == call.b.dtype == lw.dtype == torch.float32
+            and desc.inner_power is PowerType.SQUARE and desc.outer_power is PowerType.SQRT
+            and call.epsilon is None and not call.batch and call.a.dim() == 2 and call.b.dim() == 2
+            and lw.dim() == 2 and call.M > 0 and call.N > 0 and call.K > 0
+            and not isinstance(call.hypers["bandwidth"], Tensor)):
+        return None
+    x, y = call.a.contiguous(), call.b.contiguous()
+    xn, yn = x.square().sum(-1, keepdim=True), y.square().sum(-1, keepdim=True)
+    if not (bool(torch.isfinite(xn).all()) and bool(torch.isfinite(yn).all())):
+        return None
+    u, w, _ = shifted_pair(x, y)
+    un, wn = u.square().sum(-1, keepdim=True), w.square().sum(-1, keepdim=True)
+    if 4.0 * (float(un.max()) + float(wn.max())) > float(xn.max()) + float(yn.max()):
+        u, w, un, wn = x, y, xn, yn  # the shift's own rounding (eps |x - s| a coordinate) would cost more
+    a = torch.cat([u.mul(-2.0), torch.ones_like(un), un], -1)
+    b = torch.cat([w, wn, torch.ones_like(wn)], -1)
+    bound = un.add(wn.max())  # (M, 1): |u|^2 + max |w|^2
+    return a, b, bound * NEAR_FRACTION, bound.mul_((2 * call.K + 8) * 2.0 ** -24), x, y
+
+
+def _forward_cpu_product(call, lw: Tensor, terms) -> Tensor:
+    """(M, C) float32: the CPU path of Euclidean Gaussian / Laplace calls on float32 data, torch's way in
+    row blocks of all N points: the squared distances by one matrix product of the padded operands about
+    the data's reference point (``terms``, :func:`_cpu_product_terms`), the pairs below their threshold
+    (every negative value among them) recomputed by direct differences of x and y; ``t = -phi +
+    log_weights``, at small bandwidths the terms that can matter recomputed so too; torch.logsumexp's steps
+    over the points in place; blocks of points (where one row of all N passes BLOCK_ELEMENTS) combined by
+    logaddexp.
+    Error against float64 (bench/notes/cpu_paths.md): at most torch.logsumexp over torch.cdist's in float32
+    on centred data, and so on data at any offset (torch's own loses eps (|x|^2 + |y|^2) in each squared
+    distance)."""
+    a, b, thr, err, x, y = terms
+    M, N, C, K = call.M, call.N, lw.shape[-1], call.K
+    bw = float(call.hypers["bandwidth"])
+    laplace = call.desc.kernel_type is KernelType.LAPLACE
+    # a quotient, as _phi's (not times a rounded reciprocal)
+    den = torch.tensor(-bw if laplace else -(2.0 * bw * bw), dtype=torch.float32)
+    # each row's bound on its exponents' error (the product's error err on the squared distances; for the
+    # Laplace kernel's root |sqrt(a) - sqrt(b)| <= sqrt(|a - b|)), and the margin below the row's largest
+    # exponent within which a term can matter: 17 (exp(-17) ~ 2^-24) + log N + twice the bound
+    err = (err.sqrt() if laplace else err).div_(abs(float(den)))
+    margin = err.mul(2.0).add_(17.0 + math.log(N))
+    nb = max(1, min(N, BLOCK_ELEMENTS // C))
+    mb = max(1, min(M, BLOCK_ELEMENTS // (nb * C)))
+    pairs = max(1, BLOCK_ELEMENTS // K)  # near pairs recomputed at once
+    out = torch.empty(M, C, dtype=torch.float32)
+    s = torch.empty(mb * nb, dtype=torch.float32)
+    for m0 in range(0, M, mb):
+        m1 = min(M, m0 + mb)
+        res = None
+        for n0 in range(0, N, nb):
+            n1 = min(N, n0 + nb)
+            d = torch.matmul(a[m0:m1], b[n0:n1].mT, out=s[: (m1 - m0) * (n1 - n0)].view(m1 - m0, n1 - n0))
+            # (P, 2): (row, column) in the block; every negative value is among them (thr >= 0), so no clamp
+            near = torch.nonzero(d < thr[m0:m1])
+            for p0 in range(0, near.shape[0], pairs):
+                i, j = near[p0:p0 + pairs].unbind(1)
+                d[i, j] = (x[i + m0] - y[j + n0]).square_().sum(-1)
+            if laplace:
+                d.sqrt_()
+            if C == 1:  # t = log_weights + d / denominator (addcdiv: the quotient, then the sum), in place
+                t = torch.addcdiv(lw[n0:n1, 0], d, den, out=d)
+            else:
+                t = torch.addcdiv(lw[n0:n1], d.unsqueeze(-1), den)
+            top = t.amax(-1 if C == 1 else -2, keepdim=True)
+            # Rows whose exponents' error bound passes 2^-20 max(1, |largest|) (small bandwidths: phi large): the
+            # terms that can matter recomputed by direct differences, so that the result's error is that of
+            # float32 exponents, not of the product formula's distances (relative eps |u|^2 / |u - w|^2), where
+            # they are few: at most 1/8 of the first 64 rows' terms (at moderate bandwidths every term can
+            # matter; the product's typical error is then ~sqrt(K) eps |u|^2 / |phi|, as torch.cdist's)
+            rows = err[m0:m1] > top.abs().clamp_min(1.0).view(m1 - m0, -1)[:, :1] * 2.0 ** -20
+            lim = torch.where(rows, (top if C == 1 else top.amin(-1)).view(m1 - m0, 1) - margin[m0:m1], math.inf)
+            best = t if C == 1 else t.amax(-1)  # (mb, nb)
+            if bool(rows.any()) and 8 * int((best[:64] >= lim[:64]).sum()) <= best[:64].numel():
+                near = torch.nonzero(best >= lim)
+                for p0 in range(0, near.shape[0], pairs):
+                    i, j = near[p0:p0 + pairs].unbind(1)
+                    dd = (x[i + m0] - y[j + n0]).square_().sum(-1)
+                    if laplace:
+                        dd.sqrt_()
+                    t[i, j] = torch.addcdiv(lw[j + n0] if C > 1 else lw[j + n0, 0],
+                                            dd if C == 1 else dd.unsqueeze(-1), den)
+                top = t.amax(-1 if C == 1 else -2, keepdim=True)
+            # torch.logsumexp over the points, its temporaries written over t
+            top = torch.where(torch.isfinite(top), top, 0)  # all terms -inf (or one +inf): nothing to rescale
+            part = t.sub_(top).exp_().sum(-1 if C == 1 else -2, keepdim=True).log_().add_(top).view(m1 - m0, C)
+            res = part if res is None else torch.logaddexp(res, part)
+        out[m0:m1] = res
+    return out
+
+
 def _forward(call, lw: Tensor, work, debug: bool = False) -> Tensor:
-    """(*batch, M, C) in ``work``: the fused kernel's (plan/logsumexp.py), else the blocked
-    running (max, sum) combination."""
+    """(*batch, M, C) in ``work``: the fused kernel's (plan/logsumexp.py), the CPU float32 path
+    (:func:`_forward_cpu_product`), else the blocked running (max, sum) combination."""
     if work == torch.float32 and call.device.type == "cuda":
         fused = torch.empty((*call.batch, call.M, lw.shape[-1]), dtype=call.a.dtype, device=call.device)
         plan = plan_logsumexp(call, lw.to(call.a.dtype), fused, debug)
         if plan is not None:
             return plan.run().to(work)
+    if call.device.type == "cpu":
+        terms = _cpu_product_terms(call, lw)
+        if terms is not None:
+            if debug:
+                log.debug("kernel_logsumexp: CPU float32 path (the matrix product about the reference point)")
+            return _forward_cpu_product(call, lw, terms).to(work)
     dd, squared = _distance_desc(call.desc, call.epsilon)
     batch, M, N = call.batch, call.M, call.N
     C = lw.shape[-1]
@@ -193,7 +313,11 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
     finite wherever one term is, however small the kernel values (the sum is combined around
     a running maximum in blocks of at most BLOCK_ELEMENTS values, in a fixed order: the same
     inputs give the same bits), computed in float32 from float32/16-bit inputs and in float64
-    on CPU tensors and float64 inputs. Memory O((M + N) C) plus one block. Translation
+    from float64 inputs; on CPU tensors in float64 by direct differences, except float32
+    Euclidean Gaussian / Laplace calls (2-D, a float bandwidth, no epsilon, finite data): torch's
+    way in float32 (torch.logsumexp over the matrix product's squared distances in row blocks),
+    about the data's reference point, near pairs by direct differences. Memory O((M + N) C) plus
+    one block. Translation
     invariant: the error is that of centred data whatever the data's offset (direct
     differences, or the fused kernel's expanded exponent about the data's centre where its
     bound on centred data allows it).

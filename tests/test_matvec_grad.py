@@ -27,6 +27,7 @@ from cpu_shim import build_cpu_runner
 import torch
 
 import kermac_like as km
+from kermac_like.ops import matvec as ops_matvec
 from kermac_like.ops import matvec_backward as mg
 from kermac_like.descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from kermac_like.reference import distance_reference
@@ -501,12 +502,12 @@ def test_gpu_backward_memory_is_linear_and_deterministic():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    gx, gy, gv = mg.matvec_backward(call, g)
+    gx, gy, gv = ops_matvec.gradients(call, g)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     # outputs (M*3 + N*3 + N floats) plus O((M + N)(C + K)) scratch; never M x N (160 GB)
     assert extra <= 4 * (M + N) * (3 + 1) * 4 + (64 << 20), extra
-    gx2, gy2, gv2 = mg.matvec_backward(call, g)
+    gx2, gy2, gv2 = ops_matvec.gradients(call, g)
     assert torch.equal(gx, gx2) and torch.equal(gy, gy2) and torch.equal(gv, gv2)
 
 
@@ -572,16 +573,16 @@ def test_nan_inputs_give_nan_gradients_where_they_reach(name):
 from typing import Optional  # noqa: E402
 
 from kermac_like.matvec import matvec_forward, prepare_matvec  # noqa: E402
-from kermac_like.ops._library import descriptor_from_ints, descriptor_ints, join_hyper, split_hyper  # noqa: E402
+from kermac_like.testing import library  # noqa: E402
 
 
 def _test_call(x, y, v, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon):
-    return prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(ip, ipt),
-                          outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
-                          regularization=join_hyper(rg, rgt), regularization_offset_x=reg_diag, epsilon=epsilon)
+    return prepare_matvec(library.descriptor_from_ints(descriptor), x, y, v, inner_p=library.join_hyper(ip, ipt),
+                          outer_p=library.join_hyper(op, opt), bandwidth=library.join_hyper(bw, bwt),
+                          regularization=library.join_hyper(rg, rgt), regularization_offset_x=reg_diag, epsilon=epsilon)
 
 
-# An op with the schema of the registration comment in ops/matvec_backward.py, under a test namespace.
+# An op with the schema of the registration comment in ops/matvec.py, under a test namespace.
 @torch.library.custom_op("kermac_like_test::kernel_matvec", mutates_args=())
 def _test_matvec_op(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, descriptor: list[int],
                     inner_p: Optional[float], inner_p_tensor: Optional[torch.Tensor], outer_p: Optional[float],
@@ -600,12 +601,12 @@ def _(x, y, v, descriptor, *rest):
     return x.new_empty(call.out_shape)
 
 
-_test_matvec_op.register_autograd(mg.backward, setup_context=mg.setup_context)
+_test_matvec_op.register_autograd(ops_matvec.backward, setup_context=ops_matvec.setup_context)
 
 
 def _op_args(desc, x, y, v, *, reg_diag=0, epsilon=None, **h):
     hp = [h.get(k) for k in ("inner_p", "outer_p", "bandwidth", "regularization")]
-    return (x, y, v, descriptor_ints(desc), *[a for k in hp for a in split_hyper(k)], reg_diag, epsilon, False)
+    return (x, y, v, library.descriptor_ints(desc), *[a for k in hp for a in library.split_hyper(k)], reg_diag, epsilon, False)
 
 
 @pytest.mark.parametrize("name,vec", [("laplace_p", False), ("gaussian_l2", True), ("dot", False)])

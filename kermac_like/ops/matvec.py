@@ -8,7 +8,7 @@ bounded size.
 
 Internal entry points (used by the backward and by lazy kernel operators):
 :func:`prepare_matvec` (validation -> :class:`MatvecCall`), :func:`matvec_forward`
-(no autograd) and :func:`matvec_reference`.
+(no autograd), :func:`matvec_reference` and :func:`gradients` (the backward of a call).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _debug
+from .. import _debug, formula_path
 from .._args import check_int, check_same, check_tensor
-from ..descriptor import KernelDescriptor
+from ..descriptor import InnerOperator, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import MATVEC_SCRATCH_BYTES, plan_matvec
 from ..reference import matvec_reference
@@ -32,7 +32,7 @@ from .distance import prepare_call
 
 log = logging.getLogger("kermac_like.matvec")
 
-__all__ = ["kernel_matvec", "MatvecCall", "prepare_matvec", "matvec_forward", "matvec_reference",
+__all__ = ["kernel_matvec", "MatvecCall", "prepare_matvec", "matvec_forward", "matvec_reference", "gradients",
            "SCRATCH_BYTES", "WIDE_OUT_INPUTS"]
 
 SCRATCH_BYTES = MATVEC_SCRATCH_BYTES  # largest split-N scratch of one call (plan/core.py)
@@ -123,8 +123,9 @@ def _with_v(call: MatvecCall, name: str, v) -> MatvecCall:
 
 def prepare_matvec(descriptor, x, y, v, *, p=None, inner_p=None, outer_p=None, bandwidth=None,
                    regularization=None, regularization_offset_x=0, regularization_offset_y=0,
-                   epsilon=None) -> MatvecCall:
-    """Validate a kernel_matvec call; TypeError/ValueError naming the argument."""
+                   epsilon=None, params=None) -> MatvecCall:
+    """Validate a kernel_matvec call; TypeError/ValueError naming the argument. ``params``: a
+    formula kernel's own hyper-parameters (ops.distance.prepare_call)."""
     if not isinstance(descriptor, KernelDescriptor):
         raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
     check_tensor("x", x)
@@ -138,7 +139,7 @@ def prepare_matvec(descriptor, x, y, v, *, p=None, inner_p=None, outer_p=None, b
     dc = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                       regularization=regularization, regularization_offset_x=regularization_offset_x,
                       regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"),
-                      extra_shapes={"v": tuple(vm.shape[:-2])})
+                      extra_shapes={"v": tuple(vm.shape[:-2])}, params=params)
     return MatvecCall(descriptor, x, y, vm, dc.hypers, dc.reg_diag, dc.epsilon, dc.batch, dc.M, dc.N, dc.K,
                       vm.shape[-1], vector)
 
@@ -184,6 +185,110 @@ def _needs_grad(call: MatvecCall) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad
         for t in (call.x, call.y, call.v, *call.hypers.values()))
+
+
+# -- the backward registered with the op (its contraction: ops/matvec_backward.py) --------------
+def gradients(call, grad, needs=(True, True, True), *, debug: bool = False):
+    """(dL/dx, dL/dy, dL/dv) of ``matvec_forward(call)`` for ``grad = dL/dout``.
+
+    ``call`` is the forward's validated ``kermac_like.matvec.MatvecCall``; ``grad`` has its
+    ``out_shape``; the v gradient has the shape of ``call.v`` (the (N, 1) view of a 1-D v).  ``needs``: which of the three to compute (None in the others' place).
+    Each gradient has the shape and dtype of its input (broadcast batch modes summed).
+    Tensor hyper-parameters must not require grad (:func:`.matvec_backward.check_no_hyper_grad`).
+
+    * dL/dv = K^T grad: ``kernel_matvec`` with x and y swapped and the regularised
+      diagonal mirrored.
+    * DIFF: two ``kermac_like::matvec_grad_contraction`` ops (:func:`.matvec_backward.contraction`),
+      (x, y, grad, v) and (y, x, v, grad).
+
+    Only torch ops and kermac_like ops are called (no kernel launch of its own), so a
+    backward registered with ``torch.library.register_autograd`` stays traceable.
+    * DOT: ``grad (v^T y)`` and ``v (grad^T x)``; with an epsilon (the thresholded
+      product is not separable) a blocked contraction.
+    """
+    matvec_backward.check_no_hyper_grad(call.hypers)
+    desc, x, y, v, hp = call.desc, call.x, call.y, call.v, call.hypers
+    v2 = v  # always (..., N, C): a 1-D right-hand side is the (N, 1) view call.v
+    g2 = grad.unsqueeze(-1) if call.vector else grad
+    gx = gy = gv = None
+    if needs[2]:
+        # K^T g2: x and y swapped, the regularised diagonal mirrored (offset_x - offset_y = -reg_diag)
+        hyp = {k: h for k, h in hp.items() if h is not None}
+        gv = kernel_matvec(desc, y, x, g2, regularization_offset_x=0, regularization_offset_y=call.reg_diag,
+                           epsilon=call.epsilon, debug=debug, **hyp)
+        gv = gv.sum_to_size(v.shape).to(v.dtype)
+    if not (needs[0] or needs[1]):
+        return gx, gy, gv
+    if desc.inner_operator is InnerOperator.DOT:
+        wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        xf, yf, vf, gf = (t.to(wide) for t in (x, y, v2, g2))
+        if call.epsilon is None:
+            if needs[0]:
+                gx = gf @ (vf.mT @ yf)
+            if needs[1]:
+                gy = vf @ (gf.mT @ xf)
+        else:
+            if needs[0]:
+                gx = matvec_backward.dot_contraction_reference(xf, yf, gf, vf, epsilon=call.epsilon)
+            if needs[1]:
+                gy = matvec_backward.dot_contraction_reference(yf, xf, vf, gf, epsilon=call.epsilon)
+    else:
+        kw = dict(inner_p=hp["inner_p"], outer_p=hp["outer_p"], bandwidth=hp["bandwidth"], epsilon=call.epsilon,
+                  debug=debug)
+        if needs[0]:
+            gx = matvec_backward.contraction(desc, x, y, g2, v2, **kw)
+        if needs[1]:
+            gy = matvec_backward.contraction(desc, y, x, v2, g2, **kw)
+    if gx is not None:
+        gx = gx.sum_to_size(x.shape).to(x.dtype)
+    if gy is not None:
+        gy = gy.sum_to_size(y.shape).to(y.dtype)
+    return gx, gy, gv
+
+
+def backward_for_autograd(call, grad, needs, *, debug: bool = False):
+    """The body of the registered backward (torch.library.register_autograd, and the
+    eager autograd.Function of ops/_library.register_autograd): refuses double backward,
+    then :func:`gradients`."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "kermac_like: double backward through kernel_matvec is not supported (the backward is not differentiable)"
+        )
+    return gradients(call, grad.contiguous() if not grad.is_contiguous() else grad, needs, debug=debug)
+
+
+# Registered with torch.library.register_autograd for an op ``kermac_like::kernel_matvec(x, y, v,
+# descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+# regularization, regularization_tensor, reg_diag, epsilon, debug)`` (run_kernel's schema with v
+# after y): op.register_autograd(backward, setup_context=setup_context).
+_N_OP_INPUTS = 15
+
+
+def setup_context(ctx, inputs, output):
+    (x, y, v, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon, debug) = inputs
+    ctx.save_for_backward(x, y, v, ipt, opt, bwt, rgt)
+    ctx.args = (tuple(descriptor), ip, op, bw, rg, reg_diag, epsilon, debug)
+
+
+def backward(ctx, grad):
+    """dL/dx, dL/dy, dL/dv of the op (None for the other inputs); only ops are called
+    (``kermac_like::matvec_grad_contraction`` and the public kernel_matvec), so a traced
+    backward records them. Tensor hyper-parameters that require grad and double
+    backward raise NotImplementedError."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "kermac_like: double backward through kernel_matvec is not supported (the backward is not differentiable)"
+        )
+    x, y, v, ipt, opt, bwt, rgt = ctx.saved_tensors
+    descriptor, ip, op, bw, rg, reg_diag, epsilon, debug = ctx.args
+    call = prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(ip, ipt),
+                          outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
+                          regularization=join_hyper(rg, rgt), regularization_offset_x=reg_diag,
+                          regularization_offset_y=0, epsilon=epsilon)
+    gx, gy, gv = backward_for_autograd(call, grad, ctx.needs_input_grad[:3], debug=debug)
+    if gv is not None:
+        gv = gv.reshape(v.shape)  # a 1-D v: (N, 1) -> (N,)
+    return (gx, gy, gv) + (None,) * (_N_OP_INPUTS - 3)
 
 
 # -- the ops: kermac_like::kernel_matvec and kermac_like::kernel_matvec_out ----------------------
@@ -236,8 +341,7 @@ def _matvec_out_fake(*args):
     return None
 
 
-_MATVEC_GRAD = register_autograd(_matvec_op, _matvec_impl, matvec_backward.backward,
-                                 matvec_backward.setup_context)
+_MATVEC_GRAD = register_autograd(_matvec_op, _matvec_impl, backward, setup_context)
 _MATVEC = torch.ops.kermac_like.kernel_matvec.default
 _MATVEC_OUT = torch.ops.kermac_like.kernel_matvec_out.default
 
@@ -253,7 +357,7 @@ def _op_args(call: MatvecCall, v: Tensor) -> tuple:
 def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, *, out=None,
                   p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
                   regularization_offset_x: int = 0, regularization_offset_y: int = 0, epsilon=None,
-                  debug: bool = False) -> torch.Tensor:
+                  debug: bool = False, **params) -> torch.Tensor:
     """Kernel matrix times ``v`` without the kernel matrix:
     ``out[..., m, c] = sum_n K[..., m, n] v[..., n, c]`` with ``K = run_kernel(descriptor, x,
     y, ...)`` (same descriptor semantics, hyper-parameters, broadcasting and regularisation:
@@ -314,7 +418,13 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     ``out`` (any strides with a unit-stride or size-1 mode, no overlap) is written in place
     and returned; it is left untouched when an argument is rejected. Underneath it is the
     custom op ``torch.ops.kermac_like.kernel_matvec`` (``kernel_matvec_out`` for ``out=``):
-    fake shapes for torch.compile, autograd for x, y and v (ops/matvec_backward.py).
+    fake shapes for torch.compile, autograd for x, y and v (:func:`gradients`, the contraction in
+    ops/matvec_backward.py).
+
+    Formula kernels (kermac_like/formula.py; their hyper-parameters as ``**params``) take the torch
+    path on every device (kermac_like/formula_path.py: blocks of bounded memory), differentiable
+    with respect to x, y, v and every tensor hyper-parameter by a backward that recomputes each
+    block (memory O((M + N) C + block) in both passes).
 
     >>> import torch, kermac_like as km
     >>> g = km.preset("gaussian_l2")
@@ -330,7 +440,7 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     debug = _debug.resolve(debug)
     call = prepare_matvec(descriptor, x, y, v, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                           regularization=regularization, regularization_offset_x=regularization_offset_x,
-                          regularization_offset_y=regularization_offset_y, epsilon=epsilon)
+                          regularization_offset_y=regularization_offset_y, epsilon=epsilon, params=params)
     if out is not None:
         _check_out(call, out)
     hyper_tensors = [h for h in call.hypers.values() if isinstance(h, torch.Tensor)]
@@ -341,6 +451,11 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     if grad and out is not None and out.dtype != call.dtype:
         raise ValueError(f"out: a {out.dtype} out of {call.dtype} inputs takes no part in autograd (the "
                          "differentiable product returns the inputs' dtype); detach the inputs or drop out=")
+    if not call.desc.fused_ok:  # a formula kernel: the torch path (no op schema carries it)
+        if not grad:
+            return matvec_forward(call, out, debug=debug)
+        res = formula_path.matvec_autograd(call)
+        return res if out is None else out.copy_(res)
     if grad:
         matvec_backward.check_no_hyper_grad(call.hypers)
     elif direct_call(x, y, v, out, *hyper_tensors):

@@ -1,11 +1,13 @@
-"""Backward of :func:`kermac_like.kernel_matvec` without the kernel matrix.
+"""Backward of :func:`kermac_like.kernel_matvec` without the kernel matrix: its contraction,
+here; the backward registered with the op (:func:`kermac_like.ops.matvec.gradients`, which
+calls the op itself for dL/dv) beside the op in ops/matvec.py.
 
 The forward is ``out[..., m, c] = sum_n k(x_m, y_n) v[..., n, c]`` (plus
 ``lambda * v[n, c]`` where ``m + offset_x == n + offset_y``).  With the upstream
 gradient ``g = dL/dout``:
 
 * ``dL/dv = K^T g``: the transposed matvec, i.e. the forward with x and y
-  swapped and the regularisation offsets swapped (:func:`grad_v`).
+  swapped and the regularisation offsets swapped.
 * DIFF descriptors (inner power ``|t|^q``, outer power D, epilogue E)::
 
       dL/dx[m,k] = sum_n phi(acc[m,n]) (g[m,:] . v[n,:]) psi(x[m,k] - y[n,k])
@@ -53,22 +55,20 @@ import math
 import numpy as np
 import torch
 
-from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from ..descriptor import KernelDescriptor, KernelType, PowerType
 from ..layout import broadcast_shapes
 from ..reference import BLOCK_ELEMENTS
 from ._library import call_op, descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
+from ..runtime import launcher
 from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, matvec_grad_spec
 
 log = logging.getLogger("kermac_like.matvec_grad")
 
 __all__ = [
-    "matvec_backward",
-    "backward_for_autograd",
-    "setup_context",
-    "backward",
     "diff_contraction",
     "contraction",
     "diff_contraction_reference",
+    "dot_contraction_reference",
     "check_no_hyper_grad",
     "matvec_grad_spec",
     "fused_widths",
@@ -191,7 +191,7 @@ def diff_contraction_reference(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=
     return out
 
 
-def _dot_contraction_reference(a, b, ga, vb, *, epsilon):
+def dot_contraction_reference(a, b, ga, vb, *, epsilon):
     """DOT with an epsilon: out[m,k] = sum_n [a_m . b_n >= epsilon] (ga_m . vb_n) b[n,k], in blocks
     (the thresholded product is not separable)."""
     batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2])
@@ -244,8 +244,6 @@ def _hyper_table(values, batch: tuple, L: int, device):
 
 
 def _fused_contraction(desc, a, b, ga, vb, *, q, r, bw, epsilon, batch, widths, debug):
-    from ..runtime import launcher
-
     M, N, K, C = a.shape[-2], b.shape[-2], a.shape[-1], ga.shape[-1]
     L = math.prod(batch) if batch else 1
     dev = a.device
@@ -328,113 +326,3 @@ def contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, outer_p=N
     return call_op(torch.ops.kermac_like.matvec_grad_contraction.default, _contraction_impl,
                    a, b, ga, vb, descriptor_ints(desc), *split_hyper(inner_p), *split_hyper(outer_p),
                    *split_hyper(bandwidth), epsilon, bool(debug))
-
-
-# -- the whole backward ------------------------------------------------------------------------
-def matvec_backward(call, grad, needs=(True, True, True), *, debug: bool = False):
-    """(dL/dx, dL/dy, dL/dv) of ``matvec_forward(call)`` for ``grad = dL/dout``.
-
-    ``call`` is the forward's validated ``kermac_like.matvec.MatvecCall``; ``grad`` has its
-    ``out_shape``; the v gradient has the shape of ``call.v`` (the (N, 1) view of a 1-D v).  ``needs``: which of the three to compute (None in the others' place).
-    Each gradient has the shape and dtype of its input (broadcast batch modes summed).
-    Tensor hyper-parameters must not require grad (:func:`check_no_hyper_grad`).
-
-    * dL/dv = K^T grad: ``kernel_matvec`` with x and y swapped and the regularised
-      diagonal mirrored.
-    * DIFF: two ``kermac_like::matvec_grad_contraction`` ops (:func:`contraction`),
-      (x, y, grad, v) and (y, x, v, grad).
-
-    Only torch ops and kermac_like ops are called (no kernel launch of its own), so a
-    backward registered with ``torch.library.register_autograd`` stays traceable.
-    * DOT: ``grad (v^T y)`` and ``v (grad^T x)``; with an epsilon (the thresholded
-      product is not separable) a blocked contraction.
-    """
-    from ..matvec import kernel_matvec
-
-    check_no_hyper_grad(call.hypers)
-    desc, x, y, v, hp = call.desc, call.x, call.y, call.v, call.hypers
-    v2 = v  # always (..., N, C): a 1-D right-hand side is the (N, 1) view call.v
-    g2 = grad.unsqueeze(-1) if call.vector else grad
-    gx = gy = gv = None
-    if needs[2]:
-        # K^T g2: x and y swapped, the regularised diagonal mirrored (offset_x - offset_y = -reg_diag)
-        hyp = {k: h for k, h in hp.items() if h is not None}
-        gv = kernel_matvec(desc, y, x, g2, regularization_offset_x=0, regularization_offset_y=call.reg_diag,
-                           epsilon=call.epsilon, debug=debug, **hyp)
-        gv = gv.sum_to_size(v.shape).to(v.dtype)
-    if not (needs[0] or needs[1]):
-        return gx, gy, gv
-    if desc.inner_operator is InnerOperator.DOT:
-        wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        xf, yf, vf, gf = (t.to(wide) for t in (x, y, v2, g2))
-        if call.epsilon is None:
-            if needs[0]:
-                gx = gf @ (vf.mT @ yf)
-            if needs[1]:
-                gy = vf @ (gf.mT @ xf)
-        else:
-            if needs[0]:
-                gx = _dot_contraction_reference(xf, yf, gf, vf, epsilon=call.epsilon)
-            if needs[1]:
-                gy = _dot_contraction_reference(yf, xf, vf, gf, epsilon=call.epsilon)
-    else:
-        kw = dict(inner_p=hp["inner_p"], outer_p=hp["outer_p"], bandwidth=hp["bandwidth"], epsilon=call.epsilon,
-                  debug=debug)
-        if needs[0]:
-            gx = contraction(desc, x, y, g2, v2, **kw)
-        if needs[1]:
-            gy = contraction(desc, y, x, v2, g2, **kw)
-    if gx is not None:
-        gx = gx.sum_to_size(x.shape).to(x.dtype)
-    if gy is not None:
-        gy = gy.sum_to_size(y.shape).to(y.dtype)
-    return gx, gy, gv
-
-
-# -- autograd -------------------------------------------------------------------------------------
-def backward_for_autograd(call, grad, needs, *, debug: bool = False):
-    """The body of the registered backward (torch.library.register_autograd, and the
-    eager autograd.Function of ops/_library.register_autograd): refuses double backward,
-    then :func:`matvec_backward`."""
-    if torch.is_grad_enabled():
-        raise NotImplementedError(
-            "kermac_like: double backward through kernel_matvec is not supported (the backward is not differentiable)"
-        )
-    return matvec_backward(call, grad.contiguous() if not grad.is_contiguous() else grad, needs, debug=debug)
-
-
-# -- registration with torch.library.register_autograd ------------------------------------------------
-# For an op ``kermac_like::kernel_matvec(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p,
-# outer_p_tensor, bandwidth, bandwidth_tensor, regularization, regularization_tensor, reg_diag,
-# epsilon, debug)`` (run_kernel's schema with v after y):
-#     op.register_autograd(matvec_backward.backward, setup_context=matvec_backward.setup_context)
-_N_OP_INPUTS = 15
-
-
-def setup_context(ctx, inputs, output):
-    (x, y, v, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon, debug) = inputs
-    ctx.save_for_backward(x, y, v, ipt, opt, bwt, rgt)
-    ctx.args = (tuple(descriptor), ip, op, bw, rg, reg_diag, epsilon, debug)
-
-
-def backward(ctx, grad):
-    """dL/dx, dL/dy, dL/dv of the op (None for the other inputs); only ops are called
-    (``kermac_like::matvec_grad_contraction`` and the public kernel_matvec), so a traced
-    backward records them. Tensor hyper-parameters that require grad and double
-    backward raise NotImplementedError."""
-    from ..matvec import prepare_matvec
-
-    if torch.is_grad_enabled():
-        raise NotImplementedError(
-            "kermac_like: double backward through kernel_matvec is not supported (the backward is not differentiable)"
-        )
-    x, y, v, ipt, opt, bwt, rgt = ctx.saved_tensors
-    descriptor, ip, op, bw, rg, reg_diag, epsilon, debug = ctx.args
-    call = prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(ip, ipt),
-                          outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
-                          regularization=join_hyper(rg, rgt), regularization_offset_x=reg_diag,
-                          regularization_offset_y=0, epsilon=epsilon)
-    gx, gy, gv = backward_for_autograd(call, grad, ctx.needs_input_grad[:3], debug=debug)
-    if gv is not None:
-        gv = gv.reshape(v.shape)  # a 1-D v: (N, 1) -> (N,)
-    return (gx, gy, gv) + (None,) * (_N_OP_INPUTS - 3)

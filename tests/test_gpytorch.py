@@ -210,8 +210,13 @@ def test_lengthscale_gradient_through_kernel_matvec():
 
 
 def test_matern_other_nu_rejected():
-    with pytest.raises(ValueError, match="^nu: .*nu=0.5"):
-        MaternKernel(nu=2.5)
+    """GPyTorch's three smoothness values are served (0.5 fused, 1.5 and 2.5 formula kernels); any other
+    nu is a ValueError naming the argument and the accepted values."""
+    for nu in (0.5, 1.5, 2.5):
+        assert MaternKernel(nu=nu).nu == nu
+    for nu in (1.0, 3.5):
+        with pytest.raises(ValueError, match="^nu: expected 0.5, 1.5 or 2.5"):
+            MaternKernel(nu=nu)
 
 
 def test_is_a_drop_in():

@@ -23,6 +23,14 @@ Rows against the library a class stands in for (issue 46, item 2; target <= 1.0 
   ``--check`` prints the largest centre difference and both n_iter.
 * cdist_grad p = 2 (a (K, M), b (N, K), c (O, K), d (N, M)): the torch way is the contraction
   split into two matrix products, ``d (c a) - ((c * b) a)`` (examples/cdist_grad.py).
+* kernel_logsumexp (Gaussian, log weights (N,)): the torch way is row blocks of
+  ``TORCH_BLOCK_ELEMENTS`` entries, each ``torch.logsumexp(torch.cdist(x, y) ** 2 / (-2 bw^2) + w, 1)``.
+  ``--check``: the largest difference of the two results, and ``ref_err`` the largest error of ours and of
+  the torch way against float64 (kernel_logsumexp of the inputs in float64).
+* gpytorch (target <= 1.2): 20 Adam steps (lr 0.1) of ``kermac_like.gpytorch.ScaledExactGP`` with
+  the package's ``RBFKernel(ard_num_dims=8)`` against the same model with GPyTorch's own RBFKernel, N = 2000,
+  D = 8 (x uniform in [-1, 1]^8, bench/_gp.py's y), GPyTorch's default settings (CG above
+  max_cholesky_size = 800), the same probe seed. ``--check``: the final losses' difference.
 
 Uses only the public API, so it runs against any version of the package on ``sys.path``.
 Threads: torch's intra-op default (``--threads`` to change it).
@@ -81,6 +89,52 @@ def _kmeans_rows():
         yield (f"kmeans_{n}x{d}x{c}", label, lambda n=n, d=d, c=c: _blobs(n, d, c), ours, theirs)
 
 
+def _gp_rows():
+    try:
+        import gpytorch
+
+        from kermac_like.gpytorch import RBFKernel, ScaledExactGP
+    except ImportError:
+        return
+
+    def inputs(n=2000, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.rand(n, 8, generator=g) * 2 - 1
+        y = torch.sin(3 * x[:, 0]) * torch.cos(x[:, 1:].sum(1)) + 0.1 * torch.randn(n, generator=g)
+        return x, y
+
+    def train(kernel_cls, x, y, steps=20):
+        torch.manual_seed(0)
+        likelihood = gpytorch.likelihoods.GaussianLikelihood()
+        model = ScaledExactGP(x, y, likelihood, kernel_cls(ard_num_dims=8))
+        mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model.train()
+        likelihood.train()
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = -mll(model(x), y)
+            loss.backward()
+            opt.step()
+        return loss.detach()
+
+    yield ("gpytorch_rbf_adam20", "N=2000, D=8, 20 Adam steps", inputs,
+           lambda x, y: train(RBFKernel, x, y), lambda x, y: train(gpytorch.kernels.RBFKernel, x, y))
+
+
+def _torch_logsumexp(x, y, w, bw: float):
+    out = torch.empty(x.shape[0])
+    rows = max(1, TORCH_BLOCK_ELEMENTS // y.shape[0])
+    for m0 in range(0, x.shape[0], rows):
+        out[m0:m0 + rows] = torch.logsumexp(torch.cdist(x[m0:m0 + rows], y).square() / (-2.0 * bw * bw) + w, 1)
+    return out
+
+
+def _lse_inputs(m, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), torch.randn(m, k, generator=g), torch.randn(m, generator=g)
+
+
 def _torch_cdist_grad_p2(a, b, c, d):
     O, N = c.shape[-2], b.shape[-2]
     ca = c @ a
@@ -109,9 +163,15 @@ def rows():
             yield (f"kernel_matvec_{kind}_c{c}", f"4000x4000x64 C={c}", (4000, 4000, 64, c),
                    lambda x, y, v, d=desc: km.kernel_matvec(d, x, y, v, bandwidth=8.0),
                    lambda x, y, v, kind=kind: _torch_matvec(kind, x, y, v, 8.0))
+    gauss = km.preset("gaussian_l2")
+    for k in (3, 64):
+        yield (f"logsumexp_gaussian_k{k}", f"4000x4000x{k}, C=1", lambda k=k: _lse_inputs(4000, k),
+               lambda x, y, w: km.kernel_logsumexp(gauss, x, y, w, bandwidth=1.0),
+               lambda x, y, w: _torch_logsumexp(x, y, w, 1.0))
     yield ("cdist_grad_p2", "K=M=2000, N=32, O=4", lambda: _grad_inputs(2000, 2000, 32, 4),
            lambda a, b, c, d: km.cdist_grad(a, b, c, d, p=2.0), _torch_cdist_grad_p2)
     yield from _kmeans_rows()
+    yield from _gp_rows()
 
 
 def _inputs(m, n, k, c, seed=0):
@@ -166,6 +226,7 @@ def main():
     print("| row | shape | ours ms | torch ms | ours/torch (min-max) |")
     print("|---|---|---|---|---|")
     results = {}
+    gauss_l2 = km.preset("gaussian_l2")
     for name, shape, dims, ours, theirs in rows():
         if wanted and not any(w in name for w in wanted):
             continue
@@ -179,6 +240,10 @@ def main():
                 a, b = a[0], b[0]
             r["max_abs_diff"] = (a - b).abs().max().item()
             extra = f" diff {r['max_abs_diff']:.1e}" + extra
+            if name.startswith("logsumexp"):
+                ref = km.kernel_logsumexp(gauss_l2, *(t.double() for t in inp), bandwidth=1.0)
+                r["ref_err"] = [(t.double() - ref).abs().max().item() for t in (a, b)]
+                extra += " ref_err {:.1e} / {:.1e}".format(*r["ref_err"])
         results[name] = dict(shape=shape, **r)
         print(f"| {name} | {shape} | {r['ours_ms']:.2f} | {r['torch_ms']:.2f} | {r['ratio']:.2f} "
               f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}){extra} |", flush=True)

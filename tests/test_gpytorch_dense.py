@@ -1,6 +1,6 @@
 """The GPyTorch operator's CPU products on its kernel matrix formed once (KERMAC_LIKE_GP_DENSE, _operator.py
 _dense_kernel): the same products as kernel_matvec's blocks, bit for bit, where those are one block; the RBF
-training backward from the stored matrix against a float64 oracle on centred and offset data; a training step
+and Laplace training backward from the stored matrix against a float64 oracle on centred and offset data; a training step
 with and without it; the budget and in-place changes."""
 
 import pytest
@@ -41,23 +41,29 @@ def test_products_are_kernel_matvecs_bit_for_bit(kernel, centred, dtype):
     assert torch.equal(again, want_vec)
 
 
+@pytest.mark.parametrize("kernel", ["rbf", "laplace"])
 @pytest.mark.parametrize("offset,centred", [(0.0, True), (0.0, False), (1000.0, False), (3.0, True)])
-def test_rbf_backward_from_the_stored_matrix_against_float64(offset, centred):
+def test_backward_from_the_stored_matrix_against_float64(kernel, offset, centred):
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(600, 8, generator=g) * 1.5 + offset
     if centred:
         x0 = x0 - x0.mean(0)
+    x0[7] = x0[3]  # a duplicate point: distance 0, zero gradient there
     u, v = torch.randn(600, 11, generator=g), torch.randn(600, 11, generator=g)
     s = torch.tensor(1.7)
     x64 = x0.double().requires_grad_(True)
     xc = x64 - x64.mean(0).detach()
-    k64 = torch.exp(-((xc[:, None] - xc[None]) ** 2).sum(-1) / 2) * s.double()
+    sq = ((xc[:, None] - xc[None]) ** 2).sum(-1)
+    if kernel == "rbf":
+        k64 = torch.exp(-sq / 2) * s.double()
+    else:  # |x_m - x_n| with gradient 0 at 0
+        k64 = torch.exp(-torch.where(sq > 0, sq, 1).sqrt() * (sq > 0)) * s.double()
     gx64, = torch.autograd.grad((u.double() * (k64 @ v.double())).sum(), x64)
     errors = {}
     for dense in (True, False):
         with config.override(gp_dense=dense):
             x = x0.clone().requires_grad_(True)
-            op = KermacKernelLinearOperator(x, x, kernel="rbf", outputscale=s, **({"centred": True} if centred else {}))
+            op = KermacKernelLinearOperator(x, x, kernel=kernel, outputscale=s, **({"centred": True} if centred else {}))
             gx = op._bilinear_derivative(u, v)[0]
         assert gx.dtype == torch.float32
         errors[dense] = ((gx.double() - gx64).norm() / gx64.norm()).item()

@@ -1,7 +1,7 @@
-"""The GPyTorch operator's CPU products on its kernel matrix formed once (KERMAC_LIKE_GP_DENSE, _operator.py
-_dense_kernel): the same products as kernel_matvec's blocks, bit for bit, where those are one block; the RBF
-and Laplace training backward from the stored matrix against a float64 oracle on centred and offset data; a training step
-with and without it; the budget and in-place changes."""
+"""The GPyTorch operators' CPU products on their kernel matrix formed once (KERMAC_LIKE_GP_DENSE, _operator.py
+and _formula.py _dense_kernel): the same products as kernel_matvec's blocks, bit for bit, where those are one
+block; the RBF and Laplace training backward from the stored matrix against a float64 oracle on centred and
+offset data; training steps with and without it (the formula kernels too); the budget and in-place changes."""
 
 import pytest
 import torch
@@ -63,7 +63,8 @@ def test_backward_from_the_stored_matrix_against_float64(kernel, offset, centred
     for dense in (True, False):
         with config.override(gp_dense=dense):
             x = x0.clone().requires_grad_(True)
-            op = KermacKernelLinearOperator(x, x, kernel=kernel, outputscale=s, **({"centred": True} if centred else {}))
+            kw = {"centred": True} if centred else {}
+            op = KermacKernelLinearOperator(x, x, kernel=kernel, outputscale=s, **kw)
             gx = op._bilinear_derivative(u, v)[0]
         assert gx.dtype == torch.float32
         errors[dense] = ((gx.double() - gx64).norm() / gx64.norm()).item()
@@ -107,3 +108,28 @@ def test_budget_and_in_place_changes():
         want = KermacKernelLinearOperator(x, x, kernel="rbf")._matmul(v)
     assert not torch.equal(first, second)
     assert torch.equal(second, want)
+
+
+@pytest.mark.parametrize("nu", [1.5, 2.5])
+def test_formula_kernels_step_with_and_without_the_stored_matrix(nu):
+    """The formula kernels' operator (Matern 3/2, 5/2): a training step's loss and gradients with the stored matrix
+    (run_kernel, once without autograd for CG, with autograd for the backward) against kernel_matvec's blocks."""
+    from kermac_like.gpytorch import MaternKernel
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(900, 8, generator=g) * 2 - 1 + 20.0
+    y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(900, generator=g)
+    out = {}
+    for dense in (True, False):
+        with config.override(gp_dense=dense):
+            likelihood = gpytorch.likelihoods.GaussianLikelihood()
+            model = ScaledExactGP(x, y, likelihood, MaternKernel(nu=nu, ard_num_dims=8))
+            mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+            model.train()
+            likelihood.train()
+            torch.manual_seed(0)
+            loss = -mll(model(x), y)
+            loss.backward()
+            out[dense] = (loss.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-4, atol=1e-5)

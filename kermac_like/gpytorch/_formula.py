@@ -14,9 +14,16 @@ and never store the matrix.
   the scaling and the parameters' transforms);
 * ``covar_func`` (dense blocks: the Cholesky path below ``max_cholesky_size``, the diagonal,
   indexed entries): run_kernel, differentiable.
+
+On the CPU, below _operator.DENSE_CPU_ELEMENTS entries (``KERMAC_LIKE_GP_DENSE``), the products multiply
+by the kernel matrix: formed once per operator by run_kernel for the products without gradient (CG,
+Lanczos), and for the training backward by run_kernel with autograd (GPyTorch's own way), where
+kernel_matvec's torch path evaluates the formula for every pair at every product.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from linear_operator.operators import KernelLinearOperator
@@ -24,6 +31,8 @@ from linear_operator.operators import KernelLinearOperator
 from ..descriptor import KernelDescriptor
 from ..ops.distance import run_kernel
 from ..ops.matvec import kernel_matvec
+from . import _switches
+from ._operator import DENSE_CPU_ELEMENTS, _broadcast_shape
 
 __all__ = ["KermacFormulaLinearOperator", "formula_covar"]
 
@@ -67,7 +76,31 @@ class KermacFormulaLinearOperator(KernelLinearOperator):
         # rhs: (*batch2, N, C) or (N,) -> (..., M, C) or (..., M)
         if rhs.dtype != self.x1.dtype:
             rhs = rhs.to(self.x1.dtype)
+        dense = self._dense_kernel(rhs)
+        if dense is not None:
+            return torch.matmul(dense, rhs)
         return kernel_matvec(self.descriptor, self.x1, self.x2, rhs.contiguous(), **self.tensor_params)
+
+    def _dense_kernel(self, rhs: torch.Tensor) -> torch.Tensor | None:
+        """The kernel matrix ``(*batch, M, N)`` on the CPU where it has at most DENSE_CPU_ELEMENTS entries, else
+        None: with autograd (run_kernel's, a fresh matrix) where a gradient is asked for, else formed once per
+        operator (again if an operand or hyper-parameter changed in place) without it."""
+        x1, x2 = self.x1, self.x2
+        if not (_switches.on("DENSE") and x1.device.type == "cpu" and x2.device.type == "cpu"
+                and x1.dtype in (torch.float32, torch.float64) and x2.dtype == x1.dtype):
+            return None
+        if math.prod(_broadcast_shape(x1.shape[:-2], x2.shape[:-2])) * x1.shape[-2] * x2.shape[-2] > DENSE_CPU_ELEMENTS:
+            return None
+        tensors = (x1, x2, *self.tensor_params.values())
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, rhs)):
+            return formula_covar(x1, x2, descriptor=self.descriptor, **self.tensor_params)
+        key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in tensors)
+        cached = self.__dict__.get("_kl_dense")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, formula_covar(x1, x2, descriptor=self.descriptor, **self.tensor_params))
+            self.__dict__["_kl_dense"] = cached
+        return cached[1]
 
     def _bilinear_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
         # LinearOperator's: autograd of sum(left * K right) through _matmul (kernel_matvec's blocked backward)

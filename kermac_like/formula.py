@@ -398,6 +398,11 @@ def polynomial(degree: int, *, c=1.0) -> FormulaDescriptor:
     """The polynomial kernel (<x, y> + c)^degree (a DOT descriptor; not positive: kernel_logsumexp
     refuses it), degree a positive integer.
 
+    Error model (DOT descriptors are not translation invariant): the float32 sum s = <x, y> + c
+    errs by about K 2^-24 (sum_k |x_k y_k| + |c|), so a value errs by degree |s|^(degree-1) times
+    that, relative to the terms' scale (sum_k |x_k y_k| + |c|)^degree, not to the value: where
+    <x, y> nearly cancels c the value's relative error grows without bound.
+
     >>> import torch, kermac_like as km
     >>> x = torch.tensor([[1.0, 2.0]])
     >>> km.run_kernel(km.polynomial(2), x, x)                       # (5 + 1)^2

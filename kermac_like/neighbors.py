@@ -382,7 +382,10 @@ class KNeighborsClassifier(ClassifierMixin, _KNeighborsBase):
         self._fit_np = not was_tensor
         if _is_tensor(y):
             self.classes_ = torch.unique(torch.cat([torch.as_tensor(c) for c in classes])).to(y.device)
-            enc = torch.searchsorted(self.classes_, y.contiguous())
+            if y.dtype == torch.bool:  # (torch.searchsorted has no bool kernel: the order of False < True in uint8)
+                enc = torch.searchsorted(self.classes_.to(torch.uint8), y.to(torch.uint8).contiguous())
+            else:
+                enc = torch.searchsorted(self.classes_, y.contiguous())
         else:
             self.classes_ = np.unique(np.concatenate(classes))
             enc = torch.from_numpy(np.searchsorted(self.classes_, y).astype(np.int64))

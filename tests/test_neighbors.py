@@ -224,3 +224,17 @@ def test_two_gloo_processes_match_one():
         np.testing.assert_allclose(r["clf"], clf, rtol=1e-14)
         np.testing.assert_allclose(r["reg"], reg, rtol=1e-14)
         assert r["error"].startswith("X: rank 1 passes 2 features"), r["error"]
+
+
+def test_classifier_with_bool_label_tensor():
+    """Boolean labels (a torch tensor): classes_ [False, True] in their order, predictions of the same dtype."""
+    import torch
+
+    from kermac_like.neighbors import KNeighborsClassifier
+
+    X = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
+    y = X[:, 0] > 0
+    m = KNeighborsClassifier(n_neighbors=1).fit(X, y)
+    assert m.classes_.tolist() == [False, True]
+    pred = m.predict(X)
+    assert pred.dtype == torch.bool and torch.equal(pred, y)

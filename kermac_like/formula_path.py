@@ -399,11 +399,8 @@ def _lse_forward(call, x, y, lw, hp, work):
             n1 = min(N, n0 + nb)
             lk = log_values(call.desc, xw[..., m0:m1, :], yw[..., n0:n1, :], hp, epsilon=call.epsilon)
             t = lk.unsqueeze(-1) + lww[..., None, n0:n1, :]  # (*batch, mb, nb, C)
-            new_max = torch.maximum(run_max, t.amax(-2))
-            safe = torch.where(torch.isfinite(new_max), new_max, 0)
-            run_sum = run_sum * torch.exp(run_max - safe) + torch.exp(t - safe.unsqueeze(-2)).sum(-2)
-            run_max = new_max
-        out[..., m0:m1, :] = torch.where(torch.isfinite(run_max), run_sum.log() + run_max, run_max)
+            run_max, run_sum = torch_path.lse_accumulate(run_max, run_sum, t)
+        out[..., m0:m1, :] = torch_path.lse_result(run_max, run_sum)
     return out
 
 

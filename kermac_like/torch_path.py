@@ -31,7 +31,8 @@ import torch
 from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from .layout import broadcast_shapes
 
-__all__ = ["distance", "matvec", "work_dtype", "block_elements", "uses_mm", "DIRECT", "MATVEC_COLUMNS"]
+__all__ = ["distance", "matvec", "work_dtype", "block_elements", "uses_mm", "lse_accumulate", "lse_result", "DIRECT",
+           "MATVEC_COLUMNS"]
 
 DIRECT = "donot_use_mm_for_euclid_dist"
 DEFAULT_MODE = "use_mm_for_euclid_dist_if_necessary"
@@ -58,6 +59,20 @@ def uses_mm(compute_mode: str, M: int, N: int) -> bool:
     if compute_mode == "use_mm_for_euclid_dist":
         return True
     return compute_mode == "use_mm_for_euclid_dist_if_necessary" and (M > 25 or N > 25)
+
+
+def lse_accumulate(run_max: torch.Tensor, run_sum: torch.Tensor, t: torch.Tensor) -> tuple:
+    """One block of a running log-sum-exp over dim -2 of ``t`` (*batch, m, nb, C): the new
+    (running maximum, sum of exp(terms - maximum)); rows whose terms are all -inf so far keep
+    nothing to rescale."""
+    new_max = torch.maximum(run_max, t.amax(-2))
+    safe = torch.where(torch.isfinite(new_max), new_max, 0)
+    return new_max, run_sum * torch.exp(run_max - safe) + torch.exp(t - safe.unsqueeze(-2)).sum(-2)
+
+
+def lse_result(run_max: torch.Tensor, run_sum: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp of a running (maximum, sum): -inf (or NaN) rows as their maximum."""
+    return torch.where(torch.isfinite(run_max), run_sum.log() + run_max, run_max)
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

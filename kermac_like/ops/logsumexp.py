@@ -36,7 +36,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import _debug, formula_path
+from .. import _debug, formula_path, torch_path
 from .._args import check_same, check_tensor
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from ..centring import shifted_pair
@@ -246,12 +246,8 @@ def _forward(call, lw: Tensor, work, debug: bool = False) -> Tensor:
                            **{k: v for k, v in hyp.items() if k != "regularization"})
             t = _phi(call.desc, d.to(work), squared, bw).neg_().unsqueeze(-1) + lw[..., None, n0:n1, :]
             del d
-            block_max = t.amax(-2)  # (*batch, mb, C)
-            new_max = torch.maximum(run_max, block_max)
-            safe = torch.where(torch.isfinite(new_max), new_max, 0)  # all terms -inf so far: nothing to rescale
-            run_sum = run_sum * torch.exp(run_max - safe) + torch.exp(t - safe.unsqueeze(-2)).sum(-2)
-            run_max = new_max
-        out[..., m0:m1, :] = torch.where(torch.isfinite(run_max), run_sum.log() + run_max, run_max)
+            run_max, run_sum = torch_path.lse_accumulate(run_max, run_sum, t)
+        out[..., m0:m1, :] = torch_path.lse_result(run_max, run_sum)
     return out
 
 

@@ -278,12 +278,14 @@ def test_cpu_logsumexp_expand_bound_on_centred_data():
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_cpu_gpytorch_operator_products():
-    """The GPyTorch RBFKernel's operator: its inputs centred once per forward (the operator built with
+def test_cpu_gpytorch_operator_products(settings):
+    """The GPyTorch RBFKernel's operator, matrix-free (the setting gp_dense off; the stored matrix's products
+    are tests/test_gpytorch_dense.py's): its inputs centred once per forward (the operator built with
     centred=True: no product shifts them again), its products on offset and all-positive data within float32
     error of float64 arithmetic on the given inputs; an operator built from offset tensors directly: shifted
     per product, same accuracy."""
     gpytorch = pytest.importorskip("gpytorch")
+    settings(gp_dense=False)
     from kermac_like.gpytorch import KermacKernelLinearOperator, RBFKernel
 
     kernel = RBFKernel()

@@ -20,6 +20,13 @@ def pytest_collection_modifyitems(config, items):
     later = [item for item in items if "shipped" in getattr(item, "fixturenames", ())]
     if later:
         items[:] = [item for item in items if "shipped" not in getattr(item, "fixturenames", ())] + later
+    # Tests marked slow (many processes, whole sweeps) run only where the marker expression names
+    # them: python3 -m pytest -m slow (the GPU suite's "gpu and not slow" leaves them out as before).
+    if "slow" not in (config.option.markexpr or ""):
+        slow = pytest.mark.skip(reason="slow: run with python3 -m pytest -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if cuda_ok():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU of compute capability 8.0 or newer")

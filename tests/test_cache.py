@@ -727,12 +727,10 @@ def _run_ranks(
     return results
 
 
-@pytest.mark.slow
 def test_many_processes_write_one_fresh_cache_at_once(tmp_path):
     _run_ranks(tmp_path, tmp_path / "cache", n_ranks=8)
 
 
-@pytest.mark.slow
 def test_many_processes_meet_one_corrupt_file(tmp_path):
     directory = tmp_path / "cache"
     _write_foreign(directory / DB_FILENAME, "garbage")

@@ -304,6 +304,33 @@ def matvec(call, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class _Leaves:
+    """One block's differentiable leaves of a blocked backward: x's rows [m0, m1), y's rows [n0, n1)
+    and every tensor hyper-parameter in ``work``, each requiring grad where its input does; ``hp``
+    the call's hyper-parameters with the tensor ones replaced by their leaves."""
+
+    def __init__(self, call, names, x, y, hts, needs, m0, m1, n0, n1, work):
+        nx, ny, nh = needs[0], needs[1], needs[2:]
+        self.x = x[..., m0:m1, :].detach().to(work).requires_grad_(nx)
+        self.y = y[..., n0:n1, :].detach().to(work).requires_grad_(ny)
+        self.h = [h.detach().to(work).requires_grad_(n) for h, n in zip(hts, nh)]
+        self.hp = dict(call.hypers)
+        self.hp.update(zip(names, self.h))
+        self.wanted = [t for t, n in zip((self.x, self.y, *self.h), needs) if n]
+
+
+def _add_grads(grads, needs, gx, gy, gh, m0, m1, n0, n1) -> None:
+    """Add one block's gradients (in the order of _Leaves.wanted) to the x, y and hyper-parameter sums."""
+    grads = iter(grads)
+    if needs[0]:
+        gx[..., m0:m1, :] += next(grads)
+    if needs[1]:
+        gy[..., n0:n1, :] += next(grads)
+    for i, n in enumerate(needs[2:]):
+        if n:
+            gh[i] += next(grads)
+
+
 class _Matvec(torch.autograd.Function):
     """K(x, y) v of a formula descriptor with a blocked backward (see the module docstring)."""
 
@@ -337,31 +364,20 @@ class _Matvec(torch.autograd.Function):
             for n0 in range(0, call.N, nb):
                 n1 = min(call.N, n0 + nb)
                 with torch.enable_grad():
-                    xb = x[..., m0:m1, :].detach().to(work).requires_grad_(nx)
-                    yb = y[..., n0:n1, :].detach().to(work).requires_grad_(ny)
-                    hb = [h.detach().to(work).requires_grad_(n) for h, n in zip(hts, nh)]
-                    hp = dict(call.hypers)
-                    hp.update(zip(names, hb))
+                    b = _Leaves(call, names, x, y, hts, (nx, ny, *nh), m0, m1, n0, n1, work)
                     # direct differences: zero gradient at coincident points (the product form's is not)
-                    k = values(call.desc, xb, yb, hp, diag=call.reg_diag + m0 - n0, epsilon=call.epsilon,
+                    k = values(call.desc, b.x, b.y, b.hp, diag=call.reg_diag + m0 - n0, epsilon=call.epsilon,
                                compute_mode=DIRECT)
                     gb = gw[..., m0:m1, :]
                     if nv:
                         gv[..., n0:n1, :] += torch.matmul(k.detach().mT, gb)
-                    wanted = [t for t, n in zip((xb, yb, *hb), (nx, ny, *nh)) if n]
-                    if not wanted:
+                    if not b.wanted:
                         continue
                     w = torch.matmul(gb, vw[..., n0:n1, :].mT)  # dL/dk of the block: (*batch, mb, nb)
                     if k.shape != w.shape:  # v's batch modes beyond the kernel's
                         w = w.sum_to_size(k.shape)
-                    grads = iter(torch.autograd.grad(k, wanted, w))
-                if nx:
-                    gx[..., m0:m1, :] += next(grads)
-                if ny:
-                    gy[..., n0:n1, :] += next(grads)
-                for i, n in enumerate(nh):
-                    if n:
-                        gh[i] += next(grads)
+                    grads = torch.autograd.grad(k, b.wanted, w)
+                _add_grads(grads, (nx, ny, *nh), gx, gy, gh, m0, m1, n0, n1)
         res = [None if t is None else t.to(ref.dtype) for t, ref in zip((gx, gy), (x, y))]
         res.append(None if gv is None else gv.sum_to_size(v.shape).to(v.dtype))
         res += [None if t is None else t.to(h.dtype) for t, h in zip(gh, hts)]
@@ -434,30 +450,19 @@ class _LogSumExp(torch.autograd.Function):
             for n0 in range(0, N, nb):
                 n1 = min(N, n0 + nb)
                 with torch.enable_grad():
-                    xb = x[..., m0:m1, :].detach().to(work).requires_grad_(nx)
-                    yb = y[..., n0:n1, :].detach().to(work).requires_grad_(ny)
-                    hb = [h.detach().to(work).requires_grad_(n) for h, n in zip(hts, nh)]
-                    hp = dict(call.hypers)
-                    hp.update(zip(names, hb))
-                    lk = log_values(call.desc, xb, yb, hp, epsilon=call.epsilon)
+                    b = _Leaves(call, names, x, y, hts, (nx, ny, *nh), m0, m1, n0, n1, work)
+                    lk = log_values(call.desc, b.x, b.y, b.hp, epsilon=call.epsilon)
                     t = lk.detach().unsqueeze(-1) + lwe[..., None, n0:n1, :].to(work)
                     w = torch.exp(t - out[..., m0:m1, None, :]) * g[..., m0:m1, None, :].to(work)  # softmax weights
                     if nl:
                         glw[..., n0:n1, :] += w.sum(-3)
-                    wanted = [tt for tt, n in zip((xb, yb, *hb), (nx, ny, *nh)) if n]
-                    if not wanted:
+                    if not b.wanted:
                         continue
                     wk = w.sum(-1)
                     if wk.shape != lk.shape:
                         lk = lk.expand(wk.shape)
-                    grads = iter(torch.autograd.grad(lk, wanted, wk))
-                if nx:
-                    gx[..., m0:m1, :] += next(grads)
-                if ny:
-                    gy[..., n0:n1, :] += next(grads)
-                for i, n in enumerate(nh):
-                    if n:
-                        gh[i] += next(grads)
+                    grads = torch.autograd.grad(lk, b.wanted, wk)
+                _add_grads(grads, (nx, ny, *nh), gx, gy, gh, m0, m1, n0, n1)
         res = [None if gx is None else gx.to(x.dtype), None if gy is None else gy.to(y.dtype),
                None if glw is None else glw.sum_to_size(lw.shape).to(lw.dtype)]
         res += [None if t is None else t.to(h.dtype) for t, h in zip(gh, hts)]

@@ -43,6 +43,15 @@ def _lazy(x1: torch.Tensor, x2: torch.Tensor, diag: bool, params: dict) -> bool:
     return max(x1.shape[-2], x2.shape[-2]) > limit
 
 
+def _scaled(x1: torch.Tensor, x2: torch.Tensor, lengthscale: torch.Tensor) -> tuple:
+    """(x1 - m) / l and (x2 - m) / l with m x1's mean, detached (GPyTorch's centring: the float32 distances lose
+    less; the kernel depends on differences only, so m's gradient is 0); one tensor for both sides of a training
+    covariance (its backward is then one contraction pass, KermacKernelLinearOperator._bilinear_derivative)."""
+    mean = x1.detach().mean(dim=-2, keepdim=True)
+    z1 = (x1 - mean).div(lengthscale)
+    return z1, z1 if x2 is x1 else (x2 - mean).div(lengthscale)
+
+
 class RBFKernel(gpytorch.kernels.RBFKernel):
     """``k(x1, x2) = exp(-|x1 - x2|^2 / (2 l^2))`` (per-dimension l with ``ard_num_dims``), a drop-in
     for :class:`gpytorch.kernels.RBFKernel` with matrix-free products (see the module docstring).
@@ -65,12 +74,7 @@ class RBFKernel(gpytorch.kernels.RBFKernel):
     def forward(self, x1, x2, diag=False, **params):
         if not _lazy(x1, x2, diag, params):
             return super().forward(x1, x2, diag=diag, **params)
-        # centred on x1's mean (detached: the kernel depends on differences only, so its gradient is 0)
-        mean = x1.detach().mean(dim=-2, keepdim=True)
-        z1 = (x1 - mean).div(self.lengthscale)
-        # one tensor for both sides of a training covariance: its backward is one contraction pass
-        # (KermacKernelLinearOperator._bilinear_derivative)
-        z2 = z1 if x2 is x1 else (x2 - mean).div(self.lengthscale)
+        z1, z2 = _scaled(x1, x2, self.lengthscale)
         return KermacKernelLinearOperator(z1, z2, kernel="rbf", centred=True)
 
 
@@ -98,9 +102,7 @@ class MaternKernel(gpytorch.kernels.MaternKernel):
     def forward(self, x1, x2, diag=False, **params):
         if not _lazy(x1, x2, diag, params):
             return super().forward(x1, x2, diag=diag, **params)
-        mean = x1.mean(dim=-2, keepdim=True)  # GPyTorch's centring: the float32 distances lose less
-        z1 = (x1 - mean).div(self.lengthscale)
-        z2 = z1 if x2 is x1 else (x2 - mean).div(self.lengthscale)
+        z1, z2 = _scaled(x1, x2, self.lengthscale)
         if self.nu != 0.5:
             return KermacFormulaLinearOperator(z1, z2, descriptor=_MATERN[self.nu],
                                                bandwidth=z1.new_ones(self.batch_shape))
@@ -124,9 +126,7 @@ class RQKernel(gpytorch.kernels.RQKernel):
     def forward(self, x1, x2, diag=False, **params):
         if not _lazy(x1, x2, diag, params):
             return super().forward(x1, x2, diag=diag, **params)
-        mean = x1.detach().mean(dim=-2, keepdim=True)
-        z1 = (x1 - mean).div(self.lengthscale)
-        z2 = z1 if x2 is x1 else (x2 - mean).div(self.lengthscale)
+        z1, z2 = _scaled(x1, x2, self.lengthscale)
         return KermacFormulaLinearOperator(z1, z2, descriptor=_RQ, alpha=self.alpha.reshape(self.batch_shape),
                                            bandwidth=z1.new_ones(self.batch_shape))
 

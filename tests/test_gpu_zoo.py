@@ -114,8 +114,8 @@ def test_knn_uncertified_rows_take_the_fused_selection(monkeypatch, name):
     x, y = _pair(name, 600, 5000, 128)
     v, i = km.knn(x, y, 10)
     assert not blocked, blocked
-    if name == "onehot":  # 75 % duplicate rows: ties at the k-th value, never certified
-        assert simt and simt[0] > 0
+    if name == "onehot":  # 0/1 codes: exact candidates (plan.topk.exact_products), every row certified, ties too
+        assert not simt, simt
     assert_acceptable(v, i, _dense(x, y), 10, False)
     assert v[3, 0] == 0 and v[7, 0] == 0
 
@@ -134,3 +134,45 @@ def test_knn_shifted_rows_are_certified_on_tensor_cores(monkeypatch):
     v, i = km.knn(x, y, 10)
     assert not calls, calls
     assert_acceptable(v, i, _dense(x, y), 10, False)
+
+
+@pytest.mark.parametrize("name", ["blobs_wide", "gaussian", "blobs_tight", "onehot"])
+@pytest.mark.parametrize("offset", [0.0, 100.0])
+def test_knn_groups_about_anchors(monkeypatch, name, offset, settings):
+    """The setting knn_groups on: the tensor-core candidates of each group of rows about an anchor
+    row near them (ops.knn's groups), on every kind of data and far from the origin: values and
+    index sets float64's, the duplicates at exactly 0. On wide blobs the groups certify nearly
+    every row, where about one reference point nearly none are (the trial that turns grouping on)."""
+    from kermac_like.ops import knn as knn_mod
+
+    recomputed = []
+    real = knn_mod.recompute_rows
+    monkeypatch.setattr(knn_mod, "recompute_rows",
+                        lambda call, v, i, rows, *a: recomputed.append(int(rows.numel())) or real(call, v, i, rows, *a))
+    x, y = _pair(name, 1500, 6000, 128)
+    x, y = x + offset, y + offset
+    dense = _dense(x, y)
+    for mode in ("off", "on"):
+        settings(knn_groups=mode)
+        v, i = km.knn(x, y, 10)
+        assert_acceptable(v, i, dense, 10, False)
+        assert v[3, 0] == 0 and v[7, 0] == 0
+    if name == "blobs_wide":
+        off, on = recomputed
+        assert off > 0.5 * x.shape[0] and on < 0.05 * x.shape[0], recomputed
+
+
+def test_knn_groups_auto_takes_groups_on_blobs(settings):
+    """auto: a trial of GROUP_TRIAL strided rows about the data's reference point decides; wide
+    blobs (most trial rows uncertified) run in groups, centred Gaussians do not."""
+    from kermac_like import testing
+    from kermac_like.ops import knn as knn_mod
+
+    settings(knn_groups="auto")
+    for name, grouped in (("blobs_wide", True), ("gaussian", False)):
+        x, y = datasets.pair(name, 4 * knn_mod.GROUP_TRIAL, 4000, 128, seed=1, near=True, device="cuda")
+        with testing.record_plans() as plans:
+            v, i = km.knn(x, y, 10)
+        assert_acceptable(v, i, _dense(x, y), 10, False)
+        mma = plans.families.count("topk_mma")
+        assert (mma > 2) == grouped, (name, plans.families)

@@ -327,3 +327,38 @@ def test_blocked_matrix_product_selection_is_rescored_exactly(monkeypatch, large
     v2, i2 = _poisoned((40, k))
     knn_mod.topk_blocked(call, v2, i2, block_elements=300)
     assert (v2.double() - ref.gather(1, i2)).abs().max() > 1e-5  # float32 rounding: 2.4e-7 here
+
+
+def test_exact_products_admits_small_integers_only():
+    """plan.topk.exact_products: the tensor-core candidates' values are exact (every row certified,
+    ties included) only for integer coordinates of magnitude m <= 2^11 with 4 K m^2 <= 2^24."""
+    from kermac_like.plan.topk import exact_products
+
+    onehot = (torch.rand(50, 128) < 0.25).float()
+    assert bool(exact_products(onehot, onehot[:7], 128))
+    assert bool(exact_products(onehot - 1, 3 * onehot, 128))  # 4 * 128 * 9 <= 2^24
+    assert not bool(exact_products(onehot + 0.5, onehot, 128))  # not integers
+    assert not bool(exact_products(onehot * 255, onehot, 128))  # 4 * 128 * 255^2 > 2^24
+    assert not bool(exact_products(onehot * 4096, onehot, 1))  # beyond TF32's 11 bits
+    bad = onehot.clone()
+    bad[3, 5] = float("nan")
+    assert not bool(exact_products(onehot, bad, 128))
+    bad[3, 5] = float("inf")
+    assert not bool(exact_products(bad, onehot, 128))
+
+
+def test_anchor_rows_cover_separated_blobs():
+    """ops.knn.anchor_rows: the farthest-point traversal puts one of its first 8 anchors in each of
+    8 well-separated blobs (rows shuffled), and never picks a row with a non-finite coordinate."""
+    from kermac_like.centring import reference_point
+    from kermac_like.ops.knn import anchor_rows
+
+    g = torch.Generator().manual_seed(3)
+    centres = 40.0 * torch.randn(8, 16, generator=g)
+    label = torch.randint(0, 8, (5000,), generator=g)
+    x = centres[label] + torch.randn(5000, 16, generator=g)
+    x[11, 2] = float("nan")
+    x[12, 0] = float("inf")
+    rows = anchor_rows(x, reference_point(x), 8)
+    assert sorted(label[rows].tolist()) == list(range(8))
+    assert bool(torch.isfinite(x[rows]).all())

@@ -35,7 +35,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _debug, formula_path
+from .. import _debug, config, formula_path
+from ..centring import pair_reference
 from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType
 from ..layout import analyse_output, broadcast_batch_shape
@@ -49,7 +50,7 @@ from .distance import COMPUTE_MODES, cdist, prepare_call, run_kernel
 log = logging.getLogger("kermac_like.knn")
 
 __all__ = ["kernel_topk", "knn", "TopkCall", "prepare_topk", "prepare_knn", "topk_forward", "topk_blocked",
-           "recompute_rows", "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
+           "recompute_rows", "anchor_rows", "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
 
 # Elements of one block of kernel values on the blocked path (all batch entries together):
 # 16 MB of float64 on a CPU, 128 MB of float32 on a GPU (plan.MATVEC_TILE_ELEMENTS).
@@ -93,6 +94,7 @@ class TopkCall:
     distance: bool  # values are distances (no epilogue, DIFF inner): largest defaults to False
     p: float | None = None
     compute_mode: str = COMPUTE_MODES[0]
+    reference: Optional[torch.Tensor] = None  # (K,) the tensor-core candidates' shift (None: the data's)
 
     @property
     def out_shape(self) -> tuple:
@@ -443,6 +445,86 @@ def recompute_rows(call: TopkCall, values: Tensor, indices: Tensor, rows: Tensor
                   "SIMT selection" if simt is not None else "blocked path")
 
 
+# -- clustered data: the tensor-core candidates about an anchor per group of rows -----------------
+# About one reference point for all the data, the TF32 bound of a row scales with the data's
+# spread, not with the gaps between a cluster's points: on clustered data (blobs, mixtures) most
+# rows fail the certificate. Shifted by a point of their own cluster, the rows' and their
+# neighbours' norms are the cluster's scale and the certificate's window leaves the other
+# clusters out, so the rows certify as on centred data; only y is copied once per group.
+GROUP_TRIAL = 2048  # rows of the trial on the data's reference point (auto)
+GROUP_SHARE = 0.2  # grouped where more of the trial's rows are left uncertified
+GROUP_ANCHORS = 16  # anchors by farthest-point traversal of a sample of the rows
+GROUP_SAMPLE = 4096  # rows of that sample
+
+
+def anchor_rows(x: Tensor, s: Tensor, count: int) -> Tensor:
+    """Indices of ``count`` rows of x (M, K) spread over the data: a farthest-point traversal of a
+    strided sample about the reference point s (the first finite row, then each time the row
+    farthest from the anchors so far; rows with a non-finite coordinate never). On the device,
+    no host synchronisation."""
+    step = max(1, -(-x.shape[0] // GROUP_SAMPLE))
+    rows = torch.arange(0, x.shape[0], step, device=x.device)
+    xs = x[rows].float() - s
+    finite = torch.isfinite(xs).all(1)
+    xs = xs.masked_fill(~finite[:, None], 0.0)
+    picks = [finite.to(torch.int8).argmax()]
+    dmin = None
+    for _ in range(1, count):
+        d = (xs - xs[picks[-1]]).square_().sum(1)
+        dmin = d if dmin is None else torch.minimum(dmin, d)
+        picks.append(dmin.masked_fill(~finite, -1.0).argmax())
+    return rows[torch.stack(picks)]
+
+
+def _grouped(call: TopkCall, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
+    """The tensor-core candidates of every row about the anchor nearest it (GROUP_ANCHORS of them,
+    :func:`anchor_rows`): the rows sorted into groups, one plan per group with the anchor as its
+    reference point. Returns the rows left uncertified (int64 on the device). One host
+    synchronisation (the groups' sizes)."""
+    s = pair_reference(call.x, call.y)
+    anchors = anchor_rows(call.x, s, min(GROUP_ANCHORS, call.M))
+    points = call.x[anchors].float()  # (G, K) as given: each group's reference point
+    group = torch.cdist(call.x.float() - s, points - s).argmin(1)  # (M,)
+    order = torch.argsort(group)
+    counts = torch.bincount(group, minlength=points.shape[0]).tolist()
+    bad, o = [], 0
+    for g, c in enumerate(counts):
+        if not c:
+            continue
+        rows = order[o:o + c]
+        o += c
+        sub = replace(call, x=call.x[rows], M=c, reference=points[g])
+        v = torch.empty((c, call.k), dtype=values.dtype, device=values.device)
+        i = torch.empty((c, call.k), dtype=torch.int64, device=values.device)
+        bad.append(rows[plan_topk(sub, v, i, debug).run()])
+        values[rows] = v
+        indices[rows] = i
+    if debug:
+        log.debug("topk: %d rows in %d groups about their anchors", call.M, sum(1 for c in counts if c))
+    return torch.cat(bad)
+
+
+def _mma_rows(call: TopkCall, plan, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
+    """The tensor-core plan's run, on the data's reference point or in groups about anchors
+    (the setting knn_groups; auto: a trial of GROUP_TRIAL strided rows decides, for calls of at
+    least 4 GROUP_TRIAL rows). Returns the rows left uncertified."""
+    mode = config.get("knn_groups")
+    distances = call.desc.inner_operator == InnerOperator.DIFF and not call.largest
+    if mode == "off" or not distances or (mode == "auto" and call.M < 4 * GROUP_TRIAL):
+        return plan.run()
+    if mode == "auto":
+        rows = torch.arange(0, call.M, call.M // GROUP_TRIAL, device=call.device)[:GROUP_TRIAL]
+        sub = replace(call, x=call.x[rows], M=int(rows.numel()))
+        v = torch.empty((sub.M, call.k), dtype=values.dtype, device=values.device)
+        i = torch.empty((sub.M, call.k), dtype=torch.int64, device=values.device)
+        failed = plan_topk(sub, v, i, debug).run().numel()  # one host synchronisation
+        if debug:
+            log.debug("topk: the trial left %d of %d rows uncertified", failed, sub.M)
+        if failed <= GROUP_SHARE * sub.M:
+            return plan.run()
+    return _grouped(call, values, indices, debug)
+
+
 def topk_forward(call: TopkCall, out=None, *, debug: bool = False) -> tuple:
     """Compute a validated call without autograd; ``out`` (values, indices) checked by the
     caller, or None. The fused plan gets contiguous values/indices (``out``'s own tensors when
@@ -463,9 +545,10 @@ def _topk_forward(call: TopkCall, values: Tensor, indices: Tensor, debug: bool) 
         i = indices if indices.is_contiguous() else torch.empty_like(indices, memory_format=torch.contiguous_format)
         plan = plan_topk(call, v, i, debug)
         if plan is not None:
-            uncertified = plan.run()
             if plan.family == "topk_mma":  # the tensor-core candidates: the rows they left uncertified
-                recompute_rows(call, v, i, uncertified, debug)
+                recompute_rows(call, v, i, _mma_rows(call, plan, v, i, debug), debug)
+            else:
+                plan.run()
             if v is not values:
                 values.copy_(v)
             if i is not indices:

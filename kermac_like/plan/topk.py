@@ -37,7 +37,7 @@ from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_inde
 
 log = logging.getLogger("kermac_like.topk")
 
-__all__ = ["plan_topk", "fused_serves", "mma_serves", "SCRATCH_BYTES"]
+__all__ = ["plan_topk", "fused_serves", "mma_serves", "exact_products", "SCRATCH_BYTES"]
 
 SCRATCH_BYTES = 32 << 20  # largest split scratch of one call ([split][batch][M][k] int64 keys)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -276,6 +276,18 @@ def merged_candidates(cand: torch.Tensor, sel: int, N: int, dot: bool, largest: 
     return idx, pad, last
 
 
+def exact_products(x: torch.Tensor, y: torch.Tensor, K: int) -> torch.Tensor:
+    """Whether the candidates' values are exact for these operands (a 0-dim bool on the device, no
+    host synchronisation): every coordinate an integer of magnitude m <= 2^11 (exact in TF32) with
+    4 K m^2 <= 2^24, so that every product, norm, sum and difference the kernels form is an exact
+    float32 integer (one-hot codes, small counts). The candidates then come in the exact (value,
+    index) order, ties included, and every row is certified: no TF32 bound, no tie at the k-th
+    value left to the fallback."""
+    m = torch.maximum(x.abs().amax(), y.abs().amax()) if x.numel() and y.numel() else x.new_zeros(())
+    integral = ~((x != x.round()).any() | (y != y.round()).any())
+    return integral & (m <= 2.0 ** 11) & (4.0 * K * m * m <= 2.0 ** 24)
+
+
 def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     """Per launch of one wave of row tiles: topk_mma_kernel's candidate lists (kSel per row,
     TF32 dot products), their values recomputed in float32 by direct differences (as the
@@ -284,7 +296,8 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     beyond the candidates' last, and an approximate value is within the TF32 error bound B of
     the exact one (B = 2^-8 |x| max|y| + K 2^-22 (|x|^2 + max|y|^2) for distances, 2^-9 |x|
     max|y| for dot products, plus 2^-16 of the value for the float32 rescoring). Returns the rows
-    that are not certified (NaN rows, near-ties across the margin): int64 indices on the device,
+    that are not certified (NaN rows, near-ties across the margin; none where
+    :func:`exact_products` holds): int64 indices on the device,
     which the caller recomputes (ops/knn.py: the fused SIMT selection, ``plan_topk(...,
     fallback=True)``, where K <= FALLBACK_MAX_K; beyond it the blocked path).
     With topk_fused_rescore, topk_rescore_kernel does the merge, the rescoring, the order and the
@@ -303,7 +316,10 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     # centred scale, not |x| (features shifted by +3 at knn_d128: every row uncertified before);
     # the rescoring's direct differences read the data as given.
     Kp = x.shape[1]
-    xc, yc = (x, y) if dot else shifted_pair(call.x, call.y, pad_to=Kp)[:2]  # one copy each, padded too
+    # The reference point is the call's (ops/knn.py's groups: an anchor near the rows), else the data's.
+    point = getattr(call, "reference", None)
+    xc, yc = (x, y) if dot else shifted_pair(call.x, call.y, point=point, pad_to=Kp)[:2]  # one copy each, padded
+    exact = exact_products(xc, yc, Kp)
     slots = _sm_count(device) * _blocks_per_sm(kernel)
     rows = min(M, slots * MMA_BLOCK_M)  # one wave of row tiles per launch
     m_tiles = -(-rows // MMA_BLOCK_M)
@@ -349,4 +365,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
             values[r0 + s0:r0 + s1] = v.sqrt() if call.desc == PRESETS["l2"] else v
             indices[r0 + s0:r0 + s1] = ii
             bad.append((~ok).nonzero().squeeze(1) + (r0 + s0))
-    return (flags == 0).nonzero().squeeze(1) if fused is not None else torch.cat(bad)
+    if fused is not None:
+        return ((flags == 0) & ~exact).nonzero().squeeze(1)
+    bad = torch.cat(bad)
+    return bad[~exact.expand(bad.shape)]

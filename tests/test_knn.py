@@ -362,3 +362,22 @@ def test_anchor_rows_cover_separated_blobs():
     rows = anchor_rows(x, reference_point(x), 8)
     assert sorted(label[rows].tolist()) == list(range(8))
     assert bool(torch.isfinite(x[rows]).all())
+
+
+def test_row_groups_resolve_blobs_not_noise():
+    """ops.knn.row_groups: on 8 separated blobs the groups' centres are near the rows (ratio far
+    below knn's GROUP_RATIO) and each group holds one blob; on centred Gaussian data they are not
+    (ratio near 1: knn keeps one reference point)."""
+    from kermac_like.centring import reference_point
+    from kermac_like.ops.knn import GROUP_RATIO, row_groups
+
+    g = torch.Generator().manual_seed(5)
+    label = torch.randint(0, 8, (6000,), generator=g)
+    x = (40.0 * torch.randn(8, 32, generator=g))[label] + torch.randn(6000, 32, generator=g)
+    group, centres, ratio = row_groups(x, reference_point(x))
+    assert float(ratio) < 0.1 * GROUP_RATIO
+    for gg in group.unique():
+        assert label[group == gg].unique().numel() == 1
+    assert (centres[group] - x).norm(dim=1).max() < 10
+    noise = torch.randn(6000, 32, generator=g)
+    assert float(row_groups(noise, reference_point(noise))[2]) > 2 * GROUP_RATIO

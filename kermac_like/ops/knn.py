@@ -50,7 +50,7 @@ from .distance import COMPUTE_MODES, cdist, prepare_call, run_kernel
 log = logging.getLogger("kermac_like.knn")
 
 __all__ = ["kernel_topk", "knn", "TopkCall", "prepare_topk", "prepare_knn", "topk_forward", "topk_blocked",
-           "recompute_rows", "anchor_rows", "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
+           "recompute_rows", "anchor_rows", "row_groups", "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
 
 # Elements of one block of kernel values on the blocked path (all batch entries together):
 # 16 MB of float64 on a CPU, 128 MB of float32 on a GPU (plan.MATVEC_TILE_ELEMENTS).
@@ -445,14 +445,16 @@ def recompute_rows(call: TopkCall, values: Tensor, indices: Tensor, rows: Tensor
                   "SIMT selection" if simt is not None else "blocked path")
 
 
-# -- clustered data: the tensor-core candidates about an anchor per group of rows -----------------
+# -- clustered data: the tensor-core candidates about a centre per group of rows -----------------
 # About one reference point for all the data, the TF32 bound of a row scales with the data's
 # spread, not with the gaps between a cluster's points: on clustered data (blobs, mixtures) most
-# rows fail the certificate. Shifted by a point of their own cluster, the rows' and their
+# rows fail the certificate. Shifted by the centre of their own cluster, the rows' and their
 # neighbours' norms are the cluster's scale and the certificate's window leaves the other
-# clusters out, so the rows certify as on centred data; only y is copied once per group.
-GROUP_TRIAL = 2048  # rows of the trial on the data's reference point (auto)
+# clusters out, so the rows certify as on centred data; y is copied once per group.
+GROUP_TRIAL = 2048  # the first rows, run first about the data's reference point (auto)
 GROUP_SHARE = 0.2  # grouped where more of the trial's rows are left uncertified
+GROUP_RATIO = 0.25  # ... and the rows' squared distances to their group's centre are below this share of
+# their squared distances to the reference point (medians): clusters the groups resolve
 GROUP_ANCHORS = 16  # anchors by farthest-point traversal of a sample of the rows
 GROUP_SAMPLE = 4096  # rows of that sample
 
@@ -476,53 +478,81 @@ def anchor_rows(x: Tensor, s: Tensor, count: int) -> Tensor:
     return rows[torch.stack(picks)]
 
 
-def _grouped(call: TopkCall, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
-    """The tensor-core candidates of every row about the anchor nearest it (GROUP_ANCHORS of them,
-    :func:`anchor_rows`): the rows sorted into groups, one plan per group with the anchor as its
-    reference point. Returns the rows left uncertified (int64 on the device). One host
-    synchronisation (the groups' sizes)."""
-    s = pair_reference(call.x, call.y)
-    anchors = anchor_rows(call.x, s, min(GROUP_ANCHORS, call.M))
-    points = call.x[anchors].float()  # (G, K) as given: each group's reference point
-    group = torch.cdist(call.x.float() - s, points - s).argmin(1)  # (M,)
+def row_groups(x: Tensor, s: Tensor, count: int = GROUP_ANCHORS) -> tuple:
+    """Groups of the rows of x (M, K) about ``count`` anchors (:func:`anchor_rows`; each row to its
+    nearest) and each group's centre (the mean of its finite rows, in x's coordinates): (group (M,)
+    int64, centres (count, K) float32, ratio), where ratio (a 0-dim tensor) is the median of the rows'
+    squared distances to their centre over the median of their squared distances to s. No host
+    synchronisation."""
+    xs = x.float() - s
+    finite = torch.isfinite(xs).all(1, keepdim=True)
+    xs = torch.where(finite, xs, 0.0)
+    anchors = anchor_rows(x, s, min(count, x.shape[0]))
+    group = torch.cdist(xs, xs[anchors]).argmin(1)
+    G = anchors.numel()
+    sums = xs.new_zeros(G, xs.shape[1]).index_add_(0, group, xs)
+    n = xs.new_zeros(G).index_add_(0, group, finite.squeeze(1).float())
+    centres = sums / n.clamp_min(1.0)[:, None]
+    near = (xs - centres[group]).square_().sum(1).median()
+    far = xs.square().sum(1).median()
+    return group, centres + s, near / far.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _grouped(call: TopkCall, group: Tensor, centres: Tensor, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
+    """The tensor-core candidates of every row about its group's centre (:func:`row_groups`): one
+    plan per group with the centre as its reference point. Returns the rows left uncertified
+    (int64 on the device). One host synchronisation (the groups' sizes)."""
     order = torch.argsort(group)
-    counts = torch.bincount(group, minlength=points.shape[0]).tolist()
+    counts = torch.bincount(group, minlength=centres.shape[0]).tolist()
     bad, o = [], 0
     for g, c in enumerate(counts):
         if not c:
             continue
         rows = order[o:o + c]
         o += c
-        sub = replace(call, x=call.x[rows], M=c, reference=points[g])
+        sub = replace(call, x=call.x[rows], M=c, reference=centres[g])
         v = torch.empty((c, call.k), dtype=values.dtype, device=values.device)
         i = torch.empty((c, call.k), dtype=torch.int64, device=values.device)
         bad.append(rows[plan_topk(sub, v, i, debug).run()])
         values[rows] = v
         indices[rows] = i
     if debug:
-        log.debug("topk: %d rows in %d groups about their anchors", call.M, sum(1 for c in counts if c))
+        log.debug("topk: %d rows in %d groups about their centres", call.M, sum(1 for c in counts if c))
     return torch.cat(bad)
 
 
+def _rows_run(call: TopkCall, r0: int, r1: int, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
+    """Rows r0 .. r1 - 1 through the tensor-core plan about the data's reference point (views of x,
+    values and indices); returns the rows left uncertified (indices of the whole call)."""
+    sub = replace(call, x=call.x[r0:r1], M=r1 - r0)
+    return plan_topk(sub, values[r0:r1], indices[r0:r1], debug).run() + r0
+
+
 def _mma_rows(call: TopkCall, plan, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
-    """The tensor-core plan's run, on the data's reference point or in groups about anchors
-    (the setting knn_groups; auto: a trial of GROUP_TRIAL strided rows decides, for calls of at
-    least 4 GROUP_TRIAL rows). Returns the rows left uncertified."""
+    """The tensor-core plan's run, about the data's reference point or in groups about centres
+    near the rows (the setting knn_groups). auto, for calls of at least 4 GROUP_TRIAL rows: the first
+    GROUP_TRIAL rows run first (their results kept); where more than GROUP_SHARE of them are left
+    uncertified and the groups bring the rows nearer their centre than GROUP_RATIO (squared, medians),
+    every row runs in groups, else the other rows as the first. Returns the rows left uncertified."""
     mode = config.get("knn_groups")
     distances = call.desc.inner_operator == InnerOperator.DIFF and not call.largest
     if mode == "off" or not distances or (mode == "auto" and call.M < 4 * GROUP_TRIAL):
         return plan.run()
-    if mode == "auto":
-        rows = torch.arange(0, call.M, call.M // GROUP_TRIAL, device=call.device)[:GROUP_TRIAL]
-        sub = replace(call, x=call.x[rows], M=int(rows.numel()))
-        v = torch.empty((sub.M, call.k), dtype=values.dtype, device=values.device)
-        i = torch.empty((sub.M, call.k), dtype=torch.int64, device=values.device)
-        failed = plan_topk(sub, v, i, debug).run().numel()  # one host synchronisation
+    s = pair_reference(call.x, call.y)
+    if mode == "on":
+        group, centres, _ = row_groups(call.x, s)
+        return _grouped(call, group, centres, values, indices, debug)
+    head = _rows_run(call, 0, GROUP_TRIAL, values, indices, debug)
+    failed = head.numel()  # one host synchronisation
+    if failed > GROUP_SHARE * GROUP_TRIAL:
+        group, centres, ratio = row_groups(call.x, s)
+        ratio = float(ratio)  # one more, where the trial failed
         if debug:
-            log.debug("topk: the trial left %d of %d rows uncertified", failed, sub.M)
-        if failed <= GROUP_SHARE * sub.M:
-            return plan.run()
-    return _grouped(call, values, indices, debug)
+            log.debug("topk: the first %d rows left %d uncertified; rows to their group's centre %.3g of the "
+                      "reference point's distance", GROUP_TRIAL, failed, ratio)
+        if ratio < GROUP_RATIO:
+            return _grouped(call, group, centres, values, indices, debug)
+    return torch.cat([head, _rows_run(call, GROUP_TRIAL, call.M, values, indices, debug)])
 
 
 def topk_forward(call: TopkCall, out=None, *, debug: bool = False) -> tuple:

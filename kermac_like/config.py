@@ -161,8 +161,7 @@ SETTINGS = _declare(
     Setting("topk_fused_rescore", "bool", True, "knn's tensor-core candidates rescored by topk_rescore_kernel (off: "
             "torch's rescoring, the tests' oracle)"),
     Setting("knn_groups", "choice", "auto", "knn's tensor-core candidates about a centre per group of rows (auto: "
-            "where the first ops.knn.GROUP_TRIAL rows leave more than ops.knn.GROUP_SHARE of them uncertified about "
-            "the data's reference point and the groups resolve clusters, ops.knn.GROUP_RATIO; on: always, off: never)", ("auto", "on", "off")),
+            "where, on a sample, the groups resolve clusters: ops.knn.GROUP_RATIO; on: always, off: never)", ("auto", "on", "off")),
     Setting("kmeans_fused", "bool", True, "KMeans' k-means++ seeding on CUDA by the fused kernel (off: torch)"),
     Setting("kmeans_segsum", "bool", True, "Lloyd's centre update on CUDA by the fused segmented sum (off: torch's "
             "sort and segment_reduce)"),

@@ -369,15 +369,19 @@ def test_row_groups_resolve_blobs_not_noise():
     below knn's GROUP_RATIO) and each group holds one blob; on centred Gaussian data they are not
     (ratio near 1: knn keeps one reference point)."""
     from kermac_like.centring import reference_point
-    from kermac_like.ops.knn import GROUP_RATIO, row_groups
+    from kermac_like.ops.knn import GROUP_ANCHORS, GROUP_RATIO, anchor_rows, row_groups
+
+    def groups(x):
+        s = reference_point(x)
+        return row_groups(x, s, x[anchor_rows(x, s, GROUP_ANCHORS)])
 
     g = torch.Generator().manual_seed(5)
     label = torch.randint(0, 8, (6000,), generator=g)
     x = (40.0 * torch.randn(8, 32, generator=g))[label] + torch.randn(6000, 32, generator=g)
-    group, centres, ratio = row_groups(x, reference_point(x))
+    group, centres, ratio = groups(x)
     assert float(ratio) < 0.1 * GROUP_RATIO
     for gg in group.unique():
         assert label[group == gg].unique().numel() == 1
     assert (centres[group] - x).norm(dim=1).max() < 10
     noise = torch.randn(6000, 32, generator=g)
-    assert float(row_groups(noise, reference_point(noise))[2]) > 2 * GROUP_RATIO
+    assert float(groups(noise)[2]) > 2 * GROUP_RATIO

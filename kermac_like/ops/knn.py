@@ -451,12 +451,11 @@ def recompute_rows(call: TopkCall, values: Tensor, indices: Tensor, rows: Tensor
 # rows fail the certificate. Shifted by the centre of their own cluster, the rows' and their
 # neighbours' norms are the cluster's scale and the certificate's window leaves the other
 # clusters out, so the rows certify as on centred data; y is copied once per group.
-GROUP_TRIAL = 2048  # the first rows, run first about the data's reference point (auto)
-GROUP_SHARE = 0.2  # grouped where more of the trial's rows are left uncertified
-GROUP_RATIO = 0.25  # ... and the rows' squared distances to their group's centre are below this share of
-# their squared distances to the reference point (medians): clusters the groups resolve
+GROUP_RATIO = 0.25  # grouped where the rows' squared distances to their group's centre are below this share
+# of their squared distances to the reference point (medians over a sample: the groups resolve clusters)
 GROUP_ANCHORS = 16  # anchors by farthest-point traversal of a sample of the rows
-GROUP_SAMPLE = 4096  # rows of that sample
+GROUP_SAMPLE = 4096  # rows of that sample (and of auto's test)
+GROUP_MIN_ROWS = 8192  # auto groups calls of at least this many rows
 
 
 def anchor_rows(x: Tensor, s: Tensor, count: int) -> Tensor:
@@ -478,18 +477,17 @@ def anchor_rows(x: Tensor, s: Tensor, count: int) -> Tensor:
     return rows[torch.stack(picks)]
 
 
-def row_groups(x: Tensor, s: Tensor, count: int = GROUP_ANCHORS) -> tuple:
-    """Groups of the rows of x (M, K) about ``count`` anchors (:func:`anchor_rows`; each row to its
-    nearest) and each group's centre (the mean of its finite rows, in x's coordinates): (group (M,)
-    int64, centres (count, K) float32, ratio), where ratio (a 0-dim tensor) is the median of the rows'
+def row_groups(x: Tensor, s: Tensor, points: Tensor) -> tuple:
+    """The rows of x (M, K) in groups about ``points`` (G, K) (each row to its nearest; :func:`anchor_rows`
+    chooses them) and each group's centre (the mean of its finite rows, in x's coordinates): (group (M,)
+    int64, centres (G, K) float32, ratio), where ratio (a 0-dim tensor) is the median of the rows'
     squared distances to their centre over the median of their squared distances to s. No host
     synchronisation."""
     xs = x.float() - s
     finite = torch.isfinite(xs).all(1, keepdim=True)
     xs = torch.where(finite, xs, 0.0)
-    anchors = anchor_rows(x, s, min(count, x.shape[0]))
-    group = torch.cdist(xs, xs[anchors]).argmin(1)
-    G = anchors.numel()
+    group = torch.cdist(xs, points.float() - s).argmin(1)
+    G = points.shape[0]
     sums = xs.new_zeros(G, xs.shape[1]).index_add_(0, group, xs)
     n = xs.new_zeros(G).index_add_(0, group, finite.squeeze(1).float())
     centres = sums / n.clamp_min(1.0)[:, None]
@@ -521,38 +519,28 @@ def _grouped(call: TopkCall, group: Tensor, centres: Tensor, values: Tensor, ind
     return torch.cat(bad)
 
 
-def _rows_run(call: TopkCall, r0: int, r1: int, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
-    """Rows r0 .. r1 - 1 through the tensor-core plan about the data's reference point (views of x,
-    values and indices); returns the rows left uncertified (indices of the whole call)."""
-    sub = replace(call, x=call.x[r0:r1], M=r1 - r0)
-    return plan_topk(sub, values[r0:r1], indices[r0:r1], debug).run() + r0
-
-
 def _mma_rows(call: TopkCall, plan, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
     """The tensor-core plan's run, about the data's reference point or in groups about centres
-    near the rows (the setting knn_groups). auto, for calls of at least 4 GROUP_TRIAL rows: the first
-    GROUP_TRIAL rows run first (their results kept); where more than GROUP_SHARE of them are left
-    uncertified and the groups bring the rows nearer their centre than GROUP_RATIO (squared, medians),
-    every row runs in groups, else the other rows as the first. Returns the rows left uncertified."""
+    near the rows (the setting knn_groups). auto, for calls of at least GROUP_MIN_ROWS rows: in
+    groups where, on a sample of GROUP_SAMPLE rows, the groups bring the rows nearer their centre
+    than GROUP_RATIO (squared, medians) of their distance to the reference point. Returns the rows
+    left uncertified."""
     mode = config.get("knn_groups")
     distances = call.desc.inner_operator == InnerOperator.DIFF and not call.largest
-    if mode == "off" or not distances or (mode == "auto" and call.M < 4 * GROUP_TRIAL):
+    if mode == "off" or not distances or (mode == "auto" and call.M < GROUP_MIN_ROWS):
         return plan.run()
     s = pair_reference(call.x, call.y)
-    if mode == "on":
-        group, centres, _ = row_groups(call.x, s)
-        return _grouped(call, group, centres, values, indices, debug)
-    head = _rows_run(call, 0, GROUP_TRIAL, values, indices, debug)
-    failed = head.numel()  # one host synchronisation
-    if failed > GROUP_SHARE * GROUP_TRIAL:
-        group, centres, ratio = row_groups(call.x, s)
-        ratio = float(ratio)  # one more, where the trial failed
+    points = call.x[anchor_rows(call.x, s, min(GROUP_ANCHORS, call.M))]
+    if mode == "auto":
+        sample = call.x[::max(1, call.M // GROUP_SAMPLE)]
+        ratio = float(row_groups(sample, s, points)[2])  # one host synchronisation
         if debug:
-            log.debug("topk: the first %d rows left %d uncertified; rows to their group's centre %.3g of the "
-                      "reference point's distance", GROUP_TRIAL, failed, ratio)
-        if ratio < GROUP_RATIO:
-            return _grouped(call, group, centres, values, indices, debug)
-    return torch.cat([head, _rows_run(call, GROUP_TRIAL, call.M, values, indices, debug)])
+            log.debug("topk: rows to their group's centre %.3g of the reference point's distance (squared, "
+                      "medians of %d rows)", ratio, sample.shape[0])
+        if not ratio < GROUP_RATIO:
+            return plan.run()
+    group, centres, _ = row_groups(call.x, s, points)
+    return _grouped(call, group, centres, values, indices, debug)
 
 
 def topk_forward(call: TopkCall, out=None, *, debug: bool = False) -> tuple:

@@ -468,13 +468,13 @@ def anchor_rows(x: Tensor, s: Tensor, count: int) -> Tensor:
     xs = x[rows].float() - s
     finite = torch.isfinite(xs).all(1)
     xs = xs.masked_fill(~finite[:, None], 0.0)
-    picks = [finite.to(torch.int8).argmax()]
+    picks = [finite.to(torch.int8).argmax().view(1)]  # (1,) int64 on the device: index_select, no host read
     dmin = None
     for _ in range(1, count):
-        d = (xs - xs[picks[-1]]).square_().sum(1)
+        d = (xs - xs.index_select(0, picks[-1])).square_().sum(1)
         dmin = d if dmin is None else torch.minimum(dmin, d)
-        picks.append(dmin.masked_fill(~finite, -1.0).argmax())
-    return rows[torch.stack(picks)]
+        picks.append(dmin.masked_fill(~finite, -1.0).argmax().view(1))
+    return rows[torch.cat(picks)]
 
 
 def row_groups(x: Tensor, s: Tensor, points: Tensor) -> tuple:
@@ -498,11 +498,13 @@ def row_groups(x: Tensor, s: Tensor, points: Tensor) -> tuple:
 
 def _grouped(call: TopkCall, group: Tensor, centres: Tensor, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
     """The tensor-core candidates of every row about its group's centre (:func:`row_groups`): one
-    plan per group with the centre as its reference point. Returns the rows left uncertified
-    (int64 on the device). One host synchronisation (the groups' sizes)."""
+    plan per group with the centre as its reference point, enqueued one after the other (no host
+    read between them). Returns the mask (M,) of the rows left uncertified. One host
+    synchronisation (the groups' sizes)."""
     order = torch.argsort(group)
     counts = torch.bincount(group, minlength=centres.shape[0]).tolist()
-    bad, o = [], 0
+    bad = torch.zeros(call.M, dtype=torch.bool, device=call.device)
+    o = 0
     for g, c in enumerate(counts):
         if not c:
             continue
@@ -511,20 +513,20 @@ def _grouped(call: TopkCall, group: Tensor, centres: Tensor, values: Tensor, ind
         sub = replace(call, x=call.x[rows], M=c, reference=centres[g])
         v = torch.empty((c, call.k), dtype=values.dtype, device=values.device)
         i = torch.empty((c, call.k), dtype=torch.int64, device=values.device)
-        bad.append(rows[plan_topk(sub, v, i, debug).run()])
+        bad[rows] = plan_topk(sub, v, i, debug).run()
         values[rows] = v
         indices[rows] = i
     if debug:
         log.debug("topk: %d rows in %d groups about their centres", call.M, sum(1 for c in counts if c))
-    return torch.cat(bad)
+    return bad
 
 
 def _mma_rows(call: TopkCall, plan, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
     """The tensor-core plan's run, about the data's reference point or in groups about centres
     near the rows (the setting knn_groups). auto, for calls of at least GROUP_MIN_ROWS rows: in
     groups where, on a sample of GROUP_SAMPLE rows, the groups bring the rows nearer their centre
-    than GROUP_RATIO (squared, medians) of their distance to the reference point. Returns the rows
-    left uncertified."""
+    than GROUP_RATIO (squared, medians) of their distance to the reference point. Returns the mask
+    (M,) of the rows left uncertified."""
     mode = config.get("knn_groups")
     distances = call.desc.inner_operator == InnerOperator.DIFF and not call.largest
     if mode == "off" or not distances or (mode == "auto" and call.M < GROUP_MIN_ROWS):
@@ -564,7 +566,7 @@ def _topk_forward(call: TopkCall, values: Tensor, indices: Tensor, debug: bool) 
         plan = plan_topk(call, v, i, debug)
         if plan is not None:
             if plan.family == "topk_mma":  # the tensor-core candidates: the rows they left uncertified
-                recompute_rows(call, v, i, _mma_rows(call, plan, v, i, debug), debug)
+                recompute_rows(call, v, i, _mma_rows(call, plan, v, i, debug).nonzero().squeeze(1), debug)
             else:
                 plan.run()
             if v is not values:

@@ -55,7 +55,7 @@ def fused_serves(call, wide: bool = False) -> bool:
 
 def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = False, *, fallback: bool = False):
     """The plan of a validated call, or None (the blocked path). The tensor-core plan (family
-    "topk_mma", :func:`mma_serves`) returns from ``run()`` the rows it left uncertified
+    "topk_mma", :func:`mma_serves`) returns from ``run()`` the mask of the rows it left uncertified
     (:func:`_run_mma`), for the caller to recompute; ``fallback``: the exact SIMT selection of
     such rows (K up to FALLBACK_MAX_K; never the tensor-core path again). A descriptor no template
     knows (``desc.fused_ok`` False): None."""
@@ -295,10 +295,9 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     when its k-th exact value is clear of every point left out: those have approximate values
     beyond the candidates' last, and an approximate value is within the TF32 error bound B of
     the exact one (B = 2^-8 |x| max|y| + K 2^-22 (|x|^2 + max|y|^2) for distances, 2^-9 |x|
-    max|y| for dot products, plus 2^-16 of the value for the float32 rescoring). Returns the rows
-    that are not certified (NaN rows, near-ties across the margin; none where
-    :func:`exact_products` holds): int64 indices on the device,
-    which the caller recomputes (ops/knn.py: the fused SIMT selection, ``plan_topk(...,
+    max|y| for dot products, plus 2^-16 of the value for the float32 rescoring). Returns which rows
+    are not certified (NaN rows, near-ties across the margin; none where :func:`exact_products`
+    holds): a bool mask (M,) on the device, no host synchronisation; the caller recomputes them (ops/knn.py: the fused SIMT selection, ``plan_topk(...,
     fallback=True)``, where K <= FALLBACK_MAX_K; beyond it the blocked path).
     With topk_fused_rescore, topk_rescore_kernel does the merge, the rescoring, the order and the
     certificate of each launch's rows in one launch (same candidates, same bound; the float32
@@ -338,7 +337,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     if debug:
         log.debug("topk %r: M=%d N=%d K=%d k=%d on tensor cores: %d rows per launch, grid (%d, %d), %d y tiles per "
                   "split, %d candidates per row", call.desc, M, N, K, k, rows, m_tiles, split, per, sel)
-    bad = []
+    bad = torch.zeros(M, dtype=torch.bool, device=call.device)
     for r0 in range(0, M, rows):
         rr = min(rows, M - r0)
         args = (xc.data_ptr() + r0 * Kp * 4, yc.data_ptr(), scratch.data_ptr(), np.int32(rr), np.int32(N),
@@ -364,8 +363,5 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
                                 dot=dot, largest=largest, xn=torch.linalg.vector_norm(xc[r0 + s0:r0 + s1], dim=1))
             values[r0 + s0:r0 + s1] = v.sqrt() if call.desc == PRESETS["l2"] else v
             indices[r0 + s0:r0 + s1] = ii
-            bad.append((~ok).nonzero().squeeze(1) + (r0 + s0))
-    if fused is not None:
-        return ((flags == 0) & ~exact).nonzero().squeeze(1)
-    bad = torch.cat(bad)
-    return bad[~exact.expand(bad.shape)]
+            bad[r0 + s0:r0 + s1] = ~ok
+    return ((flags == 0) if fused is not None else bad) & ~exact

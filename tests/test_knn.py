@@ -347,11 +347,13 @@ def test_exact_products_admits_small_integers_only():
     assert not bool(exact_products(bad, onehot, 128))
 
 
-def test_anchor_rows_cover_separated_blobs():
-    """ops.knn.anchor_rows: the farthest-point traversal puts one of its first 8 anchors in each of
-    8 well-separated blobs (rows shuffled), and never picks a row with a non-finite coordinate."""
+def test_sample_groups_cover_separated_blobs():
+    """ops.knn.sample_groups: the farthest-point traversal puts one of its first 8 anchors in each of
+    8 well-separated blobs (rows shuffled), never picks a row with a non-finite coordinate, and its
+    ratio says the groups resolve the blobs (far below GROUP_RATIO) but not centred noise (near 1);
+    row_groups then puts each blob in groups of its own, their centres near the rows."""
     from kermac_like.centring import reference_point
-    from kermac_like.ops.knn import anchor_rows
+    from kermac_like.ops.knn import GROUP_RATIO, row_groups, sample_groups
 
     g = torch.Generator().manual_seed(3)
     centres = 40.0 * torch.randn(8, 16, generator=g)
@@ -359,29 +361,16 @@ def test_anchor_rows_cover_separated_blobs():
     x = centres[label] + torch.randn(5000, 16, generator=g)
     x[11, 2] = float("nan")
     x[12, 0] = float("inf")
-    rows = anchor_rows(x, reference_point(x), 8)
+    s = reference_point(x)
+    rows, ratio = sample_groups(x, s, 8)
     assert sorted(label[rows].tolist()) == list(range(8))
     assert bool(torch.isfinite(x[rows]).all())
-
-
-def test_row_groups_resolve_blobs_not_noise():
-    """ops.knn.row_groups: on 8 separated blobs the groups' centres are near the rows (ratio far
-    below knn's GROUP_RATIO) and each group holds one blob; on centred Gaussian data they are not
-    (ratio near 1: knn keeps one reference point)."""
-    from kermac_like.centring import reference_point
-    from kermac_like.ops.knn import GROUP_ANCHORS, GROUP_RATIO, anchor_rows, row_groups
-
-    def groups(x):
-        s = reference_point(x)
-        return row_groups(x, s, x[anchor_rows(x, s, GROUP_ANCHORS)])
-
-    g = torch.Generator().manual_seed(5)
-    label = torch.randint(0, 8, (6000,), generator=g)
-    x = (40.0 * torch.randn(8, 32, generator=g))[label] + torch.randn(6000, 32, generator=g)
-    group, centres, ratio = groups(x)
-    assert float(ratio) < 0.1 * GROUP_RATIO
-    for gg in group.unique():
-        assert label[group == gg].unique().numel() == 1
-    assert (centres[group] - x).norm(dim=1).max() < 10
+    assert ratio < 0.1 * GROUP_RATIO
+    rows, ratio = sample_groups(x, s)
+    group, cent = row_groups(x, s, x[rows])
+    fin = torch.isfinite(x).all(1)
+    for gg in group[fin].unique():
+        assert label[fin & (group == gg)].unique().numel() == 1
+    assert (cent[group[fin]] - x[fin]).norm(dim=1).max() < 10
     noise = torch.randn(6000, 32, generator=g)
-    assert float(groups(noise)[2]) > 2 * GROUP_RATIO
+    assert sample_groups(noise, reference_point(noise))[1] > 2 * GROUP_RATIO

@@ -55,11 +55,12 @@ def main():
         s = pair_reference(x, y)
 
         def grouping():
-            pts = x[knn_mod.anchor_rows(x, s, knn_mod.GROUP_ANCHORS)]
-            return knn_mod.row_groups(x, s, pts)
+            rows, ratio = knn_mod.sample_groups(x, s)
+            knn_mod.row_groups(x, s, x[rows])
+            return ratio
 
         g_ms = timed(grouping, args.reps)
-        ratio = float(grouping()[2])
+        ratio = grouping()
         for mode in ("off", "on", "auto"):
             with testing.override(knn_groups=mode):
                 ms = timed(lambda: km.knn(x, y, args.k), args.reps)

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -50,7 +51,7 @@ from .distance import COMPUTE_MODES, cdist, prepare_call, run_kernel
 log = logging.getLogger("kermac_like.knn")
 
 __all__ = ["kernel_topk", "knn", "TopkCall", "prepare_topk", "prepare_knn", "topk_forward", "topk_blocked",
-           "recompute_rows", "anchor_rows", "row_groups", "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
+           "recompute_rows", "sample_groups", "row_groups", "merge_candidates", "merge_order", "BLOCK_ELEMENTS_CPU", "BLOCK_ELEMENTS_GPU"]
 
 # Elements of one block of kernel values on the blocked path (all batch entries together):
 # 16 MB of float64 on a CPU, 128 MB of float32 on a GPU (plan.MATVEC_TILE_ELEMENTS).
@@ -454,35 +455,44 @@ def recompute_rows(call: TopkCall, values: Tensor, indices: Tensor, rows: Tensor
 GROUP_RATIO = 0.25  # grouped where the rows' squared distances to their group's centre are below this share
 # of their squared distances to the reference point (medians over a sample: the groups resolve clusters)
 GROUP_ANCHORS = 16  # anchors by farthest-point traversal of a sample of the rows
-GROUP_SAMPLE = 4096  # rows of that sample (and of auto's test)
+GROUP_SAMPLE = 1024  # rows of that sample, read once to the host
 GROUP_MIN_ROWS = 8192  # auto groups calls of at least this many rows
 
 
-def anchor_rows(x: Tensor, s: Tensor, count: int) -> Tensor:
-    """Indices of ``count`` rows of x (M, K) spread over the data: a farthest-point traversal of a
-    strided sample about the reference point s (the first finite row, then each time the row
-    farthest from the anchors so far; rows with a non-finite coordinate never). On the device,
-    no host synchronisation."""
+def sample_groups(x: Tensor, s: Tensor, count: int = GROUP_ANCHORS) -> tuple:
+    """Anchors for knn's groups, and whether they resolve clusters, from a strided sample of
+    GROUP_SAMPLE rows of x (M, K) about the reference point s, read once to the host (one host
+    synchronisation; float64 there): (indices of ``count`` rows of x, ratio). The anchors: a
+    farthest-point traversal (the first finite sample row, then each time the row farthest from the
+    anchors so far; rows with a non-finite coordinate never), so that well-separated clusters each
+    get one among the first. ratio: the median of the sample rows' squared distances to their
+    group's centre (the mean of the sample rows nearest the same anchor) over the median of their
+    squared distances to s."""
     step = max(1, -(-x.shape[0] // GROUP_SAMPLE))
     rows = torch.arange(0, x.shape[0], step, device=x.device)
-    xs = x[rows].float() - s
-    finite = torch.isfinite(xs).all(1)
-    xs = xs.masked_fill(~finite[:, None], 0.0)
-    picks = [finite.to(torch.int8).argmax().view(1)]  # (1,) int64 on the device: index_select, no host read
-    dmin = None
-    for _ in range(1, count):
-        d = (xs - xs.index_select(0, picks[-1])).square_().sum(1)
-        dmin = d if dmin is None else torch.minimum(dmin, d)
-        picks.append(dmin.masked_fill(~finite, -1.0).argmax().view(1))
-    return rows[torch.cat(picks)]
+    xs = (x[rows].float() - s).double().cpu().numpy()
+    finite = np.isfinite(xs).all(1)
+    xs[~finite] = 0.0
+    picks = [int(np.argmax(finite))]
+    dmin = np.full(xs.shape[0], np.inf)
+    for _ in range(1, min(count, xs.shape[0])):
+        dmin = np.minimum(dmin, np.square(xs - xs[picks[-1]]).sum(1))
+        picks.append(int(np.argmax(np.where(finite, dmin, -1.0))))
+    pts = xs[picks]
+    group = (np.square(xs).sum(1)[:, None] - 2 * xs @ pts.T + np.square(pts).sum(1)[None]).argmin(1)
+    centres = np.zeros_like(pts)
+    np.add.at(centres, group[finite], xs[finite])
+    centres /= np.maximum(np.bincount(group[finite], minlength=len(picks)), 1)[:, None]
+    near = np.median(np.square(xs - centres[group]).sum(1)[finite]) if finite.any() else 0.0
+    far = np.median(np.square(xs).sum(1)[finite]) if finite.any() else 0.0
+    ratio = near / far if far > 0 else float("inf")
+    return rows[torch.tensor(picks, device=x.device)], float(ratio)
 
 
 def row_groups(x: Tensor, s: Tensor, points: Tensor) -> tuple:
-    """The rows of x (M, K) in groups about ``points`` (G, K) (each row to its nearest; :func:`anchor_rows`
-    chooses them) and each group's centre (the mean of its finite rows, in x's coordinates): (group (M,)
-    int64, centres (G, K) float32, ratio), where ratio (a 0-dim tensor) is the median of the rows'
-    squared distances to their centre over the median of their squared distances to s. No host
-    synchronisation."""
+    """The rows of x (M, K) in groups about ``points`` (G, K) (each row to its nearest;
+    :func:`sample_groups` chooses them) and each group's centre, the mean of its finite rows in x's
+    coordinates: (group (M,) int64, centres (G, K) float32). No host synchronisation."""
     xs = x.float() - s
     finite = torch.isfinite(xs).all(1, keepdim=True)
     xs = torch.where(finite, xs, 0.0)
@@ -490,10 +500,7 @@ def row_groups(x: Tensor, s: Tensor, points: Tensor) -> tuple:
     G = points.shape[0]
     sums = xs.new_zeros(G, xs.shape[1]).index_add_(0, group, xs)
     n = xs.new_zeros(G).index_add_(0, group, finite.squeeze(1).float())
-    centres = sums / n.clamp_min(1.0)[:, None]
-    near = (xs - centres[group]).square_().sum(1).median()
-    far = xs.square().sum(1).median()
-    return group, centres + s, near / far.clamp_min(torch.finfo(torch.float32).tiny)
+    return group, sums / n.clamp_min(1.0)[:, None] + s
 
 
 def _grouped(call: TopkCall, group: Tensor, centres: Tensor, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
@@ -532,16 +539,13 @@ def _mma_rows(call: TopkCall, plan, values: Tensor, indices: Tensor, debug: bool
     if mode == "off" or not distances or (mode == "auto" and call.M < GROUP_MIN_ROWS):
         return plan.run()
     s = pair_reference(call.x, call.y)
-    points = call.x[anchor_rows(call.x, s, min(GROUP_ANCHORS, call.M))]
-    if mode == "auto":
-        sample = call.x[::max(1, call.M // GROUP_SAMPLE)]
-        ratio = float(row_groups(sample, s, points)[2])  # one host synchronisation
-        if debug:
-            log.debug("topk: rows to their group's centre %.3g of the reference point's distance (squared, "
-                      "medians of %d rows)", ratio, sample.shape[0])
-        if not ratio < GROUP_RATIO:
-            return plan.run()
-    group, centres, _ = row_groups(call.x, s, points)
+    anchors, ratio = sample_groups(call.x, s)  # one host synchronisation
+    if debug:
+        log.debug("topk: rows to their group's centre %.3g of the reference point's distance (squared, medians "
+                  "of a sample)", ratio)
+    if mode == "auto" and not ratio < GROUP_RATIO:
+        return plan.run()
+    group, centres = row_groups(call.x, s, call.x[anchors])
     return _grouped(call, group, centres, values, indices, debug)
 
 

@@ -849,9 +849,12 @@ exec(timed)
 if dev.type == "cuda":
     torch.cuda.synchronize(dev)
 res["first_ms"] = (time.perf_counter() - t0) * 1e3
-from kermac_like.runtime import launcher
+try:
+    from kermac_like.runtime.store import _loaded
+except ImportError:  # a checkout before the kernel store
+    from kermac_like.runtime.launcher import _functions as _loaded
 sources = {}
-for k in launcher._functions.values():
+for k in _loaded.values():
     sources[k.source] = sources.get(k.source, 0) + 1
 res["sources"] = sources
 print("RESULT " + json.dumps(res))

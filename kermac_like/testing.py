@@ -44,7 +44,7 @@ from .plan import core as _plan_core
 from .plan import distance as _plan_distance
 from .plan.distance import spec_override
 from .runtime import autotune as _autotune
-from .runtime import launcher as _launcher
+from .runtime import store as _store
 from .runtime.cache import warm as _warm
 from .solvers import _cg as solver_cg
 from .solvers import _kernel as solver_kernel
@@ -117,7 +117,7 @@ def wait_for_compiles() -> int:
     """Wait for every kernel being found or compiled in a worker thread (the low-K first-call
     tier and prefetches start them); returns how many there were. Call it before timing, or
     before asserting which kernel a call took."""
-    return _launcher.wait_pending()
+    return _store.wait_pending()
 
 
 def clear_caches(*, disk: bool = False) -> None:
@@ -126,8 +126,8 @@ def clear_caches(*, disk: bool = False) -> None:
     ``cache_dir``), the bundle lists and, where it is loaded, the GPyTorch operator's captured
     graphs. ``disk=True`` also empties the kernel cache on disk (the current ``cache_dir``;
     bundles are read-only and stay). Waits for background compiles first."""
-    _launcher.wait_pending()
-    _launcher.clear_loaded()
+    _store.wait_pending()
+    _store.clear_loaded()
     _plan_distance.clear_templates()
     _autotune.forget()
     _warm._bundle_files.cache_clear()

@@ -44,7 +44,7 @@ def warm_cache():
 
 
 def test_round_trip_on_current_stream():
-    from kermac_like.runtime.launcher import clear_loaded, get_kernel
+    from kermac_like.runtime.store import clear_loaded, get_kernel
     from kermac_like.runtime.specs import distance_spec
     from kermac_like.layout import Layout
 

@@ -886,7 +886,7 @@ def bench_lowk(bench):
     timed in the same run); then a batch of small problems (1000 x 256 x 256, K = 3, one
     bandwidth per problem). Ours and torch in the default compute mode (ours: the low-K kernel
     with the matrix product's NaN/inf up to K = 8, the tensor cores beyond, for the Euclidean
-    ops: runtime/autotune.py's default table). Writes lowk.png (time against K) next to
+    ops: plan/autotune.py's default table). Writes lowk.png (time against K) next to
     results.json."""
     M, N, (L, bm, bn) = LOWK_SIZES["quick" if bench.args.quick else "full"]
     dev = bench.device

@@ -286,24 +286,16 @@ def _compile_group(specs: tuple, arch: str):
         prog = Program(source, code_type="c++", options=_program_options(arch))
         obj = prog.compile("cubin", name_expressions=exprs, logs=logs)
     except Exception as e:  # NVRTC errors surface as various exception types
-        raise CompileError(
-            f"NVRTC failed to compile {len(exprs)} kernel(s) for {arch}: {e}",
-            log_text=logs.getvalue() or str(e),
-            options=_options(arch),
-            name_expressions=exprs,
-        ) from None
+        raise CompileError(f"NVRTC failed to compile {len(exprs)} kernel(s) for {arch}: {e}",
+                           log_text=logs.getvalue() or str(e), options=_options(arch), name_expressions=exprs) from None
     seconds = time.perf_counter() - t0
     _check_nvrtc_version()
     raw = obj.symbol_mapping if hasattr(obj, "symbol_mapping") else obj._sym_map
     mapping = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in dict(raw).items()}
     missing = [e for e in exprs if e not in mapping]
     if missing:
-        raise CompileError(
-            "NVRTC produced no symbol for some name expressions",
-            log_text=logs.getvalue(),
-            options=_options(arch),
-            name_expressions=tuple(missing),
-        )
+        raise CompileError("NVRTC produced no symbol for some name expressions", log_text=logs.getvalue(),
+                           options=_options(arch), name_expressions=tuple(missing))
     return bytes(obj.code), mapping, seconds, logs.getvalue()
 
 

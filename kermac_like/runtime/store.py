@@ -80,24 +80,16 @@ prepare_thread = None  # the thread prepare_in_background started (tests join it
 def _open_cache_in_background():
     """Open the full cache (SQLAlchemy's import and engine: ~0.1-0.2 s) in a thread while
     NVRTC runs in this one (NVRTC releases the GIL); returns a callable giving the cache."""
-    box = {}
+    opened = _futures().Future()
 
     def run():
         try:
-            box["cache"] = kernel_cache.get_cache()
+            opened.set_result(kernel_cache.get_cache())
         except BaseException as e:  # re-raised in the caller's thread
-            box["error"] = e
+            opened.set_exception(e)
 
-    t = threading.Thread(target=run, name="kermac_like-cache-open", daemon=True)
-    t.start()
-
-    def result():
-        t.join()
-        if "error" in box:
-            raise box["error"]
-        return box["cache"]
-
-    return result
+    threading.Thread(target=run, name="kermac_like-cache-open", daemon=True).start()
+    return opened.result
 
 
 def _find(key: str) -> tuple:

@@ -138,7 +138,7 @@ def test_arg_blocks_hold_the_launch_arguments(as_gpu, cap):
     for plan in plans:
         for k, grid, args, block in plan.launches:
             assert isinstance(block, ArgBlock) and block.kernel is k and block.grid == tuple(grid)
-            block.fill([args[i] for i in block.positions])
+            block.fill(args)
             base = ctypes.addressof(block.slots)
             assert [block.params[i] for i in range(len(args))] == [base + 8 * i for i in range(len(args))]
             for i, v in enumerate(args):

@@ -155,24 +155,25 @@ class ArgBlock:
             cfg.numAttrs = 1
             self._config = cfg
 
-    def fill(self, pointers) -> None:
-        """Write the pointer arguments (in ``positions`` order) into their slots."""
-        for i, p in zip(self.positions, pointers):
-            _POINTER.pack_into(self.slots, 8 * i, p)
+    def fill(self, args) -> None:
+        """Write the pointer arguments of ``args`` (the launch's arguments, in ABI order) into
+        their slots."""
+        for i in self.positions:
+            _POINTER.pack_into(self.slots, 8 * i, args[i])
 
-    def launch(self, pointers) -> None:
-        """Fill in the pointer arguments (in ``positions`` order) and launch on the
-        current torch stream of the kernel's device."""
+    def launch(self, args) -> None:
+        """Fill in the pointer arguments of ``args`` (the launch's arguments) and launch on
+        the current torch stream of the kernel's device."""
         device = self.kernel.device
         if torch.cuda.current_device() != device:
             with torch.cuda.device(device):
-                return self.launch(pointers)
+                return self.launch(args)
         _make_current(device)
         stream = _raw_stream(device)
         with self._lock:
             if self._fn is None:
                 self._prepare()
-            self.fill(pointers)
+            self.fill(args)
             driver = self._driver
             if self._config is not None:
                 self._config.hStream = stream
@@ -198,7 +199,7 @@ def launch(kernel: LoadedKernel, grid: tuple, args: tuple, *, debug: bool = Fals
     the launch's :class:`ArgBlock` (same kernel and grid), which takes the pointers from
     ``args`` and launches through the driver."""
     if block is not None and not debug:
-        return block.launch([args[i] for i in block.positions])
+        return block.launch(args)
     device = kernel.device
     if torch.cuda.current_device() != device:
         with torch.cuda.device(device):

@@ -112,9 +112,9 @@ def _find_or_compile(spec: KernelSpec, arch: str, key: str, debug: bool, looked:
     hit, absent = looked if looked is not None else _find(key)
     if hit is not None:
         return hit
-    # (another thread may be importing the store module: read its cache through getattr)
-    store = sys.modules.get(__package__ + ".cache.store")
-    singleton = getattr(store, "_singleton", None)
+    # (another thread may be importing the full cache's module: read its cache through getattr)
+    full = sys.modules.get(__package__ + ".cache.store")
+    singleton = getattr(full, "_singleton", None)
     if absent and singleton is not None and singleton[1].in_memory:
         absent = False  # no usable file: this process's in-memory cache may hold it
     if absent:  # the cache file has no such row (or no file yet): compile while the cache opens

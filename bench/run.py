@@ -849,9 +849,12 @@ exec(timed)
 if dev.type == "cuda":
     torch.cuda.synchronize(dev)
 res["first_ms"] = (time.perf_counter() - t0) * 1e3
-from kermac_like.runtime import launcher
+try:
+    from kermac_like.runtime.store import _loaded
+except ImportError:  # a checkout before the kernel store
+    from kermac_like.runtime.launcher import _functions as _loaded
 sources = {}
-for k in launcher._functions.values():
+for k in _loaded.values():
     sources[k.source] = sources.get(k.source, 0) + 1
 res["sources"] = sources
 print("RESULT " + json.dumps(res))
@@ -883,7 +886,7 @@ def bench_lowk(bench):
     timed in the same run); then a batch of small problems (1000 x 256 x 256, K = 3, one
     bandwidth per problem). Ours and torch in the default compute mode (ours: the low-K kernel
     with the matrix product's NaN/inf up to K = 8, the tensor cores beyond, for the Euclidean
-    ops: runtime/autotune.py's default table). Writes lowk.png (time against K) next to
+    ops: plan/autotune.py's default table). Writes lowk.png (time against K) next to
     results.json."""
     M, N, (L, bm, bn) = LOWK_SIZES["quick" if bench.args.quick else "full"]
     dev = bench.device

@@ -29,15 +29,15 @@ Public API::
 
 from ._version import __version__
 
-try:  # the launcher's runtime; imported up front so a first call pays no import
+try:  # the kernel store and launcher; imported up front so a first call pays no import
     import cuda.core  # noqa: F401
 except ImportError:  # CPU-only use still works through the torch path (torch_path.py)
     pass
-else:  # and so is the launcher with the cache's warm-start reader (sqlite3): a few ms here
+else:  # and so is the store with the cache's warm-start reader (sqlite3): a few ms here
     import importlib as _importlib
 
     # the keys' inputs and the cache connection, prepared while the program makes its tensors
-    _importlib.import_module(".runtime.launcher", __name__).prepare_in_background()
+    _importlib.import_module(".runtime.store", __name__).prepare_in_background()
 from .descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from .formula import (
     FormulaDescriptor,

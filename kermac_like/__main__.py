@@ -119,7 +119,7 @@ def _cmd_tune(args) -> int:
 
     from .descriptor import preset
     from .ops.distance import run_kernel
-    from .runtime import autotune as tuning
+    from .plan import autotune as tuning
 
     if not torch.cuda.is_available():
         print("tune: no CUDA device here (the autotuner times kernels on the GPU)", file=sys.stderr)

@@ -41,10 +41,8 @@ from . import _args as args
 from .config import override
 from .ops import _library as library
 from .plan import core as _plan_core
-from .plan import distance as _plan_distance
 from .plan.distance import spec_override
-from .runtime import autotune as _autotune
-from .runtime import launcher as _launcher
+from .runtime import store as _store
 from .runtime.cache import warm as _warm
 from .solvers import _cg as solver_cg
 from .solvers import _kernel as solver_kernel
@@ -117,19 +115,18 @@ def wait_for_compiles() -> int:
     """Wait for every kernel being found or compiled in a worker thread (the low-K first-call
     tier and prefetches start them); returns how many there were. Call it before timing, or
     before asserting which kernel a call took."""
-    return _launcher.wait_pending()
+    return _store.wait_pending()
 
 
 def clear_caches(*, disk: bool = False) -> None:
-    """Forget what this process holds: loaded kernels, the distance planner's templates and
-    call keys, autotune's choices, the open kernel cache (reopened on next use, at the current
+    """Forget what this process holds: loaded kernels, the plan cache (templates, call keys,
+    autotune's choices), the open kernel cache (reopened on next use, at the current
     ``cache_dir``), the bundle lists and, where it is loaded, the GPyTorch operator's captured
     graphs. ``disk=True`` also empties the kernel cache on disk (the current ``cache_dir``;
     bundles are read-only and stay). Waits for background compiles first."""
-    _launcher.wait_pending()
-    _launcher.clear_loaded()
-    _plan_distance.clear_templates()
-    _autotune.forget()
+    _store.wait_pending()
+    _store.clear_loaded()
+    _plan_core.plans.clear()
     _warm._bundle_files.cache_clear()
     from .runtime import cache
 
@@ -142,6 +139,6 @@ def clear_caches(*, disk: bool = False) -> None:
 
 
 def plan_cache_info() -> dict:
-    """Sizes of the plan caches: ``templates`` (distance plan templates kept per call
-    signature) and ``calls`` (eager calls replayed by their call key)."""
-    return {"templates": len(_plan_distance._TEMPLATES), "calls": len(_plan_distance._BY_CALL)}
+    """What the plan cache (:data:`kermac_like.plan.core.plans`) holds: ``templates`` (plan
+    templates kept per call signature) and ``calls`` (eager calls replayed by their call key)."""
+    return {kind: _plan_core.plans.count(kind) for kind in ("templates", "calls")}

@@ -55,7 +55,7 @@ def uses_mm(compute_mode: str, M: int, N: int) -> bool:
     same NaN and inf (tests/test_nonfinite.py): "use_mm_for_euclid_dist_if_necessary"
     takes the matrix product when either operand has more than 25 rows. On a GPU the matrix
     product is the tensor-core kernel, the direct computation the exact kernels (low-K, SIMT:
-    runtime/autotune.py); here torch's matrix product and torch.cdist's direct kernels."""
+    plan/autotune.py); here torch's matrix product and torch.cdist's direct kernels."""
     if compute_mode == "use_mm_for_euclid_dist":
         return True
     return compute_mode == "use_mm_for_euclid_dist_if_necessary" and (M > 25 or N > 25)

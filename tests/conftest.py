@@ -169,7 +169,7 @@ def as_gpu(monkeypatch):
     import pkgutil
 
     from kermac_like import plan as P
-    from kermac_like.runtime import launcher
+    from kermac_like.runtime import launcher, store
 
     modules = [P] + [importlib.import_module(f"{P.__name__}.{m.name}") for m in pkgutil.iter_modules(P.__path__)]
 
@@ -187,9 +187,10 @@ def as_gpu(monkeypatch):
     # shared memory per SM of the capability (bytes; the CUDA programming guide's table)
     stub("_smem_per_sm", lambda d: {(8, 0): 167936, (8, 6): 102400, (8, 9): 102400, (9, 0): 233472}.get(cap[0], 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap[0])
-    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: _StubKernel(spec))
-    monkeypatch.setattr(launcher, "prefetch", lambda specs, device, debug=False: None)
-    monkeypatch.setattr(launcher, "available", lambda spec, device: True)
+    for kernels in (store, launcher):  # (plan.distance and plan.topk ask the launcher's names)
+        monkeypatch.setattr(kernels, "get_kernel", lambda spec, device, debug=False: _StubKernel(spec))
+        monkeypatch.setattr(kernels, "prefetch", lambda specs, device, debug=False: None)
+        monkeypatch.setattr(kernels, "available", lambda spec, device: True)
     monkeypatch.setattr(launcher, "max_active_clusters", lambda k: 66)
     stub("_wgmma_enabled", lambda device, settings=None: (settings or P.Settings.current()).wgmma and cap[0] == (9, 0))
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "always")

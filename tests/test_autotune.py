@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kermac_like as km
-from kermac_like.runtime import autotune as tuning
+from kermac_like.plan import autotune as tuning
 from kermac_like.runtime.cache import KernelCache
 
 IF = "use_mm_for_euclid_dist_if_necessary"

@@ -1,4 +1,4 @@
-"""Bundles of prebuilt kernels and the launcher's find-or-compile path (no GPU: the arch is
+"""Bundles of prebuilt kernels and the kernel store's find-or-compile path (no GPU: the arch is
 a string; one small kernel is compiled with NVRTC)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from kermac_like.runtime import launcher
+from kermac_like.runtime import store
 from kermac_like.runtime.cache import warm
 from kermac_like.runtime.cache import store as kc
 from kermac_like.runtime.compiler import kernel_key
@@ -45,8 +45,8 @@ def test_bundle_is_read_before_compiling(isolated, spec, monkeypatch):
     cubin, lowered, sha = warm.read_bundled(key)
     assert lowered and len(cubin) > 1000
     assert warm.read_kernel_status(key) == (None, True)  # the user's cache has no file yet
-    monkeypatch.setattr(launcher, "compile_specs", lambda *a, **k: pytest.fail("compiled despite the bundle"))
-    found, source = launcher._find_or_compile(spec, ARCH, key, False)
+    monkeypatch.setattr(store, "compile_specs", lambda *a, **k: pytest.fail("compiled despite the bundle"))
+    found, source = store._find_or_compile(spec, ARCH, key, False)
     assert source == "bundle" and found == (cubin, lowered, sha)
 
 
@@ -60,12 +60,12 @@ def test_bundle_writable_by_others_is_ignored(isolated, spec):
 
 def test_miss_compiles_and_stores(isolated, spec):
     key = kernel_key(spec, ARCH)
-    found, source = launcher._find_or_compile(spec, ARCH, key, False)
+    found, source = store._find_or_compile(spec, ARCH, key, False)
     assert source == "compiled"
     assert warm.read_kernel(key) == found  # stored in the user's cache
     assert warm.read_kernel_status(key) == (found, False)
     assert warm.read_kernel_status("0" * 64) == (None, True)  # a sound file without the row
-    again, source = launcher._find_or_compile(spec, ARCH, key, False)
+    again, source = store._find_or_compile(spec, ARCH, key, False)
     assert source == "cache" and again == found
 
 
@@ -90,13 +90,13 @@ def test_cold_calls_take_only_shipped_kernels():
     shipped = set(shipped_specs())
     dev = torch.device("cuda")
     for name, code in COLD_CALLS.items():
-        launcher.clear_loaded()  # each call loads its kernels again (from the cache)
+        store.clear_loaded()  # each call loads its kernels again (from the cache)
         setup, timed = code.split("@ ")
         scope = {"torch": torch, "km": km, "dev": dev}
         exec(setup, scope)
         exec(timed, scope)
         torch.cuda.synchronize()
-        used = {spec for (_, spec) in launcher._functions}
+        used = {spec for (_, spec) in store._loaded}
         assert used, name
         missing = [s.name_expression for s in used if s not in shipped]
         assert not missing, f"{name}: not in the shipped set: {missing}"

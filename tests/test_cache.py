@@ -800,8 +800,8 @@ _PREPARE_CHILD = r"""
 import json, sys
 import kermac_like
 from kermac_like.runtime.cache import warm
-from kermac_like.runtime import compiler, launcher
-t = launcher.prepare_thread
+from kermac_like.runtime import compiler, store
+t = store.prepare_thread
 if t is not None:
     t.join(30)
 print(json.dumps(dict(

@@ -15,7 +15,7 @@ import kermac_like as km
 from kermac_like.plan import distance
 from kermac_like.layout import analyse_output
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
-from kermac_like.runtime import autotune as tuning
+from kermac_like.plan import autotune as tuning
 from kermac_like.reference import distance_reference
 
 pytestmark = pytest.mark.gpu

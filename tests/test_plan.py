@@ -11,6 +11,7 @@ import torch
 import kermac_like as km
 from kermac_like.centring import reference_point
 from kermac_like.plan import distance as P
+from kermac_like.plan.core import plans as plan_cache
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
 from kermac_like.runtime import launcher
 from kermac_like.runtime.specs import LOWK_TILES_N
@@ -48,7 +49,7 @@ def test_cached_plan_launches_what_a_fresh_plan_launches(as_gpu, cap, name, pres
     out = torch.empty(call.out_shape)
     first = P.plan_distance(call, out, mode, False)
     assert first.family != "reference" and first.launches
-    assert len(P._TEMPLATES) == 1
+    assert plan_cache.count("templates") == 1
     second = P.plan_distance(call, out, mode, False)  # from the template
     fresh = P.plan_distance(call, out, mode, True)  # debug: planned from scratch, no cache
     assert _normalised(second) == _normalised(first) == _normalised(fresh)
@@ -58,7 +59,7 @@ def test_cached_plan_launches_what_a_fresh_plan_launches(as_gpu, cap, name, pres
         pytest.skip("the allocator gave a different alignment")
     call2 = prepare_call(km.PRESETS[preset], a2, b2, **kw)
     cached = P.plan_distance(call2, out2, mode, False)
-    assert len(P._TEMPLATES) == 1
+    assert plan_cache.count("templates") == 1
     assert _normalised(cached) == _normalised(P.plan_distance(call2, out2, mode, True))
     if cap == (9, 0) and preset in ("l2", "dot", "laplace_l2") and call.K > 8:  # rows 16-byte aligned
         assert first.family == "distance_wgmma" and len(first.scratch) > 1
@@ -99,7 +100,7 @@ def test_copies_and_converted_hyper_parameters_are_not_cached(as_gpu):
     bw = torch.tensor([2.0], dtype=torch.float64)  # converted to float32 by every call
     call = prepare_call(km.PRESETS["laplace_l1"], torch.randn(40, 3), torch.randn(30, 3), bandwidth=bw)
     P.plan_distance(call, torch.empty(call.out_shape), COMPUTE_MODES[0], False)
-    assert not P._TEMPLATES
+    assert not plan_cache.count("templates")
 
 
 def test_settings_are_part_of_the_key(as_gpu, monkeypatch, set_tf32):
@@ -112,7 +113,7 @@ def test_settings_are_part_of_the_key(as_gpu, monkeypatch, set_tf32):
     set_tf32(True)
     tf32 = P.plan_distance(call, out, COMPUTE_MODES[0], False)
     assert "Precision::Tf32>" in tf32.spec.traits or "Precision::Tf32," in tf32.spec.traits
-    assert len(P._TEMPLATES) == 4
+    assert plan_cache.count("templates") == 4
     assert np.float32(-np.inf) in tf32.launches[-1].args  # no epsilon: the cut is off
 
 
@@ -133,11 +134,11 @@ def test_arg_blocks_hold_the_launch_arguments(as_gpu, cap):
     call = prepare_call(km.PRESETS["laplace_l2"], a, b, bandwidth=bw, regularization=0.25, epsilon=1e-4)
     out = torch.empty(call.out_shape)
     plans = [P.plan_distance(call, out, COMPUTE_MODES[0], False) for _ in range(2)]
-    assert len(P._TEMPLATES) == 1
+    assert plan_cache.count("templates") == 1
     for plan in plans:
         for k, grid, args, block in plan.launches:
             assert isinstance(block, ArgBlock) and block.kernel is k and block.grid == tuple(grid)
-            block.fill([args[i] for i in block.positions])
+            block.fill(args)
             base = ctypes.addressof(block.slots)
             assert [block.params[i] for i in range(len(args))] == [base + 8 * i for i in range(len(args))]
             for i, v in enumerate(args):
@@ -191,7 +192,7 @@ def test_repeated_eager_calls_are_served_by_their_call_key(recorded, monkeypatch
         P.clear_templates()
         recorded.append([])
         fn(x, y, out)  # full path: validates, plans, keeps the template under the call's key
-        assert len(P._BY_CALL) == 1, name
+        assert plan_cache.count("calls") == 1, name
         x2, y2, out2 = x + 1, y - 1, torch.empty_like(out)  # new data, same layout
         recorded.append([])
         validated.clear()
@@ -200,7 +201,7 @@ def test_repeated_eager_calls_are_served_by_their_call_key(recorded, monkeypatch
         first = _named(recorded[-2], {"x": x, "y": y, "out": out})
         served = _named(recorded[-1], {"x": x2, "y": y2, "out": out2})
         assert first and served == first, name
-        assert len(P._BY_CALL) == 1 and len(P._TEMPLATES) == 1, name
+        assert plan_cache.count("calls") == 1 and plan_cache.count("templates") == 1, name
     # Hyper-parameter tensors: the served call reads this call's tensors.
     P.clear_templates()
     for rep in range(2):
@@ -212,7 +213,7 @@ def test_repeated_eager_calls_are_served_by_their_call_key(recorded, monkeypatch
         named = _named(recorded[-1], {"x": x, "y": y, "out": out, "p": pt, "reg": rt})
         args = named[-1][2]
         assert "p" in args and "reg" in args and not any(str(v).startswith("scratch") for v in args)
-    assert len(P._BY_CALL) == 1
+    assert plan_cache.count("calls") == 1
     # What the key holds changes the path: another p, another out layout, a setting.
     P.clear_templates()
     recorded.append([])
@@ -221,7 +222,7 @@ def test_repeated_eager_calls_are_served_by_their_call_key(recorded, monkeypatch
     km.cdist(x, y, out=torch.empty(50, 70).mT)
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "0")
     km.cdist(x, y, out=out)
-    assert len(P._BY_CALL) == 4
+    assert plan_cache.count("calls") == 4
     # Bad input after a warm call still gets its error, and out is left untouched.
     poison = torch.full_like(out, 7.0)
     with pytest.raises(ValueError, match="x2"):
@@ -242,7 +243,7 @@ def test_call_key_is_not_used_where_the_full_path_must_run(recorded, monkeypatch
     km.cdist(x, y, autotune=False)
     monkeypatch.setenv("KERMAC_LIKE_AUTOTUNE", "1")
     km.cdist(x, y)  # one candidate (tensor cores): no timing, but an autotuned key is not kept
-    assert not P._BY_CALL
+    assert not plan_cache.count("calls")
 
 
 @pytest.mark.parametrize("cap", [(9, 0), (8, 0)], ids=["sm_90", "sm_80"])
@@ -288,7 +289,7 @@ def test_simt_calls_read_kmajor_copies_of_row_major_operands(as_gpu, monkeypatch
         assert t.stride(-2) == 1 and t.stride(-1) % 4 == 0 and t.data_ptr() % 16 == 0 and torch.equal(t, src)
     assert first.launches[-1].args[0] == ta.data_ptr() and first.launches[-1].args[6] == ta.stride(-1)
     second = P.plan_distance(prepare_call(km.PRESETS["l1"], x + 1, y), out, mode, False)  # from the template
-    assert len(P._TEMPLATES) == 1 and torch.equal(second.scratch[-1]["a"], x + 1)
+    assert plan_cache.count("templates") == 1 and torch.equal(second.scratch[-1]["a"], x + 1)
     assert _normalised(second) == _normalised(first) == _normalised(P.plan_distance(call, out, mode, True))
     same = P.plan_distance(prepare_call(km.PRESETS["l1"], x, x), torch.empty(70, 70), mode, False)
     assert same.scratch[-1]["a"] is same.scratch[-1]["b"]
@@ -373,7 +374,7 @@ def test_chunk_stream_switch(as_gpu, monkeypatch, settings):
     chunks), beyond it and with the switch off the SIMT kernel; the matrix-product mode and
     the other descriptor classes keep their kernels; the first-call tier serves a call
     whose stream kernel is not at hand with the generic variant."""
-    from kermac_like.runtime import autotune
+    from kermac_like.plan import autotune
     from kermac_like.runtime.specs import distance_lowk as DL
 
     mode = COMPUTE_MODES[0]

@@ -1,4 +1,4 @@
-"""Every kernel kind on the low-K sweep (the data behind runtime/autotune.py's default table).
+"""Every kernel kind on the low-K sweep (the data behind plan/autotune.py's default table).
 
     python bench/probes/lowk_candidates.py [--quick] [--json out.json]
 
@@ -27,7 +27,7 @@ import kermac_like as km  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
 from kermac_like.plan import distance  # noqa: E402
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call  # noqa: E402
-from kermac_like.runtime import autotune as tuning  # noqa: E402
+from kermac_like.plan import autotune as tuning  # noqa: E402
 from kermac_like.runtime import specs as render  # noqa: E402
 
 OPS = {"cdist_p1": ("l1", {}), "cdist_p2": ("l2", {}), "laplace_l2": ("laplace_l2", {"bw": 1}),

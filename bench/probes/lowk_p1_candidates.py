@@ -36,7 +36,7 @@ import kermac_like as km  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
 from kermac_like.plan import distance  # noqa: E402
 from kermac_like.layout import Layout  # noqa: E402
-from kermac_like.runtime import autotune as tuning  # noqa: E402
+from kermac_like.plan import autotune as tuning  # noqa: E402
 from kermac_like.runtime import specs as render  # noqa: E402
 from lowk_candidates import launcher, rel  # noqa: E402
 

@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT / "bench" / "probes"))
 import kermac_like as km  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
 from kermac_like.layout import Layout  # noqa: E402
-from kermac_like.runtime import autotune as tuning  # noqa: E402
+from kermac_like.plan import autotune as tuning  # noqa: E402
 from kermac_like.runtime import specs as render  # noqa: E402
 from lowk_candidates import launcher  # noqa: E402
 

@@ -24,7 +24,7 @@ from kermac_like import config
 from kermac_like.plan import distance as P
 from kermac_like.ops.distance import prepare_call
 from kermac_like.reference import cdist_grad_reference, distance_reference
-from kermac_like.runtime import autotune
+from kermac_like.plan import autotune
 
 SIZES = (2, 131, 97, 37)  # batch, M, N, K: odd, ragged against every tile shape
 TC_SIZES = (2, 131, 97, 40)  # the tensor-core kernels take rows of whole 16-byte chunks
@@ -44,7 +44,7 @@ def _check(out, desc, a, b, tol, p=None, **kw):
 
 
 def _run(desc, a, b, out, mode, kind, **kw):
-    """run_kernel, or with ``kind`` (runtime.autotune's) the plan of that kind itself."""
+    """run_kernel, or with ``kind`` (plan.autotune's) the plan of that kind itself."""
     if kind is None:
         return km.run_kernel(desc, a, b, out=out, compute_mode=mode, **kw)
     call = prepare_call(desc, a, b, **kw)

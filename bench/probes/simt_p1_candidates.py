@@ -35,7 +35,7 @@ from bench._timing import time_calls  # noqa: E402
 from bench.probes.lowk_candidates import launcher  # noqa: E402
 from bench.probes.try_simt import ClockMonitor  # noqa: E402
 from kermac_like.layout import Layout  # noqa: E402
-from kermac_like.runtime import autotune as tuning  # noqa: E402
+from kermac_like.plan import autotune as tuning  # noqa: E402
 from kermac_like.runtime import specs as render  # noqa: E402
 
 # (label, tuning, prediction at 30000^2 x 1024 in ms). The seventh session's run also had

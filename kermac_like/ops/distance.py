@@ -25,7 +25,7 @@ from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import DistanceCall, run_by_call_key, run_distance
 from ..plan import core as plan_core
 from . import distance_backward
-from ..runtime.autotune import override as autotune_override
+from ..plan.autotune import override as autotune_override
 from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
 
 log = logging.getLogger("kermac_like.distance")

@@ -59,7 +59,7 @@ from ..descriptor import KernelDescriptor, KernelType, PowerType
 from ..layout import broadcast_shapes
 from ..reference import BLOCK_ELEMENTS
 from ._library import call_op, descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
-from ..runtime import launcher
+from ..runtime import launcher, store
 from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, matvec_grad_spec
 
 log = logging.getLogger("kermac_like.matvec_grad")
@@ -255,7 +255,7 @@ def _fused_contraction(desc, a, b, ga, vb, *, q, r, bw, epsilon, batch, widths, 
     kk, kc = widths
     spec = matvec_grad_spec(desc, kk, kc, epsilon is not None)  # unroll: specs.matvec_grad.UNROLL
     device = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = launcher.get_kernel(spec, device, debug=debug)
+    kernel = store.get_kernel(spec, device, debug=debug)
     (af, sa), (bf, sb), (gf, sg), (vf, sv) = (_flat_operand(t, batch, L) for t in (a, b, ga, vb))
     table = _hyper_table((q, r, bw), batch, L, dev)
     scal = [1.0 if (h is None or isinstance(h, torch.Tensor)) else float(h) for h in (q, r, bw)]

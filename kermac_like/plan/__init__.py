@@ -20,11 +20,14 @@ choice are read once per call into :class:`Settings`.
 
 One module per rule, over a shared core:
 
-* :mod:`.core`: Settings, Launch, Plan, the reference plan, the device queries, the
-  distance ABI's hyper-parameters (HYPERS) and the N-split rule of kernel_matvec;
+* :mod:`.core`: Settings, Launch, Plan, the plan cache every family keeps its reusable work
+  in (``plans``: bounded, least recently used out), the reference plan, the device queries,
+  the distance ABI's hyper-parameters (HYPERS) and the N-split rule of kernel_matvec;
+* :mod:`.autotune`: which distance kernel serves a call (the default table, or timed once
+  per problem class and stored);
 * :mod:`.distance`: run_kernel and cdist (SIMT, low-K, mma.sync, wgmma with its b
-  preparation), the plan templates kept per call signature and per eager call key, and
-  spec_override;
+  preparation), its plan templates (in the plan cache, per call signature and per eager
+  call key), and spec_override;
 * :mod:`.cdist_grad`: cdist_grad (SIMT and tensor-core gradient kernels);
 * :mod:`.matvec`: kernel_matvec (fused SIMT kernel, tensor-core tiles times v);
 * :mod:`.matvec_wgmma`: kernel_matvec on Hopper (matvec_wgmma_kernel);

@@ -11,7 +11,7 @@ import torch
 
 from ..layout import batch_strides, plan_batch
 from ..reference import cdist_grad_reference
-from ..runtime import launcher
+from ..runtime import store
 from ..runtime.specs import grad_kernel_spec
 from .core import Launch, Plan, Settings, _device_index, _reference_plan
 
@@ -80,7 +80,7 @@ def plan_cdist_grad(a, b, c, d, p, out, batch: tuple, sizes: tuple, debug: bool,
     sm90 = torch.cuda.get_device_capability(a.device) == (9, 0)
     spec = grad_kernel_spec(kind, vec, tensor_cores=use_mma, sm90=sm90)
     family = "cdist_grad_mma" if spec.kernel == "kermac_like::cdist_grad_mma_kernel" else "cdist_grad"
-    kernel = launcher.get_kernel(spec, _device_index(a.device), debug=debug)
+    kernel = store.get_kernel(spec, _device_index(a.device), debug=debug)
     L = bplan.count
     grid = (math.ceil(M / spec.launch.block_m), math.ceil(N / spec.launch.block_n), min(L, 65535))
     if debug:

@@ -1,11 +1,13 @@
 """What every planner rule shares: the plan itself (:class:`Settings`, :class:`Launch`,
-:class:`Plan`), the reference plan, the device queries, the distance ABI's
-hyper-parameters and the N-split rule of both kernel_matvec rules."""
+:class:`Plan`), the plan cache (:data:`plans`), the reference plan, the device queries, the
+distance ABI's hyper-parameters and the N-split rule of both kernel_matvec rules."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import threading
 from typing import Callable, NamedTuple
 
 import torch
@@ -14,7 +16,7 @@ from .. import config
 from ..layout import batch_strides, plan_batch
 from ..runtime import launcher
 
-__all__ = ["HYPERS", "Settings", "Launch", "Plan", "choose_split", "MATVEC_SCRATCH_BYTES"]
+__all__ = ["HYPERS", "Settings", "Launch", "Plan", "PlanCache", "plans", "choose_split", "MATVEC_SCRATCH_BYTES"]
 
 # The hyper-parameters of the distance ABI, in argument order.
 HYPERS = ("inner_p", "outer_p", "bandwidth", "regularization")
@@ -43,7 +45,7 @@ class Settings(NamedTuple):
 
 
 class Launch(NamedTuple):
-    kernel: object  # runtime.launcher.LoadedKernel
+    kernel: object  # runtime.loader.LoadedKernel
     grid: tuple
     args: tuple
     block: object = None  # runtime.launcher.ArgBlock of a cached template's launch
@@ -73,6 +75,51 @@ class Plan(NamedTuple):
         for k, grid, args, block in self.launches:
             launcher.launch(k, grid, args, debug=self.debug, block=block)
         return self.out
+
+
+class PlanCache:
+    """The one cache of what planning made, for every family: bounded, least recently used out.
+
+    A key is computed once per call from the call and the settings it read (a family's own
+    tuple, so families never share one); each entry carries its ``kind`` ("templates": a
+    plan without its data, "calls": a template by the public op's call key, "tuning": an
+    autotuned kernel choice). A hit is one dict lookup and a counter (no lock, no I/O); a
+    put past ``size`` entries drops the least recently used quarter."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: dict = {}  # key -> [value, kind, last use]
+        self._clock = itertools.count()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        entry[2] = next(self._clock)
+        return entry[0]
+
+    def put(self, key, value, kind: str):
+        """Keep ``value`` under ``key``; returns it."""
+        with self._lock:
+            if len(self._entries) >= self.size:
+                by_use = sorted(self._entries, key=lambda k: self._entries[k][2])
+                for k in by_use[: max(1, self.size // 4)]:
+                    del self._entries[k]
+            self._entries[key] = [value, kind, next(self._clock)]
+        return value
+
+    def clear(self, *kinds: str) -> None:
+        """Forget the entries of these kinds (none named: every entry)."""
+        with self._lock:
+            for k in [k for k, entry in self._entries.items() if not kinds or entry[1] in kinds]:
+                del self._entries[k]
+
+    def count(self, kind: str) -> int:
+        return sum(1 for entry in list(self._entries.values()) if entry[1] == kind)
+
+
+plans = PlanCache(2048)
 
 
 def _reference_plan(fn: Callable, debug: bool) -> Plan:

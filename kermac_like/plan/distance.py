@@ -21,8 +21,9 @@ from ..centring import same_memory as _same_memory, shift_invariant, shifted_pai
 from ..descriptor import KernelDescriptor
 from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
 from .. import config, formula_path, torch_path
-from ..runtime import autotune, launcher
-from ..runtime.autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
+from ..runtime import launcher
+from . import autotune
+from .autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from ..runtime.specs import (
     LOWK_GENERIC_MAX_K,
     LOWK_MAX_K,
@@ -50,6 +51,7 @@ from .core import (
     _sm_count,
     _smem_per_sm,
     _wgmma_enabled,
+    plans,
 )
 
 __all__ = ["DistanceCall", "plan_distance", "run_distance", "run_by_call_key", "clear_templates", "spec_override",
@@ -328,19 +330,13 @@ class _Template(NamedTuple):
     kmajor: bool = False  # a and b are read from m-contiguous copies (a copy per call: _kmajor)
 
 
-# Templates of recent calls, by _distance_key: a repeated call (same shapes, strides,
-# alignment, dtype, descriptor, hyper-parameter kinds and settings) skips the layout
-# analysis, batch folding, spec choice and argument packing, and only fills in pointers.
-_TEMPLATES: dict = {}
-_TEMPLATES_MAX = 512
-# The same templates by the public op's own arguments (ops.distance's call keys), so that
-# a repeated eager call skips the validation and planning its key implies.
-_BY_CALL: dict = {}
-
-
-def clear_templates() -> None:
-    _TEMPLATES.clear()
-    _BY_CALL.clear()
+# Templates of recent calls live in the plan cache (plan.core.plans), kind "templates" by
+# _distance_key: a repeated call (same shapes, strides, alignment, dtype, descriptor,
+# hyper-parameter kinds and settings) skips the layout analysis, batch folding, spec choice
+# and argument packing, and only fills in pointers; kind "calls" by the public op's own
+# arguments (ops.distance's call keys), so that a repeated eager call skips the validation and
+# planning its key implies.
+clear_templates = functools.partial(plans.clear, "templates", "calls")
 
 
 # The names replaced by the active spec_override and their (hashable) values: part of every
@@ -436,10 +432,8 @@ def _instantiate_template(t: _Template, a, b, out, hyper_tensors: dict, device, 
 
 
 def _remember_call(call_key, t: _Template, call: DistanceCall) -> None:
-    if len(_BY_CALL) >= 4 * _TEMPLATES_MAX:
-        _BY_CALL.clear()
     names = tuple(k for k in HYPERS if isinstance(call.hypers[k], torch.Tensor))
-    _BY_CALL[call_key] = (t, call.out_shape, names)
+    plans.put(call_key, (t, call.out_shape, names), "calls")
 
 
 def run_by_call_key(call_key, a: torch.Tensor, b: torch.Tensor, out, hypers: dict | None = None):
@@ -450,7 +444,7 @@ def run_by_call_key(call_key, a: torch.Tensor, b: torch.Tensor, out, hypers: dic
     The key holds everything the validation and the plan of that call depended on
     (shapes, strides, alignments, dtypes, devices, hyper-parameter values, settings), so
     neither is repeated."""
-    hit = None if _OVERRIDES else _BY_CALL.get(call_key)
+    hit = None if _OVERRIDES else plans.get(call_key)
     if hit is None:
         return None
     t, out_shape, names = hit
@@ -476,7 +470,7 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     key = None if key is None else (key, kind, _OVERRIDES)
     if key is None or _OVERRIDES or autotune.autotune_enabled(call.autotune):  # an autotuned choice may be forgotten
         call_key = None
-    t = _TEMPLATES.get(key) if key is not None else None
+    t = plans.get(key) if key is not None else None
     if t is not None:
         if call_key is not None:
             _remember_call(call_key, t, call)
@@ -487,9 +481,7 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
         return None
     t, tensors, reusable = built
     if key is not None and reusable:
-        if len(_TEMPLATES) >= _TEMPLATES_MAX:
-            clear_templates()
-        t = _TEMPLATES[key] = _with_arg_blocks(t)
+        t = plans.put(key, _with_arg_blocks(t), "templates")
         if call_key is not None:
             _remember_call(call_key, t, call)
     return _instantiate(t, tensors, call.device, debug)

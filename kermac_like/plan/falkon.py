@@ -32,7 +32,7 @@ import torch
 
 from .. import config
 from ..descriptor import PRESETS
-from ..runtime import launcher
+from ..runtime import launcher, store
 from ..runtime.specs.falkon import (MAX_K, PAD, c_chunk, cols_spec, k_bucket, prep_spec, pv_nq, rows_pv_spec,
                                     rows_spec, vprep_spec)
 from .core import _device_index, _gpu_ok
@@ -124,8 +124,8 @@ class FalkonProducts:
         spec = prep_spec(self.K)
         products = ([vprep_spec(self.K, 2), rows_pv_spec(self.K, 2)] if columns == "pv"
                     else [rows_spec(self.K, 1), cols_spec(self.K, 1)])
-        launcher.prefetch([spec, *products], self.device, debug=debug)
-        prep = launcher.get_kernel(spec, self.device, debug=debug)
+        store.prefetch([spec, *products], self.device, debug=debug)
+        prep = store.get_kernel(spec, self.device, debug=debug)
         entries = max(self.Mp // 8 * S * 32, self.Mp)
         grid = (-(-entries // spec.launch.threads), 1, 1)
         launcher.launch(prep, grid, (zc.data_ptr(), np.int64(zc.stride(0)), np.int32(self.M), np.int32(self.K),
@@ -160,7 +160,7 @@ class FalkonProducts:
         while c0 < C:
             kC = c_chunk(C - c0, self.kK)
             spec = rows_spec(self.K, kC)
-            kern = launcher.get_kernel(spec, self.device, debug=self.debug)
+            kern = store.get_kernel(spec, self.device, debug=self.debug)
             vc = vp[:, c0:c0 + kC].contiguous()
             ctas, split, per = self._row_split(N, spec)
             if split == 1:
@@ -226,9 +226,9 @@ class FalkonProducts:
         while c0 < C:
             nq = pv_nq(C - c0)
             cc = min(8 * nq, C - c0)
-            prep = launcher.get_kernel(vprep_spec(self.K, nq), self.device, debug=self.debug)
+            prep = store.get_kernel(vprep_spec(self.K, nq), self.device, debug=self.debug)
             spec = rows_pv_spec(self.K, nq)
-            kern = launcher.get_kernel(spec, self.device, debug=self.debug)
+            kern = store.get_kernel(spec, self.device, debug=self.debug)
             entries = self.Mp // 16 * nq * 32
             vf = torch.empty(entries * 4, dtype=torch.int32, device=x.device)
             pgrid = (-(-entries // prep.spec.launch.threads), 1, 1)
@@ -270,7 +270,7 @@ class FalkonProducts:
         while c0 < C:
             kC = c_chunk(C - c0, self.kK)
             spec = cols_spec(self.K, kC)
-            kern = launcher.get_kernel(spec, self.device, debug=self.debug)
+            kern = store.get_kernel(spec, self.device, debug=self.debug)
             ctas = self.Mp // spec.launch.block_n
             bm = spec.launch.block_m
             x_tiles = -(-N // bm)

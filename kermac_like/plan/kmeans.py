@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .. import config
-from ..runtime import launcher
+from ..runtime import launcher, store
 from ..runtime.specs.kmeans import (ASSIGN_MAX_K, BLOCK_M, BOUNDS_LAUNCH, ROUND, SEGSUM_ROWS, THREADS, TRIALS,
                                     assign_k_bucket, assign_prep_spec, assign_spec, bounds_spec, draw_spec, gap_spec,
                                     segsum_combine_spec, segsum_spec, update_spec)
@@ -98,8 +98,8 @@ class Seeding:
         self.gap = torch.empty(C, dtype=torch.float32, device=dev)
         self.count = torch.zeros(1, dtype=torch.int32, device=dev)
         specs = [update_spec(K), gap_spec(), draw_spec()]
-        launcher.prefetch(specs, device, debug=debug)  # compiled side by side on a first call
-        self.upd, self.gapk, self.draw = (launcher.get_kernel(sp, device, debug=debug) for sp in specs)
+        store.prefetch(specs, device, debug=debug)  # compiled side by side on a first call
+        self.upd, self.gapk, self.draw = (store.get_kernel(sp, device, debug=debug) for sp in specs)
         sxm, sxk = (np.int64(st) for st in self.x.stride())
         self._common = (np.int32(N), np.int32(K), sxm, sxk, np.int64(K))
         if debug:
@@ -195,9 +195,9 @@ def plan_segment_sums(X: torch.Tensor, perm: torch.Tensor, bounds: torch.Tensor,
     n_items = -(-N // SEGSUM_ROWS) + C  # at least every cluster's item count (no host synchronisation)
     part = torch.empty(n_items * (K + 1), dtype=torch.float64, device=dev)
     out = torch.empty(C * (K + 1), dtype=torch.float64, device=dev)
-    launcher.prefetch([segsum_spec(), segsum_combine_spec()], device, debug=debug)
-    main = launcher.get_kernel(segsum_spec(), device, debug=debug)
-    comb = launcher.get_kernel(segsum_combine_spec(), device, debug=debug)
+    store.prefetch([segsum_spec(), segsum_combine_spec()], device, debug=debug)
+    main = store.get_kernel(segsum_spec(), device, debug=debug)
+    comb = store.get_kernel(segsum_combine_spec(), device, debug=debug)
     sxm, sxk = (np.int64(t) for t in X.stride())
     args = (X.data_ptr(), 0 if w is None else w.data_ptr(), perm.data_ptr(), bounds.data_ptr(), items.data_ptr(),
             part.data_ptr(), np.int32(K), np.int32(C), sxm, sxk, np.int32(SEGSUM_ROWS))
@@ -300,9 +300,9 @@ def plan_assign(X: torch.Tensor, centres: torch.Tensor, debug: bool = False, cer
     labels = torch.empty(N, dtype=torch.int64, device=dev) if labels is None else labels
     dist = torch.empty(N, dtype=torch.float32, device=dev) if dist is None else dist
     cert = torch.empty(N, dtype=torch.uint8, device=dev) if certificates else None
-    launcher.prefetch([pspec, spec], device, debug=debug)
-    prep = launcher.get_kernel(pspec, device, debug=debug)
-    main = launcher.get_kernel(spec, device, debug=debug)
+    store.prefetch([pspec, spec], device, debug=debug)
+    prep = store.get_kernel(pspec, device, debug=debug)
+    main = store.get_kernel(spec, device, debug=debug)
     sxm, sxk = (np.int64(t) for t in X.stride())
     ldc = np.int64(c.stride(0))
     pargs = (c.data_ptr(), cf.data_ptr(), cn.data_ptr(), cmax.data_ptr(), np.int32(C), np.int32(K), ldc)
@@ -466,7 +466,7 @@ class BoundedAssign:
         sxm, sxk = (np.int64(t) for t in X.stride())
         args = (X.data_ptr(), c.data_ptr(), self.labels.data_ptr(), *ptrs, np.int32(N), np.int32(K), sxm, sxk,
                 np.int64(c.stride(0)), np.int32(assign_split(K)), np.float32(kap), np.float32(gu))
-        kernel = launcher.get_kernel(bounds_spec(), _device_index(X.device), debug=self.debug)
+        kernel = store.get_kernel(bounds_spec(), _device_index(X.device), debug=self.debug)
         launcher.launch(kernel, (-(-N // BOUNDS_THREADS), 1, 1), args, debug=self.debug)
 
     def first(self, centres: torch.Tensor, hint: torch.Tensor | None = None) -> torch.Tensor:

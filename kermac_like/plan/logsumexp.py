@@ -34,7 +34,7 @@ import torch
 
 from .. import config
 from ..descriptor import KernelType
-from ..runtime import launcher
+from ..runtime import store
 from ..runtime.specs import logsumexp as specs
 from ..runtime.specs.matvec import expandable  # exp(-S d^2) of the squared l2 distance
 from ..runtime.specs.logsumexp import MAX_C, MAX_K, MAX_SPLIT, c_bucket, lse_combine_spec, lse_spec
@@ -134,7 +134,7 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
     for c0 in range(0, C, MAX_C):
         cc = min(MAX_C, C - c0)
         spec_c = lse_spec(call.desc, dtype, K, cc, variant=variant)
-        kernel = launcher.get_kernel(spec_c, device, debug=debug)
+        kernel = store.get_kernel(spec_c, device, debug=debug)
         kC = c_bucket(cc)
         m_tiles = -(-M // spec_c.launch.block_m)
         n_tiles = -(-N // spec_c.launch.block_n)
@@ -147,7 +147,7 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
         if split > 1:
             part = torch.empty(split * L * M * kC * 2, dtype=torch.float32, device=call.a.device)
             scratch.append(part)
-            combine = launcher.get_kernel(lse_combine_spec(call.desc, dtype, cc), device, debug=debug)
+            combine = store.get_kernel(lse_combine_spec(call.desc, dtype, cc), device, debug=debug)
         grid = (m_tiles, split, min(L, 65535))
         if debug:
             log.debug("logsumexp %r: M=%d N=%d K=%d columns %d..%d batch=%s: grid %s, %d y tiles per split", call.desc,

@@ -32,7 +32,7 @@ from ..centring import (  # noqa: F401  (re-exported: the matvec paths' one shif
     shifted_pair,
 )
 from ..descriptor import PowerType
-from ..runtime import launcher
+from ..runtime import store
 from ..runtime.specs.matvec import MAX_C, combine_spec, expands, matvec_spec, part_bytes
 from .core import (
     HYPERS,
@@ -217,7 +217,7 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
                            f32_partials=call.f32_partials)
         first = first or spec
         if kernel is None or kernel.spec != spec:
-            kernel = launcher.get_kernel(spec, device, debug=debug)
+            kernel = store.get_kernel(spec, device, debug=debug)
         m_tiles = -(-M // spec.launch.block_m)
         n_tiles = -(-N // spec.launch.block_n)
         slots = _sm_count(device) * _blocks_per_sm(kernel)
@@ -230,7 +230,7 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
                 part = torch.empty(split * L * M * cc, dtype=part_dtype, device=call.device)
                 scratch.append(part)
             if combine is None:
-                combine = launcher.get_kernel(combine_spec(call.dtype, out_dtype), device, debug=debug)
+                combine = store.get_kernel(combine_spec(call.dtype, out_dtype), device, debug=debug)
         grid = (m_tiles, split, min(L, 65535))
         if debug:
             log_matvec.debug("kernel_matvec %r: M=%d N=%d K=%d C=%d (columns %d..%d) batch=%s: grid %s, %d y tiles "

@@ -20,7 +20,7 @@ import torch
 from ..centring import centred_together, shift_invariant, shifted_pair
 from ..descriptor import KernelDescriptor
 from ..layout import batch_strides
-from ..runtime import launcher
+from ..runtime import launcher, store
 from ..runtime.specs.matvec import MAX_C, c_bucket, combine_spec
 from ..runtime.specs import wgmma_prepare_needs, wgmma_prepare_spec
 from ..runtime.specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
@@ -135,14 +135,14 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     scratch = [x, y, vps, *(h for h in hypers.values() if isinstance(h, torch.Tensor))]
 
     small, norms = wgmma_prepare_needs(call.desc, tf32=tf32)  # compiled side by side with the kernels
-    launcher.prefetch([*(matvec_wgmma_spec(call.desc, c_bucket(cc), tf32=tf32) for _, cc in chunks),
+    store.prefetch([*(matvec_wgmma_spec(call.desc, c_bucket(cc), tf32=tf32) for _, cc in chunks),
               wgmma_prepare_spec(small=small, norms=norms)], device, debug=debug)
 
     kernels = {}
     for c0, cc in chunks:
         spec = matvec_wgmma_spec(call.desc, c_bucket(cc), tf32=tf32)
         if spec not in kernels:
-            kernels[spec] = launcher.get_kernel(spec, device, debug=debug)
+            kernels[spec] = store.get_kernel(spec, device, debug=debug)
     first_spec = next(iter(kernels))
     clusters = launcher.max_active_clusters(kernels[first_spec])
     tiles_m = -(-M // first_spec.launch.block_m)
@@ -214,7 +214,7 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
                     cgrid = (max(1, min(-(-total // 256), _sm_count(device) * 8)), 1, 1)
                     if len(ranges) == 1:  # the split sums into out (the regularisation is in the sums)
                         if combine is None:
-                            combine = launcher.get_kernel(combine_spec(torch.float32), device, debug=debug)
+                            combine = store.get_kernel(combine_spec(torch.float32), device, debug=debug)
                         cargs = (part.data_ptr(), 0, out_ptr, np.int32(M), np.int32(N), np.int32(cc), np.int64(0),
                                  np.int64(0), np.int64(som), np.int64(soc), np.int32(Lk), np.int32(bplan.modes[1]),
                                  np.int32(bplan.modes[2]), *([np.int64(0)] * 3), *(np.int64(s_) for s_ in so),
@@ -223,7 +223,7 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
                         launches.append(Launch(combine, cgrid, cargs))
                     else:
                         if carry_k is None:
-                            carry_k = launcher.get_kernel(carry_spec(), device, debug=debug)
+                            carry_k = store.get_kernel(carry_spec(), device, debug=debug)
                         cargs = (part.data_ptr(), carry_ptr, out_ptr, np.int32(M), np.int32(cc), np.int64(som),
                                  np.int64(soc), np.int32(Lk), np.int32(bplan.modes[1]), np.int32(bplan.modes[2]),
                                  *(np.int64(s_) for s_ in so), np.int32(split), np.int32(mode))

@@ -64,11 +64,8 @@ class CompileError(RuntimeError):
         )
 
     def __reduce__(self):  # crosses process boundaries in parallel precompile
-        return (_rebuild_compile_error, (self.message, self.log, self.options, self.name_expressions))
-
-
-def _rebuild_compile_error(message, log_text, options, name_expressions):
-    return CompileError(message, log_text=log_text, options=options, name_expressions=name_expressions)
+        return (functools.partial(CompileError, log_text=self.log, options=self.options,
+                                  name_expressions=self.name_expressions), (self.message,))
 
 
 # -- sources and environment -------------------------------------------------------
@@ -189,23 +186,17 @@ def _check_arch(arch: str) -> str:
     return arch
 
 
-def _lineinfo() -> bool:
-    """KERMAC_LIKE_LINEINFO=1: compile with -lineinfo (source lines in compute-sanitizer and
-    profiler reports; the code is the same, the cache key differs)."""
-    return config.get("lineinfo")
-
-
 def _options(arch: str) -> tuple:
     """The exact NVRTC options (as text, for the key and for error messages)."""
     base = ("-std=c++17", f"-arch={arch}", f"-I{template_dir()}", "-Xptxas=-v")
-    return base + ("-lineinfo",) if _lineinfo() else base
+    return base + ("-lineinfo",) if config.get("lineinfo") else base  # (source lines: its own keys)
 
 
 _keys: dict = {}  # (spec, arch, lineinfo, template hash, NVRTC version) -> key
 
 
 def kernel_key(spec: KernelSpec, arch: str) -> str:
-    memo = (spec, arch, _lineinfo(), template_hash(), nvrtc_version())
+    memo = (spec, arch, config.get("lineinfo"), template_hash(), nvrtc_version())
     key = _keys.get(memo)
     if key is None:
         full_arch = arch + spec.arch_suffix
@@ -258,7 +249,7 @@ def _program_options(arch: str):
     except ImportError:  # cuda-core < 0.4
         from cuda.core.experimental import ProgramOptions  # type: ignore
     return ProgramOptions(std="c++17", arch=arch, include_path=[str(template_dir())], ptxas_options=["-v"],
-                          lineinfo=_lineinfo())
+                          lineinfo=config.get("lineinfo"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,24 +277,16 @@ def _compile_group(specs: tuple, arch: str):
         prog = Program(source, code_type="c++", options=_program_options(arch))
         obj = prog.compile("cubin", name_expressions=exprs, logs=logs)
     except Exception as e:  # NVRTC errors surface as various exception types
-        raise CompileError(
-            f"NVRTC failed to compile {len(exprs)} kernel(s) for {arch}: {e}",
-            log_text=logs.getvalue() or str(e),
-            options=_options(arch),
-            name_expressions=exprs,
-        ) from None
+        raise CompileError(f"NVRTC failed to compile {len(exprs)} kernel(s) for {arch}: {e}",
+                           log_text=logs.getvalue() or str(e), options=_options(arch), name_expressions=exprs) from None
     seconds = time.perf_counter() - t0
     _check_nvrtc_version()
     raw = obj.symbol_mapping if hasattr(obj, "symbol_mapping") else obj._sym_map
     mapping = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in dict(raw).items()}
     missing = [e for e in exprs if e not in mapping]
     if missing:
-        raise CompileError(
-            "NVRTC produced no symbol for some name expressions",
-            log_text=logs.getvalue(),
-            options=_options(arch),
-            name_expressions=tuple(missing),
-        )
+        raise CompileError("NVRTC produced no symbol for some name expressions", log_text=logs.getvalue(),
+                           options=_options(arch), name_expressions=tuple(missing))
     return bytes(obj.code), mapping, seconds, logs.getvalue()
 
 
@@ -341,12 +324,6 @@ def compile_specs(specs, arch: str, *, debug: bool = False):
         options=" ".join(o for o in _options(full_arch) if not o.startswith("-I")),
         kernels=tuple((kernel_key(s, arch), s.name_expression, mapping[s.name_expression]) for s in specs),
     )
-    return record, resources
-
-
-def _worker(args):
-    specs, arch = args
-    record, resources = compile_specs(specs, arch)
     return record, resources
 
 
@@ -392,7 +369,7 @@ def precompile_specs(specs, arch: str, *, cache=None, processes: int | None = No
     if processes > 1 and len(groups) > 1:
         ctx = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(max_workers=processes, mp_context=ctx) as ex:
-            for record, resources in ex.map(_worker, [(g, arch) for g in groups]):
+            for record, resources in ex.map(compile_specs, groups, [arch] * len(groups)):
                 record_built(record, resources)
     else:
         for g in groups:

@@ -12,19 +12,6 @@ names below load on first use, so that importing ``warm`` does not import SQLAlc
 
 from .location import DB_FILENAME, DEFAULT_MAX_BYTES, SCHEMA_VERSION, default_cache_dir
 
-__all__ = [
-    "CachedKernel",
-    "DB_FILENAME",
-    "DEFAULT_MAX_BYTES",
-    "KernelCache",
-    "KernelCacheWarning",
-    "ModuleRecord",
-    "SCHEMA_VERSION",
-    "default_cache_dir",
-    "get_cache",
-    "reset_cache",
-]
-
 _LAZY = {
     "CachedKernel": "schema",
     "ModuleRecord": "schema",
@@ -33,6 +20,7 @@ _LAZY = {
     "get_cache": "store",
     "reset_cache": "store",
 }
+__all__ = ["DB_FILENAME", "DEFAULT_MAX_BYTES", "SCHEMA_VERSION", "default_cache_dir", *_LAZY]
 
 
 def __getattr__(name):

@@ -83,7 +83,7 @@ kernels_table = Table(
 )
 
 
-# Kernel choices measured by the autotuner (kermac_like/runtime/autotune.py): one row per
+# Kernel choices measured by the autotuner (kermac_like/plan/autotune.py): one row per
 # tuning key (problem class, device, template hash), the winner and every timing.
 tuning_table = Table(
     "tuning",

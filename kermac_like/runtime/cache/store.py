@@ -81,18 +81,7 @@ from .warm import close_reader
 
 _IOERR_RETRIES = 3  # transient 'disk I/O error' while another process creates the file
 
-__all__ = [
-    "CachedKernel",
-    "DB_FILENAME",
-    "DEFAULT_MAX_BYTES",
-    "KernelCache",
-    "KernelCacheWarning",
-    "ModuleRecord",
-    "SCHEMA_VERSION",
-    "default_cache_dir",
-    "get_cache",
-    "reset_cache",
-]
+__all__ = ["KernelCache", "KernelCacheWarning", "get_cache", "reset_cache"]
 
 logger = logging.getLogger("kermac_like.cache")
 

@@ -71,22 +71,31 @@ def read_kernel_status(key: str):
         return None, False  # (an untrusted file: the full cache warns and runs in memory)
     with _reader_lock:
         try:
-            conn = _reader(path, st)
-            if conn.execute("PRAGMA user_version").fetchall()[0][0] != SCHEMA_VERSION:
-                return None, False
-            rows = conn.execute(_SELECT, (key,)).fetchall()  # (all: no statement left open)
+            rows = _query(_reader(path, st), key)
         except sqlite3.Error:
             _forget_reader()
             return None, False
     if not rows:
-        return None, True
-    lowered, sha, cubin, last_used = rows[0]
+        return None, rows is not None  # (None: another schema version)
+    found = _verified(rows[0])  # None on a mismatch: the full cache removes it and recompiles
+    if found is not None and time.time() - rows[0][3] > TOUCH_INTERVAL_S:
+        _touch(path, found[2])
+    return found, False
+
+
+def _query(conn: sqlite3.Connection, key: str):
+    """The rows of ``key`` (all fetched: no statement left open) in a file of this schema
+    version; None in a file of another."""
+    if conn.execute("PRAGMA user_version").fetchall()[0][0] != SCHEMA_VERSION:
+        return None
+    return conn.execute(_SELECT, (key,)).fetchall()
+
+
+def _verified(row):
+    """(cubin, lowered name, module sha256) of a row whose cubin matches its sha256, else None."""
+    lowered, sha, cubin, _ = row
     cubin = bytes(cubin)
-    if hashlib.sha256(cubin).hexdigest() != sha:
-        return None, False  # the full cache removes it and recompiles
-    if time.time() - last_used > TOUCH_INTERVAL_S:
-        _touch(path, sha)
-    return (cubin, lowered, sha), False
+    return (cubin, lowered, sha) if hashlib.sha256(cubin).hexdigest() == sha else None
 
 
 # The process's read-only connection to the cache file: (pid, (device, inode) of the file
@@ -209,19 +218,13 @@ def read_bundled(key: str):
     for path in _bundle_files(bundle_dirs()):
         with _reader_lock:
             try:
-                conn = _bundle_reader(path)
-                if conn.execute("PRAGMA user_version").fetchall()[0][0] != SCHEMA_VERSION:
-                    continue
-                rows = conn.execute(_SELECT, (key,)).fetchall()
+                rows = _query(_bundle_reader(path), key)
             except sqlite3.Error:
                 _bundle_conns.pop(path, None)
                 continue
-        if not rows:
-            continue
-        lowered, sha, cubin, _ = rows[0]
-        cubin = bytes(cubin)
-        if hashlib.sha256(cubin).hexdigest() == sha:
-            return cubin, lowered, sha
+        found = _verified(rows[0]) if rows else None
+        if found is not None:
+            return found
     return None
 
 

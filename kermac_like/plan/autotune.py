@@ -16,7 +16,8 @@ default table below decides (measured on an H200, bench/notes/lowk.md). With aut
 a key's first call times every candidate on the call's own tensors with CUDA events (one
 warm-up, median of ``AUTOTUNE_REPEATS``) and stores the winner with its timings in the
 kernel cache's SQLite file (table ``tuning``); later calls of that key, in any process,
-use the stored winner. Debug logging shows the key, the choice, where it came from and
+use the stored winner (this process keeps it in the plan cache, plan.core.plans, kind
+"tuning"). Debug logging shows the key, the choice, where it came from and
 the timings.
 """
 
@@ -33,9 +34,10 @@ import torch
 from .. import config
 from ..descriptor import InnerOperator, KernelDescriptor, PowerType
 from ..layout import Layout, analyse_matrix
+from ..runtime import cache as kernel_cache, compiler
+from ..runtime.specs import LOWK_GENERIC_MAX_K, LOWK_MAX_K, distance_lowk
 from ..torch_path import uses_mm  # torch.cdist's matrix-product rule (re-exported)
-from . import cache as kernel_cache, compiler
-from .specs import LOWK_GENERIC_MAX_K, LOWK_MAX_K, distance_lowk
+from .core import plans
 
 log = logging.getLogger("kermac_like.autotune")
 
@@ -46,8 +48,7 @@ LOWK, SIMT, TENSOR_CORE = "lowk", "simt", "tensor-core"
 AUTOTUNE_REPEATS = 5
 ENV_AUTOTUNE = config.SETTINGS["autotune"].env
 
-_memo: dict = {}  # tuning key -> choice (this process)
-_memo_lock = threading.Lock()
+_measuring = threading.Lock()  # one thread looks up or times a key; the choices: plan.core.plans
 
 
 _override = threading.local()
@@ -222,11 +223,11 @@ def choose(call, out: torch.Tensor, compute_mode: str, tf32: bool, run, *, autot
             log.debug("kernel choice %r K=%d: %s (default table; candidates %s)", call.desc, call.K, default, cands)
         return default
     key = tuning_key(call, out, compute_mode, tf32)
-    hit = _memo.get(key)
+    hit = plans.get(key)
     if hit is not None:
         return hit
-    with _memo_lock:
-        hit = _memo.get(key)
+    with _measuring:
+        hit = plans.get(key)
         if hit is not None:
             return hit
         found = stored(key)
@@ -236,7 +237,7 @@ def choose(call, out: torch.Tensor, compute_mode: str, tf32: bool, run, *, autot
         else:
             choice, timings = measure(key, cands, run, call.device, debug=debug)
             source = "measured now"
-        _memo[key] = choice
+        plans.put(key, choice, "tuning")
     if debug:
         log.debug("kernel choice %s: %s (%s; %s)", key, choice, source,
                   ", ".join(f"{k} {v:.4g} ms" for k, v in timings.items()))
@@ -245,5 +246,4 @@ def choose(call, out: torch.Tensor, compute_mode: str, tf32: bool, run, *, autot
 
 def forget() -> None:
     """Drop this process's memo of choices (the stored ones stay)."""
-    with _memo_lock:
-        _memo.clear()
+    plans.clear("tuning")

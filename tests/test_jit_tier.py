@@ -9,7 +9,7 @@ import torch
 import kermac_like as km
 from kermac_like.plan import distance as P
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
-from kermac_like.runtime import launcher
+from kermac_like.runtime import launcher, store
 from kermac_like.layout import Layout
 from kermac_like.runtime.specs import LOWK_MAX_K, lowk_spec
 
@@ -23,8 +23,8 @@ def _plan(a, p):
 def test_first_call_runs_the_generic_kernel_while_the_specialised_one_compiles(as_gpu, monkeypatch, settings):
     settings(jit_tier=True)  # (off in the rest of the suite: conftest.py)
     ready, fetched = set(), []
-    monkeypatch.setattr(launcher, "available", lambda spec, device: spec in ready)
-    monkeypatch.setattr(launcher, "prefetch", lambda specs, device, debug=False: fetched.extend(specs))
+    monkeypatch.setattr(store, "available", lambda spec, device: spec in ready)
+    monkeypatch.setattr(store, "prefetch", lambda specs, device, debug=False: fetched.extend(specs))
     a = torch.randn(300, 5)
     # neither kernel at hand: the specialised one, compiled now (nothing to serve meanwhile)
     plan = _plan(a, 1.7)
@@ -44,6 +44,6 @@ def test_first_call_runs_the_generic_kernel_while_the_specialised_one_compiles(a
 
 def test_tier_off(as_gpu, monkeypatch, settings):
     settings(jit_tier=False)
-    monkeypatch.setattr(launcher, "available", lambda spec, device: "0>" in spec.traits)
+    monkeypatch.setattr(store, "available", lambda spec, device: "0>" in spec.traits)
     plan = _plan(torch.randn(300, 5), 1.7)
     assert ", 5, " in plan.spec.traits

@@ -13,7 +13,7 @@ from kermac_like.centring import reference_point
 from kermac_like.plan import distance as P
 from kermac_like.plan.core import plans as plan_cache
 from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
-from kermac_like.runtime import launcher
+from kermac_like.runtime import launcher, store
 from kermac_like.runtime.specs import LOWK_TILES_N
 
 
@@ -408,7 +408,7 @@ def test_chunk_stream_switch(as_gpu, monkeypatch, settings):
     assert plan("p_norm", 100, p=1.5).family == "distance"  # LOWK_UP_TO["pow"]
     # the first call of a stream kernel not yet compiled: the generic variant serves it
     settings(jit_tier=True)
-    monkeypatch.setattr(launcher, "available", lambda spec, device: spec.traits.endswith(", 0>"))
+    monkeypatch.setattr(store, "available", lambda spec, device: spec.traits.endswith(", 0>"))
     P.clear_templates()
     assert plan("l1", 100).spec.traits.endswith(", 0>")
 

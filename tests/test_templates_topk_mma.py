@@ -284,14 +284,14 @@ def test_planner_selects_the_version(monkeypatch, version, settings):
 
     from kermac_like.ops.knn import prepare_knn
     from kermac_like.plan import topk as P
-    from kermac_like.runtime import launcher
+    from kermac_like.runtime import launcher, store
 
     x, y = torch.randn(140, 128), torch.randn(900, 128)
     call = prepare_knn(x, y, 10)
     monkeypatch.setattr(P, "_device_index", lambda device: 0)
     monkeypatch.setattr(P, "_sm_count", lambda device: 1)
     monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
-    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
+    monkeypatch.setattr(store, "get_kernel", lambda spec, device, debug=False: spec)
     settings(topk_mma_version=version)
     seen = []
 
@@ -319,12 +319,12 @@ def test_version5_falls_back_beyond_k128(monkeypatch, emulator, tmp_path, settin
 
     from kermac_like.ops.knn import prepare_knn
     from kermac_like.plan import topk as P
-    from kermac_like.runtime import launcher
+    from kermac_like.runtime import launcher, store
 
     monkeypatch.setattr(P, "_device_index", lambda device: 0)
     monkeypatch.setattr(P, "_sm_count", lambda device: 1)
     monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
-    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
+    monkeypatch.setattr(store, "get_kernel", lambda spec, device, debug=False: spec)
     settings(topk_mma_version=5)
     seen = []
 

@@ -215,7 +215,7 @@ def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch, settings):
 
     from kermac_like.ops.knn import prepare_knn, recompute_rows
     from kermac_like.plan import topk as P
-    from kermac_like.runtime import launcher
+    from kermac_like.runtime import launcher, store
 
     g = torch.Generator().manual_seed(5)
     M, N, K, k = 140, 900, 128, 10
@@ -227,7 +227,7 @@ def test_planner_wiring_on_the_cpu(runner, tmp_path, monkeypatch, settings):
     monkeypatch.setattr(P, "_device_index", lambda device: 0)
     monkeypatch.setattr(P, "_sm_count", lambda device: 1)  # 128 rows a launch: 128, 12
     monkeypatch.setattr(P, "_blocks_per_sm", lambda kernel: 1)
-    monkeypatch.setattr(launcher, "get_kernel", lambda spec, device, debug=False: spec)
+    monkeypatch.setattr(store, "get_kernel", lambda spec, device, debug=False: spec)
     settings(topk_mma_version=2)  # the stand-in below answers topk_mma_kernel (every version: same ABI)
 
     def read(ptr, count, dtype):

@@ -240,7 +240,7 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     place and returned; it is left untouched when an argument is rejected.
     ``autotune``: time the candidate kernels once per problem class and keep the
     fastest (stored in the kernel cache); None follows ``KERMAC_LIKE_AUTOTUNE``
-    (kermac_like/runtime/autotune.py).
+    (kermac_like/plan/autotune.py).
     ``**params``: the hyper-parameters of a formula kernel (kermac_like/formula.py: alpha, q,
     period, c, an expression's names), floats or tensors over batch modes like ``bandwidth``;
     formula kernels take the torch path on every device (differentiable with respect to a, b
@@ -381,7 +381,7 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     kermac_like/torch_path.py, torch.cdist's kernels and its matrix product under the same
     ``compute_mode`` rule, so NaN and inf as from torch.cdist; 16-bit inputs in float32).
     The exact paths include a low-K kernel (up to K = 64 for p = 1, 2 and the Euclidean
-    kernels, K = 16 for fractional p: the default table of kermac_like/runtime/autotune.py);
+    kernels, K = 16 for fractional p: the default table of kermac_like/plan/autotune.py);
     ``autotune`` as in :func:`run_kernel`.
 
     Returns ``(..., M, N)`` (written into ``out`` when given). Inputs: float32, float64,

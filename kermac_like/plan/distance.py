@@ -21,7 +21,7 @@ from ..centring import same_memory as _same_memory, shift_invariant, shifted_pai
 from ..descriptor import KernelDescriptor
 from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
 from .. import config, formula_path, torch_path
-from ..runtime import launcher
+from ..runtime import launcher, store
 from . import autotune
 from .autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from ..runtime.specs import (
@@ -79,7 +79,7 @@ class DistanceCall:
     M: int
     N: int
     K: int
-    autotune: bool | None = None  # measure the kernel choice (None: runtime.autotune's setting)
+    autotune: bool | None = None  # measure the kernel choice (None: plan.autotune's setting)
 
     @classmethod
     def of(cls, desc: KernelDescriptor, a, b, hypers: dict, reg_diag: int, epsilon) -> "DistanceCall":
@@ -233,7 +233,7 @@ def _lowk_serves(kind: str, K: int) -> bool:
 def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: Settings, kind: str,
             given: dict | None = None):
     """(spec, views, tensors, batch plan, family) for a GPU call served by ``kind``
-    (runtime.autotune's kinds), or None for the reference path. ``given``: the operands as the
+    (plan.autotune's kinds), or None for the reference path. ``given``: the operands as the
     caller gave them ({"a0", "b0"}) where the call reads shifted copies."""
     tf32 = settings.tf32
     tf32_types = (torch.float32, torch.float16, torch.bfloat16)
@@ -456,7 +456,7 @@ def run_by_call_key(call_key, a: torch.Tensor, b: torch.Tensor, out, hypers: dic
 
 def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, settings: Settings,
                        kind: str | None = None, call_key=None):
-    """The kernel plan of a GPU call (``kind``: runtime.autotune's; default: its choice,
+    """The kernel plan of a GPU call (``kind``: plan.autotune's; default: its choice,
     the one hook of the kernel selection); None when only the reference path applies.
     ``call_key``: the public op's key of this call (ops.distance._call_key), under which
     the template is also kept (:func:`run_by_call_key`)."""
@@ -503,16 +503,16 @@ def _first_call_tier(spec, call: DistanceCall, views, compute_mode: str, debug: 
     if not config.get("jit_tier") or lowk_bucket(call.K) == 0 or _OVERRIDES or autotune.autotune_enabled(call.autotune):
         return spec, True
     device = _device_index(call.device)
-    if launcher.available(spec, device):
+    if store.available(spec, device):
         return spec, True
     if autotune.uses_mm(compute_mode, call.M, call.N) and desc_mm_ok(call.desc):
         return spec, True  # kMmNonFinite exists at compile-time K only
     av, bv, outv = views
     first, second = (bv, av) if outv.layout is Layout.COL_MAJOR else (av, bv)
     generic = lowk_spec(call.desc, first.layout, second.layout, LOWK_MAX_K + 1, chunks=0)
-    if not launcher.available(generic, device):
+    if not store.available(generic, device):
         return spec, True
-    launcher.prefetch([spec], device, debug=debug)
+    store.prefetch([spec], device, debug=debug)
     if debug:
         log.debug("run_kernel %r K=%d: %s compiling in the background; this call runs %s", call.desc, call.K,
                   spec.name_expression, generic.name_expression)
@@ -550,8 +550,8 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     device = _device_index(call.device)
     if spec.kernel == WGMMA_KERNEL:  # the kernel and its b preparation compile side by side
         small, norms = wgmma_prepare_needs(call.desc, tf32=settings.tf32)
-        launcher.prefetch([spec, wgmma_prepare_spec(small=small, norms=norms)], device, debug=debug)
-    kernel = launcher.get_kernel(spec, device, debug=debug)
+        store.prefetch([spec, wgmma_prepare_spec(small=small, norms=norms)], device, debug=debug)
+    kernel = store.get_kernel(spec, device, debug=debug)
     L = bplan.count
     # The low-K kernel writes a column-major out as the row-major out^T = kernel(b, a).
     swap = family == "distance_lowk" and outv.layout is Layout.COL_MAJOR
@@ -656,7 +656,7 @@ class _WgmmaPrepare:
         self.norms = _Ptr("wgmma_norms", 0) if norms else 0
         if norms:
             self.scratch += (("wgmma_norms", self.rows),)
-        self.kernel = launcher.get_kernel(self.spec, device, debug=debug)
+        self.kernel = store.get_kernel(self.spec, device, debug=debug)
 
     def launch_for(self, b_ptr):
         """((kernel, grid, args) of the preparation for b at ``b_ptr``, the arguments the

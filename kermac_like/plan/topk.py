@@ -28,7 +28,7 @@ import torch
 from .. import config
 from ..centring import shifted_pair
 from ..descriptor import PRESETS
-from ..runtime import launcher
+from ..runtime import launcher, store
 from ..runtime.specs.topk import (FALLBACK_MAX_K, MAX_K, MAX_SELECT, MAX_SPLIT, MMA_BLOCK_M, MMA_BLOCK_N, MMA_MAX_SELECT, MMA_V5_MAX_K,
                                   MMA_VERSIONS, RESCORE_WARPS, mma_sel, mma_smem, topk_combine_spec, topk_mma_spec,
                                   topk_rescore_spec, topk_spec)
@@ -68,7 +68,7 @@ def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = F
         return None
     device = _device_index(call.device)
     spec = topk_spec(call.desc, call.dtype, call.K, call.largest, call.k)
-    kernel = launcher.get_kernel(spec, device, debug=debug)
+    kernel = store.get_kernel(spec, device, debug=debug)
     tensors = {"x": call.x, "y": call.y, "values": values, "indices": indices}
     hypers, strides, bplan = batch_plan(call, tensors, skip=("regularization",))
     L = bplan.count
@@ -86,7 +86,7 @@ def plan_topk(call, values: torch.Tensor, indices: torch.Tensor, debug: bool = F
     if split > 1:
         part = torch.empty(split * L * M * k, dtype=torch.int64, device=call.device)
         scratch.append(part)
-        combine = launcher.get_kernel(topk_combine_spec(call.desc, call.dtype, call.largest), device, debug=debug)
+        combine = store.get_kernel(topk_combine_spec(call.desc, call.dtype, call.largest), device, debug=debug)
     scratch += [h for h in hypers.values() if isinstance(h, torch.Tensor)]  # float32 copies stay alive
     grid = (m_tiles, split, min(L, 65535))
     if debug:
@@ -308,7 +308,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     version = mma_version(call)
     spec = topk_mma_spec(dot, largest, k, version=version)
     sel = mma_sel(k)
-    kernel = launcher.get_kernel(spec, device, debug=debug)
+    kernel = store.get_kernel(spec, device, debug=debug)
     x, y = _rows_ready(call.x), _rows_ready(call.y)
     # Distances: the candidates' TF32 products and their bound on the data shifted by its
     # reference point, so that the bound (and the share of rows it certifies) follows the data's
@@ -330,7 +330,7 @@ def _run_mma(call, values: torch.Tensor, indices: torch.Tensor, debug: bool):
     ynorm = torch.linalg.vector_norm(yc, dim=1).max()
     fused = flags = None
     if config.get("topk_fused_rescore"):  # the rows' certificates (uint8) of the fused rescoring
-        fused = launcher.get_kernel(topk_rescore_spec(dot, largest), device, debug=debug)
+        fused = store.get_kernel(topk_rescore_spec(dot, largest), device, debug=debug)
         flags = torch.empty(M, dtype=torch.uint8, device=call.device)
         svm, svj = values.stride()
         sim, sij = indices.stride()

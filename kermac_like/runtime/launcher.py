@@ -24,9 +24,6 @@ import numpy as np
 import torch
 
 from .loader import LoadedKernel, core as _core, make_current as _make_current
-# plan.distance and plan.topk still ask the launcher for kernels (their rules' call sites move to
-# the store with the lead's next edit of those files; the rest of the package asks the store).
-from .store import available, get_kernel, prefetch  # noqa: F401
 
 log = logging.getLogger("kermac_like.launcher")
 

@@ -22,7 +22,7 @@ LOWK_MIN_BLOCKS = 2  # default of kMinBlocksPerSm (renders no extra argument)
 # limit, and the K up to which the planner gives it: 128, measured on an H100
 # (bench/probes/p1_moderate_k_candidates.py, bench/results/2026-11-26-session12/run5; p = 1 at
 # 20000^2, ms, SIMT -> stream): K = 100 3.772 -> 3.408, K = 128 4.203 -> 4.123; at K = 200 the
-# stream gains nothing (6.566 -> 6.582), so the SIMT kernel keeps K > 128. runtime.autotune's
+# stream gains nothing (6.566 -> 6.582), so the SIMT kernel keeps K > 128. plan.autotune's
 # default table takes the low-K kernel for p = 1 up to it.
 LOWK_CHUNKED_MAX_K = 256
 LOWK_CHUNKED_UP_TO = 128
@@ -152,7 +152,7 @@ def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_block
 LOWK_SHIPPED_K = (1, 2, 3, 4, 8, 0)
 LOWK_SHIPPED_PRESETS = ("l1", "l2", "laplace_l2", "gaussian_l2")
 # The Euclidean presets also with kMmNonFinite at the K the default table gives them in
-# torch.cdist's matrix-product mode (runtime/autotune.py LOWK_MM_UP_TO).
+# torch.cdist's matrix-product mode (plan/autotune.py LOWK_MM_UP_TO).
 LOWK_SHIPPED_MM_K = (1, 2, 3, 4, 8)
 # First calls of issue 26's latency list that the set above missed (the bundle of prebuilt
 # kernels holds the shipped set): cdist with a fractional p (p_norm) at K <= 8, and cdist

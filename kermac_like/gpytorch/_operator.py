@@ -40,7 +40,7 @@ that form distances by the product formula centre their operands: the tensor-cor
 (_products.py) on x2's mean inside the kernels, kernel_matvec's tensor-core and matrix-product
 paths on the operands' reference point, except for an operator built with ``centred=True``
 (kernels.py centres x1 and x2 on x1's mean once per forward), whose operands kernel_matvec reads
-as they are (plan.matvec.mark_centred), so that no CG iteration shifts them again. The entries
+as they are (centring.mark_centred), so that no CG iteration shifts them again. The entries
 (pivoted Cholesky rows and columns, the diagonal) are direct differences, and dense blocks
 GPyTorch's sq_dist / dist on x1, x2 centred on x1's mean. So data offset by 1000 x its spread
 give the products of centred data, to the float32 rounding of the inputs.
@@ -57,11 +57,11 @@ from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperato
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.permutation import apply_permutation
 
+from ..centring import mark_centred, shifted_pair
 from ..descriptor import preset
 from ..ops.distance import run_kernel
-from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec, prepare_matvec
+from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec, matvec_shifts, prepare_matvec
 from ..ops.matvec_backward import contraction
-from ..plan.matvec import mark_centred, matvec_shifts, shifted_pair
 from . import _cg, _products, _switches
 
 __all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS",
@@ -209,7 +209,7 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         has at most DENSE_CPU_ELEMENTS entries, else None. Formed once per operator (again if x1 or x2 changed
         in place) outside autograd, as kernel_matvec's torch path forms its blocks: run_kernel's matrix product
         on x1 and x2 as given for an operator built ``centred``, else shifted by their reference point where
-        that path shifts them (plan.matvec.matvec_shifts), so the same entries; below MATVEC_COLUMNS points of
+        that path shifts them (ops.matvec.matvec_shifts), so the same entries; below MATVEC_COLUMNS points of
         x2 and CPU_BLOCK_ELEMENTS entries (kermac_like/torch_path.py) it is kernel_matvec's one block, and the
         product with it kernel_matvec's result bit for bit."""
         x1, x2 = self.x1, self.x2

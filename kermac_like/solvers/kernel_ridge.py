@@ -45,9 +45,9 @@ import torch
 from .. import _debug
 from .._args import all_finite, check_device, finite_flag
 from .. import linalg
+from ..distributed import Comm
 from .._estimator import BaseEstimator, MultiOutputMixin, RegressorMixin, check_feature_names, check_is_fitted
 from ._cg import local_dots, pcg
-from ._dist import Comm
 from ._kernel import resolve_kernel
 from ._nystrom import FalkonPreconditioner, LandmarkNystromPreconditioner, build_bytes, gather_global_rows, sample_indices
 from ._rows import HostMemoryError, RowSource
@@ -140,18 +140,6 @@ def _shape_2d(name: str, t: torch.Tensor, n_features=None, estimator="KernelRidg
     if n_features is not None and t.shape[1] != n_features:
         raise _Bad(ValueError, f"{name} has {t.shape[1]} features, but {estimator} is expecting {n_features} "
                                "features as input")
-
-
-def _raise_collectively(comm: Comm, local_error, meta):
-    """Exchange (error, meta) of every rank; raise the first error on every rank.
-    Returns the list of every rank's meta when no rank failed."""
-    everyone = comm.all_gather_object((local_error, meta))
-    for r, (err, _) in enumerate(everyone):
-        if err is not None:
-            kind, msg = err
-            where = f" (on rank {r})" if comm.active else ""
-            raise kind(msg + where)
-    return [m for _, m in everyone]
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -391,7 +379,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             err = (e.kind, e.message)
         except (TypeError, ValueError) as e:
             err = (type(e), str(e))
-        metas = _raise_collectively(comm, err, meta)
+        metas = comm.raise_collectively(err, meta)
         self._check_ranks_agree(comm, metas)
         counts = [m["n"] for m in metas]
         n_total = sum(counts)
@@ -588,7 +576,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                                 "pass a smaller max_gpu_bytes")
         if err is not None and rows is not None:
             rows.release()
-        _raise_collectively(comm, err, None)
+        comm.raise_collectively(err, None)
         log.debug("nystrom data: %s, %d rows (%d on the device, chunks of %d, stream chunks of %d), device %s",
                   rows.mode, rows.n, rows.n_res, rows.work_rows, rows.slot_rows, dev)
         return rows
@@ -715,7 +703,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             err = (e.kind, e.message)
         except (TypeError, ValueError) as e:
             err = (type(e), str(e))
-        metas = _raise_collectively(comm, err, meta)
+        metas = comm.raise_collectively(err, meta)
         if any(mm != metas[0] for mm in metas):
             raise ValueError(f"X: ranks pass different numbers of rows {[mm[0] for mm in metas]}; predict is "
                              "collective and takes the same X on every rank")

@@ -1,21 +1,5 @@
-"""scikit-learn's nearest-neighbour estimators on :func:`kermac_like.knn`:
-:class:`NearestNeighbors`, :class:`KNeighborsClassifier`, :class:`KNeighborsRegressor`.
-
-They follow scikit-learn's brute-force estimators (``algorithm="brute"``): the same
-parameters where they make sense (``n_neighbors``, ``weights``, ``p``, ``metric`` for the
-Minkowski family), the same results up to the order of exactly tied neighbours (here the
-smaller training index comes first), the same errors. numpy in, numpy out (distances
-float64, indices int64, as scikit-learn); torch tensors in, tensors out on their device, the
-search on the device of the training data (the fused GPU kernels for CUDA tensors).
-
-Under torch.distributed (a process group initialised before ``fit``, as for
-:class:`kermac_like.solvers.KernelRidge`) each rank passes its own shard of the training set
-to ``fit``; ``kneighbors``, ``predict``, ``predict_proba`` and ``score`` are collective: every
-rank passes the same X and receives the global k nearest neighbours, with global indices
-(the shards concatenated in rank order), the same result as one process. Ranks exchange
-only their (M x k) candidates (all_gather; with the neighbours' targets for predict) and
-merge them with the package's (distance, index) order.
-"""
+"""What the neighbour estimators share: the metrics, the input checks, the fit of the points and
+the (collective) search over :func:`kermac_like.knn` (the package's docstring)."""
 
 from __future__ import annotations
 
@@ -25,13 +9,10 @@ import numbers
 import numpy as np
 import torch
 
-from ._args import all_finite
-from ._estimator import (HAVE_SKLEARN, BaseEstimator, ClassifierMixin, RegressorMixin, check_is_fitted,
-                         check_n_features)
-from .ops.knn import knn, merge_order
-from .solvers._dist import Comm
-
-__all__ = ["NearestNeighbors", "KNeighborsClassifier", "KNeighborsRegressor"]
+from .._args import all_finite
+from .._estimator import HAVE_SKLEARN, BaseEstimator, check_is_fitted, check_n_features
+from ..distributed import Comm
+from ..ops.knn import knn, merge_order
 
 # metric name -> p (None: the estimator's p)
 METRICS = {"minkowski": None, "euclidean": 2.0, "l2": 2.0, "manhattan": 1.0, "cityblock": 1.0, "l1": 1.0,
@@ -59,22 +40,13 @@ def _tensor_X(name: str, X: torch.Tensor, *, min_samples: int = 1) -> torch.Tens
 
 def _collectively(comm: Comm, fn):
     """``fn()``'s (result, meta) on this rank and every rank's meta, after its checks ran on
-    every rank: a TypeError/ValueError of any rank is raised on all of them (nobody is left
-    waiting in a collective that another rank never enters)."""
+    every rank (:meth:`Comm.raise_collectively`)."""
     err, res, meta = None, None, None
     try:
         res, meta = fn()
     except (TypeError, ValueError) as e:
-        err = e
-    if not comm.active:
-        if err is not None:
-            raise err
-        return res, [meta]
-    everyone = comm.all_gather_object((None if err is None else (type(err), str(err)), meta))
-    for r, (e, _) in enumerate(everyone):
-        if e is not None:
-            raise e[0](f"{e[1]} (on rank {r})")
-    return res, [m for _, m in everyone]
+        err = (type(e), str(e))
+    return res, comm.raise_collectively(err, meta)
 
 
 class _KNeighborsBase(BaseEstimator):
@@ -140,6 +112,17 @@ class _KNeighborsBase(BaseEstimator):
         return torch.from_numpy(Xa if Xa.flags.writeable else Xa.copy()), y, False
 
     # -- fit --------------------------------------------------------------------------------------
+    def _check_fit(self, X, y, comm: Comm, *, supervised: bool, **validate) -> tuple:
+        """The parameters checked, then fit's X (and y) validated: (X tensor, y, X was a tensor); a rank's
+        shard may be empty under a process group."""
+        self._check_n_neighbors(self.n_neighbors)
+        self._effective_p()
+        if supervised:
+            _check_weights(self.weights)
+            if y is None:
+                raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y is None")
+        return self._validate(X, y, reset=True, min_samples=0 if comm.active else 1, **validate)
+
     def _fit_points(self, Xt: torch.Tensor, comm: Comm) -> None:
         self._p = self._effective_p()
         self.effective_metric_ = _EFFECTIVE.get(self._p, "minkowski")
@@ -279,215 +262,3 @@ def _check_weights(weights):
     if weights in (None, "uniform", "distance") or callable(weights):
         return weights
     raise ValueError(f"weights: {weights!r} is not 'uniform', 'distance', None or a callable")
-
-
-class NearestNeighbors(_KNeighborsBase):
-    """Unsupervised nearest-neighbour search (scikit-learn's NearestNeighbors, brute force).
-
-    Parameters
-    ----------
-    n_neighbors : int, default 5
-    p : float, default 2
-        The Minkowski power (any p > 0 and inf) for ``metric="minkowski"``.
-    metric : str, default "minkowski"
-        "minkowski" (with p), "euclidean"/"l2" (p = 2), "manhattan"/"cityblock"/"l1" (p = 1),
-        "chebyshev"/"infinity" (p = inf).
-    debug : bool
-
-    Fitted attributes: ``n_features_in_``, ``n_samples_fit_`` (over all ranks),
-    ``effective_metric_``, ``effective_metric_params_``.
-
-    >>> import numpy as np
-    >>> from kermac_like.neighbors import NearestNeighbors
-    >>> X = np.array([[0.0], [1.0], [2.0], [10.0]])
-    >>> distances, indices = NearestNeighbors(n_neighbors=2).fit(X).kneighbors([[1.2]])
-    >>> distances, indices
-    (array([[0.2, 0.8]]), array([[1, 2]]))
-    """
-
-    def __init__(self, n_neighbors=5, *, p=2, metric="minkowski", debug=False):
-        self.n_neighbors = n_neighbors
-        self.p = p
-        self.metric = metric
-        self.debug = debug
-
-    def fit(self, X, y=None):
-        """Store the training points (this rank's shard under torch.distributed: collective)."""
-        comm = Comm()
-
-        def local():
-            self._check_n_neighbors(self.n_neighbors)
-            self._effective_p()
-            return self._validate(X, reset=True, min_samples=0 if comm.active else 1), None
-
-        (Xt, _, was_tensor), _ = _collectively(comm, local)
-        self._fit_np = not was_tensor
-        self._fit_points(Xt, comm)
-        return self
-
-
-class KNeighborsClassifier(ClassifierMixin, _KNeighborsBase):
-    """k-nearest-neighbour vote (scikit-learn's KNeighborsClassifier, brute force).
-
-    Parameters: ``n_neighbors=5``, ``weights`` ("uniform", "distance" (1 / distance; a query at
-    distance 0 of training points takes only those) or a callable on the distance array),
-    ``p``, ``metric``, ``debug`` as in :class:`NearestNeighbors`. Ties of the vote go to the
-    smallest class. Fitted: ``classes_``, ``n_features_in_``, ``n_samples_fit_``,
-    ``effective_metric_``, ``outputs_2d_`` (False: one target).
-
-    >>> import numpy as np
-    >>> from kermac_like.neighbors import KNeighborsClassifier
-    >>> X = np.array([[0.0], [1.0], [2.0], [10.0]])
-    >>> clf = KNeighborsClassifier(n_neighbors=3).fit(X, [0, 0, 1, 1])
-    >>> clf.predict([[0.4], [9.0]])
-    array([0, 1])
-    >>> clf.predict_proba([[0.4]])
-    array([[0.66666667, 0.33333333]])
-    """
-
-    def __init__(self, n_neighbors=5, *, weights="uniform", p=2, metric="minkowski", debug=False):
-        self.n_neighbors = n_neighbors
-        self.weights = weights
-        self.p = p
-        self.metric = metric
-        self.debug = debug
-
-    def fit(self, X, y):
-        comm = Comm()
-
-        def local():
-            self._check_n_neighbors(self.n_neighbors)
-            self._effective_p()
-            _check_weights(self.weights)
-            if y is None:
-                raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y is None")
-            Xt, yv, was_tensor = self._validate(X, y, reset=True, min_samples=0 if comm.active else 1)
-            if _is_tensor(yv):
-                if yv.dim() == 2 and yv.shape[1] == 1:
-                    yv = yv[:, 0]
-                if yv.dim() != 1:
-                    raise ValueError(f"y: expected shape (n_samples,), got {tuple(yv.shape)}")
-                return (Xt, yv, was_tensor), torch.unique(yv).cpu()
-            if HAVE_SKLEARN:
-                from sklearn.utils.multiclass import check_classification_targets
-                from sklearn.utils.validation import column_or_1d
-
-                yv = column_or_1d(yv, warn=True)
-                check_classification_targets(yv)
-            else:
-                yv = np.asarray(yv).reshape(-1) if np.ndim(yv) == 2 and np.shape(yv)[1] == 1 else np.asarray(yv)
-            return (Xt, yv, was_tensor), np.unique(yv)
-
-        (Xt, y, was_tensor), classes = _collectively(comm, local)
-        self._fit_np = not was_tensor
-        if _is_tensor(y):
-            self.classes_ = torch.unique(torch.cat([torch.as_tensor(c) for c in classes])).to(y.device)
-            if y.dtype == torch.bool:  # (torch.searchsorted has no bool kernel: the order of False < True in uint8)
-                enc = torch.searchsorted(self.classes_.to(torch.uint8), y.to(torch.uint8).contiguous())
-            else:
-                enc = torch.searchsorted(self.classes_, y.contiguous())
-        else:
-            self.classes_ = np.unique(np.concatenate(classes))
-            enc = torch.from_numpy(np.searchsorted(self.classes_, y).astype(np.int64))
-        self.outputs_2d_ = False
-        self._fit_points(Xt, comm)
-        self._y = enc.to(Xt.device)
-        return self
-
-    def _class_weights(self, X):
-        """(per-class weight sums (n, n_classes) float64, as numpy?, device)."""
-        check_is_fitted(self)
-        comm = Comm()
-        d, _, lab, as_np, dev = self._kneighbors(X, None, comm, payload=self._y.unsqueeze(1))
-        lab = lab[..., 0]
-        w = _weights(d.to(torch.float64), self.weights)
-        if w is None:
-            w = torch.ones(lab.shape, dtype=torch.float64, device=lab.device)
-        sums = torch.zeros((lab.shape[0], len(self.classes_)), dtype=torch.float64, device=lab.device)
-        sums.scatter_add_(1, lab, w)
-        return sums, as_np, dev
-
-    def predict_proba(self, X):
-        """Class probabilities (n, n_classes) float64: the neighbours' (weighted) share per class."""
-        sums, as_np, dev = self._class_weights(X)
-        norm = sums.sum(1, keepdim=True)
-        proba = sums / torch.where(norm == 0, torch.ones_like(norm), norm)
-        return proba.cpu().numpy() if as_np else proba.to(dev)
-
-    def predict(self, X):
-        """The class of the largest (weighted) vote, the smallest class among equal votes."""
-        sums, as_np, dev = self._class_weights(X)
-        best = sums.argmax(1)
-        if isinstance(self.classes_, np.ndarray):
-            out = self.classes_[best.cpu().numpy()]
-            return out if as_np else torch.as_tensor(out, device=dev) if out.dtype.kind in "biuf" else out
-        out = self.classes_[best.to(self.classes_.device)]
-        return out.cpu().numpy() if as_np else out.to(dev)
-
-
-class KNeighborsRegressor(RegressorMixin, _KNeighborsBase):
-    """Average of the neighbours' targets (scikit-learn's KNeighborsRegressor, brute force):
-    uniform or ``weights="distance"`` / a callable, parameters as in :class:`KNeighborsClassifier`.
-    Predictions float64 for numpy targets, the targets' float dtype for tensors.
-
-    >>> import torch
-    >>> from kermac_like.neighbors import KNeighborsRegressor
-    >>> X = torch.tensor([[0.0], [1.0], [2.0], [10.0]])
-    >>> reg = KNeighborsRegressor(n_neighbors=2).fit(X, torch.tensor([0.0, 1.0, 2.0, 10.0]))
-    >>> reg.predict(torch.tensor([[1.6]]))          # tensors in, tensors out
-    tensor([1.5000])
-    """
-
-    def __init__(self, n_neighbors=5, *, weights="uniform", p=2, metric="minkowski", debug=False):
-        self.n_neighbors = n_neighbors
-        self.weights = weights
-        self.p = p
-        self.metric = metric
-        self.debug = debug
-
-    if HAVE_SKLEARN:
-        def __sklearn_tags__(self):
-            tags = super().__sklearn_tags__()
-            tags.target_tags.multi_output = True  # a 2-D y: one average per target
-            return tags
-
-    def fit(self, X, y):
-        comm = Comm()
-
-        def local():
-            self._check_n_neighbors(self.n_neighbors)
-            self._effective_p()
-            _check_weights(self.weights)
-            if y is None:
-                raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y is None")
-            return self._validate(X, y, reset=True, y_numeric=True, min_samples=0 if comm.active else 1), None
-
-        (Xt, y, was_tensor), _ = _collectively(comm, local)
-        self._fit_np = not was_tensor
-        if _is_tensor(y):
-            yt = y if y.is_floating_point() else y.to(torch.float64)
-        else:
-            yt = torch.from_numpy(np.array(y, dtype=np.float64, order="C"))
-        if yt.dim() not in (1, 2):
-            raise ValueError(f"y: expected shape (n_samples,) or (n_samples, n_targets), got {tuple(yt.shape)}")
-        self._y_1d = yt.dim() == 1
-        self._fit_points(Xt, comm)
-        self._y = (yt.unsqueeze(1) if yt.dim() == 1 else yt).to(Xt.device)  # (n, C), n = 0 on an empty shard
-        return self
-
-    def predict(self, X):
-        """(n,) or (n, n_targets) like the y of fit."""
-        check_is_fitted(self)
-        comm = Comm()
-        d, _, ny, as_np, dev = self._kneighbors(X, None, comm, payload=self._y)
-        w = _weights(d.to(torch.float64), self.weights)
-        ny64 = ny.to(torch.float64)
-        if w is None:
-            pred = ny64.mean(1)
-        else:
-            pred = (ny64 * w.unsqueeze(-1)).sum(1) / w.sum(1, keepdim=True)
-        if self._y_1d:
-            pred = pred[:, 0]
-        if as_np:
-            return pred.cpu().numpy()
-        return pred.to(device=dev, dtype=self._y.dtype)

@@ -64,7 +64,7 @@ from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec, matvec_shifts, prepare_
 from ..ops.matvec_backward import contraction
 from . import _cg, _products, _switches
 
-__all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS",
+__all__ = ["KermacLinearOperatorBase", "KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS",
            "DENSE_CPU_ELEMENTS"]
 
 # name -> the package's descriptor, evaluated at bandwidth 1 on x / lengthscale
@@ -94,7 +94,32 @@ def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str, outputscale=
     return k if outputscale is None else k * outputscale[..., None, None]
 
 
-class KermacKernelLinearOperator(KernelLinearOperator):
+class KermacLinearOperatorBase(KernelLinearOperator):
+    """What the package's GPyTorch operators share (:class:`KermacKernelLinearOperator`, the formula kernels'
+    KermacFormulaLinearOperator): linear_operator's KernelLinearOperator (shape, batch modes, transposes,
+    indexing, the representation) with the CPU's kernel matrix formed once per operator for its products."""
+
+    def _dense_serves(self) -> bool:
+        """Whether the products multiply by the stored kernel matrix (``KERMAC_LIKE_GP_DENSE``): x1 and x2
+        CPU tensors of one dtype, float32 or float64, at most DENSE_CPU_ELEMENTS entries over the batch."""
+        x1, x2 = self.x1, self.x2
+        if not (_switches.on("DENSE") and x1.device.type == "cpu" and x2.device.type == "cpu"
+                and x1.dtype in (torch.float32, torch.float64) and x2.dtype == x1.dtype):
+            return False
+        entries = math.prod(_broadcast_shape(x1.shape[:-2], x2.shape[:-2])) * x1.shape[-2] * x2.shape[-2]
+        return entries <= DENSE_CPU_ELEMENTS
+
+    def _kept(self, tensors: tuple, build):
+        """``build()``, kept on the operator until one of ``tensors`` changes (storage, version, shape, strides)."""
+        key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in tensors)
+        cached = self.__dict__.get("_kl_dense")
+        if cached is None or cached[0] != key:
+            cached = (key, build())
+            self.__dict__["_kl_dense"] = cached
+        return cached[1]
+
+
+class KermacKernelLinearOperator(KermacLinearOperatorBase):
     """KernelLinearOperator with the matrix-free products of the package; see the module docstring.
 
     ``x1``, ``x2``: the inputs already divided by the lengthscale; ``kernel``: "rbf" or "laplace".
@@ -212,26 +237,22 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         that path shifts them (ops.matvec.matvec_shifts), so the same entries; below MATVEC_COLUMNS points of
         x2 and CPU_BLOCK_ELEMENTS entries (kermac_like/torch_path.py) it is kernel_matvec's one block, and the
         product with it kernel_matvec's result bit for bit."""
+        if not self._dense_serves():
+            return None
         x1, x2 = self.x1, self.x2
-        if not (_switches.on("DENSE") and x1.device.type == "cpu" and x2.device.type == "cpu"
-                and x1.dtype in (torch.float32, torch.float64) and x2.dtype == x1.dtype):
-            return None
-        batch = _broadcast_shape(x1.shape[:-2], x2.shape[:-2])
-        if math.prod(batch) * x1.shape[-2] * x2.shape[-2] > DENSE_CPU_ELEMENTS:
-            return None
-        key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in (x1, x2))
-        cached = self.__dict__.get("_kl_dense")
-        if cached is None or cached[0] != key:
+
+        def build():
             desc = KERNELS[self.kernel]
             a, b = x1.detach(), x2.detach()
             if not self.centred and matvec_shifts(desc, a, b, False):
                 a, b, _ = shifted_pair(a, b)
-            out = torch.empty(*batch, x1.shape[-2], x2.shape[-2], dtype=x1.dtype)
+            out = torch.empty(*_broadcast_shape(x1.shape[:-2], x2.shape[:-2]), x1.shape[-2], x2.shape[-2],
+                              dtype=x1.dtype)
             with torch.no_grad():
                 run_kernel(desc, a, b, bandwidth=1.0, out=out)
-            cached = (key, (out, a))
-            self.__dict__["_kl_dense"] = cached
-        return cached[1]
+            return out, a
+
+        return self._kept((x1, x2), build)
 
     def _bilinear_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
         # The gradients of sum_c u_c^T (s K(x1, x2)) v_c (GPyTorch's training backward: U the solves, V the

@@ -243,6 +243,17 @@ class _KNeighborsBase(BaseEstimator):
         return (d, i) if return_distance else i
 
 
+class _KNeighborsSupervised(_KNeighborsBase):
+    """The parameters of the classifier and the regressor."""
+
+    def __init__(self, n_neighbors=5, *, weights="uniform", p=2, metric="minkowski", debug=False):
+        self.n_neighbors = n_neighbors
+        self.weights = weights
+        self.p = p
+        self.metric = metric
+        self.debug = debug
+
+
 def _weights(d: torch.Tensor, weights) -> torch.Tensor | None:
     """scikit-learn's _get_weights on a tensor (float64): None for uniform; 1/d, rows with
     a zero distance weighting those points 1 and the others 0; or the callable's result."""

@@ -7,10 +7,10 @@ import torch
 
 from .._estimator import HAVE_SKLEARN, ClassifierMixin, check_is_fitted
 from ..distributed import Comm
-from ._base import _collectively, _is_tensor, _KNeighborsBase, _weights
+from ._base import _collectively, _is_tensor, _KNeighborsSupervised, _weights
 
 
-class KNeighborsClassifier(ClassifierMixin, _KNeighborsBase):
+class KNeighborsClassifier(ClassifierMixin, _KNeighborsSupervised):
     """k-nearest-neighbour vote (scikit-learn's KNeighborsClassifier, brute force).
 
     Parameters: ``n_neighbors=5``, ``weights`` ("uniform", "distance" (1 / distance; a query at
@@ -28,13 +28,6 @@ class KNeighborsClassifier(ClassifierMixin, _KNeighborsBase):
     >>> clf.predict_proba([[0.4]])
     array([[0.66666667, 0.33333333]])
     """
-
-    def __init__(self, n_neighbors=5, *, weights="uniform", p=2, metric="minkowski", debug=False):
-        self.n_neighbors = n_neighbors
-        self.weights = weights
-        self.p = p
-        self.metric = metric
-        self.debug = debug
 
     def fit(self, X, y):
         comm = Comm()

@@ -7,10 +7,10 @@ import torch
 
 from .._estimator import HAVE_SKLEARN, RegressorMixin, check_is_fitted
 from ..distributed import Comm
-from ._base import _collectively, _is_tensor, _KNeighborsBase, _weights
+from ._base import _collectively, _is_tensor, _KNeighborsSupervised, _weights
 
 
-class KNeighborsRegressor(RegressorMixin, _KNeighborsBase):
+class KNeighborsRegressor(RegressorMixin, _KNeighborsSupervised):
     """Average of the neighbours' targets (scikit-learn's KNeighborsRegressor, brute force):
     uniform or ``weights="distance"`` / a callable, parameters as in :class:`KNeighborsClassifier`.
     Predictions float64 for numpy targets, the targets' float dtype for tensors.
@@ -22,13 +22,6 @@ class KNeighborsRegressor(RegressorMixin, _KNeighborsBase):
     >>> reg.predict(torch.tensor([[1.6]]))          # tensors in, tensors out
     tensor([1.5000])
     """
-
-    def __init__(self, n_neighbors=5, *, weights="uniform", p=2, metric="minkowski", debug=False):
-        self.n_neighbors = n_neighbors
-        self.weights = weights
-        self.p = p
-        self.metric = metric
-        self.debug = debug
 
     if HAVE_SKLEARN:
         def __sklearn_tags__(self):

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import torch_path
-from ..centring import reference_point, shift_invariant, shifted_pair
+from .. import centring, torch_path
+from ..centring import reference_point, shift_invariant
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from ..operator import KernelOperator
 from ..ops.distance import run_kernel
@@ -87,7 +87,7 @@ class SolverKernel:
         matrix product (:meth:`shifts`), a and b are shifted by ``reference`` (default the
         reference point of b; one copy of each, one if a is b) first."""
         if self.shifts(a, b):
-            a, b, _ = shifted_pair(a, b, point=reference_point(b) if reference is None else reference)
+            a, b, _ = centring.shifted_pair(a, b, point=reference_point(b) if reference is None else reference)
         return run_kernel(self.desc, a, b, regularization=regularization, out=out, **self.hypers)
 
     def shifts(self, a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -17,7 +17,10 @@ import pytest
 import torch
 from cpu_shim import THREAD_SHIM, build_cpu_runner
 
-from kermac_like.cluster._kmeans_plusplus import SAMPLE_BLOCK, SEED_ROUND, SEED_TRIALS, kmeans_plusplus, seed_uniforms
+from kermac_like.testing import kmeans_seeding
+
+SAMPLE_BLOCK, SEED_ROUND, SEED_TRIALS = kmeans_seeding.SAMPLE_BLOCK, kmeans_seeding.SEED_ROUND, kmeans_seeding.SEED_TRIALS
+kmeans_plusplus, seed_uniforms = kmeans_seeding.kmeans_plusplus, kmeans_seeding.seed_uniforms
 
 # instance i of the runner: KmeansTraits<float, kK> with kK = KKS[i]
 KKS = (0, 4, 16)
@@ -295,7 +298,9 @@ def test_segment_sums(runner, tmp_path, K, weighted, integer):
     """Lloyd's update: kmeans_segsum_kernel and its combination against cluster._lloyd.segment_sums
     (the torch path): the sums and weights per cluster, exact for integer data; an empty
     cluster, one cluster of several items (128 rows per item here), K > 256 (dimension chunks)."""
-    from kermac_like.cluster._lloyd import segment_sums
+    from kermac_like.testing import kmeans_lloyd
+
+    segment_sums = kmeans_lloyd.segment_sums
 
     rng = np.random.default_rng(K)
     N, C, rows = 1000, 9, 128

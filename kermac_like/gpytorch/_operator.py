@@ -64,8 +64,8 @@ from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec, matvec_shifts, prepare_
 from ..ops.matvec_backward import contraction
 from . import _cg, _products, _switches
 
-__all__ = ["KermacLinearOperatorBase", "KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS",
-           "DENSE_CPU_ELEMENTS"]
+__all__ = ["KermacLinearOperatorBase", "KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar",
+           "KERNELS", "DENSE_CPU_ELEMENTS"]
 
 # name -> the package's descriptor, evaluated at bandwidth 1 on x / lengthscale
 KERNELS = {"rbf": preset("gaussian_l2"), "laplace": preset("laplace_l2")}

@@ -1,11 +1,12 @@
 """torch.distributed plumbing of the estimators (KernelRidge, the neighbours, RFM): who holds which
 rows, and the few collectives that combine them.
 
-Each rank of an initialised process group holds its own rows of the training
-set (its shard). cg and cholesky exchange the N x D point set and N x C vectors
-(all_gather), m x m blocks and CG scalars (all_reduce); nystrom only the m centre
-rows and m x C blocks (all_reduce) and validation metadata (objects), never X or y. Without a process group (or with a group of one) every method is
-a local no-op, so the single-process path runs the same code.
+Each rank of an initialised process group holds its own rows of the training set (its shard).
+KernelRidge's cg and cholesky exchange the N x D point set and N x C vectors (all_gather), m x m
+blocks and CG scalars (all_reduce); nystrom only the m centre rows and m x C blocks (all_reduce)
+and validation metadata (objects), never X or y; the neighbours their (M x k) candidates. Without a
+process group (or with a group of one) every method is a local no-op, so the single-process path
+runs the same code.
 
 Collectives run on the group's device: CUDA tensors for NCCL, CPU tensors for
 gloo; tensors on the other kind of device are moved for the call and moved

@@ -38,9 +38,7 @@ import sys
 from typing import NamedTuple
 
 from . import _args as args
-from .cluster import _kmeans as kmeans_estimator
-from .cluster import _kmeans_plusplus as kmeans_seeding
-from .cluster import _lloyd as kmeans_lloyd
+from .cluster import _kmeans as kmeans_estimator, _kmeans_plusplus as kmeans_seeding, _lloyd as kmeans_lloyd
 from .config import override
 from .ops import _library as library
 from .plan import core as _plan_core

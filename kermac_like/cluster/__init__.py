@@ -10,11 +10,8 @@ from ._kmeans import KMeans
 
 __all__ = ["KMeans"]
 
-# the module kermac_like/cluster.py's other names, until the next release
+# the module kermac_like/cluster.py's other public names, until the next release
 __getattr__ = moved(__name__, {
-    f"{__name__}._kmeans": "INITS ConvergenceWarning _reference _tolerance _same_clustering _random_state",
-    f"{__name__}._kmeans_plusplus": "SAMPLE_BLOCK SEED_ROUND SEED_TRIALS seed_uniforms kmeans_plusplus "
-                                    "_kmeans_plusplus_torch _random_init _Sampler",
-    f"{__name__}._lloyd": "BLOCK_ROWS ASSIGN_BLOCK_ELEMENTS COLUMN_MAJOR_UP_TO segment_sums lloyd _NearestCpu "
-                          "_assign _relocate_empty _inertia",
-})
+    f"{__name__}._kmeans": "INITS ConvergenceWarning",
+    f"{__name__}._kmeans_plusplus": "SAMPLE_BLOCK SEED_ROUND SEED_TRIALS seed_uniforms kmeans_plusplus",
+    f"{__name__}._lloyd": "BLOCK_ROWS ASSIGN_BLOCK_ELEMENTS COLUMN_MAJOR_UP_TO segment_sums lloyd"})

@@ -42,26 +42,16 @@ import numpy as np
 import torch
 
 from .._args import all_finite
-from .._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, TransformerMixin, check_is_fitted,
-                          check_n_features)
+from .._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, ConvergenceWarning, TransformerMixin,
+                          check_count, check_is_fitted, check_n_features)
 from ..centring import REFERENCE_ROWS, centred, reference_point
 from ..ops.distance import cdist
 from ._kmeans_plusplus import _random_init, kmeans_plusplus
 from ._lloyd import _DIRECT, _assign, _block_rows, _inertia, _local_certificate, lloyd
 
-try:
-    from sklearn.exceptions import ConvergenceWarning
-except ImportError:  # scikit-learn is optional
-    class ConvergenceWarning(UserWarning):
-        """Fewer distinct clusters than n_clusters were found."""
-
 __all__ = ["KMeans"]
 
 INITS = ("k-means++", "random")
-
-
-def _is_tensor(a) -> bool:
-    return isinstance(a, torch.Tensor)
 
 
 def _random_state(random_state) -> np.random.RandomState:
@@ -210,13 +200,8 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     # -- validation ---------------------------------------------------------------------------------
     def _check_params(self) -> tuple:
         """(n_clusters, n_init, max_iter, tol, init) after checking each parameter."""
-        def integer(name, v, lo=1):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
-                raise ValueError(f"{name}: expected an integer >= {lo}, got {v!r}")
-            return int(v)
-
-        C = integer("n_clusters", self.n_clusters)
-        max_iter = integer("max_iter", self.max_iter)
+        C = check_count("n_clusters", self.n_clusters)
+        max_iter = check_count("max_iter", self.max_iter)
         tol = self.tol
         if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (tol >= 0 and math.isfinite(tol)):
             raise ValueError(f"tol: expected a finite real number >= 0, got {tol!r}")
@@ -224,13 +209,13 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         array_init = not isinstance(init, str)
         if isinstance(init, str) and init not in INITS:
             raise ValueError(f"init: {init!r} is not one of {INITS} or an array of shape (n_clusters, n_features)")
-        if array_init and (callable(init) or not (_is_tensor(init) or hasattr(init, "__len__")
+        if array_init and (callable(init) or not (torch.is_tensor(init) or hasattr(init, "__len__")
                                                    or hasattr(init, "__array__"))):
             raise TypeError(f"init: expected 'k-means++', 'random' or an array, got {type(init).__name__}")
         if self.n_init == "auto":
             n_init = 10 if init == "random" else 1
         else:
-            n_init = integer("n_init", self.n_init)
+            n_init = check_count("n_init", self.n_init)
         if array_init and n_init != 1:
             warnings.warn(f"Explicit initial center position passed: performing only one init in "
                           f"{type(self).__name__} instead of n_init={n_init}.", RuntimeWarning, stacklevel=3)
@@ -240,7 +225,7 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     def _validate(self, X, *, reset: bool) -> tuple:
         """(X tensor, X was a tensor). numpy/lists through scikit-learn's validate_data
         (n_features_in_, feature names, its messages); tensors here."""
-        if _is_tensor(X):
+        if torch.is_tensor(X):
             Xt = _check_tensor_X("X", X)
             check_n_features(self, Xt.shape[1], reset=reset, forget_names=True)
             return Xt, True
@@ -267,7 +252,7 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             return None
         if isinstance(sample_weight, numbers.Number):
             w = torch.full((Xt.shape[0],), float(sample_weight), dtype=Xt.dtype, device=Xt.device)
-        elif _is_tensor(sample_weight):
+        elif torch.is_tensor(sample_weight):
             if sample_weight.device != Xt.device:
                 raise ValueError(f"sample_weight: on {sample_weight.device}, X on {Xt.device}")
             w = sample_weight.to(Xt.dtype)
@@ -285,7 +270,7 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
 
     def _init_array(self, Xt: torch.Tensor, C: int) -> torch.Tensor:
         init = self.init
-        if _is_tensor(init):
+        if torch.is_tensor(init):
             if init.device != Xt.device:
                 raise ValueError(f"init: on {init.device}, X on {Xt.device}")
             c = init.detach()
@@ -388,7 +373,7 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         check_is_fitted(self)
         Xt, was_tensor = self._validate(X, reset=False)
         c = self.cluster_centers_
-        c = c if _is_tensor(c) else torch.from_numpy(np.ascontiguousarray(c))
+        c = c if torch.is_tensor(c) else torch.from_numpy(np.ascontiguousarray(c))
         Xq = Xt.to(device=c.device, dtype=c.dtype)
         if getattr(self, "_centring", None) is not None:
             ref, cc = (t.to(device=c.device, dtype=c.dtype) for t in self._centring)

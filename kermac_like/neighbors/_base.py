@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .._args import all_finite
-from .._estimator import HAVE_SKLEARN, BaseEstimator, check_is_fitted, check_n_features
+from .._estimator import HAVE_SKLEARN, BaseEstimator, check_count, check_is_fitted, check_n_features
 from ..distributed import Comm
 from ..ops.knn import knn, merge_order
 
@@ -18,10 +18,6 @@ from ..ops.knn import knn, merge_order
 METRICS = {"minkowski": None, "euclidean": 2.0, "l2": 2.0, "manhattan": 1.0, "cityblock": 1.0, "l1": 1.0,
            "chebyshev": math.inf, "infinity": math.inf}
 _EFFECTIVE = {2.0: "euclidean", 1.0: "manhattan", math.inf: "chebyshev"}
-
-
-def _is_tensor(a) -> bool:
-    return isinstance(a, torch.Tensor)
 
 
 def _tensor_X(name: str, X: torch.Tensor, *, min_samples: int = 1) -> torch.Tensor:
@@ -65,21 +61,16 @@ class _KNeighborsBase(BaseEstimator):
             p = float(p)
         return p
 
-    def _check_n_neighbors(self, n, name="n_neighbors") -> int:
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-            raise ValueError(f"{name}: expected an integer >= 1, got {n!r}")
-        return int(n)
-
     # -- input conversion -------------------------------------------------------------------------
     def _validate(self, X, y=None, *, reset: bool, y_numeric: bool = False, min_samples: int = 1):
         """(X tensor, y array/tensor or None, X was a tensor). numpy/lists through scikit-learn's
         validate_data (n_features_in_, feature names, its messages); tensors here. ``min_samples=0``:
         a rank's shard of a sharded fit may be empty (the total is checked in ``_fit_points``)."""
-        if _is_tensor(X):
+        if torch.is_tensor(X):
             Xt = _tensor_X("X", X, min_samples=min_samples)
             check_n_features(self, Xt.shape[1], reset=reset, forget_names=True)
             if y is not None:
-                if not _is_tensor(y):
+                if not torch.is_tensor(y):
                     y = np.asarray(y)
                 if y.shape[0] != Xt.shape[0]:
                     raise ValueError(f"y: has {y.shape[0]} rows but X has {Xt.shape[0]}")
@@ -91,11 +82,11 @@ class _KNeighborsBase(BaseEstimator):
                 Xa = validate_data(self, X, reset=reset, dtype=[np.float64, np.float32],
                                    ensure_min_samples=min_samples)
                 if y is not None:  # an empty shard: its y (0 rows) is only checked against X's rows
-                    y = y.cpu().numpy() if _is_tensor(y) else np.asarray(y)
+                    y = y.cpu().numpy() if torch.is_tensor(y) else np.asarray(y)
                     if y.shape[0] != 0:
                         raise ValueError(f"y: has {y.shape[0]} rows but X has 0")
             else:
-                Xa, y = validate_data(self, X, y.cpu().numpy() if _is_tensor(y) else y, reset=reset,
+                Xa, y = validate_data(self, X, y.cpu().numpy() if torch.is_tensor(y) else y, reset=reset,
                                       dtype=[np.float64, np.float32], multi_output=True, y_numeric=y_numeric)
         else:
             Xa = np.asarray(X)
@@ -115,7 +106,7 @@ class _KNeighborsBase(BaseEstimator):
     def _check_fit(self, X, y, comm: Comm, *, supervised: bool, **validate) -> tuple:
         """The parameters checked, then fit's X (and y) validated: (X tensor, y, X was a tensor); a rank's
         shard may be empty under a process group."""
-        self._check_n_neighbors(self.n_neighbors)
+        check_count("n_neighbors", self.n_neighbors)
         self._effective_p()
         if supervised:
             _check_weights(self.weights)
@@ -123,7 +114,8 @@ class _KNeighborsBase(BaseEstimator):
                 raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y is None")
         return self._validate(X, y, reset=True, min_samples=0 if comm.active else 1, **validate)
 
-    def _fit_points(self, Xt: torch.Tensor, comm: Comm) -> None:
+    def _fit_points(self, Xt: torch.Tensor, comm: Comm, was_tensor: bool) -> None:
+        self._fit_np = not was_tensor
         self._p = self._effective_p()
         self.effective_metric_ = _EFFECTIVE.get(self._p, "minkowski")
         self.effective_metric_params_ = {} if self.effective_metric_ != "minkowski" else {"p": self._p}
@@ -200,7 +192,7 @@ class _KNeighborsBase(BaseEstimator):
 
         def local():
             check_is_fitted(self)
-            k = self._check_n_neighbors(self.n_neighbors if n_neighbors is None else n_neighbors, "n_neighbors")
+            k = check_count("n_neighbors", self.n_neighbors if n_neighbors is None else n_neighbors)
             q = None if query_is_train else self._query(X)
             m = self.n_samples_fit_ if query_is_train else q[0].shape[0]
             k1 = k + 1 if query_is_train else k

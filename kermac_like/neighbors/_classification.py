@@ -7,7 +7,7 @@ import torch
 
 from .._estimator import HAVE_SKLEARN, ClassifierMixin, check_is_fitted
 from ..distributed import Comm
-from ._base import _collectively, _is_tensor, _KNeighborsSupervised, _weights
+from ._base import _collectively, _KNeighborsSupervised, _weights
 
 
 class KNeighborsClassifier(ClassifierMixin, _KNeighborsSupervised):
@@ -34,7 +34,7 @@ class KNeighborsClassifier(ClassifierMixin, _KNeighborsSupervised):
 
         def local():
             Xt, yv, was_tensor = self._check_fit(X, y, comm, supervised=True)
-            if _is_tensor(yv):
+            if torch.is_tensor(yv):
                 if yv.dim() == 2 and yv.shape[1] == 1:
                     yv = yv[:, 0]
                 if yv.dim() != 1:
@@ -51,8 +51,7 @@ class KNeighborsClassifier(ClassifierMixin, _KNeighborsSupervised):
             return (Xt, yv, was_tensor), np.unique(yv)
 
         (Xt, y, was_tensor), classes = _collectively(comm, local)
-        self._fit_np = not was_tensor
-        if _is_tensor(y):
+        if torch.is_tensor(y):
             self.classes_ = torch.unique(torch.cat([torch.as_tensor(c) for c in classes])).to(y.device)
             if y.dtype == torch.bool:  # (torch.searchsorted has no bool kernel: the order of False < True in uint8)
                 enc = torch.searchsorted(self.classes_.to(torch.uint8), y.to(torch.uint8).contiguous())
@@ -62,15 +61,14 @@ class KNeighborsClassifier(ClassifierMixin, _KNeighborsSupervised):
             self.classes_ = np.unique(np.concatenate(classes))
             enc = torch.from_numpy(np.searchsorted(self.classes_, y).astype(np.int64))
         self.outputs_2d_ = False
-        self._fit_points(Xt, comm)
+        self._fit_points(Xt, comm, was_tensor)
         self._y = enc.to(Xt.device)
         return self
 
     def _class_weights(self, X):
         """(per-class weight sums (n, n_classes) float64, as numpy?, device)."""
         check_is_fitted(self)
-        comm = Comm()
-        d, _, lab, as_np, dev = self._kneighbors(X, None, comm, payload=self._y.unsqueeze(1))
+        d, _, lab, as_np, dev = self._kneighbors(X, None, Comm(), payload=self._y.unsqueeze(1))
         lab = lab[..., 0]
         w = _weights(d.to(torch.float64), self.weights)
         if w is None:

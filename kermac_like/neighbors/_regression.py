@@ -7,7 +7,7 @@ import torch
 
 from .._estimator import HAVE_SKLEARN, RegressorMixin, check_is_fitted
 from ..distributed import Comm
-from ._base import _collectively, _is_tensor, _KNeighborsSupervised, _weights
+from ._base import _collectively, _KNeighborsSupervised, _weights
 
 
 class KNeighborsRegressor(RegressorMixin, _KNeighborsSupervised):
@@ -36,23 +36,21 @@ class KNeighborsRegressor(RegressorMixin, _KNeighborsSupervised):
             return self._check_fit(X, y, comm, supervised=True, y_numeric=True), None
 
         (Xt, y, was_tensor), _ = _collectively(comm, local)
-        self._fit_np = not was_tensor
-        if _is_tensor(y):
+        if torch.is_tensor(y):
             yt = y if y.is_floating_point() else y.to(torch.float64)
         else:
             yt = torch.from_numpy(np.array(y, dtype=np.float64, order="C"))
         if yt.dim() not in (1, 2):
             raise ValueError(f"y: expected shape (n_samples,) or (n_samples, n_targets), got {tuple(yt.shape)}")
         self._y_1d = yt.dim() == 1
-        self._fit_points(Xt, comm)
+        self._fit_points(Xt, comm, was_tensor)
         self._y = (yt.unsqueeze(1) if yt.dim() == 1 else yt).to(Xt.device)  # (n, C), n = 0 on an empty shard
         return self
 
     def predict(self, X):
         """(n,) or (n, n_targets) like the y of fit."""
         check_is_fitted(self)
-        comm = Comm()
-        d, _, ny, as_np, dev = self._kneighbors(X, None, comm, payload=self._y)
+        d, _, ny, as_np, dev = self._kneighbors(X, None, Comm(), payload=self._y)
         w = _weights(d.to(torch.float64), self.weights)
         ny64 = ny.to(torch.float64)
         if w is None:

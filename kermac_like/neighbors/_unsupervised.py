@@ -44,6 +44,5 @@ class NearestNeighbors(_KNeighborsBase):
             return self._check_fit(X, None, comm, supervised=False), None
 
         (Xt, _, was_tensor), _ = _collectively(comm, local)
-        self._fit_np = not was_tensor
-        self._fit_points(Xt, comm)
+        self._fit_points(Xt, comm, was_tensor)
         return self

@@ -84,7 +84,15 @@ def kmeans_plusplus(X: torch.Tensor, n_clusters: int, weights: torch.Tensor | No
     (kermac_like.plan.kmeans: about C / 128 rounds, one host synchronisation a round); else, and
     as their oracle, the torch path :func:`_kmeans_plusplus_torch` (the same algorithm from the
     same uniforms). Memory: O(N) besides X. ``hint`` (a list): gets each point's nearest centre index as
-    the seeding last folded it (the first Lloyd assignment's row order: plan.kmeans.BoundedAssign)."""
+    the seeding last folded it (the first Lloyd assignment's row order: plan.kmeans.BoundedAssign).
+
+    >>> import torch
+    >>> from kermac_like.cluster import kmeans_plusplus
+    >>> X = torch.tensor([[0.0, 0.0], [0.0, 1.0], [10.0, 10.0], [10.0, 11.0]])
+    >>> centres, indices = kmeans_plusplus(X, 2, None, torch.Generator().manual_seed(0))
+    >>> centres.shape, indices.dtype
+    (torch.Size([2, 2]), torch.int64)
+    """
     u = seed_uniforms(n_clusters, generator, X.device)
     out = seed_plusplus(X, n_clusters, weights, u, debug=debug, hint=hint)
     if out is not None:

@@ -18,16 +18,25 @@ import os
 import sys
 import time
 
+import torch
+
+from . import _debug
+from .config import describe
+from .descriptor import PRESETS, preset
+from .ops.distance import run_kernel
+from .plan import autotune as tuning
+from .runtime.cache import get_cache
+from .runtime import compiler
+from .runtime.precompile import specs_for_descriptor, write_bundle
+from .runtime.specs import FAMILIES, shipped_specs
+
 
 def _cmd_info(args) -> int:
-    from .runtime.cache import get_cache
-    from .runtime.compiler import nvrtc_version, template_dir, template_hash
-
     info = dict(get_cache().info())
-    info["templates"] = str(template_dir())
-    info["template_hash"] = template_hash()
+    info["templates"] = str(compiler.template_dir())
+    info["template_hash"] = compiler.template_hash()
     try:
-        info["nvrtc"] = nvrtc_version()
+        info["nvrtc"] = compiler.nvrtc_version()
     except Exception as e:  # NVRTC missing is worth reporting, not crashing on
         info["nvrtc"] = f"unavailable: {e}"
     print(json.dumps(info, indent=2, default=str))
@@ -35,20 +44,12 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_clear(args) -> int:
-    from .runtime.cache import get_cache
-
     n = get_cache().clear()
     print(f"removed {n} kernel(s) from {get_cache().path or 'the in-memory cache'}")
     return 0
 
 
 def _cmd_precompile(args) -> int:
-    from . import _debug
-    from .descriptor import preset
-    from .runtime.compiler import precompile_specs
-    from .runtime.precompile import specs_for_descriptor
-    from .runtime.specs import shipped_specs
-
     debug = _debug.resolve(args.debug)
     if args.all:
         specs = shipped_specs(args.family or None)
@@ -58,14 +59,10 @@ def _cmd_precompile(args) -> int:
         raise UsageError("give --all or at least one --preset NAME")
     arch = args.arch
     if arch is None:
-        import torch
-
-        from .runtime.compiler import arch_of_device
-
         if not torch.cuda.is_available():
             why = "no CUDA device is visible" if torch.backends.cuda.is_built() else "this torch has no CUDA"
             raise UsageError(f"--arch: not given, and there is no GPU to take it from ({why}); pass e.g. --arch sm_80")
-        arch = arch_of_device(torch.device("cuda", torch.cuda.current_device()))
+        arch = compiler.arch_of_device(torch.device("cuda", torch.cuda.current_device()))
     t0 = time.perf_counter()
     counter = sys.stderr.isatty() and not debug  # the debug log has a line per compile instead
 
@@ -74,11 +71,9 @@ def _cmd_precompile(args) -> int:
             print(f"\r  compiled {done}/{total}", end="", file=sys.stderr, flush=True)
 
     if args.bundle is not None:
-        from .runtime.precompile import write_bundle
-
         summary = write_bundle(specs, arch, args.bundle or None, processes=args.jobs, debug=debug, progress=progress)
     else:
-        summary = precompile_specs(specs, arch, processes=args.jobs, debug=debug, progress=progress)
+        summary = compiler.precompile_specs(specs, arch, processes=args.jobs, debug=debug, progress=progress)
     if counter:
         print(file=sys.stderr)
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
@@ -109,18 +104,10 @@ def precompile_text(summary: dict) -> str:
 
 
 def _cmd_tune(args) -> int:
-    from .runtime.cache import get_cache
-
     if args.list:
         rows = get_cache().tuning_rows()
         print(json.dumps([dict(key=k, choice=c, timings=json.loads(t), device=d) for k, c, t, d in rows], indent=2))
         return 0
-    import torch
-
-    from .descriptor import preset
-    from .ops.distance import run_kernel
-    from .plan import autotune as tuning
-
     if not torch.cuda.is_available():
         print("tune: no CUDA device here (the autotuner times kernels on the GPU)", file=sys.stderr)
         return 2
@@ -152,8 +139,6 @@ def _cmd_tune(args) -> int:
 
 
 def _cmd_config(args) -> int:
-    from .config import describe
-
     rows = describe()
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
@@ -183,18 +168,13 @@ def _prog() -> str:
 
 
 def _arch(text: str) -> str:
-    from .runtime.compiler import _check_arch
-
     try:
-        return _check_arch(text)
+        return compiler._check_arch(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
 
 
 def main(argv=None) -> int:
-    from .descriptor import PRESETS
-    from .runtime.specs import FAMILIES
-
     prog = _prog()
     ap = _Parser(prog=prog, description=__doc__.splitlines()[0].replace("python -m kermac_like", prog))
     ap.add_argument("--debug", dest="traceback", action="store_true",

@@ -10,17 +10,19 @@ untouched, validation happens in ``fit``, fitted state ends in ``_``.
 from __future__ import annotations
 
 import inspect
+import numbers
 import warnings
 
 import numpy as np
 
 __all__ = ["HAVE_SKLEARN", "BaseEstimator", "RegressorMixin", "ClassifierMixin", "ClusterMixin",
-           "TransformerMixin", "MultiOutputMixin", "NotFittedError", "check_is_fitted", "check_feature_names"]
+           "TransformerMixin", "MultiOutputMixin", "NotFittedError", "ConvergenceWarning", "check_is_fitted",
+           "check_feature_names", "check_seed", "check_count"]
 
 try:
     from sklearn.base import (BaseEstimator, ClassifierMixin, ClusterMixin, MultiOutputMixin, RegressorMixin,
                               TransformerMixin)
-    from sklearn.exceptions import NotFittedError
+    from sklearn.exceptions import ConvergenceWarning, NotFittedError
     from sklearn.utils.validation import check_is_fitted
 
     HAVE_SKLEARN = True
@@ -29,6 +31,10 @@ except ImportError:  # scikit-learn is optional: the same protocol without it
 
     class NotFittedError(ValueError, AttributeError):
         """Raised when an estimator is used before ``fit`` (scikit-learn's class when installed)."""
+
+    class ConvergenceWarning(UserWarning):
+        """An iterative fit stopped at max_iter before tol, or found fewer clusters than asked for (scikit-learn's
+        class when installed)."""
 
     class BaseEstimator:
         """get_params / set_params / repr from the ``__init__`` signature (scikit-learn's protocol)."""
@@ -166,3 +172,17 @@ def check_feature_names(estimator, X, *, reset: bool) -> None:
                           "" if unseen or missing else
                           "\nFeature names must be in the same order as they were in fit."])
         raise ValueError("The feature names should match those that were passed during fit." + detail)
+
+
+def check_seed(random_state) -> None:
+    """An integer seed or None (KernelRidge's and RFM's random_state): ValueError naming it otherwise."""
+    if random_state is not None and (isinstance(random_state, bool) or not isinstance(random_state, (int, np.integer))):
+        raise ValueError(f"random_state: expected an integer or None, got {random_state!r}")
+
+
+def check_count(name: str, v, lo: int = 1) -> int:
+    """``v`` as an int, an integer >= lo (KMeans' n_clusters, max_iter, n_init; the neighbours' n_neighbors):
+    ValueError naming it otherwise."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+        raise ValueError(f"{name}: expected an integer >= {lo}, got {v!r}")
+    return int(v)

@@ -32,7 +32,7 @@ argument).  The operator is immutable; x and y are referenced, not copied.
 
 Products of DIFF descriptors are translation invariant (kernel_matvec's error model):
 where kernel_matvec's path forms distances by the product formula
-(``plan.matvec.matvec_shifts``: the sm_90 tensor-core kernel, the torch path's matrix
+(``ops.matvec.matvec_shifts``: the sm_90 tensor-core kernel, the torch path's matrix
 product), the operator shifts x and y by their reference point once, at its first such
 product, keeps the shifted copies (one tensor if y is x; rebuilt when x or y are changed
 in place; shared with ``K.T``) and hands them to kernel_matvec marked as centred, so that a
@@ -47,12 +47,11 @@ from __future__ import annotations
 
 import torch
 
-from . import formula_path
+from . import centring, formula_path
 from ._args import check_same, check_tensor
 from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
-from .matvec import kernel_matvec
 from .ops.distance import prepare_call, run_kernel
-from .plan import matvec as plan_matvec
+from .ops.matvec import kernel_matvec, matvec_shifts
 
 __all__ = ["KernelOperator"]
 
@@ -162,7 +161,7 @@ class KernelOperator:
             return x, y  # 16-bit data: kernel_matvec shifts float32 copies per call
         wide = x.dtype != torch.float64 and (v.dtype == torch.float64
                                              or (isinstance(out, torch.Tensor) and out.dtype == torch.float64))
-        if torch.compiler.is_compiling() or not plan_matvec.matvec_shifts(self.descriptor, x, y, wide):
+        if torch.compiler.is_compiling() or not matvec_shifts(self.descriptor, x, y, wide):
             return x, y
         try:
             key = (x._version, y._version)
@@ -178,17 +177,17 @@ class KernelOperator:
             s = xc = yc = None
         if s is None or (xc is None and not grad):
             if grad:  # the reference point alone: the products shift x and y themselves below
-                s = plan_matvec.pair_reference(x, y)
+                s = centring.pair_reference(x, y)
             else:
-                xc, yc, s = plan_matvec.shifted_pair(x, y, point=s)
-                plan_matvec.mark_centred(s, xc, yc)
+                xc, yc, s = centring.shifted_pair(x, y, point=s)
+                centring.mark_centred(s, xc, yc)
             self._centred[0] = (x, y, key, s, xc, yc)
         if not grad:
             return xc, yc
         # differentiable: x - s and y - s themselves (s is detached), one tensor where y is x
         xg = (x - s.to(x.dtype)) if (x.requires_grad or xc is None) else xc
         yg = xg if y is x else (y - s.to(y.dtype)) if (y.requires_grad or yc is None) else yc
-        plan_matvec.mark_centred(s, xg, yg)
+        centring.mark_centred(s, xg, yg)
         return xg, yg
 
     def __matmul__(self, v):

@@ -25,7 +25,7 @@
   kernel-cache connection, bundle lists) and the on-disk kernel cache.
 
 The rest of this module names the package's private modules that tests check on their own
-(the solvers' building blocks, the torch.library encodings, the GPyTorch operator's parts):
+(the solvers' building blocks, KMeans' algorithms, the torch.library encodings, the GPyTorch operator's parts):
 tests import them from here, not by their private paths, so that moving a module changes this
 table and not the tests. ``import kermac_like`` does not import this module.
 """
@@ -38,10 +38,12 @@ import sys
 from typing import NamedTuple
 
 from . import _args as args
+from .cluster import _kmeans as kmeans_estimator, _kmeans_plusplus as kmeans_seeding, _lloyd as kmeans_lloyd
 from .config import override
 from .ops import _library as library
 from .plan import core as _plan_core
 from .plan.distance import spec_override
+from .runtime import cache as _cache
 from .runtime import store as _store
 from .runtime.cache import warm as _warm
 from .solvers import _cg as solver_cg
@@ -52,7 +54,8 @@ from .solvers import _rows as solver_rows
 __all__ = ["PlanRecord", "PlanLog", "record_plans", "override", "spec_override", "wait_for_compiles",
            "clear_caches", "plan_cache_info",
            # private modules checked on their own (and gp_cg, gp_operator, gp_products: lazily)
-           "args", "library", "solver_cg", "solver_kernel", "solver_nystrom", "solver_rows"]
+           "args", "library", "solver_cg", "solver_kernel", "solver_nystrom", "solver_rows", "kmeans_estimator",
+           "kmeans_seeding", "kmeans_lloyd"]
 
 # GPyTorch's are optional: imported on first use (kermac_like.testing.gp_operator).
 _OPTIONAL = {"gp_cg": "kermac_like.gpytorch._cg", "gp_operator": "kermac_like.gpytorch._operator",
@@ -128,11 +131,9 @@ def clear_caches(*, disk: bool = False) -> None:
     _store.clear_loaded()
     _plan_core.plans.clear()
     _warm._bundle_files.cache_clear()
-    from .runtime import cache
-
     if disk:
-        cache.get_cache().clear()
-    cache.reset_cache()
+        _cache.get_cache().clear()
+    _cache.reset_cache()
     gp = sys.modules.get(_OPTIONAL["gp_operator"])
     if gp is not None:
         gp._PIVOT_GRAPHS.clear()

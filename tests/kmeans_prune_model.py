@@ -39,7 +39,7 @@ TAU16 = 0.00011995435488643125  # plan.kmeans.assign_tau(16)
 
 def families(n, d, C, seed):
     """The probe's families (bench/probes/kmeans_zoo_probe.py), float64, about the fit's reference point."""
-    from kermac_like import cluster
+    from kermac_like.testing import kmeans_estimator
 
     g = torch.Generator().manual_seed(seed)
     randn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -57,14 +57,14 @@ def families(n, d, C, seed):
     px = randint(256, u, d).float().masked_fill_(torch.rand(u, d, generator=g) < 0.7, 0.0)
     out["pixels"] = px[torch.cat([torch.arange(u), randint(u, n - u)])[torch.randperm(n, generator=g)]]
     for k, X in out.items():
-        out[k] = (X - cluster._reference(X)).double()
+        out[k] = (X - kmeans_estimator._reference(X)).double()
     return out
 
 
 def seeding(X, C, seed):
-    from kermac_like import cluster
+    from kermac_like.testing import kmeans_seeding
 
-    c, _ = cluster.kmeans_plusplus(X.float(), C, None, torch.Generator().manual_seed(seed))
+    c, _ = kmeans_seeding.kmeans_plusplus(X.float(), C, None, torch.Generator().manual_seed(seed))
     return c.double().numpy()
 
 

@@ -10,7 +10,8 @@ pytest.importorskip("sklearn")
 from sklearn.cluster import KMeans as SkKMeans  # noqa: E402
 from sklearn.datasets import load_iris, make_blobs  # noqa: E402
 
-from kermac_like.cluster import KMeans, kmeans_plusplus, segment_sums  # noqa: E402
+from kermac_like.cluster import KMeans, kmeans_plusplus  # noqa: E402
+from kermac_like.testing import kmeans_lloyd  # noqa: E402
 
 
 def blobs(n=2000, d=6, centers=12, seed=0):
@@ -90,7 +91,7 @@ def test_segment_sums_match_a_loop():
     lab[lab == 4] = 5  # an empty cluster
     w = torch.rand(500, generator=g)
     for weights in (None, w):
-        sums, wsum = segment_sums(X, lab, weights, 9)
+        sums, wsum = kmeans_lloyd.segment_sums(X, lab, weights, 9)
         ww = torch.ones(500, dtype=torch.float64) if weights is None else weights.double()
         for c in range(9):
             m = lab == c

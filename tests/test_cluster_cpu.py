@@ -1,11 +1,11 @@
-"""KMeans' CPU Lloyd steps (cluster._NearestCpu, segment_sums' CPU branch): the labels and squared
+"""KMeans' CPU Lloyd steps (cluster._lloyd._NearestCpu, segment_sums' CPU branch): the labels and squared
 distances of knn(X, centres, 1) in its float64 direct mode and the update's float64 sums, bitwise."""
 
 import numpy as np
 import pytest
 import torch
 
-import kermac_like.cluster as cl
+from kermac_like.testing import kmeans_lloyd
 from kermac_like.cluster import KMeans
 from kermac_like.ops.knn import knn
 
@@ -38,9 +38,9 @@ def test_nearest_is_knn(dtype, monkeypatch):
     for name, X, c in _cases():
         X, c = X.to(dtype), c.to(dtype)
         want_l, want_d2 = _knn(X, c)
-        for block in (cl.ASSIGN_BLOCK_ELEMENTS, 4099):  # one block; many, the last partial
-            monkeypatch.setattr(cl, "ASSIGN_BLOCK_ELEMENTS", block)
-            near = cl._NearestCpu(X)
+        for block in (kmeans_lloyd.ASSIGN_BLOCK_ELEMENTS, 4099):  # one block; many, the last partial
+            monkeypatch.setattr(kmeans_lloyd, "ASSIGN_BLOCK_ELEMENTS", block)
+            near = kmeans_lloyd._NearestCpu(X)
             lab = near.labels(c)
             assert torch.equal(lab, want_l), (name, block)
             assert torch.equal(near.d2(c, lab), want_d2), (name, block)
@@ -52,7 +52,7 @@ def test_nearest_under_reduced_matmul_precision():
     old = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("medium")
-        near = cl._NearestCpu(X)
+        near = kmeans_lloyd._NearestCpu(X)
         assert near.work == torch.float64
         assert torch.equal(near.labels(c), _knn(X, c)[0])
     finally:
@@ -82,7 +82,7 @@ def test_segment_sums_cpu_is_the_ordered_sum(weighted):
     w = torch.rand(5000, generator=g) if weighted else None
     want = _sorted_sums(X, labels, w, 23)
     for x64 in (None, X.double()):
-        got = cl.segment_sums(X, labels, w, 23, x64)
+        got = kmeans_lloyd.segment_sums(X, labels, w, 23, x64)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -10,7 +10,7 @@ pytest.importorskip("sklearn")
 from sklearn.cluster import KMeans as SkKMeans  # noqa: E402
 from sklearn.datasets import load_iris, make_blobs  # noqa: E402
 
-from kermac_like import cluster  # noqa: E402
+from kermac_like.testing import kmeans_seeding  # noqa: E402
 from kermac_like.cluster import KMeans  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -76,8 +76,9 @@ def test_fused_seeding_same_as_torch_on_cuda(N, D, C, weighted, integer):
     same indices and centres; Gaussian data: float32 distances summed in another order than
     torch's may flip a draw whose uniform lands within rounding of a boundary (then every later
     centre differs), so the same draws up to at least the 64th. Bitwise the same twice."""
-    from kermac_like.cluster import kmeans_plusplus, seed_uniforms
     from kermac_like.plan.kmeans import fused_serves
+
+    kmeans_plusplus, seed_uniforms = kmeans_seeding.kmeans_plusplus, kmeans_seeding.seed_uniforms
 
     g = torch.Generator(device="cuda").manual_seed(N + D)
     if integer:
@@ -90,7 +91,7 @@ def test_fused_seeding_same_as_torch_on_cuda(N, D, C, weighted, integer):
     assert fused_serves(X)
     c, idx = kmeans_plusplus(X, C, w, torch.Generator(device="cuda").manual_seed(7))
     u = seed_uniforms(C, torch.Generator(device="cuda").manual_seed(7), "cuda")
-    c_ref, idx_ref = cluster._kmeans_plusplus_torch(X, C, w, u)
+    c_ref, idx_ref = kmeans_seeding._kmeans_plusplus_torch(X, C, w, u)
     diff = (idx != idx_ref).nonzero()
     first = C if diff.numel() == 0 else int(diff[0])
     if integer:
@@ -110,8 +111,9 @@ def test_fused_seeding_rounds_on_blobs(N, D, C):
     """Far blobs (proposals rejected, rounds ended early) and more centres than a round: the
     fused seeding against the torch path on integer data (the same indices), every index
     distinct (no point has p > 0 once drawn), the round count between C / 128 and C."""
-    from kermac_like.cluster import seed_uniforms
     from kermac_like.plan.kmeans import Seeding
+
+    seed_uniforms = kmeans_seeding.seed_uniforms
 
     g = torch.Generator(device="cuda").manual_seed(D)
     means = torch.randint(-50, 51, (C, D), device="cuda", generator=g).float() * 40
@@ -122,7 +124,7 @@ def test_fused_seeding_rounds_on_blobs(N, D, C):
     c, idx = sd.run()
     assert -(-C // 128) < sd.rounds < C
     assert len(torch.unique(idx)) == C
-    c_ref, idx_ref = cluster._kmeans_plusplus_torch(X, C, None, u)
+    c_ref, idx_ref = kmeans_seeding._kmeans_plusplus_torch(X, C, None, u)
     assert torch.equal(idx, idx_ref) and torch.equal(c, c_ref)
 
 
@@ -131,7 +133,7 @@ def test_fused_seeding_is_d2_sampling_on_cuda():
     that most proposals of the third centre are rejected (tests/d2_law.py)."""
     from d2_law import POINTS, WEIGHTS, bound, statistic
 
-    from kermac_like.cluster import kmeans_plusplus
+    kmeans_plusplus = kmeans_seeding.kmeans_plusplus
 
     X, w = POINTS.float().cuda(), WEIGHTS.float().cuda()
     chi, df = statistic(lambda sd: kmeans_plusplus(X, 3, w, torch.Generator(device="cuda").manual_seed(sd))[1], 2000)
@@ -139,14 +141,14 @@ def test_fused_seeding_is_d2_sampling_on_cuda():
 
 
 def test_fused_seeding_zero_weights_and_16_bit_on_cuda():
-    from kermac_like.cluster import kmeans_plusplus, seed_uniforms
+    kmeans_plusplus, seed_uniforms = kmeans_seeding.kmeans_plusplus, kmeans_seeding.seed_uniforms
 
     X = torch.randn(5000, 8, device="cuda")
     w = torch.zeros(5000, device="cuda")
     w[[3, 1024, 4999]] = 1.0  # three weighted points, five centres: two degenerate draws (N - 1)
     c, idx = kmeans_plusplus(X, 5, w, torch.Generator(device="cuda").manual_seed(1))
     u = seed_uniforms(5, torch.Generator(device="cuda").manual_seed(1), "cuda")
-    assert torch.equal(idx, cluster._kmeans_plusplus_torch(X, 5, w, u)[1])
+    assert torch.equal(idx, kmeans_seeding._kmeans_plusplus_torch(X, 5, w, u)[1])
     assert set(idx[:3].tolist()) == {3, 1024, 4999} and idx[3:].tolist() == [4999, 4999]
     Xh = X.to(torch.bfloat16)
     ch, ih = kmeans_plusplus(Xh, 16, None, torch.Generator(device="cuda").manual_seed(2))
@@ -158,7 +160,9 @@ def test_fused_segment_sums_on_cuda(monkeypatch, K, weighted, settings):
     """Lloyd's update by kmeans_segsum_kernel against the torch path (sort + segment_reduce):
     exact on integer data, within float64 rounding on Gaussian data; a cluster of most points
     (many items), empty clusters; bitwise the same twice."""
-    from kermac_like.cluster import segment_sums
+    from kermac_like.testing import kmeans_lloyd
+
+    segment_sums = kmeans_lloyd.segment_sums
     from kermac_like.plan import kmeans as plan_km
 
     g = torch.Generator(device="cuda").manual_seed(K)

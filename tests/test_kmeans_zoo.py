@@ -1,5 +1,5 @@
 """KMeans on data as it comes (issue 42): the fit runs about a reference point of the data
-(cluster._reference), so a common shift of the data shifts the centres and changes no label.
+(cluster._kmeans._reference), so a common shift of the data shifts the centres and changes no label.
 
 CPU: fits on X and X + 1024 x spread (exact in float32: X on a 2^-6 lattice) are the same fit,
 bitwise, centres shifted back within the last shift's rounding; a shift that rounds the data
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("sklearn")
 from sklearn.cluster import KMeans as SkKMeans  # noqa: E402
 
-from kermac_like import cluster  # noqa: E402
+from kermac_like.testing import kmeans_estimator, kmeans_lloyd, kmeans_seeding  # noqa: E402
 from kermac_like.cluster import KMeans  # noqa: E402
 
 
@@ -45,13 +45,13 @@ def test_reference_point():
     """0 on centred data (the fit of X itself, no copy); on a lattice of integers the shift keeps data on
     it; shifted data: the shift moves the reference point by the same amount when it is on its grid."""
     g = torch.Generator().manual_seed(0)
-    assert not cluster._reference(torch.randn(5000, 16, generator=g)).any()
+    assert not kmeans_estimator._reference(torch.randn(5000, 16, generator=g)).any()
     px = pixels(3000, 16, 1)
-    s = cluster._reference(px)
+    s = kmeans_estimator._reference(px)
     assert torch.equal(s, s.round()) and s.dtype == torch.float32
     x = wide_blobs(3000, 16, 2)
-    assert torch.equal(cluster._reference(x + 1024.0), cluster._reference(x) + 1024.0)
-    assert cluster._reference(x.double()).dtype == torch.float64
+    assert torch.equal(kmeans_estimator._reference(x + 1024.0), kmeans_estimator._reference(x) + 1024.0)
+    assert kmeans_estimator._reference(x.double()).dtype == torch.float64
 
 
 def test_shift_exact_in_float32_gives_the_same_fit():
@@ -132,8 +132,7 @@ def _relocate_loop(X, weights, labels, d2, sums, wsum):
 def test_empty_clusters_relocated_by_tensor_ops(weighted):
     """Six empty clusters, the farthest points mostly in one cluster (several leave it): the loop's sums and
     weights (to float64 rounding; exactly where a cluster loses one point)."""
-    from kermac_like.cluster import segment_sums
-
+    segment_sums = kmeans_lloyd.segment_sums
     g = torch.Generator().manual_seed(7)
     X = torch.randn(400, 5, generator=g, dtype=torch.float64)
     X[:8] *= 30  # the farthest points
@@ -144,7 +143,7 @@ def test_empty_clusters_relocated_by_tensor_ops(weighted):
     sums, wsum = segment_sums(X, labels, w, 10)
     ref_s, ref_w = sums.clone(), wsum.clone()
     _relocate_loop(X, w, labels, d2, ref_s, ref_w)
-    cluster._relocate_empty(X, w, labels, lambda: d2, sums, wsum, False)
+    kmeans_lloyd._relocate_empty(X, w, labels, lambda: d2, sums, wsum, False)
     torch.testing.assert_close(sums, ref_s, rtol=1e-14, atol=1e-12)
     torch.testing.assert_close(wsum, ref_w, rtol=1e-14, atol=1e-12)
     assert (wsum > 0).all()
@@ -253,7 +252,7 @@ def test_local_certificate_on_cuda(monkeypatch, family, settings):
         assert torch.equal(fits[0][0], other[0]) and torch.equal(fits[0][1], other[1])
         assert fits[0][2] == other[2] and fits[0][3] == other[3]
 
-    xc = (x - cluster._reference(x)).contiguous()
+    xc = (x - kmeans_estimator._reference(x)).contiguous()
     c = xc[torch.randperm(len(xc), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))[:1024]]
     labels, dist, cert = plan_km.plan_assign(xc, c, certificates=True).run()
     rows = torch.sort(labels.int(), stable=True).indices.int()
@@ -267,6 +266,6 @@ def test_local_certificate_on_cuda(monkeypatch, family, settings):
     assert ba.local == (1.0 - float(cert.float().mean()) > plan_km.LOCAL_SHARE)
     # the seeding's hint (plan.kmeans.seed_plusplus(hint=...), the last round folded): each point's nearest centre
     hint = []
-    cs, _ = cluster.kmeans_plusplus(xc, 256, None, torch.Generator(device="cuda").manual_seed(0), hint=hint)
+    cs, _ = kmeans_seeding.kmeans_plusplus(xc, 256, None, torch.Generator(device="cuda").manual_seed(0), hint=hint)
     near = plan_km.plan_assign(xc, cs.contiguous()).run()[0]
     assert len(hint) == 1 and float((hint[0].long() == near).float().mean()) > 0.999

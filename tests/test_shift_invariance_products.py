@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import kermac_like as km
+from kermac_like import centring
 from kermac_like.centring import reference_point
 from kermac_like.ops import matvec as ops_matvec
 from kermac_like.plan import matvec as plan_matvec_mod
@@ -69,15 +70,17 @@ def check_values(k, k64, what=""):
 
 @pytest.fixture
 def shifts(monkeypatch):
-    """The calls of plan.matvec.shifted_pair (the one place the matvec paths shift), recorded."""
+    """The calls of centring.shifted_pair (the one shift of the matvec paths, plan.matvec's name for it, and of
+    KernelOperator), recorded."""
     calls = []
-    orig = plan_matvec_mod.shifted_pair
+    orig = centring.shifted_pair
 
     def recording(*a, **k):
         calls.append((a, k))
         return orig(*a, **k)
 
     monkeypatch.setattr(plan_matvec_mod, "shifted_pair", recording)
+    monkeypatch.setattr(centring, "shifted_pair", recording)
     return calls
 
 

@@ -1,12 +1,12 @@
 """CPU execution of cuda_templates/kmeans.cuh: the real k-means++ kernels (kmeans_update_kernel,
 kmeans_gap_kernel, kmeans_draw_kernel) compiled with g++ behind the thread shim (tests/cpu_shim.py)
 and run for a whole seeding, round after round as plan.kmeans.Seeding launches them, against
-cluster.kmeans_plusplus (the torch path, the same algorithm) with the same uniforms: the same
+cluster._kmeans_plusplus.kmeans_plusplus (the torch path, the same algorithm) with the same uniforms: the same
 indices and centres. Integer data (every distance and sum exact, so every tie is the same tie),
 Gaussian data, weights, a zero-weight case (fewer weighted points than centres: the degenerate
 draws), far blobs (rejected proposals end rounds early), K = 3 and 16 (kK buckets) and 40 (the
 runtime loop), N not a multiple of the 1024-point block and a column-major x. Lloyd's segmented
-sum against cluster.segment_sums. (Bitwise repeats: tests/test_gpu_cluster.py.)"""
+sum against cluster._lloyd.segment_sums. (Bitwise repeats: tests/test_gpu_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ import pytest
 import torch
 from cpu_shim import THREAD_SHIM, build_cpu_runner
 
-from kermac_like.cluster import SAMPLE_BLOCK, SEED_ROUND, SEED_TRIALS, kmeans_plusplus, seed_uniforms
+from kermac_like.testing import kmeans_seeding
+
+SAMPLE_BLOCK, SEED_ROUND, SEED_TRIALS = kmeans_seeding.SAMPLE_BLOCK, kmeans_seeding.SEED_ROUND, kmeans_seeding.SEED_TRIALS
+kmeans_plusplus, seed_uniforms = kmeans_seeding.kmeans_plusplus, kmeans_seeding.seed_uniforms
 
 # instance i of the runner: KmeansTraits<float, kK> with kK = KKS[i]
 KKS = (0, 4, 16)
@@ -246,7 +249,7 @@ def test_seeding_same_as_torch(runner, tmp_path, case):
 
 
 def _sampler_draw(p, bsum, u):
-    """cluster._Sampler.draw in numpy on the given block sums (exact for integer data)."""
+    """cluster._kmeans_plusplus._Sampler.draw in numpy on the given block sums (exact for integer data)."""
     cum = np.cumsum(bsum)
     r = u * cum[-1]
     b = min(int(np.searchsorted(cum, r, side="right")), len(bsum) - 1)
@@ -292,10 +295,12 @@ def test_draw_many_blocks(runner, tmp_path, u):
 
 @pytest.mark.parametrize("K,weighted,integer", [(3, False, True), (16, True, True), (16, True, False), (300, False, False)])
 def test_segment_sums(runner, tmp_path, K, weighted, integer):
-    """Lloyd's update: kmeans_segsum_kernel and its combination against cluster.segment_sums
+    """Lloyd's update: kmeans_segsum_kernel and its combination against cluster._lloyd.segment_sums
     (the torch path): the sums and weights per cluster, exact for integer data; an empty
     cluster, one cluster of several items (128 rows per item here), K > 256 (dimension chunks)."""
-    from kermac_like.cluster import segment_sums
+    from kermac_like.testing import kmeans_lloyd
+
+    segment_sums = kmeans_lloyd.segment_sums
 
     rng = np.random.default_rng(K)
     N, C, rows = 1000, 9, 128

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kermac_like import cluster  # noqa: E402
+from kermac_like.testing import kmeans_lloyd  # noqa: E402
 from kermac_like.cluster import KMeans  # noqa: E402
 from kermac_like import config  # noqa: E402
 from kermac_like.plan import kmeans as plan_km  # noqa: E402
@@ -62,7 +62,7 @@ def main():
     for D, C in SHAPES:
         X = blobs(D, C, g)
         centres = X[torch.randperm(N, device="cuda", generator=g)[:C]].clone()
-        ms, outs = interleaved(lambda X=X, centres=centres: cluster._assign(X, centres, False))
+        ms, outs = interleaved(lambda X=X, centres=centres: kmeans_lloyd._assign(X, centres, False))
         (l0, d0), (l1, d1) = outs[False], outs[True]
         diff = int((l0 != l1).sum())
         same_d2 = bool(torch.equal(d0.view(torch.int64), d1.view(torch.int64)))

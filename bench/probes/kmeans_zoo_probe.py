@@ -2,7 +2,7 @@
 family, on a GPU (or on the CPU at tiny sizes, to check the script).
 
 Per family: the fit's time (median of --reps after a warm-up; CUDA-synchronised wall clock), split into the
-seeding (cluster.kmeans_plusplus), Lloyd's iterations (cluster.lloyd) and the rest (reference point, centring
+seeding (cluster._kmeans.kmeans_plusplus), Lloyd's iterations (cluster._kmeans.lloyd) and the rest (reference point, centring
 copy, checks); the points each pruned step sent to the tensor-core kernel (BoundedAssign's work list) and the
 share of rows the certificate leaves to the kernel's exact rescan in one full assignment at the seeding's and
 at the final centres (about the fit's reference point, as the fit sees them); the fit's ratio to the bench
@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kermac_like import cluster, config  # noqa: E402
+from kermac_like.testing import kmeans_estimator  # noqa: E402
 from kermac_like.plan import kmeans as plan_km  # noqa: E402
 
 SWITCHES = ("kmeans_fused", "kmeans_segsum", "kmeans_assign_mma", "kmeans_bounds")  # off: the torch path
@@ -71,12 +72,12 @@ def sync(device):
 
 
 class Timed:
-    """cluster.kmeans_plusplus and cluster.lloyd wrapped with synchronised timers; BoundedAssign.step with a
-    record of its work list's length."""
+    """The estimator's kmeans_plusplus and lloyd (cluster._kmeans's names) wrapped with synchronised timers;
+    BoundedAssign.step with a record of its work list's length."""
 
     def __init__(self, device):
         self.device, self.parts, self.assigned = device, {}, []
-        self.saved = [(cluster, "kmeans_plusplus"), (cluster, "lloyd"), (plan_km.BoundedAssign, "step")]
+        self.saved = [(kmeans_estimator, "kmeans_plusplus"), (kmeans_estimator, "lloyd"), (plan_km.BoundedAssign, "step")]
         self.saved = [(o, a, getattr(o, a)) for o, a in self.saved]
         for owner, name, fn in self.saved[:2]:
             setattr(owner, name, self._timer(name, fn))

@@ -331,7 +331,9 @@ def kmeans():
     # the fused k-means++ seeding (cuda_templates/kmeans.cuh): weights, the runtime-K update,
     # N not a multiple of its 1024-point block, several rounds (300 centres; far blobs: rounds
     # ended by rejected proposals), every p zero (the degenerate draws)
-    from kermac_like.cluster import kmeans_plusplus
+    from kermac_like.testing import kmeans_seeding
+
+    kmeans_plusplus = kmeans_seeding.kmeans_plusplus
     w = torch.rand(3001, device="cuda", generator=g)
     w[::3] = 0
     for D in (3, 40):

@@ -23,16 +23,12 @@ kernel_matvec's torch path evaluates the formula for every pair at every product
 
 from __future__ import annotations
 
-import math
-
 import torch
-from linear_operator.operators import KernelLinearOperator
 
 from ..descriptor import KernelDescriptor
 from ..ops.distance import run_kernel
 from ..ops.matvec import kernel_matvec
-from . import _switches
-from ._operator import DENSE_CPU_ELEMENTS, _broadcast_shape
+from ._operator import KermacLinearOperatorBase
 
 __all__ = ["KermacFormulaLinearOperator", "formula_covar"]
 
@@ -42,7 +38,7 @@ def formula_covar(x1: torch.Tensor, x2: torch.Tensor, *, descriptor: KernelDescr
     return run_kernel(descriptor, x1, x2, **params)
 
 
-class KermacFormulaLinearOperator(KernelLinearOperator):
+class KermacFormulaLinearOperator(KermacLinearOperatorBase):
     """KernelLinearOperator of any descriptor with matrix-free products; see the module docstring.
 
     >>> import torch, kermac_like as km
@@ -85,22 +81,14 @@ class KermacFormulaLinearOperator(KernelLinearOperator):
         """The kernel matrix ``(*batch, M, N)`` on the CPU where it has at most DENSE_CPU_ELEMENTS entries, else
         None: with autograd (run_kernel's, a fresh matrix) where a gradient is asked for, else formed once per
         operator (again if an operand or hyper-parameter changed in place) without it."""
+        if not self._dense_serves():
+            return None
         x1, x2 = self.x1, self.x2
-        if not (_switches.on("DENSE") and x1.device.type == "cpu" and x2.device.type == "cpu"
-                and x1.dtype in (torch.float32, torch.float64) and x2.dtype == x1.dtype):
-            return None
-        if math.prod(_broadcast_shape(x1.shape[:-2], x2.shape[:-2])) * x1.shape[-2] * x2.shape[-2] > DENSE_CPU_ELEMENTS:
-            return None
         tensors = (x1, x2, *self.tensor_params.values())
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, rhs)):
             return formula_covar(x1, x2, descriptor=self.descriptor, **self.tensor_params)
-        key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in tensors)
-        cached = self.__dict__.get("_kl_dense")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                cached = (key, formula_covar(x1, x2, descriptor=self.descriptor, **self.tensor_params))
-            self.__dict__["_kl_dense"] = cached
-        return cached[1]
+        with torch.no_grad():
+            return self._kept(tensors, lambda: formula_covar(x1, x2, descriptor=self.descriptor, **self.tensor_params))
 
     def _bilinear_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
         # LinearOperator's: autograd of sum(left * K right) through _matmul (kernel_matvec's blocked backward)

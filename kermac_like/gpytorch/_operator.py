@@ -40,7 +40,7 @@ that form distances by the product formula centre their operands: the tensor-cor
 (_products.py) on x2's mean inside the kernels, kernel_matvec's tensor-core and matrix-product
 paths on the operands' reference point, except for an operator built with ``centred=True``
 (kernels.py centres x1 and x2 on x1's mean once per forward), whose operands kernel_matvec reads
-as they are (plan.matvec.mark_centred), so that no CG iteration shifts them again. The entries
+as they are (centring.mark_centred), so that no CG iteration shifts them again. The entries
 (pivoted Cholesky rows and columns, the diagonal) are direct differences, and dense blocks
 GPyTorch's sq_dist / dist on x1, x2 centred on x1's mean. So data offset by 1000 x its spread
 give the products of centred data, to the float32 rounding of the inputs.
@@ -57,15 +57,15 @@ from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperato
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.permutation import apply_permutation
 
+from ..centring import mark_centred, shifted_pair
 from ..descriptor import preset
 from ..ops.distance import run_kernel
-from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec, prepare_matvec
+from ..ops.matvec import WIDE_OUT_INPUTS, kernel_matvec, matvec_shifts, prepare_matvec
 from ..ops.matvec_backward import contraction
-from ..plan.matvec import mark_centred, matvec_shifts, shifted_pair
 from . import _cg, _products, _switches
 
-__all__ = ["KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar", "KERNELS",
-           "DENSE_CPU_ELEMENTS"]
+__all__ = ["KermacLinearOperatorBase", "KermacKernelLinearOperator", "KermacAddedDiagLinearOperator", "dense_covar",
+           "KERNELS", "DENSE_CPU_ELEMENTS"]
 
 # name -> the package's descriptor, evaluated at bandwidth 1 on x / lengthscale
 KERNELS = {"rbf": preset("gaussian_l2"), "laplace": preset("laplace_l2")}
@@ -94,7 +94,32 @@ def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str, outputscale=
     return k if outputscale is None else k * outputscale[..., None, None]
 
 
-class KermacKernelLinearOperator(KernelLinearOperator):
+class KermacLinearOperatorBase(KernelLinearOperator):
+    """What the package's GPyTorch operators share (:class:`KermacKernelLinearOperator`, the formula kernels'
+    KermacFormulaLinearOperator): linear_operator's KernelLinearOperator (shape, batch modes, transposes,
+    indexing, the representation) with the CPU's kernel matrix formed once per operator for its products."""
+
+    def _dense_serves(self) -> bool:
+        """Whether the products multiply by the stored kernel matrix (``KERMAC_LIKE_GP_DENSE``): x1 and x2
+        CPU tensors of one dtype, float32 or float64, at most DENSE_CPU_ELEMENTS entries over the batch."""
+        x1, x2 = self.x1, self.x2
+        if not (_switches.on("DENSE") and x1.device.type == "cpu" and x2.device.type == "cpu"
+                and x1.dtype in (torch.float32, torch.float64) and x2.dtype == x1.dtype):
+            return False
+        entries = math.prod(_broadcast_shape(x1.shape[:-2], x2.shape[:-2])) * x1.shape[-2] * x2.shape[-2]
+        return entries <= DENSE_CPU_ELEMENTS
+
+    def _kept(self, tensors: tuple, build):
+        """``build()``, kept on the operator until one of ``tensors`` changes (storage, version, shape, strides)."""
+        key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in tensors)
+        cached = self.__dict__.get("_kl_dense")
+        if cached is None or cached[0] != key:
+            cached = (key, build())
+            self.__dict__["_kl_dense"] = cached
+        return cached[1]
+
+
+class KermacKernelLinearOperator(KermacLinearOperatorBase):
     """KernelLinearOperator with the matrix-free products of the package; see the module docstring.
 
     ``x1``, ``x2``: the inputs already divided by the lengthscale; ``kernel``: "rbf" or "laplace".
@@ -209,29 +234,25 @@ class KermacKernelLinearOperator(KernelLinearOperator):
         has at most DENSE_CPU_ELEMENTS entries, else None. Formed once per operator (again if x1 or x2 changed
         in place) outside autograd, as kernel_matvec's torch path forms its blocks: run_kernel's matrix product
         on x1 and x2 as given for an operator built ``centred``, else shifted by their reference point where
-        that path shifts them (plan.matvec.matvec_shifts), so the same entries; below MATVEC_COLUMNS points of
+        that path shifts them (ops.matvec.matvec_shifts), so the same entries; below MATVEC_COLUMNS points of
         x2 and CPU_BLOCK_ELEMENTS entries (kermac_like/torch_path.py) it is kernel_matvec's one block, and the
         product with it kernel_matvec's result bit for bit."""
+        if not self._dense_serves():
+            return None
         x1, x2 = self.x1, self.x2
-        if not (_switches.on("DENSE") and x1.device.type == "cpu" and x2.device.type == "cpu"
-                and x1.dtype in (torch.float32, torch.float64) and x2.dtype == x1.dtype):
-            return None
-        batch = _broadcast_shape(x1.shape[:-2], x2.shape[:-2])
-        if math.prod(batch) * x1.shape[-2] * x2.shape[-2] > DENSE_CPU_ELEMENTS:
-            return None
-        key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in (x1, x2))
-        cached = self.__dict__.get("_kl_dense")
-        if cached is None or cached[0] != key:
+
+        def build():
             desc = KERNELS[self.kernel]
             a, b = x1.detach(), x2.detach()
             if not self.centred and matvec_shifts(desc, a, b, False):
                 a, b, _ = shifted_pair(a, b)
-            out = torch.empty(*batch, x1.shape[-2], x2.shape[-2], dtype=x1.dtype)
+            out = torch.empty(*_broadcast_shape(x1.shape[:-2], x2.shape[:-2]), x1.shape[-2], x2.shape[-2],
+                              dtype=x1.dtype)
             with torch.no_grad():
                 run_kernel(desc, a, b, bandwidth=1.0, out=out)
-            cached = (key, (out, a))
-            self.__dict__["_kl_dense"] = cached
-        return cached[1]
+            return out, a
+
+        return self._kept((x1, x2), build)
 
     def _bilinear_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
         # The gradients of sum_c u_c^T (s K(x1, x2)) v_c (GPyTorch's training backward: U the solves, V the

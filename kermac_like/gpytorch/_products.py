@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan.core import _gpu_ok
-from ..plan.falkon import FalkonProducts
-from ..runtime.specs.falkon import MAX_K
+from ..ops.falkon import rows_pv_products, rows_pv_serves
 from . import _switches
 
 __all__ = ["matmul", "MIN_COLUMNS"]
@@ -37,11 +35,7 @@ MIN_COLUMNS = 2
 def _serves(kernel: str, x1: torch.Tensor, x2: torch.Tensor, rhs: torch.Tensor) -> bool:
     if not (_switches.on("TC") and kernel == "rbf" and x1.dim() == 2 and x2.dim() == 2 and rhs.dim() in (1, 2)):
         return False
-    if not (x1.dtype == x2.dtype == rhs.dtype == torch.float32 and 1 <= x1.shape[1] <= MAX_K):
-        return False
-    if (rhs.shape[1] if rhs.dim() == 2 else 1) < MIN_COLUMNS or rhs.shape[0] != x2.shape[0]:
-        return False
-    return x1.device == x2.device == rhs.device and _gpu_ok(x1) and 0 < x2.shape[0] < 2 ** 31 - 256
+    return (rhs.shape[1] if rhs.dim() == 2 else 1) >= MIN_COLUMNS and rows_pv_serves(x1, x2, rhs)
 
 
 def matmul(op, x1: torch.Tensor, x2: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor | None:
@@ -53,7 +47,7 @@ def matmul(op, x1: torch.Tensor, x2: torch.Tensor, rhs: torch.Tensor) -> torch.T
     key = (x2.data_ptr(), x2._version, tuple(x2.shape), tuple(x2.stride()))
     cached = op.__dict__.get("_kl_tc_products")
     if cached is None or cached[0] != key:
-        cached = (key, FalkonProducts(x2.detach(), 1.0, columns="pv"))
+        cached = (key, rows_pv_products(x2.detach()))
         op.__dict__["_kl_tc_products"] = cached
     v = rhs.unsqueeze(-1) if rhs.dim() == 1 else rhs
     out = cached[1].rows_pv(x1.detach(), v.detach()).to(torch.float32)

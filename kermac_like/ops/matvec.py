@@ -25,6 +25,7 @@ from .._args import check_int, check_same, check_tensor
 from ..descriptor import InnerOperator, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import MATVEC_SCRATCH_BYTES, plan_matvec
+from ..plan.matvec import matvec_shifts  # (for the operators that keep shifted operands)
 from ..reference import matvec_reference
 from . import matvec_backward
 from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
@@ -33,7 +34,7 @@ from .distance import prepare_call
 log = logging.getLogger("kermac_like.matvec")
 
 __all__ = ["kernel_matvec", "MatvecCall", "prepare_matvec", "matvec_forward", "matvec_reference", "gradients",
-           "SCRATCH_BYTES", "WIDE_OUT_INPUTS"]
+           "SCRATCH_BYTES", "WIDE_OUT_INPUTS", "matvec_shifts"]
 
 SCRATCH_BYTES = MATVEC_SCRATCH_BYTES  # largest split-N scratch of one call (plan/core.py)
 # Input dtypes whose kernel_matvec has a float64 mode: a float64 ``out`` and/or a float64 ``v``

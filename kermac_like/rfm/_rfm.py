@@ -25,10 +25,10 @@ import torch
 from .. import _debug
 from .._args import all_finite
 from .._estimator import (BaseEstimator, ClassifierMixin, MultiOutputMixin, RegressorMixin, check_feature_names,
-                          check_is_fitted)
+                          check_is_fitted, check_seed)
 from ..ops.distance import cdist
 from ..solvers._nystrom import sample_indices
-from ..solvers.kernel_ridge import _Bad, _Progress, _as_tensor, _free_bytes, _shape_2d
+from ..solvers.kernel_ridge import _Progress, _as_tensor, _free_bytes, _shape_2d
 from ._agop import AGOP_BLOCK_BYTES, agop_sum
 from ._kernel import resolve_rfm_kernel
 from ._solve import solve_cholesky, solve_nystrom
@@ -44,10 +44,6 @@ MEDIAN_ROWS = 2000  # rows of the sample of the median heuristic
 DEFAULT_CENTERS = 20000
 
 _MINIMISE = {"mse": True, "mae": True, "brier": True, "logloss": True, "accuracy": False}
-
-
-def _raise(e: _Bad):
-    raise e.kind(e.message) from None
 
 
 def _number(name, v, *, lo=None, lo_open=False, allow_none=False, integer=False):
@@ -115,9 +111,7 @@ class _RFMBase(BaseEstimator):
         metric = self._metrics[0] if self.tuning_metric is None else self.tuning_metric
         if metric not in self._metrics:
             raise ValueError(f"tuning_metric: {metric!r} is not one of {self._metrics}")
-        if self.random_state is not None and (isinstance(self.random_state, bool) or
-                                              not isinstance(self.random_state, (int, np.integer))):
-            raise ValueError(f"random_state: expected an integer or None, got {self.random_state!r}")
+        check_seed(self.random_state)
         if self.solver == "nystrom" and not self.reg > 0:
             raise ValueError(f"reg: the nystrom solver needs reg > 0, got {self.reg!r}")
         if self.device is not None:
@@ -129,11 +123,8 @@ class _RFMBase(BaseEstimator):
 
     # -- data ---------------------------------------------------------------------------------------
     def _X(self, name, X, *, fit):
-        try:
-            Xt, was_np = _as_tensor(name, X)
-            _shape_2d(name, Xt, None if fit else self.n_features_in_, type(self).__name__)
-        except _Bad as e:
-            _raise(e)
+        Xt, was_np = _as_tensor(name, X)
+        _shape_2d(name, Xt, None if fit else self.n_features_in_, type(self).__name__)
         if fit and Xt.shape[0] == 0:
             raise ValueError(f"{name}: found 0 sample(s) (shape={tuple(Xt.shape)}) while a minimum of 1 is required.")
         return Xt, was_np
@@ -317,10 +308,7 @@ class _RFMBase(BaseEstimator):
 
 
 def _y_tensor(name, y, device, n):
-    try:
-        yt, _ = _as_tensor(name, y, device=device)
-    except _Bad as e:
-        _raise(e)
+    yt, _ = _as_tensor(name, y, device=device)
     if yt.dim() not in (1, 2):
         raise ValueError(f"{name}: expected shape (n_samples,) or (n_samples, n_targets), got {tuple(yt.shape)}")
     if yt.shape[0] != n:

@@ -4,8 +4,7 @@ products the solvers need.
 * ``matrix(a, b)``: the dense block K(a, b) through :func:`kermac_like.run_kernel`
   (cholesky, the m x m landmark matrix, row blocks of K_nm).
 * ``matvec(a, b, v)``: K(a, b) @ v without the matrix, through
-  :class:`kermac_like.KernelOperator` (kernel_matvec) where the package has it;
-  otherwise K(a, b) in row blocks of bounded size times v. ``f32_partials``: the blocked
+  :class:`kermac_like.KernelOperator` (kernel_matvec). ``f32_partials``: the blocked
   float64 mode of kernel_matvec's internals (Falkon's products).
 * ``gram_of_rows(a, z)``: K(a, z)^T K(a, z) (m x m), accumulated over row blocks
   of ``a`` so that no N x m matrix exists at once.
@@ -26,15 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import torch_path
+from .. import centring, torch_path
 from ..centring import reference_point, shift_invariant
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType, preset
+from ..operator import KernelOperator
 from ..ops.distance import run_kernel
+from ..ops.falkon import centre_products
+from ..ops.matvec import matvec_f32_partials
 from ..plan.core import _gpu_ok
 
 __all__ = ["SolverKernel", "resolve_kernel", "BLOCK_BYTES"]
 
-# Largest dense kernel block (bytes) the fallback product and the Gram accumulation build at once.
+# Largest dense kernel block (bytes) the Gram accumulation builds at once.
 BLOCK_BYTES = 1 << 30
 
 
@@ -70,16 +72,6 @@ def resolve_kernel(kernel, bandwidth, p) -> "SolverKernel":
     return SolverKernel(desc, tuple(sorted(hypers.items())))
 
 
-def _operator_class():
-    """kermac_like.KernelOperator when the package provides it and its kernel_matvec, else None."""
-    try:
-        from ..matvec import kernel_matvec  # noqa: F401  (the operator's products)
-        from ..operator import KernelOperator
-    except ImportError:
-        return None
-    return KernelOperator
-
-
 @dataclass(frozen=True)
 class SolverKernel:
     desc: KernelDescriptor
@@ -95,9 +87,7 @@ class SolverKernel:
         matrix product (:meth:`shifts`), a and b are shifted by ``reference`` (default the
         reference point of b; one copy of each, one if a is b) first."""
         if self.shifts(a, b):
-            from ..plan.matvec import shifted_pair
-
-            a, b, _ = shifted_pair(a, b, point=reference_point(b) if reference is None else reference)
+            a, b, _ = centring.shifted_pair(a, b, point=reference_point(b) if reference is None else reference)
         return run_kernel(self.desc, a, b, regularization=regularization, out=out, **self.hypers)
 
     def shifts(self, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -114,36 +104,17 @@ class SolverKernel:
         written in place; a float64 ``out`` of float32 data receives the float64 sums unrounded
         (kernel_matvec's float64 out). ``f32_partials`` with a float64 v of float32/16-bit data:
         kernel_matvec's blocked float64 mode (no autograd: the solvers' products take none)."""
-        op_cls = _operator_class()
-        if op_cls is not None:
-            if f32_partials:
-                from ..ops.matvec import matvec_f32_partials
-
-                return matvec_f32_partials(self.desc, a, b, v, out=out, **self.hypers)
-            return op_cls(self.desc, a, b, **self.hypers).matmul(v, out=out)
-        return self._blocked_matvec(a, b, v, out)
+        if f32_partials:
+            return matvec_f32_partials(self.desc, a, b, v, out=out, **self.hypers)
+        return KernelOperator(self.desc, a, b, **self.hypers).matmul(v, out=out)
 
     def centre_products(self, z: torch.Tensor, *, blocked: bool, debug: bool = False):
         """Falkon's two products against the centres z for one fit: an object whose ``rows(x, v)`` is
         K(x, z) v and ``cols(x, u)`` is K(z, x) u. plan.falkon's tensor-core products where they serve
         (``blocked``: the blocked float64 mode; the Gaussian kernel at D <= 32 on sm_80+), else
         :meth:`matvec` in the mode ``blocked`` names."""
-        if blocked:
-            from ..plan import falkon
-
-            if falkon.serves(self.desc, self.hypers, z):
-                return falkon.FalkonProducts(z, self.hypers["bandwidth"], debug=debug)
-        return _MatvecProducts(self, z, blocked)
-
-    def _blocked_matvec(self, a, b, v, out):
-        n_a, n_b = a.shape[0], b.shape[0]
-        if out is None:
-            out = torch.empty((n_a, v.shape[1]), dtype=v.dtype, device=v.device)
-        rows = max(1, BLOCK_BYTES // max(1, n_b * a.element_size()))
-        for i in range(0, n_a, rows):
-            blk = self.matrix(a[i:i + rows], b)
-            torch.matmul(blk.to(out.dtype), v.to(out.dtype), out=out[i:i + rows])
-        return out
+        products = centre_products(self.desc, self.hypers, z, debug=debug) if blocked else None
+        return _MatvecProducts(self, z, blocked) if products is None else products
 
     def gram_of_rows(self, a: torch.Tensor, z: torch.Tensor, acc_dtype=torch.float64) -> torch.Tensor:
         """K(a, z)^T K(a, z) (m x m, in ``acc_dtype``), over row blocks of ``a``."""

@@ -45,18 +45,13 @@ import torch
 from .. import _debug
 from .._args import all_finite, check_device, finite_flag
 from .. import linalg
-from .._estimator import BaseEstimator, MultiOutputMixin, RegressorMixin, check_feature_names, check_is_fitted
+from ..distributed import Comm
+from .._estimator import (BaseEstimator, ConvergenceWarning, MultiOutputMixin, RegressorMixin, check_feature_names,
+                          check_is_fitted, check_seed)
 from ._cg import local_dots, pcg
-from ._dist import Comm
 from ._kernel import resolve_kernel
 from ._nystrom import FalkonPreconditioner, LandmarkNystromPreconditioner, build_bytes, gather_global_rows, sample_indices
 from ._rows import HostMemoryError, RowSource
-
-try:
-    from sklearn.exceptions import ConvergenceWarning
-except ImportError:  # scikit-learn is optional: the same name, a warning of our own
-    class ConvergenceWarning(UserWarning):
-        """An iterative solver stopped at max_iter before reaching tol."""
 
 log = logging.getLogger("kermac_like.solvers")
 
@@ -74,48 +69,40 @@ _FITTED_ARRAYS = ("X_fit_", "dual_coef_", "centers_")
 # Input conversion and collective validation
 # --------------------------------------------------------------------------------------------
 
-class _Bad(Exception):
-    """A local validation failure, carried to every rank before anyone raises."""
-
-    def __init__(self, kind, message):
-        super().__init__(message)
-        self.kind, self.message = kind, message
-
-
 def _as_tensor(name: str, a, device=None, dtype=None) -> tuple[torch.Tensor, bool]:
     """(tensor, was_numpy). numpy/list inputs become float64 (float32 kept) on ``device``; the
     errors are the ones scikit-learn's checks expect (TypeError for sparse or non-numeric input,
     ValueError for complex numbers), each naming the argument."""
     if a is None:
-        raise _Bad(ValueError, f"{name}: expected an array, got None")
+        raise ValueError(f"{name}: expected an array, got None")
     if isinstance(a, torch.Tensor):
         t, was_np = a, False
         if t.is_complex():
-            raise _Bad(ValueError, f"{name}: Complex data not supported")
+            raise ValueError(f"{name}: Complex data not supported")
         if t.layout != torch.strided:
-            raise _Bad(TypeError, f"{name}: sparse input is not supported; pass a dense tensor ({name}.to_dense())")
+            raise TypeError(f"{name}: sparse input is not supported; pass a dense tensor ({name}.to_dense())")
         if t.dtype not in (torch.float32, torch.float64):
             if t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
                                                     torch.bool):
                 t = t.to(torch.float64 if dtype is None else dtype)
             else:
-                raise _Bad(TypeError, f"{name}: expected a real-valued tensor, got {t.dtype}")
+                raise TypeError(f"{name}: expected a real-valued tensor, got {t.dtype}")
     else:
         if hasattr(a, "toarray") and hasattr(a, "nnz"):  # scipy.sparse (matrix or array)
-            raise _Bad(TypeError, f"{name}: sparse input is not supported; pass a dense array ({name}.toarray())")
+            raise TypeError(f"{name}: sparse input is not supported; pass a dense array ({name}.toarray())")
         try:
             arr = np.asarray(a)
         except Exception as e:  # noqa: BLE001
-            raise _Bad(TypeError, f"{name}: cannot be read as an array ({e})") from None
+            raise TypeError(f"{name}: cannot be read as an array ({e})") from None
         if np.iscomplexobj(arr):
-            raise _Bad(ValueError, f"{name}: Complex data not supported")
+            raise ValueError(f"{name}: Complex data not supported")
         if arr.dtype == object:  # numbers stored as objects are read as numbers, like scikit-learn does
             try:
                 arr = arr.astype(np.float64)
             except (TypeError, ValueError) as e:
-                raise _Bad(TypeError, f"{name}: expected numbers ({e})") from None
+                raise TypeError(f"{name}: expected numbers ({e})") from None
         if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
-            raise _Bad(TypeError, f"{name}: expected numbers, got an array of {arr.dtype}")
+            raise TypeError(f"{name}: expected numbers, got an array of {arr.dtype}")
         if arr.dtype != np.float32:
             arr = arr.astype(np.float64)
         arr = np.ascontiguousarray(arr)
@@ -132,26 +119,14 @@ def _as_tensor(name: str, a, device=None, dtype=None) -> tuple[torch.Tensor, boo
 def _shape_2d(name: str, t: torch.Tensor, n_features=None, estimator="KernelRidge"):
     """Raise the errors scikit-learn's checks expect for a badly shaped X."""
     if t.dim() != 2:
-        raise _Bad(ValueError, f"{name}: expected a 2-D array (n_samples, n_features), got shape {tuple(t.shape)}. "
-                               f"Reshape your data with {name}.reshape(-1, 1) if it has a single feature or "
-                               f"{name}.reshape(1, -1) if it is a single sample")
+        raise ValueError(f"{name}: expected a 2-D array (n_samples, n_features), got shape {tuple(t.shape)}. "
+                         f"Reshape your data with {name}.reshape(-1, 1) if it has a single feature or "
+                         f"{name}.reshape(1, -1) if it is a single sample")
     if t.shape[1] == 0:
-        raise _Bad(ValueError, f"{name}: 0 feature(s) (shape={tuple(t.shape)}) while a minimum of 1 is required.")
+        raise ValueError(f"{name}: 0 feature(s) (shape={tuple(t.shape)}) while a minimum of 1 is required.")
     if n_features is not None and t.shape[1] != n_features:
-        raise _Bad(ValueError, f"{name} has {t.shape[1]} features, but {estimator} is expecting {n_features} "
-                               "features as input")
-
-
-def _raise_collectively(comm: Comm, local_error, meta):
-    """Exchange (error, meta) of every rank; raise the first error on every rank.
-    Returns the list of every rank's meta when no rank failed."""
-    everyone = comm.all_gather_object((local_error, meta))
-    for r, (err, _) in enumerate(everyone):
-        if err is not None:
-            kind, msg = err
-            where = f" (on rank {r})" if comm.active else ""
-            raise kind(msg + where)
-    return [m for _, m in everyone]
+        raise ValueError(f"{name} has {t.shape[1]} features, but {estimator} is expecting {n_features} "
+                         "features as input")
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -329,9 +304,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             lo = 0 if name == "n_landmarks" else 1
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
                 raise ValueError(f"{name}: expected an integer >= {lo} or None, got {v!r}")
-        if self.random_state is not None and (isinstance(self.random_state, bool) or
-                                              not isinstance(self.random_state, (int, np.integer))):
-            raise ValueError(f"random_state: expected an integer or None, got {self.random_state!r}")
+        check_seed(self.random_state)
         mg = self.max_gpu_bytes
         if mg is not None and (isinstance(mg, bool) or not isinstance(mg, (int, float, np.integer, np.floating))
                                or not math.isfinite(mg) or mg < 1):
@@ -370,28 +343,26 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             dev = self._compute_device(Xt.device)
             _shape_2d("X", Xt)
             if y is None:
-                raise _Bad(ValueError, "y: KernelRidge requires y to be passed, but the target y is None")
+                raise ValueError("y: KernelRidge requires y to be passed, but the target y is None")
             yt, _ = _as_tensor("y", y, device=Xt.device)
             y_dtype = yt.dtype
             yt = yt.to(Xt.dtype)
             if yt.dim() not in (1, 2):
-                raise _Bad(ValueError, f"y: expected shape (n_samples,) or (n_samples, n_targets), got {tuple(yt.shape)}")
+                raise ValueError(f"y: expected shape (n_samples,) or (n_samples, n_targets), got {tuple(yt.shape)}")
             if yt.shape[0] != Xt.shape[0]:
-                raise _Bad(ValueError, f"y: has {yt.shape[0]} rows but X has {Xt.shape[0]}")
+                raise ValueError(f"y: has {yt.shape[0]} rows but X has {Xt.shape[0]}")
             defer_finite = self._streams(Xt.device, dev)
             if not defer_finite:  # streamed data: checked chunk by chunk on the device (first pass)
                 if not all_finite(Xt):
-                    raise _Bad(ValueError, "X: contains NaN or infinity")
+                    raise ValueError("X: contains NaN or infinity")
                 if not all_finite(yt):
-                    raise _Bad(ValueError, "y: contains NaN or infinity")
+                    raise ValueError("y: contains NaN or infinity")
             meta = dict(n=int(Xt.shape[0]), d=int(Xt.shape[1]), y_dim=yt.dim(),
                         c=1 if yt.dim() == 1 else int(yt.shape[1]), dtype=str(Xt.dtype),
                         device=dev.type, free=_free_bytes(dev), params=self._shared_params(), defer=defer_finite)
-        except _Bad as e:
-            err = (e.kind, e.message)
         except (TypeError, ValueError) as e:
             err = (type(e), str(e))
-        metas = _raise_collectively(comm, err, meta)
+        metas = comm.raise_collectively(err, meta)
         self._check_ranks_agree(comm, metas)
         counts = [m["n"] for m in metas]
         n_total = sum(counts)
@@ -569,8 +540,8 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             if self.max_gpu_bytes is not None:
                 budget = int(self.max_gpu_bytes) - fixed
                 if budget <= 0:
-                    raise _Bad(ValueError, f"max_gpu_bytes: {int(self.max_gpu_bytes)} bytes do not hold the "
-                                           f"preconditioner of {m} centres ({fixed} bytes: 8 m^2 + O(m (D + C)) + its build's blocks)")
+                    raise ValueError(f"max_gpu_bytes: {int(self.max_gpu_bytes)} bytes do not hold the "
+                                     f"preconditioner of {m} centres ({fixed} bytes: 8 m^2 + O(m (D + C)) + its build's blocks)")
             elif X.device != dev and dev.type == "cuda":
                 budget = max(1, int(0.9 * _free_bytes(dev)) - fixed)
             rows = RowSource(X, y, dev, budget=budget, c=c)
@@ -579,8 +550,6 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                 raise HostMemoryError(f"not enough host memory for the chunk buffers: {need / 2**30:.2f} GiB of "
                                       f"pinned memory needed, {_free_bytes(torch.device('cpu')) / 2**30:.2f} GiB free")
             rows.allocate()
-        except _Bad as e:
-            err = (e.kind, e.message)
         except (ValueError, HostMemoryError) as e:
             err = (type(e), str(e))
         except torch.OutOfMemoryError as e:
@@ -588,7 +557,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
                                 "pass a smaller max_gpu_bytes")
         if err is not None and rows is not None:
             rows.release()
-        _raise_collectively(comm, err, None)
+        comm.raise_collectively(err, None)
         log.debug("nystrom data: %s, %d rows (%d on the device, chunks of %d, stream chunks of %d), device %s",
                   rows.mode, rows.n, rows.n_res, rows.work_rows, rows.slot_rows, dev)
         return rows
@@ -709,13 +678,11 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
             stream = getattr(self, "max_gpu_bytes", None) is not None or Xt.device != self._device
             Xt = Xt.to(dtype=self._dtype) if stream else Xt.to(device=self._device, dtype=self._dtype)
             if not all_finite(Xt):
-                raise _Bad(ValueError, "X: contains NaN or infinity")
+                raise ValueError("X: contains NaN or infinity")
             meta = (int(Xt.shape[0]),)
-        except _Bad as e:
-            err = (e.kind, e.message)
         except (TypeError, ValueError) as e:
             err = (type(e), str(e))
-        metas = _raise_collectively(comm, err, meta)
+        metas = comm.raise_collectively(err, meta)
         if any(mm != metas[0] for mm in metas):
             raise ValueError(f"X: ranks pass different numbers of rows {[mm[0] for mm in metas]}; predict is "
                              "collective and takes the same X on every rank")
@@ -757,10 +724,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         uniform average over targets). Collective under torch.distributed, like predict."""
         pred = self.predict(X)
         pred_t = torch.as_tensor(pred).to(torch.float64)
-        try:
-            yt, _ = _as_tensor("y", y, device=pred_t.device, dtype=torch.float64)
-        except _Bad as e:
-            raise e.kind(e.message) from None
+        yt, _ = _as_tensor("y", y, device=pred_t.device, dtype=torch.float64)
         if yt.shape != pred_t.shape:
             raise ValueError(f"y: shape {tuple(yt.shape)} differs from the prediction's {tuple(pred_t.shape)}")
         yt2 = yt.reshape(yt.shape[0], -1)
@@ -768,10 +732,7 @@ class KernelRidge(MultiOutputMixin, RegressorMixin, BaseEstimator):
         if sample_weight is None:
             w = torch.ones((yt2.shape[0], 1), dtype=torch.float64, device=yt2.device)
         else:
-            try:
-                w, _ = _as_tensor("sample_weight", sample_weight, device=yt2.device, dtype=torch.float64)
-            except _Bad as e:
-                raise e.kind(e.message) from None
+            w, _ = _as_tensor("sample_weight", sample_weight, device=yt2.device, dtype=torch.float64)
             if w.shape != (yt2.shape[0],):
                 raise ValueError(f"sample_weight: expected shape ({yt2.shape[0]},), got {tuple(w.shape)}")
             w = w[:, None]

@@ -191,6 +191,20 @@ struct PoweredExponential {
   }
 };
 
+// The derivative dk/d(r2) of a functor as a functor (the fused backward's kernel: its products
+// with g v^T-weighted right-hand sides give the gradients with respect to x and y).
+template <class E>
+struct Derivative {
+  using Args = typename E::Args;
+  __device__ __forceinline__ static Args args(const Params& p) { return E::args(p); }
+  __device__ __forceinline__ static float scale(const Args& a) { return E::scale(a); }
+  template <bool kFma>
+  __device__ __forceinline__ static float value(float z, const Args& a) {
+    return E::dk_dr2(z, a);
+  }
+  __device__ __forceinline__ static float dk_dr2(float, const Args&) { return 0.0f; }  // (not used)
+};
+
 }  // namespace epilogue
 
 // The namespace of the rendered functors of user expressions: SymPy's C printer writes expf,

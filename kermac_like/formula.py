@@ -110,6 +110,9 @@ class FormulaDescriptor(KernelDescriptor):
     degree: int = 0  # the polynomial's
     positive: bool = True  # values > 0 for every pair (kernel_logsumexp takes only these)
     source: tuple = field(default=(), compare=False)  # the texts as written (positions in errors)
+    # Internal: the kernel's derivative dk/d(r2) in place of k (the fused backward's kernel: its
+    # epilogue functor's dk_dr2, cuda_templates/epilogue.cuh); never built by the public functions.
+    derivative: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "inner_operator", _coerce(self.inner_operator, InnerOperator, "inner_operator"))
@@ -161,7 +164,7 @@ class FormulaDescriptor(KernelDescriptor):
         params = ",".join(f"{n}={'' if d is None else repr(float(d))}" for n, d in self.params)
         return (f"{self.family}|inner={self.inner}|epilogue={self.epilogue}|base={self.inner_operator.name},"
                 f"{self.inner_power.name},{self.outer_power.name}|p={self.norm_p!r}|degree={self.degree}|"
-                f"params={params}")
+                f"params={params}" + ("|derivative=dk/dr2" if self.derivative else ""))
 
     def key(self) -> str:
         """sha256 of :meth:`canonical` (full, never truncated)."""

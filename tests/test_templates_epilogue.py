@@ -9,6 +9,7 @@ sm_90 without spills."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import zlib
 
@@ -214,3 +215,42 @@ def test_formula_instantiations_compile_without_spills(arch):
     _, resources = compiler.compile_specs(specs, arch)
     assert len(resources) == 2
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in resources.values()), resources
+
+
+def _torch_product(call, desc, x, y, v):
+    """A stand-in of ops.matvec._formula_product on the CPU in float64: the kernel's values (or, for
+    the derivative descriptor, dk/d(r2) by autograd of the formula) times v."""
+    base = dataclasses.replace(desc, derivative=False)
+    P = {n: call.hypers[n] for n in base.param_names}
+    r2 = ((x.unsqueeze(-2) - y.unsqueeze(-3)) ** 2).sum(-1)
+    if not desc.derivative:
+        return formula_path.values(base, x, y, dict(P)) @ v
+    with torch.enable_grad():  # (a backward runs without autograd)
+        r2 = r2.detach().requires_grad_(True)
+        r = r2.clamp_min(1e-300).sqrt() if base.outer_power.name == "SQRT" else r2
+        k = formula_path._functions(base)[1](r, P)
+        (dk,) = torch.autograd.grad(k.sum(), r2)
+    return dk @ v
+
+
+@pytest.mark.parametrize("name", ["matern52", "rq", "user"])
+def test_fused_backward_formulas_cpu(name, monkeypatch):
+    """The fused backward's algebra (ops.matvec._FormulaMatvec: gradients from products with the
+    kernel and with dk/d(r2), the operands centred) against the torch path's blocked autograd, in
+    float64 on the CPU with the fused products stood in for (on a GPU: tests/test_gpu_epilogue.py)."""
+    from kermac_like.ops import matvec as ops_matvec
+
+    monkeypatch.setattr(ops_matvec, "_formula_product", _torch_product)
+    desc, hp = next((d, h) for k, d, h in KERNELS if k == name)
+    desc = desc or _user()
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(40, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
+    y = (torch.randn(30, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
+    v = torch.randn(30, 2, generator=g, dtype=torch.float64).requires_grad_(True)
+    call = ops_matvec.prepare_matvec(desc, x, y, v, bandwidth=hp.get("bandwidth"),
+                                     params={k: val for k, val in hp.items() if k != "bandwidth"})
+    w = torch.randn(40, 2, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((ops_matvec._FormulaMatvec.apply(call, x, y, v) * w).sum(), (x, y, v))
+    want = torch.autograd.grad((formula_path.matvec_autograd(call) * w).sum(), (x, y, v))
+    for a, b in zip(got, want):
+        assert ((a - b).abs().max() / b.abs().max()) < 1e-10

@@ -21,12 +21,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from dataclasses import replace
 
 from ...descriptor import InnerOperator, PowerType
 from ...formula import FormulaDescriptor
 
 __all__ = ["BUILTIN", "RENDERER", "SLOTS", "served", "slot_names", "slot_hypers", "functor", "render",
-           "has_exponential", "smooth_at_zero"]
+           "has_exponential", "smooth_at_zero", "derivative"]
 
 # The built-in families' functors (epilogue.cuh), by FormulaDescriptor.family.
 BUILTIN = {
@@ -72,6 +73,8 @@ def smooth_at_zero(desc) -> bool:
     the expanded form's rounding of r2 near 0 (eps times the centred norms, not times r2) moves k by
     as little; a cusp at 0 (powered exponential with q < 2, a user's exp(-sqrt(r))) needs the direct
     form's exact differences. User expressions: SymPy's one-sided limit (~0.05 s, once a descriptor)."""
+    if desc.derivative:  # (its own derivative may have a cusp: Matérn 3/2's e^-t; the direct form always)
+        return False
     if desc.family in BUILTIN:
         return desc.family != "powered_exponential"
     from ... import expression
@@ -92,8 +95,15 @@ def smooth_at_zero(desc) -> bool:
     return bool(lim.is_finite)
 
 
+def derivative(desc: FormulaDescriptor) -> FormulaDescriptor:
+    """The descriptor whose kernel is dk/d(r2) of ``desc`` (internal: the fused backward's products)."""
+    return replace(desc, derivative=True)
+
+
 def has_exponential(desc) -> bool:
     """Whether the functor's value takes an exponential (a pair's kFma choice matters)."""
+    if desc.derivative:
+        return False
     if desc.family in BUILTIN:
         return desc.family not in _NO_EXP
     return "exp" in desc.epilogue
@@ -121,6 +131,9 @@ def functor(desc: FormulaDescriptor) -> tuple:
     """(C++ name of the functor, source to put in the stub: "" for a header functor)."""
     if not served(desc):
         raise ValueError(f"descriptor: no epilogue functor serves {desc!r}")
+    if desc.derivative:  # dk/d(r2): the kernel's functor wrapped (the fused backward's kernel)
+        name, src = functor(replace(desc, derivative=False))
+        return f"kermac_like::epilogue::Derivative<{name}>", src
     if desc.family in BUILTIN:
         return BUILTIN[desc.family], ""
     body = _render_body(desc)

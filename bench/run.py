@@ -4,6 +4,7 @@
     python bench/run.py --only cdist_p2 --only laplace_l2_kernel
     python bench/run.py --quick --out /tmp/b     # tiny sizes; on a CPU-only machine the reference path
     python bench/run.py --only gp_step           # GPyTorch ExactGP step, N = 10^5 (ours and GPyTorch) and 10^6
+    python bench/run.py --only gauss_matvec_d3 --only matern_matvec_d3 --only custom_kernel   # formula kernels
     python bench/run.py --only knn_d3 --data pixels            # any workload on a data family (bench/datasets.py)
     python bench/run.py --only robustness                       # every family: ~3-5 minutes on an H200 (estimated)
     python bench/run.py --only robustness --families gaussian,shifted100 --scale 0.1
@@ -52,6 +53,7 @@ import kermac_like as km  # noqa: E402
 from kermac_like.matvec import matvec_reference, prepare_matvec  # noqa: E402
 from bench import datasets  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
+from bench import formula_rows  # noqa: E402  (the formula kernels' workloads, issue 44)
 
 sys.path.insert(0, str(ROOT / "examples"))
 from cdist_grad import torch_cdist_grad_p2  # noqa: E402  (one copy, shared with the example)
@@ -75,6 +77,8 @@ WORKLOADS = (
     "eigh",
     "gauss_matvec_d3",
     "gauss_matvec_d256",
+    "matern_matvec_d3",
+    "custom_kernel",
     "gauss_logsumexp_d3",
     "krr_1m",
     "krr_1e9",
@@ -84,6 +88,7 @@ WORKLOADS = (
     "knn_batched",
     "kmeans",
     "gp_step",
+    "gp_step_matern",
     "cold_compile",
     "warm_process",
     "lowk",
@@ -92,7 +97,7 @@ WORKLOADS = (
 )
 LINALG = ("solve_cholesky", "solve_lu", "eigh")
 # workloads whose data --data does not set (made by another module, a child process or their own rule)
-OWN_DATA = LINALG + ("krr_1m", "krr_1e9", "gp_step", "cold_compile", "warm_process", "robustness", "rfm")
+OWN_DATA = LINALG + ("krr_1m", "krr_1e9", "gp_step", "gp_step_matern", "cold_compile", "warm_process", "robustness", "rfm")
 OPT_IN = ("robustness", "rfm")  # run only when --only names them (studies of their own: minutes at full size)
 
 FULL = dict(cdist=(30000, 30000, 1024), laplace=(50000, 50000, 256), grad=(2, 10000, 10000, 768, 16),
@@ -1389,6 +1394,12 @@ def main(argv=None):
             steps.append((w, lambda: gauss_matvec_rows(bench, "matvec_d256", 256, (1, 16))))
         elif w == "gauss_logsumexp_d3":
             steps.append((w, lambda: gauss_logsumexp_rows(bench)))
+        elif w == "matern_matvec_d3":
+            steps.append((w, lambda: formula_rows.matern_matvec_rows(bench, time_calls, ERR_ROWS, KERNEL_FLOOR)))
+        elif w == "custom_kernel":
+            steps.append((w, lambda: formula_rows.custom_kernel_rows(bench, time_calls, ERR_ROWS, KERNEL_FLOOR)))
+        elif w == "gp_step_matern":
+            steps.append((w, lambda: formula_rows.gp_step_matern_rows(bench, add_ratios)))
         elif w == "krr_1m":
             steps.append((w, lambda: krr_rows(bench)))
         elif w == "krr_1e9":

@@ -38,11 +38,14 @@ struct Params {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// 2^t on MUFU or on the FMA pipe.
+// 2^t on MUFU or on the FMA pipe (t <= 0 up to rounding: the upper clamp of math::exp2_fma is left
+// out; NaN stays NaN: the select fails for it, and a NaN mantissa poisons the product).
 template <bool kFma>
 __device__ __forceinline__ float exp2_on(float t) {
   if constexpr (kFma) {
-    return math::exp2_fma(t);
+    float mant, scale;
+    math::exp2_fma_split(t < -127.0f ? -127.0f : t, 1.0f, mant, scale);
+    return mant * scale;
   } else {
     return math::ex2_approx(t);
   }
@@ -82,7 +85,7 @@ struct Matern32 {
   __device__ __forceinline__ static float scale(const Args& a) { return a.scale; }
   template <bool kFma>
   __device__ __forceinline__ static float value(float z, const Args&) {
-    const float u = math::sqrt_approx(fmaxf(z, 0.0f));
+    const float u = math::sqrt_approx(fabsf(z));
     return __fmaf_rn(u, kLn2, 1.0f) * exp2_on<kFma>(-u);
   }
   __device__ __forceinline__ static float dk_dr2(float z, const Args& a) {
@@ -104,7 +107,7 @@ struct Matern52 {
   __device__ __forceinline__ static float scale(const Args& a) { return a.scale; }
   template <bool kFma>
   __device__ __forceinline__ static float value(float z, const Args&) {
-    const float u = math::sqrt_approx(fmaxf(z, 0.0f));
+    const float u = math::sqrt_approx(fabsf(z));  // (|z|: a free operand modifier; z < 0 only by rounding)
     const float poly = __fmaf_rn(u, __fmaf_rn(u, kLn2 * kLn2 / 3.0f, kLn2), 1.0f);
     return poly * exp2_on<kFma>(-u);
   }
@@ -214,9 +217,25 @@ namespace formula {
 
 // e^x; kFma: on the FMA pipe (the functor's value<kFma> for its share of the pairs).
 template <bool kFma>
-__device__ __forceinline__ float kl_exp(float x) { return epilogue::exp2_on<kFma>(x * epilogue::kLog2e); }
+__device__ __forceinline__ float kl_exp(float x) {
+  if constexpr (kFma) {
+    return math::exp2_fma(x * epilogue::kLog2e);  // (both clamps: a user's exponent may be positive)
+  } else {
+    return math::ex2_approx(x * epilogue::kLog2e);
+  }
+}
 __device__ __forceinline__ float kl_log(float x) { return math::lg2_approx(x) * epilogue::kLn2; }
 __device__ __forceinline__ float kl_sqrt(float x) { return math::sqrt_approx(x); }
+// 2^x (the renderer writes e^a as 2^(a log2 e), the factor folded into a's constant); kFma: the FMA pipe.
+template <bool kFma>
+__device__ __forceinline__ float kl_exp2(float x) {
+  if constexpr (kFma) {
+    return math::exp2_fma(x);
+  } else {
+    return math::ex2_approx(x);
+  }
+}
+
 // x^n for an integer n (SymPy prints r**2 as powf(r, 2)): n multiplications after inlining.
 __device__ __forceinline__ float kl_pow(float x, int n) {
   float out = 1.0f;

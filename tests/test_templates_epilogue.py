@@ -157,8 +157,8 @@ def test_rendered_functor_and_its_name():
     assert epilogue.slot_names(d) == ("bandwidth", "c", "w")
     name, src = epilogue.functor(d)
     assert name.startswith("kermac_like::formula::F") and len(name.split("::F")[1]) == 64
-    assert "kl_exp<kFma>(" in src and "kl_exp<false>(" in src and "expf" not in src and "M_PI" not in src
-    assert "kl_p0 = kl_a.p0" in src and "kl_p2 = kl_a.p2" in src
+    assert "kl_exp2<kFma>(" in src and "kl_exp2<false>(" in src and "expf" not in src and "M_" not in src
+    assert "p.p0" in src and "p.p2" in src and "a.kl_c0 = " in src  # parameters: once per batch entry, in args()
     same = km.kernel_expression("c + exp(-pi*r/(bandwidth**2*w))", params=("w", "bandwidth", "c"))
     assert epilogue.functor(same) == (name, src)
     other = km.kernel_expression("exp(-r*pi/(u*bandwidth**2)) + c", params=("c", "bandwidth", "u"))

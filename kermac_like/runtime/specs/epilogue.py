@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import re
 from dataclasses import replace
 
@@ -48,7 +49,11 @@ RENDERER = "epilogue-functor-1"
 # SymPy's single-precision C functions -> the rendered functors' helpers (epilogue.cuh, namespace
 # kermac_like::formula); pi and e as float literals (M_PI and M_E are double, and undefined in NVRTC).
 _FUNCTIONS = {"expf": "kl_exp", "logf": "kl_log", "sqrtf": "kl_sqrt", "powf": "kl_pow"}
-_CONSTANTS = {"M_PI": "3.14159265358979F", "M_E": "2.71828182845905F"}
+_CONSTANTS = {name: f"{value!r}F" for name, value in (
+    ("M_E", math.e), ("M_LOG2E", 1 / math.log(2)), ("M_LOG10E", 1 / math.log(10)), ("M_LN2", math.log(2)),
+    ("M_LN10", math.log(10)), ("M_PI", math.pi), ("M_PI_2", math.pi / 2), ("M_PI_4", math.pi / 4),
+    ("M_1_PI", 1 / math.pi), ("M_2_PI", 2 / math.pi), ("M_2_SQRTPI", 2 / math.sqrt(math.pi)),
+    ("M_SQRT2", math.sqrt(2)), ("M_SQRT1_2", math.sqrt(0.5)))}
 
 
 def _l2_base(desc) -> bool:
@@ -156,53 +161,100 @@ def _c(expr, fma: str) -> str:
     exponential's template argument, "kFma" in value, "false" in the derivative)."""
     from ... import expression
 
-    code = expression.cuda_source(expr)
+    sympy = expression.sympy_module()
+    from sympy.codegen.ast import float32, real
+
+    code = " ".join(sympy.ccode(expr, type_aliases={real: float32}, allow_unknown_functions=True).split())
+    code = re.sub(r"\bkl_exp2\(", f"kl_exp2<{fma}>(", code)
     for f, g in _FUNCTIONS.items():
         code = re.sub(rf"\b{f}\(", f"{g}<{fma}>(" if f == "expf" else f"{g}(", code)
     for c, v in _CONSTANTS.items():
         code = re.sub(rf"\b{c}\b", v, code)
+    left = re.search(r"\bM_[A-Z0-9_]+\b", code)
+    if left:  # (a double constant of math.h the table lacks: NVRTC defines none of them)
+        raise ValueError(f"epilogue functor: no float value for {left.group(0)} in {code}")
     return code
 
 
+def _hoist(e, r, table: dict, sympy):
+    """``e`` with every maximal subexpression free of ``r`` (the parameters' and the constants': 1/h,
+    sqrt(5)/h, h**-2) replaced by a symbol kl_a.c<i> of ``table`` (expression -> symbol), computed
+    once per batch entry in args(): a pair evaluates only what depends on r (no division, no power of
+    a parameter per pair). Numbers stay (SymPy's printer writes them as float literals)."""
+    if r not in e.free_symbols and isinstance(e, sympy.Expr):
+        if e.is_Number:
+            return e
+        if e not in table:
+            table[e] = sympy.Symbol(f"kl_c{len(table)}", real=True)
+        return table[e]
+    if isinstance(e, (sympy.Add, sympy.Mul)) and r in e.free_symbols:
+        free = [a for a in e.args if r not in a.free_symbols]
+        dep = [_hoist(a, r, table, sympy) for a in e.args if r in a.free_symbols]
+        if free:
+            dep.append(_hoist(e.func(*free), r, table, sympy))
+        return e.func(*dep)
+    if not e.args:
+        return e
+    return e.func(*(_hoist(a, r, table, sympy) if hasattr(a, "free_symbols") else a for a in e.args))
+
+
+def _statements(e, fma: str, sympy) -> str:
+    """``e`` as C statements: common subexpressions once (SymPy's cse; the helpers' MUFU forms are
+    inline asm, which the compiler does not merge), then the value."""
+    subs, (reduced,) = sympy.cse([e], symbols=sympy.numbered_symbols("kl_t"))
+    lines = [f"    const float {s} = {_c(v, fma)};\n" for s, v in subs]
+    return "".join(lines) + f"    return {_c(reduced, fma)};\n"
+
+
 def _render_body(desc: FormulaDescriptor) -> str:
-    """The members of a user expression's functor: value(z) and dk_dr2(z) with r = z (the squared
-    distance) or sqrt(z) (an l2 base), the parameters read from p0, p1, p2."""
+    """The members of a user expression's functor: args() (the parameters p0, p1, p2 and every
+    subexpression free of r, once per batch entry), value(z) and dk_dr2(z) with r = z (the squared
+    distance) or sqrt(z) (an l2 base)."""
     from ... import expression
 
     sympy = expression.sympy_module()
     epi = desc.sympy_epilogue()
-    subs, params = {}, []
+    subs = {}
     for i, name in enumerate(slot_names(desc)):
-        sym = sympy.Symbol(f"kl_p{i}", real=True)
-        for s in epi.free_symbols:
-            if str(s) == name:
-                subs[s] = sym
-        params.append(f"const float kl_p{i} = kl_a.p{i};")
-    r = next((s for s in epi.free_symbols if str(s) == "r"), sympy.Symbol("r", real=True))
+        for s_ in epi.free_symbols:
+            if str(s_) == name:
+                subs[s_] = sympy.Symbol(f"kl_p{i}", real=True)
+    r = next((s_ for s_ in epi.free_symbols if str(s_) == "r"), sympy.Symbol("r", real=True))
     kr = sympy.Symbol("kl_r", real=True)
     subs[r] = kr
+    sqrt_base = desc.outer_power is PowerType.SQRT
     value = epi.xreplace(subs)
     dvalue = sympy.diff(epi, r).xreplace(subs)
-    sqrt_base = desc.outer_power is PowerType.SQRT
-    r_of_z = "kl_sqrt(kl_z)" if sqrt_base else "kl_z"
-    # dr/dr2: 1 (r = r2), or 1 / (2 r) (r = sqrt(r2); 0 at r = 0, where the value is flat or the
-    # torch path's gradient is taken as 0)
-    chain = "(kl_r > 0.0f ? 0.5f / kl_r : 0.0f) * " if sqrt_base else ""
-    pre = "    " + " ".join(params) + "\n" if params else ""
+    if sqrt_base:  # dk/dr2 = dk/dr / (2 r) (0 at r = 0: the value is flat there or the torch path takes 0)
+        dvalue = sympy.Piecewise((dvalue / (2 * kr), kr > 0), (0, True))
+    # e^a as 2^(a log2 e): the factor joins a's hoisted constant (no multiply per pair)
+    exp2 = sympy.Function("kl_exp2")
+    value, dvalue = (t.replace(sympy.exp, lambda a: exp2(a / sympy.log(2))) for t in (value, dvalue))
+    table: dict = {}
+    value, dvalue = _hoist(value, kr, table, sympy), _hoist(dvalue, kr, table, sympy)
+    consts = "".join(f"    a.{sym} = {_c(e.xreplace({sympy.Symbol(f'kl_p{i}', real=True): sympy.Symbol(f'p.p{i}', real=True) for i in range(3)}), 'false')};\n"
+                     for e, sym in table.items())
+    members = "".join(f"    float {sym};\n" for sym in table.values())
+    attr = {sym: sympy.Symbol(f"kl_a.{sym}", real=True) for sym in table.values()}
+    value, dvalue = value.xreplace(attr), dvalue.xreplace(attr)
+    # |z|: a free operand modifier (z < 0 only by the expanded form's rounding of a zero distance)
+    r_of_z = "kl_sqrt(fabsf(kl_z))" if sqrt_base else "fabsf(kl_z)"
     return (
-        "  using Args = epilogue::Params;\n"
-        "  __device__ __forceinline__ static Args args(const epilogue::Params& p) { return p; }\n"
+        "  struct Args {\n"
+        f"{members}"
+        "  };\n"
+        "  __device__ __forceinline__ static Args args(const epilogue::Params& p) {\n"
+        "    Args a{};\n"
+        f"{consts}"
+        "    return a;\n"
+        "  }\n"
         "  __device__ __forceinline__ static float scale(const Args&) { return 1.0f; }\n"
         "  template <bool kFma>\n"
         "  __device__ __forceinline__ static float value(float kl_z, const Args& kl_a) {\n"
-        f"{pre}"
-        "    kl_z = fmaxf(kl_z, 0.0f);\n"
         f"    const float kl_r = {r_of_z};\n"
-        f"    return {_c(value, 'kFma')};\n"
+        f"{_statements(value, 'kFma', sympy)}"
         "  }\n"
         "  __device__ __forceinline__ static float dk_dr2(float kl_z, const Args& kl_a) {\n"
-        f"{pre}"
-        "    kl_z = fmaxf(kl_z, 0.0f);\n"
         f"    const float kl_r = {r_of_z};\n"
-        f"    return {chain}({_c(dvalue, 'false')});\n"
+        f"{_statements(dvalue, 'false', sympy)}"
         "  }\n")

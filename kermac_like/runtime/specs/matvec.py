@@ -194,6 +194,8 @@ FORMULA_TUNING = {"unroll_j": 4, "poly_pairs": 8, "prefetch": True}
 # kC = 12) the direct form: the expanded one spills on sm_90 at kK = 9, kC = 12 (Matérn 5/2: 24
 # bytes, a user expression 64; ptxas, 128 registers), the direct one at kK = 8 does not.
 FORMULA_EXPAND_MAX_C = 8
+# Probes force the form (True: expanded where K + 1 fits, False: direct); None: the rule above.
+FORMULA_EXPAND: bool | None = None
 
 
 def formula_matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, tuning: dict | None = None,
@@ -206,6 +208,8 @@ def formula_matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, tuning
     "prefetch"} (None: FORMULA_TUNING at D <= 3 and one column, the untuned loop elsewhere)."""
     name, prelude = epilogue.functor(desc)
     kC = simt_c_bucket(C)
+    if expand is None and FORMULA_EXPAND is not None:
+        expand = FORMULA_EXPAND
     if expand is None:
         expand = k_bucket(K + 1) != 0 and kC <= FORMULA_EXPAND_MAX_C and epilogue.smooth_at_zero(desc)
     kK = k_bucket(K + 1 if expand else K)

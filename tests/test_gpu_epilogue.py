@@ -131,3 +131,21 @@ def test_fused_backward_against_float64(name, kind):
     want = torch.autograd.grad((km.kernel_matvec(desc, *leaves64, **kw) * w.double()).sum(), leaves64)
     for a, b in zip(got, want):
         assert ((a.double() - b).abs().max() / b.abs().max()).item() <= (3e-5 if kind == "shifted" else 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["shifted", "positive", "clustered", "anisotropic"])
+@pytest.mark.parametrize("name", ["matern52", "matern32", "rq", "cauchy", "imq", "powexp", "user_matern52"])
+@pytest.mark.parametrize("D", [3, 64, 256])
+def test_run_kernel_on_tensor_cores_against_float64(name, kind, D):
+    """run_kernel of a formula kernel through the tensor-core distance kernels with the functor
+    (wgmma on sm_90, mma.sync on sm_80; the operands centred, the near pairs by direct differences):
+    <= 1e-5 relative to max(|value|, 1e-5) against float64."""
+    desc, kw = _desc(name)
+    g = torch.Generator().manual_seed(D + len(name) + len(kind))
+    x, y = _data(kind, 700, 900, D, g)
+    with record_plans() as plans:
+        got = km.run_kernel(desc, x, y, **kw)
+    assert plans.families[-1] in ("distance_wgmma", "distance_mma"), plans.families
+    want = km.run_kernel(desc, x.double(), y.double(), **kw)
+    err = ((got.double() - want).abs() / want.abs().clamp_min(1e-5)).max().item()
+    assert err <= (3e-5 if kind == "shifted" else 1e-5), (name, kind, D, err)

@@ -8,6 +8,8 @@
 2. A new expression's first call with an empty kernel cache, in a fresh process (target <= 1.5 s).
 3. The fused backward (gradients for x, y, v) against the torch path's blocked backward at
    N = 5 x 10^4, D = 8, C = 11 (GPyTorch's shape), and its error vs float64.
+4. run_kernel of Matérn 5/2 at 50000^2 x 256 on the tensor cores (the functor in the wgmma / mma
+   epilogue) against laplace_l2's (target <= 1.2x), and its error vs float64 on 256 rows.
 
     python bench/probes/epilogue_matvec.py [--n 1000000] [--reps 3] [--skip-backward]
 
@@ -142,6 +144,30 @@ def part3(reps):
     print(f"| {fused:.1f} | {torch_ms:.1f} | {ex:.1e} | {ev:.1e} |")
 
 
+def part4(reps):
+    print("\n## run_kernel 50000^2 x 256 (ms; ratio to laplace_l2; error vs float64 on 256 rows)")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(50_000, 256, device="cuda", generator=g)
+    bw = 16.0
+    rows = [("laplace_l2", km.preset("laplace_l2"), {"bandwidth": bw}), ("matern52", km.matern(2.5), {"bandwidth": bw}),
+            ("expression (Matérn 5/2)", km.kernel_expression(EXPR, params=("h",)), {"h": bw}),
+            ("rational_quadratic", km.rational_quadratic(), {"bandwidth": bw, "alpha": 1.5})]
+    print("| kernel | ms | / laplace | error | plan |\n|---|---|---|---|---|")
+    base = None
+    for name, d, kw in rows:
+        from kermac_like.testing import record_plans
+        with record_plans() as plans:
+            out = km.run_kernel(d, x, x, **kw)
+        torch.cuda.synchronize()
+        t = time_calls(lambda a: km.run_kernel(d, a, a, **kw), lambda: (x,), torch.device("cuda"), repeats=reps,
+                       warmup=1).median_ms
+        base = base or t
+        ref = km.run_kernel(d, x[:256].double(), x.double(), **kw)
+        e = float(((out[:256].double() - ref).abs() / ref.abs().clamp_min(1e-5)).max())
+        print(f"| {name} | {t:.1f} | {t / base:.2f} | {e:.1e} | {plans.families[-1]} |")
+        del out
+
+
 DEFAULT = dict(ms.FORMULA_TUNING)
 
 if __name__ == "__main__":
@@ -155,5 +181,6 @@ if __name__ == "__main__":
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     part2()  # first: nothing of this process warms the cache it uses
     part1(args.n, args.reps)
+    part4(args.reps)
     if not args.skip_backward:
         part3(args.reps)

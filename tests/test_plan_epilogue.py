@@ -61,3 +61,9 @@ def test_kernel_matvec_of_a_functor_takes_the_fused_kernel(as_gpu):
     assert any(abs(f - 0.7) < 1e-7 for f in _floats(plan))
     wide = PM.plan_matvec(call, torch.empty(1000, 1, dtype=torch.float64), False)  # a float64 out: torch path
     assert wide.family == "reference"
+
+
+def test_kernel_matvec_of_a_functor_at_many_coordinates_takes_tensor_core_tiles(as_gpu):
+    x = torch.randn(500, 64)
+    call = prepare_matvec(km.matern(2.5), x, x, torch.randn(500, 2), bandwidth=3.0)
+    assert PM.plan_matvec(call, torch.empty(500, 2), False).family == "matvec_blocked"

@@ -173,6 +173,12 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     epilogue (specs.matvec.formula_matvec_spec), its hyper-parameters in the bandwidth, inner_p and
     outer_p slots (specs.epilogue.slot_hypers)."""
     functor = not call.desc.fused_ok and formula_fused(call, out)
+    if functor and call.K > MATVEC_BLOCKED_MIN_K and call.dtype == torch.float32:
+        # many coordinates: run_kernel's tensor-core tiles with the functor (plan.distance) times v
+        if debug:
+            log_matvec.debug("kernel_matvec %r: K=%d, tensor-core tiles with its epilogue functor times v",
+                             call.desc, call.K)
+        return Plan("matvec_blocked", None, (), out, reference=lambda: matvec_blocked(call, out, debug), debug=debug)
     if functor:  # the functor's hyper-parameters in the ABI's bandwidth, inner_p and outer_p slots
         call = replace(call, hypers=epilogue.slot_hypers(call.desc, call.hypers))
     elif not call.desc.fused_ok:

@@ -6,14 +6,11 @@
 * ``custom_kernel``: the same kernel written as an expression (kernel_expression over the squared
   distance: a rendered functor), beside the built-in in the same run (target <= 1.1x), and a new
   expression's first call (SymPy, the limit, the render, NVRTC; target <= 1.5 s with an empty cache);
-* ``gp_step_matern``: gp_step (bench/run.py) with ScaleKernel(Matérn 5/2, ARD over D = 8): the
-  package's MaternKernel (fused products and backward) beside GPyTorch's MaternKernel at 5 x 10^4,
-  ours alone at 10^6.
+(``gp_step_matern``, gp_step with ScaleKernel(Matérn 5/2, ARD), is bench/run.py's gp_step_rows.)
 """
 
 from __future__ import annotations
 
-import functools
 import random
 import time
 
@@ -95,71 +92,3 @@ def custom_kernel_rows(bench, time_calls, err_rows: int, floor: float):
             f"(parse, render, compile, run at 64 x 64) {first_s:.2f} s (target <= 1.5 s)")
     return [bench.row("custom_kernel", f"{M}x{N}x{K}, C=1", ours, None, None, err, None, note,
                       builtin_ms=b.median_ms, vs_builtin=ratio, first_call_s=first_s)]
-
-
-def gp_step_matern_rows(bench, add_ratios):
-    """gp_step with ScaleKernel(Matérn 5/2, ARD over D = 8): ours (kermac_like.gpytorch.MaternKernel:
-    fused products through the Matern52 functor, the fused backward) beside GPyTorch's MaternKernel at
-    N = 5 x 10^4 (--quick: 10^4), ours alone at 10^6 (not with --quick)."""
-    if bench.device.type != "cuda":
-        return []
-    try:
-        import gpytorch
-
-        from bench._gp import model_step
-        from kermac_like.gpytorch import MaternKernel
-    except ImportError as e:
-        return [dict(workload="gp_step_matern", size="", ours_ms=None, torch_ms=None, kermac_ms=None, error=None,
-                     torch_error=None, unit="ms", note=f"skipped: {e}", speedup=None, kermac_speedup=None)]
-    dev, D = bench.device, 8
-    ours_cls = functools.partial(MaternKernel, nu=2.5, ard_num_dims=D)
-    theirs_cls = functools.partial(gpytorch.kernels.MaternKernel, nu=2.5, ard_num_dims=D)
-
-    def data(n):
-        x = bench.rand(n, D) * 2 - 1
-        return x, torch.sin(3 * x[:, 0]) * torch.cos(x[:, 1:].sum(1)) + 0.1 * bench.randn(n)
-
-    def measure(cls, x, y, reps, warm):
-        times, peak, res = [], 0.0, None
-        for i in range(warm + reps):
-            torch.cuda.synchronize(dev)
-            base = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            t0 = time.perf_counter()
-            try:
-                loss, model = model_step(cls, x, y, seed=bench.args.seed)
-            except torch.cuda.OutOfMemoryError as e:
-                torch.cuda.empty_cache()
-                return str(e).split(".")[0]
-            torch.cuda.synchronize(dev)
-            if i >= warm:
-                times.append((time.perf_counter() - t0) * 1e3)
-            peak = max(peak, (torch.cuda.max_memory_allocated(dev) - base) / 2**20)
-            res = (-loss, model.covar_module.base_kernel.raw_lengthscale.grad.detach().clone())
-        return sorted(times)[len(times) // 2], peak, *res
-
-    model_step(ours_cls, *data(4096))  # compile first
-    rows = []
-    for n, both in ((10_000, True),) if bench.args.quick else ((50_000, True), (1_000_000, False)):
-        x, y = data(n)
-        ours = measure(ours_cls, x, y, bench.reps(3) if n <= 100_000 else 1, bench.warm(1) if n <= 100_000 else 0)
-        if isinstance(ours, str):
-            raise RuntimeError(f"gp_step_matern N={n}: {ours}")
-        theirs = measure(theirs_cls, x, y, bench.reps(3), bench.warm(1)) if both else None
-        note, err, torch_ms = f"peak extra GPU memory: ours {ours[1]:.0f} MB", None, None
-        if isinstance(theirs, str):
-            note += f"; GPyTorch's MaternKernel: {theirs}"
-        elif theirs is not None:
-            torch_ms = theirs[0]
-            err = float((ours[2] - theirs[2]).abs() / theirs[2].abs())
-            gerr = float((ours[3] - theirs[3]).norm() / theirs[3].norm())
-            note += (f", GPyTorch's {theirs[1]:.0f} MB; MLL {float(ours[2]):.5f} vs {float(theirs[2]):.5f}, "
-                     f"raw-lengthscale (ARD) gradient relative difference {gerr:.1e}")
-        r = dict(workload="gp_step_matern", size=f"N={n}, D=8, ScaleKernel(Matern 5/2, ARD), float32",
-                 ours_ms=ours[0], torch_ms=torch_ms, kermac_ms=None, error=err, torch_error=None, unit="ms",
-                 note="torch column: gpytorch.kernels.MaternKernel(2.5, ARD); " + note, peak_extra_mb=ours[1])
-        add_ratios(r)
-        rows.append(r)
-        del x, y
-        torch.cuda.empty_cache()
-    return rows

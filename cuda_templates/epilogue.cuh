@@ -51,27 +51,6 @@ __device__ __forceinline__ float exp2_on(float t) {
   }
 }
 
-// 1/x and 1/sqrt(x) on MUFU (~1 ulp; denormals flushed).
-__device__ __forceinline__ float rcp_approx(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return 1.0f / x;
-#endif
-}
-
-__device__ __forceinline__ float rsqrt_approx(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return 1.0f / std::sqrt(x);
-#endif
-}
-
 // Matérn 3/2: k = (1 + t) e^-t, t = sqrt(3) d / h. z = (t log2 e)^2 = u^2: k = (1 + ln2 u) 2^-u.
 // dk/dr2 = -(3 / (2 h^2)) e^-t (finite at d = 0: the kernel is once differentiable).
 struct Matern32 {
@@ -86,7 +65,7 @@ struct Matern32 {
   template <bool kFma>
   __device__ __forceinline__ static float value(float z, const Args&) {
     const float u = math::sqrt_approx(fabsf(z));
-    return __fmaf_rn(u, kLn2, 1.0f) * exp2_on<kFma>(-u);
+    return math::fma_rn(u, kLn2, 1.0f) * exp2_on<kFma>(-u);
   }
   __device__ __forceinline__ static float dk_dr2(float z, const Args& a) {
     return a.g * math::ex2_approx(-math::sqrt_approx(fmaxf(z, 0.0f)));
@@ -108,12 +87,12 @@ struct Matern52 {
   template <bool kFma>
   __device__ __forceinline__ static float value(float z, const Args&) {
     const float u = math::sqrt_approx(fabsf(z));  // (|z|: a free operand modifier; z < 0 only by rounding)
-    const float poly = __fmaf_rn(u, __fmaf_rn(u, kLn2 * kLn2 / 3.0f, kLn2), 1.0f);
+    const float poly = math::fma_rn(u, math::fma_rn(u, kLn2 * kLn2 / 3.0f, kLn2), 1.0f);
     return poly * exp2_on<kFma>(-u);
   }
   __device__ __forceinline__ static float dk_dr2(float z, const Args& a) {
     const float u = math::sqrt_approx(fmaxf(z, 0.0f));
-    return a.g * __fmaf_rn(u, kLn2, 1.0f) * math::ex2_approx(-u);
+    return a.g * math::fma_rn(u, kLn2, 1.0f) * math::ex2_approx(-u);
   }
 };
 
@@ -133,12 +112,14 @@ struct RationalQuadratic {
   }
   __device__ __forceinline__ static float dk_dr2(float z, const Args& a) {
     const float w = 1.0f + fmaxf(z, 0.0f);
-    return -a.alpha * a.scale * math::ex2_approx(-a.alpha * math::lg2_approx(w)) * rcp_approx(w);
+    return -a.alpha * a.scale * math::ex2_approx(-a.alpha * math::lg2_approx(w)) * math::rcp_approx(w);
   }
 };
 
-// Cauchy: k = 1 / (1 + r2 / h^2). dk/dr2 = -k^2 / h^2.
-struct Cauchy {
+// Cauchy (kSqrt false): k = 1 / (1 + r2 / h^2), dk/dr2 = -k^2 / h^2; inverse multiquadric (kSqrt):
+// k = 1 / sqrt(1 + r2 / h^2), dk/dr2 = -k^3 / (2 h^2). One MUFU (RCP or RSQ), no exponential.
+template <bool kSqrt>
+struct InverseQuadratic {
   struct Args {
     float scale;
   };
@@ -146,30 +127,16 @@ struct Cauchy {
   __device__ __forceinline__ static float scale(const Args& a) { return a.scale; }
   template <bool kFma>
   __device__ __forceinline__ static float value(float z, const Args&) {
-    return rcp_approx(1.0f + fmaxf(z, 0.0f));
+    const float w = 1.0f + fabsf(z);
+    return kSqrt ? math::rsqrt_approx(w) : math::rcp_approx(w);
   }
   __device__ __forceinline__ static float dk_dr2(float z, const Args& a) {
-    const float k = rcp_approx(1.0f + fmaxf(z, 0.0f));
-    return -a.scale * k * k;
+    const float k = value<false>(z, a);
+    return kSqrt ? -0.5f * a.scale * k * k * k : -a.scale * k * k;
   }
 };
-
-// Inverse multiquadric: k = 1 / sqrt(1 + r2 / h^2). dk/dr2 = -k^3 / (2 h^2).
-struct InverseMultiquadric {
-  struct Args {
-    float scale;
-  };
-  __device__ __forceinline__ static Args args(const Params& p) { return {1.0f / (p.p0 * p.p0)}; }
-  __device__ __forceinline__ static float scale(const Args& a) { return a.scale; }
-  template <bool kFma>
-  __device__ __forceinline__ static float value(float z, const Args&) {
-    return rsqrt_approx(1.0f + fmaxf(z, 0.0f));
-  }
-  __device__ __forceinline__ static float dk_dr2(float z, const Args& a) {
-    const float k = rsqrt_approx(1.0f + fmaxf(z, 0.0f));
-    return -0.5f * a.scale * k * k * k;
-  }
-};
+using Cauchy = InverseQuadratic<false>;
+using InverseMultiquadric = InverseQuadratic<true>;
 
 // Powered exponential of the l2 distance: k = exp(-(d / h)^q) = 2^(-log2e 2^((q/2) log2 z)),
 // z = r2 / h^2 (z = 0: log2 0 = -inf, k = 1). Slots: p0 = bandwidth, p1 = q.
@@ -190,7 +157,7 @@ struct PoweredExponential {
     const float zc = fmaxf(z, 0.0f);
     if (zc == 0.0f) return 0.0f;
     const float w = math::ex2_approx(a.half_q * math::lg2_approx(zc));
-    return -math::ex2_approx(-kLog2e * w) * a.half_q * w * rcp_approx(zc) * a.scale;
+    return -math::ex2_approx(-kLog2e * w) * a.half_q * w * math::rcp_approx(zc) * a.scale;
   }
 };
 

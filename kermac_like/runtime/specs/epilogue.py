@@ -24,6 +24,7 @@ import math
 import re
 from dataclasses import replace
 
+from ... import expression
 from ...descriptor import InnerOperator, PowerType
 from ...formula import FormulaDescriptor
 
@@ -82,8 +83,6 @@ def smooth_at_zero(desc) -> bool:
         return False
     if desc.family in BUILTIN:
         return desc.family != "powered_exponential"
-    from ... import expression
-
     sympy = expression.sympy_module()
     e = desc.sympy_epilogue()
     rp = sympy.Symbol("kl_r", positive=True)
@@ -159,8 +158,6 @@ def render(desc: FormulaDescriptor) -> str:
 def _c(expr, fma: str) -> str:
     """A SymPy expression in single-precision C, the functions mapped to the helpers (``fma``: the
     exponential's template argument, "kFma" in value, "false" in the derivative)."""
-    from ... import expression
-
     sympy = expression.sympy_module()
     from sympy.codegen.ast import float32, real
 
@@ -210,8 +207,6 @@ def _render_body(desc: FormulaDescriptor) -> str:
     """The members of a user expression's functor: args() (the parameters p0, p1, p2 and every
     subexpression free of r, once per batch entry), value(z) and dk_dr2(z) with r = z (the squared
     distance) or sqrt(z) (an l2 base)."""
-    from ... import expression
-
     sympy = expression.sympy_module()
     epi = desc.sympy_epilogue()
     subs = {}

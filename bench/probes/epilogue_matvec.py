@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import kermac_like as km  # noqa: E402
 from kermac_like.runtime.specs import matvec as ms  # noqa: E402
+from kermac_like.testing import record_plans  # noqa: E402
 from _timing import time_calls  # noqa: E402
 
 EXPR = "(1 + sqrt(5*r)/h + 5*r/(3*h**2))*exp(-sqrt(5*r)/h)"
@@ -80,7 +81,7 @@ def timed(desc, n, reps, **kw):
 def part1(n, reps):
     print(f"\n## kernel_matvec at D = 3, N = M = {n}, C = 1 (ms; ratio to the Gaussian; max error vs float64)")
     gauss, ge = timed(km.preset("gaussian_l2"), n, reps, bandwidth=1.0)
-    print(f"| kernel | variant | ms | / Gaussian | error |\n|---|---|---|---|---|")
+    print("| kernel | variant | ms | / Gaussian | error |\n|---|---|---|---|---|")
     print(f"| gaussian_l2 | shipped | {gauss:.1f} | 1.00 | {ge:.1e} |")
     builtin = None
     for name, (expand, tuning) in MATERN.items():
@@ -110,7 +111,7 @@ def part2():
         print(out.stderr[-2000:])
         return
     imp, first, second = (float(s) for s in out.stdout.split())
-    print(f"| import kermac_like | first call (expression, render, NVRTC, run) | second call |\n|---|---|---|")
+    print("| import kermac_like | first call (expression, render, NVRTC, run) | second call |\n|---|---|---|")
     print(f"| {imp:.2f} | {first:.2f} (target <= 1.5) | {second * 1e3:.2f} ms |")
 
 
@@ -140,7 +141,7 @@ def part3(reps):
     rx, rv = torch.autograd.grad((km.kernel_matvec(d, xl, xl, vl, bandwidth=1.0) * w.double()).sum(), (xl, vl))
     ex = float((gx.double() - rx).abs().max() / rx.abs().max())
     ev = float((gv.double() - rv).abs().max() / rv.abs().max())
-    print(f"| fused forward + backward | torch path | gx error | gv error |\n|---|---|---|---|")
+    print("| fused forward + backward | torch path | gx error | gv error |\n|---|---|---|---|")
     print(f"| {fused:.1f} | {torch_ms:.1f} | {ex:.1e} | {ev:.1e} |")
 
 
@@ -155,7 +156,6 @@ def part4(reps):
     print("| kernel | ms | / laplace | error | plan |\n|---|---|---|---|---|")
     base = None
     for name, d, kw in rows:
-        from kermac_like.testing import record_plans
         with record_plans() as plans:
             out = km.run_kernel(d, x, x, **kw)
         torch.cuda.synchronize()

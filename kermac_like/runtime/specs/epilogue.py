@@ -227,8 +227,8 @@ def _render_body(desc: FormulaDescriptor) -> str:
     value, dvalue = (t.replace(sympy.exp, lambda a: exp2(a / sympy.log(2))) for t in (value, dvalue))
     table: dict = {}
     value, dvalue = _hoist(value, kr, table, sympy), _hoist(dvalue, kr, table, sympy)
-    consts = "".join(f"    a.{sym} = {_c(e.xreplace({sympy.Symbol(f'kl_p{i}', real=True): sympy.Symbol(f'p.p{i}', real=True) for i in range(3)}), 'false')};\n"
-                     for e, sym in table.items())
+    slots = {sympy.Symbol(f"kl_p{i}", real=True): sympy.Symbol(f"p.p{i}", real=True) for i in range(3)}
+    consts = "".join(f"    a.{sym} = {_c(e.xreplace(slots), 'false')};\n" for e, sym in table.items())
     members = "".join(f"    float {sym};\n" for sym in table.values())
     attr = {sym: sympy.Symbol(f"kl_a.{sym}", real=True) for sym in table.values()}
     value, dvalue = value.xreplace(attr), dvalue.xreplace(attr)

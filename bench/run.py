@@ -4,6 +4,7 @@
     python bench/run.py --only cdist_p2 --only laplace_l2_kernel
     python bench/run.py --quick --out /tmp/b     # tiny sizes; on a CPU-only machine the reference path
     python bench/run.py --only gp_step           # GPyTorch ExactGP step, N = 10^5 (ours and GPyTorch) and 10^6
+    python bench/run.py --only gauss_matvec_d3 --only matern_matvec_d3 --only custom_kernel   # formula kernels
     python bench/run.py --only knn_d3 --data pixels            # any workload on a data family (bench/datasets.py)
     python bench/run.py --only robustness                       # every family: ~3-5 minutes on an H200 (estimated)
     python bench/run.py --only robustness --families gaussian,shifted100 --scale 0.1
@@ -52,6 +53,7 @@ import kermac_like as km  # noqa: E402
 from kermac_like.matvec import matvec_reference, prepare_matvec  # noqa: E402
 from bench import datasets  # noqa: E402
 from bench._timing import time_calls  # noqa: E402
+from bench import formula_rows  # noqa: E402  (the formula kernels' workloads, issue 44)
 
 sys.path.insert(0, str(ROOT / "examples"))
 from cdist_grad import torch_cdist_grad_p2  # noqa: E402  (one copy, shared with the example)
@@ -75,6 +77,8 @@ WORKLOADS = (
     "eigh",
     "gauss_matvec_d3",
     "gauss_matvec_d256",
+    "matern_matvec_d3",
+    "custom_kernel",
     "gauss_logsumexp_d3",
     "krr_1m",
     "krr_1e9",
@@ -84,6 +88,7 @@ WORKLOADS = (
     "knn_batched",
     "kmeans",
     "gp_step",
+    "gp_step_matern",
     "cold_compile",
     "warm_process",
     "lowk",
@@ -92,7 +97,7 @@ WORKLOADS = (
 )
 LINALG = ("solve_cholesky", "solve_lu", "eigh")
 # workloads whose data --data does not set (made by another module, a child process or their own rule)
-OWN_DATA = LINALG + ("krr_1m", "krr_1e9", "gp_step", "cold_compile", "warm_process", "robustness", "rfm")
+OWN_DATA = LINALG + ("krr_1m", "krr_1e9", "gp_step", "gp_step_matern", "cold_compile", "warm_process", "robustness", "rfm")
 OPT_IN = ("robustness", "rfm")  # run only when --only names them (studies of their own: minutes at full size)
 
 FULL = dict(cdist=(30000, 30000, 1024), laplace=(50000, 50000, 256), grad=(2, 10000, 10000, 768, 16),
@@ -705,7 +710,7 @@ def kmeans_rows(bench):
                       seeding_ms=seed.median_ms, lloyd_ms=from_start.median_ms, **extra)]
 
 
-def gp_step_rows(bench):
+def gp_step_rows(bench, kernel="rbf", sizes=None):
     """One ExactGP training step (the exact MLL and its backward) with GPyTorch: constant mean,
     ScaleKernel(RBF), D = 8, float32, GPyTorch's default CG iterations, tolerance and probe
     vectors, max_cholesky_size 0 (CG / Lanczos at every size). At N = 5 x 10^4 and 10^5 with
@@ -713,17 +718,26 @@ def gp_step_rows(bench):
     its kernel matrix is dense, N^2 * 4 bytes) on the same data and probes; at N = 10^6 ours
     alone. Error column: |MLL ours - MLL GPyTorch| / |MLL GPyTorch|; the note gives the
     gradient's difference and each side's peak extra GPU memory. GPU rows only (none on a CPU);
-    --quick: N = 10^4 and no 10^6 row; --gp-sizes: other sizes."""
+    --quick: N = 10^4 and no 10^6 row; --gp-sizes: other sizes. ``kernel`` "matern" (the
+    gp_step_matern workload): ScaleKernel(Matérn 5/2, ARD) with kermac_like.gpytorch.MaternKernel
+    beside gpytorch.kernels.MaternKernel, at ``sizes`` (GPyTorch's up to 10^5)."""
+    workload = "gp_step" if kernel == "rbf" else "gp_step_matern"
     if bench.device.type != "cuda":
         return []
     try:
         import gpytorch
 
         from bench._gp import model_step
-        from kermac_like.gpytorch import RBFKernel
+        from kermac_like.gpytorch import MaternKernel, RBFKernel
     except ImportError as e:
-        return [dict(workload="gp_step", size="", ours_ms=None, torch_ms=None, kermac_ms=None, error=None,
+        return [dict(workload=workload, size="", ours_ms=None, torch_ms=None, kermac_ms=None, error=None,
                      torch_error=None, unit="ms", note=f"skipped: {e}", speedup=None, kermac_speedup=None)]
+    if kernel == "rbf":
+        ours_cls, theirs_cls, label = RBFKernel, gpytorch.kernels.RBFKernel, "ScaleKernel(RBF)"
+    else:
+        ours_cls = functools.partial(MaternKernel, nu=2.5, ard_num_dims=8)
+        theirs_cls = functools.partial(gpytorch.kernels.MaternKernel, nu=2.5, ard_num_dims=8)
+        label = "ScaleKernel(Matern 5/2, ARD)"
 
     dev = bench.device
     D = 8
@@ -760,33 +774,33 @@ def gp_step_rows(bench):
             peak = max(peak, (torch.cuda.max_memory_allocated(dev) - base) / 2**20)
         return sorted(times)[len(times) // 2], peak, *res
 
-    step(RBFKernel, *data(4096))  # compile the kernels first
+    step(ours_cls, *data(4096))  # compile the kernels first
     quick = bench.args.quick
     rows = []
     # 5 x 10^4: the largest of these sizes at which GPyTorch's dense kernel fits an H100 (10^5 runs
     # out of memory on an H100 and an H200), so that the comparison has a measured ratio.
-    sizes = [10_000] if quick else [int(float(n)) for n in bench.args.gp_sizes.split(",")]
+    sizes = [10_000] if quick else (sizes or [int(float(n)) for n in bench.args.gp_sizes.split(",")])
     for n, with_gpytorch in ((n, n <= 100_000) for n in sizes):
         x, y = data(n)
-        ours = measure(RBFKernel, x, y, bench.reps(3) if n <= 100_000 else bench.reps(2), bench.warm(1))
+        ours = measure(ours_cls, x, y, bench.reps(3) if n <= 100_000 else bench.reps(2), bench.warm(1))
         if isinstance(ours, str):
-            raise RuntimeError(f"gp_step N={n}: {ours}")
-        theirs = measure(gpytorch.kernels.RBFKernel, x, y, bench.reps(3), bench.warm(1)) if with_gpytorch else None
+            raise RuntimeError(f"{workload} N={n}: {ours}")
+        theirs = measure(theirs_cls, x, y, bench.reps(3), bench.warm(1)) if with_gpytorch else None
         note = f"peak extra GPU memory: ours {ours[1]:.0f} MB"
         err = torch_ms = None
         if isinstance(theirs, str):
-            note += f"; GPyTorch's RBFKernel: {theirs}"
+            note += f"; GPyTorch's kernel: {theirs}"
         elif theirs is not None:
             torch_ms = theirs[0]
             err = float((ours[2] - theirs[2]).abs() / theirs[2].abs())
             gerr = float((ours[3] - theirs[3]).norm() / theirs[3].norm())
-            note += (f", GPyTorch's RBFKernel {theirs[1]:.0f} MB; MLL {float(ours[2]):.5f} vs {float(theirs[2]):.5f}, "
+            note += (f", GPyTorch's {theirs[1]:.0f} MB; MLL {float(ours[2]):.5f} vs {float(theirs[2]):.5f}, "
                      f"raw-lengthscale gradient relative difference {gerr:.1e}")
         else:
             note += f"; MLL {float(ours[2]):.5f}"
-        r = dict(workload="gp_step", size=f"N={n}, D=8, ScaleKernel(RBF), float32", ours_ms=ours[0],
+        r = dict(workload=workload, size=f"N={n}, D=8, {label}, float32", ours_ms=ours[0],
                  torch_ms=torch_ms, kermac_ms=None, error=err, torch_error=None, unit="ms",
-                 note="torch column: gpytorch.kernels.RBFKernel; " + note, peak_extra_mb=ours[1])
+                 note=f"torch column: GPyTorch's own {label}; " + note, peak_extra_mb=ours[1])
         add_ratios(r)
         rows.append(r)
         del x, y
@@ -1392,6 +1406,12 @@ def main(argv=None):
             steps.append((w, lambda: gauss_matvec_rows(bench, "matvec_d256", 256, (1, 16))))
         elif w == "gauss_logsumexp_d3":
             steps.append((w, lambda: gauss_logsumexp_rows(bench)))
+        elif w == "matern_matvec_d3":
+            steps.append((w, lambda: formula_rows.matern_matvec_rows(bench, time_calls, ERR_ROWS, KERNEL_FLOOR)))
+        elif w == "custom_kernel":
+            steps.append((w, lambda: formula_rows.custom_kernel_rows(bench, time_calls, ERR_ROWS, KERNEL_FLOOR)))
+        elif w == "gp_step_matern":
+            steps.append((w, lambda: gp_step_rows(bench, "matern", sizes=[50_000, 1_000_000])))
         elif w == "krr_1m":
             steps.append((w, lambda: krr_rows(bench)))
         elif w == "krr_1e9":

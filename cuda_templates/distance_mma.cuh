@@ -51,6 +51,7 @@
 #include "common.cuh"
 #include "storage16.cuh"
 #include "math.cuh"
+#include "epilogue.cuh"
 
 namespace kermac_like {
 
@@ -394,12 +395,27 @@ __device__ __forceinline__ bool near_pair(float dot, float na, float nb) {
 // "d < epsilon -> 0" (epsilon <= 0: no effect, also for a negative DOT), then
 // exp(-d / bw) or exp(-d^2 / (2 bw^2)) through ex2, plus the regularisation;
 // of_sq_distance: the same from a squared distance (the near pairs' rewrite).
+// An epilogue functor's constants (epilogue.cuh), as an empty base where the traits have none.
+template <class Traits, bool kFunctor = Traits::kFunctor>
+struct FunctorArgs {
+  __device__ __forceinline__ void init(float, float, float) {}
+};
 template <class Traits>
-struct EntryEpilogue {
+struct FunctorArgs<Traits, true> {
+  typename Traits::Epi::Args fa;
+  __device__ __forceinline__ void init(float p0, float p1, float p2) { fa = Traits::Epi::args({p0, p1, p2}); }
+};
+
+// With an epilogue functor (Traits::Epi: the kernel of the squared distance, outer Noop, no enum
+// epilogue) the value is Epi::value(scale d2) in place of the exponentials; p0 = bw, p1, p2 its
+// hyper-parameters (the launch's bandwidth, inner_p and outer_p slots).
+template <class Traits>
+struct EntryEpilogue : FunctorArgs<Traits> {
   static constexpr bool kDiff = Traits::kInner == Inner::Diff;
   float laplace_scale, gauss_scale, eps, lam;
 
-  __device__ __forceinline__ EntryEpilogue(float bw, float lam_, float epsilon) {
+  __device__ __forceinline__ EntryEpilogue(float bw, float lam_, float epsilon, float p1 = 0.f, float p2 = 0.f) {
+    this->init(bw, p1, p2);
     constexpr float kLog2e = 1.4426950408889634f;
     laplace_scale = -kLog2e / bw;
     gauss_scale = -kLog2e / (2.f * bw * bw);
@@ -437,7 +453,11 @@ struct EntryEpilogue {
       d = d2 = 0.f;
     }
     float y;
-    if constexpr (Traits::kEpilogue == Epilogue::Laplace) {
+    if constexpr (Traits::kFunctor) {
+      using E = typename Traits::Epi;
+      const float z = d2 * E::scale(this->fa);
+      y = fma_exp ? E::template value<true>(z, this->fa) : E::template value<false>(z, this->fa);
+    } else if constexpr (Traits::kEpilogue == Epilogue::Laplace) {
       y = fma_exp ? math::exp2_fma(d * laplace_scale) : exp2_approx(d * laplace_scale);
     } else if constexpr (Traits::kEpilogue == Epilogue::Gaussian) {
       const float t = (Traits::kOuter == Power::Sqrt ? d2 : d * d) * gauss_scale;
@@ -453,9 +473,14 @@ struct EntryEpilogue {
 // distance kernels (DistanceMmaTraits below, DistanceWgmmaTraits in
 // distance_wgmma.cuh): ||x - y||^2 = ||x||^2 + ||y||^2 - 2 x.y, or the dot product.
 template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, Layout kLayoutB_,
-          Layout kLayoutO_, Precision kPrecision_, class T_>
+          Layout kLayoutO_, Precision kPrecision_, class T_, class Epi_ = void>
 struct TensorCoreDistance {
   using T = T_;
+  // An epilogue functor of the squared distance (epilogue.cuh), or void (the enum epilogue).
+  using Epi = Epi_;
+  static constexpr bool kFunctor = !SameType<Epi_, void>::value;
+  static_assert(!kFunctor || (kInner_ == Inner::Diff && kOuter_ == Power::Noop && kEpilogue_ == Epilogue::None),
+                "tensor-core distance: an epilogue functor takes Inner::Diff, outer Noop, Epilogue::None");
   static constexpr Inner kInner = kInner_;
   static constexpr Power kOuter = kOuter_;
   static constexpr Epilogue kEpilogue = kEpilogue_;
@@ -480,9 +505,9 @@ struct TensorCoreDistance {
 // ------------------------------------------------------------------- traits
 
 template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, Layout kLayoutB_,
-          Layout kLayoutO_, Precision kPrecision_, class T_>
+          Layout kLayoutO_, Precision kPrecision_, class T_, class Epi_ = void>
 struct DistanceMmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kEpilogue_, kLayoutA_, kLayoutB_,
-                                                          kLayoutO_, kPrecision_, T_> {
+                                                          kLayoutO_, kPrecision_, T_, Epi_> {
   // (T_ and kPrecision_ below: the base's members are not visible by plain name here)
   static constexpr bool kIsFloat = SameType<T_, float>::value;
   static constexpr bool kIs16 =
@@ -798,7 +823,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     block_tile_product<Traits>(a_l, b_l, M, N, K, lda, ldb, m0, n0, smem, acc);
 
     // ------------------------------------------------------------ epilogue
-    const EntryEpilogue<Traits> finish(bw_param.at(l0, l1, l2), reg_on ? reg_param.at(l0, l1, l2) : 0.f, epsilon);
+    const EntryEpilogue<Traits> finish(
+        bw_param.at(l0, l1, l2), reg_on ? reg_param.at(l0, l1, l2) : 0.f, epsilon,
+        Traits::kFunctor ? HyperParam{inner_p_ptr, {inner_p_bs0, inner_p_bs1, inner_p_bs2}, inner_p}.at(l0, l1, l2) : 0.f,
+        Traits::kFunctor ? HyperParam{outer_p_ptr, {outer_p_bs0, outer_p_bs1, outer_p_bs2}, outer_p}.at(l0, l1, l2) : 0.f);
     const bool vec_out = Traits::kLayoutO == Layout::RowMajor &&
                          ((unsigned long long)out_l % (2 * sizeof(T))) == 0 && (ldo % 2) == 0;
 

@@ -289,9 +289,9 @@ __device__ __forceinline__ void consume_k_tile(float (&acc)[128], unsigned (&fra
 // ------------------------------------------------------------------- traits
 
 template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, Layout kLayoutB_,
-          Layout kLayoutO_, Precision kPrecision_, class T_, int kStagesArg = 0>
+          Layout kLayoutO_, Precision kPrecision_, class T_, int kStagesArg = 0, class Epi_ = void>
 struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kEpilogue_, kLayoutA_, kLayoutB_,
-                                                            kLayoutO_, kPrecision_, T_> {
+                                                            kLayoutO_, kPrecision_, T_, Epi_> {
   // (T_ and kPrecision_ below: the base's members are not visible by plain name here)
   static_assert(wgmma_detail::SameType<T_, float>::value &&
                     (kPrecision_ == Precision::Tf32x3 || kPrecision_ == Precision::Tf32),
@@ -576,8 +576,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float* b_l = b + b_stride.offset(l0, l1, l2);
       float* out_l = out + o_stride.offset(l0, l1, l2);
 
-      const EntryEpilogue<Traits> finish(bw_param.at(l0, l1, l2), reg_on ? reg_param.at(l0, l1, l2) : 0.f,
-                                         epsilon);
+      const EntryEpilogue<Traits> finish(
+          bw_param.at(l0, l1, l2), reg_on ? reg_param.at(l0, l1, l2) : 0.f, epsilon,
+          Traits::kFunctor ? HyperParam{inner_p_ptr, {inner_p_bs0, inner_p_bs1, inner_p_bs2}, inner_p}.at(l0, l1, l2)
+                           : 0.f,
+          Traits::kFunctor ? HyperParam{outer_p_ptr, {outer_p_bs0, outer_p_bs1, outer_p_bs2}, outer_p}.at(l0, l1, l2)
+                           : 0.f);
       const bool vec_out = Traits::kLayoutO == Layout::RowMajor &&
                            ((unsigned long long)out_l % 8) == 0 && (ldo % 2) == 0;
 

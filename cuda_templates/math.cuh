@@ -131,6 +131,27 @@ __device__ __forceinline__ float sqrt_approx(float x) {
 #endif
 }
 
+// 1/x and 1/sqrt(x) on MUFU (~1 ulp; denormals flushed).
+__device__ __forceinline__ float rcp_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return 1.0f / x;
+#endif
+}
+
+__device__ __forceinline__ float rsqrt_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return 1.0f / std::sqrt(x);
+#endif
+}
+
 // ----------------------------------------------------- FMA-pipe exp2 (no MUFU)
 // 2^f on [-0.5, 0.5]: degree-5 polynomial, c0 = 1 exactly, coefficients fitted
 // for relative error and re-tuned after rounding to fp32 (Horner in fp32 with

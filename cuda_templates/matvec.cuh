@@ -71,6 +71,7 @@
 #include "descriptor_traits.cuh"
 #include "storage16.cuh"
 #include "math.cuh"
+#include "epilogue.cuh"
 
 namespace kermac_like {
 
@@ -104,6 +105,13 @@ struct Select { using type = A; };
 template <class A, class B>
 struct Select<false, A, B> { using type = B; };
 
+// The per-entry constants of an epilogue functor (epilogue.cuh); none without one.
+template <class Epi>
+struct EpiArgsOf { using type = typename Epi::Args; };
+struct NoEpiArgs {};
+template <>
+struct EpiArgsOf<void> { using type = NoEpiArgs; };
+
 // The type of v in memory: T, or double in the float64 mode.
 template <class TOut, class T>
 struct VOf { using type = T; };
@@ -130,17 +138,31 @@ __host__ __device__ constexpr int floor_pow2(int x) { return x >= 8 ? 8 : x >= 4
 //   and sums, `part` in double).
 // kF32Group_: 0, or (float64 mode, expanded form) the blocked float64 mode: float32 partials of
 //   kF32Group_ points added into the float64 totals (a divisor of kBlockN, a multiple of kUnrollJ).
+// Epi_: void (the descriptor's enum epilogue), or an epilogue functor of the squared l2 distance
+//   (epilogue.cuh: Matérn, rational quadratic, ..., a user expression's rendered functor) with the
+//   base Diff, Square, Noop, None: k = Epi::value(scale * |x - y|^2), the direct form or (kExpand)
+//   the expanded one with the functor's scale folded in as the Gaussian's (no fold of a_m: the
+//   functor is not an exponential); kPolyRows / kPolyPairs then choose the pairs whose functor
+//   takes its exponential on the FMA pipe. float32 output only.
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
           bool kExpand_ = false, int kPolyRows_ = 0, int kUnrollJ_ = 0, int kPolyPairs_ = -1,
-          bool kPrefetch_ = false, class TOut_ = T_, int kF32Group_ = 0>
+          bool kPrefetch_ = false, class TOut_ = T_, int kF32Group_ = 0, class Epi_ = void>
 struct MatvecTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogue_, T_> {
+  using Epi = Epi_;
+  static constexpr bool kFunctor = !SameType<Epi_, void>::value;
+  using EpiArgs = typename matvec_detail::EpiArgsOf<Epi_>::type;
+  static_assert(!kFunctor || (kInner_ == Inner::Diff && kInnerPow_ == Power::Square &&
+                              kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::None),
+                "MatvecTraits: an epilogue functor takes the base Diff, Square, Noop, None (r2 = |x - y|^2)");
+  static_assert(!kFunctor || SameType<TOut_, T_>::value, "MatvecTraits: an epilogue functor has no float64 mode");
   static_assert(kK_ >= 0 && kK_ <= 32, "MatvecTraits: kK is 0 (any K) or the padded K, at most 32");
   static_assert(kC_ == 1 || kC_ == 2 || kC_ == 4 || kC_ == 8 || kC_ == 12 || kC_ == 16,
                 "MatvecTraits: kC is 1, 2, 4, 8, 12 or 16");
-  static_assert(!kExpand_ || (kInner_ == Inner::Diff && kInnerPow_ == Power::Square &&
-                              ((kOuterPow_ == Power::Sqrt && kEpilogue_ == Epilogue::Gaussian) ||
-                               (kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::Laplace))),
-                "MatvecTraits: kExpand needs an exponential of the squared l2 distance");
+  static_assert(!kExpand_ || kFunctor ||
+                    (kInner_ == Inner::Diff && kInnerPow_ == Power::Square &&
+                     ((kOuterPow_ == Power::Sqrt && kEpilogue_ == Epilogue::Gaussian) ||
+                      (kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::Laplace))),
+                "MatvecTraits: kExpand needs an exponential of the squared l2 distance or an epilogue functor");
   static_assert(!kExpand_ || kK_ >= 2, "MatvecTraits: kExpand needs kK >= K + 1 (b_n rides in the last slot)");
   static_assert(kExpand_ || kPolyRows_ == 0, "MatvecTraits: kPolyRows applies to kExpand only");
 
@@ -260,6 +282,29 @@ __device__ __forceinline__ float exp2_poly(float t) {
   return mant * scale;
 }
 
+// k of one pair from its sum (direct form): the functor's value of scale * r2, or kernel_value.
+template <class Tr>
+__device__ __forceinline__ float pair_value(float acc, const KernelArgs& ka, const typename Tr::EpiArgs& fa) {
+  if constexpr (Tr::kFunctor) {
+    return Tr::Epi::template value<false>(acc * Tr::Epi::scale(fa), fa);
+  } else {
+    return kernel_value<Tr>(acc, ka);
+  }
+}
+
+// k of one pair of the expanded form from its exponent e (a functor's: e = -scale r2); kFma: the
+// exponential on the FMA pipe.
+template <class Tr, bool kFma>
+__device__ __forceinline__ float expanded_value(float e, const typename Tr::EpiArgs& fa) {
+  if constexpr (Tr::kFunctor) {
+    return Tr::Epi::template value<kFma>(-e, fa);
+  } else if constexpr (kFma) {
+    return exp2_poly(e);
+  } else {
+    return math::ex2_approx(e);
+  }
+}
+
 // The launch arguments shared by matvec_kernel and matvec_combine_kernel (flat ABI;
 // cuda.core passes no structs), gathered once at entry.
 template <class T>
@@ -289,7 +334,8 @@ template <class Tr, bool kFold>
 __device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TW* vs, int jn,
                                           const float (&xr)[Tr::kRows][Tr::kChunked ? 1 : Tr::kK],
                                           const float (&xa)[Tr::kRows],
-                                          typename Tr::TW (&partial)[Tr::kRows][Tr::kC], const KernelArgs& ka) {
+                                          typename Tr::TW (&partial)[Tr::kRows][Tr::kC], const KernelArgs& ka,
+                                          const typename Tr::EpiArgs& fa) {
   constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS;
 #pragma unroll(Tr::kBlocked ? Tr::kF32Group : Tr::kUnrollJ)
   for (int j = 0; j < jn; ++j) {
@@ -314,12 +360,12 @@ __device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TW
         float e = kFold ? yj[Tr::kK - 1] : xa[i];
 #pragma unroll
         for (int k = 0; k < (kFold ? Tr::kK - 1 : Tr::kK); ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
-        kv = i < Tr::kPolyRows ? exp2_poly(e) : math::ex2_approx(e);
+        kv = i < Tr::kPolyRows ? expanded_value<Tr, true>(e, fa) : expanded_value<Tr, false>(e, fa);
       } else {
         float acc = 0.0f;
 #pragma unroll
         for (int k = 0; k < Tr::kK; ++k) acc = inner<Tr>(acc, xr[i][k], yj[k], ka.inner_p);
-        kv = kernel_value<Tr>(acc, ka);
+        kv = pair_value<Tr>(acc, ka, fa);
       }
 #pragma unroll
       for (int c = 0; c < KC; ++c) partial[i][c] = fma_acc(kv, vj[c], partial[i][c]);
@@ -333,7 +379,8 @@ __device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TW
 template <class Tr, bool kFold>
 __device__ __forceinline__ void pair_tile_trips(const float* ys, const typename Tr::TW* vs, int jn,
                                                 const float (&xr)[Tr::kRows][Tr::kK], const float (&xa)[Tr::kRows],
-                                                typename Tr::TW (&partial)[Tr::kRows][Tr::kC]) {
+                                                typename Tr::TW (&partial)[Tr::kRows][Tr::kC],
+                                                const typename Tr::EpiArgs& fa) {
   constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS, U = Tr::kUnrollJ;
   const int jend = (jn + U - 1) / U * U;
 #pragma unroll 1
@@ -367,7 +414,8 @@ __device__ __forceinline__ void pair_tile_trips(const float* ys, const typename 
         float e = kFold ? yj[u][Tr::kK - 1] : xa[i];
 #pragma unroll
         for (int k = 0; k < (kFold ? Tr::kK - 1 : Tr::kK); ++k) e = __fmaf_rn(xr[i][k], yj[u][k], e);
-        const float kv = (i * U + u < Tr::kPolyPairs) ? exp2_poly(e) : math::ex2_approx(e);
+        const float kv = (i * U + u < Tr::kPolyPairs) ? expanded_value<Tr, true>(e, fa)
+                                                       : expanded_value<Tr, false>(e, fa);
 #pragma unroll
         for (int c = 0; c < KC; ++c) partial[i][c] = fma_acc(kv, vj[u][c], partial[i][c]);
       }
@@ -383,7 +431,8 @@ template <class Tr>
 __device__ __forceinline__ void pair_tile_groups(const float* ys, const float* vs, int jn,
                                                  const float (&xr)[Tr::kRows][Tr::kK], const float (&xa)[Tr::kRows],
                                                  float (&partial)[Tr::kRows][Tr::kC],
-                                                 double (&total)[Tr::kRows][Tr::kC], const KernelArgs& ka) {
+                                                 double (&total)[Tr::kRows][Tr::kC], const KernelArgs& ka,
+                                                 const typename Tr::EpiArgs& fa) {
   constexpr int R = Tr::kRows, KC = Tr::kC, KS = Tr::kKS, G = Tr::kF32Group;
   const int jend = (jn + G - 1) / G * G;
 #pragma unroll 1
@@ -392,7 +441,7 @@ __device__ __forceinline__ void pair_tile_groups(const float* ys, const float* v
     for (int i = 0; i < R; ++i)
 #pragma unroll
       for (int c = 0; c < KC; ++c) partial[i][c] = 0.0f;
-    pair_tile<Tr, false>(ys + j0 * KS, vs + j0 * KC, G, xr, xa, partial, ka);
+    pair_tile<Tr, false>(ys + j0 * KS, vs + j0 * KC, G, xr, xa, partial, ka, fa);
 #pragma unroll
     for (int i = 0; i < R; ++i)
 #pragma unroll
@@ -404,11 +453,12 @@ __device__ __forceinline__ void pair_tile_groups(const float* ys, const float* v
 template <class Tr>
 __device__ __forceinline__ void pair_tile_trips(bool fold, const float* ys, const typename Tr::TW* vs, int jn,
                                                 const float (&xr)[Tr::kRows][Tr::kK], const float (&xa)[Tr::kRows],
-                                                typename Tr::TW (&partial)[Tr::kRows][Tr::kC]) {
-  if (fold) {
-    pair_tile_trips<Tr, true>(ys, vs, jn, xr, xa, partial);
+                                                typename Tr::TW (&partial)[Tr::kRows][Tr::kC],
+                                                const typename Tr::EpiArgs& fa) {
+  if (!Tr::kFunctor && fold) {  // (a functor's expanded form never folds)
+    pair_tile_trips<Tr, Tr::kFunctor ? false : true>(ys, vs, jn, xr, xa, partial, fa);
   } else {
-    pair_tile_trips<Tr, false>(ys, vs, jn, xr, xa, partial);
+    pair_tile_trips<Tr, false>(ys, vs, jn, xr, xa, partial, fa);
   }
 }
 
@@ -520,8 +570,13 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
       const float bw = hp_bw.at(bi);
       ka.exp2_scale = -kLog2e * (0.5f / (bw * bw));
     }
-    // Expanded form: exponent = -s d^2 with s = -exp2_scale (Laplace of d^2: d = acc).
-    const float s = -ka.exp2_scale;
+    // An epilogue functor's constants (from the bandwidth, inner_p and outer_p slots).
+    typename Tr::EpiArgs fa{};
+    if constexpr (Tr::kFunctor) fa = Tr::Epi::args(epilogue::Params{hp_bw.at(bi), hp_inner.at(bi), hp_outer.at(bi)});
+    // Expanded form: exponent = -s d^2 with s = -exp2_scale (Laplace of d^2: d = acc); a functor's
+    // own scale (its value is taken of z = s d^2).
+    float s = -ka.exp2_scale;
+    if constexpr (Tr::kFunctor) s = Tr::Epi::scale(fa);
     const float r = Tr::kWide ? sqrtf(s) : 1.0f;  // the symmetric form's coordinate scale
 
     // Rows of this thread: m0 + tid + NT * i (clamped; the clamped ones are never stored).
@@ -624,7 +679,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         }
         // Every row of the tile within kFoldMax of its centre: 2^(b_n + x'.y) <= 2^kFoldMax,
         // so a_m moves out of the pair loop (one FFMA less per pair) into a final 2^a_m.
-        fold = __syncthreads_and(fold_ok) != 0;
+        if constexpr (!Tr::kFunctor) fold = __syncthreads_and(fold_ok) != 0;
       }
     }
 
@@ -652,7 +707,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         store_point<Tr>(ys, vs, tid, K, s, centre, py, pv);
         if (t + 1 < t_end) load_point<Tr>(yl, vl, (t + 1) * BN + tid, N, K, C, sym, syk, svn, svc, py, pv);
         __syncthreads();
-        pair_tile_trips<Tr>(fold, ys, vs, jn, xr, xa, partial);
+        pair_tile_trips<Tr>(fold, ys, vs, jn, xr, xa, partial, fa);
 #pragma unroll
         for (int i = 0; i < R; ++i)
 #pragma unroll
@@ -705,13 +760,13 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
 
         // ---- the pairs (fold is CTA uniform)
         if constexpr (Tr::kBlocked) {
-          pair_tile_groups<Tr>(ys, vs, jn, xr, xa, partial, total, ka);
+          pair_tile_groups<Tr>(ys, vs, jn, xr, xa, partial, total, ka, fa);
         } else if constexpr (Tr::kTrips) {
-          pair_tile_trips<Tr>(fold, ys, vs, jn, xr, xa, partial);
-        } else if (Tr::kExpand && fold) {
-          pair_tile<Tr, true>(ys, vs, jn, xr, xa, partial, ka);
+          pair_tile_trips<Tr>(fold, ys, vs, jn, xr, xa, partial, fa);
+        } else if (Tr::kExpand && !Tr::kFunctor && fold) {
+          pair_tile<Tr, !Tr::kFunctor>(ys, vs, jn, xr, xa, partial, ka, fa);
         } else {
-          pair_tile<Tr, false>(ys, vs, jn, xr, xa, partial, ka);
+          pair_tile<Tr, false>(ys, vs, jn, xr, xa, partial, ka, fa);
         }
       } else {
         // ---- chunked: 32 points per tile, K in shared-memory chunks of 256, x read 4
@@ -761,7 +816,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
             for (int c = 0; c < KC; ++c) vj[c] = vs[j * KC + c];
 #pragma unroll
             for (int i = 0; i < R; ++i) {
-              const float kv = kernel_value<Tr>(dist[i][j], ka);
+              const float kv = pair_value<Tr>(dist[i][j], ka, fa);
 #pragma unroll
               for (int c = 0; c < KC; ++c) partial[i][c] = fma_acc(kv, vj[c], partial[i][c]);
             }

@@ -16,13 +16,17 @@ km.rational_quadratic(), km.periodic(), ...) and kernels written as formulas,
     km.kernel_expression("(1 + sqrt(5*r)/ell + 5*r/(3*ell**2)) * exp(-sqrt(5*r)/ell)",
                          inner="(x - y)**2", params={"ell": 1.0})
 
-(SymPy-parsed: pip install 'kermac_like[expressions]'); they run on the torch path on any
-device until the fused templates learn them, and are not precompiled.
+(SymPy-parsed: pip install 'kermac_like[expressions]'). Those of the l2 distance (the built-in
+Matérn, rational quadratic, Cauchy, ... and expressions of the squared distance r) run
+kernel_matvec on the fused SIMT kernel of a GPU: the template takes the kernel as an epilogue
+functor (cuda_templates/epilogue.cuh), a user's formula rendered by SymPy's C printer into a tiny
+functor compiled on its first call; run_kernel and the others still take the torch path.
 
 km.precompile compiles every instantiation the descriptors can reach in a few
 NVRTC programs (in parallel processes) and stores them in the persistent cache,
 so the first call of each kernel is a cache hit.  Each kernel is then compared
-with the same formula written in float64 torch.
+with the same formula written in float64 torch, and the formula kernels' kernel_matvec (which path
+it took, its first call: the functor's compile; its median) with its float64 product.
 """
 
 import time
@@ -33,6 +37,7 @@ from _common import fmt_ms, median_ms, parser, rel_err, setup, sync
 
 import kermac_like as km
 from kermac_like import KernelDescriptor
+from kermac_like.testing import record_plans
 
 
 def _median_dist(x, y, p):
@@ -51,10 +56,17 @@ def kernels(x, y):
         s = 5 ** 0.5 * diff(a, b).pow(2).sum(-1).sqrt() / bw2
         return (1 + s + s * s / 3) * torch.exp(-s)
 
-    try:  # a user-written kernel: the same Matern 5/2, as a formula of the squared distance r
+    def bump(a, b):  # a compactly supported bump plus a Gaussian tail, of the squared distance
+        r = diff(a, b).pow(2).sum(-1)
+        return torch.where(r < bw2 ** 2, (1 - r / bw2 ** 2) ** 2, 0.0) + 0.5 * torch.exp(-r / bw2 ** 2)
+
+    try:  # user-written kernels: the same Matern 5/2, as a formula of the squared distance r, and a new one
         written = [("Matern 5/2, user-written", km.kernel_expression(
             "(1 + sqrt(5*r)/ell + 5*r/(3*ell**2)) * exp(-sqrt(5*r)/ell)", inner="(x - y)**2",
-            params={"ell": None}), dict(ell=bw2), matern52)]
+            params={"ell": None}), dict(ell=bw2), matern52),
+            ("bump + Gaussian tail, user-written", km.kernel_expression(
+                "where(r < c**2, (1 - r/c**2)**2, 0) + w*exp(-r/c**2)", params={"c": None, "w": 0.5}),
+             dict(c=bw2), bump)]
     except ImportError as e:  # SymPy missing
         print(f"(the user-written kernel is skipped: {e})")
         written = []
@@ -129,6 +141,23 @@ def main(argv=None):
         del out
         ms = median_ms(lambda: km.run_kernel(desc, a, b, **kw), device, repeats=args.repeats, warmup=args.warmup)
         print(f"{name:34s} {fmt_ms(first):>12s} {fmt_ms(ms):>10s} {err:>22.2e}")
+    # kernel_matvec of the formula kernels: on a GPU the fused kernel with the kernel's epilogue functor
+    v = torch.rand(args.N, 1, device=device)
+    print(f"\n{'kernel_matvec':34s} {'path':>10s} {'first call':>12s} {'median':>10s} {'rel. error vs float64':>22s}")
+    for name, desc, kw, formula in table:
+        if desc.fused_ok:
+            continue
+        t0 = time.perf_counter()
+        with record_plans() as plans:
+            out = km.kernel_matvec(desc, x, y, v, **kw)
+        sync(device)
+        first = (time.perf_counter() - t0) * 1e3
+        path = "fused" if plans.families == ["matvec"] else "torch"
+        err = rel_err(out[:r], formula(x[:r].double(), y.double()) @ v.double())
+        worst = max(worst, err)
+        ms = median_ms(lambda: km.kernel_matvec(desc, x, y, v, **kw), device, repeats=args.repeats,
+                       warmup=args.warmup)
+        print(f"{name:34s} {path:>10s} {fmt_ms(first):>12s} {fmt_ms(ms):>10s} {err:>22.2e}")
     print(f"\nworst relative error: {worst:.2e}")
     if worst > 1e-4:
         raise SystemExit("error too large")

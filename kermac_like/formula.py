@@ -27,12 +27,18 @@ h is run_kernel's ``bandwidth``; the other hyper-parameters are keyword argument
 (0, 2], period <= 0, bandwidth <= 0; degree not a positive integer): ValueError/TypeError naming
 the argument, at construction or at the call.
 
-The package's fused CUDA templates do not know these kernels yet (:attr:`FormulaDescriptor.fused_ok`
-is False): every op computes them on the torch path (kermac_like/formula_path.py), on any device,
-in blocks of bounded memory. ``matern(0.5)`` is the fused ``laplace_l2`` preset itself.
-Identity: the canonical form (:meth:`FormulaDescriptor.canonical`) of the kernel's formulas and
-hyper-parameters; :meth:`FormulaDescriptor.cpp_args` carries its full sha256, so that a template
-instantiation of a later round is keyed by it; the shipped descriptors' arguments are unchanged.
+Kernels of the l2 distance (Matérn 3/2 and 5/2, rational quadratic, Cauchy, inverse multiquadric,
+powered exponential of p = 2, user expressions of the squared distance with at most three
+hyper-parameters) run on a GPU (sm_80+, float32 / 16-bit data) through the fused templates, which
+take the kernel as an epilogue functor (cuda_templates/epilogue.cuh; a user's formula rendered by
+SymPy's C printer, kermac_like/runtime/specs/epilogue.py): kernel_matvec (the SIMT kernel, forward
+and the gradients for x, y and v) and run_kernel (the tensor-core distance kernels). Everything else
+(the other kernels, float64, the CPU, epsilon cuts, gradients of hyper-parameters, kernel_topk and
+kernel_logsumexp) takes the torch path (kermac_like/formula_path.py), on any device, in blocks of
+bounded memory; :attr:`FormulaDescriptor.fused_ok` stays False (no op schema carries a formula).
+``matern(0.5)`` is the fused ``laplace_l2`` preset itself. Identity: the canonical form
+(:meth:`FormulaDescriptor.canonical`) of the kernel's formulas and hyper-parameters; a rendered
+functor is named by the sha256 of it and of its text, so that the cache key follows both.
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ _NOT_POSITIVE = ("polynomial",)
 
 @dataclass(frozen=True, repr=False)
 class FormulaDescriptor(KernelDescriptor):
-    """A kernel the fused templates do not know: a built-in family or a user-written expression
+    """A kernel beyond the descriptor's enums: a built-in family or a user-written expression
     (see the module docstring). Build it with the module's functions, not directly.
 
     The base fields say how ``r`` is reduced when the kernel has no inner term of its own
@@ -110,6 +116,9 @@ class FormulaDescriptor(KernelDescriptor):
     degree: int = 0  # the polynomial's
     positive: bool = True  # values > 0 for every pair (kernel_logsumexp takes only these)
     source: tuple = field(default=(), compare=False)  # the texts as written (positions in errors)
+    # Internal: the kernel's derivative dk/d(r2) in place of k (the fused backward's kernel: its
+    # epilogue functor's dk_dr2, cuda_templates/epilogue.cuh); never built by the public functions.
+    derivative: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "inner_operator", _coerce(self.inner_operator, InnerOperator, "inner_operator"))
@@ -122,7 +131,8 @@ class FormulaDescriptor(KernelDescriptor):
     # -- what the descriptor needs at call time ---------------------------------
     @property
     def fused_ok(self) -> bool:
-        """False: no fused template knows this kernel yet; every op takes the torch path."""
+        """False: no op schema carries a formula kernel (the rules serve those an epilogue functor
+        serves on the fused kernels themselves: kermac_like/runtime/specs/epilogue.py)."""
         return False
 
     @property
@@ -161,7 +171,7 @@ class FormulaDescriptor(KernelDescriptor):
         params = ",".join(f"{n}={'' if d is None else repr(float(d))}" for n, d in self.params)
         return (f"{self.family}|inner={self.inner}|epilogue={self.epilogue}|base={self.inner_operator.name},"
                 f"{self.inner_power.name},{self.outer_power.name}|p={self.norm_p!r}|degree={self.degree}|"
-                f"params={params}")
+                f"params={params}" + ("|derivative=dk/dr2" if self.derivative else ""))
 
     def key(self) -> str:
         """sha256 of :meth:`canonical` (full, never truncated)."""

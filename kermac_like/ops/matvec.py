@@ -26,6 +26,8 @@ from ..descriptor import InnerOperator, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
 from ..plan import MATVEC_SCRATCH_BYTES, plan_matvec
 from ..plan.matvec import matvec_shifts  # (for the operators that keep shifted operands)
+from ..plan.matvec import formula_fused
+from ..runtime.specs import epilogue
 from ..reference import matvec_reference
 from . import matvec_backward
 from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
@@ -180,6 +182,75 @@ def matvec_f32_partials(descriptor, x, y, v, *, out=None, **hypers) -> torch.Ten
     if out is not None:
         _check_out(call, out)
     return matvec_forward(call, out)
+
+
+# -- a formula kernel's fused autograd (epilogue functors, cuda_templates/epilogue.cuh) -------------
+def _formula_fused_grad(call: MatvecCall) -> bool:
+    """Whether a differentiable formula call takes the fused kernels both ways (_FormulaMatvec): an
+    epilogue functor serves it on the GPU (plan.matvec.formula_fused), no hyper-parameter needs a
+    gradient (those take the torch path's blocked backward), no regularised diagonal, and x, y and v
+    share their batch modes."""
+    probe = torch.empty(0, dtype=call.dtype, device=call.device)
+    return (formula_fused(call, probe) and call.hypers.get("regularization") in (None, 0.0)
+            and not any(isinstance(h, torch.Tensor) and h.requires_grad for h in call.hypers.values())
+            and call.x.shape[:-2] == call.y.shape[:-2] == call.v.shape[:-2])
+
+
+def _formula_product(call: MatvecCall, desc, x: Tensor, y: Tensor, v: Tensor) -> Tensor:
+    """K(x, y) v of ``desc`` (the call's kernel or its derivative) with the call's hyper-parameters,
+    through the fused kernel, no autograd: (*batch, rows of x, columns of v)."""
+    c = replace(call, desc=desc, x=x, y=y, v=v, M=x.shape[-2], N=y.shape[-2], C=v.shape[-1], vector=False,
+                reg_diag=0)
+    return matvec_forward(c)
+
+
+class _FormulaMatvec(torch.autograd.Function):
+    """K(x, y) v of a formula kernel that an epilogue functor serves, both ways on the fused kernel:
+    the forward as kernel_matvec's; the backward from products with the kernel itself and with its
+    derivative k' = dk/d(r2) (specs.epilogue.derivative), r2 = |x_m - y_n|^2, w_mn = sum_c g_mc v_nc:
+
+        dL/dv   = K(y, x) g                                    (k is symmetric in its operands)
+        dL/dx_m = 2 sum_n k'_mn w_mn (x_m - y_n) = 2 [x_m sum_c g_mc (K' v)_mc - sum_c g_mc (K' (v_c y))_m]
+        dL/dy_n = 2 [y_n sum_c v_nc (K'^T g)_nc - sum_c v_nc (K'^T (g_c x))_n],  K'^T = K'(y, x)
+
+    with x and y centred on y's mean first (the differences are unchanged; the two terms' cancellation
+    is then that of centred data): C (1 + D) columns of K' products for x, as many for y."""
+
+    @staticmethod
+    def forward(ctx, call, x, y, v):
+        ctx.save_for_backward(x, y, v)
+        ctx.call = call
+        return _formula_product(call, call.desc, x.detach(), y.detach(), v.detach())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y, v = ctx.saved_tensors
+        call = ctx.call
+        nx, ny, nv = ctx.needs_input_grad[1:4]
+        g = g.to(call.dtype).contiguous()
+        x, y, v = x.detach(), y.detach(), v.detach()
+        gx = gy = gv = None
+        if nv:
+            gv = _formula_product(call, call.desc, y, x, g)
+        if nx or ny:
+            dk = epilogue.derivative(call.desc)
+            c = y.mean(dim=-2, keepdim=True)
+            xc, yc = x - c, y - c
+            D, C = x.shape[-1], v.shape[-1]
+
+            def pull(a, b, w, u):
+                # 2 [a sum_c u_c (K'(a, b) w)_c - sum_c u_c (K'(a, b) (w_c b))]: the gradient at a's rows
+                rhs = torch.cat([w, (w.unsqueeze(-1) * b.unsqueeze(-2)).flatten(-2)], dim=-1).contiguous()
+                prod = _formula_product(call, dk, a, b, rhs)
+                first = (u * prod[..., :C]).sum(-1, keepdim=True)
+                second = (u.unsqueeze(-1) * prod[..., C:].unflatten(-1, (C, D))).sum(-2)
+                return 2.0 * (a * first - second)
+
+            if nx:
+                gx = pull(xc, yc, v, g)
+            if ny:
+                gy = pull(yc, xc, g, v)
+        return None, gx, gy, gv
 
 
 def _needs_grad(call: MatvecCall) -> bool:
@@ -455,7 +526,11 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     if not call.desc.fused_ok:  # a formula kernel: the torch path (no op schema carries it)
         if not grad:
             return matvec_forward(call, out, debug=debug)
-        res = formula_path.matvec_autograd(call)
+        if _formula_fused_grad(call):
+            res = _FormulaMatvec.apply(call, call.x, call.y, call.v)
+            res = res.squeeze(-1) if call.vector else res
+        else:
+            res = formula_path.matvec_autograd(call)
         return res if out is None else out.copy_(res)
     if grad:
         matvec_backward.check_no_hyper_grad(call.hypers)

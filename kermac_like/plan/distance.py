@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from ..centring import same_memory as _same_memory, shift_invariant, shifted_pair
-from ..descriptor import KernelDescriptor
+from ..descriptor import PRESETS, KernelDescriptor
 from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
 from .. import config, formula_path, torch_path
 from ..runtime import launcher, store
+from ..runtime.specs import epilogue
 from . import autotune
 from .autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from ..runtime.specs import (
@@ -39,6 +40,7 @@ from ..runtime.specs import (
     wgmma_prepare_spec,
     wgmma_spec,
 )
+from ..runtime.specs import distance_mma as _specs_mma, distance_wgmma as _specs_wgmma
 from .core import (
     HYPERS,
     Launch,
@@ -286,6 +288,9 @@ def plan_distance(call: DistanceCall, out: torch.Tensor | None, compute_mode: st
     on the torch path its kernels' own result). A descriptor no template knows
     (``desc.fused_ok`` False: kermac_like/formula.py) takes the torch path on every device."""
     if not call.desc.fused_ok:
+        plan = _formula_tensor_core_plan(call, out, compute_mode, debug)
+        if plan is not None:
+            return plan
         if debug:
             log.debug("run_kernel %r: torch path (a formula kernel; %s, %s)", call.desc, call.device, call.dtype)
         return _reference_plan(functools.partial(formula_path.distance, call, out, compute_mode), debug)
@@ -298,6 +303,47 @@ def plan_distance(call: DistanceCall, out: torch.Tensor | None, compute_mode: st
     if debug:
         log.debug("run_kernel %r: torch path (%s, %s)", call.desc, call.device, call.dtype)
     return _reference_plan(functools.partial(torch_path.distance, call, out, compute_mode), debug)
+
+
+# -- formula kernels of the l2 distance on the tensor cores (epilogue functors, issue 44) ----------
+@functools.lru_cache(maxsize=64)
+def _functor_specs(functor: tuple) -> tuple:
+    """(wgmma_spec, mma_spec) with the epilogue functor in the traits: the same objects for the same
+    functor, so that spec_override's template keys find their templates again."""
+
+    # (the specs modules' own functions: inside spec_override this module's names are these wrappers)
+    def wgmma(desc, a, b, out, *, tf32, batch_offsets_ok=True):
+        ok = _specs_wgmma.wgmma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)
+        return None if ok is None else _specs_wgmma.wgmma_traits_spec(desc, out.layout, tf32=tf32, functor=functor)
+
+    def mma(desc, a, b, out, *, tf32, batch_offsets_ok=True):
+        ok = _specs_mma.mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)
+        return None if ok is None else _specs_mma.mma_traits_spec(desc, out.layout, torch.float32, tf32=tf32,
+                                                                  functor=functor)
+
+    return wgmma, mma
+
+
+def _formula_tensor_core_plan(call: DistanceCall, out, compute_mode: str, debug: bool):
+    """A formula kernel that an epilogue functor serves (runtime.specs.epilogue.served; float32 on a
+    GPU of sm_80+, no epsilon cut): the tensor-core kernels of the squared distance (its plan, the
+    operands centred, the near pairs' direct differences) with the functor in place of the enum
+    epilogue, its hyper-parameters in the bandwidth, inner_p and outer_p slots. None where the tensor
+    cores do not take the call (then the torch path: no exact kernel knows a functor)."""
+    if not (epilogue.served(call.desc) and call.K > 0 and call.dtype == torch.float32 and not call.epsilon
+            and _gpu_ok(call.a)):
+        return None
+    proxy = dataclasses.replace(call, desc=PRESETS["squared_l2"], hypers=epilogue.slot_hypers(call.desc, call.hypers))
+    wgmma, mma = _functor_specs(epilogue.functor(call.desc))
+    if out is None:
+        out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
+    with spec_override(wgmma_spec=wgmma, mma_spec=mma):
+        plan = _plan_distance_gpu(proxy, out, compute_mode, debug, Settings.current(), autotune.TENSOR_CORE)
+    if plan is None or plan.family not in ("distance_mma", "distance_wgmma"):
+        return None
+    if debug:
+        log.debug("run_kernel %r: %s with its epilogue functor", call.desc, plan.family)
+    return plan
 
 
 def run_distance(call: DistanceCall, out, compute_mode: str, debug: bool, call_key=None) -> torch.Tensor:

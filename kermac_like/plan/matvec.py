@@ -33,7 +33,8 @@ from ..centring import (  # noqa: F401  (re-exported: the matvec paths' one shif
 )
 from ..descriptor import PowerType
 from ..runtime import store
-from ..runtime.specs.matvec import MAX_C, combine_spec, expands, matvec_spec, part_bytes
+from ..runtime.specs import epilogue
+from ..runtime.specs.matvec import MAX_C, combine_spec, expands, formula_matvec_spec, matvec_spec, part_bytes
 from .core import (
     HYPERS,
     MATVEC_SCRATCH_BYTES,
@@ -133,6 +134,16 @@ def _symmetric_centre(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(c), c, 0.0)
 
 
+def formula_fused(call, out: torch.Tensor) -> bool:
+    """Whether the fused SIMT kernel serves a formula kernel's call through an epilogue functor
+    (cuda_templates/epilogue.cuh, specs.epilogue.served: Matérn 3/2 and 5/2, rational quadratic,
+    Cauchy, inverse multiquadric, powered exponential of the l2 distance, user expressions of the
+    squared distance): a GPU of sm_80 or newer, float32/16-bit data with an output of the same dtype
+    (no float64 mode), K > 0 and no epsilon cut. Elsewhere the formula's torch path."""
+    return (epilogue.served(call.desc) and call.K > 0 and call.dtype != torch.float64 and out.dtype == call.dtype
+            and not call.epsilon and _gpu_ok(call.x))
+
+
 def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     """The plan of a validated kernel_matvec call (``ops.matvec.MatvecCall``) writing ``out``
     (the call's output tensor): matvec_kernel over row tiles x N splits x batch, one
@@ -157,8 +168,20 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     on the reference path. ``call.f32_partials`` selects the blocked float64 mode where the
     fused kernel takes the float64 mode's expanded form (``matvec_spec``'s rule). A descriptor no
     template knows (``desc.fused_ok`` False: kermac_like/formula.py) takes the torch path on every
-    device (kermac_like/formula_path.py)."""
-    if not call.desc.fused_ok:
+    device (kermac_like/formula_path.py), except where an epilogue functor serves it
+    (:func:`formula_fused`): then the fused SIMT kernel with the functor in place of the enum
+    epilogue (specs.matvec.formula_matvec_spec), its hyper-parameters in the bandwidth, inner_p and
+    outer_p slots (specs.epilogue.slot_hypers)."""
+    functor = not call.desc.fused_ok and formula_fused(call, out)
+    if functor and call.K > MATVEC_BLOCKED_MIN_K and call.dtype == torch.float32:
+        # many coordinates: run_kernel's tensor-core tiles with the functor (plan.distance) times v
+        if debug:
+            log_matvec.debug("kernel_matvec %r: K=%d, tensor-core tiles with its epilogue functor times v",
+                             call.desc, call.K)
+        return Plan("matvec_blocked", None, (), out, reference=lambda: matvec_blocked(call, out, debug), debug=debug)
+    if functor:  # the functor's hyper-parameters in the ABI's bandwidth, inner_p and outer_p slots
+        call = replace(call, hypers=epilogue.slot_hypers(call.desc, call.hypers))
+    elif not call.desc.fused_ok:
         if debug:
             log_matvec.debug("kernel_matvec %r: torch path (a formula kernel; %s, %s)", call.desc, call.device,
                              call.dtype)
@@ -213,8 +236,11 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
         centre = c.data_ptr()
     for c0 in range(0, call.C, MAX_C):
         cc = min(MAX_C, call.C - c0)
-        spec = matvec_spec(call.desc, call.dtype, K, cc, epsilon=call.epsilon, out_dtype=out_dtype,
-                           f32_partials=call.f32_partials)
+        if functor:
+            spec = formula_matvec_spec(call.desc, call.dtype, K, cc)
+        else:
+            spec = matvec_spec(call.desc, call.dtype, K, cc, epsilon=call.epsilon, out_dtype=out_dtype,
+                               f32_partials=call.f32_partials)
         first = first or spec
         if kernel is None or kernel.spec != spec:
             kernel = store.get_kernel(spec, device, debug=debug)

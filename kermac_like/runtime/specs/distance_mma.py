@@ -18,7 +18,16 @@ _MMA_TYPES = {
 }
 
 
-def mma_traits_spec(desc: KernelDescriptor, out: Layout, dtype, *, tf32: bool = False) -> KernelSpec:
+def mma_traits_spec(desc: KernelDescriptor, out: Layout, dtype, *, tf32: bool = False, functor=None) -> KernelSpec:
+    """``functor``: (C++ name, stub source) of an epilogue functor (specs.epilogue.functor of a formula
+    kernel of the l2 distance): the traits then take Diff, outer Noop, Epilogue::None and the functor
+    (its value of the squared distance in place of the enum epilogue)."""
+    if functor is not None:
+        traits = (f"kermac_like::DistanceMmaTraits<kermac_like::Inner::Diff, kermac_like::Power::Noop, "
+                  f"kermac_like::Epilogue::None, {Layout.ROW_MAJOR.cpp}, {Layout.ROW_MAJOR.cpp}, {out.cpp}, "
+                  f"kermac_like::Precision::{'Tf32' if tf32 else 'Tf32x3'}, float, {functor[0]}>")
+        return KernelSpec("distance_mma.cuh", "kermac_like::distance_mma_kernel", traits, MMA_LAUNCH,
+                          prelude=functor[1])
     outer = "kermac_like::Power::Noop" if desc.outer_power is PowerType.NOOP else "kermac_like::Power::Sqrt"
     if dtype == torch.float32:
         precision = "kermac_like::Precision::Tf32" if tf32 else "kermac_like::Precision::Tf32x3"

@@ -30,10 +30,17 @@ WGMMA_LAUNCH = {
 WGMMA_PREPARE_LAUNCH = LaunchShape(threads=256, block_m=8, block_n=1)  # one warp per row of b
 
 
-def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False) -> KernelSpec:
+def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False, functor=None) -> KernelSpec:
+    """``functor``: (C++ name, stub source) of an epilogue functor (specs.epilogue.functor), as
+    distance_mma.mma_traits_spec's: Diff, outer Noop, Epilogue::None and the functor."""
     outer = "kermac_like::Power::Noop" if desc.outer_power is PowerType.NOOP else "kermac_like::Power::Sqrt"
     precision = "kermac_like::Precision::Tf32" if tf32 else "kermac_like::Precision::Tf32x3"
     row = Layout.ROW_MAJOR.cpp
+    if functor is not None:
+        traits = (f"kermac_like::DistanceWgmmaTraits<kermac_like::Inner::Diff, kermac_like::Power::Noop, "
+                  f"kermac_like::Epilogue::None, {row}, {row}, {out.cpp}, {precision}, float, 0, {functor[0]}>")
+        return KernelSpec("distance_wgmma.cuh", "kermac_like::distance_wgmma_kernel", traits, WGMMA_LAUNCH[tf32],
+                          arch_suffix="a", prelude=functor[1])
     traits = (
         f"kermac_like::DistanceWgmmaTraits<{desc.inner_operator.cpp}, {outer}, {desc.kernel_type.cpp}, "
         f"{row}, {row}, {out.cpp}, {precision}, float>"

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ... import formula as _formula
 from ...descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType
+from . import epilogue
 from .kernel_spec import CPP_TYPES, KernelSpec, LaunchShape, bucket
 
 __all__ = [
@@ -31,6 +33,8 @@ __all__ = [
     "rows_per_thread",
     "part_bytes",
     "F32_GROUP",
+    "formula_matvec_spec",
+    "FORMULA_TUNING",
 ]
 
 THREADS = 256
@@ -180,6 +184,55 @@ def matvec_traits_spec(desc: KernelDescriptor, dtype, kK: int, kC: int, *, expan
     return KernelSpec("matvec.cuh", "kermac_like::matvec_kernel", traits, shape)
 
 
+# Tuning of the expanded float32 kernel with an epilogue functor (Matérn, RQ, ..., user
+# expressions of the squared l2 distance), D <= 3 and one column: the Gaussian's trips and prefetch,
+# and more of a trip's 32 exponentials on the FMA pipe, as a functor adds a MUFU.SQRT (Matérn) or
+# MUFU.LG2 (RQ) per pair to the MUFU.EX2 (prediction: bench/notes/epilogue.md; the lead's probe
+# bench/probes/epilogue_matvec.py sweeps poly_pairs). Functors without an exponential keep 0.
+FORMULA_TUNING = {"unroll_j": 4, "poly_pairs": 8, "prefetch": True}
+# Columns up to which a functor takes the expanded form; wider v (GPyTorch's 1 + 10 probe columns,
+# kC = 12) the direct form: the expanded one spills on sm_90 at kK = 9, kC = 12 (Matérn 5/2: 24
+# bytes, a user expression 64; ptxas, 128 registers), the direct one at kK = 8 does not.
+FORMULA_EXPAND_MAX_C = 8
+# Probes force the form (True: expanded where K + 1 fits, False: direct); None: the rule above.
+FORMULA_EXPAND: bool | None = None
+
+
+def formula_matvec_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, tuning: dict | None = None,
+                        expand: bool | None = None) -> KernelSpec:
+    """The instantiation of a formula kernel that an epilogue functor serves (specs.epilogue.served):
+    MatvecTraits with the base Diff, Square, Noop, None and the functor; the expanded form (the
+    functor's scale folded into the operands, K + 1 FFMA a pair) where K + 1 fits the register
+    buckets, v has at most FORMULA_EXPAND_MAX_C columns and the kernel has no cusp at distance 0
+    (specs.epilogue.smooth_at_zero), else the direct form (registers, or chunked beyond 31). ``tuning``: the trips' {"unroll_j", "poly_pairs",
+    "prefetch"} (None: FORMULA_TUNING at D <= 3 and one column, the untuned loop elsewhere)."""
+    name, prelude = epilogue.functor(desc)
+    kC = simt_c_bucket(C)
+    if expand is None and FORMULA_EXPAND is not None:
+        expand = FORMULA_EXPAND
+    if expand is None:
+        expand = k_bucket(K + 1) != 0 and kC <= FORMULA_EXPAND_MAX_C and epilogue.smooth_at_zero(desc)
+    kK = k_bucket(K + 1 if expand else K)
+    expand = expand and kK != 0
+    if tuning is None:
+        tuning = dict(FORMULA_TUNING) if (expand and dtype == torch.float32 and kK <= 4 and kC == 1) else {}
+        if tuning and not epilogue.has_exponential(desc):
+            tuning["poly_pairs"] = 0
+    unroll_j, poly_pairs = int(tuning.get("unroll_j", 0)), int(tuning.get("poly_pairs", -1))
+    prefetch = bool(tuning.get("prefetch", False))
+    if (unroll_j or poly_pairs >= 0 or prefetch) and not expand:
+        raise ValueError("formula_matvec_spec: unroll_j, poly_pairs and prefetch tune the expanded kernel only")
+    if prefetch and (block_n(kK, kC) != THREADS or kK > 8):
+        raise ValueError("formula_matvec_spec: prefetch needs kBlockN == 256 and kK <= 8")
+    rows = rows_per_thread(kK, kC, dtype)
+    base = ", ".join((InnerOperator.DIFF.cpp, PowerType.SQUARE.cpp, PowerType.NOOP.cpp, KernelType.NONE.cpp))
+    t = _T[dtype]
+    traits = (f"kermac_like::MatvecTraits<{base}, {t}, {int(kK)}, {int(kC)}, {str(expand).lower()}, 0, "
+              f"{unroll_j}, {poly_pairs}, {str(prefetch).lower()}, {t}, 0, {name}>")
+    shape = LaunchShape(threads=THREADS, block_m=THREADS * rows, block_n=block_n(kK, kC), smem_bytes=0)
+    return KernelSpec("matvec.cuh", "kermac_like::matvec_kernel", traits, shape, prelude=prelude)
+
+
 def expands(desc: KernelDescriptor, K: int, epsilon=None) -> bool:
     """Whether matvec_spec takes the expanded exponent for a call (either output mode): an
     exponential of the squared l2 distance, no epsilon cut (the expanded exponent never forms
@@ -246,3 +299,13 @@ def shipped():
     for d in (3, 8):
         yield matvec_spec(g, f32, d, 1, out_dtype=torch.float64, f32_partials=True)
     yield combine_spec(f32, torch.float64)
+    # epilogue functors (epilogue.cuh): Matérn 5/2 at D = 3 tuned (matern_matvec_d3) and untuned, the
+    # direct chunked form at K = 64, several columns (GPyTorch's 1 + 10 probes at D = 8), and the
+    # other built-in functors at D = 3
+    yield formula_matvec_spec(_formula.matern(2.5), f32, 3, 1)
+    yield formula_matvec_spec(_formula.matern(2.5), f32, 3, 1, tuning={})
+    yield formula_matvec_spec(_formula.matern(2.5), f32, 64, 1)
+    yield formula_matvec_spec(_formula.matern(2.5), f32, 8, 11)
+    for d in (_formula.matern(1.5), _formula.rational_quadratic(), _formula.cauchy(),
+              _formula.inverse_multiquadric(), _formula.powered_exponential()):
+        yield formula_matvec_spec(d, f32, 3, 1)

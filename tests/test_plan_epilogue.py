@@ -1,0 +1,69 @@
+"""The rules' routing of formula kernels to the epilogue functors (plan.matvec.formula_fused,
+plan.distance._formula_tensor_core_plan). CPU only: the planner's device queries and the loader
+are stubbed (conftest.as_gpu); the kernels are never run (on a GPU: tests/test_gpu_epilogue.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kermac_like as km
+from kermac_like.ops.distance import COMPUTE_MODES, prepare_call
+from kermac_like.ops.matvec import prepare_matvec
+from kermac_like.plan import distance as PD
+from kermac_like.plan import matvec as PM
+
+pytest.importorskip("sympy")
+
+
+def _floats(plan):
+    return [float(a) for ln in plan.launches for a in ln.args if isinstance(a, np.float32)]
+
+
+@pytest.mark.parametrize("cap, family", [((9, 0), "distance_wgmma"), ((8, 0), "distance_mma")])
+def test_run_kernel_of_a_functor_takes_the_tensor_cores(as_gpu, cap, family):
+    as_gpu[0] = cap
+    a = torch.randn(300, 64)
+    call = prepare_call(km.rational_quadratic(), a, a, bandwidth=2.0, params={"alpha": 0.5})
+    plan = PD.plan_distance(call, None, COMPUTE_MODES[0], False)
+    assert plan.family == family
+    assert "kermac_like::epilogue::RationalQuadratic>" in plan.spec.traits
+    assert "Epilogue::None" in plan.spec.traits and "Power::Noop" in plan.spec.traits
+    assert 2.0 in _floats(plan) and 0.5 in _floats(plan)  # p0 = bandwidth, p1 = alpha (the inner_p slot)
+
+
+def test_run_kernel_of_a_user_expression_carries_its_functor(as_gpu):
+    d = km.kernel_expression("(1 + sqrt(5*r)/h + 5*r/(3*h**2))*exp(-sqrt(5*r)/h)", params=("h",))
+    a = torch.randn(200, 32)
+    plan = PD.plan_distance(prepare_call(d, a, a, params={"h": 1.5}), None, COMPUTE_MODES[0], False)
+    assert plan.family == "distance_wgmma" and "kermac_like::formula::F" in plan.spec.traits
+    assert plan.spec.prelude.startswith("namespace kermac_like")
+
+
+@pytest.mark.parametrize("desc, kw", [(km.periodic(1.0), {"bandwidth": 1.0}),
+                                      (km.powered_exponential(1.5, p=1.0), {"bandwidth": 1.0}),
+                                      (km.matern(2.5), {"bandwidth": 1.0, "epsilon": 1e-3})])
+def test_other_formula_calls_take_the_torch_path(as_gpu, desc, kw):
+    a = torch.randn(100, 16)
+    eps = kw.pop("epsilon", None)
+    plan = PD.plan_distance(prepare_call(desc, a, a, epsilon=eps, **kw), None, COMPUTE_MODES[0], False)
+    assert plan.family == "reference"
+
+
+def test_kernel_matvec_of_a_functor_takes_the_fused_kernel(as_gpu):
+    x = torch.randn(1000, 3)
+    v = torch.randn(1000, 1)
+    call = prepare_matvec(km.matern(2.5), x, x, v, bandwidth=0.7)
+    plan = PM.plan_matvec(call, torch.empty(1000, 1), False)
+    assert plan.family == "matvec"
+    assert ", 4, 1, true, 0, 4, 8, true, float, 0, kermac_like::epilogue::Matern52>" in plan.spec.traits
+    assert any(abs(f - 0.7) < 1e-7 for f in _floats(plan))
+    wide = PM.plan_matvec(call, torch.empty(1000, 1, dtype=torch.float64), False)  # a float64 out: torch path
+    assert wide.family == "reference"
+
+
+def test_kernel_matvec_of_a_functor_at_many_coordinates_takes_tensor_core_tiles(as_gpu):
+    x = torch.randn(500, 64)
+    call = prepare_matvec(km.matern(2.5), x, x, torch.randn(500, 2), bandwidth=3.0)
+    assert PM.plan_matvec(call, torch.empty(500, 2), False).family == "matvec_blocked"

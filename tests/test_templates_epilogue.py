@@ -1,0 +1,256 @@
+"""Epilogue functors (cuda_templates/epilogue.cuh, kermac_like/runtime/specs/epilogue.py): the
+matvec template with a functor in place of the enum epilogue, executed on the CPU (g++ behind the
+thread shim of tests/cpu_shim.py) against the formula kernels' float64 torch path, on shifted,
+positive and clustered data: the direct form, the expanded form (the functor's scale folded into
+the operands) and its tuned trips (a share of the exponentials on the FMA pipe), every built-in
+functor and a user expression's rendered functor. Then the functor's rendering, its name (the cache
+key's part) and the hyper-parameter slots, and the compile of the new instantiations for sm_80 and
+sm_90 without spills."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from cpu_shim import THREAD_SHIM, build_cpu_runner
+
+import kermac_like as km
+from kermac_like import formula_path
+from kermac_like.runtime.specs import epilogue, matvec
+
+pytest.importorskip("sympy")
+
+# A user expression: Matérn 5/2 of the squared distance r, written by hand (custom_kernel's).
+USER = "(1 + sqrt(5*r)/h + 5*r/(3*h**2))*exp(-sqrt(5*r)/h)"
+
+
+def _user():
+    return km.kernel_expression(USER, params={"h": None})
+
+
+# (name, descriptor, hyper-parameters by name)
+KERNELS = [
+    ("matern52", km.matern(2.5), {"bandwidth": 0.7}),
+    ("matern32", km.matern(1.5), {"bandwidth": 1.3}),
+    ("rq", km.rational_quadratic(), {"bandwidth": 0.8, "alpha": 1.7}),
+    ("cauchy", km.cauchy(), {"bandwidth": 0.9}),
+    ("imq", km.inverse_multiquadric(), {"bandwidth": 1.1}),
+    ("powexp", km.powered_exponential(), {"bandwidth": 0.8, "q": 1.3}),
+    ("user", None, {"h": 0.7}),
+]
+# Loop variants: (kK, expand, kUnrollJ, kPolyPairs, kPrefetch)
+LOOPS = {"direct": (4, "false", 0, -1, "false"), "expanded": (4, "true", 0, -1, "false"),
+         "tuned": (4, "true", 4, 8, "true")}
+
+SHIM = THREAD_SHIM + r"""
+#include "matvec.cuh"
+@@PRELUDE@@
+using namespace kermac_like;
+#define F(E, kK, X, U, P, PF) MatvecTraits<Inner::Diff, Power::Square, Power::Noop, Epilogue::None, float, kK, 1, X, \
+                                           0, U, P, PF, float, 0, E>
+@@INSTANCES@@
+
+template <class Tr>
+void run(const float* x, const float* y, const float* v, float* out, float* part, int M, int N, int n_split, int per,
+         float p0, float p1, float p2) {
+  gridDim = {unsigned((M + Tr::kBlockM - 1) / Tr::kBlockM), unsigned(n_split), 1};
+  kl_run_grid(Tr::kThreads, [&] {
+    matvec_kernel<Tr>(x, y, v, out, part, M, N, 3, 1, 3, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                      0, 0, nullptr, 0, 0, 0, p1, nullptr, 0, 0, 0, p2, nullptr, 0, 0, 0, p0, nullptr, 0, 0, 0, 0.f,
+                      0, 0.f, n_split, per, nullptr);
+  });
+}
+
+int main(int argc, char** argv) {
+  // argv: instance, M, N, n_split, tiles per split, p0, p1, p2, input file (x | y | v), output file (out | part)
+  const int which = std::atoi(argv[1]), M = std::atoi(argv[2]), N = std::atoi(argv[3]);
+  const int n_split = std::atoi(argv[4]), per = std::atoi(argv[5]);
+  const float p0 = std::atof(argv[6]), p1 = std::atof(argv[7]), p2 = std::atof(argv[8]);
+  std::vector<float> in(3 * M + 4 * N);
+  FILE* f = std::fopen(argv[9], "rb");
+  if (std::fread(in.data(), 4, in.size(), f) != in.size()) return 3;
+  std::fclose(f);
+  std::vector<float> out(M + n_split * M, 0.f);
+  const float *x = in.data(), *y = x + 3 * M, *v = y + 3 * N;
+  float* part = n_split > 1 ? out.data() + M : nullptr;
+  switch (which) {
+@@CASES@@
+    default: return 4;
+  }
+  return kl_write(argv[10], out);
+}
+"""
+
+
+def _functor_name(name):
+    desc = _user() if name == "user" else dict((k, d) for k, d, _ in KERNELS)[name]
+    return epilogue.functor(desc)[0]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    inst, cases, index = [], [], {}
+    for name, _, _ in KERNELS:
+        for loop, (kk, x, u, p, pf) in LOOPS.items():
+            i = len(index)
+            index[(name, loop)] = i
+            inst.append(f"using T{i} = F({_functor_name(name)}, {kk}, {x}, {u}, {p}, {pf});")
+            cases.append(f"    case {i}: run<T{i}>(x, y, v, out.data(), part, M, N, n_split, per, p0, p1, p2); break;")
+    src = (SHIM.replace("@@PRELUDE@@", epilogue.render(_user())).replace("@@INSTANCES@@", "\n".join(inst))
+           .replace("@@CASES@@", "\n".join(cases)))
+    exe = build_cpu_runner(tmp_path_factory, "epilogue_cpu", src)
+    return exe, index
+
+
+def _data(kind, M, N, seed):
+    g = np.random.default_rng(seed)
+    if kind == "shifted":  # offset by 100 x the spread: the expanded form's centring
+        x, y = g.standard_normal((M, 3)) + 100.0, g.standard_normal((N, 3)) + 100.0
+    elif kind == "positive":
+        x, y = g.random((M, 3)) * 3.0, g.random((N, 3)) * 3.0
+    else:  # clustered: tight blobs, near-duplicate pairs (d -> 0, where Matérn needs its sqrt)
+        c = g.standard_normal((4, 3)) * 3.0
+        x = c[g.integers(0, 4, M)] + 1e-3 * g.standard_normal((M, 3))
+        h = min(M, N // 2)  # duplicates of rows of x, then points near the centres
+        y = np.concatenate([x[:h], c[g.integers(0, 4, N - h)] + 1e-2 * g.standard_normal((N - h, 3))])
+    v = g.standard_normal((N, 1))
+    return x.astype(np.float32), y.astype(np.float32), v.astype(np.float32)
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+@pytest.mark.parametrize("name", [k for k, _, _ in KERNELS])
+@pytest.mark.parametrize("kind", ["shifted", "positive", "clustered"])
+def test_functor_matvec_cpu(runner, name, loop, kind, tmp_path):
+    exe, index = runner
+    desc, hp = next((d, h) for k, d, h in KERNELS if k == name)
+    desc = desc or _user()
+    if loop != "direct" and not epilogue.smooth_at_zero(desc):
+        pytest.skip("a cusp at distance 0: the planner takes the direct form (test_formula_specs_mirror_and_rules)")
+    M, N, n_split, per = 300, 700, 2, 2  # a split range and a partial last tile
+    x, y, v = _data(kind, M, N, zlib.crc32(f"{name}{loop}{kind}".encode()))
+    (tmp_path / "in.bin").write_bytes(np.concatenate([x.ravel(), y.ravel(), v.ravel()]).tobytes())
+    slots = [hp[n] for n in epilogue.slot_names(desc)] + [0.0, 0.0]
+    res = subprocess.run([str(exe), str(index[(name, loop)]), str(M), str(N), str(n_split), str(per),
+                          *(repr(float(s)) for s in slots[:3]), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    raw = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
+    got = raw[M:].reshape(n_split, M).astype(np.float64).sum(0)
+    k = formula_path.values(desc, torch.from_numpy(x).double(), torch.from_numpy(y).double(), dict(hp)).numpy()
+    want = k @ v.astype(np.float64)[:, 0]
+    scale = np.abs(k) @ np.abs(v.astype(np.float64)[:, 0])
+    err = np.max(np.abs(got - want) / np.maximum(scale, 1e-5))
+    # float32 inputs: x - y rounded (shifted data: 100 * 2^-24 absolute per coordinate), the sums
+    assert err < (2e-5 if kind == "shifted" else 3e-6), err
+
+
+def test_rendered_functor_and_its_name():
+    """A user expression's functor: its parameters read from the slots in order (bandwidth first,
+    then by name), SymPy's functions mapped to the helpers, no double constants; its name (and so
+    the name expression, the cache key's part) follows the canonical form: equal for formulas SymPy
+    writes alike, different for another formula or another parameter name."""
+    d = km.kernel_expression("exp(-r*pi/(w*bandwidth**2)) + c", params=("c", "bandwidth", "w"))
+    assert epilogue.slot_names(d) == ("bandwidth", "c", "w")
+    name, src = epilogue.functor(d)
+    assert name.startswith("kermac_like::formula::F") and len(name.split("::F")[1]) == 64
+    assert "kl_exp2<kFma>(" in src and "kl_exp2<false>(" in src and "expf" not in src and "M_" not in src
+    assert "p.p0" in src and "p.p2" in src and "a.kl_c0 = " in src  # parameters: once per batch entry, in args()
+    same = km.kernel_expression("c + exp(-pi*r/(bandwidth**2*w))", params=("w", "bandwidth", "c"))
+    assert epilogue.functor(same) == (name, src)
+    other = km.kernel_expression("exp(-r*pi/(u*bandwidth**2)) + c", params=("c", "bandwidth", "u"))
+    assert epilogue.functor(other)[0] != name
+    spec = matvec.formula_matvec_spec(d, torch.float32, 3, 1)
+    assert name in spec.name_expression and spec.prelude == src
+    assert epilogue.functor(km.matern(2.5)) == ("kermac_like::epilogue::Matern52", "")
+
+
+def test_served_and_slots():
+    """Which formula kernels a functor serves (l2 kernels, no inner term, at most three
+    hyper-parameters), and the ABI slots of their hyper-parameters."""
+    for d in (km.matern(1.5), km.matern(2.5), km.rational_quadratic(), km.cauchy(), km.inverse_multiquadric(),
+              km.powered_exponential(), _user()):
+        assert epilogue.served(d), d
+    for d in (km.powered_exponential(p=1.0), km.powered_exponential(p=3.0), km.additive(), km.periodic(),
+              km.polynomial(2), km.kernel_expression("exp(-r)", inner="abs(x - y)"), km.preset("gaussian_l2"),
+              km.kernel_expression("exp(-r*e1*e2*e3*e4)", params=("e1", "e2", "e3", "e4"))):
+        assert not epilogue.served(d), d
+    hp = epilogue.slot_hypers(km.rational_quadratic(), {"bandwidth": 2.0, "alpha": 0.5, "regularization": None,
+                                                        "inner_p": None, "outer_p": None})
+    assert hp == {"inner_p": 0.5, "outer_p": 0.0, "bandwidth": 2.0, "regularization": None}
+
+
+def test_formula_specs_mirror_and_rules():
+    """formula_matvec_spec: the expanded form where K + 1 fits the registers and v has at most
+    FORMULA_EXPAND_MAX_C columns, the tuned trips at D <= 3 and one column (no FMA-pipe share for a
+    functor without an exponential), the direct chunked form beyond 31 coordinates."""
+    f32 = torch.float32
+    s = matvec.formula_matvec_spec(km.matern(2.5), f32, 3, 1)
+    assert ", 4, 1, true, 0, 4, 8, true, float, 0, kermac_like::epilogue::Matern52>" in s.traits
+    assert ", 0, 4, 0, true, float, 0," in matvec.formula_matvec_spec(km.cauchy(), f32, 3, 1).traits
+    assert ", 9, 8, true, 0, 0, -1, false," in matvec.formula_matvec_spec(km.matern(2.5), f32, 8, 8).traits
+    assert ", 8, 12, false, 0, 0, -1, false," in matvec.formula_matvec_spec(km.matern(2.5), f32, 8, 11).traits
+    assert ", 0, 1, false, 0, 0, -1, false," in matvec.formula_matvec_spec(km.matern(2.5), f32, 64, 1).traits
+    assert s.launch.block_m == 256 * matvec.rows_per_thread(4, 1) and s.launch.block_n == 256
+    # a cusp at distance 0 (q < 2; exp(-sqrt(r))): the direct form
+    assert ", 3, 1, false, 0, 0, -1, false," in matvec.formula_matvec_spec(km.powered_exponential(), f32, 3, 1).traits
+    assert not epilogue.smooth_at_zero(km.kernel_expression("exp(-sqrt(r)/h)", params=("h",)))
+    assert epilogue.smooth_at_zero(_user()) and epilogue.smooth_at_zero(km.matern(1.5))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_formula_instantiations_compile_without_spills(arch):
+    """Matérn 5/2's tuned D = 3 kernel and the same kernel as a user expression (custom_kernel's)
+    compile for sm_80 and sm_90
+    (NVRTC: no GPU needed), their mirror checked, with no spills (the rest of the shipped functors:
+    tests/test_compile.py's shipped build)."""
+    pytest.importorskip("cuda.core")
+    from kermac_like.runtime import compiler
+
+    specs = [matvec.formula_matvec_spec(km.matern(2.5), torch.float32, 3, 1),
+             matvec.formula_matvec_spec(_user(), torch.float32, 3, 1)]
+    _, resources = compiler.compile_specs(specs, arch)
+    assert len(resources) == 2
+    assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in resources.values()), resources
+
+
+def _torch_product(call, desc, x, y, v):
+    """A stand-in of ops.matvec._formula_product on the CPU in float64: the kernel's values (or, for
+    the derivative descriptor, dk/d(r2) by autograd of the formula) times v."""
+    base = dataclasses.replace(desc, derivative=False)
+    P = {n: call.hypers[n] for n in base.param_names}
+    r2 = ((x.unsqueeze(-2) - y.unsqueeze(-3)) ** 2).sum(-1)
+    if not desc.derivative:
+        return formula_path.values(base, x, y, dict(P)) @ v
+    with torch.enable_grad():  # (a backward runs without autograd)
+        r2 = r2.detach().requires_grad_(True)
+        r = r2.clamp_min(1e-300).sqrt() if base.outer_power.name == "SQRT" else r2
+        k = formula_path._functions(base)[1](r, P)
+        (dk,) = torch.autograd.grad(k.sum(), r2)
+    return dk @ v
+
+
+@pytest.mark.parametrize("name", ["matern52", "rq", "user"])
+def test_fused_backward_formulas_cpu(name, monkeypatch):
+    """The fused backward's algebra (ops.matvec._FormulaMatvec: gradients from products with the
+    kernel and with dk/d(r2), the operands centred) against the torch path's blocked autograd, in
+    float64 on the CPU with the fused products stood in for (on a GPU: tests/test_gpu_epilogue.py)."""
+    from kermac_like.ops import matvec as ops_matvec
+
+    monkeypatch.setattr(ops_matvec, "_formula_product", _torch_product)
+    desc, hp = next((d, h) for k, d, h in KERNELS if k == name)
+    desc = desc or _user()
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(40, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
+    y = (torch.randn(30, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
+    v = torch.randn(30, 2, generator=g, dtype=torch.float64).requires_grad_(True)
+    call = ops_matvec.prepare_matvec(desc, x, y, v, bandwidth=hp.get("bandwidth"),
+                                     params={k: val for k, val in hp.items() if k != "bandwidth"})
+    w = torch.randn(40, 2, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((ops_matvec._FormulaMatvec.apply(call, x, y, v) * w).sum(), (x, y, v))
+    want = torch.autograd.grad((formula_path.matvec_autograd(call) * w).sum(), (x, y, v))
+    for a, b in zip(got, want):
+        assert ((a - b).abs().max() / b.abs().max()) < 1e-10

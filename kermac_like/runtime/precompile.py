@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 from .. import _debug
 from .._args import check_device
@@ -15,7 +17,13 @@ from .specs import (distance_spec, distance_tunings, mma_specs_for, wgmma_prepar
 from .specs.matvec import C_BUCKETS
 from .specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
 
-__all__ = ["precompile", "specs_for_descriptor", "write_bundle"]
+__all__ = ["precompile", "specs_for_descriptor", "write_bundle", "first_call_specs", "FIRST_CALLS_FILE"]
+
+# The kernels of the first calls that the install prebuilds (bench/run.py's cold_compile rows on sm_80 and
+# sm_90): KernelSpecs as JSON, written by `python3 tests/first_calls.py --write` from what the planners ask
+# for, checked against them by tests/test_bundle.py.
+FIRST_CALLS_FILE = Path(__file__).resolve().with_name("first_calls.json")
+REPORTS_FILENAME = "reports.json"  # beside a bundle: the ptxas report of each kernel it compiled
 
 
 def specs_for_descriptor(desc: KernelDescriptor) -> list:
@@ -87,7 +95,10 @@ def write_bundle(specs, arch: str, directory=None, *, processes: int | None = No
     cache and before compiling (runtime/cache/warm.py ``read_bundled``). Entries already
     there are kept (one bundle may hold several architectures). The file is left in
     rollback-journal mode, world-readable and owner-writable only, so that it can be read
-    from a read-only folder. Returns precompile_specs' summary with the bundle's path."""
+    from a read-only folder. The ptxas report of each kernel compiled goes into
+    ``reports.json`` beside it (arch -> name expression -> report: the test suite's shipped build
+    takes the bundle's kernels with their reports instead of compiling them again; not package
+    data). Returns precompile_specs' summary with the bundle's path."""
     import os
     import sqlite3
     from pathlib import Path
@@ -96,11 +107,20 @@ def write_bundle(specs, arch: str, directory=None, *, processes: int | None = No
     cache = kernel_cache.KernelCache(directory, max_bytes=1 << 40)  # a bundle is never evicted from
     if cache.in_memory:
         raise OSError(f"bundle: cannot write a kernel file in {directory}")
+    reports: dict = {}
     try:
         summary = compiler.precompile_specs(specs, arch, cache=cache, processes=processes, debug=debug,
-                                            progress=progress)
+                                            progress=progress, reports=reports)
     finally:
         cache.close()
+    report_file = directory / REPORTS_FILENAME
+    try:
+        known = json.loads(report_file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known.setdefault(arch, {}).update(reports)
+    report_file.write_text(json.dumps(known))
+    os.chmod(report_file, 0o644)
     path = directory / DB_FILENAME
     conn = sqlite3.connect(str(path))
     try:
@@ -116,3 +136,28 @@ def write_bundle(specs, arch: str, directory=None, *, processes: int | None = No
     warm._bundle_files.cache_clear()
     summary["bundle"] = str(path)
     return summary
+
+
+def _spec_from_json(d: dict):
+    from .specs import KernelSpec, LaunchShape
+
+    return KernelSpec(header=d["header"], kernel=d["kernel"], traits=d["traits"], launch=LaunchShape(**d["launch"]),
+                      arch_suffix=d.get("arch_suffix", ""))
+
+
+def first_call_specs(arch: str) -> list:
+    """The kernels the first calls of bench/run.py's cold_compile rows launch on ``arch`` (sm_80 or
+    sm_90; none for another arch): what the install prebuilds into ``kermac_like/prebuilt/``
+    (setup.py), so that those calls compile nothing."""
+    data = json.loads(FIRST_CALLS_FILE.read_text())
+    return [_spec_from_json(d) for d in data["archs"].get(arch, [])]
+
+
+def write_first_call_list(planned: dict) -> str:
+    """Write ``{arch: [KernelSpec, ...]}`` as :data:`FIRST_CALLS_FILE`; returns its path."""
+    import dataclasses
+
+    data = {"about": "the kernels of bench/run.py's cold_compile calls per arch; python3 tests/first_calls.py --write",
+            "archs": {arch: [dataclasses.asdict(s) for s in specs] for arch, specs in planned.items()}}
+    FIRST_CALLS_FILE.write_text(json.dumps(data, indent=1) + "\n")
+    return str(FIRST_CALLS_FILE)

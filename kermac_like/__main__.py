@@ -75,18 +75,29 @@ def _cmd_precompile(args) -> int:
         if counter:
             print(f"\r  compiled {done}/{total}", end="", file=sys.stderr, flush=True)
 
-    for arch in archs:
-        t0 = time.perf_counter()
-        specs = chosen(arch)
-        if args.bundle is not None:
-            from .runtime.precompile import write_bundle
+    t0 = time.perf_counter()
+    if args.bundle is not None and len(archs) > 1:
+        # one process for all: the programs of every arch in threads (no worker process imports)
+        from .runtime.precompile import write_bundle
 
-            summary = write_bundle(specs, arch, args.bundle or None, processes=args.jobs, debug=debug,
-                                   progress=progress)
-        else:
-            summary = precompile_specs(specs, arch, processes=args.jobs, debug=debug, progress=progress)
+        summaries = write_bundle(chosen, archs, args.bundle or None, threads=args.jobs, debug=debug,
+                                 progress=progress)
         if counter:
             print(file=sys.stderr)
+    else:
+        summaries = []
+        for arch in archs:
+            specs = chosen(arch)
+            if args.bundle is not None:
+                from .runtime.precompile import write_bundle
+
+                summaries.append(write_bundle(specs, arch, args.bundle or None, processes=args.jobs, debug=debug,
+                                              progress=progress))
+            else:
+                summaries.append(precompile_specs(specs, arch, processes=args.jobs, debug=debug, progress=progress))
+            if counter:
+                print(file=sys.stderr)
+    for summary in summaries:
         summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
         summary["seconds"] = round(summary["seconds"], 3)
         print(json.dumps(summary) if args.json else precompile_text(summary), flush=True)

@@ -19,17 +19,24 @@ CUDA_REQUIRES = {
     "12": ["cuda-core>=0.3", "cuda-bindings>=12.8,<13", "nvidia-cuda-nvrtc-cu12>=12.8,<13"],
 }
 _PROBE = r"""
-import importlib.util, sys
-if importlib.util.find_spec("torch") is None:
+import importlib.metadata as md, importlib.util, os, re, sys
+spec = importlib.util.find_spec("torch")  # found, not imported: this runs before every build
+if spec is None:
     print("no-torch"); sys.exit()
-import torch
-cuda = (torch.version.cuda or "13").split(".")[0]
-ok = all(importlib.util.find_spec(m) is not None for m in ("cuda.core", "cuda.bindings"))
 try:
-    from cuda.bindings import nvrtc
-    ok = ok and nvrtc.nvrtcVersion()[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
-except Exception:
-    ok = False
+    with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+        m = re.search(r"^cuda\b[^=]*=\s*['\"](\d+)", f.read(), re.M)
+except OSError:
+    m = None
+cuda = m.group(1) if m else "13"  # a CPU torch: the [cu13] extra (the README's test command)
+def has(name):
+    try:
+        md.version(name)
+        return True
+    except md.PackageNotFoundError:
+        return False
+nvrtc = any(has(n) for n in ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc-cu13"))
+ok = nvrtc and all(importlib.util.find_spec(n) is not None for n in ("cuda.core", "cuda.bindings"))
 print(("ready " if ok else "needs ") + cuda)
 """
 

@@ -12,8 +12,8 @@ from ..descriptor import KernelDescriptor
 from ..layout import Layout
 from . import cache as kernel_cache, compiler
 from .cache import DB_FILENAME, warm
-from .specs import (distance_spec, distance_tunings, mma_specs_for, wgmma_prepare_needs, wgmma_prepare_spec,
-                    wgmma_traits_spec)
+from .specs import (KernelSpec, LaunchShape, distance_spec, distance_tunings, mma_specs_for, wgmma_prepare_needs,
+                    wgmma_prepare_spec, wgmma_traits_spec)
 from .specs.matvec import C_BUCKETS
 from .specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
 
@@ -199,8 +199,6 @@ def _compile_threaded(specs_by_arch: dict, cache, threads: int | None, reports: 
 
 
 def _spec_from_json(d: dict):
-    from .specs import KernelSpec, LaunchShape
-
     return KernelSpec(header=d["header"], kernel=d["kernel"], traits=d["traits"], launch=LaunchShape(**d["launch"]),
                       arch_suffix=d.get("arch_suffix", ""))
 

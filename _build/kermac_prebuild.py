@@ -59,8 +59,8 @@ def _target_env(extra_paths=()) -> dict:
 
 
 def _probe() -> str:
-    """"ready N" (the target environment has torch and a working NVRTC; torch's CUDA major N),
-    "needs N" (torch without NVRTC), "no-torch", or "failed: ..."."""
+    """The target environment's state: ``ready N`` (torch and NVRTC; torch's CUDA major N),
+    ``needs N`` (torch without NVRTC), ``no-torch``, or ``failed: ...``."""
     try:
         p = subprocess.run([sys.executable, "-c", _PROBE], env=_target_env(), capture_output=True, text=True,
                            timeout=120)

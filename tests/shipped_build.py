@@ -158,11 +158,59 @@ def seed_from_bundle(cache, specs, arch: str) -> dict:
     return seeded
 
 
+def canonical_programs(specs, arch: str, group_size: int = 8) -> list:
+    """The NVRTC programs of the shipped set as precompile_specs makes them with nothing cached:
+    per arch suffix, runs of ``group_size`` kernels in shipped order. A kernel's registers and
+    spills can depend on the other kernels of its program (a few bytes, notes/jit.md), so the
+    build keeps these programs whatever the install's bundle already holds: a program loses the
+    bundle's kernels and keeps its other members, never gains others."""
+    specs = [s for s in dict.fromkeys(specs) if s.supports(arch)]
+    out = []
+    for suffix in sorted({s.arch_suffix for s in specs}):
+        same = [s for s in specs if s.arch_suffix == suffix]
+        out += [tuple(same[i:i + group_size]) for i in range(0, len(same), group_size)]
+    return out
+
+
+def _compile_program(args):
+    from kermac_like.runtime.compiler import compile_specs
+
+    return compile_specs(*args)
+
+
+def compile_programs(programs, arch: str, cache, reports: dict, processes: int = 2) -> dict:
+    """Compile each program's kernels that ``cache`` lacks (one program each, ``processes`` at a
+    time) into ``cache``; precompile_specs' summary, the ptxas reports added to ``reports``."""
+    import concurrent.futures as cf
+    import multiprocessing
+    import time
+
+    from kermac_like.runtime.compiler import kernel_key
+
+    t0 = time.perf_counter()
+    keys = {s: kernel_key(s, arch) for g in programs for s in g}
+    present = cache.contains(list(keys.values()))
+    todo = [tuple(s for s in g if keys[s] not in present) for g in programs]
+    todo = [g for g in todo if g]
+    spills = {}
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=max(1, min(processes, len(todo))), mp_context=ctx) as ex:
+        for record, resources in ex.map(_compile_program, [(g, arch) for g in todo]):
+            cache.put(record)
+            reports.update(resources)
+            for expr, res in resources.items():
+                if res.get("spill_stores") or res.get("spill_loads"):
+                    spills[expr] = (res.get("spill_stores", 0), res.get("spill_loads", 0))
+    n = len(keys)
+    compiled = sum(len(g) for g in todo)
+    return dict(arch=arch, requested=n, cached=n - compiled, compiled=compiled, programs=len(todo),
+                processes=min(processes, len(todo)), seconds=time.perf_counter() - t0, spills=dict(sorted(spills.items())))
+
+
 def _main(arch: str, d: str) -> int:
     """Build the shipped set for ``arch`` into ``d``/cache and write ``d``/build.json, unless a
     process before this one did (pytest-xdist workers share ``d``)."""
     from kermac_like.runtime.cache import KernelCache
-    from kermac_like.runtime.compiler import precompile_specs
     from kermac_like.runtime.specs import shipped_specs
 
     d = Path(d)
@@ -172,8 +220,8 @@ def _main(arch: str, d: str) -> int:
         specs = shipped_specs()
         with KernelCache(d / "cache") as cache:
             reports = seed_from_bundle(cache, specs, arch)
-            summary = precompile_specs(specs, arch, cache=cache, reports=reports)
-        summary["from_bundle"] = len(reports) - summary["compiled"]
+            summary = compile_programs(canonical_programs(specs, arch), arch, cache, reports)
+        summary["from_bundle"] = summary["cached"]
         for expr, res in reports.items():  # the bundle's kernels' spills too
             if res.get("spill_stores") or res.get("spill_loads"):
                 summary["spills"].setdefault(expr, (res.get("spill_stores", 0), res.get("spill_loads", 0)))

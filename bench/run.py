@@ -318,7 +318,9 @@ class Bench:
         with an empty cache directory (seconds; import kermac_like timed apart, in the note
         with the kernels the call found in a bundle or compiled). warm_process: the
         laplace_l2 call again in new processes with its cache now filled (ms). GPU only:
-        the CPU path compiles nothing."""
+        the CPU path compiles nothing. Installed as the README says, the calls' kernels come
+        from the install's bundle (kermac_like/prebuilt/, runtime/first_calls.json: the note's
+        "bundle" count); move that folder aside to time the compiles instead."""
         if self.device.type != "cuda":
             return [dict(workload=w, size="", ours_ms=None, torch_ms=None, kermac_ms=None, error=None,
                          torch_error=None, unit="s" if w == "cold_compile" else "ms", speedup=None,
@@ -823,7 +825,8 @@ def grad_formula_float64(a, b, c, d, p, n, m):
 
 
 # The first calls of issue 26's latency targets, each timed in its own new process (GPU tensors
-# made before the clock starts; `km` is kermac_like, `dev` the device).
+# made before the clock starts; `km` is kermac_like, `dev` the device). The install prebuilds their
+# kernels: after a change here, `python3 tests/first_calls.py --write` (tests/test_bundle.py checks).
 COLD_CALLS = {
     "cdist p=1 3000x3000x8": "a = torch.randn(3000, 8, device=dev)\n@ km.cdist(a, a, p=1.0)",
     "cdist p=1.7 3000x3000x8": "a = torch.randn(3000, 8, device=dev)\n@ km.cdist(a, a, p=1.7)",

@@ -7,6 +7,7 @@
     python -m kermac_like precompile --arch sm_80 --all          # no GPU needed
     python -m kermac_like precompile --preset laplace_l2 --preset l1   # for the current GPU
     python -m kermac_like precompile --all --arch sm_90 --bundle   # prebuilt kernels: kermac_like/prebuilt/
+    python -m kermac_like precompile --first-calls --arch sm_80 --arch sm_90 --bundle   # what the install builds
     python -m kermac_like config                                 # the effective settings
 """
 
@@ -27,7 +28,7 @@ from .ops.distance import run_kernel
 from .plan import autotune as tuning
 from .runtime.cache import get_cache
 from .runtime import compiler
-from .runtime.precompile import specs_for_descriptor, write_bundle
+from .runtime.precompile import first_call_specs, specs_for_descriptor, write_bundle
 from .runtime.specs import FAMILIES, shipped_specs
 
 
@@ -52,33 +53,47 @@ def _cmd_clear(args) -> int:
 def _cmd_precompile(args) -> int:
     debug = _debug.resolve(args.debug)
     if args.all:
-        specs = shipped_specs(args.family or None)
+        chosen = lambda arch: shipped_specs(args.family or None)  # noqa: E731
+    elif args.first_calls:
+        chosen = first_call_specs
     elif args.preset:
-        specs = [s for name in args.preset for s in specs_for_descriptor(preset(name))]
+        chosen = lambda arch: [s for name in args.preset for s in specs_for_descriptor(preset(name))]  # noqa: E731
     else:
-        raise UsageError("give --all or at least one --preset NAME")
-    arch = args.arch
-    if arch is None:
+        raise UsageError("give --all, --first-calls or at least one --preset NAME")
+    archs = list(dict.fromkeys(args.arch or ()))
+    if not archs:
         if not torch.cuda.is_available():
             why = "no CUDA device is visible" if torch.backends.cuda.is_built() else "this torch has no CUDA"
             raise UsageError(f"--arch: not given, and there is no GPU to take it from ({why}); pass e.g. --arch sm_80")
-        arch = compiler.arch_of_device(torch.device("cuda", torch.cuda.current_device()))
-    t0 = time.perf_counter()
+        archs = [compiler.arch_of_device(torch.device("cuda", torch.cuda.current_device()))]
     counter = sys.stderr.isatty() and not debug  # the debug log has a line per compile instead
 
     def progress(done, total):
         if counter:
             print(f"\r  compiled {done}/{total}", end="", file=sys.stderr, flush=True)
 
-    if args.bundle is not None:
-        summary = write_bundle(specs, arch, args.bundle or None, processes=args.jobs, debug=debug, progress=progress)
+    t0 = time.perf_counter()
+    if args.bundle is not None and len(archs) > 1:
+        # one process for all: the programs of every arch in threads (no worker process imports)
+        summaries = write_bundle(chosen, archs, args.bundle or None, threads=args.jobs, debug=debug,
+                                 progress=progress)
+        if counter:
+            print(file=sys.stderr)
     else:
-        summary = compiler.precompile_specs(specs, arch, processes=args.jobs, debug=debug, progress=progress)
-    if counter:
-        print(file=sys.stderr)
-    summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
-    summary["seconds"] = round(summary["seconds"], 3)
-    print(json.dumps(summary) if args.json else precompile_text(summary))
+        summaries = []
+        for arch in archs:
+            specs = chosen(arch)
+            if args.bundle is not None:
+                        summaries.append(write_bundle(specs, arch, args.bundle or None, processes=args.jobs, debug=debug,
+                                              progress=progress))
+            else:
+                summaries.append(compiler.precompile_specs(specs, arch, processes=args.jobs, debug=debug, progress=progress))
+            if counter:
+                print(file=sys.stderr)
+    for summary in summaries:
+        summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
+        summary["seconds"] = round(summary["seconds"], 3)
+        print(json.dumps(summary) if args.json else precompile_text(summary), flush=True)
     return 0
 
 
@@ -182,8 +197,12 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
     def add_precompile(p):
-        p.add_argument("--arch", type=_arch, help="target such as sm_80 or sm_90 (default: the current GPU's)")
+        p.add_argument("--arch", type=_arch, action="append",
+                       help="target such as sm_80 or sm_90, repeatable (default: the current GPU's)")
         p.add_argument("--all", action="store_true", help="every shipped template instantiation")
+        p.add_argument("--first-calls", action="store_true",
+                       help="the kernels of the first calls that the install prebuilds (bench/run.py's cold_compile "
+                            "rows; sm_80 and sm_90)")
         p.add_argument("--family", action="append", choices=list(FAMILIES),
                        help="with --all: only this kernel family (repeatable)")
         p.add_argument("--preset", action="append", choices=list(PRESETS), help="descriptor preset name (repeatable)")

@@ -6,7 +6,12 @@ tests/test_compile.py checks that build (counts, spills, a second precompile com
 the SASS and ptxas-report tests read their shipped kernels from it instead of compiling them again.
 The dirs are only read after the build: a test that needs kernels outside the shipped set
 compiles them itself (``ShippedBuild.kernels`` does). Under pytest-xdist the workers share the
-dirs: the first build of an architecture is the one all of them read (a file lock)."""
+dirs: the first build of an architecture is the one all of them read (a file lock).
+
+The kernels the install prebuilt (kermac_like/prebuilt/, the first calls' kernels: _build/kermac_build.py)
+are not compiled again: the build takes them, with the ptxas reports the install kept beside them, from
+that bundle where its keys are the ones this package computes (the same templates, options and NVRTC),
+and compiles the rest; its summary counts them as cached and says how many in ``from_bundle``."""
 
 from __future__ import annotations
 
@@ -114,20 +119,112 @@ class ShippedBuild:
         return self._sass[key]
 
 
+def seed_from_bundle(cache, specs, arch: str) -> dict:
+    """Put the kernels of ``specs`` that the package's bundle holds for ``arch`` (with their ptxas
+    reports) into ``cache``; returns {name expression: ptxas report} of those put."""
+    import sqlite3
+
+    from kermac_like.runtime.cache import warm
+    from kermac_like.runtime.cache.schema import ModuleRecord
+    from kermac_like.runtime.compiler import kernel_key
+    from kermac_like.runtime.precompile import REPORTS_FILENAME
+
+    folder = warm.package_bundle_dir()
+    db, report_file = folder / warm.DB_FILENAME, folder / REPORTS_FILENAME
+    if not db.is_file() or not report_file.is_file():
+        return {}
+    try:
+        known = json.loads(report_file.read_text()).get(arch, {})
+        conn = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)
+        try:
+            rows = conn.execute(
+                "SELECT k.key, k.name_expression, k.lowered_name, m.module_sha256, m.cubin, m.compile_seconds, "
+                "m.nvrtc_version, m.options, k.arch FROM kernels AS k JOIN modules AS m ON m.module_sha256 = k.module_sha256 "
+                "WHERE k.arch IN (?, ?)", (arch, arch + "a")).fetchall()
+        finally:
+            conn.close()
+    except (OSError, ValueError, sqlite3.Error):
+        return {}
+    wanted = {kernel_key(s, arch): s.name_expression for s in specs if s.supports(arch)}
+    modules, seeded = {}, {}
+    arch_of = {row[0]: row[-1] for row in rows}
+    for key, expr, lowered, sha, cubin, seconds, nvrtc, options, _ in rows:
+        if wanted.get(key) == expr and expr in known:
+            modules.setdefault(sha, (bytes(cubin), seconds, nvrtc, options, []))[4].append((key, expr, lowered))
+            seeded[expr] = known[expr]
+    for cubin, seconds, nvrtc, options, kernels in modules.values():
+        cache.put(ModuleRecord(cubin=cubin, arch=arch_of[kernels[0][0]], compile_seconds=seconds, nvrtc_version=nvrtc, options=options,
+                               kernels=tuple(kernels)))
+    return seeded
+
+
+def canonical_programs(specs, arch: str, group_size: int = 8) -> list:
+    """The NVRTC programs of the shipped set as precompile_specs makes them with nothing cached:
+    per arch suffix, runs of ``group_size`` kernels in shipped order. A kernel's registers and
+    spills can depend on the other kernels of its program (a few bytes, notes/jit.md), so the
+    build keeps these programs whatever the install's bundle already holds: a program loses the
+    bundle's kernels and keeps its other members, never gains others."""
+    specs = [s for s in dict.fromkeys(specs) if s.supports(arch)]
+    out = []
+    for suffix in sorted({s.arch_suffix for s in specs}):
+        same = [s for s in specs if s.arch_suffix == suffix]
+        out += [tuple(same[i:i + group_size]) for i in range(0, len(same), group_size)]
+    return out
+
+
+def _compile_program(args):
+    from kermac_like.runtime.compiler import compile_specs
+
+    return compile_specs(*args)
+
+
+def compile_programs(programs, arch: str, cache, reports: dict, processes: int = 2) -> dict:
+    """Compile each program's kernels that ``cache`` lacks (one program each, ``processes`` at a
+    time) into ``cache``; precompile_specs' summary, the ptxas reports added to ``reports``."""
+    import concurrent.futures as cf
+    import multiprocessing
+    import time
+
+    from kermac_like.runtime.compiler import kernel_key
+
+    t0 = time.perf_counter()
+    keys = {s: kernel_key(s, arch) for g in programs for s in g}
+    present = cache.contains(list(keys.values()))
+    todo = [tuple(s for s in g if keys[s] not in present) for g in programs]
+    todo = [g for g in todo if g]
+    spills = {}
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=max(1, min(processes, len(todo))), mp_context=ctx) as ex:
+        for record, resources in ex.map(_compile_program, [(g, arch) for g in todo]):
+            cache.put(record)
+            reports.update(resources)
+            for expr, res in resources.items():
+                if res.get("spill_stores") or res.get("spill_loads"):
+                    spills[expr] = (res.get("spill_stores", 0), res.get("spill_loads", 0))
+    n = len(keys)
+    compiled = sum(len(g) for g in todo)
+    return dict(arch=arch, requested=n, cached=n - compiled, compiled=compiled, programs=len(todo),
+                processes=min(processes, len(todo)), seconds=time.perf_counter() - t0, spills=dict(sorted(spills.items())))
+
+
 def _main(arch: str, d: str) -> int:
     """Build the shipped set for ``arch`` into ``d``/cache and write ``d``/build.json, unless a
     process before this one did (pytest-xdist workers share ``d``)."""
     from kermac_like.runtime.cache import KernelCache
-    from kermac_like.runtime.compiler import precompile_specs
     from kermac_like.runtime.specs import shipped_specs
 
     d = Path(d)
     with exclusive(d / "lock"):
         if (d / RESULT).exists():
             return 0
-        reports = {}
+        specs = shipped_specs()
         with KernelCache(d / "cache") as cache:
-            summary = precompile_specs(shipped_specs(), arch, cache=cache, reports=reports)
+            reports = seed_from_bundle(cache, specs, arch)
+            summary = compile_programs(canonical_programs(specs, arch), arch, cache, reports)
+        summary["from_bundle"] = summary["cached"]
+        for expr, res in reports.items():  # the bundle's kernels' spills too
+            if res.get("spill_stores") or res.get("spill_loads"):
+                summary["spills"].setdefault(expr, (res.get("spill_stores", 0), res.get("spill_loads", 0)))
         tmp = d / (RESULT + ".tmp")
         tmp.write_text(json.dumps({"summary": summary, "reports": reports}))
         tmp.replace(d / RESULT)

@@ -11,8 +11,10 @@ import torch
 from kermac_like.runtime import store
 from kermac_like.runtime.cache import warm
 from kermac_like.runtime.cache import store as kc
+from kermac_like.runtime import compiler
 from kermac_like.runtime.compiler import kernel_key
-from kermac_like.runtime.precompile import write_bundle
+from kermac_like.runtime.precompile import first_call_specs, write_bundle
+from kermac_like.runtime.specs import shipped_specs
 from kermac_like.runtime.specs.matvec import combine_spec
 
 ARCH = "sm_80"
@@ -78,8 +80,6 @@ def test_cold_calls_take_only_shipped_kernels():
     import sys
     from pathlib import Path
 
-    from kermac_like.runtime.specs import shipped_specs
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     try:
         from run import COLD_CALLS
@@ -100,3 +100,71 @@ def test_cold_calls_take_only_shipped_kernels():
         assert used, name
         missing = [s.name_expression for s in used if s not in shipped]
         assert not missing, f"{name}: not in the shipped set: {missing}"
+        # ... and only kernels of the install's prebuilt set (runtime/precompile.first_call_specs), so that
+        # the installed package serves it without NVRTC
+        arch = compiler.arch_of_device(dev)
+        first = set(first_call_specs(arch))
+        if arch in ("sm_80", "sm_90"):
+            outside = [s.name_expression for s in used if s not in first]
+            assert not outside, f"{name}: not in first_calls.json for {arch}: {outside}"
+
+
+def test_first_call_list_is_what_the_planners_take():
+    """runtime/first_calls.json (the kernels the install prebuilds) lists what the cold_compile calls
+    launch on sm_80 and sm_90 today, planned on CPU tensors with the devices' answers stood in for
+    (tests/first_calls.py; `python3 tests/first_calls.py --write` rewrites the list after a planner
+    change)."""
+    from first_calls import ARCHS, first_call_specs_planned
+
+    shipped = set(shipped_specs())
+    for arch in ARCHS:
+        planned = first_call_specs_planned(arch)
+        assert planned and set(planned) <= shipped, arch
+        assert first_call_specs(arch) == planned, (
+            f"{arch}: runtime/first_calls.json is stale; run python3 tests/first_calls.py --write")
+
+
+@pytest.mark.skipif(not os.environ.get("CI") and not (warm.package_bundle_dir() / kc.DB_FILENAME).exists(),
+                    reason="no bundle from the install (KERMAC_LIKE_PREBUILD=0, or installed before the build hook)")
+def test_install_prebuilt_the_first_calls():
+    """The install (_build/kermac_build.py) left every first call's kernel, for sm_80 and sm_90, in
+    kermac_like/prebuilt/ under the key this package computes: read from there, not compiled (in CI
+    the README's install command has run just before)."""
+    warm._bundle_files.cache_clear()
+    assert (warm.package_bundle_dir() / kc.DB_FILENAME).is_file(), "the install wrote no bundle"
+    for arch in ("sm_80", "sm_90"):
+        specs = first_call_specs(arch)
+        missing = [s.name_expression for s in specs if warm.read_bundled(kernel_key(s, arch)) is None]
+        assert not missing, f"{arch}: not prebuilt: {missing}"
+
+
+def _build_hook():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "_build" / "kermac_prebuild.py"
+    spec = importlib.util.spec_from_file_location("kermac_build_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_build_without_kernels_still_succeeds(tmp_path, monkeypatch, capsys):
+    """The build hook never fails a build: turned off, without an interpreter to compile in, or with
+    a compile that fails (an architecture NVRTC is not asked for here, standing in for a machine
+    without NVRTC), it says why on stderr and writes no bundle."""
+    hook = _build_hook()
+    monkeypatch.setenv("KERMAC_LIKE_PREBUILD", "0")
+    assert hook.prebuild(tmp_path / "off") is False
+    assert "KERMAC_LIKE_PREBUILD=0" in capsys.readouterr().err
+    assert hook.cuda_requires() == []  # nor asks pip for NVRTC
+    monkeypatch.setenv("KERMAC_LIKE_PREBUILD", "1")
+    monkeypatch.setattr(hook.sys, "executable", str(tmp_path / "no-such-python"))
+    assert hook.prebuild(tmp_path / "no-python") is False
+    assert "no prebuilt kernels" in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setenv("KERMAC_LIKE_PREBUILD_ARCHS", "sm_75")
+    assert hook.prebuild(tmp_path / "sm75") is False
+    err = capsys.readouterr().err
+    assert "no prebuilt kernels" in err and "first call" in err
+    assert not (tmp_path / "sm75" / kc.DB_FILENAME).exists()

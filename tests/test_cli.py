@@ -31,7 +31,7 @@ def _run(capsys, *argv):
     (("precompile", "--all", "--arch", "sm_80", "--family", "nosuch"), "--family: invalid choice: 'nosuch'"),
     (("nosuch",), "invalid choice: 'nosuch'"),
     (("tune", "--preset", "nosuch"), "--preset: invalid choice"),
-    (("precompile",), "give --all or at least one --preset"),
+    (("precompile",), "give --all, --first-calls or at least one --preset"),
 ])
 def test_unknown_names_one_line_status_2(capsys, argv, needle):
     rc, out, err = _run(capsys, *argv)

@@ -52,7 +52,7 @@ def _as_gpu(cap: tuple, seen: list):
     from kermac_like.config import override
     from kermac_like.ops import distance as ops_distance
     from kermac_like.plan import core
-    from kermac_like.runtime import launcher
+    from kermac_like.runtime import launcher, store
 
     sms, smem, optin = DEVICE[cap]
     modules = [P] + [importlib.import_module(f"{P.__name__}.{m.name}") for m in pkgutil.iter_modules(P.__path__)]
@@ -86,9 +86,9 @@ def _as_gpu(cap: tuple, seen: list):
         seen.append(spec)
         return _Loaded(spec)
 
-    put(launcher, "get_kernel", get_kernel)
-    put(launcher, "prefetch", lambda specs, device, debug=False: seen.extend(specs))
-    put(launcher, "available", lambda spec, device: True)
+    put(store, "get_kernel", get_kernel)
+    put(store, "prefetch", lambda specs, device, debug=False: seen.extend(specs))
+    put(store, "available", lambda spec, device: True)
     put(launcher, "max_active_clusters", lambda kernel: sms // 2)
     put(launcher, "launch", lambda *a, **k: None)
     P.clear_templates()

@@ -162,6 +162,9 @@ SETTINGS = _declare(
             "torch's rescoring, the tests' oracle)"),
     Setting("knn_groups", "choice", "auto", "knn's tensor-core candidates about a centre per group of rows (auto: "
             "where, on a sample, the groups resolve clusters: ops.knn.GROUP_RATIO; on: always, off: never)", ("auto", "on", "off")),
+    Setting("formula_fused", "bool", False, "formula kernels (Matérn, RQ, ..., user expressions) on the fused kernels "
+            "through epilogue functors (off: the formula's torch path; the fused paths miss 1e-5 on anisotropic and "
+            "clustered data: bench/notes/epilogue.md, session 21)"),
     Setting("kmeans_fused", "bool", True, "KMeans' k-means++ seeding on CUDA by the fused kernel (off: torch)"),
     Setting("kmeans_segsum", "bool", True, "Lloyd's centre update on CUDA by the fused segmented sum (off: torch's "
             "sort and segment_reduce)"),

@@ -14,6 +14,12 @@ from kermac_like.ops.matvec import prepare_matvec
 from kermac_like.plan import distance as PD
 from kermac_like.plan import matvec as PM
 
+
+@pytest.fixture(autouse=True)
+def _fused(settings):
+    """The routing of the fused formula paths (the setting formula_fused, off by default)."""
+    settings(formula_fused=True)
+
 pytest.importorskip("sympy")
 
 
@@ -67,3 +73,11 @@ def test_kernel_matvec_of_a_functor_at_many_coordinates_takes_tensor_core_tiles(
     x = torch.randn(500, 64)
     call = prepare_matvec(km.matern(2.5), x, x, torch.randn(500, 2), bandwidth=3.0)
     assert PM.plan_matvec(call, torch.empty(500, 2), False).family == "matvec_blocked"
+
+
+def test_formula_kernels_take_the_torch_path_by_default(settings):
+    """formula_fused off (the default): a formula kernel that a functor serves is not routed to the
+    fused kernels (their known accuracy gap on anisotropic and clustered data)."""
+    settings(formula_fused=False)
+    call = prepare_matvec(km.matern(2.5), torch.randn(40, 3), torch.randn(50, 3), torch.randn(50, 1), bandwidth=1.0)
+    assert not PM.formula_fused(call, torch.empty(0))

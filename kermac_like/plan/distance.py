@@ -330,8 +330,8 @@ def _formula_tensor_core_plan(call: DistanceCall, out, compute_mode: str, debug:
     operands centred, the near pairs' direct differences) with the functor in place of the enum
     epilogue, its hyper-parameters in the bandwidth, inner_p and outer_p slots. None where the tensor
     cores do not take the call (then the torch path: no exact kernel knows a functor)."""
-    if not (epilogue.served(call.desc) and call.K > 0 and call.dtype == torch.float32 and not call.epsilon
-            and _gpu_ok(call.a)):
+    if not (config.get("formula_fused") and epilogue.served(call.desc) and call.K > 0
+            and call.dtype == torch.float32 and not call.epsilon and _gpu_ok(call.a)):
         return None
     proxy = dataclasses.replace(call, desc=PRESETS["squared_l2"], hypers=epilogue.slot_hypers(call.desc, call.hypers))
     wgmma, mma = _functor_specs(epilogue.functor(call.desc))

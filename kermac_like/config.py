@@ -160,8 +160,9 @@ SETTINGS = _declare(
             "else the highest that fits)", (2, 3, 4, 5, 6)),
     Setting("topk_fused_rescore", "bool", True, "knn's tensor-core candidates rescored by topk_rescore_kernel (off: "
             "torch's rescoring, the tests' oracle)"),
-    Setting("knn_groups", "choice", "auto", "knn's tensor-core candidates about a centre per group of rows (auto: "
-            "where, on a sample, the groups resolve clusters: ops.knn.GROUP_RATIO; on: always, off: never)", ("auto", "on", "off")),
+    Setting("knn_groups", "choice", "auto", "knn's uncertified rows again on tensor cores, in groups about centres "
+            "near them (auto: where more than ops.knn.GROUP_SHARE of the rows failed and the groups resolve clusters, "
+            "ops.knn.GROUP_RATIO; on: always, off: never)", ("auto", "on", "off")),
     Setting("formula_fused", "bool", False, "formula kernels (Matérn, RQ, ..., user expressions) on the fused kernels "
             "through epilogue functors (off: the formula's torch path; the fused paths miss 1e-5 on anisotropic and "
             "clustered data: bench/notes/epilogue.md, session 21)"),

@@ -57,7 +57,7 @@ def main():
         def grouping():
             rows, ratio = knn_mod.sample_groups(x, s)
             knn_mod.row_groups(x, s, x[rows])
-            return ratio
+            return float(ratio)
 
         g_ms = timed(grouping, args.reps)
         ratio = grouping()

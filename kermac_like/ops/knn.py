@@ -452,41 +452,40 @@ def recompute_rows(call: TopkCall, values: Tensor, indices: Tensor, rows: Tensor
 # rows fail the certificate. Shifted by the centre of their own cluster, the rows' and their
 # neighbours' norms are the cluster's scale and the certificate's window leaves the other
 # clusters out, so the rows certify as on centred data; y is copied once per group.
-GROUP_RATIO = 0.25  # grouped where the rows' squared distances to their group's centre are below this share
-# of their squared distances to the reference point (medians over a sample: the groups resolve clusters)
+GROUP_SHARE = 0.2  # auto: groups where the call about the data's reference point leaves more of its rows
+# uncertified ...
+GROUP_RATIO = 0.25  # ... and the rows' squared distances to their group's centre are below this share of
+# their squared distances to the reference point (medians over a sample: the groups resolve clusters)
 GROUP_ANCHORS = 16  # anchors by farthest-point traversal of a sample of the rows
-GROUP_SAMPLE = 1024  # rows of that sample, read once to the host
+GROUP_SAMPLE = 4096  # rows of that sample
 GROUP_MIN_ROWS = 8192  # auto groups calls of at least this many rows
 
 
 def sample_groups(x: Tensor, s: Tensor, count: int = GROUP_ANCHORS) -> tuple:
     """Anchors for knn's groups, and whether they resolve clusters, from a strided sample of
-    GROUP_SAMPLE rows of x (M, K) about the reference point s, read once to the host (one host
-    synchronisation; float64 there): (indices of ``count`` rows of x, ratio). The anchors: a
+    GROUP_SAMPLE rows of x (M, K) about the reference point s, on the device (no host
+    synchronisation): (indices of ``count`` rows of x (int64), ratio (a 0-dim tensor)). The anchors: a
     farthest-point traversal (the first finite sample row, then each time the row farthest from the
     anchors so far; rows with a non-finite coordinate never), so that well-separated clusters each
     get one among the first. ratio: the median of the sample rows' squared distances to their
-    group's centre (the mean of the sample rows nearest the same anchor) over the median of their
-    squared distances to s."""
+    group's centre (:func:`row_groups` on the sample) over the median of their squared distances to s."""
     step = max(1, -(-x.shape[0] // GROUP_SAMPLE))
     rows = torch.arange(0, x.shape[0], step, device=x.device)
-    xs = (x[rows].float() - s).double().cpu().numpy()
-    finite = np.isfinite(xs).all(1)
-    xs[~finite] = 0.0
-    picks = [int(np.argmax(finite))]
-    dmin = np.full(xs.shape[0], np.inf)
+    sample = x[rows]
+    xs = sample.float() - s
+    finite = torch.isfinite(xs).all(1)
+    xs = xs.masked_fill(~finite[:, None], 0.0)
+    picks = [finite.to(torch.int8).argmax().view(1)]  # (1,) int64 on the device: index_select, no host read
+    dmin = None
     for _ in range(1, min(count, xs.shape[0])):
-        dmin = np.minimum(dmin, np.square(xs - xs[picks[-1]]).sum(1))
-        picks.append(int(np.argmax(np.where(finite, dmin, -1.0))))
-    pts = xs[picks]
-    group = (np.square(xs).sum(1)[:, None] - 2 * xs @ pts.T + np.square(pts).sum(1)[None]).argmin(1)
-    centres = np.zeros_like(pts)
-    np.add.at(centres, group[finite], xs[finite])
-    centres /= np.maximum(np.bincount(group[finite], minlength=len(picks)), 1)[:, None]
-    near = np.median(np.square(xs - centres[group]).sum(1)[finite]) if finite.any() else 0.0
-    far = np.median(np.square(xs).sum(1)[finite]) if finite.any() else 0.0
-    ratio = near / far if far > 0 else float("inf")
-    return rows[torch.tensor(picks, device=x.device)], float(ratio)
+        d = (xs - xs.index_select(0, picks[-1])).square_().sum(1)
+        dmin = d if dmin is None else torch.minimum(dmin, d)
+        picks.append(dmin.masked_fill(~finite, -1.0).argmax().view(1))
+    picks = torch.cat(picks)
+    group, centres = row_groups(sample, s, sample.index_select(0, picks))
+    near = (xs - (centres - s)[group]).square_().sum(1)[finite].median()
+    far = xs.square().sum(1)[finite].median()
+    return rows[picks], near / far.clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def row_groups(x: Tensor, s: Tensor, points: Tensor) -> tuple:
@@ -529,24 +528,38 @@ def _grouped(call: TopkCall, group: Tensor, centres: Tensor, values: Tensor, ind
 
 
 def _mma_rows(call: TopkCall, plan, values: Tensor, indices: Tensor, debug: bool) -> Tensor:
-    """The tensor-core plan's run, about the data's reference point or in groups about centres
-    near the rows (the setting knn_groups). auto, for calls of at least GROUP_MIN_ROWS rows: in
-    groups where, on a sample of GROUP_SAMPLE rows, the groups bring the rows nearer their centre
-    than GROUP_RATIO (squared, medians) of their distance to the reference point. Returns the mask
-    (M,) of the rows left uncertified."""
+    """The tensor-core plan's run about the data's reference point, then (the setting knn_groups)
+    its uncertified rows again in groups about centres near them. auto, for calls of at least
+    GROUP_MIN_ROWS rows: where more than GROUP_SHARE of the rows are left uncertified and, on a sample,
+    the groups bring the rows nearer their centre than GROUP_RATIO (squared, medians) of their
+    distance to the reference point (clusters: not ties, which no shift removes); on: the uncertified
+    rows always. Calls whose rows certify pay nothing. Returns the mask (M,) of the rows left
+    uncertified."""
+    bad = plan.run()
     mode = config.get("knn_groups")
     distances = call.desc.inner_operator == InnerOperator.DIFF and not call.largest
     if mode == "off" or not distances or (mode == "auto" and call.M < GROUP_MIN_ROWS):
-        return plan.run()
+        return bad
+    rows = bad.nonzero().squeeze(1)  # one host synchronisation (the caller's recomputation reads it anyway)
+    if not rows.numel() or (mode == "auto" and rows.numel() <= GROUP_SHARE * call.M):
+        return bad
     s = pair_reference(call.x, call.y)
-    anchors, ratio = sample_groups(call.x, s)  # one host synchronisation
-    if debug:
-        log.debug("topk: rows to their group's centre %.3g of the reference point's distance (squared, medians "
-                  "of a sample)", ratio)
-    if mode == "auto" and not ratio < GROUP_RATIO:
-        return plan.run()
-    group, centres = row_groups(call.x, s, call.x[anchors])
-    return _grouped(call, group, centres, values, indices, debug)
+    anchors, ratio = sample_groups(call.x[rows], s)
+    if mode == "auto":
+        ratio = float(ratio)  # one more, where many rows failed
+        if debug:
+            log.debug("topk: %d of %d rows uncertified; rows to their group's centre %.3g of the reference "
+                      "point's distance (squared, medians of a sample)", rows.numel(), call.M, ratio)
+        if not ratio < GROUP_RATIO:
+            return bad
+    sub = replace(call, x=call.x[rows], M=int(rows.numel()))
+    group, centres = row_groups(sub.x, s, sub.x[anchors])
+    v = torch.empty((sub.M, call.k), dtype=values.dtype, device=values.device)
+    i = torch.empty((sub.M, call.k), dtype=torch.int64, device=values.device)
+    bad[rows] = _grouped(sub, group, centres, v, i, debug)
+    values[rows] = v
+    indices[rows] = i
+    return bad
 
 
 def topk_forward(call: TopkCall, out=None, *, debug: bool = False) -> tuple:

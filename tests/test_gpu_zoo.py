@@ -163,8 +163,9 @@ def test_knn_groups_about_anchors(monkeypatch, name, offset, settings):
 
 
 def test_knn_groups_auto_takes_groups_on_blobs(settings):
-    """auto: on a sample, groups about anchors that resolve clusters decide (ops.knn.GROUP_RATIO); wide
-    blobs run in groups (several plans), centred Gaussians in one."""
+    """auto: the call about the data's reference point first; where more than GROUP_SHARE of the rows
+    fail and a sample says groups about anchors resolve clusters (GROUP_RATIO), those rows again in
+    groups: wide blobs run several plans, centred Gaussians one."""
     from kermac_like import testing
     from kermac_like.ops import knn as knn_mod
 

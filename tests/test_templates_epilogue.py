@@ -254,3 +254,23 @@ def test_fused_backward_formulas_cpu(name, monkeypatch):
     want = torch.autograd.grad((formula_path.matvec_autograd(call) * w).sum(), (x, y, v))
     for a, b in zip(got, want):
         assert ((a - b).abs().max() / b.abs().max()) < 1e-10
+
+
+def test_user_derivative_is_finite_at_near_duplicates():
+    """The rendered dk/d(r2) of the user Matérn 5/2 (an expression of the squared distance r) has its
+    terms cancelled symbolically (runtime.specs.epilogue.dk_dr2_expression): evaluated in float32 at
+    near-zero distances it stays finite and float32-close to the closed form
+    -(5/6)(1 + sqrt(5 r)) e^(-sqrt(5 r)), where SymPy's plain derivative is a difference of two
+    sqrt(5) / (2 sqrt(r)) terms (a NaN in the fused backward on the H200)."""
+    import sympy
+
+    desc = _user()
+    epi = desc.sympy_epilogue()
+    r = next(s for s in epi.free_symbols if str(s) == "r")
+    d = epilogue.dk_dr2_expression(epi, r, desc.outer_power.name == "SQRT")
+    f = sympy.lambdify(r, d.xreplace({s: 1.0 for s in d.free_symbols if s != r}), "numpy")
+    rs = np.array([1e-30, 1e-12, 1e-6, 1e-3, 0.5, 3.0], dtype=np.float32)
+    got = np.asarray(f(rs), dtype=np.float64)
+    t = np.sqrt(5 * rs.astype(np.float64))
+    want = -(5 / 6) * (1 + t) * np.exp(-t)
+    assert np.all(np.isfinite(got)) and np.max(np.abs(got - want) / np.abs(want)) < 1e-5, got

@@ -203,6 +203,20 @@ def _statements(e, fma: str, sympy) -> str:
     return "".join(lines) + f"    return {_c(reduced, fma)};\n"
 
 
+def dk_dr2_expression(epi, r, sqrt_base: bool):
+    """dk/d(r2) of the epilogue ``epi`` in ``r`` (SymPy): dk/dr for a squared-distance base, dk/dr / (2 r)
+    for an l2 base, its terms expanded and cancelled symbolically. SymPy's derivative of a kernel flat at
+    0 is a difference of terms that cancel exactly (Matérn 5/2 of r2: sqrt(5)/(2 sqrt(r2)) e^-t twice,
+    opposite signs), which float32 leaves as rounding noise over a near-zero sqrt(r2): a NaN in the fused
+    backward on near-duplicate pairs (H200, session 21); cancelled, -(5/6) (1 + sqrt(5 r2)) e^-t."""
+    sympy = expression.sympy_module()
+    d = sympy.diff(epi, r) / (2 * r if sqrt_base else 1)
+    try:
+        return sympy.cancel(sympy.expand(d))
+    except (sympy.PolynomialError, TypeError, ValueError):
+        return d
+
+
 def _render_body(desc: FormulaDescriptor) -> str:
     """The members of a user expression's functor: args() (the parameters p0, p1, p2 and every
     subexpression free of r, once per batch entry), value(z) and dk_dr2(z) with r = z (the squared
@@ -219,9 +233,11 @@ def _render_body(desc: FormulaDescriptor) -> str:
     subs[r] = kr
     sqrt_base = desc.outer_power is PowerType.SQRT
     value = epi.xreplace(subs)
-    dvalue = sympy.diff(epi, r).xreplace(subs)
-    if sqrt_base:  # dk/dr2 = dk/dr / (2 r) (0 at r = 0: the value is flat there or the torch path takes 0)
-        dvalue = sympy.Piecewise((dvalue / (2 * kr), kr > 0), (0, True))
+    dvalue = dk_dr2_expression(epi, r, sqrt_base)
+    if sqrt_base:  # 0 at r = 0: the value is flat there or the torch path takes 0
+        dvalue = sympy.Piecewise((dvalue.xreplace(subs), kr > 0), (0, True))
+    else:
+        dvalue = dvalue.xreplace(subs)
     # e^a as 2^(a log2 e): the factor joins a's hoisted constant (no multiply per pair)
     exp2 = sympy.Function("kl_exp2")
     value, dvalue = (t.replace(sympy.exp, lambda a: exp2(a / sympy.log(2))) for t in (value, dvalue))

@@ -8,15 +8,16 @@ robustness knn rows draw them (queries near y's rows).
 
 import argparse
 import pathlib
-import statistics
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
 import kermac_like as km  # noqa: E402
+from _timing import time_calls  # noqa: E402
 from bench import datasets  # noqa: E402
 from kermac_like import testing  # noqa: E402
 from kermac_like.centring import pair_reference  # noqa: E402
@@ -24,17 +25,8 @@ from kermac_like.ops import knn as knn_mod  # noqa: E402
 
 
 def timed(fn, reps):
-    for _ in range(2):
-        fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    """Median ms of ``reps`` calls of fn() after two untimed ones (bench/_timing.py)."""
+    return time_calls(lambda: fn(), tuple, torch.device("cuda"), repeats=reps, warmup=2).median_ms
 
 
 def main():

@@ -424,6 +424,17 @@ def topk_blocked(call: TopkCall, values: Tensor, indices: Tensor, *, block_eleme
     return values, indices
 
 
+def _run_on_rows(sub: TopkCall, rows: Tensor, values: Tensor, indices: Tensor, run):
+    """``run(sub, v, i)`` for ``sub``, the call on rows ``rows`` of x, into fresh (len(rows), k) values
+    and indices, then scattered into the whole call's ``values`` and ``indices``; returns run's result."""
+    v = torch.empty((sub.M, sub.k), dtype=values.dtype, device=values.device)
+    i = torch.empty((sub.M, sub.k), dtype=torch.int64, device=values.device)
+    out = run(sub, v, i)
+    values[rows] = v
+    indices[rows] = i
+    return out
+
+
 def recompute_rows(call: TopkCall, values: Tensor, indices: Tensor, rows: Tensor, debug: bool = False) -> None:
     """Rows ``rows`` (int64 indices) of ``values`` and ``indices`` (``(M, k)``) computed anew: the rows
     the tensor-core candidates left uncertified (plan.topk's "topk_mma" plan), by the exact SIMT
@@ -432,18 +443,19 @@ def recompute_rows(call: TopkCall, values: Tensor, indices: Tensor, rows: Tensor
     if not rows.numel():
         return
     sub = replace(call, x=call.x[rows], M=int(rows.numel()))
-    v = torch.empty((sub.M, call.k), dtype=values.dtype, device=values.device)
-    i = torch.empty((sub.M, call.k), dtype=torch.int64, device=values.device)
-    simt = plan_topk(sub, v, i, debug, fallback=True)
-    if simt is not None:
+
+    def exact(sub, v, i):
+        simt = plan_topk(sub, v, i, debug, fallback=True)
+        if simt is None:
+            topk_blocked(sub, v, i, debug=debug)
+            return False
         simt.run()
-    else:
-        topk_blocked(sub, v, i, debug=debug)
-    values[rows] = v
-    indices[rows] = i
+        return True
+
+    simt = _run_on_rows(sub, rows, values, indices, exact)
     if debug:
         log.debug("topk: %d of %d rows recomputed by the %s", sub.M, call.M,
-                  "SIMT selection" if simt is not None else "blocked path")
+                  "SIMT selection" if simt else "blocked path")
 
 
 # -- clustered data: the tensor-core candidates about a centre per group of rows -----------------
@@ -517,11 +529,7 @@ def _grouped(call: TopkCall, group: Tensor, centres: Tensor, values: Tensor, ind
         rows = order[o:o + c]
         o += c
         sub = replace(call, x=call.x[rows], M=c, reference=centres[g])
-        v = torch.empty((c, call.k), dtype=values.dtype, device=values.device)
-        i = torch.empty((c, call.k), dtype=torch.int64, device=values.device)
-        bad[rows] = plan_topk(sub, v, i, debug).run()
-        values[rows] = v
-        indices[rows] = i
+        bad[rows] = _run_on_rows(sub, rows, values, indices, lambda sub, v, i: plan_topk(sub, v, i, debug).run())
     if debug:
         log.debug("topk: %d rows in %d groups about their centres", call.M, sum(1 for c in counts if c))
     return bad
@@ -533,33 +541,28 @@ def _mma_rows(call: TopkCall, plan, values: Tensor, indices: Tensor, debug: bool
     GROUP_MIN_ROWS rows: where more than GROUP_SHARE of the rows are left uncertified and, on a sample,
     the groups bring the rows nearer their centre than GROUP_RATIO (squared, medians) of their
     distance to the reference point (clusters: not ties, which no shift removes); on: the uncertified
-    rows always. Calls whose rows certify pay nothing. Returns the mask (M,) of the rows left
-    uncertified."""
+    rows always. Calls whose rows certify pay nothing. Returns the rows left uncertified (int64 on
+    the device; one host synchronisation, which their recomputation needs anyway)."""
     bad = plan.run()
     mode = config.get("knn_groups")
     distances = call.desc.inner_operator == InnerOperator.DIFF and not call.largest
-    if mode == "off" or not distances or (mode == "auto" and call.M < GROUP_MIN_ROWS):
-        return bad
-    rows = bad.nonzero().squeeze(1)  # one host synchronisation (the caller's recomputation reads it anyway)
-    if not rows.numel() or (mode == "auto" and rows.numel() <= GROUP_SHARE * call.M):
-        return bad
+    rows = bad.nonzero().squeeze(1)  # one host synchronisation
+    if (mode == "off" or not distances or (mode == "auto" and call.M < GROUP_MIN_ROWS) or not rows.numel()
+            or (mode == "auto" and rows.numel() <= GROUP_SHARE * call.M)):
+        return rows
     s = pair_reference(call.x, call.y)
-    anchors, ratio = sample_groups(call.x[rows], s)
+    sub = replace(call, x=call.x[rows], M=int(rows.numel()))
+    anchors, ratio = sample_groups(sub.x, s)
     if mode == "auto":
         ratio = float(ratio)  # one more, where many rows failed
         if debug:
             log.debug("topk: %d of %d rows uncertified; rows to their group's centre %.3g of the reference "
                       "point's distance (squared, medians of a sample)", rows.numel(), call.M, ratio)
         if not ratio < GROUP_RATIO:
-            return bad
-    sub = replace(call, x=call.x[rows], M=int(rows.numel()))
+            return rows
     group, centres = row_groups(sub.x, s, sub.x[anchors])
-    v = torch.empty((sub.M, call.k), dtype=values.dtype, device=values.device)
-    i = torch.empty((sub.M, call.k), dtype=torch.int64, device=values.device)
-    bad[rows] = _grouped(sub, group, centres, v, i, debug)
-    values[rows] = v
-    indices[rows] = i
-    return bad
+    still = _run_on_rows(sub, rows, values, indices, lambda sub, v, i: _grouped(sub, group, centres, v, i, debug))
+    return rows[still]  # one more host synchronisation
 
 
 def topk_forward(call: TopkCall, out=None, *, debug: bool = False) -> tuple:
@@ -583,7 +586,7 @@ def _topk_forward(call: TopkCall, values: Tensor, indices: Tensor, debug: bool) 
         plan = plan_topk(call, v, i, debug)
         if plan is not None:
             if plan.family == "topk_mma":  # the tensor-core candidates: the rows they left uncertified
-                recompute_rows(call, v, i, _mma_rows(call, plan, v, i, debug).nonzero().squeeze(1), debug)
+                recompute_rows(call, v, i, _mma_rows(call, plan, v, i, debug), debug)
             else:
                 plan.run()
             if v is not values:

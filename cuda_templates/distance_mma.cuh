@@ -728,10 +728,23 @@ __device__ __forceinline__ void block_tile_product(const typename Traits::T* a_l
           split_tf32x3(rb.y, b1, b1s);
 #pragma unroll
           for (int i = 0; i < kTilesM; ++i) {
-            // Small terms first: they are the least significant.
-            mma_tf32(acc[i][j], a_small[i], b0, b1);
-            mma_tf32(acc[i][j], a_big[i], b0s, b1s);
-            mma_tf32(acc[i][j], a_big[i], b0, b1);
+            // The k8 step's three products in a fresh partial sum (small terms first: they are
+            // the least significant), added to the running sum in float32: the tensor cores'
+            // accumulation truncates, and one running sum over K would lose about 0.35 K 2^-24
+            // of its magnitude in one direction (bench/notes/data_zoo.md, session 22).
+            // Distances only: DOT products keep one running sum (no registers to spare there).
+            if constexpr (kDiff) {
+              float part[4];
+              mma_tf32_c(part, a_small[i], b0, b1, 0.f, 0.f);
+              mma_tf32(part, a_big[i], b0s, b1s);
+              mma_tf32(part, a_big[i], b0, b1);
+#pragma unroll
+              for (int r = 0; r < 4; ++r) acc[i][j][r] += part[r];
+            } else {
+              mma_tf32(acc[i][j], a_small[i], b0, b1);
+              mma_tf32(acc[i][j], a_big[i], b0s, b1s);
+              mma_tf32(acc[i][j], a_big[i], b0, b1);
+            }
           }
         } else if constexpr (Traits::kPrecision == Precision::Tf32) {
           const unsigned b0 = tf32_rna(rb.x), b1 = tf32_rna(rb.y);

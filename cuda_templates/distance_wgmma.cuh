@@ -112,6 +112,32 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32_rs(float (&d)[128], const u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+// D (64 x 128, f32) = A (64 x 8, tf32, registers) * B (128 x 8, tf32, K-major, descriptor)^T
+// + (scale_d ? D : 0): the chunked consumers' form (distance_wgmma_kernel with kChunked), whose
+// first wgmma of each k-tile starts a fresh partial sum. Fragments as wgmma_m64n256k8_tf32_rs's.
+__device__ __forceinline__ void wgmma_m64n128k8_tf32_rs(float (&d)[64], const unsigned (&a)[4],
+                                                      unsigned long long desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
 // Four 8 x 16-byte matrices from shared memory: lanes 8 i .. 8 i + 7 give the
 // row addresses of matrix i, and lane l receives 32-bit word l % 4 of row l / 4
 // of matrix i in register i (ldmatrix .b16 moves 32-bit words intact).
@@ -228,18 +254,12 @@ __device__ __forceinline__ void a_fragment_offsets(int lane, int cwarp, unsigned
   for (int s = 0; s < 2; ++s) ld_off[s] = swizzled(row, 2 * s + (i >> 1));
 }
 
-// One k-tile of a consumer warpgroup, after its stage has landed (distance_wgmma_kernel
-// and matvec_wgmma_kernel): ldmatrix of the raw a fragment from the stage at `st`, the
-// squared row norms of a (kDiff) and its 3xTF32 split (big = rna(a), small = rna(a - big))
-// or TF32 rounding in `frag` ([k8 step][big, small][4]); then small_a*b, big_a*small_b,
-// big_a*b per k8 step as wgmma.m64n256k8 (A from registers, B from the stage) and the
-// commit. The fragment registers of a wgmma must stay untouched until it completes, so the
-// callers keep one k-tile in flight with two fragment buffers (even and odd k-tiles).
-// `diag_k`: the k-tile count, read only by the KERMAC_LIKE_WGMMA_DIAG_NO_MMA diagnostic.
-template <bool kSplit, bool kDiff, int kTileABytes, int kTileBBytes>
-__device__ __forceinline__ void consume_k_tile(float (&acc)[128], unsigned (&frag)[2][2][4], float (&na)[2],
-                                               unsigned st, const unsigned (&ld_off)[2], int diag_k) {
-  (void)diag_k;
+// The a side of one k-tile of a consumer warpgroup, after its stage has landed: ldmatrix of the
+// raw a fragment from the stage at `st`, the squared row norms of a (kDiff) and its 3xTF32 split
+// (big = rna(a), small = rna(a - big)) or TF32 rounding in `frag` ([k8 step][big, small][4]).
+template <bool kSplit, bool kDiff>
+__device__ __forceinline__ void load_a_k_tile(unsigned (&frag)[2][2][4], float (&na)[2], unsigned st,
+                                              const unsigned (&ld_off)[2]) {
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     unsigned raw[4];
@@ -265,6 +285,19 @@ __device__ __forceinline__ void consume_k_tile(float (&acc)[128], unsigned (&fra
       if constexpr (kSplit) asm volatile("" : "+r"(frag[s][1][v]));
     }
   }
+}
+
+// One k-tile of a consumer warpgroup (distance_wgmma_kernel and matvec_wgmma_kernel):
+// load_a_k_tile, then small_a*b, big_a*small_b, big_a*b per k8 step as wgmma.m64n256k8 (A
+// from registers, B from the stage) and the commit. The fragment registers of a wgmma must
+// stay untouched until it completes, so the callers keep one k-tile in flight with two
+// fragment buffers (even and odd k-tiles).
+// `diag_k`: the k-tile count, read only by the KERMAC_LIKE_WGMMA_DIAG_NO_MMA diagnostic.
+template <bool kSplit, bool kDiff, int kTileABytes, int kTileBBytes>
+__device__ __forceinline__ void consume_k_tile(float (&acc)[128], unsigned (&frag)[2][2][4], float (&na)[2],
+                                               unsigned st, const unsigned (&ld_off)[2], int diag_k) {
+  (void)diag_k;
+  load_a_k_tile<kSplit, kDiff>(frag, na, st, ld_off);
   wgmma_fence();
 #ifdef KERMAC_LIKE_WGMMA_DIAG_NO_MMA  // diagnostic: the pipeline without tensor-core work
   if (diag_k < 0)
@@ -282,6 +315,33 @@ __device__ __forceinline__ void consume_k_tile(float (&acc)[128], unsigned (&fra
   wgmma_commit();
 }
 
+// The chunked consumers' k-tile (kChunked: 64 x 128 per warpgroup): the k-tile's products into
+// a fresh partial sum `part` (the first wgmma's scale-d is 0), the small terms of both k8 steps
+// before the big ones, then the commit; the caller adds `part` to its running sum in float32
+// (round to nearest) once the wgmma has completed. The tensor cores' accumulation truncates, so
+// one running sum over K loses about 0.35 K 2^-24 of its magnitude, always in the same direction
+// (bench/notes/data_zoo.md); a partial sum per k-tile loses that over 6 additions only, and the
+// sums of partial sums round to nearest: about torch's float32 GEMM error, or less.
+template <bool kSplit, int kTileABytes, int kTileBBytes>
+__device__ __forceinline__ void chunk_k_tile(float (&part)[64], const unsigned (&frag)[2][2][4], unsigned st) {
+  wgmma_fence();
+  int scale_d = 0;
+  if constexpr (kSplit) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      wgmma_m64n128k8_tf32_rs(part, frag[s][1], make_desc(st + kTileABytes + s * 32), scale_d);
+      scale_d = 1;
+      wgmma_m64n128k8_tf32_rs(part, frag[s][0], make_desc(st + kTileABytes + kTileBBytes + s * 32), 1);
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    wgmma_m64n128k8_tf32_rs(part, frag[s][0], make_desc(st + kTileABytes + s * 32), scale_d);
+    scale_d = 1;
+  }
+  wgmma_commit();
+}
+
 #endif  // KERMAC_LIKE_MMA_HOST_EMULATION
 
 }  // namespace wgmma_detail
@@ -289,7 +349,8 @@ __device__ __forceinline__ void consume_k_tile(float (&acc)[128], unsigned (&fra
 // ------------------------------------------------------------------- traits
 
 template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, Layout kLayoutB_,
-          Layout kLayoutO_, Precision kPrecision_, class T_, int kStagesArg = 0, class Epi_ = void>
+          Layout kLayoutO_, Precision kPrecision_, class T_, int kStagesArg = 0, class Epi_ = void,
+          bool kChunked_ = false>
 struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kEpilogue_, kLayoutA_, kLayoutB_,
                                                             kLayoutO_, kPrecision_, T_, Epi_> {
   // (T_ and kPrecision_ below: the base's members are not visible by plain name here)
@@ -299,6 +360,11 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
                 "DistanceMmaTraits)");
 
   static constexpr bool kSplit = kPrecision_ == Precision::Tf32x3;
+  // kChunked: 128 x 128 tiles (64 x 128 per consumer warpgroup), each k-tile's products summed in
+  // a fresh partial sum and added to the running sum in float32 (chunk_k_tile): about torch's
+  // float32 GEMM error where one running sum on the tensor cores is 2-4x above it.
+  static constexpr bool kChunked = kChunked_;
+  static_assert(!kChunked || kSplit, "DistanceWgmmaTraits: kChunked only with Precision::Tf32x3");
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;  // 3 warpgroups
@@ -306,23 +372,30 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
   static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
   static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 256;
+  static constexpr int kBlockN = kChunked ? 128 : 256;
+  static constexpr int kAcc = kBlockN / 2;  // accumulators per consumer thread (64 x kBlockN per warpgroup)
+  static constexpr int kPrepTileN = 256;    // rows of one prepared b block (WgmmaPrepareTraits::kTileN)
   static constexpr int kRowBytes = 64;  // one k-tile of a row: 16 floats, two k8 steps
   static constexpr int kBlockK = kRowBytes / 4;
   static constexpr int kTileABytes = kBlockM * kRowBytes;  // 8 KiB
-  static constexpr int kTileBBytes = kBlockN * kRowBytes;  // 16 KiB
-  // A raw, B raw (= B big), B small (3xTF32 only), and the tile's 256 b norms (copied
-  // with the tile's last k-tile; that stage is held until the epilogue is done).
+  static constexpr int kTileBBytes = kBlockN * kRowBytes;  // 16 KiB (8 KiB chunked)
+  // A raw, B raw (= B big), B small (3xTF32 only), and the tile's kBlockN b norms (copied
+  // with the tile's last k-tile; that stage is held until the epilogue is done); stages
+  // rounded up to the swizzle's 1 KiB.
   static constexpr int kNormBytes = kBlockN * 4;
   static constexpr int kNormOffset = kTileABytes + kTileBBytes * (kSplit ? 2 : 1);
-  static constexpr int kStageBytes = kNormOffset + kNormBytes;
-  static constexpr int kBBlockBytes = kTileBBytes * (kSplit ? 2 : 1);  // one prepared b block
+  static constexpr int kStageBytes = (kNormOffset + kNormBytes + 1023) / 1024 * 1024;
+  static constexpr int kBBlockBytes = kTileBBytes * (kSplit ? 2 : 1);  // the b bytes of one stage
+  // One prepared block (kPrepTileN rows: raw, then small): a tile of kBlockN rows reads its rows
+  // of each half, kRawBytes at (n0 % kPrepTileN) * kRowBytes of the raw and of the small half.
+  static constexpr int kPrepBlockBytes = kPrepTileN * kRowBytes * (kSplit ? 2 : 1);
+  static_assert(kPrepTileN % kBlockN == 0, "DistanceWgmmaTraits: tiles inside one prepared block");
 #ifdef KERMAC_LIKE_WGMMA_CLUSTER  // bench/try_wgmma.py probe
   static constexpr int kClusterM = KERMAC_LIKE_WGMMA_CLUSTER;
 #else
   static constexpr int kClusterM = 2;  // CTAs per cluster: M-tile pairs share each b block (multicast)
 #endif
-  static constexpr int kStages = kStagesArg > 0 ? kStagesArg : (kSplit ? 5 : 8);
+  static constexpr int kStages = kStagesArg > 0 ? kStagesArg : (kSplit && !kChunked ? 5 : 8);
   static constexpr int kBarrierBytes = 2 * kStages * 8;    // full[], empty[]
   static constexpr int kAlignSlack = 1024;                 // the kernel aligns its base to 1 KiB
   static constexpr int kSmemBytes = kStages * kStageBytes + kBarrierBytes + kAlignSlack;
@@ -381,8 +454,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kRowsPerPass = Traits::kProducerThreads / 4;  // 32 rows, 4 chunks each
   constexpr int kPassesA = kBlockM / kRowsPerPass;            // 4
   using Prepared = WgmmaPrepareTraits<kSplit, kDiff>;
-  static_assert(Prepared::kTileN == kBlockN && Prepared::kTileK == kBlockK &&
-                    Prepared::kBlockFloats * 4 == kBBlockBytes,
+  static_assert(Prepared::kTileN == Traits::kPrepTileN && Prepared::kTileK == kBlockK &&
+                    Prepared::kBlockFloats * 4 == Traits::kPrepBlockBytes,
                 "distance_wgmma_kernel: the prepared b blocks are this kernel's b tiles");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -410,7 +483,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const long long per_batch = (long long)pairs_m * tiles_n;
   const long long total = per_batch * batch;
   const int num_k_tiles = ceil_div(K, kBlockK);
-  const long long n_pad = (long long)tiles_n * kBlockN;
+  const int prep_tiles_n = ceil_div(N, Traits::kPrepTileN);  // the prepared blocks per entry
+  const long long n_pad = (long long)prep_tiles_n * Traits::kPrepTileN;
   const BatchShape shape{batch_n1, batch_n2};
   const BatchStride a_stride{a_bs0, a_bs1, a_bs2}, b_stride{b_bs0, b_bs1, b_bs2},
       o_stride{o_bs0, o_bs1, o_bs2}, b_entry{bc0, bc1, bc2};
@@ -448,8 +522,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       tile_of(t, l0, l1, l2, m0, n0);
       const float* a_row = a + a_stride.offset(l0, l1, l2) + (long long)(m0 + prow) * lda + chunk * 4;
       const long long entry = b_entry.offset(l0, l1, l2);
+      // This tile's rows of its prepared block: raw at `blocks`, small at `blocks + kPrepTileN rows`.
       const unsigned char* blocks = reinterpret_cast<const unsigned char*>(b_blocks) +
-                                    (entry * tiles_n + n0 / kBlockN) * num_k_tiles * (long long)kBBlockBytes;
+                                    (entry * prep_tiles_n + n0 / Traits::kPrepTileN) * num_k_tiles *
+                                        (long long)Traits::kPrepBlockBytes +
+                                    (n0 % Traits::kPrepTileN) * kRowBytes;
       const int a_rows = M - m0 - prow;  // pass u is valid if 32 u < a_rows
       for (int kt = 0; kt < num_k_tiles; ++kt) {
         mbar_wait(bar_empty + 8 * stage, phase ^ 1u);  // free in every CTA of the cluster
@@ -458,8 +535,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (tid == 0) {
 #ifndef KERMAC_LIKE_WGMMA_DIAG_NO_LOAD
           mbar_arrive_expect_tx(bar_full + 8 * stage, kBBlockBytes + (kDiff && last ? Traits::kNormBytes : 0));
-          bulk_copy_multicast(st + kTileABytes + rank * kShare, blocks + kt * (long long)kBBlockBytes + rank * kShare,
-                              kShare, bar_full + 8 * stage, kMask);
+          const unsigned char* src = blocks + kt * (long long)Traits::kPrepBlockBytes;
+          if constexpr (kBlockN == Traits::kPrepTileN) {  // raw and small contiguous: one copy
+            bulk_copy_multicast(st + kTileABytes + rank * kShare, src + rank * kShare, kShare, bar_full + 8 * stage,
+                                kMask);
+          } else {  // this tile's rows of the raw half, then of the small half
+            constexpr unsigned kHalfShare = kTileBBytes / kCluster;
+            bulk_copy_multicast(st + kTileABytes + rank * kHalfShare, src + rank * kHalfShare, kHalfShare,
+                                bar_full + 8 * stage, kMask);
+            if constexpr (kSplit)
+              bulk_copy_multicast(st + kTileABytes + kTileBBytes + rank * kHalfShare,
+                                  src + Traits::kPrepTileN * kRowBytes + rank * kHalfShare, kHalfShare,
+                                  bar_full + 8 * stage, kMask);
+          }
 #else
           (void)blocks;
           mbar_arrive_expect_tx(bar_full + 8 * stage, kDiff && last ? Traits::kNormBytes : 0);
@@ -530,41 +618,72 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const HyperParam reg_param{reg_ptr, {reg_bs0, reg_bs1, reg_bs2}, regularization};
     const bool reg_on = reg_ptr != nullptr || regularization != 0.f;
 
-    float acc[128];
+    constexpr int kAcc = Traits::kAcc;
+    float acc[kAcc];
     for (long long t = first; t < total; t += step) {
       int l0, l1, l2, m0, n0;
       tile_of(t, l0, l1, l2, m0, n0);
 #pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
       float na[2] = {0.f, 0.f};
 
-      // One k-tile (consume_k_tile), one k-tile of wgmma in flight: two fragment
-      // buffers, used by even and odd k-tiles (distinct registers in the unrolled loop).
       int prev_stage = -1;
-      auto k_tile = [&](int kt, unsigned (&frag)[2][2][4]) {
-        mbar_wait(bar_full + 8 * stage, phase);
-        // No proxy fence: a (cp.async, generic proxy) is read by ldmatrix (generic), b (bulk
-        // copy, async proxy) by wgmma (async proxy); the mbarrier orders both.
-#ifdef KERMAC_LIKE_WGMMA_PROXY_FENCE  // bench/try_wgmma.py probe: what the fence would cost
-        fence_proxy_async();
-#endif
-        consume_k_tile<kSplit, kDiff, kTileABytes, kTileBBytes>(acc, frag, na, base + stage * kStageBytes, ld_off,
-                                                                num_k_tiles);
-        wgmma_wait<1>();  // the previous k-tile's wgmma is done: release its stage
-        if (kt > 0) release(prev_stage);
+      auto advance = [&]() {
         prev_stage = stage;
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1u;
         }
-#ifdef KERMAC_LIKE_WGMMA_LOCKSTEP  // bench/try_wgmma.py probe: the consumer warps in lockstep per k-tile
-        named_barrier<1, Traits::kConsumerThreads>();
-#endif
       };
       unsigned frag_even[2][2][4], frag_odd[2][2][4];
-      for (int kt = 0; kt < num_k_tiles; kt += 2) {
-        k_tile(kt, frag_even);
-        if (kt + 1 < num_k_tiles) k_tile(kt + 1, frag_odd);
+      if constexpr (Traits::kChunked) {
+        // Each k-tile's products in a fresh partial sum (chunk_k_tile); while a k-tile's wgmma
+        // runs, the next k-tile's a fragments are loaded and split (two fragment buffers, even
+        // and odd k-tiles); then the wait, the addition to the running sum and the next issue.
+        float part[kAcc];
+        auto k_tile = [&](int kt, unsigned (&frag)[2][2][4]) {
+          mbar_wait(bar_full + 8 * stage, phase);
+          const unsigned st = base + stage * kStageBytes;
+          load_a_k_tile<kSplit, kDiff>(frag, na, st, ld_off);
+          if (kt > 0) {
+            wgmma_wait<0>();
+            release(prev_stage);
+#pragma unroll
+            for (int i = 0; i < kAcc; ++i) acc[i] += part[i];
+          }
+          chunk_k_tile<kSplit, kTileABytes, kTileBBytes>(part, frag, st);
+          advance();
+        };
+        for (int kt = 0; kt < num_k_tiles; kt += 2) {
+          k_tile(kt, frag_even);
+          if (kt + 1 < num_k_tiles) k_tile(kt + 1, frag_odd);
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) acc[i] += part[i];
+      } else {
+        // One k-tile (consume_k_tile), one k-tile of wgmma in flight: two fragment
+        // buffers, used by even and odd k-tiles (distinct registers in the unrolled loop).
+        auto k_tile = [&](int kt, unsigned (&frag)[2][2][4]) {
+          mbar_wait(bar_full + 8 * stage, phase);
+          // No proxy fence: a (cp.async, generic proxy) is read by ldmatrix (generic), b (bulk
+          // copy, async proxy) by wgmma (async proxy); the mbarrier orders both.
+#ifdef KERMAC_LIKE_WGMMA_PROXY_FENCE  // bench/try_wgmma.py probe: what the fence would cost
+          fence_proxy_async();
+#endif
+          consume_k_tile<kSplit, kDiff, kTileABytes, kTileBBytes>(acc, frag, na, base + stage * kStageBytes, ld_off,
+                                                                  num_k_tiles);
+          wgmma_wait<1>();  // the previous k-tile's wgmma is done: release its stage
+          if (kt > 0) release(prev_stage);
+          advance();
+#ifdef KERMAC_LIKE_WGMMA_LOCKSTEP  // bench/try_wgmma.py probe: the consumer warps in lockstep per k-tile
+          named_barrier<1, Traits::kConsumerThreads>();
+#endif
+        };
+        for (int kt = 0; kt < num_k_tiles; kt += 2) {
+          k_tile(kt, frag_even);
+          if (kt + 1 < num_k_tiles) k_tile(kt + 1, frag_odd);
+        }
       }
       wgmma_wait<0>();
       // The last k-tile's stage holds the tile's b norms: released after the epilogue.
@@ -600,7 +719,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       if (kDiff && a_l == b_l && lda == ldb && m0 < n0 + kBlockN && n0 < m0 + kBlockM) {
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
+        for (int j = 0; j < kBlockN / 8; ++j) {
           const int col = col0 + j * 8;
           const float2 nb = *reinterpret_cast<const float2*>(norm_b + col);
 #pragma unroll
@@ -625,7 +744,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       unsigned near_mask = 0u;
       if constexpr (kNear) {  // before the write (not inside it: its registers are the tight ones)
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
+        for (int j = 0; j < kBlockN / 8; ++j) {
           const float2 nb = *reinterpret_cast<const float2*>(norm_b + col0 + j * 8);
 #pragma unroll
           for (int h = 0; h < 2; ++h)
@@ -636,7 +755,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // kFast is a constant in each of the two calls below (inlined, folded).
       auto write_tile = [&](const bool kFast) {
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
+        for (int j = 0; j < kBlockN / 8; ++j) {
           const int col = col0 + j * 8;
           const int n = n0 + col;
           if (!kFast && n >= N) continue;

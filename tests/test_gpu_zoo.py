@@ -64,6 +64,31 @@ def test_cdist_p2_on_every_family(name, K):
         assert (out[want == 0] == 0).all() and out[3, -2] == 0 and out[7, -1] == 0
 
 
+# Below a few units in the last place of float32 (2^-22), max relative errors compare rounding
+# noise, not accuracy: the comparison with torch.cdist starts there.
+ULPS = 2.0 ** -22
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("K", [64, 1024])
+@pytest.mark.parametrize("wgmma", ["on", "off"])
+def test_cdist_p2_never_less_accurate_than_torch(name, K, wgmma):
+    """cdist p = 2 on the tensor cores (wgmma on sm_90; mma.sync with wgmma off and on sm_80),
+    against torch.cdist's own float32 matrix-product mode on the same input: the max relative error
+    over the pairs (float64 of the given inputs as the truth) at most torch's, or float32 rounding
+    noise (ULPS). The products' partial sums (wgmma_chunked; the mma.sync kernel's per k8 step) keep
+    the tensor cores' truncating accumulation from adding up over K."""
+    x, y = _pair(name, 600, 1100, K, seed=1)
+    want = _dense(x, y)
+    with km.config.override(wgmma=wgmma):
+        out = torch.full((600, y.shape[0]), float("nan"), device="cuda")
+        km.cdist(x, y, out=out)
+    ours = ((out.double() - want).abs() / want)[want > 0].max()
+    theirs = ((torch.cdist(x, y, compute_mode="use_mm_for_euclid_dist").double() - want).abs() / want)[want > 0].max()
+    assert float(ours) <= max(float(theirs), ULPS), (name, K, wgmma, float(ours), float(theirs))
+    assert out[3, -2] == 0 and out[7, -1] == 0
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("kernel", ["laplace_l2", "gaussian_l2"])
 def test_kernel_matrices_on_every_family(name, kernel):

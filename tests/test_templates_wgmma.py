@@ -32,6 +32,7 @@ from kermac_like.layout import Layout
 from kermac_like.runtime.specs import (
     WGMMA_LAUNCH,
     WGMMA_PREPARE_LAUNCH,
+    WGMMA_PREPARE_TILE,
     render_source,
     wgmma_prepare_needs,
     wgmma_prepare_spec,
@@ -47,14 +48,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "cuda_templates"
 NS = "kermac_like::"
 
-# Representative set: p=2, squared, Laplace, Gaussian, DOT, both output layouts, plain TF32.
+# Representative set: p=2, squared, Laplace, Gaussian (3xTF32 distances: chunked, the default),
+# DOT, both output layouts, plain TF32, and p=2 with one running sum (wgmma_chunked off).
 SPECS = [
-    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR),
-    wgmma_traits_spec(PRESETS["squared_l2"], Layout.COL_MAJOR),
-    wgmma_traits_spec(PRESETS["laplace_l2"], Layout.ROW_MAJOR),
-    wgmma_traits_spec(PRESETS["gaussian_l2"], Layout.COL_MAJOR),
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunked=True),
+    wgmma_traits_spec(PRESETS["squared_l2"], Layout.COL_MAJOR, chunked=True),
+    wgmma_traits_spec(PRESETS["laplace_l2"], Layout.ROW_MAJOR, chunked=True),
+    wgmma_traits_spec(PRESETS["gaussian_l2"], Layout.COL_MAJOR, chunked=True),
     wgmma_traits_spec(PRESETS["dot"], Layout.ROW_MAJOR),
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, tf32=True),
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR),
 ]
 
 
@@ -117,11 +120,12 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills(shipped):
         assert "UBLKCP.S.G.MULTICAST" in text and "UCGABAR_WAIT" in text, f"no b multicast / cluster sync in {name}"
         assert "USETMAXREG" in text and "LDSM" in text, name
         assert not re.search(r"\bHMMA\b", text), f"mma.sync left in {name}"
-        # A from registers: "HGMMA.64x256x8.F32.TF32 R24, R152, gdesc[...]"
-        hgmma = re.findall(r"HGMMA\.64x256x8\.F32\.TF32 R\d+, (\S+),", text)
+        # A from registers: "HGMMA.64x256x8.F32.TF32 R24, R152, gdesc[...]" (64x128 chunked)
+        width = 128 if ", true>" in name else 256
+        hgmma = re.findall(rf"HGMMA\.64x{width}x8\.F32\.TF32 R\d+, (\S+),", text)
         assert hgmma and all(a.startswith("R") for a in hgmma), (name, hgmma[:3])
         counts.append(len(hgmma))
-    assert sorted(counts) == [4] + [12] * 5, counts  # 2 k-tiles x 2 k-steps x 3 products (Tf32x3) or 1 (Tf32)
+    assert sorted(counts) == [4] + [12] * 6, counts  # 2 k-tiles x 2 k-steps x 3 products (Tf32x3) or 1 (Tf32)
     print(f"sm_90a: registers {regs}")
 
 
@@ -153,10 +157,19 @@ def test_impossible_combinations_fail_with_their_message(traits, message):
 
 
 def test_python_mirror_matches_the_traits_arithmetic():
-    for tf32, stages, stage in ((False, 5, (128 + 2 * 256) * 64 + 1024), (True, 8, (128 + 256) * 64 + 1024)):
-        shape = WGMMA_LAUNCH[tf32]
+    # (tf32, chunked): stages, bytes of a stage (a, b, B small, norms; 1 KiB multiples), tile width
+    for key, stages, stage, n in (((False, False), 5, (128 + 2 * 256) * 64 + 1024, 256),
+                                  ((True, False), 8, (128 + 256) * 64 + 1024, 256),
+                                  ((False, True), 8, (128 + 2 * 128) * 64 + 1024, 128)):
+        shape = WGMMA_LAUNCH[key]
         assert shape.smem_bytes == stages * stage + 2 * stages * 8 + 1024
         assert shape.smem_bytes <= 227 * 1024 and shape.threads == 384 and shape.persistent
+        assert shape.block_m == 128 and shape.block_n == n
+    # the traits' own arithmetic agrees (compiled: kSmemBytes and kBlockN per variant)
+    checks = "".join(
+        f"static_assert({s.traits}::kSmemBytes == {s.launch.smem_bytes} && {s.traits}::kBlockN == {s.launch.block_n}, "
+        f"\"mirror {i}\");\n" for i, s in enumerate(SPECS))
+    compile_cubin(f'#include "distance_wgmma.cuh"\n' + checks, [], "sm_90a")
     assert WGMMA_PREPARE_LAUNCH.threads == 256 and WGMMA_PREPARE_LAUNCH.block_m == 8  # a warp per row
 
 
@@ -168,7 +181,7 @@ def test_prepare_kernels_compile_vectorised_without_spills(shipped):
 
     specs = [wgmma_prepare_spec(small=s, norms=n) for s in (True, False) for n in (True, False)]
     check = (f"static_assert({specs[0].traits}::kTileK == {WGMMA_BLOCK_K} && "
-             f"{specs[0].traits}::kTileN == {WGMMA_LAUNCH[False].block_n}, \"prepared tiles\");\n")
+             f"{specs[0].traits}::kTileN == {WGMMA_PREPARE_TILE}, \"prepared tiles\");\n")
     compile_cubin(render_source(specs) + check, [], "sm_90a")  # the mirrors and the tile constants
     build = built(shipped, specs)
     reports = [r for _, r in build.values()]

@@ -249,7 +249,9 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
         offsets_ok = _aligned(bplan, ("a", "b"), per)
         spec, family = None, "distance_mma"
         if _wgmma_enabled(call.device, settings) and (settings.wgmma_always or not _few_tiles(call)):
-            spec, family = wgmma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok), "distance_wgmma"
+            spec = wgmma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok,
+                              chunked=settings.wgmma_chunked)
+            family = "distance_wgmma"
         if spec is None:
             spec, family = mma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok), "distance_mma"
         if spec is not None:
@@ -312,9 +314,11 @@ def _functor_specs(functor: tuple) -> tuple:
     functor, so that spec_override's template keys find their templates again."""
 
     # (the specs modules' own functions: inside spec_override this module's names are these wrappers)
-    def wgmma(desc, a, b, out, *, tf32, batch_offsets_ok=True):
+    def wgmma(desc, a, b, out, *, tf32, batch_offsets_ok=True, chunked=True):
         ok = _specs_wgmma.wgmma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)
-        return None if ok is None else _specs_wgmma.wgmma_traits_spec(desc, out.layout, tf32=tf32, functor=functor)
+        return None if ok is None else _specs_wgmma.wgmma_traits_spec(
+            desc, out.layout, tf32=tf32, functor=functor,
+            chunked=_specs_wgmma.wgmma_chunked(desc, tf32=tf32, chunked=chunked))
 
     def mma(desc, a, b, out, *, tf32, batch_offsets_ok=True):
         ok = _specs_mma.mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)
@@ -694,7 +698,8 @@ class _WgmmaPrepare:
         ext, self.entry = b_entries(bplan.modes, sb)
         self.ext, self.strides, self.bv = ext, sb, bv
         self.N, self.K = call.N, call.K
-        self.n_pad = -(-call.N // spec.launch.block_n) * spec.launch.block_n  # whole 256-row tiles
+        tile = _specs_wgmma.WGMMA_PREPARE_TILE
+        self.n_pad = -(-call.N // tile) * tile  # whole 256-row prepared blocks (whatever the kernel's tile)
         k_pad = -(-call.K // WGMMA_BLOCK_K) * WGMMA_BLOCK_K  # whole 16-column k-tiles
         entries = math.prod(ext)
         self.rows = entries * self.n_pad

@@ -60,6 +60,8 @@ from .distance_mma import MMA_LAUNCH, mma_spec, mma_specs_for, mma_traits_spec  
 from .distance_wgmma import (  # noqa: F401
     WGMMA_LAUNCH,
     WGMMA_PREPARE_LAUNCH,
+    WGMMA_PREPARE_TILE,
+    wgmma_chunked,
     wgmma_prepare_needs,
     wgmma_prepare_spec,
     wgmma_spec,
@@ -79,6 +81,8 @@ __all__ = [
     "wgmma_spec",
     "wgmma_prepare_spec",
     "wgmma_prepare_needs",
+    "wgmma_chunked",
+    "WGMMA_PREPARE_TILE",
     "grad_spec",
     "grad_mma_spec",
     "grad_kernel_spec",

@@ -17,36 +17,56 @@ from .kernel_spec import SHIPPED_DESCRIPTORS, KernelSpec, LaunchShape
 # Launched in clusters of 2 CTAs (M-tile pairs that share each b block by multicast), each
 # launch preceded by wgmma_prepare_b_kernel (b in the kernel's shared-memory image, B small
 # for 3xTF32, b row norms for distances), which :func:`wgmma_prepare_spec` renders.
-def _wgmma_smem(tf32: bool) -> int:
-    stages = 8 if tf32 else 5
-    stage = 128 * 64 + 256 * 64 * (1 if tf32 else 2) + 256 * 4  # a, b, (B small), b norms
+# Chunked (3xTF32 only): 128 x 128 tiles whose k-tiles each sum in fresh partial sums
+# (DistanceWgmmaTraits::kChunked, setting wgmma_chunked).
+def _wgmma_block_n(chunked: bool) -> int:
+    return 128 if chunked else 256
+
+
+def _wgmma_smem(tf32: bool, chunked: bool = False) -> int:
+    n = _wgmma_block_n(chunked)
+    stages = 8 if tf32 or chunked else 5
+    stage = 128 * 64 + n * 64 * (1 if tf32 else 2) + n * 4  # a, b, (B small), b norms
+    stage = -(-stage // 1024) * 1024  # the swizzle's 1 KiB alignment
     return stages * stage + 2 * stages * 8 + 1024  # stages, barriers, alignment
 
 
 WGMMA_LAUNCH = {
-    tf32: LaunchShape(threads=384, block_m=128, block_n=256, smem_bytes=_wgmma_smem(tf32), persistent=True, cluster=2)
-    for tf32 in (False, True)
+    (tf32, chunked): LaunchShape(threads=384, block_m=128, block_n=_wgmma_block_n(chunked),
+                                 smem_bytes=_wgmma_smem(tf32, chunked), persistent=True, cluster=2)
+    for tf32, chunked in ((False, False), (True, False), (False, True))
 }
+WGMMA_PREPARE_TILE = 256  # WgmmaPrepareTraits::kTileN: the prepared b blocks' rows, whatever the tile
 WGMMA_PREPARE_LAUNCH = LaunchShape(threads=256, block_m=8, block_n=1)  # one warp per row of b
 
 
-def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False, functor=None) -> KernelSpec:
+def wgmma_chunked(desc: KernelDescriptor, *, tf32: bool, chunked: bool = True) -> bool:
+    """Whether a call of ``desc`` takes the chunked instantiation: 3xTF32 distances (the setting
+    wgmma_chunked, ``chunked``); plain TF32 and DOT keep one running sum."""
+    return chunked and not tf32 and desc.inner_operator is not InnerOperator.DOT
+
+
+def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False, functor=None,
+                      chunked: bool = False) -> KernelSpec:
     """``functor``: (C++ name, stub source) of an epilogue functor (specs.epilogue.functor), as
-    distance_mma.mma_traits_spec's: Diff, outer Noop, Epilogue::None and the functor."""
+    distance_mma.mma_traits_spec's: Diff, outer Noop, Epilogue::None and the functor. ``chunked``:
+    :func:`wgmma_chunked`'s answer (the traits' kChunked)."""
     outer = "kermac_like::Power::Noop" if desc.outer_power is PowerType.NOOP else "kermac_like::Power::Sqrt"
     precision = "kermac_like::Precision::Tf32" if tf32 else "kermac_like::Precision::Tf32x3"
     row = Layout.ROW_MAJOR.cpp
+    tail = ", 0, void, true" if chunked else ""
+    launch = WGMMA_LAUNCH[tf32, chunked]
     if functor is not None:
+        tail = f", 0, {functor[0]}" + (", true" if chunked else "")
         traits = (f"kermac_like::DistanceWgmmaTraits<kermac_like::Inner::Diff, kermac_like::Power::Noop, "
-                  f"kermac_like::Epilogue::None, {row}, {row}, {out.cpp}, {precision}, float, 0, {functor[0]}>")
-        return KernelSpec("distance_wgmma.cuh", "kermac_like::distance_wgmma_kernel", traits, WGMMA_LAUNCH[tf32],
+                  f"kermac_like::Epilogue::None, {row}, {row}, {out.cpp}, {precision}, float{tail}>")
+        return KernelSpec("distance_wgmma.cuh", "kermac_like::distance_wgmma_kernel", traits, launch,
                           arch_suffix="a", prelude=functor[1])
     traits = (
         f"kermac_like::DistanceWgmmaTraits<{desc.inner_operator.cpp}, {outer}, {desc.kernel_type.cpp}, "
-        f"{row}, {row}, {out.cpp}, {precision}, float>"
+        f"{row}, {row}, {out.cpp}, {precision}, float{tail}>"
     )
-    return KernelSpec("distance_wgmma.cuh", "kermac_like::distance_wgmma_kernel", traits, WGMMA_LAUNCH[tf32],
-                      arch_suffix="a")
+    return KernelSpec("distance_wgmma.cuh", "kermac_like::distance_wgmma_kernel", traits, launch, arch_suffix="a")
 
 
 def wgmma_prepare_spec(*, small: bool, norms: bool) -> KernelSpec:
@@ -63,21 +83,23 @@ def wgmma_prepare_needs(desc: KernelDescriptor, *, tf32: bool) -> tuple:
     return not tf32, desc.inner_operator is not InnerOperator.DOT
 
 
-def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True):
+def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True,
+               chunked: bool = True):
     """The sm_90a (wgmma) instantiation for these operand views, or None when it does
     not apply: the requirements of :func:`mma_spec`, float32 data only. The caller
-    checks that the device is sm_90."""
+    checks that the device is sm_90. ``chunked``: the setting wgmma_chunked."""
     if a.tensor.dtype != torch.float32:
         return None
     if mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok) is None:
         return None
-    return wgmma_traits_spec(desc, out.layout, tf32=tf32)
+    return wgmma_traits_spec(desc, out.layout, tf32=tf32, chunked=wgmma_chunked(desc, tf32=tf32, chunked=chunked))
 
 def shipped():
     for desc in SHIPPED_DESCRIPTORS:
         if desc.is_euclidean:
             for tf32 in (False, True):
-                yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32)
+                yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32,
+                                        chunked=wgmma_chunked(desc, tf32=tf32))
     for small in (True, False):
         for norms in (True, False):
             yield wgmma_prepare_spec(small=small, norms=norms)

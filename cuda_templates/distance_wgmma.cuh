@@ -260,6 +260,10 @@ __device__ __forceinline__ void a_fragment_offsets(int lane, int cwarp, unsigned
 template <bool kSplit, bool kDiff>
 __device__ __forceinline__ void load_a_k_tile(unsigned (&frag)[2][2][4], float (&na)[2], unsigned st,
                                               const unsigned (&ld_off)[2]) {
+  // The k-tile's squares in fresh sums, then added to the rows' norms: one sequential sum over
+  // K / 4 values per thread lost ~4e-7 of the norm at K = 1024 (half of the chunked kernel's
+  // distance error on centred data, bench/notes/data_zoo.md, session 22).
+  float sq[2] = {0.f, 0.f};
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     unsigned raw[4];
@@ -267,13 +271,17 @@ __device__ __forceinline__ void load_a_k_tile(unsigned (&frag)[2][2][4], float (
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
       const float x = __uint_as_float(raw[v]);
-      if constexpr (kDiff) na[v & 1] = fmaf(x, x, na[v & 1]);
+      if constexpr (kDiff) sq[v & 1] = fmaf(x, x, sq[v & 1]);
       if constexpr (kSplit) {
         mma_detail::split_tf32x3(raw[v], frag[s][0][v], frag[s][1][v]);
       } else {
         frag[s][0][v] = tf32_rna(raw[v]);
       }
     }
+  }
+  if constexpr (kDiff) {
+    na[0] += sq[0];
+    na[1] += sq[1];
   }
   // Every fragment register is written before the first wgmma of the k-tile
   // (ptxas serialises wgmma whose inputs are defined between them).
@@ -316,16 +324,17 @@ __device__ __forceinline__ void consume_k_tile(float (&acc)[128], unsigned (&fra
 }
 
 // The chunked consumers' k-tile (kChunked: 64 x 128 per warpgroup): the k-tile's products into
-// a fresh partial sum `part` (the first wgmma's scale-d is 0), the small terms of both k8 steps
+// the partial sum `part`, a fresh one where `fresh` (the first wgmma's scale-d is 0), the small terms of both k8 steps
 // before the big ones, then the commit; the caller adds `part` to its running sum in float32
 // (round to nearest) once the wgmma has completed. The tensor cores' accumulation truncates, so
 // one running sum over K loses about 0.35 K 2^-24 of its magnitude, always in the same direction
 // (bench/notes/data_zoo.md); a partial sum per k-tile loses that over 6 additions only, and the
 // sums of partial sums round to nearest: about torch's float32 GEMM error, or less.
 template <bool kSplit, int kTileABytes, int kTileBBytes>
-__device__ __forceinline__ void chunk_k_tile(float (&part)[64], const unsigned (&frag)[2][2][4], unsigned st) {
+__device__ __forceinline__ void chunk_k_tile(float (&part)[64], const unsigned (&frag)[2][2][4], unsigned st,
+                                             bool fresh) {
   wgmma_fence();
-  int scale_d = 0;
+  int scale_d = fresh ? 0 : 1;
   if constexpr (kSplit) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
@@ -350,7 +359,7 @@ __device__ __forceinline__ void chunk_k_tile(float (&part)[64], const unsigned (
 
 template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, Layout kLayoutB_,
           Layout kLayoutO_, Precision kPrecision_, class T_, int kStagesArg = 0, class Epi_ = void,
-          bool kChunked_ = false>
+          int kChunkTiles_ = 0>
 struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kEpilogue_, kLayoutA_, kLayoutB_,
                                                             kLayoutO_, kPrecision_, T_, Epi_> {
   // (T_ and kPrecision_ below: the base's members are not visible by plain name here)
@@ -360,11 +369,14 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
                 "DistanceMmaTraits)");
 
   static constexpr bool kSplit = kPrecision_ == Precision::Tf32x3;
-  // kChunked: 128 x 128 tiles (64 x 128 per consumer warpgroup), each k-tile's products summed in
-  // a fresh partial sum and added to the running sum in float32 (chunk_k_tile): about torch's
-  // float32 GEMM error where one running sum on the tensor cores is 2-4x above it.
-  static constexpr bool kChunked = kChunked_;
-  static_assert(!kChunked || kSplit, "DistanceWgmmaTraits: kChunked only with Precision::Tf32x3");
+  // kChunkTiles > 0 (chunked): 128 x 128 tiles (64 x 128 per consumer warpgroup), the products of
+  // each kChunkTiles k-tiles summed in a fresh partial sum and added to the running sum in float32
+  // (chunk_k_tile): about torch's float32 GEMM error where one running sum on the tensor cores
+  // (kChunkTiles 0, 128 x 256 tiles) is 2-4x above it.
+  static constexpr int kChunkTiles = kChunkTiles_;
+  static constexpr bool kChunked = kChunkTiles > 0;
+  static_assert(kChunkTiles >= 0 && kChunkTiles <= 2, "DistanceWgmmaTraits: kChunkTiles 0, 1 or 2");
+  static_assert(!kChunked || kSplit, "DistanceWgmmaTraits: chunked only with Precision::Tf32x3");
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;  // 3 warpgroups
@@ -637,26 +649,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       };
       unsigned frag_even[2][2][4], frag_odd[2][2][4];
       if constexpr (Traits::kChunked) {
-        // Each k-tile's products in a fresh partial sum (chunk_k_tile); while a k-tile's wgmma
-        // runs, the next k-tile's a fragments are loaded and split (two fragment buffers, even
-        // and odd k-tiles); then the wait, the addition to the running sum and the next issue.
+        // The products of each kChunkTiles k-tiles in a fresh partial sum (chunk_k_tile); while a
+        // k-tile's wgmma runs, the next k-tile's a fragments are loaded and split (two fragment
+        // buffers, even and odd k-tiles). A chunk's first k-tile waits for the previous chunk,
+        // adds it to the running sum and starts the next; a later k-tile of the chunk adds to
+        // its partial sum and waits only for the previous k-tile (to give its stage back).
         float part[kAcc];
-        auto k_tile = [&](int kt, unsigned (&frag)[2][2][4]) {
+        auto k_tile = [&](int kt, unsigned (&frag)[2][2][4], const bool fresh) {
           mbar_wait(bar_full + 8 * stage, phase);
           const unsigned st = base + stage * kStageBytes;
           load_a_k_tile<kSplit, kDiff>(frag, na, st, ld_off);
-          if (kt > 0) {
+          if (fresh && kt > 0) {
             wgmma_wait<0>();
             release(prev_stage);
 #pragma unroll
             for (int i = 0; i < kAcc; ++i) acc[i] += part[i];
           }
-          chunk_k_tile<kSplit, kTileABytes, kTileBBytes>(part, frag, st);
+          chunk_k_tile<kSplit, kTileABytes, kTileBBytes>(part, frag, st, fresh);
+          if (!fresh) {
+            wgmma_wait<1>();
+            release(prev_stage);
+          }
           advance();
         };
         for (int kt = 0; kt < num_k_tiles; kt += 2) {
-          k_tile(kt, frag_even);
-          if (kt + 1 < num_k_tiles) k_tile(kt + 1, frag_odd);
+          k_tile(kt, frag_even, true);
+          if (kt + 1 < num_k_tiles) k_tile(kt + 1, frag_odd, Traits::kChunkTiles == 1);
         }
         wgmma_wait<0>();
 #pragma unroll

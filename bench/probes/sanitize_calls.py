@@ -409,6 +409,9 @@ FAMILIES = {
     "matvec": (matvec, {}),
     "mma": (mma, {"KERMAC_LIKE_WGMMA": "0"}),
     "wgmma": (wgmma, {"KERMAC_LIKE_WGMMA": "always"}),  # also the few-tile calls here
+    # the distance kernel with one running sum, and with partial sums of two k-tiles (wgmma_chunk)
+    "wgmma_chunk0": (wgmma, {"KERMAC_LIKE_WGMMA": "always", "KERMAC_LIKE_WGMMA_CHUNK": "0"}),
+    "wgmma_chunk2": (wgmma, {"KERMAC_LIKE_WGMMA": "always", "KERMAC_LIKE_WGMMA_CHUNK": "2"}),
     "grad_simt": (grad_simt, {"KERMAC_LIKE_GRAD_MMA": "0"}),
     "grad_mma": (grad_mma, {"KERMAC_LIKE_GRAD_MMA": "1"}),
     "linalg": (linalg, {}),

@@ -204,7 +204,7 @@ def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
         values = tuple(parts)
     return (op, values, a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16, b.shape, b.stride(), b.dtype, b.device,
             b.data_ptr() % 16, o, compute_mode, torch.backends.cuda.matmul.allow_tf32,
-            config.get("wgmma"), config.get("wgmma_chunked"), config.get("autotune"), config.get("debug"))
+            config.get("wgmma"), config.get("wgmma_chunk"), config.get("autotune"), config.get("debug"))
 
 
 def _run_cached(key, a, b, out, hypers: dict | None = None):

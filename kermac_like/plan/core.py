@@ -30,20 +30,20 @@ class Settings(NamedTuple):
     wgmma kernel and its b preparation must agree, hence read once); ``wgmma``: the setting
     wgmma (``KERMAC_LIKE_WGMMA``) not "off"; ``wgmma_always``: it is "always" (also the calls
     of a few output tiles, which otherwise take the one-launch mma.sync kernel:
-    :func:`.distance._few_tiles`); ``grad_mma``: the setting grad_mma; ``wgmma_chunked``: the
-    setting wgmma_chunked (the wgmma distance kernel's partial sums per k-tile)."""
+    :func:`.distance._few_tiles`); ``grad_mma``: the setting grad_mma; ``wgmma_chunk``: the
+    setting wgmma_chunk (k-tiles per partial sum of the wgmma distance kernel, 0: none)."""
 
     tf32: bool
     wgmma: bool
     grad_mma: bool
     wgmma_always: bool = False
-    wgmma_chunked: bool = True
+    wgmma_chunk: int = 1
 
     @staticmethod
     def current() -> "Settings":
         wgmma = config.get("wgmma")
         return Settings(bool(torch.backends.cuda.matmul.allow_tf32), wgmma != "off", config.get("grad_mma"),
-                        wgmma == "always", config.get("wgmma_chunked"))
+                        wgmma == "always", config.get("wgmma_chunk"))
 
 
 class Launch(NamedTuple):

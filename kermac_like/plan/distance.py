@@ -250,7 +250,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
         spec, family = None, "distance_mma"
         if _wgmma_enabled(call.device, settings) and (settings.wgmma_always or not _few_tiles(call)):
             spec = wgmma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok,
-                              chunked=settings.wgmma_chunked)
+                              chunk=settings.wgmma_chunk)
             family = "distance_wgmma"
         if spec is None:
             spec, family = mma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok), "distance_mma"
@@ -314,11 +314,10 @@ def _functor_specs(functor: tuple) -> tuple:
     functor, so that spec_override's template keys find their templates again."""
 
     # (the specs modules' own functions: inside spec_override this module's names are these wrappers)
-    def wgmma(desc, a, b, out, *, tf32, batch_offsets_ok=True, chunked=True):
+    def wgmma(desc, a, b, out, *, tf32, batch_offsets_ok=True, chunk=1):
         ok = _specs_wgmma.wgmma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)
         return None if ok is None else _specs_wgmma.wgmma_traits_spec(
-            desc, out.layout, tf32=tf32, functor=functor,
-            chunked=_specs_wgmma.wgmma_chunked(desc, tf32=tf32, chunked=chunked))
+            desc, out.layout, tf32=tf32, functor=functor, chunk=_specs_wgmma.wgmma_chunk(desc, tf32=tf32, chunk=chunk))
 
     def mma(desc, a, b, out, *, tf32, batch_offsets_ok=True):
         ok = _specs_mma.mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)

@@ -17,8 +17,8 @@ from .kernel_spec import SHIPPED_DESCRIPTORS, KernelSpec, LaunchShape
 # Launched in clusters of 2 CTAs (M-tile pairs that share each b block by multicast), each
 # launch preceded by wgmma_prepare_b_kernel (b in the kernel's shared-memory image, B small
 # for 3xTF32, b row norms for distances), which :func:`wgmma_prepare_spec` renders.
-# Chunked (3xTF32 only): 128 x 128 tiles whose k-tiles each sum in fresh partial sums
-# (DistanceWgmmaTraits::kChunked, setting wgmma_chunked).
+# Chunked (3xTF32 only; DistanceWgmmaTraits::kChunkTiles, setting wgmma_chunk): 128 x 128 tiles
+# whose products sum in fresh partial sums of 1 or 2 k-tiles.
 def _wgmma_block_n(chunked: bool) -> int:
     return 128 if chunked else 256
 
@@ -31,7 +31,7 @@ def _wgmma_smem(tf32: bool, chunked: bool = False) -> int:
     return stages * stage + 2 * stages * 8 + 1024  # stages, barriers, alignment
 
 
-WGMMA_LAUNCH = {
+WGMMA_LAUNCH = {  # (tf32, chunked)
     (tf32, chunked): LaunchShape(threads=384, block_m=128, block_n=_wgmma_block_n(chunked),
                                  smem_bytes=_wgmma_smem(tf32, chunked), persistent=True, cluster=2)
     for tf32, chunked in ((False, False), (True, False), (False, True))
@@ -40,24 +40,24 @@ WGMMA_PREPARE_TILE = 256  # WgmmaPrepareTraits::kTileN: the prepared b blocks' r
 WGMMA_PREPARE_LAUNCH = LaunchShape(threads=256, block_m=8, block_n=1)  # one warp per row of b
 
 
-def wgmma_chunked(desc: KernelDescriptor, *, tf32: bool, chunked: bool = True) -> bool:
-    """Whether a call of ``desc`` takes the chunked instantiation: 3xTF32 distances (the setting
-    wgmma_chunked, ``chunked``); plain TF32 and DOT keep one running sum."""
-    return chunked and not tf32 and desc.inner_operator is not InnerOperator.DOT
+def wgmma_chunk(desc: KernelDescriptor, *, tf32: bool, chunk: int = 1) -> int:
+    """The k-tiles per partial sum of a call of ``desc`` (the traits' kChunkTiles): the setting
+    wgmma_chunk (``chunk``) for 3xTF32 distances; 0 (one running sum) for plain TF32 and DOT."""
+    return chunk if not tf32 and desc.inner_operator is not InnerOperator.DOT else 0
 
 
 def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False, functor=None,
-                      chunked: bool = False) -> KernelSpec:
+                      chunk: int = 0) -> KernelSpec:
     """``functor``: (C++ name, stub source) of an epilogue functor (specs.epilogue.functor), as
-    distance_mma.mma_traits_spec's: Diff, outer Noop, Epilogue::None and the functor. ``chunked``:
-    :func:`wgmma_chunked`'s answer (the traits' kChunked)."""
+    distance_mma.mma_traits_spec's: Diff, outer Noop, Epilogue::None and the functor. ``chunk``:
+    :func:`wgmma_chunk`'s answer (the traits' kChunkTiles)."""
     outer = "kermac_like::Power::Noop" if desc.outer_power is PowerType.NOOP else "kermac_like::Power::Sqrt"
     precision = "kermac_like::Precision::Tf32" if tf32 else "kermac_like::Precision::Tf32x3"
     row = Layout.ROW_MAJOR.cpp
-    tail = ", 0, void, true" if chunked else ""
-    launch = WGMMA_LAUNCH[tf32, chunked]
+    tail = f", 0, void, {chunk}" if chunk else ""
+    launch = WGMMA_LAUNCH[tf32, chunk > 0]
     if functor is not None:
-        tail = f", 0, {functor[0]}" + (", true" if chunked else "")
+        tail = f", 0, {functor[0]}" + (f", {chunk}" if chunk else "")
         traits = (f"kermac_like::DistanceWgmmaTraits<kermac_like::Inner::Diff, kermac_like::Power::Noop, "
                   f"kermac_like::Epilogue::None, {row}, {row}, {out.cpp}, {precision}, float{tail}>")
         return KernelSpec("distance_wgmma.cuh", "kermac_like::distance_wgmma_kernel", traits, launch,
@@ -84,22 +84,21 @@ def wgmma_prepare_needs(desc: KernelDescriptor, *, tf32: bool) -> tuple:
 
 
 def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True,
-               chunked: bool = True):
+               chunk: int = 1):
     """The sm_90a (wgmma) instantiation for these operand views, or None when it does
     not apply: the requirements of :func:`mma_spec`, float32 data only. The caller
-    checks that the device is sm_90. ``chunked``: the setting wgmma_chunked."""
+    checks that the device is sm_90. ``chunk``: the setting wgmma_chunk."""
     if a.tensor.dtype != torch.float32:
         return None
     if mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok) is None:
         return None
-    return wgmma_traits_spec(desc, out.layout, tf32=tf32, chunked=wgmma_chunked(desc, tf32=tf32, chunked=chunked))
+    return wgmma_traits_spec(desc, out.layout, tf32=tf32, chunk=wgmma_chunk(desc, tf32=tf32, chunk=chunk))
 
 def shipped():
     for desc in SHIPPED_DESCRIPTORS:
         if desc.is_euclidean:
             for tf32 in (False, True):
-                yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32,
-                                        chunked=wgmma_chunked(desc, tf32=tf32))
+                yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32, chunk=wgmma_chunk(desc, tf32=tf32))
     for small in (True, False):
         for norms in (True, False):
             yield wgmma_prepare_spec(small=small, norms=norms)

@@ -155,7 +155,7 @@ SETTINGS = _declare(
             "implementation directly (off: through torch.library's dispatcher)"),
     Setting("wgmma", "choice", "on", "the wgmma kernels on sm_90 (off: mma.sync; always: also for calls of a few "
             "output tiles)", ("off", "on", "always")),
-    Setting("wgmma_chunk", "choice", 1, "the wgmma distance kernel's 3xTF32 products summed in fresh partial sums "
+    Setting("wgmma_chunk", "choice", 2, "the wgmma distance kernel's 3xTF32 products summed in fresh partial sums "
             "of this many k-tiles (16 k each), added in float32 (128 x 128 tiles; 0: one running sum on the tensor "
             "cores, 128 x 256 tiles, 2-4x torch.cdist's error: bench/notes/data_zoo.md, session 22)", (0, 1, 2)),
     Setting("grad_mma", "bool", True, "cdist_grad on tensor cores where it applies (off: the SIMT kernel)"),

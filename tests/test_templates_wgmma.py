@@ -49,17 +49,17 @@ TEMPLATES = ROOT / "cuda_templates"
 NS = "kermac_like::"
 
 # Representative set: p=2, squared, Laplace, Gaussian (3xTF32 distances: chunked, the default),
-# DOT, both output layouts, plain TF32, and p=2 with one running sum or partial sums of two k-tiles
-# (setting wgmma_chunk 0 and 2).
+# DOT, both output layouts, plain TF32, and p=2 with one running sum or partial sums of one k-tile
+# (setting wgmma_chunk 0 and 1).
 SPECS = [
-    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=1),
-    wgmma_traits_spec(PRESETS["squared_l2"], Layout.COL_MAJOR, chunk=1),
-    wgmma_traits_spec(PRESETS["laplace_l2"], Layout.ROW_MAJOR, chunk=1),
-    wgmma_traits_spec(PRESETS["gaussian_l2"], Layout.COL_MAJOR, chunk=1),
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=2),
+    wgmma_traits_spec(PRESETS["squared_l2"], Layout.COL_MAJOR, chunk=2),
+    wgmma_traits_spec(PRESETS["laplace_l2"], Layout.ROW_MAJOR, chunk=2),
+    wgmma_traits_spec(PRESETS["gaussian_l2"], Layout.COL_MAJOR, chunk=2),
     wgmma_traits_spec(PRESETS["dot"], Layout.ROW_MAJOR),
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, tf32=True),
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR),
-    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=2),
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=1),
 ]
 
 
@@ -193,6 +193,20 @@ def test_prepare_kernels_compile_vectorised_without_spills(shipped):
     assert len(functions) == 4
     for name, text in functions.items():
         assert "LDG.E.128" in text and "STG.E.128" in text, name
+
+
+def test_chunk_choice():
+    """Partial sums for 3xTF32 distances whose K spans more than one partial sum; one running sum
+    (the 128 x 256 kernel) for DOT, plain TF32 and K <= 16 chunk; the setting's 0 turns them off."""
+    from kermac_like.runtime.specs import wgmma_chunk
+
+    l2, dot = PRESETS["l2"], PRESETS["dot"]
+    assert wgmma_chunk(l2, tf32=False, chunk=2, K=1024) == 2 and wgmma_chunk(l2, tf32=False, chunk=1, K=17) == 1
+    assert wgmma_chunk(l2, tf32=False, chunk=2, K=32) == 0 and wgmma_chunk(l2, tf32=False, chunk=2, K=33) == 2
+    assert wgmma_chunk(l2, tf32=True, chunk=2, K=1024) == 0 and wgmma_chunk(dot, tf32=False, chunk=2, K=1024) == 0
+    assert wgmma_chunk(l2, tf32=False, chunk=0, K=1024) == 0
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2).launch == WGMMA_LAUNCH[False, True]
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR).launch == WGMMA_LAUNCH[False, False]
 
 
 def test_prepare_needs():

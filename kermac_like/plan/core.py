@@ -37,7 +37,7 @@ class Settings(NamedTuple):
     wgmma: bool
     grad_mma: bool
     wgmma_always: bool = False
-    wgmma_chunk: int = 1
+    wgmma_chunk: int = 2
 
     @staticmethod
     def current() -> "Settings":

@@ -314,10 +314,10 @@ def _functor_specs(functor: tuple) -> tuple:
     functor, so that spec_override's template keys find their templates again."""
 
     # (the specs modules' own functions: inside spec_override this module's names are these wrappers)
-    def wgmma(desc, a, b, out, *, tf32, batch_offsets_ok=True, chunk=1):
+    def wgmma(desc, a, b, out, *, tf32, batch_offsets_ok=True, chunk=2):
         ok = _specs_wgmma.wgmma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)
         return None if ok is None else _specs_wgmma.wgmma_traits_spec(
-            desc, out.layout, tf32=tf32, functor=functor, chunk=_specs_wgmma.wgmma_chunk(desc, tf32=tf32, chunk=chunk))
+            desc, out.layout, tf32=tf32, functor=functor, chunk=_specs_wgmma.wgmma_chunk(desc, tf32=tf32, chunk=chunk, K=a.tensor.shape[-1]))
 
     def mma(desc, a, b, out, *, tf32, batch_offsets_ok=True):
         ok = _specs_mma.mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)

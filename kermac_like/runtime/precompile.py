@@ -38,7 +38,8 @@ def specs_for_descriptor(desc: KernelDescriptor) -> list:
     specs += mma_specs_for(desc)
     if desc.is_euclidean:  # compiled for sm_90 only (KernelSpec.supports)
         for t in (False, True):
-            specs.append(wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=t, chunk=wgmma_chunk(desc, tf32=t)))
+            specs += [wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=t, chunk=c)
+                      for c in dict.fromkeys((wgmma_chunk(desc, tf32=t), 0))]
             small, norms = wgmma_prepare_needs(desc, tf32=t)
             specs.append(wgmma_prepare_spec(small=small, norms=norms))
         # kernel_matvec with K > 32 (float32, 3xTF32): every column bucket, and the carry

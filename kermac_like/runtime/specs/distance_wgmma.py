@@ -40,10 +40,13 @@ WGMMA_PREPARE_TILE = 256  # WgmmaPrepareTraits::kTileN: the prepared b blocks' r
 WGMMA_PREPARE_LAUNCH = LaunchShape(threads=256, block_m=8, block_n=1)  # one warp per row of b
 
 
-def wgmma_chunk(desc: KernelDescriptor, *, tf32: bool, chunk: int = 1) -> int:
+def wgmma_chunk(desc: KernelDescriptor, *, tf32: bool, chunk: int = 2, K: int | None = None) -> int:
     """The k-tiles per partial sum of a call of ``desc`` (the traits' kChunkTiles): the setting
-    wgmma_chunk (``chunk``) for 3xTF32 distances; 0 (one running sum) for plain TF32 and DOT."""
-    return chunk if not tf32 and desc.inner_operator is not InnerOperator.DOT else 0
+    wgmma_chunk (``chunk``) for 3xTF32 distances; 0 (one running sum, 128 x 256 tiles) for plain
+    TF32 and DOT, and where the call's ``K`` fits in one partial sum (the same sums either way)."""
+    if tf32 or desc.inner_operator is InnerOperator.DOT or (K is not None and K <= 16 * chunk):
+        return 0
+    return chunk
 
 
 def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False, functor=None,
@@ -84,7 +87,7 @@ def wgmma_prepare_needs(desc: KernelDescriptor, *, tf32: bool) -> tuple:
 
 
 def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True,
-               chunk: int = 1):
+               chunk: int = 2):
     """The sm_90a (wgmma) instantiation for these operand views, or None when it does
     not apply: the requirements of :func:`mma_spec`, float32 data only. The caller
     checks that the device is sm_90. ``chunk``: the setting wgmma_chunk."""
@@ -92,13 +95,16 @@ def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_o
         return None
     if mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok) is None:
         return None
-    return wgmma_traits_spec(desc, out.layout, tf32=tf32, chunk=wgmma_chunk(desc, tf32=tf32, chunk=chunk))
+    return wgmma_traits_spec(desc, out.layout, tf32=tf32,
+                             chunk=wgmma_chunk(desc, tf32=tf32, chunk=chunk, K=a.tensor.shape[-1]))
 
 def shipped():
     for desc in SHIPPED_DESCRIPTORS:
         if desc.is_euclidean:
             for tf32 in (False, True):
-                yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32, chunk=wgmma_chunk(desc, tf32=tf32))
+                # the default's partial sums, and one running sum (K <= 32, and plain TF32)
+                for chunk in dict.fromkeys((wgmma_chunk(desc, tf32=tf32), 0)):
+                    yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32, chunk=chunk)
     for small in (True, False):
         for norms in (True, False):
             yield wgmma_prepare_spec(small=small, norms=norms)

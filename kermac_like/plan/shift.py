@@ -40,6 +40,11 @@ def serves(x: torch.Tensor, y: torch.Tensor) -> bool:
             and _gpu_ok(x))
 
 
+def _on_device(x: torch.Tensor) -> bool:
+    """Whether the kernels run (a CUDA tensor); a test of the GPU path's host work stands in for it."""
+    return x.is_cuda
+
+
 def _chunks(rows: int) -> tuple:
     """(rows per chunk, chunks) of one operand for the flags kernel."""
     if rows == 0:
@@ -63,7 +68,7 @@ def shifted_pair(x: torch.Tensor, y: torch.Tensor, *, pad_to: int | None = None,
     specs = centring_specs()
     store.prefetch(specs, device, debug=debug)
     flags_k, point_k, shift_k = (store.get_kernel(s, device, debug=debug) for s in specs)
-    if not x.is_cuda:  # planned as on a GPU (tests, tests/first_calls.py): the kernels asked for, torch's values
+    if not _on_device(x):  # planned as on a GPU (tests, tests/first_calls.py): the kernels asked for, torch's values
         return centring.shifted_pair(x, y, pad_to=pad_to)[:2]
     K = x.shape[-1]
     Kp = pad_to or K

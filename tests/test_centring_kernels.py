@@ -163,3 +163,19 @@ def test_routing_asks_the_store_for_the_kernels_on_a_gpu_only(as_gpu, monkeypatc
     with config.override(centring_kernels=False):
         shift.shifted_pair(x, y)
     assert not asked
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name, x, y, Kp", list(_cases()), ids=lambda v: v if isinstance(v, str) else "")
+def test_gpu_kernels_match_the_torch_steps(name, x, y, Kp):
+    """On a GPU: plan.shift's kernels against centring's torch steps on the same device, bit for bit."""
+    x = x.cuda()
+    other = x if y is None else y.cuda()
+    with config.override(centring_kernels=True):
+        assert shift.serves(x, other)
+        xs, ys = shift.shifted_pair(x, other, pad_to=Kp)
+    want_x, want_y, _ = centring.shifted_pair(x, other, pad_to=Kp)
+    _same(xs, want_x)
+    _same(ys, want_y)
+    assert (xs is ys) == (y is None)

@@ -148,6 +148,8 @@ SETTINGS = _declare(
     Setting("lineinfo", "bool", False, "compile with -lineinfo (source lines for compute-sanitizer and profilers; "
             "its own cache keys)"),
     Setting("linalg_streams", "count", 16, "most streams (and cuSOLVER handles) linalg uses for one batch"),
+    Setting("centring_kernels", "bool", True, "the reference point and shifted copies of a 2-D float32 CUDA pair by "
+            "the package's own kernels (off: torch's steps, whose first launches load torch's modules)"),
     Setting("jit_tier", "bool", True, "a low-K call whose kernel is not at hand runs the run-time-K kernel while the "
             "specialised one compiles (off: wait for it)"),
     # -- kernel paths (tests and probes compare them; on = the measured default) ---------------

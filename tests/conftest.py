@@ -129,6 +129,51 @@ def _compile_shipped_once(request, tmp_path_factory):
     yield
 
 
+# The ShippedBuild that pytest_configure started before collection (a run of the whole suite), or None.
+_early_build = None
+
+
+def _whole_suite(config) -> bool:
+    """Whether this run is the README's command (or the whole suite with options): no test paths or
+    node ids, no -k, one process (not pytest-xdist), not only collecting."""
+    args = config.invocation_params.args
+    positional = [a for a in args if not str(a).startswith("-")]
+    flags = {str(a).split("=", 1)[0] for a in args if str(a).startswith("-")}
+    option_values = {"-m", "-k", "-n", "-p", "--numprocesses", "--durations", "--basetemp", "--rootdir", "-c", "-o",
+                     "--maxfail", "--tb", "-W", "--deselect", "--ignore", "--timeout"}
+    if any(f in flags for f in ("-k", "-n", "--numprocesses", "--co", "--collect-only")):
+        return False
+    # a positional right after an option that takes a value is that option's value, not a path
+    values = {str(b) for a, b in zip(args, args[1:]) if str(a) in option_values}
+    return not [a for a in positional if str(a) not in values] and not os.environ.get("PYTEST_XDIST_WORKER")
+
+
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's: the session's base temp dir
+def pytest_configure(config):
+    """A run of the whole suite starts the shipped build (both architectures) before collection,
+    which takes one core for ~10-20 s: the build fills the other (the build is the larger part of
+    the suite's CPU work). Other runs start it with their first test, where one reads it."""
+    global _early_build
+    if not _whole_suite(config) or os.environ.get("KERMAC_LIKE_TEST_EARLY_BUILD", "1") == "0":
+        return
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    from shipped_build import ShippedBuild
+
+    _early_build = ShippedBuild(factory.getbasetemp() / "shipped")
+    for arch in SHIPPED_ARCHS:
+        _early_build.start(arch)
+
+
+def pytest_unconfigure(config):
+    """The early build ends with the session (whether or not a test read it)."""
+    global _early_build
+    if _early_build is not None:
+        _early_build.stop()
+        _early_build = None
+
+
 @pytest.fixture(scope="session")
 def shipped(tmp_path_factory):
     """The session's ShippedBuild (tests/shipped_build.py): the shipped set of each architecture
@@ -136,6 +181,9 @@ def shipped(tmp_path_factory):
     pytest-xdist: the one the workers share), whatever the kernel cache."""
     from shipped_build import ShippedBuild
 
+    if _early_build is not None:
+        yield _early_build
+        return
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent

@@ -131,8 +131,11 @@ def specs_of_calls(arch: str, calls: dict | None = None) -> dict:
 
 
 def first_call_specs_planned(arch: str) -> list:
-    """Every spec the cold calls take on ``arch``, once, in call order."""
-    return list(dict.fromkeys(s for specs in specs_of_calls(arch).values() for s in specs))
+    """Every spec the cold calls take on ``arch``, once, in call order; the product formula's shift
+    (plan.shift, centring.cuh: its three kernels, asked for by several calls) last, so that the other
+    kernels' NVRTC programs of the install's bundle (4 kernels a program, in this order) stay as they were."""
+    specs = list(dict.fromkeys(s for specs in specs_of_calls(arch).values() for s in specs))
+    return sorted(specs, key=lambda s: s.header == "centring.cuh")
 
 
 def main(argv) -> int:

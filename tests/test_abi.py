@@ -75,12 +75,15 @@ EXPECTED = {
     "falkon_cols_kernel": TABLES[24],
     "falkon_vprep_kernel": TABLES[25],
     "falkon_rows_pv_kernel": TABLES[26],
+    "centring_flags_kernel": TABLES[27],
+    "centring_point_kernel": TABLES[28],
+    "centring_shift_kernel": TABLES[29],
 }
 
 
 def test_document_has_the_tables():
-    assert len(TABLES) == 27 and [len(t) for t in TABLES] == [43, 5, 13, 13, 24, 20, 57, 26, 48, 24, 19, 22, 50, 13, 14, 6,
-                                                              18, 11, 6, 7, 23, 21, 9, 14, 15, 8, 16]
+    assert len(TABLES) == 30 and [len(t) for t in TABLES] == [43, 5, 13, 13, 24, 20, 57, 26, 48, 24, 19, 22, 50, 13, 14, 6,
+                                                              18, 11, 6, 7, 23, 21, 9, 14, 15, 8, 16, 13, 14, 13]
 
 
 @pytest.mark.parametrize("kernel", sorted(EXPECTED))

@@ -168,3 +168,105 @@ def test_build_without_kernels_still_succeeds(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "no prebuilt kernels" in err and "first call" in err
     assert not (tmp_path / "sm75" / kc.DB_FILENAME).exists()
+
+
+# A warm first call of bench/run.py's warm_process row (run_kernel laplace_l2, 1024 x 1024 x 64) in a new
+# process, on the CPU with the device queries answered as an H200's, the kernels from a bundle of the
+# install's layout (the first calls' kernels, 4 a module; the cubins stand-ins: the loader is stubbed) and
+# the launches recorded. What it may do (bench/notes/jit.md, "The warm first call again"): find every
+# kernel in the bundle (no compile, no SQLAlchemy), hash each module's cubin once, and run no torch
+# kernel, only allocations: a torch kernel's first launch on a GPU loads its module from torch's
+# fatbinary (plan.shift's reference point by torch's steps cost ~150 ms of this call on an H200).
+_WARM_CHILD = r"""
+import json, sys
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+import kermac_like as km
+from kermac_like.runtime import compiler, launcher, loader, store
+from kermac_like.runtime.cache import warm
+from kermac_like.plan import core, shift, distance
+from kermac_like.ops import distance as ops_distance
+import conftest_stubs  # noqa: F401  (written beside this script: the H200's answers)
+
+store.prepare_thread is None or store.prepare_thread.join(30)
+launches, dispatched = [], []
+launcher.launch = lambda k, grid, args, debug=False, block=None: launches.append(k.spec.kernel.split("::")[-1])
+loader.load = lambda spec, device, found, key, source: loader.LoadedKernel(spec, device, None, key, source)
+store.compile_specs = lambda *a, **k: sys.exit("compiled")
+shift._on_device = lambda x: True  # the GPU path of the shift: its allocations and launches
+
+
+class Count(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dispatched.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+inner = ops_distance.run_distance
+def counted(*a, **k):
+    with Count():
+        return inner(*a, **k)
+ops_distance.run_distance = counted
+x = torch.randn(1024, 64)
+hashes = warm.hash_count
+km.run_kernel(km.preset("laplace_l2"), x, x, bandwidth=8.0)
+print(json.dumps(dict(launches=launches, dispatched=sorted(set(dispatched)), hashes=warm.hash_count - hashes,
+                      sources=sorted({k.source for k in store._loaded.values()}),
+                      module_shas=len({warm.read_bundled(k.key)[2] for k in store._loaded.values()}),
+                      sqlalchemy="sqlalchemy" in sys.modules)))
+"""
+
+_STUBS = r"""
+import importlib, pkgutil, torch
+from kermac_like import plan as P
+from kermac_like.plan import core
+from kermac_like.runtime import launcher, store
+modules = [P] + [importlib.import_module(f"{P.__name__}.{m.name}") for m in pkgutil.iter_modules(P.__path__)]
+def stub(name, fn):
+    for m in modules:
+        if hasattr(m, name):
+            setattr(m, name, fn)
+stub("_gpu_ok", lambda t: True)
+stub("_device_index", lambda d: 0)
+stub("_sm_count", lambda d: 132)
+stub("_smem_per_sm", lambda d: 233472)
+stub("_smem_per_block_optin", lambda d: 232448)
+stub("_blocks_per_sm", lambda kernel: 1)
+stub("_wgmma_enabled", lambda device, settings=None: bool((settings or core.Settings.current()).wgmma))
+torch.cuda.get_device_capability = lambda d=None: (9, 0)
+store.arch_of_device = lambda d: "sm_90"
+launcher.max_active_clusters = lambda kernel: 66
+"""
+
+
+def test_warm_first_call_finds_hashes_once_and_runs_no_torch_kernel(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kermac_like.runtime.cache.schema import ModuleRecord
+
+    specs = first_call_specs("sm_90")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    with kc.KernelCache(bundle) as c:  # the install's layout: 4 kernels a module, each module its own bytes
+        for i in range(0, len(specs), 4):
+            group = specs[i:i + 4]
+            c.put(ModuleRecord(os.urandom(4096 + i), "sm_90", 0.1, compiler.nvrtc_version(), "-arch=sm_90",
+                               tuple((kernel_key(s, "sm_90"), s.name_expression, f"_Z{i + j}") for j, s in enumerate(group))))
+    os.chmod(bundle, 0o755)
+    os.chmod(bundle / kc.DB_FILENAME, 0o644)
+    (tmp_path / "conftest_stubs.py").write_text(_STUBS)
+    (tmp_path / "cache").mkdir(mode=0o700)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, KERMAC_LIKE_CACHE_DIR=str(tmp_path / "cache"), KERMAC_LIKE_BUNDLE=str(bundle),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), str(root)]), KERMAC_LIKE_JIT_TIER="0")
+    res = subprocess.run([sys.executable, "-c", _WARM_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["launches"] == ["centring_flags_kernel", "centring_point_kernel", "centring_shift_kernel",
+                               "wgmma_prepare_b_kernel", "distance_wgmma_kernel"], got
+    assert got["sources"] == ["bundle"] and not got["sqlalchemy"], got
+    assert got["hashes"] == got["module_shas"] <= 2, got  # one sha256 per module, not per kernel
+    assert set(got["dispatched"]) <= {"empty", "empty_strided"}, got  # allocations only: no torch kernel

@@ -3,9 +3,6 @@ to cubin for sm_80 and sm_90, a second precompile compiles nothing, errors carry
 NVRTC's log."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -14,13 +11,35 @@ from kermac_like.runtime import compiler
 from kermac_like.runtime import specs as render
 from kermac_like.runtime.specs import KernelSpec, LaunchShape
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+class _Cli:
+    """``python -m kermac_like ARGS`` on the kernel cache in ``cache_dir``, run in this process (its
+    main, the cache opened anew from the file before and after: what a new process would find; a new
+    process's own key computation is test_bundle.py's warm-first-call child's): (exit status, stdout,
+    stderr). A process per command cost ~2.5 CPU-s of imports each."""
+
+    def __init__(self, monkeypatch, capsys):
+        self.monkeypatch, self.capsys = monkeypatch, capsys
+
+    def __call__(self, *args, cache_dir):
+        import kermac_like.__main__ as cli
+        from kermac_like.runtime import cache as kernel_cache
+
+        self.monkeypatch.setenv("KERMAC_LIKE_CACHE_DIR", str(cache_dir))
+        kernel_cache.reset_cache()
+        try:
+            rc = cli.main(list(args))
+        except SystemExit as e:
+            rc = e.code
+        finally:
+            kernel_cache.reset_cache()
+        out, err = self.capsys.readouterr()
+        return rc, out, err
 
 
-def _cli(*args, env=None):
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kermac_like", *args], capture_output=True, text=True, env=e, cwd=ROOT)
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    return _Cli(monkeypatch, capsys)
 
 
 # Spilled bytes (ptxas "spill stores") the shipped kernels of a template may have, per kernel template,
@@ -38,7 +57,7 @@ SPILL_ALLOWANCE = {
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_precompile_all_then_nothing(shipped, arch):
+def test_precompile_all_then_nothing(shipped, arch, run_cli):
     """Every shipped instantiation compiles for the architecture (the one compile of the shipped set
     in the CPU suite: conftest's session build ``shipped``, which the SASS tests read too; the
     per-family tests compile only what is not shipped), no kernel spills beyond its template's
@@ -53,37 +72,36 @@ def test_precompile_all_then_nothing(shipped, arch):
     over = {expr: st for expr, (st, _) in first["spills"].items()
             if st > SPILL_ALLOWANCE.get(expr.split("<", 1)[0].rsplit("::", 1)[-1], 0)}
     assert not over, f"{arch}: shipped kernels spill beyond their allowance: {over}"
-    env = {"KERMAC_LIKE_CACHE_DIR": str(d)}
-    r = _cli("precompile", "--arch", arch, "--all", "--json", env=env)
-    assert r.returncode == 0, r.stderr
-    second = json.loads(r.stdout.strip().splitlines()[-1])
+    rc, out, err = run_cli("precompile", "--arch", arch, "--all", "--json", cache_dir=d)
+    assert rc == 0, err
+    second = json.loads(out.strip().splitlines()[-1])
     assert second["compiled"] == 0 and second["cached"] == n, second
-    info = _cli("cache", "info", env=env)
-    assert info.returncode == 0 and json.loads(info.stdout)["n_kernels"] == n
+    rc, out, _ = run_cli("cache", "info", cache_dir=d)
+    assert rc == 0 and json.loads(out)["n_kernels"] == n
     print(f"{arch}: {n} kernels in {first['programs']} programs, {first['seconds']:.1f} s "
           f"({first['seconds'] / max(1, n):.2f} s per kernel, {first['processes']} processes)")
 
 
-def test_cli_clear_and_info(shipped, tmp_path):
+def test_cli_clear_and_info(shipped, tmp_path, run_cli):
     """The CLI's precompile of a preset (on a copy of the session's shipped sm_80 build: what the
-    preset reaches beyond the shipped set compiles), then cache clear and info."""
+    preset reaches beyond the shipped set compiles), then cache clear and info (an unknown
+    architecture's one-line error: test_cli.py)."""
     import shutil
 
     from kermac_like.runtime.precompile import specs_for_descriptor
 
     d = tmp_path / "cache"
     shutil.copytree(shipped.build("sm_80")[0], d)
-    env = {"KERMAC_LIKE_CACHE_DIR": str(d)}
     reach = [s for s in specs_for_descriptor(km.PRESETS["dot"]) if s.supports("sm_80")]
     beyond = [s for s in reach if s not in set(render.shipped_specs())]
-    r = _cli("precompile", "--arch", "sm_80", "--preset", "dot", "--json", env=env)
-    assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    rc, out, err = run_cli("precompile", "--arch", "sm_80", "--preset", "dot", "--json", cache_dir=d)
+    assert rc == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
     assert 0 < summary["compiled"] == len(beyond) and summary["cached"] == len(reach) - len(beyond), summary
-    r = _cli("cache", "clear", env=env)
-    assert r.returncode == 0 and "removed" in r.stdout
-    assert json.loads(_cli("cache", "info", env=env).stdout)["n_kernels"] == 0
-    assert _cli("precompile", "--arch", "sm_70", "--all", env=env).returncode != 0
+    rc, out, _ = run_cli("cache", "clear", cache_dir=d)
+    assert rc == 0 and "removed" in out
+    rc, out, _ = run_cli("cache", "info", cache_dir=d)
+    assert rc == 0 and json.loads(out)["n_kernels"] == 0
 
 
 def test_compile_error_carries_log():

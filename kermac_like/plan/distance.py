@@ -17,13 +17,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..centring import same_memory as _same_memory, shift_invariant, shifted_pair
+from ..centring import same_memory as _same_memory, shift_invariant
 from ..descriptor import PRESETS, KernelDescriptor
 from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
 from .. import config, formula_path, torch_path
 from ..runtime import launcher, store
 from ..runtime.specs import epilogue
-from . import autotune
+from . import autotune, shift
 from .autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from ..runtime.specs import (
     LOWK_GENERIC_MAX_K,
@@ -163,11 +163,11 @@ def _tensor_core_operands(call: DistanceCall) -> tuple:
 
 def _prepared_pair(a: torch.Tensor, b: torch.Tensor, Kp: int, centre: bool) -> tuple:
     """a and b zero-padded to Kp columns and, with ``centre``, shifted by their reference point
-    (kermac_like.centring.shifted_pair: a column with a non-finite value in either stays
-    unshifted); one copy when they are the same memory, so that the kernels still see a == b
-    (their exact zero self-distance diagonal)."""
+    (kermac_like.centring.shifted_pair, on a GPU by plan.shift's kernels: a column with a
+    non-finite value in either stays unshifted); one copy when they are the same memory, so
+    that the kernels still see a == b (their exact zero self-distance diagonal)."""
     if centre:
-        return shifted_pair(a, b, pad_to=Kp)[:2]
+        return shift.shifted_pair(a, b, pad_to=Kp)
     pa = _pad_k(a, Kp)
     return pa, (pa if _same_memory(a, b) else _pad_k(b, Kp))
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..centring import centred_together, shift_invariant, shifted_pair
+from ..centring import centred_together, shift_invariant
 from ..descriptor import KernelDescriptor
 from ..layout import batch_strides
 from ..runtime import launcher, store
@@ -36,6 +36,7 @@ from .core import (
     _sm_count,
     choose_split,
 )
+from . import shift
 from .distance import WGMMA_BLOCK_K, _pad_k, _Ptr, _same_memory, _WgmmaPrepare, b_entries
 
 __all__ = ["MATVEC_WGMMA_BLOCK_BYTES", "MATVEC_WGMMA_TILE"]
@@ -109,7 +110,7 @@ def _plan_matvec_wgmma(call, out: torch.Tensor, debug: bool, settings: Settings)
     x, y = call.x, call.y
     if shift_invariant(call.desc) and not centred_together(x, y):
         # the product formula on x - s, y - s (fresh row-major copies, K zero-padded to whole 16-byte rows)
-        x, y, _ = shifted_pair(x, y, pad_to=-(-K // 4) * 4)
+        x, y = shift.shifted_pair(x, y, pad_to=-(-K // 4) * 4, debug=debug)  # (plan.shift: the GPU's kernels)
     elif not (_tc_rows_ok(x) and _tc_rows_ok(y)):
         # fresh row-major copies, K zero-padded to whole 16-byte rows (one copy if x is y)
         Kp = -(-K // 4) * 4

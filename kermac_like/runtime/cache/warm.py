@@ -75,9 +75,9 @@ def read_kernel_status(key: str):
         except sqlite3.Error:
             _forget_reader()
             return None, False
+        found = _verified(rows[0]) if rows else None  # None on a mismatch: the full cache removes it
     if not rows:
         return None, rows is not None  # (None: another schema version)
-    found = _verified(rows[0])  # None on a mismatch: the full cache removes it and recompiles
     if found is not None and time.time() - rows[0][3] > TOUCH_INTERVAL_S:
         _touch(path, found[2])
     return found, False
@@ -91,11 +91,30 @@ def _query(conn: sqlite3.Connection, key: str):
     return conn.execute(_SELECT, (key,)).fetchall()
 
 
+# Cubins this process found equal to their sha256, by that sha256. A module's other kernels (a
+# bundle's program holds 4, a call often takes 2-3 of them) are then checked by comparing the bytes
+# read with these (a memcmp) instead of hashing them again: one sha256 per module and process, every
+# lookup still checked against the row's sha256. Bounded (the oldest module out past _VERIFIED_MAX);
+# read and written under _reader_lock.
+_verified_cubins: dict = {}
+_VERIFIED_MAX = 64
+hash_count = 0  # sha256 computations of cubins by this process (tests count the warm lookup's work)
+
+
 def _verified(row):
     """(cubin, lowered name, module sha256) of a row whose cubin matches its sha256, else None."""
+    global hash_count
     lowered, sha, cubin, _ = row
     cubin = bytes(cubin)
-    return (cubin, lowered, sha) if hashlib.sha256(cubin).hexdigest() == sha else None
+    if _verified_cubins.get(sha) == cubin:
+        return cubin, lowered, sha
+    hash_count += 1
+    if hashlib.sha256(cubin).hexdigest() != sha:
+        return None
+    if len(_verified_cubins) >= _VERIFIED_MAX:
+        del _verified_cubins[next(iter(_verified_cubins))]
+    _verified_cubins[sha] = cubin
+    return cubin, lowered, sha
 
 
 # The process's read-only connection to the cache file: (pid, (device, inode) of the file
@@ -160,10 +179,16 @@ def _touch(path: Path, sha: str) -> None:
 
 
 def open_reader() -> None:
-    """Open this process's read-only connection to the cache file and read its schema stamp, as
-    the first lookup does (:func:`kermac_like.runtime.launcher.prepare_in_background` does it
-    before the first call). A file that is not trusted is left alone; OSError where there is no
-    file, sqlite3.Error where it cannot be read."""
+    """Open this process's read-only connections to the bundles and to the cache file and read
+    their schema stamps, as the first lookup does (:func:`kermac_like.runtime.store.prepare_in_background`
+    does it before the first call). A file that is not trusted is left alone; OSError where there
+    is no cache file, sqlite3.Error where one cannot be read."""
+    for bundle in _bundle_files(bundle_dirs()):  # the bundles' connections and schema stamps
+        with _reader_lock:
+            try:
+                _bundle_reader(bundle).execute("PRAGMA user_version").fetchall()
+            except sqlite3.Error:  # (the lookup skips it too)
+                _bundle_conns.pop(bundle, None)
     path = default_cache_dir() / DB_FILENAME
     st = os.stat(path)
     if stat.S_ISREG(st.st_mode) and untrusted_reason(path.parent, path) is None:
@@ -171,8 +196,10 @@ def open_reader() -> None:
             _reader(path, st).execute("PRAGMA user_version").fetchall()
 
 
+@functools.lru_cache(maxsize=None)
 def package_bundle_dir() -> Path:
-    """``kermac_like/prebuilt/``: the bundle folder that ships with the package."""
+    """``kermac_like/prebuilt/``: the bundle folder that ships with the package (resolved once per
+    process: a resolve is a system call per path component, on every lookup before)."""
     return Path(__file__).resolve().parents[2] / "prebuilt"
 
 
@@ -222,7 +249,7 @@ def read_bundled(key: str):
             except sqlite3.Error:
                 _bundle_conns.pop(path, None)
                 continue
-        found = _verified(rows[0]) if rows else None
+            found = _verified(rows[0]) if rows else None
         if found is not None:
             return found
     return None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 # Every family's names, re-exported: ``from kermac_like.runtime.specs import distance_spec``.
 from . import cdist_grad, distance, distance_lowk, distance_mma, distance_wgmma, matvec, matvec_grad  # noqa: F401
-from . import falkon, kmeans, logsumexp, matvec_wgmma, topk  # noqa: F401
+from . import centring, falkon, kmeans, logsumexp, matvec_wgmma, topk  # noqa: F401
 from .cdist_grad import (  # noqa: F401
     ABS_GRAD_TUNING,
     GRAD_LAUNCH,
@@ -106,6 +106,7 @@ FAMILIES = {
     "logsumexp": logsumexp.shipped,
     "kmeans": kmeans.shipped,
     "falkon": falkon.shipped,
+    "centring": centring.shipped,  # last: the earlier families' NVRTC programs stay as they were
 }
 
 

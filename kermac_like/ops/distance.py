@@ -30,7 +30,7 @@ from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_h
 
 log = logging.getLogger("kermac_like.distance")
 
-__all__ = ["run_kernel", "cdist", "COMPUTE_MODES"]
+__all__ = ["run_kernel", "cdist", "COMPUTE_MODES", "fused_device"]
 
 COMPUTE_MODES = (
     "use_mm_for_euclid_dist_if_necessary",
@@ -38,23 +38,32 @@ COMPUTE_MODES = (
     "donot_use_mm_for_euclid_dist",
 )
 
-def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
-                 regularization_offset_x=0, regularization_offset_y=0, epsilon=None, names=("a", "b"),
-                 extra_shapes=None, params=None) -> DistanceCall:
-    """Validate a run_kernel call; raises TypeError/ValueError naming the argument. ``names``:
-    the operands' names in the calling op's terms (kernel_matvec's and knn's x and y);
-    ``extra_shapes``: batch shapes of that op's other operands ({name: shape}), which must
-    broadcast with the data and the hyper-parameters (the call's batch includes them);
-    ``params``: the descriptor's own hyper-parameters (a formula kernel's alpha, q, period, c or
-    expression parameters: kermac_like/formula.py), which join the call's hypers by name."""
-    if not isinstance(descriptor, KernelDescriptor):
-        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
+def check_data(a, b, names=("a", "b")) -> None:
+    """The operands of a kernel-matrix call: tensors of one floating dtype and device with one K
+    (TypeError/ValueError naming the argument)."""
     na, nb = names
     check_tensor(na, a)
     check_tensor(nb, b)
     check_same(nb, b, na, a)
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"{nb}: last dimension {b.shape[-1]} differs from {na}'s {a.shape[-1]} (the contracted K mode)")
+
+
+def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
+                 regularization_offset_x=0, regularization_offset_y=0, epsilon=None, names=("a", "b"),
+                 extra_shapes=None, params=None, data_checked=False) -> DistanceCall:
+    """Validate a run_kernel call; raises TypeError/ValueError naming the argument. ``names``:
+    the operands' names in the calling op's terms (kernel_matvec's and knn's x and y);
+    ``extra_shapes``: batch shapes of that op's other operands ({name: shape}), which must
+    broadcast with the data and the hyper-parameters (the call's batch includes them);
+    ``params``: the descriptor's own hyper-parameters (a formula kernel's alpha, q, period, c or
+    expression parameters: kermac_like/formula.py), which join the call's hypers by name;
+    ``data_checked``: the calling op ran :func:`check_data` already (before checks of its own
+    operands that read the data's shapes), so it is not run twice."""
+    if not isinstance(descriptor, KernelDescriptor):
+        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
+    if not data_checked:
+        check_data(a, b, names)
     dev = a.device
     p = check_scalar_or_tensor("p", p, dev, nonnegative=True)
     inner_p = check_scalar_or_tensor("inner_p", inner_p, dev, nonnegative=True)
@@ -101,7 +110,7 @@ def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwi
     elif descriptor.fused_ok:
         bandwidth = None
     hypers = dict(inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth, regularization=regularization, **own)
-    shapes = {na: tuple(a.shape[:-2]), nb: tuple(b.shape[:-2]), **(extra_shapes or {})}
+    shapes = {names[0]: tuple(a.shape[:-2]), names[1]: tuple(b.shape[:-2]), **(extra_shapes or {})}
     shapes.update({k: tuple(v.shape) for k, v in hypers.items() if isinstance(v, torch.Tensor)})
     batch = broadcast_batch_shape(shapes)
     return DistanceCall(descriptor, a, b, hypers, ox - oy, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])
@@ -170,9 +179,10 @@ _NUMBER_TYPES = (float, int, type(None))
 _TORCH_CDIST_DTYPES = (torch.float32, torch.float64)
 
 
-def _gpu_call(t) -> bool:
-    """Whether the planner's GPU kernels may serve a call on ``t`` (plan.core's device rule,
-    looked up at call time so that tests can stand a CPU in for a GPU)."""
+def fused_device(t) -> bool:
+    """Whether the fused GPU kernels may serve a call on tensor ``t`` (a CUDA device of sm_80 or
+    later; else the torch path): plan.core's device rule for the estimators, looked up at call time
+    so that tests can stand a CPU in for a GPU."""
     return isinstance(t, torch.Tensor) and plan_core._gpu_ok(t)
 
 
@@ -407,7 +417,7 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
             return res
     key = None
     if (not debug and autotune is None and type(p) in _NUMBER_TYPES and p is not None
-            and _gpu_call(x1)):  # the call-key templates are GPU plans
+            and fused_device(x1)):  # the call-key templates are GPU plans
         key = _call_key(("cdist", bool(skip_epilogue)), (p,), x1, x2, out, compute_mode)
         res = _run_cached(key, x1, x2, out)
         if res is not None:
@@ -424,7 +434,7 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
     if x1.shape[-1] != x2.shape[-1]:
         raise ValueError(f"x2: last dimension {x2.shape[-1]} differs from x1's {x1.shape[-1]}")
     if (out is None and not skip_epilogue and not debug and autotune is None and x1.dtype in _TORCH_CDIST_DTYPES
-            and not _gpu_call(x1) and direct_call(x1, x2)):
+            and not fused_device(x1) and direct_call(x1, x2)):
         # On the CPU the torch path of cdist is torch.cdist itself (torch_path.py, bitwise): a
         # small call should not pay the planning for it.
         broadcast_batch_shape({"x1": tuple(x1.shape[:-2]), "x2": tuple(x2.shape[:-2])})

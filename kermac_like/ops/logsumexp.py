@@ -42,7 +42,7 @@ from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from ..centring import shifted_pair
 from ..layout import analyse_output
 from ..plan.logsumexp import plan_logsumexp
-from .distance import COMPUTE_MODES, prepare_call, run_kernel
+from .distance import COMPUTE_MODES, check_data, prepare_call, run_kernel
 
 log = logging.getLogger("kermac_like.logsumexp")
 
@@ -346,8 +346,7 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
         raise ValueError(f"descriptor: {descriptor!r} has no LAPLACE or GAUSSIAN epilogue (its kernel must be exp(-phi))")
     elif descriptor.inner_operator is not InnerOperator.DIFF:
         raise ValueError(f"descriptor: {descriptor!r} is not a distance (inner operator DIFF)")
-    check_tensor("x", x)
-    check_tensor("y", y)
+    check_data(x, y, ("x", "y"))
     if log_weights is None:
         lw, vector = x.new_zeros(y.shape[-2], 1), True
     else:
@@ -360,7 +359,7 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
                              f"{tuple(log_weights.shape)}")
     call = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                         epsilon=epsilon, names=("x", "y"), extra_shapes={"log_weights": tuple(lw.shape[:-2])},
-                        params=params)
+                        params=params, data_checked=True)
     for name, h in call.hypers.items():
         if not descriptor.fused_ok:
             break  # (a formula kernel's hyper-parameters are differentiable)

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from .. import _debug, formula_path
-from .._args import check_int, check_same, check_tensor
+from .._args import check_same, check_tensor
 from ..descriptor import InnerOperator, KernelDescriptor
-from ..layout import analyse_output, broadcast_batch_shape
+from ..layout import analyse_output, broadcast_batch_shape, broadcast_shapes
 from ..plan import MATVEC_SCRATCH_BYTES, plan_matvec
 from ..plan.matvec import matvec_shifts  # (for the operators that keep shifted operands)
 from ..plan.matvec import formula_fused
@@ -31,7 +31,7 @@ from ..runtime.specs import epilogue
 from ..reference import matvec_reference
 from . import matvec_backward
 from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
-from .distance import prepare_call
+from .distance import check_data, prepare_call
 
 log = logging.getLogger("kermac_like.matvec")
 
@@ -66,6 +66,16 @@ class MatvecCall:
     # data and the expanded form, v rounded to float32 once and float32 partials of a few points
     # added into the float64 sums (specs.matvec.F32_GROUP); elsewhere ignored.
     f32_partials: bool = False
+
+    @classmethod
+    def of(cls, desc, x, y, v, hypers: dict, reg_diag: int, epsilon) -> "MatvecCall":
+        """A call from the op's arguments (checked once by kernel_matvec; its backward's alike)."""
+        vector = v.dim() == 1
+        vm = v.unsqueeze(-1) if vector else v
+        shapes = [x.shape[:-2], y.shape[:-2], vm.shape[:-2]] + [h.shape for h in hypers.values()
+                                                                 if isinstance(h, torch.Tensor)]
+        return cls(desc, x, y, vm, hypers, reg_diag, epsilon, broadcast_shapes(*shapes), x.shape[-2], y.shape[-2],
+                   x.shape[-1], vm.shape[-1], vector)
 
     @property
     def out_shape(self) -> tuple:
@@ -129,20 +139,12 @@ def prepare_matvec(descriptor, x, y, v, *, p=None, inner_p=None, outer_p=None, b
                    epsilon=None, params=None) -> MatvecCall:
     """Validate a kernel_matvec call; TypeError/ValueError naming the argument. ``params``: a
     formula kernel's own hyper-parameters (ops.distance.prepare_call)."""
-    if not isinstance(descriptor, KernelDescriptor):
-        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
-    check_tensor("x", x)
-    check_tensor("y", y)
-    check_same("y", y, "x", x)
-    if x.shape[-1] != y.shape[-1]:
-        raise ValueError(f"y: last dimension {y.shape[-1]} differs from x's {x.shape[-1]} (the coordinates K)")
+    check_data(x, y, ("x", "y"))
     vm, vector = _rhs("v", v, x, y.shape[-2])
-    check_int("regularization_offset_x", regularization_offset_x)
-    check_int("regularization_offset_y", regularization_offset_y)
     dc = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                       regularization=regularization, regularization_offset_x=regularization_offset_x,
                       regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"),
-                      extra_shapes={"v": tuple(vm.shape[:-2])}, params=params)
+                      extra_shapes={"v": tuple(vm.shape[:-2])}, params=params, data_checked=True)
     return MatvecCall(descriptor, x, y, vm, dc.hypers, dc.reg_diag, dc.epsilon, dc.batch, dc.M, dc.N, dc.K,
                       vm.shape[-1], vector)
 
@@ -353,10 +355,7 @@ def backward(ctx, grad):
         )
     x, y, v, ipt, opt, bwt, rgt = ctx.saved_tensors
     descriptor, ip, op, bw, rg, reg_diag, epsilon, debug = ctx.args
-    call = prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(ip, ipt),
-                          outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
-                          regularization=join_hyper(rg, rgt), regularization_offset_x=reg_diag,
-                          regularization_offset_y=0, epsilon=epsilon)
+    call = _call_of(x, y, v, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon)
     gx, gy, gv = backward_for_autograd(call, grad, ctx.needs_input_grad[:3], debug=debug)
     if gv is not None:
         gv = gv.reshape(v.shape)  # a 1-D v: (N, 1) -> (N,)
@@ -366,11 +365,10 @@ def backward(ctx, grad):
 # -- the ops: kermac_like::kernel_matvec and kermac_like::kernel_matvec_out ----------------------
 def _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
              regularization, regularization_tensor, reg_diag, epsilon) -> MatvecCall:
-    return prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(inner_p, inner_p_tensor),
-                          outer_p=join_hyper(outer_p, outer_p_tensor),
-                          bandwidth=join_hyper(bandwidth, bandwidth_tensor),
-                          regularization=join_hyper(regularization, regularization_tensor),
-                          regularization_offset_x=reg_diag, epsilon=epsilon)
+    hypers = dict(inner_p=join_hyper(inner_p, inner_p_tensor), outer_p=join_hyper(outer_p, outer_p_tensor),
+                  bandwidth=join_hyper(bandwidth, bandwidth_tensor),
+                  regularization=join_hyper(regularization, regularization_tensor))
+    return MatvecCall.of(descriptor_from_ints(descriptor), x, y, v, hypers, reg_diag, epsilon)
 
 
 def _matvec_impl(x: Tensor, y: Tensor, v: Tensor, descriptor: list[int], inner_p: Optional[float],

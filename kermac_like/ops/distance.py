@@ -288,14 +288,17 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
 
 
 def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regularization, regularization_offset_x,
-                regularization_offset_y, epsilon, compute_mode, autotune, debug, call_key, params=None):
-    """run_kernel after its call-key lookup missed (``call_key``: that key, or None)."""
+                regularization_offset_y, epsilon, compute_mode, autotune, debug, call_key, params=None,
+                data_checked=False):
+    """run_kernel after its call-key lookup missed (``call_key``: that key, or None; ``data_checked``: cdist
+    checked a and b)."""
     debug = _debug.resolve(debug)
     if compute_mode not in COMPUTE_MODES:
         raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
     call = prepare_call(descriptor, a, b, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                         regularization=regularization, regularization_offset_x=regularization_offset_x,
-                        regularization_offset_y=regularization_offset_y, epsilon=epsilon, params=params)
+                        regularization_offset_y=regularization_offset_y, epsilon=epsilon, params=params,
+                        data_checked=data_checked)
     if autotune is not None and not isinstance(autotune, bool):
         raise TypeError(f"autotune: expected a bool or None, got {type(autotune).__name__}")
     call.autotune = autotune
@@ -423,16 +426,12 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
         if res is not None:
             return res
     debug = _debug.resolve(debug)
-    check_tensor("x1", x1)
-    check_tensor("x2", x2)
-    check_same("x2", x2, "x1", x1)
+    check_data(x1, x2, ("x1", "x2"))
     p = check_scalar_or_tensor("p", p, x1.device, nonnegative=True, allow_inf=True)
     if isinstance(p, torch.Tensor):
         raise TypeError("p: cdist takes a real number (use run_kernel for per-batch p)")
     if compute_mode not in COMPUTE_MODES:
         raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
-    if x1.shape[-1] != x2.shape[-1]:
-        raise ValueError(f"x2: last dimension {x2.shape[-1]} differs from x1's {x1.shape[-1]}")
     if (out is None and not skip_epilogue and not debug and autotune is None and x1.dtype in _TORCH_CDIST_DTYPES
             and not fused_device(x1) and direct_call(x1, x2)):
         # On the CPU the torch path of cdist is torch.cdist itself (torch_path.py, bitwise): a
@@ -455,4 +454,4 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
         desc, kw = (PRESETS["p_norm_skip_root"] if skip_epilogue else PRESETS["p_norm"]), {"p": p}
     return _run_kernel(desc, x1, x2, out=out, p=kw.get("p"), inner_p=None, outer_p=None, bandwidth=None,
                        regularization=None, regularization_offset_x=0, regularization_offset_y=0, epsilon=None,
-                       compute_mode=compute_mode, autotune=autotune, debug=debug, call_key=key)
+                       compute_mode=compute_mode, autotune=autotune, debug=debug, call_key=key, data_checked=True)

@@ -70,6 +70,13 @@ def join_hyper(value, tensor):
     return tensor if tensor is not None else value
 
 
+def join_hypers(ip, ipt, op, opt, bw, bwt, rg, rgt) -> dict:
+    """The distance hyper-parameters (inner_p, outer_p, bandwidth, regularization) of an op's (number,
+    tensor) argument pairs."""
+    return dict(inner_p=join_hyper(ip, ipt), outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
+                regularization=join_hyper(rg, rgt))
+
+
 def direct_call(*tensors, grad: bool = True) -> bool:
     """Whether an eager call may run the op's implementation without the dispatcher:
     nothing but the backend kernel would act on it (``grad=False``: the op takes no part

@@ -22,21 +22,16 @@ from .. import _debug, config, formula, formula_path
 from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
-from ..plan import DistanceCall, run_by_call_key, run_distance
+from ..calls import COMPUTE_MODES, DistanceCall
+from ..plan import run_by_call_key, run_distance
 from ..plan import core as plan_core
 from . import distance_backward
 from ..plan.autotune import override as autotune_override
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hypers, register_autograd, split_hyper
 
 log = logging.getLogger("kermac_like.distance")
 
 __all__ = ["run_kernel", "cdist", "COMPUTE_MODES", "fused_device"]
-
-COMPUTE_MODES = (
-    "use_mm_for_euclid_dist_if_necessary",
-    "use_mm_for_euclid_dist",
-    "donot_use_mm_for_euclid_dist",
-)
 
 def check_data(a, b, names=("a", "b")) -> None:
     """The operands of a kernel-matrix call: tensors of one floating dtype and device with one K
@@ -51,7 +46,7 @@ def check_data(a, b, names=("a", "b")) -> None:
 
 def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
                  regularization_offset_x=0, regularization_offset_y=0, epsilon=None, names=("a", "b"),
-                 extra_shapes=None, params=None, data_checked=False) -> DistanceCall:
+                 extra_shapes=None, params=None, data_checked=False, autotune=None) -> DistanceCall:
     """Validate a run_kernel call; raises TypeError/ValueError naming the argument. ``names``:
     the operands' names in the calling op's terms (kernel_matvec's and knn's x and y);
     ``extra_shapes``: batch shapes of that op's other operands ({name: shape}), which must
@@ -59,7 +54,7 @@ def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwi
     ``params``: the descriptor's own hyper-parameters (a formula kernel's alpha, q, period, c or
     expression parameters: kermac_like/formula.py), which join the call's hypers by name;
     ``data_checked``: the calling op ran :func:`check_data` already (before checks of its own
-    operands that read the data's shapes), so it is not run twice."""
+    operands that read the data's shapes), so it is not run twice; ``autotune``: run_kernel's."""
     if not isinstance(descriptor, KernelDescriptor):
         raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
     if not data_checked:
@@ -113,15 +108,17 @@ def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwi
     shapes = {names[0]: tuple(a.shape[:-2]), names[1]: tuple(b.shape[:-2]), **(extra_shapes or {})}
     shapes.update({k: tuple(v.shape) for k, v in hypers.items() if isinstance(v, torch.Tensor)})
     batch = broadcast_batch_shape(shapes)
-    return DistanceCall(descriptor, a, b, hypers, ox - oy, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])
+    if autotune is not None and not isinstance(autotune, bool):
+        raise TypeError(f"autotune: expected a bool or None, got {type(autotune).__name__}")
+    return DistanceCall(descriptor, a, b, hypers, ox - oy, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1],
+                        autotune)
 
 
 # -- the ops: kermac_like::run_kernel and kermac_like::run_kernel_out --------------------------
 def _call_of(a, b, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
              regularization, regularization_tensor, reg_diag, epsilon) -> DistanceCall:
-    hypers = dict(inner_p=join_hyper(inner_p, inner_p_tensor), outer_p=join_hyper(outer_p, outer_p_tensor),
-                  bandwidth=join_hyper(bandwidth, bandwidth_tensor),
-                  regularization=join_hyper(regularization, regularization_tensor))
+    hypers = join_hypers(inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                         regularization, regularization_tensor)
     return DistanceCall.of(descriptor_from_ints(descriptor), a, b, hypers, reg_diag, epsilon)
 
 
@@ -298,10 +295,7 @@ def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regula
     call = prepare_call(descriptor, a, b, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                         regularization=regularization, regularization_offset_x=regularization_offset_x,
                         regularization_offset_y=regularization_offset_y, epsilon=epsilon, params=params,
-                        data_checked=data_checked)
-    if autotune is not None and not isinstance(autotune, bool):
-        raise TypeError(f"autotune: expected a bool or None, got {type(autotune).__name__}")
-    call.autotune = autotune
+                        data_checked=data_checked, autotune=autotune)
     _check_out(out, call.out_shape, call.dtype, call.device)
     hyper_tensors = [v for v in call.hypers.values() if isinstance(v, torch.Tensor)]
     grad = _needs_grad(call.a, call.b, *hyper_tensors)

@@ -29,21 +29,21 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import _debug, config, formula_path
+from ..calls import DistanceCall, TopkCall, values_are_distances
 from ..centring import pair_reference
 from .._args import check_int, check_scalar_or_tensor
 from ..descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType
-from ..layout import analyse_output, broadcast_batch_shape, broadcast_shapes
-from ..plan import DistanceCall
+from ..layout import analyse_output, broadcast_batch_shape
 from ..plan.topk import plan_topk
 from ..reference import distance_reference
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hypers, register_autograd, split_hyper
 from . import distance_backward
 from .distance import COMPUTE_MODES, cdist, check_data, prepare_call, run_kernel
 
@@ -67,51 +67,6 @@ GPU_BLOCK_Y_BYTES = 8 << 20
 BACKWARD_BLOCK_ELEMENTS = 1 << 22
 
 _CDIST_PRESETS = {PRESETS["l1"]: 1.0, PRESETS["l2"]: 2.0}
-
-
-@dataclass(frozen=True)
-class TopkCall:
-    """A validated kernel_topk / knn call.
-
-    ``desc`` is None only for knn with p = 0 or p = inf (torch.cdist's counting and maximum
-    norms, which no descriptor expresses; such calls never reach the fused planner). ``p`` is
-    knn's p (None for kernel_topk): the blocked path then computes torch.cdist's distances
-    under ``compute_mode`` (its matrix product for p = 2 where torch takes it).
-    """
-
-    desc: Optional[KernelDescriptor]
-    x: torch.Tensor
-    y: torch.Tensor
-    k: int
-    largest: bool
-    hypers: dict  # inner_p/outer_p/bandwidth/regularization -> float | Tensor | None
-    reg_diag: int  # entry (m, n) is regularised where n - m == reg_diag
-    epsilon: float | None
-    batch: tuple
-    M: int
-    N: int
-    K: int
-    distance: bool  # values are distances (no epilogue, DIFF inner): largest defaults to False
-    p: float | None = None
-    compute_mode: str = COMPUTE_MODES[0]
-    reference: Optional[torch.Tensor] = None  # (K,) the tensor-core candidates' shift (None: the data's)
-
-    @property
-    def out_shape(self) -> tuple:
-        return (*self.batch, self.M, self.k)
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    def distance_call(self) -> DistanceCall:
-        """The run_kernel call whose rows are searched (not for p = 0 / inf)."""
-        return DistanceCall(self.desc, self.x, self.y, self.hypers, self.reg_diag, self.epsilon, self.batch,
-                            self.M, self.N, self.K)
 
 
 def _check_k(k, N: int) -> int:
@@ -141,14 +96,9 @@ def prepare_topk(descriptor, x, y, k, *, largest=None, p=None, inner_p=None, out
                       regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"), params=params,
                       data_checked=data_checked)
     k = _check_k(k, dc.N)
-    return TopkCall(descriptor, x, y, k, _check_largest(largest, not _is_distance(descriptor)), dc.hypers, dc.reg_diag,
-                    dc.epsilon, dc.batch, dc.M, dc.N, dc.K, _is_distance(descriptor))
-
-
-def _is_distance(descriptor) -> bool:
-    """Whether a call's values are distances (None: knn's p = 0 or inf); a formula's are kernel values."""
-    return descriptor is None or (descriptor.inner_operator is InnerOperator.DIFF and descriptor.fused_ok
-                                  and descriptor.kernel_type is KernelType.NONE)
+    distance = values_are_distances(descriptor)
+    return TopkCall(descriptor, x, y, k, _check_largest(largest, not distance), dc.hypers, dc.reg_diag, dc.epsilon,
+                    dc.batch, dc.M, dc.N, dc.K, distance)
 
 
 def prepare_knn(x, y, k, *, p=2.0, largest=False, compute_mode=COMPUTE_MODES[0]) -> TopkCall:
@@ -650,13 +600,10 @@ def topk_backward_pairs(call: TopkCall, indices: Tensor, grad: Tensor, needs: tu
 def _call_of(x, y, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
              regularization, regularization_tensor, reg_diag, epsilon, k, largest, p, compute_mode) -> TopkCall:
     """The call of the op's arguments (checked once by kernel_topk or knn; the backward's alike)."""
-    desc = descriptor_from_ints(descriptor) if descriptor else None
-    hypers = dict(inner_p=join_hyper(inner_p, inner_p_tensor), outer_p=join_hyper(outer_p, outer_p_tensor),
-                  bandwidth=join_hyper(bandwidth, bandwidth_tensor),
-                  regularization=join_hyper(regularization, regularization_tensor))
-    shapes = [x.shape[:-2], y.shape[:-2]] + [h.shape for h in hypers.values() if isinstance(h, Tensor)]
-    return TopkCall(desc, x, y, k, largest, hypers, reg_diag, epsilon, broadcast_shapes(*shapes), x.shape[-2],
-                    y.shape[-2], x.shape[-1], _is_distance(desc), p, compute_mode)
+    hypers = join_hypers(inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                         regularization, regularization_tensor)
+    return TopkCall.of(descriptor_from_ints(descriptor) if descriptor else None, x, y, k, largest, hypers, reg_diag,
+                       epsilon, p, compute_mode)
 
 
 def _topk_impl(x: Tensor, y: Tensor, descriptor: list[int], inner_p: Optional[float], inner_p_tensor: Optional[Tensor],

@@ -254,7 +254,7 @@ def _forward(call, lw: Tensor, work, debug: bool = False) -> Tensor:
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, lw, call, work, debug):
-        out = _forward(dataclasses.replace(call, a=x, b=y), lw, work, debug)
+        out = _forward(call._replace(a=x, b=y), lw, work, debug)
         ctx.save_for_backward(x, y, lw, out)
         ctx.call, ctx.work = call, work
         return out

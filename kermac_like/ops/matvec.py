@@ -14,23 +14,23 @@ Internal entry points (used by the backward and by lazy kernel operators):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import _debug, formula_path
-from .._args import check_same, check_tensor
 from ..descriptor import InnerOperator, KernelDescriptor
-from ..layout import analyse_output, broadcast_batch_shape, broadcast_shapes
+from ..calls import WIDE_OUT_INPUTS, MatvecCall, check_rhs
+from ..layout import analyse_output
 from ..plan import MATVEC_SCRATCH_BYTES, plan_matvec
 from ..plan.matvec import matvec_shifts  # (for the operators that keep shifted operands)
 from ..plan.matvec import formula_fused
 from ..runtime.specs import epilogue
 from ..reference import matvec_reference
 from . import matvec_backward
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hypers, register_autograd, split_hyper
 from .distance import check_data, prepare_call
 
 log = logging.getLogger("kermac_like.matvec")
@@ -39,108 +39,13 @@ __all__ = ["kernel_matvec", "MatvecCall", "prepare_matvec", "matvec_forward", "m
            "SCRATCH_BYTES", "WIDE_OUT_INPUTS", "matvec_shifts"]
 
 SCRATCH_BYTES = MATVEC_SCRATCH_BYTES  # largest split-N scratch of one call (plan/core.py)
-# Input dtypes whose kernel_matvec has a float64 mode: a float64 ``out`` and/or a float64 ``v``
-# (float64 products and sums of the kernel values, stored unrounded).
-WIDE_OUT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class MatvecCall:
-    """A validated kernel_matvec call. ``v`` is always a matrix ``(..., N, C)`` (a 1-D
-    right-hand side was given a trailing mode of 1 and ``vector`` is set)."""
-
-    desc: KernelDescriptor
-    x: torch.Tensor
-    y: torch.Tensor
-    v: torch.Tensor
-    hypers: dict  # inner_p/outer_p/bandwidth/regularization -> float | Tensor | None
-    reg_diag: int  # entry (m, n) is regularised where n - m == reg_diag
-    epsilon: float | None
-    batch: tuple
-    M: int
-    N: int
-    K: int
-    C: int
-    vector: bool
-    # The blocked float64 mode (internal; Falkon's products): with a float64 out of float32/16-bit
-    # data and the expanded form, v rounded to float32 once and float32 partials of a few points
-    # added into the float64 sums (specs.matvec.F32_GROUP); elsewhere ignored.
-    f32_partials: bool = False
-
-    @classmethod
-    def of(cls, desc, x, y, v, hypers: dict, reg_diag: int, epsilon) -> "MatvecCall":
-        """A call from the op's arguments (checked once by kernel_matvec; its backward's alike)."""
-        vector = v.dim() == 1
-        vm = v.unsqueeze(-1) if vector else v
-        shapes = [x.shape[:-2], y.shape[:-2], vm.shape[:-2]] + [h.shape for h in hypers.values()
-                                                                 if isinstance(h, torch.Tensor)]
-        return cls(desc, x, y, vm, hypers, reg_diag, epsilon, broadcast_shapes(*shapes), x.shape[-2], y.shape[-2],
-                   x.shape[-1], vm.shape[-1], vector)
-
-    @property
-    def out_shape(self) -> tuple:
-        return (*self.batch, self.M) if self.vector else (*self.batch, self.M, self.C)
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    @property
-    def wide_v(self) -> bool:
-        """v is float64 while x and y are float32/16-bit (the float64 mode; out is float64)."""
-        return self.v.dtype == torch.float64 and self.x.dtype != torch.float64
-
-    @property
-    def out_dtype(self) -> torch.dtype:
-        """The dtype of the result when no ``out`` is given: float64 for a float64 v, else x's."""
-        return torch.float64 if self.wide_v else self.dtype
-
-    def with_v(self, v: torch.Tensor) -> "MatvecCall":
-        """The same kernel matrix applied to another right-hand side ``(..., N, C')`` or ``(N,)``."""
-        return _with_v(self, "v", v)
-
-    def transposed(self, v: torch.Tensor) -> "MatvecCall":
-        """K^T @ v: x and y swapped (every descriptor is symmetric), the regularised
-        diagonal mirrored, ``v`` ``(..., M, C')`` or ``(M,)``."""
-        t = replace(self, x=self.y, y=self.x, M=self.N, N=self.M, reg_diag=-self.reg_diag)
-        return _with_v(t, "v", v)
-
-
-def _rhs(name: str, v, x: torch.Tensor, N: int):
-    """(matrix view (..., N, C), vector?) of a right-hand side, checked."""
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(v).__name__}")
-    check_tensor(name, v, min_dim=1)
-    if not (v.dtype == torch.float64 and x.dtype in WIDE_OUT_INPUTS):  # else the float64 mode
-        check_same(name, v, "x", x)
-    elif v.device != x.device:
-        raise ValueError(f"{name}: device {v.device} differs from x's {x.device}")
-    vector = v.dim() == 1
-    vm = v.unsqueeze(-1) if vector else v
-    if vm.shape[-2] != N:
-        raise ValueError(f"{name}: expected {N} rows (the points of y), got shape {tuple(v.shape)}")
-    return vm, vector
-
-
-def _with_v(call: MatvecCall, name: str, v) -> MatvecCall:
-    vm, vector = _rhs(name, v, call.x, call.N)
-    shapes = {"x": tuple(call.x.shape[:-2]), "y": tuple(call.y.shape[:-2]), name: tuple(vm.shape[:-2]),
-              "batch": call.batch}
-    batch = broadcast_batch_shape(shapes)
-    return replace(call, v=vm, vector=vector, C=vm.shape[-1], batch=batch)
-
-
 def prepare_matvec(descriptor, x, y, v, *, p=None, inner_p=None, outer_p=None, bandwidth=None,
                    regularization=None, regularization_offset_x=0, regularization_offset_y=0,
                    epsilon=None, params=None) -> MatvecCall:
     """Validate a kernel_matvec call; TypeError/ValueError naming the argument. ``params``: a
     formula kernel's own hyper-parameters (ops.distance.prepare_call)."""
     check_data(x, y, ("x", "y"))
-    vm, vector = _rhs("v", v, x, y.shape[-2])
+    vm, vector = check_rhs("v", v, x, y.shape[-2])
     dc = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                       regularization=regularization, regularization_offset_x=regularization_offset_x,
                       regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"),
@@ -365,9 +270,8 @@ def backward(ctx, grad):
 # -- the ops: kermac_like::kernel_matvec and kermac_like::kernel_matvec_out ----------------------
 def _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
              regularization, regularization_tensor, reg_diag, epsilon) -> MatvecCall:
-    hypers = dict(inner_p=join_hyper(inner_p, inner_p_tensor), outer_p=join_hyper(outer_p, outer_p_tensor),
-                  bandwidth=join_hyper(bandwidth, bandwidth_tensor),
-                  regularization=join_hyper(regularization, regularization_tensor))
+    hypers = join_hypers(inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                         regularization, regularization_tensor)
     return MatvecCall.of(descriptor_from_ints(descriptor), x, y, v, hypers, reg_diag, epsilon)
 
 

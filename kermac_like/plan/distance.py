@@ -6,19 +6,18 @@ allocates its scratch (bench/notes/ops.md)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from ..centring import same_memory as _same_memory, shift_invariant, shifted_pair
-from ..descriptor import PRESETS, KernelDescriptor
-from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
+from ..calls import DistanceCall
+from ..descriptor import PRESETS
+from ..layout import Layout, analyse_matrix, batch_strides, plan_batch
 from .. import config, formula_path, torch_path
 from ..runtime import launcher, store
 from ..runtime.specs import epilogue
@@ -64,42 +63,6 @@ log = logging.getLogger("kermac_like.distance")
 def _aligned(plan, names, per: int) -> bool:
     """Every batch offset of these operands keeps a ``per``-element alignment."""
     return all(s % per == 0 for k in names for part in plan.strides[k] for s in part)
-
-
-@dataclass
-class DistanceCall:
-    """A validated run_kernel call (everything the planner needs)."""
-
-    desc: KernelDescriptor
-    a: torch.Tensor
-    b: torch.Tensor
-    hypers: dict  # name -> float | Tensor | None
-    reg_diag: int
-    epsilon: float | None
-    batch: tuple
-    M: int
-    N: int
-    K: int
-    autotune: bool | None = None  # measure the kernel choice (None: plan.autotune's setting)
-
-    @classmethod
-    def of(cls, desc: KernelDescriptor, a, b, hypers: dict, reg_diag: int, epsilon) -> "DistanceCall":
-        """A call from already-checked arguments (the batch: a, b and tensor hyper-parameters broadcast)."""
-        shapes = [a.shape[:-2], b.shape[:-2]] + [v.shape for v in hypers.values() if isinstance(v, torch.Tensor)]
-        batch = broadcast_shapes(*shapes)  # (not torch's: it imports sympy on its first call)
-        return cls(desc, a, b, hypers, reg_diag, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])
-
-    @property
-    def out_shape(self) -> tuple:
-        return (*self.batch, self.M, self.N)
-
-    @property
-    def device(self) -> torch.device:
-        return self.a.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.a.dtype
 
 
 class Tune(NamedTuple):
@@ -194,7 +157,7 @@ def _tensor_core_operands(call: DistanceCall) -> tuple:
     if Kp == call.K and not centre:
         return call, 0, False
     a, b = _prepared_pair(call.a, call.b, Kp, centre)
-    return dataclasses.replace(call, a=a, b=b, K=Kp), (Kp if Kp != call.K else 0), centre
+    return call._replace(a=a, b=b, K=Kp), (Kp if Kp != call.K else 0), centre
 
 
 def _prepared_pair(a: torch.Tensor, b: torch.Tensor, Kp: int, centre: bool) -> tuple:
@@ -363,7 +326,7 @@ def _formula_tensor_core_plan(call: DistanceCall, out, compute_mode: str, debug:
     if not (config.get("formula_fused") and epilogue.served(call.desc) and call.K > 0
             and call.dtype == torch.float32 and not call.epsilon and _gpu_ok(call.a)):
         return None
-    proxy = dataclasses.replace(call, desc=PRESETS["squared_l2"], hypers=epilogue.slot_hypers(call.desc, call.hypers))
+    proxy = call._replace(desc=PRESETS["squared_l2"], hypers=epilogue.slot_hypers(call.desc, call.hypers))
     wgmma, mma = _functor_specs(epilogue.functor(call.desc))
     if out is None:
         out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
@@ -579,7 +542,7 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     elif not _lowk_serves(kind, call.K, tune) and _kmajor_worthwhile(call, tune):
         kmajor = True
         a, b = _kmajor_pair(call.a, call.b)
-        call = dataclasses.replace(call, a=a, b=b)
+        call = call._replace(a=a, b=b)
     hypers = {}
     for k, v in call.hypers.items():
         if isinstance(v, torch.Tensor):

@@ -50,7 +50,8 @@ from .core import (
     _wgmma_enabled,
     choose_split,
 )
-from .distance import DistanceCall, plan_distance
+from ..calls import DistanceCall
+from .distance import plan_distance
 from .matvec_wgmma import _plan_matvec_wgmma
 
 __all__ = ["plan_matvec", "matvec_blocked", "MATVEC_BLOCKED_MIN_K", "MATVEC_TILE_ELEMENTS", "matvec_shifts",

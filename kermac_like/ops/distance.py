@@ -27,7 +27,8 @@ from ..plan import run_by_call_key, run_distance
 from ..plan import core as plan_core
 from . import distance_backward
 from ..plan.autotune import override as autotune_override
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hypers, register_autograd, split_hyper
+from ._library import (check_no_hyper_grad, descriptor_from_ints, descriptor_ints, direct_call, join_hypers,
+                       register_autograd, split_hyper)
 
 log = logging.getLogger("kermac_like.distance")
 
@@ -311,9 +312,7 @@ def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regula
         res = res.expand(call.out_shape).to(call.dtype)
         return res if out is None else out.copy_(res)
     if grad:
-        for name, v in call.hypers.items():
-            if isinstance(v, torch.Tensor) and v.requires_grad:
-                raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
+        check_no_hyper_grad(call.hypers, "run_kernel")
     elif direct_call(call.a, call.b, out, *hyper_tensors):
         # The ops' implementation, without the dispatcher (and the template kept under the
         # call's key, unless debug decided differently than the key assumed).

@@ -43,7 +43,8 @@ from ..descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType
 from ..layout import analyse_output, broadcast_batch_shape
 from ..plan.topk import plan_topk
 from ..reference import distance_reference
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hypers, register_autograd, split_hyper
+from ._library import (check_no_hyper_grad, descriptor_from_ints, descriptor_ints, direct_call, join_hypers,
+                       register_autograd, split_hyper)
 from . import distance_backward
 from .distance import COMPUTE_MODES, cdist, check_data, prepare_call, run_kernel
 
@@ -717,9 +718,7 @@ def _run(call: TopkCall, out, debug: bool) -> tuple:
             v = _formula_pairs(call, i)
         return (v, i) if out is None else (out[0].copy_(v), out[1].copy_(i))
     if grad:
-        for name, h in call.hypers.items():
-            if isinstance(h, torch.Tensor) and h.requires_grad:
-                raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
+        check_no_hyper_grad(call.hypers, "kernel_topk")
     elif direct_call(call.x, call.y, *(out or ()), *hyper_tensors):
         return topk_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
     args = _op_args(call)

@@ -42,6 +42,7 @@ from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from ..centring import shifted_pair
 from ..layout import analyse_output
 from ..plan.logsumexp import plan_logsumexp
+from ._library import check_no_hyper_grad
 from .distance import COMPUTE_MODES, check_data, prepare_call, run_kernel
 
 log = logging.getLogger("kermac_like.logsumexp")
@@ -360,11 +361,8 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
     call = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                         epsilon=epsilon, names=("x", "y"), extra_shapes={"log_weights": tuple(lw.shape[:-2])},
                         params=params, data_checked=True)
-    for name, h in call.hypers.items():
-        if not descriptor.fused_ok:
-            break  # (a formula kernel's hyper-parameters are differentiable)
-        if isinstance(h, Tensor) and h.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
+    if descriptor.fused_ok and torch.is_grad_enabled():  # (a formula kernel's hyper-parameters are differentiable)
+        check_no_hyper_grad(call.hypers, "kernel_logsumexp")
     shape = (*call.batch, call.M) if vector else (*call.batch, call.M, lw.shape[-1])
     if out is not None:
         if not isinstance(out, Tensor):

@@ -30,7 +30,8 @@ from ..plan.matvec import formula_fused
 from ..runtime.specs import epilogue
 from ..reference import matvec_reference
 from . import matvec_backward
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hypers, register_autograd, split_hyper
+from ._library import (check_no_hyper_grad, descriptor_from_ints, descriptor_ints, direct_call, join_hypers,
+                       register_autograd, split_hyper)
 from .distance import check_data, prepare_call
 
 log = logging.getLogger("kermac_like.matvec")
@@ -173,7 +174,7 @@ def gradients(call, grad, needs=(True, True, True), *, debug: bool = False):
     ``call`` is the forward's validated ``kermac_like.matvec.MatvecCall``; ``grad`` has its
     ``out_shape``; the v gradient has the shape of ``call.v`` (the (N, 1) view of a 1-D v).  ``needs``: which of the three to compute (None in the others' place).
     Each gradient has the shape and dtype of its input (broadcast batch modes summed).
-    Tensor hyper-parameters must not require grad (:func:`.matvec_backward.check_no_hyper_grad`).
+    Tensor hyper-parameters must not require grad (:func:`._library.check_no_hyper_grad`).
 
     * dL/dv = K^T grad: ``kernel_matvec`` with x and y swapped and the regularised
       diagonal mirrored.
@@ -185,7 +186,7 @@ def gradients(call, grad, needs=(True, True, True), *, debug: bool = False):
     * DOT: ``grad (v^T y)`` and ``v (grad^T x)``; with an epsilon (the thresholded
       product is not separable) a blocked contraction.
     """
-    matvec_backward.check_no_hyper_grad(call.hypers)
+    check_no_hyper_grad(call.hypers, "kernel_matvec")
     desc, x, y, v, hp = call.desc, call.x, call.y, call.v, call.hypers
     v2 = v  # always (..., N, C): a 1-D right-hand side is the (N, 1) view call.v
     g2 = grad.unsqueeze(-1) if call.vector else grad
@@ -435,7 +436,7 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
             res = formula_path.matvec_autograd(call)
         return res if out is None else out.copy_(res)
     if grad:
-        matvec_backward.check_no_hyper_grad(call.hypers)
+        check_no_hyper_grad(call.hypers, "kernel_matvec")
     elif direct_call(x, y, v, out, *hyper_tensors):
         return matvec_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
     args = _op_args(call, v)

@@ -76,9 +76,6 @@ __all__ = [
     "FUSED_C_WIDTHS",
 ]
 
-HYPER_NAMES = ("inner_p", "outer_p", "bandwidth", "regularization")
-
-
 
 # -- the launch mirror: kermac_like/runtime/specs/matvec_grad.py ------------------------------------
 # -- hyper-parameters --------------------------------------------------------------------

@@ -22,7 +22,6 @@ from .. import config, formula_path, torch_path
 from ..runtime import launcher, store
 from ..runtime.specs import epilogue
 from . import autotune
-from .autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from ..runtime.specs import (
     LOWK_GENERIC_MAX_K,
     LOWK_MAX_K,

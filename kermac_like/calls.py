@@ -76,8 +76,20 @@ class DistanceCall(NamedTuple):
 WIDE_OUT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class _OnX:
+    """The device and dtype of a call on x and y (MatvecCall, TopkCall): x's."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+
 @dataclass(frozen=True)
-class MatvecCall:
+class MatvecCall(_OnX):
     """A validated kernel_matvec call. ``v`` is always a matrix ``(..., N, C)`` (a 1-D
     right-hand side was given a trailing mode of 1 and ``vector`` is set)."""
 
@@ -110,14 +122,6 @@ class MatvecCall:
     @property
     def out_shape(self) -> tuple:
         return (*self.batch, self.M) if self.vector else (*self.batch, self.M, self.C)
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
 
     @property
     def wide_v(self) -> bool:
@@ -166,7 +170,7 @@ def _with_v(call: MatvecCall, name: str, v) -> MatvecCall:
 
 
 @dataclass(frozen=True)
-class TopkCall:
+class TopkCall(_OnX):
     """A validated kernel_topk / knn call.
 
     ``desc`` is None only for knn with p = 0 or p = inf (torch.cdist's counting and maximum
@@ -202,14 +206,6 @@ class TopkCall:
     @property
     def out_shape(self) -> tuple:
         return (*self.batch, self.M, self.k)
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
 
     def distance_call(self) -> DistanceCall:
         """The run_kernel call whose rows are searched (not for p = 0 / inf)."""

@@ -58,17 +58,9 @@ class DistanceCall(NamedTuple):
         """A call from already-checked arguments (the batch: a, b and tensor hyper-parameters broadcast)."""
         return cls(desc, a, b, hypers, reg_diag, epsilon, _batch(hypers, a, b), a.shape[-2], b.shape[-2], a.shape[-1])
 
-    @property
-    def out_shape(self) -> tuple:
-        return (*self.batch, self.M, self.N)
-
-    @property
-    def device(self) -> torch.device:
-        return self.a.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.a.dtype
+    out_shape = property(lambda self: (*self.batch, self.M, self.N))
+    device = property(lambda self: self.a.device)
+    dtype = property(lambda self: self.a.dtype)
 
 
 # Input dtypes whose kernel_matvec has a float64 mode: a float64 ``out`` and/or a float64 ``v``
@@ -79,13 +71,8 @@ WIDE_OUT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 class _OnX:
     """The device and dtype of a call on x and y (MatvecCall, TopkCall): x's."""
 
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
+    device = property(lambda self: self.x.device)
+    dtype = property(lambda self: self.x.dtype)
 
 
 @dataclass(frozen=True)

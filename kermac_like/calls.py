@@ -68,22 +68,14 @@ class DistanceCall(NamedTuple):
 WIDE_OUT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class _OnX:
-    """The device and dtype of a call on x and y (MatvecCall, TopkCall): x's."""
-
-    device = property(lambda self: self.x.device)
-    dtype = property(lambda self: self.x.dtype)
-
-
 @dataclass(frozen=True)
-class MatvecCall(_OnX):
-    """A validated kernel_matvec call. ``v`` is always a matrix ``(..., N, C)`` (a 1-D
-    right-hand side was given a trailing mode of 1 and ``vector`` is set)."""
+class _XYCall:
+    """What MatvecCall and TopkCall share: the kernel matrix of x (M rows) and y (N rows) as
+    run_kernel's call has it (its device and dtype: x's)."""
 
-    desc: KernelDescriptor
+    desc: Optional[KernelDescriptor]
     x: torch.Tensor
     y: torch.Tensor
-    v: torch.Tensor
     hypers: dict  # inner_p/outer_p/bandwidth/regularization -> float | Tensor | None
     reg_diag: int  # entry (m, n) is regularised where n - m == reg_diag
     epsilon: float | None
@@ -91,6 +83,17 @@ class MatvecCall(_OnX):
     M: int
     N: int
     K: int
+
+    device = property(lambda self: self.x.device)
+    dtype = property(lambda self: self.x.dtype)
+
+
+@dataclass(frozen=True)
+class MatvecCall(_XYCall):
+    """A validated kernel_matvec call. ``v`` is always a matrix ``(..., N, C)`` (a 1-D
+    right-hand side was given a trailing mode of 1 and ``vector`` is set)."""
+
+    v: torch.Tensor
     C: int
     vector: bool
     # The blocked float64 mode (internal; Falkon's products): with a float64 out of float32/16-bit
@@ -103,8 +106,8 @@ class MatvecCall(_OnX):
         """A call from the op's arguments (checked once by kernel_matvec; its backward's alike)."""
         vector = v.dim() == 1
         vm = v.unsqueeze(-1) if vector else v
-        return cls(desc, x, y, vm, hypers, reg_diag, epsilon, _batch(hypers, x, y, vm), x.shape[-2], y.shape[-2],
-                   x.shape[-1], vm.shape[-1], vector)
+        return cls(desc, x, y, hypers, reg_diag, epsilon, _batch(hypers, x, y, vm), x.shape[-2], y.shape[-2],
+                   x.shape[-1], vm, vm.shape[-1], vector)
 
     @property
     def out_shape(self) -> tuple:
@@ -157,7 +160,7 @@ def _with_v(call: MatvecCall, name: str, v) -> MatvecCall:
 
 
 @dataclass(frozen=True)
-class TopkCall(_OnX):
+class TopkCall(_XYCall):
     """A validated kernel_topk / knn call.
 
     ``desc`` is None only for knn with p = 0 or p = inf (torch.cdist's counting and maximum
@@ -166,18 +169,8 @@ class TopkCall(_OnX):
     under ``compute_mode`` (its matrix product for p = 2 where torch takes it).
     """
 
-    desc: Optional[KernelDescriptor]
-    x: torch.Tensor
-    y: torch.Tensor
     k: int
     largest: bool
-    hypers: dict  # inner_p/outer_p/bandwidth/regularization -> float | Tensor | None
-    reg_diag: int  # entry (m, n) is regularised where n - m == reg_diag
-    epsilon: float | None
-    batch: tuple
-    M: int
-    N: int
-    K: int
     distance: bool  # values are distances (no epilogue, DIFF inner): largest defaults to False
     p: float | None = None
     compute_mode: str = COMPUTE_MODES[0]
@@ -187,8 +180,8 @@ class TopkCall(_OnX):
     def of(cls, desc, x, y, k: int, largest: bool, hypers: dict, reg_diag: int, epsilon, p=None,
            compute_mode: str = COMPUTE_MODES[0]) -> "TopkCall":
         """A call from already-checked arguments (the op's: kernel_topk or knn checked them once)."""
-        return cls(desc, x, y, k, largest, hypers, reg_diag, epsilon, _batch(hypers, x, y), x.shape[-2], y.shape[-2],
-                   x.shape[-1], values_are_distances(desc), p, compute_mode)
+        return cls(desc, x, y, hypers, reg_diag, epsilon, _batch(hypers, x, y), x.shape[-2], y.shape[-2], x.shape[-1],
+                   k, largest, values_are_distances(desc), p, compute_mode)
 
     @property
     def out_shape(self) -> tuple:

@@ -98,8 +98,8 @@ def prepare_topk(descriptor, x, y, k, *, largest=None, p=None, inner_p=None, out
                       data_checked=data_checked)
     k = _check_k(k, dc.N)
     distance = values_are_distances(descriptor)
-    return TopkCall(descriptor, x, y, k, _check_largest(largest, not distance), dc.hypers, dc.reg_diag, dc.epsilon,
-                    dc.batch, dc.M, dc.N, dc.K, distance)
+    return TopkCall(descriptor, x, y, dc.hypers, dc.reg_diag, dc.epsilon, dc.batch, dc.M, dc.N, dc.K, k,
+                    _check_largest(largest, not distance), distance)
 
 
 def prepare_knn(x, y, k, *, p=2.0, largest=False, compute_mode=COMPUTE_MODES[0]) -> TopkCall:
@@ -115,7 +115,7 @@ def prepare_knn(x, y, k, *, p=2.0, largest=False, compute_mode=COMPUTE_MODES[0])
         batch = broadcast_batch_shape({"x": tuple(x.shape[:-2]), "y": tuple(y.shape[:-2])})
         k = _check_k(k, y.shape[-2])
         hypers = dict(inner_p=None, outer_p=None, bandwidth=None, regularization=None)
-        return TopkCall(None, x, y, k, largest, hypers, 0, None, batch, x.shape[-2], y.shape[-2], x.shape[-1], True,
+        return TopkCall(None, x, y, hypers, 0, None, batch, x.shape[-2], y.shape[-2], x.shape[-1], k, largest, True,
                         p, compute_mode)
     desc = PRESETS["l1"] if p == 1 else PRESETS["l2"] if p == 2 else PRESETS["p_norm"]
     call = prepare_topk(desc, x, y, k, largest=largest, p=None if p in (1.0, 2.0) else p, data_checked=True)

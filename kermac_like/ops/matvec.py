@@ -51,7 +51,7 @@ def prepare_matvec(descriptor, x, y, v, *, p=None, inner_p=None, outer_p=None, b
                       regularization=regularization, regularization_offset_x=regularization_offset_x,
                       regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"),
                       extra_shapes={"v": tuple(vm.shape[:-2])}, params=params, data_checked=True)
-    return MatvecCall(descriptor, x, y, vm, dc.hypers, dc.reg_diag, dc.epsilon, dc.batch, dc.M, dc.N, dc.K,
+    return MatvecCall(descriptor, x, y, dc.hypers, dc.reg_diag, dc.epsilon, dc.batch, dc.M, dc.N, dc.K, vm,
                       vm.shape[-1], vector)
 
 

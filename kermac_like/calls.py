@@ -3,7 +3,8 @@
 
 * :class:`DistanceCall`: run_kernel and cdist (and the kernel-matrix part of every other family);
 * :class:`MatvecCall`: kernel_matvec (with :func:`check_rhs`, its right-hand side's checks);
-* :class:`TopkCall`: kernel_topk and knn.
+* :class:`TopkCall`: kernel_topk and knn;
+* :class:`GradCall`: cdist_grad.
 
 Each has ``of``-style constructors or is built by its op after the checks (ops/distance.py
 ``prepare_call``, ops/matvec.py ``prepare_matvec``, ops/knn.py ``prepare_topk``/``prepare_knn``);
@@ -21,7 +22,7 @@ from ._args import check_same, check_tensor
 from .descriptor import InnerOperator, KernelDescriptor, KernelType
 from .layout import broadcast_batch_shape, broadcast_shapes
 
-__all__ = ["COMPUTE_MODES", "DistanceCall", "MatvecCall", "TopkCall", "WIDE_OUT_INPUTS", "check_rhs",
+__all__ = ["COMPUTE_MODES", "DistanceCall", "MatvecCall", "TopkCall", "GradCall", "WIDE_OUT_INPUTS", "check_rhs",
            "values_are_distances"]
 
 COMPUTE_MODES = (
@@ -191,6 +192,26 @@ class TopkCall(_XYCall):
         """The run_kernel call whose rows are searched (not for p = 0 / inf)."""
         return DistanceCall(self.desc, self.x, self.y, self.hypers, self.reg_diag, self.epsilon, self.batch,
                             self.M, self.N, self.K)
+
+
+class GradCall(NamedTuple):
+    """A validated cdist_grad call: a (..., K, M), b (..., N, K), c (..., O, K), d (..., N, M), ``p`` a
+    number or a tensor over the batch, ``batch`` their broadcast batch."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    c: torch.Tensor
+    d: torch.Tensor
+    p: object
+    batch: tuple
+
+    @classmethod
+    def of(cls, a, b, c, d, p) -> "GradCall":
+        """A call from already-checked arguments (the op's: cdist_grad checked them once)."""
+        return cls(a, b, c, d, p, _batch({"p": p}, a, b, c, d))
+
+    sizes = property(lambda self: (self.a.shape[-2], self.a.shape[-1], self.b.shape[-2], self.c.shape[-2]))  # K M N O
+    out_shape = property(lambda self: (*self.batch, self.c.shape[-2], self.b.shape[-2], self.a.shape[-1]))
 
 
 def values_are_distances(desc) -> bool:

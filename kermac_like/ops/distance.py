@@ -34,6 +34,7 @@ log = logging.getLogger("kermac_like.distance")
 
 __all__ = ["run_kernel", "cdist", "COMPUTE_MODES", "fused_device"]
 
+
 def check_data(a, b, names=("a", "b")) -> None:
     """The operands of a kernel-matrix call: tensors of one floating dtype and device with one K
     (TypeError/ValueError naming the argument)."""

@@ -57,6 +57,10 @@ def _parse_paths(text: str) -> tuple:
     return tuple(p for p in text.split(os.pathsep) if p)
 
 
+def _no_text(text: str):
+    raise _Bad
+
+
 class _Type(NamedTuple):
     parse: Callable  # text -> value; raises _Bad
     check: Callable  # a value given to override() -> whether it is of this type
@@ -71,6 +75,8 @@ _TYPES = {
     "path": _Type(str.strip, lambda v: isinstance(v, (str, os.PathLike)), "a path"),
     "paths": _Type(_parse_paths, lambda v: isinstance(v, (tuple, list)), f"paths separated by {os.pathsep!r}"),
     "choice": None,  # accepted values: the setting's own choices
+    # a value only code sets, through override() (as Triton's knobs take hooks): no text parses
+    "object": _Type(_no_text, lambda v: not isinstance(v, str), "a value given to override() in code (no text)"),
 }
 
 
@@ -185,6 +191,9 @@ SETTINGS = _declare(
             "the direct form's kernel)"),
     Setting("falkon_mma", "bool", True, "Falkon's Gaussian products on tensor cores (off: kernel_matvec's blocked "
             "float64 mode)"),
+    Setting("distance_tune", "object", None, "the distance rule's spec functions and size limits that have no "
+            "setting, replaced by tests and probes (a plan.distance.Tune: kermac_like.testing.spec_override; None: "
+            "the shipped ones)"),
     Setting("gp_tc", "bool", True, "the GPyTorch operator's CG products on tensor cores (off: linear_operator's)"),
     Setting("gp_cg", "bool", True, "the GPyTorch operator's linear_cg without host waits (off: linear_operator's)"),
     Setting("gp_symgrad", "bool", True, "the GPyTorch training backward in one contraction pass (off: "

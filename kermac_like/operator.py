@@ -48,7 +48,6 @@ from __future__ import annotations
 import torch
 
 from . import centring, formula_path
-from ._args import check_same, check_tensor
 from .descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from .ops.distance import prepare_call, run_kernel
 from .ops.matvec import kernel_matvec, matvec_shifts
@@ -89,14 +88,10 @@ class KernelOperator:
     def __init__(self, descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor, *, p=None, inner_p=None,
                  outer_p=None, bandwidth=None, regularization=None, regularization_offset_x: int = 0,
                  regularization_offset_y: int = 0, epsilon=None, debug: bool = False, **params):
-        check_tensor("x", x)
-        check_tensor("y", y)
-        check_same("y", y, "x", x)
-        if x.shape[-1] != y.shape[-1]:
-            raise ValueError(f"y: last dimension {y.shape[-1]} differs from x's {x.shape[-1]} (the contracted K mode)")
         call = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                             regularization=regularization, regularization_offset_x=regularization_offset_x,
-                            regularization_offset_y=regularization_offset_y, epsilon=epsilon, params=params)
+                            regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"),
+                            params=params)
         self.descriptor = descriptor
         self.x, self.y = x, y
         self.hypers = dict(call.hypers)  # inner_p, outer_p, bandwidth, regularization: resolved

@@ -18,8 +18,9 @@
 * :func:`override`: :func:`kermac_like.config.override`, every setting that chooses a path or a
   tier (``wgmma``, ``grad_mma``, ``jit_tier``, ``autotune``, ``kmeans_*``, ``lse_expand``,
   ``falkon_mma``, ``gp_*``; ``python -m kermac_like config`` lists them);
-  :func:`spec_override`: the distance planner's spec functions and size limits replaced inside
-  a block (tile shapes and thresholds that have no setting).
+  :func:`spec_override`: fields of the distance rule's :class:`~kermac_like.plan.distance.Tune`
+  (spec functions and size limits that have no setting of their own) replaced inside a block,
+  as an override of the setting ``distance_tune``.
 * :func:`wait_for_compiles`, :func:`clear_caches`, :func:`plan_cache_info`: the background
   compiles, the in-process caches (loaded kernels, plan templates, autotune choices, the open
   kernel-cache connection, bundle lists) and the on-disk kernel cache.
@@ -42,7 +43,7 @@ from .cluster import _kmeans as kmeans_estimator, _kmeans_plusplus as kmeans_see
 from .config import override
 from .ops import _library as library
 from .plan import core as _plan_core
-from .plan.distance import spec_override
+from .plan.distance import Tune, spec_override
 from .runtime import cache as _cache
 from .runtime import store as _store
 from .runtime.cache import warm as _warm
@@ -51,7 +52,7 @@ from .solvers import _kernel as solver_kernel
 from .solvers import _nystrom as solver_nystrom
 from .solvers import _rows as solver_rows
 
-__all__ = ["PlanRecord", "PlanLog", "record_plans", "override", "spec_override", "wait_for_compiles",
+__all__ = ["PlanRecord", "PlanLog", "record_plans", "override", "Tune", "spec_override", "wait_for_compiles",
            "clear_caches", "plan_cache_info",
            # private modules checked on their own (and gp_cg, gp_operator, gp_products: lazily)
            "args", "library", "solver_cg", "solver_kernel", "solver_nystrom", "solver_rows", "kmeans_estimator",

@@ -89,7 +89,7 @@ def test_override_rejects_before_changing_anything():
         with config.override(no_such_switch=1):
             pass
     for bad in (dict(debug="maybe"), dict(debug=2), dict(wgmma="sometimes"), dict(topk_mma_version=7),
-                dict(linalg_streams=0), dict(cache_max_bytes=-1), dict(bundle=3)):
+                dict(linalg_streams=0), dict(cache_max_bytes=-1), dict(bundle=3), dict(distance_tune="text")):
         (name, value), = bad.items()
         with pytest.raises(ValueError, match=re.escape(config.SETTINGS[name].env)) as caught:
             with config.override(kmeans_local=True, **bad):

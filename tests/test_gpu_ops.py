@@ -316,7 +316,7 @@ def test_simt_kmajor_copies_change_nothing_but_speed(p, caplog):
     M, N, K = 2100, 2051, 160
     x, y = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda")
     out = poisoned((M, N))
-    with P.spec_override(_KMAJOR_MIN_OUT=1 << 22):  # this size (4.3e6 outputs) takes the copies
+    with P.spec_override(kmajor_min_out=1 << 22):  # this size (4.3e6 outputs) takes the copies
         with caplog.at_level(logging.DEBUG, logger="kermac_like"):
             km.cdist(x, y, p, out=out, debug=True)
         assert any("k-major copies" in r.getMessage() for r in caplog.records)
@@ -332,7 +332,7 @@ def test_simt_kmajor_copies_change_nothing_but_speed(p, caplog):
         self_d = km.cdist(x, x, p)
         assert torch.all(self_d.diagonal() == 0)
         assert rel(self_d, torch.cdist(x.double(), x.double(), p)) < tol(p)
-    with P.spec_override(_KMAJOR_MIN_OUT=1 << 62):
+    with P.spec_override(kmajor_min_out=1 << 62):
         plain = poisoned((M, N))
         km.cdist(x, y, p, out=plain)
     assert torch.equal(out, plain)

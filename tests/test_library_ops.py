@@ -336,3 +336,34 @@ def test_gpu_cuda_graph_capture_linalg():
     want, _, _ = km.linalg.solve_cholesky(a, b)
     torch.testing.assert_close(xg, want)
     assert not fg.any() and not sg.any()
+
+
+@pytest.mark.parametrize("path", ["direct", "dispatcher", "autograd"])
+def test_each_op_checks_its_data_once(monkeypatch, path):
+    """Issue 43 item 2 (validation once): a public call checks its data tensors once, on every route
+    (the implementation called directly, the torch.library op through the dispatcher, autograd): the
+    ops rebuild the call from the op's checked arguments. (A plain
+    CPU cdist is torch.cdist's own kernel, whose checks are torch's.)"""
+    import sys
+
+    seen = []
+    for name in ("kermac_like.ops.distance", "kermac_like.ops.matvec", "kermac_like.ops.knn",
+                 "kermac_like.ops.logsumexp", "kermac_like.calls"):
+        module = sys.modules[name]
+        if hasattr(module, "check_tensor"):
+            real = module.check_tensor
+            monkeypatch.setattr(module, "check_tensor", lambda n, t, *a, _r=real, **k: seen.append(n) or _r(n, t, *a, **k))
+    g = torch.Generator().manual_seed(4)
+    x, y, v = (torch.randn(*s, generator=g, requires_grad=path == "autograd") for s in ((9, 3), (7, 3), (7, 2)))
+    gauss = km.preset("gaussian_l2")
+    calls = {"cdist": lambda: km.cdist(x, y, 1.5), "run_kernel": lambda: km.run_kernel(gauss, x, y, bandwidth=1.0),
+             "kernel_matvec": lambda: km.kernel_matvec(gauss, x, y, v, bandwidth=1.0),
+             "kernel_topk": lambda: km.kernel_topk(gauss, x, y, 2, bandwidth=1.0)[0],
+             "knn": lambda: km.knn(x, y, 2, p=1.5)[0], "kernel_logsumexp": lambda: km.kernel_logsumexp(gauss, x, y, bandwidth=1.0)}
+    with override(direct_eager=path == "direct"):
+        for op, fn in calls.items():
+            seen.clear()
+            res = fn()
+            assert len(seen) == len(set(seen)) and (seen or op == "cdist"), (op, seen)
+            if path == "autograd":  # (a backward may call the public ops anew, e.g. K^T g: calls of their own)
+                res.sum().backward()

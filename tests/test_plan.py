@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kermac_like as km
+from kermac_like import config
 from kermac_like.centring import reference_point
 from kermac_like.plan import distance as P
 from kermac_like.plan.core import plans as plan_cache
@@ -267,15 +268,13 @@ def test_self_distance_keeps_one_operand_when_padded(as_gpu, cap):
 
 
 @pytest.mark.parametrize("cap", [(9, 0), (8, 0)], ids=["sm_90", "sm_80"])
-def test_simt_calls_read_kmajor_copies_of_row_major_operands(as_gpu, monkeypatch, cap):
+def test_simt_calls_read_kmajor_copies_of_row_major_operands(as_gpu, settings, cap):
     """Large SIMT calls read m-contiguous copies of k-contiguous operands (16-byte cp.async in
     place of 4-byte transposing copies): the spec takes column-major inputs with kVec 4, the
     copies hold the operands' values with 16-byte aligned columns, K(x, x) copies x once, the
     template makes the copies anew for each call, and a small call reads its operands as they are."""
     as_gpu[0] = cap
-    monkeypatch.setattr(P, "_KMAJOR_MIN_OUT", 1000)
-    monkeypatch.setattr(P, "_KMAJOR_MIN_ROWS", 32)
-    monkeypatch.setattr(P, "_KMAJOR_MAX_SHARE", 1 / 8)
+    settings(distance_tune=P.Tune(kmajor_min_out=1000, kmajor_min_rows=32, kmajor_max_share=1 / 8))
     mode = COMPUTE_MODES[0]
     x, y = torch.randn(70, 160), torch.randn(50, 160)  # K = 160: the SIMT kernel for p = 1 (beyond the low-K stream)
     call = prepare_call(km.PRESETS["l1"], x, y)
@@ -296,7 +295,7 @@ def test_simt_calls_read_kmajor_copies_of_row_major_operands(as_gpu, monkeypatch
     small = P.plan_distance(prepare_call(km.PRESETS["l1"], x[:20], y), torch.empty(20, 50), mode, False)
     assert small.spec.traits.count("Layout::RowMajor") == 3 and small.scratch[-1]["a"].data_ptr() == x.data_ptr()
     # Copies of more than a quarter of the output's elements are not made (70 x 50 out, K = 160).
-    monkeypatch.setattr(P, "_KMAJOR_MAX_SHARE", 4)
+    settings(distance_tune=P.Tune(kmajor_min_out=1000, kmajor_min_rows=32))
     big_k = P.plan_distance(call, out, mode, True)
     assert big_k.spec.traits.count("Layout::RowMajor") == 3
 
@@ -359,11 +358,11 @@ def test_spec_override_keeps_its_templates_apart(as_gpu):
         assert P.plan_distance(call, out, mode, False).spec == inside.spec  # its own template, reused
         with P.spec_override(lowk_tiles_n=lambda *x: 4):  # nested: both replacements
             assert P.plan_distance(call, out, mode, False).spec == inside.spec  # lowk_spec still forces 1
-    assert P.lowk_spec is orig and P._OVERRIDES == ()
+    assert config.get("distance_tune") is None
     assert P.plan_distance(call, out, mode, False).spec == shipped.spec
     with P.spec_override(lowk_tiles_n=lambda *x: 4):
         assert P.plan_distance(call, out, mode, False).spec.traits.endswith(", 4>")
-    with pytest.raises(ValueError, match="no_such_name"):
+    with pytest.raises(ValueError, match="no_such_name.*lowk_spec, lowk_tiles_n"):
         with P.spec_override(no_such_name=1):
             pass
 

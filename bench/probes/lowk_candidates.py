@@ -39,7 +39,7 @@ def launcher(desc, kw, out, kind, *, generic=False, min_blocks=None, tuning_=Non
     """``spec_kw``: further keywords of render.lowk_spec (tiles_n, ...)."""
     orig_lowk, orig_simt = distance.lowk_spec, distance.distance_spec
     # Made once: the plan keeps templates under these replacements (plan.distance.spec_override).
-    repl = {"LOWK_GENERIC_MAX_K": 1 << 20}
+    repl = {"lowk_generic_max_k": 1 << 20}
     if generic or min_blocks or threads_n or not mufu or spec_kw:
         repl["lowk_spec"] = lambda d, la, lb, K, mm_nonfinite=False, tiles_n=None: orig_lowk(
             d, la, lb, render.LOWK_MAX_K + 1 if generic else K,

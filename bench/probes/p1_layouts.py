@@ -21,8 +21,6 @@ import kermac_like as km  # noqa: E402
 from _timing import time_calls  # noqa: E402
 from kermac_like.plan import distance as P  # noqa: E402
 
-KMAJOR_MIN_OUT = P._KMAJOR_MIN_OUT
-
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--quick", action="store_true", help="only K = 128 and K = 37")
 args = parser.parse_args()
@@ -53,9 +51,10 @@ for M, K, op, reps in cases:
     }
     res = {}
     for name, (fn, mk) in variants.items():
-        P._KMAJOR_MIN_OUT = 1 << 62 if name == "row" else KMAJOR_MIN_OUT  # "row": no k-major copies
         P.clear_templates()
-        t = time_calls(fn, mk, dev, repeats=reps, warmup=2, keep_last=True)
+        limit = 1 << 62 if name == "row" else P.SHIPPED.kmajor_min_out  # "row": no k-major copies
+        with P.spec_override(kmajor_min_out=limit):
+            t = time_calls(fn, mk, dev, repeats=reps, warmup=2, keep_last=True)
         x, y = t.last_inputs
         pp = 1.5 if op == "pnorm" else 1.0
         ref = torch.cdist(x[:512].double(), y[:512].double(), p=pp) if op != "laplace" else \

@@ -70,6 +70,21 @@ def join_hyper(value, tensor):
     return tensor if tensor is not None else value
 
 
+def check_no_hyper_grad(hypers: dict, op: str) -> None:
+    """NotImplementedError naming every tensor hyper-parameter of an ``op`` call that requires grad."""
+    names = [k for k, v in hypers.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if names:
+        raise NotImplementedError(f"{', '.join(names)}: gradients of {op} with respect to hyper-parameters are not "
+                                  "supported (pass them detached)")
+
+
+def join_hypers(ip, ipt, op, opt, bw, bwt, rg, rgt) -> dict:
+    """The distance hyper-parameters (inner_p, outer_p, bandwidth, regularization) of an op's (number,
+    tensor) argument pairs."""
+    return dict(inner_p=join_hyper(ip, ipt), outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
+                regularization=join_hyper(rg, rgt))
+
+
 def direct_call(*tensors, grad: bool = True) -> bool:
     """Whether an eager call may run the op's implementation without the dispatcher:
     nothing but the backend kernel would act on it (``grad=False``: the op takes no part

@@ -22,39 +22,45 @@ from .. import _debug, config, formula, formula_path
 from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
 from ..descriptor import PRESETS, KernelDescriptor
 from ..layout import analyse_output, broadcast_batch_shape
-from ..plan import DistanceCall, run_by_call_key, run_distance
+from ..calls import COMPUTE_MODES, DistanceCall
+from ..plan import run_by_call_key, run_distance
 from ..plan import core as plan_core
 from . import distance_backward
 from ..plan.autotune import override as autotune_override
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
+from ._library import (check_no_hyper_grad, descriptor_from_ints, descriptor_ints, direct_call, join_hypers,
+                       register_autograd, split_hyper)
 
 log = logging.getLogger("kermac_like.distance")
 
-__all__ = ["run_kernel", "cdist", "COMPUTE_MODES"]
+__all__ = ["run_kernel", "cdist", "COMPUTE_MODES", "fused_device"]
 
-COMPUTE_MODES = (
-    "use_mm_for_euclid_dist_if_necessary",
-    "use_mm_for_euclid_dist",
-    "donot_use_mm_for_euclid_dist",
-)
 
-def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
-                 regularization_offset_x=0, regularization_offset_y=0, epsilon=None, names=("a", "b"),
-                 extra_shapes=None, params=None) -> DistanceCall:
-    """Validate a run_kernel call; raises TypeError/ValueError naming the argument. ``names``:
-    the operands' names in the calling op's terms (kernel_matvec's and knn's x and y);
-    ``extra_shapes``: batch shapes of that op's other operands ({name: shape}), which must
-    broadcast with the data and the hyper-parameters (the call's batch includes them);
-    ``params``: the descriptor's own hyper-parameters (a formula kernel's alpha, q, period, c or
-    expression parameters: kermac_like/formula.py), which join the call's hypers by name."""
-    if not isinstance(descriptor, KernelDescriptor):
-        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
+def check_data(a, b, names=("a", "b")) -> None:
+    """The operands of a kernel-matrix call: tensors of one floating dtype and device with one K
+    (TypeError/ValueError naming the argument)."""
     na, nb = names
     check_tensor(na, a)
     check_tensor(nb, b)
     check_same(nb, b, na, a)
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"{nb}: last dimension {b.shape[-1]} differs from {na}'s {a.shape[-1]} (the contracted K mode)")
+
+
+def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwidth=None, regularization=None,
+                 regularization_offset_x=0, regularization_offset_y=0, epsilon=None, names=("a", "b"),
+                 extra_shapes=None, params=None, data_checked=False, autotune=None) -> DistanceCall:
+    """Validate a run_kernel call; raises TypeError/ValueError naming the argument. ``names``:
+    the operands' names in the calling op's terms (kernel_matvec's and knn's x and y);
+    ``extra_shapes``: batch shapes of that op's other operands ({name: shape}), which must
+    broadcast with the data and the hyper-parameters (the call's batch includes them);
+    ``params``: the descriptor's own hyper-parameters (a formula kernel's alpha, q, period, c or
+    expression parameters: kermac_like/formula.py), which join the call's hypers by name;
+    ``data_checked``: the calling op ran :func:`check_data` already (before checks of its own
+    operands that read the data's shapes), so it is not run twice; ``autotune``: run_kernel's."""
+    if not isinstance(descriptor, KernelDescriptor):
+        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
+    if not data_checked:
+        check_data(a, b, names)
     dev = a.device
     p = check_scalar_or_tensor("p", p, dev, nonnegative=True)
     inner_p = check_scalar_or_tensor("inner_p", inner_p, dev, nonnegative=True)
@@ -101,18 +107,20 @@ def prepare_call(descriptor, a, b, *, p=None, inner_p=None, outer_p=None, bandwi
     elif descriptor.fused_ok:
         bandwidth = None
     hypers = dict(inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth, regularization=regularization, **own)
-    shapes = {na: tuple(a.shape[:-2]), nb: tuple(b.shape[:-2]), **(extra_shapes or {})}
+    shapes = {names[0]: tuple(a.shape[:-2]), names[1]: tuple(b.shape[:-2]), **(extra_shapes or {})}
     shapes.update({k: tuple(v.shape) for k, v in hypers.items() if isinstance(v, torch.Tensor)})
     batch = broadcast_batch_shape(shapes)
-    return DistanceCall(descriptor, a, b, hypers, ox - oy, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])
+    if autotune is not None and not isinstance(autotune, bool):
+        raise TypeError(f"autotune: expected a bool or None, got {type(autotune).__name__}")
+    return DistanceCall(descriptor, a, b, hypers, ox - oy, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1],
+                        autotune)
 
 
 # -- the ops: kermac_like::run_kernel and kermac_like::run_kernel_out --------------------------
 def _call_of(a, b, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
              regularization, regularization_tensor, reg_diag, epsilon) -> DistanceCall:
-    hypers = dict(inner_p=join_hyper(inner_p, inner_p_tensor), outer_p=join_hyper(outer_p, outer_p_tensor),
-                  bandwidth=join_hyper(bandwidth, bandwidth_tensor),
-                  regularization=join_hyper(regularization, regularization_tensor))
+    hypers = join_hypers(inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                         regularization, regularization_tensor)
     return DistanceCall.of(descriptor_from_ints(descriptor), a, b, hypers, reg_diag, epsilon)
 
 
@@ -170,9 +178,10 @@ _NUMBER_TYPES = (float, int, type(None))
 _TORCH_CDIST_DTYPES = (torch.float32, torch.float64)
 
 
-def _gpu_call(t) -> bool:
-    """Whether the planner's GPU kernels may serve a call on ``t`` (plan.core's device rule,
-    looked up at call time so that tests can stand a CPU in for a GPU)."""
+def fused_device(t) -> bool:
+    """Whether the fused GPU kernels may serve a call on tensor ``t`` (a CUDA device of sm_80 or
+    later; else the torch path): plan.core's device rule for the estimators, looked up at call time
+    so that tests can stand a CPU in for a GPU."""
     return isinstance(t, torch.Tensor) and plan_core._gpu_ok(t)
 
 
@@ -180,8 +189,8 @@ def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
     """The key of an eager call under which plan.distance.run_by_call_key finds its template:
     ``op`` (the op's name and fixed arguments), ``values`` (its scalar arguments: plain
     numbers, None, or float32 tensors by shape, strides and device), the operands' shapes, strides, 16-byte alignments,
-    dtypes and devices, ``out``'s, the compute mode and the switches a plan reads (TF32,
-    KERMAC_LIKE_WGMMA / _AUTOTUNE / _DEBUG); None for a call that takes the full path
+    dtypes and devices, ``out``'s, the compute mode and the switches a plan reads (TF32, the
+    settings wgmma, autotune, debug and distance_tune); None for a call that takes the full path
     every time (tensor subclasses, hyper-parameter tensors of another dtype). The key's
     second entry is ``values`` itself (the same tuple) when they are all plain numbers."""
     if torch.compiler.is_compiling() or type(a) is not torch.Tensor or type(b) is not torch.Tensor:
@@ -203,8 +212,9 @@ def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
                 return None
         values = tuple(parts)
     return (op, values, a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16, b.shape, b.stride(), b.dtype, b.device,
-            b.data_ptr() % 16, o, compute_mode, torch.backends.cuda.matmul.allow_tf32,
-            config.get("wgmma"), config.get("wgmma_chunk"), config.get("autotune"), config.get("debug"))
+            b.data_ptr() % 16, o, compute_mode, plan_core.MATMUL.allow_tf32,
+            config.get("wgmma"), config.get("wgmma_chunk"), config.get("autotune"), config.get("debug"),
+            config.get("distance_tune"))
 
 
 def _run_cached(key, a, b, out, hypers: dict | None = None):
@@ -278,17 +288,17 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
 
 
 def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regularization, regularization_offset_x,
-                regularization_offset_y, epsilon, compute_mode, autotune, debug, call_key, params=None):
-    """run_kernel after its call-key lookup missed (``call_key``: that key, or None)."""
+                regularization_offset_y, epsilon, compute_mode, autotune, debug, call_key, params=None,
+                data_checked=False):
+    """run_kernel after its call-key lookup missed (``call_key``: that key, or None; ``data_checked``: cdist
+    checked a and b)."""
     debug = _debug.resolve(debug)
     if compute_mode not in COMPUTE_MODES:
         raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
     call = prepare_call(descriptor, a, b, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                         regularization=regularization, regularization_offset_x=regularization_offset_x,
-                        regularization_offset_y=regularization_offset_y, epsilon=epsilon, params=params)
-    if autotune is not None and not isinstance(autotune, bool):
-        raise TypeError(f"autotune: expected a bool or None, got {type(autotune).__name__}")
-    call.autotune = autotune
+                        regularization_offset_y=regularization_offset_y, epsilon=epsilon, params=params,
+                        data_checked=data_checked, autotune=autotune)
     _check_out(out, call.out_shape, call.dtype, call.device)
     hyper_tensors = [v for v in call.hypers.values() if isinstance(v, torch.Tensor)]
     grad = _needs_grad(call.a, call.b, *hyper_tensors)
@@ -304,9 +314,7 @@ def _run_kernel(descriptor, a, b, *, out, p, inner_p, outer_p, bandwidth, regula
         res = res.expand(call.out_shape).to(call.dtype)
         return res if out is None else out.copy_(res)
     if grad:
-        for name, v in call.hypers.items():
-            if isinstance(v, torch.Tensor) and v.requires_grad:
-                raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
+        check_no_hyper_grad(call.hypers, "run_kernel")
     elif direct_call(call.a, call.b, out, *hyper_tensors):
         # The ops' implementation, without the dispatcher (and the template kept under the
         # call's key, unless debug decided differently than the key assumed).
@@ -407,24 +415,20 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
             return res
     key = None
     if (not debug and autotune is None and type(p) in _NUMBER_TYPES and p is not None
-            and _gpu_call(x1)):  # the call-key templates are GPU plans
+            and fused_device(x1)):  # the call-key templates are GPU plans
         key = _call_key(("cdist", bool(skip_epilogue)), (p,), x1, x2, out, compute_mode)
         res = _run_cached(key, x1, x2, out)
         if res is not None:
             return res
     debug = _debug.resolve(debug)
-    check_tensor("x1", x1)
-    check_tensor("x2", x2)
-    check_same("x2", x2, "x1", x1)
+    check_data(x1, x2, ("x1", "x2"))
     p = check_scalar_or_tensor("p", p, x1.device, nonnegative=True, allow_inf=True)
     if isinstance(p, torch.Tensor):
         raise TypeError("p: cdist takes a real number (use run_kernel for per-batch p)")
     if compute_mode not in COMPUTE_MODES:
         raise ValueError(f"compute_mode: {compute_mode!r} is not one of {COMPUTE_MODES}")
-    if x1.shape[-1] != x2.shape[-1]:
-        raise ValueError(f"x2: last dimension {x2.shape[-1]} differs from x1's {x1.shape[-1]}")
     if (out is None and not skip_epilogue and not debug and autotune is None and x1.dtype in _TORCH_CDIST_DTYPES
-            and not _gpu_call(x1) and direct_call(x1, x2)):
+            and not fused_device(x1) and direct_call(x1, x2)):
         # On the CPU the torch path of cdist is torch.cdist itself (torch_path.py, bitwise): a
         # small call should not pay the planning for it.
         broadcast_batch_shape({"x1": tuple(x1.shape[:-2]), "x2": tuple(x2.shape[:-2])})
@@ -445,4 +449,4 @@ def cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, *, out=None, skip_
         desc, kw = (PRESETS["p_norm_skip_root"] if skip_epilogue else PRESETS["p_norm"]), {"p": p}
     return _run_kernel(desc, x1, x2, out=out, p=kw.get("p"), inner_p=None, outer_p=None, bandwidth=None,
                        regularization=None, regularization_offset_x=0, regularization_offset_y=0, epsilon=None,
-                       compute_mode=compute_mode, autotune=autotune, debug=debug, call_key=key)
+                       compute_mode=compute_mode, autotune=autotune, debug=debug, call_key=key, data_checked=True)

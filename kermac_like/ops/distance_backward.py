@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
-from ..plan import DistanceCall, run_distance
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, split_hyper
+from ..calls import DistanceCall
+from ..plan import run_distance
+from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hypers, split_hyper
 from .grad import cdist_grad
 
 __all__ = ["setup_context", "backward"]
@@ -59,9 +60,8 @@ def backward(ctx, grad):
         raise NotImplementedError("kermac_like: double backward through run_kernel/cdist is not supported")
     a, b, y, ipt, opt, bwt, rgt = ctx.saved_tensors
     descriptor, ip, op, bw, rg, reg_diag, epsilon, compute_mode, debug = ctx.args
-    hypers = dict(inner_p=join_hyper(ip, ipt), outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
-                  regularization=join_hyper(rg, rgt))
-    call = DistanceCall.of(descriptor_from_ints(descriptor), a, b, hypers, reg_diag, epsilon)
+    call = DistanceCall.of(descriptor_from_ints(descriptor), a, b, join_hypers(ip, ipt, op, opt, bw, bwt, rg, rgt),
+                           reg_diag, epsilon)
     ga, gb = _distance_backward(call, a, b, y, grad, ctx.needs_input_grad[:2], compute_mode, debug)
     return (ga, gb) + (None,) * (_N_INPUTS - 2)
 

@@ -20,7 +20,8 @@ from torch import Tensor
 from .. import _debug
 from .._args import check_same, check_scalar_or_tensor, check_tensor
 from ..centring import REFERENCE_ROWS
-from ..layout import Layout, analyse_output, broadcast_batch_shape, broadcast_shapes
+from ..calls import GradCall
+from ..layout import Layout, analyse_output, broadcast_batch_shape
 from ..plan import plan_cdist_grad
 from ._library import direct_call, join_hyper, split_hyper
 
@@ -61,9 +62,7 @@ def cdist_grad(a, b, c, d, *, out=None, p=2.0, debug: bool = False) -> torch.Ten
         check_tensor(name, t)
     for name, t in (("b", b), ("c", c), ("d", d)):
         check_same(name, t, "a", a)
-    K, M = a.shape[-2], a.shape[-1]
-    N = b.shape[-2]
-    O = c.shape[-2]
+    K, M, N = a.shape[-2], a.shape[-1], b.shape[-2]
     if b.shape[-1] != K:
         raise ValueError(f"b: expected (..., N, K) with K={K} (a is (..., K, M)), got {tuple(b.shape)}")
     if c.shape[-1] != K:
@@ -74,14 +73,13 @@ def cdist_grad(a, b, c, d, *, out=None, p=2.0, debug: bool = False) -> torch.Ten
     shapes = {n: tuple(t.shape[:-2]) for n, t in (("a", a), ("b", b), ("c", c), ("d", d))}
     if isinstance(p, torch.Tensor):
         shapes["p"] = tuple(p.shape)
-    batch = broadcast_batch_shape(shapes)
-    out_shape = (*batch, O, N, M)
-    _check_grad_out(out, out_shape, a.dtype, a.device)
+    call = GradCall(a, b, c, d, p, broadcast_batch_shape(shapes))
+    _check_grad_out(out, call.out_shape, a.dtype, a.device)
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, c, d, p)) and torch.is_grad_enabled():
         raise NotImplementedError("cdist_grad: inputs require grad; differentiating cdist_grad is not supported")
 
     if direct_call(a, b, c, d, out, p if isinstance(p, torch.Tensor) else None):
-        return _run(a, b, c, d, p, out, debug)  # the ops' implementation, without the dispatcher
+        return _run(call, out, debug)  # the ops' implementation, without the dispatcher
     if out is None:
         return _CDIST_GRAD(a, b, c, d, *split_hyper(p), debug)
     _CDIST_GRAD_OUT(a, b, c, d, *split_hyper(p), debug, out)
@@ -89,13 +87,6 @@ def cdist_grad(a, b, c, d, *, out=None, p=2.0, debug: bool = False) -> torch.Ten
 
 
 # -- the ops: kermac_like::cdist_grad and kermac_like::cdist_grad_out (no autograd) -------------
-def _batch(a, b, c, d, p) -> tuple:
-    shapes = [a.shape[:-2], b.shape[:-2], c.shape[:-2], d.shape[:-2]]
-    if isinstance(p, torch.Tensor):
-        shapes.append(p.shape)
-    return tuple(broadcast_shapes(*shapes))
-
-
 def _row_reference(b: Tensor) -> Tensor:
     """(..., N, 1): per feature n a reference value r_n for the CPU p = 2 path, the median of a
     strided sample of row n of b (at most REFERENCE_ROWS of its K points) rounded to a multiple of
@@ -134,7 +125,8 @@ def _cpu_p2_serves(a, p) -> bool:
                                                                                                   torch.float64)
 
 
-def _run(a, b, c, d, p, out, debug: bool) -> Tensor:
+def _run(call: GradCall, out, debug: bool) -> Tensor:
+    a, b, c, d, p, _ = call
     if _cpu_p2_serves(a, p) and min(a.numel(), b.numel(), c.numel(), d.numel()) > 0:
         res = _cpu_p2(a, b, c, d)
         # A NaN or infinity in any operand reaches the result (every product of c a (d - b) meets it,
@@ -144,8 +136,7 @@ def _run(a, b, c, d, p, out, debug: bool) -> Tensor:
             if debug:
                 log_grad.debug("cdist_grad p=2: CPU matrix products (%s)", a.dtype)
             return res if out is None else out.copy_(res)
-    sizes = (a.shape[-2], a.shape[-1], b.shape[-2], c.shape[-2])  # K, M, N, O
-    plan = plan_cdist_grad(a, b, c, d, p, out, _batch(a, b, c, d, p), sizes, debug)
+    plan = plan_cdist_grad(call, out, debug)
     res = plan.run()
     if plan.family != "reference" and not isinstance(p, torch.Tensor) and p == 1:
         _sign_nan(res, b, d)
@@ -168,19 +159,18 @@ def _sign_nan(out, b, d):
 @torch.library.custom_op("kermac_like::cdist_grad", mutates_args=())
 def _cdist_grad_op(a: Tensor, b: Tensor, c: Tensor, d: Tensor, p: Optional[float], p_tensor: Optional[Tensor],
                    debug: bool) -> Tensor:
-    return _run(a, b, c, d, join_hyper(p, p_tensor), None, debug)
+    return _run(GradCall.of(a, b, c, d, join_hyper(p, p_tensor)), None, debug)
 
 
 @torch.library.custom_op("kermac_like::cdist_grad_out", mutates_args=("out",))
 def _cdist_grad_out_op(a: Tensor, b: Tensor, c: Tensor, d: Tensor, p: Optional[float],
                        p_tensor: Optional[Tensor], debug: bool, out: Tensor) -> None:
-    _run(a, b, c, d, join_hyper(p, p_tensor), out, debug)
+    _run(GradCall.of(a, b, c, d, join_hyper(p, p_tensor)), out, debug)
 
 
 @_cdist_grad_op.register_fake
 def _cdist_grad_fake(a, b, c, d, p, p_tensor, debug):
-    batch = _batch(a, b, c, d, join_hyper(p, p_tensor))
-    return a.new_empty((*batch, c.shape[-2], b.shape[-2], a.shape[-1]))
+    return a.new_empty(GradCall.of(a, b, c, d, join_hyper(p, p_tensor)).out_shape)
 
 
 @_cdist_grad_out_op.register_fake

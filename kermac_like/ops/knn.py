@@ -29,24 +29,24 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from .. import _debug, config, formula_path
+from ..calls import DistanceCall, TopkCall, values_are_distances
 from ..centring import pair_reference
-from .._args import check_int, check_same, check_scalar_or_tensor, check_tensor
+from .._args import check_int, check_scalar_or_tensor
 from ..descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType
 from ..layout import analyse_output, broadcast_batch_shape
-from ..plan import DistanceCall
 from ..plan.topk import plan_topk
 from ..reference import distance_reference
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
+from ._library import (check_no_hyper_grad, descriptor_from_ints, descriptor_ints, direct_call, join_hypers,
+                       register_autograd, split_hyper)
 from . import distance_backward
-from .distance import COMPUTE_MODES, cdist, prepare_call, run_kernel
+from .distance import COMPUTE_MODES, cdist, check_data, prepare_call, run_kernel
 
 log = logging.getLogger("kermac_like.knn")
 
@@ -70,59 +70,6 @@ BACKWARD_BLOCK_ELEMENTS = 1 << 22
 _CDIST_PRESETS = {PRESETS["l1"]: 1.0, PRESETS["l2"]: 2.0}
 
 
-@dataclass(frozen=True)
-class TopkCall:
-    """A validated kernel_topk / knn call.
-
-    ``desc`` is None only for knn with p = 0 or p = inf (torch.cdist's counting and maximum
-    norms, which no descriptor expresses; such calls never reach the fused planner). ``p`` is
-    knn's p (None for kernel_topk): the blocked path then computes torch.cdist's distances
-    under ``compute_mode`` (its matrix product for p = 2 where torch takes it).
-    """
-
-    desc: Optional[KernelDescriptor]
-    x: torch.Tensor
-    y: torch.Tensor
-    k: int
-    largest: bool
-    hypers: dict  # inner_p/outer_p/bandwidth/regularization -> float | Tensor | None
-    reg_diag: int  # entry (m, n) is regularised where n - m == reg_diag
-    epsilon: float | None
-    batch: tuple
-    M: int
-    N: int
-    K: int
-    distance: bool  # values are distances (no epilogue, DIFF inner): largest defaults to False
-    p: float | None = None
-    compute_mode: str = COMPUTE_MODES[0]
-    reference: Optional[torch.Tensor] = None  # (K,) the tensor-core candidates' shift (None: the data's)
-
-    @property
-    def out_shape(self) -> tuple:
-        return (*self.batch, self.M, self.k)
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    def distance_call(self) -> DistanceCall:
-        """The run_kernel call whose rows are searched (not for p = 0 / inf)."""
-        return DistanceCall(self.desc, self.x, self.y, self.hypers, self.reg_diag, self.epsilon, self.batch,
-                            self.M, self.N, self.K)
-
-
-def _check_data(x, y) -> None:
-    check_tensor("x", x)
-    check_tensor("y", y)
-    check_same("y", y, "x", x)
-    if x.shape[-1] != y.shape[-1]:
-        raise ValueError(f"y: last dimension {y.shape[-1]} differs from x's {x.shape[-1]} (the coordinates K)")
-
-
 def _check_k(k, N: int) -> int:
     k = check_int("k", k)
     if N == 0 and k >= 1:
@@ -142,25 +89,22 @@ def _check_largest(largest, default: bool) -> bool:
 
 def prepare_topk(descriptor, x, y, k, *, largest=None, p=None, inner_p=None, outer_p=None, bandwidth=None,
                  regularization=None, regularization_offset_x=0, regularization_offset_y=0,
-                 epsilon=None, params=None) -> TopkCall:
+                 epsilon=None, params=None, data_checked=False) -> TopkCall:
     """Validate a kernel_topk call; TypeError/ValueError naming the argument (``params``: a formula
-    kernel's own hyper-parameters)."""
-    if not isinstance(descriptor, KernelDescriptor):
-        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
-    _check_data(x, y)
+    kernel's own hyper-parameters; ``data_checked``: ops.distance.prepare_call's)."""
     dc = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                       regularization=regularization, regularization_offset_x=regularization_offset_x,
-                      regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"), params=params)
+                      regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"), params=params,
+                      data_checked=data_checked)
     k = _check_k(k, dc.N)
-    distance = (descriptor.inner_operator is InnerOperator.DIFF and descriptor.kernel_type is KernelType.NONE
-                and descriptor.fused_ok)  # (a formula's values are kernel values)
-    return TopkCall(descriptor, x, y, k, _check_largest(largest, not distance), dc.hypers, dc.reg_diag, dc.epsilon,
-                    dc.batch, dc.M, dc.N, dc.K, distance)
+    distance = values_are_distances(descriptor)
+    return TopkCall(descriptor, x, y, dc.hypers, dc.reg_diag, dc.epsilon, dc.batch, dc.M, dc.N, dc.K, k,
+                    _check_largest(largest, not distance), distance)
 
 
 def prepare_knn(x, y, k, *, p=2.0, largest=False, compute_mode=COMPUTE_MODES[0]) -> TopkCall:
     """Validate a knn call (torch.cdist's p: any p >= 0 and inf)."""
-    _check_data(x, y)
+    check_data(x, y, ("x", "y"))
     p = check_scalar_or_tensor("p", p, x.device, nonnegative=True, allow_inf=True)
     if isinstance(p, torch.Tensor):
         raise TypeError("p: knn takes a real number (use kernel_topk for per-batch p)")
@@ -171,10 +115,10 @@ def prepare_knn(x, y, k, *, p=2.0, largest=False, compute_mode=COMPUTE_MODES[0])
         batch = broadcast_batch_shape({"x": tuple(x.shape[:-2]), "y": tuple(y.shape[:-2])})
         k = _check_k(k, y.shape[-2])
         hypers = dict(inner_p=None, outer_p=None, bandwidth=None, regularization=None)
-        return TopkCall(None, x, y, k, largest, hypers, 0, None, batch, x.shape[-2], y.shape[-2], x.shape[-1], True,
+        return TopkCall(None, x, y, hypers, 0, None, batch, x.shape[-2], y.shape[-2], x.shape[-1], k, largest, True,
                         p, compute_mode)
     desc = PRESETS["l1"] if p == 1 else PRESETS["l2"] if p == 2 else PRESETS["p_norm"]
-    call = prepare_topk(desc, x, y, k, largest=largest, p=None if p in (1.0, 2.0) else p)
+    call = prepare_topk(desc, x, y, k, largest=largest, p=None if p in (1.0, 2.0) else p, data_checked=True)
     return replace(call, p=p, compute_mode=compute_mode)
 
 
@@ -656,13 +600,11 @@ def topk_backward_pairs(call: TopkCall, indices: Tensor, grad: Tensor, needs: tu
 # -- the ops: kermac_like::kernel_topk and kermac_like::kernel_topk_out --------------------------
 def _call_of(x, y, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
              regularization, regularization_tensor, reg_diag, epsilon, k, largest, p, compute_mode) -> TopkCall:
-    if p is not None:
-        return prepare_knn(x, y, k, p=p, largest=largest, compute_mode=compute_mode)
-    return prepare_topk(descriptor_from_ints(descriptor), x, y, k, largest=largest,
-                        inner_p=join_hyper(inner_p, inner_p_tensor), outer_p=join_hyper(outer_p, outer_p_tensor),
-                        bandwidth=join_hyper(bandwidth, bandwidth_tensor),
-                        regularization=join_hyper(regularization, regularization_tensor),
-                        regularization_offset_x=reg_diag, epsilon=epsilon)
+    """The call of the op's arguments (checked once by kernel_topk or knn; the backward's alike)."""
+    hypers = join_hypers(inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                         regularization, regularization_tensor)
+    return TopkCall.of(descriptor_from_ints(descriptor) if descriptor else None, x, y, k, largest, hypers, reg_diag,
+                       epsilon, p, compute_mode)
 
 
 def _topk_impl(x: Tensor, y: Tensor, descriptor: list[int], inner_p: Optional[float], inner_p_tensor: Optional[Tensor],
@@ -776,9 +718,7 @@ def _run(call: TopkCall, out, debug: bool) -> tuple:
             v = _formula_pairs(call, i)
         return (v, i) if out is None else (out[0].copy_(v), out[1].copy_(i))
     if grad:
-        for name, h in call.hypers.items():
-            if isinstance(h, torch.Tensor) and h.requires_grad:
-                raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
+        check_no_hyper_grad(call.hypers, "kernel_topk")
     elif direct_call(call.x, call.y, *(out or ()), *hyper_tensors):
         return topk_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
     args = _op_args(call)

@@ -42,7 +42,8 @@ from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from ..centring import shifted_pair
 from ..layout import analyse_output
 from ..plan.logsumexp import plan_logsumexp
-from .distance import COMPUTE_MODES, prepare_call, run_kernel
+from ._library import check_no_hyper_grad
+from .distance import COMPUTE_MODES, check_data, prepare_call, run_kernel
 
 log = logging.getLogger("kermac_like.logsumexp")
 
@@ -254,7 +255,7 @@ def _forward(call, lw: Tensor, work, debug: bool = False) -> Tensor:
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, lw, call, work, debug):
-        out = _forward(dataclasses.replace(call, a=x, b=y), lw, work, debug)
+        out = _forward(call._replace(a=x, b=y), lw, work, debug)
         ctx.save_for_backward(x, y, lw, out)
         ctx.call, ctx.work = call, work
         return out
@@ -346,8 +347,7 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
         raise ValueError(f"descriptor: {descriptor!r} has no LAPLACE or GAUSSIAN epilogue (its kernel must be exp(-phi))")
     elif descriptor.inner_operator is not InnerOperator.DIFF:
         raise ValueError(f"descriptor: {descriptor!r} is not a distance (inner operator DIFF)")
-    check_tensor("x", x)
-    check_tensor("y", y)
+    check_data(x, y, ("x", "y"))
     if log_weights is None:
         lw, vector = x.new_zeros(y.shape[-2], 1), True
     else:
@@ -360,12 +360,9 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
                              f"{tuple(log_weights.shape)}")
     call = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                         epsilon=epsilon, names=("x", "y"), extra_shapes={"log_weights": tuple(lw.shape[:-2])},
-                        params=params)
-    for name, h in call.hypers.items():
-        if not descriptor.fused_ok:
-            break  # (a formula kernel's hyper-parameters are differentiable)
-        if isinstance(h, Tensor) and h.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError(f"{name}: gradients with respect to hyper-parameters are not supported")
+                        params=params, data_checked=True)
+    if descriptor.fused_ok and torch.is_grad_enabled():  # (a formula kernel's hyper-parameters are differentiable)
+        check_no_hyper_grad(call.hypers, "kernel_logsumexp")
     shape = (*call.batch, call.M) if vector else (*call.batch, call.M, lw.shape[-1])
     if out is not None:
         if not isinstance(out, Tensor):

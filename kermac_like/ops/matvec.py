@@ -14,24 +14,25 @@ Internal entry points (used by the backward and by lazy kernel operators):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import _debug, formula_path
-from .._args import check_int, check_same, check_tensor
 from ..descriptor import InnerOperator, KernelDescriptor
-from ..layout import analyse_output, broadcast_batch_shape
+from ..calls import WIDE_OUT_INPUTS, MatvecCall, check_rhs
+from ..layout import analyse_output
 from ..plan import MATVEC_SCRATCH_BYTES, plan_matvec
 from ..plan.matvec import matvec_shifts  # (for the operators that keep shifted operands)
 from ..plan.matvec import formula_fused
 from ..runtime.specs import epilogue
 from ..reference import matvec_reference
 from . import matvec_backward
-from ._library import descriptor_from_ints, descriptor_ints, direct_call, join_hyper, register_autograd, split_hyper
-from .distance import prepare_call
+from ._library import (check_no_hyper_grad, descriptor_from_ints, descriptor_ints, direct_call, join_hypers,
+                       register_autograd, split_hyper)
+from .distance import check_data, prepare_call
 
 log = logging.getLogger("kermac_like.matvec")
 
@@ -39,111 +40,18 @@ __all__ = ["kernel_matvec", "MatvecCall", "prepare_matvec", "matvec_forward", "m
            "SCRATCH_BYTES", "WIDE_OUT_INPUTS", "matvec_shifts"]
 
 SCRATCH_BYTES = MATVEC_SCRATCH_BYTES  # largest split-N scratch of one call (plan/core.py)
-# Input dtypes whose kernel_matvec has a float64 mode: a float64 ``out`` and/or a float64 ``v``
-# (float64 products and sums of the kernel values, stored unrounded).
-WIDE_OUT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class MatvecCall:
-    """A validated kernel_matvec call. ``v`` is always a matrix ``(..., N, C)`` (a 1-D
-    right-hand side was given a trailing mode of 1 and ``vector`` is set)."""
-
-    desc: KernelDescriptor
-    x: torch.Tensor
-    y: torch.Tensor
-    v: torch.Tensor
-    hypers: dict  # inner_p/outer_p/bandwidth/regularization -> float | Tensor | None
-    reg_diag: int  # entry (m, n) is regularised where n - m == reg_diag
-    epsilon: float | None
-    batch: tuple
-    M: int
-    N: int
-    K: int
-    C: int
-    vector: bool
-    # The blocked float64 mode (internal; Falkon's products): with a float64 out of float32/16-bit
-    # data and the expanded form, v rounded to float32 once and float32 partials of a few points
-    # added into the float64 sums (specs.matvec.F32_GROUP); elsewhere ignored.
-    f32_partials: bool = False
-
-    @property
-    def out_shape(self) -> tuple:
-        return (*self.batch, self.M) if self.vector else (*self.batch, self.M, self.C)
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    @property
-    def wide_v(self) -> bool:
-        """v is float64 while x and y are float32/16-bit (the float64 mode; out is float64)."""
-        return self.v.dtype == torch.float64 and self.x.dtype != torch.float64
-
-    @property
-    def out_dtype(self) -> torch.dtype:
-        """The dtype of the result when no ``out`` is given: float64 for a float64 v, else x's."""
-        return torch.float64 if self.wide_v else self.dtype
-
-    def with_v(self, v: torch.Tensor) -> "MatvecCall":
-        """The same kernel matrix applied to another right-hand side ``(..., N, C')`` or ``(N,)``."""
-        return _with_v(self, "v", v)
-
-    def transposed(self, v: torch.Tensor) -> "MatvecCall":
-        """K^T @ v: x and y swapped (every descriptor is symmetric), the regularised
-        diagonal mirrored, ``v`` ``(..., M, C')`` or ``(M,)``."""
-        t = replace(self, x=self.y, y=self.x, M=self.N, N=self.M, reg_diag=-self.reg_diag)
-        return _with_v(t, "v", v)
-
-
-def _rhs(name: str, v, x: torch.Tensor, N: int):
-    """(matrix view (..., N, C), vector?) of a right-hand side, checked."""
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(v).__name__}")
-    check_tensor(name, v, min_dim=1)
-    if not (v.dtype == torch.float64 and x.dtype in WIDE_OUT_INPUTS):  # else the float64 mode
-        check_same(name, v, "x", x)
-    elif v.device != x.device:
-        raise ValueError(f"{name}: device {v.device} differs from x's {x.device}")
-    vector = v.dim() == 1
-    vm = v.unsqueeze(-1) if vector else v
-    if vm.shape[-2] != N:
-        raise ValueError(f"{name}: expected {N} rows (the points of y), got shape {tuple(v.shape)}")
-    return vm, vector
-
-
-def _with_v(call: MatvecCall, name: str, v) -> MatvecCall:
-    vm, vector = _rhs(name, v, call.x, call.N)
-    shapes = {"x": tuple(call.x.shape[:-2]), "y": tuple(call.y.shape[:-2]), name: tuple(vm.shape[:-2]),
-              "batch": call.batch}
-    batch = broadcast_batch_shape(shapes)
-    return replace(call, v=vm, vector=vector, C=vm.shape[-1], batch=batch)
-
-
 def prepare_matvec(descriptor, x, y, v, *, p=None, inner_p=None, outer_p=None, bandwidth=None,
                    regularization=None, regularization_offset_x=0, regularization_offset_y=0,
                    epsilon=None, params=None) -> MatvecCall:
     """Validate a kernel_matvec call; TypeError/ValueError naming the argument. ``params``: a
     formula kernel's own hyper-parameters (ops.distance.prepare_call)."""
-    if not isinstance(descriptor, KernelDescriptor):
-        raise TypeError(f"descriptor: expected a KernelDescriptor, got {type(descriptor).__name__}")
-    check_tensor("x", x)
-    check_tensor("y", y)
-    check_same("y", y, "x", x)
-    if x.shape[-1] != y.shape[-1]:
-        raise ValueError(f"y: last dimension {y.shape[-1]} differs from x's {x.shape[-1]} (the coordinates K)")
-    vm, vector = _rhs("v", v, x, y.shape[-2])
-    check_int("regularization_offset_x", regularization_offset_x)
-    check_int("regularization_offset_y", regularization_offset_y)
+    check_data(x, y, ("x", "y"))
+    vm, vector = check_rhs("v", v, x, y.shape[-2])
     dc = prepare_call(descriptor, x, y, p=p, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                       regularization=regularization, regularization_offset_x=regularization_offset_x,
                       regularization_offset_y=regularization_offset_y, epsilon=epsilon, names=("x", "y"),
-                      extra_shapes={"v": tuple(vm.shape[:-2])}, params=params)
-    return MatvecCall(descriptor, x, y, vm, dc.hypers, dc.reg_diag, dc.epsilon, dc.batch, dc.M, dc.N, dc.K,
+                      extra_shapes={"v": tuple(vm.shape[:-2])}, params=params, data_checked=True)
+    return MatvecCall(descriptor, x, y, dc.hypers, dc.reg_diag, dc.epsilon, dc.batch, dc.M, dc.N, dc.K, vm,
                       vm.shape[-1], vector)
 
 
@@ -266,7 +174,7 @@ def gradients(call, grad, needs=(True, True, True), *, debug: bool = False):
     ``call`` is the forward's validated ``kermac_like.matvec.MatvecCall``; ``grad`` has its
     ``out_shape``; the v gradient has the shape of ``call.v`` (the (N, 1) view of a 1-D v).  ``needs``: which of the three to compute (None in the others' place).
     Each gradient has the shape and dtype of its input (broadcast batch modes summed).
-    Tensor hyper-parameters must not require grad (:func:`.matvec_backward.check_no_hyper_grad`).
+    Tensor hyper-parameters must not require grad (:func:`._library.check_no_hyper_grad`).
 
     * dL/dv = K^T grad: ``kernel_matvec`` with x and y swapped and the regularised
       diagonal mirrored.
@@ -278,7 +186,7 @@ def gradients(call, grad, needs=(True, True, True), *, debug: bool = False):
     * DOT: ``grad (v^T y)`` and ``v (grad^T x)``; with an epsilon (the thresholded
       product is not separable) a blocked contraction.
     """
-    matvec_backward.check_no_hyper_grad(call.hypers)
+    check_no_hyper_grad(call.hypers, "kernel_matvec")
     desc, x, y, v, hp = call.desc, call.x, call.y, call.v, call.hypers
     v2 = v  # always (..., N, C): a 1-D right-hand side is the (N, 1) view call.v
     g2 = grad.unsqueeze(-1) if call.vector else grad
@@ -353,10 +261,7 @@ def backward(ctx, grad):
         )
     x, y, v, ipt, opt, bwt, rgt = ctx.saved_tensors
     descriptor, ip, op, bw, rg, reg_diag, epsilon, debug = ctx.args
-    call = prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(ip, ipt),
-                          outer_p=join_hyper(op, opt), bandwidth=join_hyper(bw, bwt),
-                          regularization=join_hyper(rg, rgt), regularization_offset_x=reg_diag,
-                          regularization_offset_y=0, epsilon=epsilon)
+    call = _call_of(x, y, v, descriptor, ip, ipt, op, opt, bw, bwt, rg, rgt, reg_diag, epsilon)
     gx, gy, gv = backward_for_autograd(call, grad, ctx.needs_input_grad[:3], debug=debug)
     if gv is not None:
         gv = gv.reshape(v.shape)  # a 1-D v: (N, 1) -> (N,)
@@ -366,11 +271,9 @@ def backward(ctx, grad):
 # -- the ops: kermac_like::kernel_matvec and kermac_like::kernel_matvec_out ----------------------
 def _call_of(x, y, v, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
              regularization, regularization_tensor, reg_diag, epsilon) -> MatvecCall:
-    return prepare_matvec(descriptor_from_ints(descriptor), x, y, v, inner_p=join_hyper(inner_p, inner_p_tensor),
-                          outer_p=join_hyper(outer_p, outer_p_tensor),
-                          bandwidth=join_hyper(bandwidth, bandwidth_tensor),
-                          regularization=join_hyper(regularization, regularization_tensor),
-                          regularization_offset_x=reg_diag, epsilon=epsilon)
+    hypers = join_hypers(inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+                         regularization, regularization_tensor)
+    return MatvecCall.of(descriptor_from_ints(descriptor), x, y, v, hypers, reg_diag, epsilon)
 
 
 def _matvec_impl(x: Tensor, y: Tensor, v: Tensor, descriptor: list[int], inner_p: Optional[float],
@@ -533,7 +436,7 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
             res = formula_path.matvec_autograd(call)
         return res if out is None else out.copy_(res)
     if grad:
-        matvec_backward.check_no_hyper_grad(call.hypers)
+        check_no_hyper_grad(call.hypers, "kernel_matvec")
     elif direct_call(x, y, v, out, *hyper_tensors):
         return matvec_forward(call, out, debug=debug)  # the op's implementation, without the dispatcher
     args = _op_args(call, v)

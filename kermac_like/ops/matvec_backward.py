@@ -58,7 +58,7 @@ import torch
 from ..descriptor import KernelDescriptor, KernelType, PowerType
 from ..layout import broadcast_shapes
 from ..reference import BLOCK_ELEMENTS
-from ._library import call_op, descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
+from ._library import call_op, check_no_hyper_grad, descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
 from ..runtime import launcher, store
 from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, matvec_grad_spec
 
@@ -75,19 +75,6 @@ __all__ = [
     "FUSED_K_WIDTHS",
     "FUSED_C_WIDTHS",
 ]
-
-HYPER_NAMES = ("inner_p", "outer_p", "bandwidth", "regularization")
-
-
-
-def check_no_hyper_grad(hypers: dict) -> None:
-    """NotImplementedError naming every tensor hyper-parameter that requires grad."""
-    names = [k for k, v in hypers.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-    if names:
-        raise NotImplementedError(
-            f"{', '.join(names)}: gradients of kernel_matvec with respect to hyper-parameters are not supported "
-            "(pass them detached)"
-        )
 
 
 # -- the launch mirror: kermac_like/runtime/specs/matvec_grad.py ------------------------------------

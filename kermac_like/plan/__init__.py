@@ -39,23 +39,12 @@ here. The names below are re-exported for the ops; tests and probes reach the pl
 caches and overrides through :mod:`kermac_like.testing`.
 """
 
-from .core import HYPERS, MATVEC_SCRATCH_BYTES, Launch, Plan, Settings, choose_split
-from .distance import (
-    WGMMA_BLOCK_K,
-    WGMMA_KERNEL,
-    DistanceCall,
-    b_entries,
-    clear_templates,
-    plan_distance,
-    run_by_call_key,
-    run_distance,
-    spec_override,
-    uses_mm,
-)
+from .core import MATVEC_SCRATCH_BYTES, Launch, Plan, Settings, choose_split
+from .distance import WGMMA_BLOCK_K, b_entries, clear_templates, plan_distance, run_by_call_key, run_distance
 from .cdist_grad import plan_cdist_grad
-from .matvec_wgmma import MATVEC_WGMMA_BLOCK_BYTES, MATVEC_WGMMA_TILE
-from .matvec import MATVEC_BLOCKED_MIN_K, MATVEC_TILE_ELEMENTS, matvec_blocked, plan_matvec
+from .matvec_wgmma import MATVEC_WGMMA_BLOCK_BYTES
+from .matvec import matvec_blocked, plan_matvec
 from .topk import plan_topk
 
-__all__ = ["Settings", "Launch", "Plan", "DistanceCall", "plan_distance", "run_distance", "plan_cdist_grad", "b_entries",
+__all__ = ["Settings", "Launch", "Plan", "plan_distance", "run_distance", "plan_cdist_grad", "b_entries",
            "plan_matvec", "choose_split", "MATVEC_SCRATCH_BYTES", "MATVEC_WGMMA_BLOCK_BYTES", "plan_topk"]

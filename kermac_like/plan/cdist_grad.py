@@ -27,11 +27,11 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def plan_cdist_grad(a, b, c, d, p, out, batch: tuple, sizes: tuple, debug: bool,
-                    settings: Settings | None = None) -> Plan:
-    """The plan of a validated cdist_grad call (``p`` a float or a float tensor over the
-    batch; ``out`` None or checked)."""
-    K, M, N, O = sizes
+def plan_cdist_grad(call, out, debug: bool, settings: Settings | None = None) -> Plan:
+    """The plan of a validated cdist_grad call (a calls.GradCall: ``p`` a float or a float tensor
+    over the batch; ``out`` None or checked)."""
+    a, b, c, d, p, batch = call
+    K, M, N, O = call.sizes
     gpu = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 0) and a.dtype == torch.float32
     if not gpu or 0 in (K, M, N, O) or math.prod(batch) == 0:
         if debug:

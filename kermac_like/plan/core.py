@@ -18,6 +18,9 @@ from ..runtime import launcher
 
 __all__ = ["HYPERS", "Settings", "Launch", "Plan", "PlanCache", "plans", "choose_split", "MATVEC_SCRATCH_BYTES"]
 
+# torch's cuBLAS flags (allow_tf32), held once: the attribute path costs ~0.4 us per read.
+MATMUL = torch.backends.cuda.matmul
+
 # The hyper-parameters of the distance ABI, in argument order.
 HYPERS = ("inner_p", "outer_p", "bandwidth", "regularization")
 
@@ -30,20 +33,23 @@ class Settings(NamedTuple):
     wgmma kernel and its b preparation must agree, hence read once); ``wgmma``: the setting
     wgmma (``KERMAC_LIKE_WGMMA``) not "off"; ``wgmma_always``: it is "always" (also the calls
     of a few output tiles, which otherwise take the one-launch mma.sync kernel:
-    :func:`.distance._few_tiles`); ``grad_mma``: the setting grad_mma; ``wgmma_chunk``: the
-    setting wgmma_chunk (k-tiles per partial sum of the wgmma distance kernel, 0: none)."""
+    :func:`.distance._few_tiles`); ``grad_mma``: the setting grad_mma; ``distance_tune``: the
+    setting distance_tune (:class:`.distance.Tune`; None: the shipped spec functions and limits);
+    ``wgmma_chunk``: the setting wgmma_chunk (k-tiles per partial sum of the wgmma distance kernel,
+    0: none)."""
 
     tf32: bool
     wgmma: bool
     grad_mma: bool
     wgmma_always: bool = False
+    distance_tune: object = None
     wgmma_chunk: int = 2
 
     @staticmethod
     def current() -> "Settings":
         wgmma = config.get("wgmma")
-        return Settings(bool(torch.backends.cuda.matmul.allow_tf32), wgmma != "off", config.get("grad_mma"),
-                        wgmma == "always", config.get("wgmma_chunk"))
+        return Settings(bool(MATMUL.allow_tf32), wgmma != "off", config.get("grad_mma"), wgmma == "always",
+                        config.get("distance_tune"), config.get("wgmma_chunk"))
 
 
 class Launch(NamedTuple):

@@ -6,25 +6,22 @@ allocates its scratch (bench/notes/ops.md)."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import logging
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from ..centring import same_memory as _same_memory, shift_invariant
-from ..descriptor import PRESETS, KernelDescriptor
-from ..layout import Layout, analyse_matrix, batch_strides, broadcast_shapes, plan_batch
+from ..calls import DistanceCall
+from ..descriptor import PRESETS
+from ..layout import Layout, analyse_matrix, batch_strides, plan_batch
 from .. import config, formula_path, torch_path
 from ..runtime import launcher, store
 from ..runtime.specs import epilogue
 from . import autotune, shift
-from .autotune import uses_mm  # noqa: F401  (torch.cdist's matrix-product rule, re-exported)
 from ..runtime.specs import (
     LOWK_GENERIC_MAX_K,
     LOWK_MAX_K,
@@ -56,8 +53,8 @@ from .core import (
     plans,
 )
 
-__all__ = ["DistanceCall", "plan_distance", "run_distance", "run_by_call_key", "clear_templates", "spec_override",
-           "b_entries", "WGMMA_KERNEL", "WGMMA_BLOCK_K"]
+__all__ = ["DistanceCall", "plan_distance", "run_distance", "run_by_call_key", "clear_templates", "Tune",
+           "spec_override", "b_entries", "WGMMA_KERNEL", "WGMMA_BLOCK_K"]
 
 log = logging.getLogger("kermac_like.distance")
 
@@ -67,40 +64,41 @@ def _aligned(plan, names, per: int) -> bool:
     return all(s % per == 0 for k in names for part in plan.strides[k] for s in part)
 
 
-@dataclass
-class DistanceCall:
-    """A validated run_kernel call (everything the planner needs)."""
+class Tune(NamedTuple):
+    """The rule's spec functions and size limits that no setting names, as one value: tests and
+    probes replace fields (:func:`spec_override`) to force a tile shape or a threshold. It is the
+    setting distance_tune, read into :class:`Settings` and so part of every template key and of
+    the ops' call keys: plans made under replacements are kept apart by the replaced values
+    themselves (the same function objects in a later block find their templates again)."""
 
-    desc: KernelDescriptor
-    a: torch.Tensor
-    b: torch.Tensor
-    hypers: dict  # name -> float | Tensor | None
-    reg_diag: int
-    epsilon: float | None
-    batch: tuple
-    M: int
-    N: int
-    K: int
-    autotune: bool | None = None  # measure the kernel choice (None: plan.autotune's setting)
+    lowk_spec: Callable = lowk_spec
+    lowk_tiles_n: Callable = lowk_tiles_n
+    distance_spec: Callable = distance_spec
+    mma_spec: Callable = mma_spec
+    wgmma_spec: Callable = wgmma_spec
+    lowk_generic_max_k: int = LOWK_GENERIC_MAX_K  # the low-K kernel's largest K (_lowk_serves)
+    # where the SIMT kernel reads k-major copies (_kmajor_worthwhile): K, output elements over the
+    # batch, rows of a and of b (one output tile) from which, and copies <= output elements / share
+    kmajor_min_k: int = 64
+    kmajor_min_out: int = 1 << 25
+    kmajor_min_rows: int = 128
+    kmajor_max_share: float = 4
 
-    @classmethod
-    def of(cls, desc: KernelDescriptor, a, b, hypers: dict, reg_diag: int, epsilon) -> "DistanceCall":
-        """A call from already-checked arguments (the batch: a, b and tensor hyper-parameters broadcast)."""
-        shapes = [a.shape[:-2], b.shape[:-2]] + [v.shape for v in hypers.values() if isinstance(v, torch.Tensor)]
-        batch = broadcast_shapes(*shapes)  # (not torch's: it imports sympy on its first call)
-        return cls(desc, a, b, hypers, reg_diag, epsilon, batch, a.shape[-2], b.shape[-2], a.shape[-1])
 
-    @property
-    def out_shape(self) -> tuple:
-        return (*self.batch, self.M, self.N)
+SHIPPED = Tune()
 
-    @property
-    def device(self) -> torch.device:
-        return self.a.device
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.a.dtype
+def spec_override(**values):
+    """Tests and probes: ``with spec_override(lowk_tiles_n=lambda *a: 8): ...``, fields of
+    :class:`Tune` replaced inside the block over those in effect (blocks nest): a configuration
+    override of the setting distance_tune. A name that is not a field: ValueError naming it and
+    the fields."""
+    unknown = sorted(set(values) - set(Tune._fields))
+    if unknown:
+        raise ValueError(f"spec_override: {', '.join(unknown)}: not a field of plan.distance.Tune; the fields are "
+                         f"{', '.join(Tune._fields)}")
+    tune = (config.get("distance_tune") or SHIPPED)._replace(**values)
+    return config.override(distance_tune=None if tune == SHIPPED else tune)
 
 
 # Calls whose output the wgmma kernel would cover with at most this many 128 x 256 tiles
@@ -158,7 +156,7 @@ def _tensor_core_operands(call: DistanceCall) -> tuple:
     if Kp == call.K and not centre:
         return call, 0, False
     a, b = _prepared_pair(call.a, call.b, Kp, centre)
-    return dataclasses.replace(call, a=a, b=b, K=Kp), (Kp if Kp != call.K else 0), centre
+    return call._replace(a=a, b=b, K=Kp), (Kp if Kp != call.K else 0), centre
 
 
 def _prepared_pair(a: torch.Tensor, b: torch.Tensor, Kp: int, centre: bool) -> tuple:
@@ -186,21 +184,17 @@ def _pad_k(t: torch.Tensor, Kp: int) -> torch.Tensor:
 # beside the output (the one exception to "nothing but the output", with the tensor-core
 # paths' padded copies and b image), so they are made only for large outputs and when
 # they hold at most a quarter of the output's elements. At 4096^2 x 512 the copies cost what
-# they save (0.79 ms without, 0.84 with): from 2^25 output elements (5793^2) on.
-_KMAJOR_MIN_K = 64
-_KMAJOR_MIN_OUT = 1 << 25  # output elements over the batch
-_KMAJOR_MIN_ROWS = 128  # rows of a and of b (one output tile)
-_KMAJOR_MAX_SHARE = 4  # copies <= output elements / this
+# they save (0.79 ms without, 0.84 with): from 2^25 output elements (5793^2) on (Tune.kmajor_*).
 
 
-def _kmajor_worthwhile(call: DistanceCall) -> bool:
+def _kmajor_worthwhile(call: DistanceCall, tune: Tune) -> bool:
     """Whether a SIMT call reads k-major copies of its operands (see above)."""
-    if call.dtype != torch.float32 or call.K < _KMAJOR_MIN_K or min(call.M, call.N) < _KMAJOR_MIN_ROWS:
+    if call.dtype != torch.float32 or call.K < tune.kmajor_min_k or min(call.M, call.N) < tune.kmajor_min_rows:
         return False
     out = math.prod(call.out_shape)
     copies = (0 if _kmajor_ready(call.a) else call.a.numel()) + \
         (0 if _kmajor_ready(call.b) or _same_memory(call.a, call.b) else call.b.numel())
-    return out >= _KMAJOR_MIN_OUT and 0 < copies * _KMAJOR_MAX_SHARE <= out
+    return out >= tune.kmajor_min_out and 0 < copies * tune.kmajor_max_share <= out
 
 
 def _kmajor_ready(t: torch.Tensor) -> bool:
@@ -227,9 +221,9 @@ def _kmajor_pair(a: torch.Tensor, b: torch.Tensor) -> tuple:
     return ka, (ka if _same_memory(a, b) else _kmajor(b))
 
 
-def _lowk_serves(kind: str, K: int) -> bool:
+def _lowk_serves(kind: str, K: int, tune: Tune) -> bool:
     """Whether the low-K kernel serves an exact call of this kind (else the SIMT kernel)."""
-    return kind == autotune.LOWK and K <= LOWK_GENERIC_MAX_K
+    return kind == autotune.LOWK and K <= tune.lowk_generic_max_k
 
 
 def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: Settings, kind: str,
@@ -237,7 +231,7 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
     """(spec, views, tensors, batch plan, family) for a GPU call served by ``kind``
     (plan.autotune's kinds), or None for the reference path. ``given``: the operands as the
     caller gave them ({"a0", "b0"}) where the call reads shifted copies."""
-    tf32 = settings.tf32
+    tf32, tune = settings.tf32, settings.distance_tune or SHIPPED
     tf32_types = (torch.float32, torch.float16, torch.bfloat16)
     if kind == autotune.TENSOR_CORE and call.desc.is_euclidean and call.dtype in tf32_types:
         av = analyse_matrix("a", call.a, prefer=Layout.ROW_MAJOR)
@@ -245,15 +239,13 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
         outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
         tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **(given or {}), **hypers}
         bplan = _batch_plan(call, tensors)
-        per = 16 // call.a.element_size()
-        offsets_ok = _aligned(bplan, ("a", "b"), per)
+        kw = dict(tf32=tf32, batch_offsets_ok=_aligned(bplan, ("a", "b"), 16 // call.a.element_size()))
         spec, family = None, "distance_mma"
         if _wgmma_enabled(call.device, settings) and (settings.wgmma_always or not _few_tiles(call)):
-            spec = wgmma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok,
-                              chunk=settings.wgmma_chunk)
+            spec = tune.wgmma_spec(call.desc, av, bv, outv, chunk=settings.wgmma_chunk, **kw)
             family = "distance_wgmma"
         if spec is None:
-            spec, family = mma_spec(call.desc, av, bv, outv, tf32=tf32, batch_offsets_ok=offsets_ok), "distance_mma"
+            spec, family = tune.mma_spec(call.desc, av, bv, outv, **kw), "distance_mma"
         if spec is not None:
             return spec, (av, bv, outv), tensors, bplan, family
         # Not applicable to these views (e.g. a misaligned batch offset): the exact kernels.
@@ -266,21 +258,21 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
     outv = analyse_matrix("out", out, copy_ok=False)  # checked by run_kernel (or freshly allocated)
     tensors = {"a": av.tensor, "b": bv.tensor, "out": outv.tensor, **hypers}
     bplan = _batch_plan(call, tensors)
-    if _lowk_serves(kind, call.K):
+    if _lowk_serves(kind, call.K, tune):
         # Row-major output only: a column-major out is computed as out^T = kernel(b, a).
         swap = outv.layout is Layout.COL_MAJOR
         first, second = (bv, av) if swap else (av, bv)
         M, N = (call.N, call.M) if swap else (call.M, call.N)
         # Mirroring torch.cdist's matrix product: its NaN/inf (autotune.candidates).
         mm = autotune.uses_mm(compute_mode, call.M, call.N) and desc_mm_ok(call.desc) and call.K <= LOWK_MAX_K
-        tiles = lowk_tiles_n(call.K, M, N, bplan.count, LOWK_MIN_BLOCKS * _sm_count(_device_index(call.device)))
-        spec = lowk_spec(call.desc, first.layout, second.layout, call.K, mm_nonfinite=mm, tiles_n=tiles)
+        tiles = tune.lowk_tiles_n(call.K, M, N, bplan.count, LOWK_MIN_BLOCKS * _sm_count(_device_index(call.device)))
+        spec = tune.lowk_spec(call.desc, first.layout, second.layout, call.K, mm_nonfinite=mm, tiles_n=tiles)
         return spec, (av, bv, outv), tensors, bplan, "distance_lowk"
     # distance.cuh's 16-byte loader copies only the valid bytes of a column's last chunk.
     vec_ok = (av.vector_ok(whole_lines=False) and bv.vector_ok(whole_lines=False)
               and _aligned(bplan, ("a", "b"), 4))
     tuning = default_distance_tuning(call.desc, call.K, _smem_per_sm(_device_index(call.device)))
-    spec = distance_spec(call.desc, av.layout, bv.layout, outv.layout, 4 if vec_ok else 1, tuning=tuning)
+    spec = tune.distance_spec(call.desc, av.layout, bv.layout, outv.layout, 4 if vec_ok else 1, tuning=tuning)
     return spec, (av, bv, outv), tensors, bplan, "distance"
 
 
@@ -311,9 +303,8 @@ def plan_distance(call: DistanceCall, out: torch.Tensor | None, compute_mode: st
 @functools.lru_cache(maxsize=64)
 def _functor_specs(functor: tuple) -> tuple:
     """(wgmma_spec, mma_spec) with the epilogue functor in the traits: the same objects for the same
-    functor, so that spec_override's template keys find their templates again."""
+    functor, so that the template keys (their Tune) find their templates again."""
 
-    # (the specs modules' own functions: inside spec_override this module's names are these wrappers)
     def wgmma(desc, a, b, out, *, tf32, batch_offsets_ok=True, chunk=2):
         ok = _specs_wgmma.wgmma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)
         return None if ok is None else _specs_wgmma.wgmma_traits_spec(
@@ -336,12 +327,14 @@ def _formula_tensor_core_plan(call: DistanceCall, out, compute_mode: str, debug:
     if not (config.get("formula_fused") and epilogue.served(call.desc) and call.K > 0
             and call.dtype == torch.float32 and not call.epsilon and _gpu_ok(call.a)):
         return None
-    proxy = dataclasses.replace(call, desc=PRESETS["squared_l2"], hypers=epilogue.slot_hypers(call.desc, call.hypers))
+    proxy = call._replace(desc=PRESETS["squared_l2"], hypers=epilogue.slot_hypers(call.desc, call.hypers))
     wgmma, mma = _functor_specs(epilogue.functor(call.desc))
     if out is None:
         out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
-    with spec_override(wgmma_spec=wgmma, mma_spec=mma):
-        plan = _plan_distance_gpu(proxy, out, compute_mode, debug, Settings.current(), autotune.TENSOR_CORE)
+    settings = Settings.current()
+    tune = (settings.distance_tune or SHIPPED)._replace(wgmma_spec=wgmma, mma_spec=mma)
+    plan = _plan_distance_gpu(proxy, out, compute_mode, debug, settings._replace(distance_tune=tune),
+                              autotune.TENSOR_CORE)
     if plan is None or plan.family not in ("distance_mma", "distance_wgmma"):
         return None
     if debug:
@@ -386,36 +379,6 @@ class _Template(NamedTuple):
 # arguments (ops.distance's call keys), so that a repeated eager call skips the validation and
 # planning its key implies.
 clear_templates = functools.partial(plans.clear, "templates", "calls")
-
-
-# The names replaced by the active spec_override and their (hashable) values: part of every
-# template key, so that a template is reused only under the replacements it was built with
-# (the key holds the values themselves: no id of a collected function is ever reused).
-_OVERRIDES: tuple = ()
-
-
-@contextlib.contextmanager
-def spec_override(**values):
-    """Tests and probes: names of this module (``lowk_spec``, ``lowk_tiles_n``,
-    ``distance_spec``, ``LOWK_GENERIC_MAX_K``, ...) replaced inside the block. The
-    template caches key everything of a call except the spec it gets, so plans made under
-    the replacements are kept apart by the replacements themselves (hashable values; the
-    same function objects in a later block find their templates again, so a timing loop
-    may enter the block per call), and public calls inside the block neither use nor leave
-    templates under their call keys."""
-    global _OVERRIDES
-    g = globals()
-    unknown = sorted(k for k in values if k not in g)
-    if unknown:
-        raise ValueError(f"spec_override: kermac_like.plan.distance has no {', '.join(unknown)}")
-    saved, saved_key = {k: g[k] for k in values}, _OVERRIDES
-    g.update(values)
-    _OVERRIDES = saved_key + tuple(sorted(values.items()))
-    try:
-        yield
-    finally:
-        g.update(saved)
-        _OVERRIDES = saved_key
 
 
 def _distance_key(call: DistanceCall, out, compute_mode: str, settings: Settings):
@@ -493,7 +456,7 @@ def run_by_call_key(call_key, a: torch.Tensor, b: torch.Tensor, out, hypers: dic
     The key holds everything the validation and the plan of that call depended on
     (shapes, strides, alignments, dtypes, devices, hyper-parameter values, settings), so
     neither is repeated."""
-    hit = None if _OVERRIDES else plans.get(call_key)
+    hit = plans.get(call_key)
     if hit is None:
         return None
     t, out_shape, names = hit
@@ -516,8 +479,8 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
     if kind is None:
         return None
     key = None if debug else _distance_key(call, out, compute_mode, settings)  # debug: log every decision
-    key = None if key is None else (key, kind, _OVERRIDES)
-    if key is None or _OVERRIDES or autotune.autotune_enabled(call.autotune):  # an autotuned choice may be forgotten
+    key = None if key is None else (key, kind)
+    if key is None or autotune.autotune_enabled(call.autotune):  # an autotuned choice may be forgotten
         call_key = None
     t = plans.get(key) if key is not None else None
     if t is not None:
@@ -545,11 +508,11 @@ def _plan_distance_gpu(call: DistanceCall, out, compute_mode: str, debug: bool, 
 # (KERMAC_LIKE_JIT_TIER=0): wait for the compile instead (bench/notes/jit.md).
 
 
-def _first_call_tier(spec, call: DistanceCall, views, compute_mode: str, debug: bool) -> tuple:
+def _first_call_tier(spec, call: DistanceCall, views, compute_mode: str, debug: bool, tuned: bool) -> tuple:
     """(the low-K spec that serves this call now, whether its template may be kept)."""
-    # Not under spec_override (a probe or test wants its own spec) nor while autotuning (the
+    # Not under a Tune (``tuned``: a probe or test wants its own spec) nor while autotuning (the
     # timings must be the specialised kernel's).
-    if not config.get("jit_tier") or lowk_bucket(call.K) == 0 or _OVERRIDES or autotune.autotune_enabled(call.autotune):
+    if not config.get("jit_tier") or lowk_bucket(call.K) == 0 or tuned or autotune.autotune_enabled(call.autotune):
         return spec, True
     device = _device_index(call.device)
     if store.available(spec, device):
@@ -572,14 +535,15 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     """(template, the tensors it reads, whether it serves later calls), or None for the
     reference path."""
     pad_k, centre, kmajor, given = 0, False, False, None
+    tune = settings.distance_tune or SHIPPED
     if kind == autotune.TENSOR_CORE:
         a0, b0 = call.a, call.b
         call, pad_k, centre = _tensor_core_operands(call)
         given = {"a0": a0, "b0": b0} if centre else None
-    elif not _lowk_serves(kind, call.K) and _kmajor_worthwhile(call):
+    elif not _lowk_serves(kind, call.K, tune) and _kmajor_worthwhile(call, tune):
         kmajor = True
         a, b = _kmajor_pair(call.a, call.b)
-        call = dataclasses.replace(call, a=a, b=b)
+        call = call._replace(a=a, b=b)
     hypers = {}
     for k, v in call.hypers.items():
         if isinstance(v, torch.Tensor):
@@ -592,7 +556,8 @@ def _distance_template(call: DistanceCall, out, compute_mode: str, debug: bool, 
     # redone by the template (its copies are fresh row-major tensors, analysed alike).
     reusable = not (av.copied or bv.copied)
     if family == "distance_lowk":
-        spec, kept = _first_call_tier(spec, call, (av, bv, outv), compute_mode, debug)
+        tuned = settings.distance_tune is not None
+        spec, kept = _first_call_tier(spec, call, (av, bv, outv), compute_mode, debug, tuned)
         reusable = reusable and kept
     if bplan.count == 0 or call.M == 0 or call.N == 0:
         return _Template(family, spec, (), (), pad_k, centre, kmajor), tensors, reusable

@@ -50,7 +50,8 @@ from .core import (
     _wgmma_enabled,
     choose_split,
 )
-from .distance import DistanceCall, plan_distance
+from ..calls import DistanceCall
+from .distance import plan_distance
 from .matvec_wgmma import _plan_matvec_wgmma
 
 __all__ = ["plan_matvec", "matvec_blocked", "MATVEC_BLOCKED_MIN_K", "MATVEC_TILE_ELEMENTS", "matvec_shifts",
@@ -87,7 +88,7 @@ def matvec_shifts(desc, x: torch.Tensor, y: torch.Tensor, wide: bool) -> bool:
 
 
 def matvec_blocked(call, out: torch.Tensor, debug: bool = False, compute_mode: str = "use_mm_for_euclid_dist_if_necessary",
-                   tile_elements: int | None = None) -> torch.Tensor:
+                   tile_elements: int | None = None, settings: Settings | None = None) -> torch.Tensor:
     """kernel_matvec as kernel tiles times v: each tile (all batch entries, at most
     ``tile_elements``, default MATVEC_TILE_ELEMENTS) is one run_kernel plan (on a GPU the
     3xTF32 tensor-core distance kernel for Euclidean/DOT descriptors, the regularised
@@ -98,8 +99,8 @@ def matvec_blocked(call, out: torch.Tensor, debug: bool = False, compute_mode: s
     the float32 tile and its float64 copy stay within the same bytes). The tiles' DIFF distances
     are shift invariant as run_kernel's are: its tensor-core kernels read each tile's operands
     shifted by their reference point (plan/distance.py), its exact kernels take direct
-    differences; nothing is shifted here."""
-    budget = tile_elements or MATVEC_TILE_ELEMENTS
+    differences; nothing is shifted here. ``settings``: the call's (read once; default: now), every tile's."""
+    budget, settings = tile_elements or MATVEC_TILE_ELEMENTS, settings or Settings.current()
     wide = torch.float64 if torch.float64 in (call.dtype, out.dtype) else torch.float32
     if wide != call.dtype:
         budget = max(1, budget // 3)
@@ -117,7 +118,7 @@ def matvec_blocked(call, out: torch.Tensor, debug: bool = False, compute_mode: s
             dc = DistanceCall(call.desc, call.x[..., m0:m1, :], call.y[..., n0:n1, :], call.hypers,
                               call.reg_diag - n0 + m0, call.epsilon, call.batch, m1 - m0, n1 - n0, call.K)
             kb = tile[: L * (m1 - m0) * (n1 - n0)].view(*call.batch, m1 - m0, n1 - n0)
-            plan_distance(dc, kb, compute_mode, debug).run()
+            plan_distance(dc, kb, compute_mode, debug, settings).run()
             acc += torch.matmul(kb.to(wide), call.v[..., n0:n1, :].to(wide))
         om[..., m0:m1, :] = acc
     return out
@@ -203,7 +204,8 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
             return _plan_matvec_wgmma(call, out, debug, settings)
         if debug:
             log_matvec.debug("kernel_matvec %r: K=%d, tensor-core distance tiles times v", call.desc, call.K)
-        return Plan("matvec_blocked", None, (), out, reference=lambda: matvec_blocked(call, out, debug), debug=debug)
+        return Plan("matvec_blocked", None, (), out, debug=debug,
+                    reference=lambda: matvec_blocked(call, out, debug, settings=settings))
     om = out.unsqueeze(-1) if call.vector else out
     device = _device_index(call.device)
     v = call.v.to(torch.float64) if wide_out else call.v  # the float64 mode reads v as float64

@@ -29,10 +29,9 @@ from .. import centring, torch_path
 from ..centring import reference_point, shift_invariant
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType, preset
 from ..operator import KernelOperator
-from ..ops.distance import run_kernel
+from ..ops.distance import fused_device, run_kernel
 from ..ops.falkon import centre_products
 from ..ops.matvec import matvec_f32_partials
-from ..plan.core import _gpu_ok
 
 __all__ = ["SolverKernel", "resolve_kernel", "BLOCK_BYTES"]
 
@@ -95,7 +94,7 @@ class SolverKernel:
         float64 data whose run_kernel call takes the torch path (CPU tensors, float64) and there
         torch.cdist's matrix product (more than 25 rows of a or b)."""
         return (shift_invariant(self.desc) and self.desc.inner_power is PowerType.SQUARE and a.shape[-1] > 0
-                and a.dtype in (torch.float32, torch.float64) and (a.dtype == torch.float64 or not _gpu_ok(a))
+                and a.dtype in (torch.float32, torch.float64) and (a.dtype == torch.float64 or not fused_device(a))
                 and torch_path.uses_mm(torch_path.DEFAULT_MODE, a.shape[-2], b.shape[-2]))
 
     def matvec(self, a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, out=None, *,

@@ -209,6 +209,8 @@ thread_local kl_dim3 threadIdx, blockIdx;
 kl_dim3 gridDim, blockDim;
 static std::barrier<>* kl_barrier;
 inline void __syncthreads() { kl_barrier->arrive_and_wait(); }
+// declared only: the one-lane instances here never shuffle (tests/test_agop_contraction.py runs the lanes)
+float __shfl_xor_sync(unsigned, float, int);
 #define __device__
 #define __host__
 #define __global__
@@ -244,7 +246,7 @@ void run(std::vector<float>& buf, const long long* h, const float* hf) {
           blockIdx = {x, 0, z};
           matvec_grad_kernel<Tr>(base + h[16], base + h[17], base + h[18], base + h[19], base + h[20],
                                  M, N, K, C, L, h[5], h[6], h[7], h[8], h[9] ? base + h[21] : nullptr,
-                                 h[10], hf[0], hf[1], hf[2], hf[3]);
+                                 h[10], hf[0], hf[1], hf[2], hf[3], N);  // one split: n_per = N
           kl_barrier->arrive_and_wait();
         }
     });

@@ -84,13 +84,14 @@ def test_contraction_hypers_split_a_shared_p():
 
 # -- widths and spec -----------------------------------------------------------------------------------
 def test_lane_widths_and_spec_mirror():
-    assert lane_widths(3, 1) == (3, 1, 1) and lane_widths(32, 1) == (32, 1, 1)
+    assert lane_widths(3, 1) == (3, 1, 1) and lane_widths(32, 1) == (32, 1, 1) and lane_widths(5, 3) == (8, 4, 1)
+    assert lane_widths(20, 1) == (20, 1, 1) and lane_widths(17, 2) == (20, 2, 1)
     assert lane_widths(50, 1) == (28, 1, 2) and lane_widths(100, 1) == (28, 1, 4)
     assert lane_widths(33, 1) == (20, 1, 2) and lane_widths(256, 3) == (32, 4, 8)
     assert lane_widths(257, 1) is None and lane_widths(50, 33) is None
     s = matvec_grad_spec(km.PRESETS["laplace_l2"], 28, 1, False, lanes=2)
     assert s.launch.block_m == 64 and s.launch.block_n == 128 and s.launch.smem_bytes == 128 * 57 * 4
-    assert s.traits.endswith(", 28, 1, false, 1, 2>")  # unrolled once at several lanes (UNROLL_LANES)
+    assert s.traits.endswith(", 28, 1, false, 1, 2>")  # unrolled once at several lanes (UNROLL_WIDE)
     s8 = matvec_grad_spec(km.PRESETS["laplace_l2"], 32, 1, False, lanes=8)
     assert s8.launch.block_m == 16 and s8.launch.block_n == 32 and s8.launch.smem_bytes <= 48 * 1024
     # lanes = 1 renders as before (the shipped instantiations' names and cache keys unchanged)
@@ -99,6 +100,8 @@ def test_lane_widths_and_spec_mirror():
         matvec_grad_spec(km.PRESETS["laplace_l2"], 28, 1, False, lanes=3)
     with pytest.raises(ValueError, match="kk/kc"):
         matvec_grad_spec(km.PRESETS["laplace_l2"], 26, 1, False, lanes=2)
+    with pytest.raises(ValueError, match="kk/kc"):
+        matvec_grad_spec(km.PRESETS["laplace_l2"], 5, 1, False)
 
 
 # -- the template on the CPU (thread shim: shuffles through a shared array, every grid dimension) -------
@@ -239,7 +242,7 @@ def _rfm_specs():
     for name, q, p in [("laplace_l2", 1.0, 2.0), ("product_laplace", 1.0, 2.0), ("lpq", 1.0, 1.5),
                        ("gaussian", 1.0, 2.0)]:
         desc = resolve_rfm_kernel(name, q, p).solver_kernel(1.0).desc
-        for K in (50, 100):
+        for K in (20, 50, 100):
             kk, kc, lanes = lane_widths(K, 1)
             specs.append(matvec_grad_spec(desc, kk, kc, False, lanes=lanes))
     return specs

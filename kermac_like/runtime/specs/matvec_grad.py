@@ -16,9 +16,10 @@ LANES = (1, 2, 4, 8)
 MAX_K = 32 * LANES[-1]
 CPP_DEFAULT_UNROLL = 2  # MatvecGradTraits' default kUnroll (not rendered)
 UNROLL = 2  # what the launches use (H200: 547 ms with 2, 571 ms with 1; bench/notes/matvec_grad.md)
-# ... at several lanes a row: 1 (kK = 28, sm_90: 168 registers and no spills, three CTAs an SM; unrolled
-# twice ptxas keeps 168 and spills 16 bytes; the pair loop is ~113 instructions, bench/notes/rfm.md)
-UNROLL_LANES = 1
+# ... beyond 16 coordinates a lane (one lane or several): 1 (kK = 28 at two lanes, sm_90: 168 registers and
+# no spills, three CTAs an SM; unrolled twice ptxas keeps 168 and spills 16 bytes, as at kK = 20 for the
+# Gaussian; the pair loop is ~113 instructions, bench/notes/rfm.md)
+UNROLL_WIDE = 1
 
 
 def _rows_per_thread(kk: int, kc: int) -> int:
@@ -39,16 +40,16 @@ def fused_widths(K: int, C: int):
 
 
 def lane_widths(K: int, C: int):
-    """(kK, kC, kLanes) for K and C: :func:`fused_widths` at one lane up to K = 32; beyond, the fewest
+    """(kK, kC, kLanes) for K and C: one lane up to K = 32 (kK = K up to 4, else K rounded up to a multiple of
+    4: padding costs work, not accuracy); beyond, the fewest
     lanes a row (2, 4, 8) that hold K in kK <= 32 coordinates each, kK = ceil(K / lanes) rounded up to
     a multiple of 4 (K = 50: 2 lanes of 28, 12 % padding; K = 100: 4 of 28). None beyond MAX_K or 32
     columns."""
-    if 1 <= K <= 32:
-        w = fused_widths(K, C)
-        return None if w is None else (*w, 1)
     kc = next((w for w in FUSED_C_WIDTHS if w >= C), None)
-    if kc is None or C < 1 or K > MAX_K:
+    if kc is None or C < 1 or K < 1 or K > MAX_K:
         return None
+    if K <= 32:  # one lane: K itself up to 4, else the next multiple of 4 (K = 20: 20, not 32)
+        return (K if K <= 4 else -(-K // 4) * 4), kc, 1
     lanes = next(n for n in LANES if K <= 32 * n)
     per = -(-K // lanes)
     return -(-per // 4) * 4, kc, lanes
@@ -58,16 +59,17 @@ def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool, *,
                      lanes: int = 1):
     """The KernelSpec of ``matvec_grad_kernel`` for a DIFF descriptor, register widths
     (kK, kC), whether an epsilon applies, the unrolling of the pair loop (1 or 2;
-    default :data:`UNROLL`, :data:`UNROLL_LANES` beyond one lane) and the lanes that share a row (:data:`LANES`; kK a multiple of 4
+    default :data:`UNROLL`, :data:`UNROLL_WIDE` beyond 16 coordinates a lane) and the lanes that share a row (:data:`LANES`; kK a multiple of 4
     beyond one)."""
     if desc.inner_operator is not InnerOperator.DIFF:
         raise ValueError("descriptor: the fused matvec backward serves DIFF descriptors (DOT is a matrix product)")
-    unroll = (UNROLL if lanes == 1 else UNROLL_LANES) if unroll is None else int(unroll)
+    unroll = (UNROLL if lanes == 1 and kk <= 16 else UNROLL_WIDE) if unroll is None else int(unroll)
     if unroll not in (1, 2):
         raise ValueError(f"unroll: must be 1 or 2, got {unroll}")
     if lanes not in LANES:
         raise ValueError(f"lanes: must be one of {LANES}, got {lanes}")
-    if kc not in FUSED_C_WIDTHS or (kk not in FUSED_K_WIDTHS if lanes == 1 else not (4 <= kk <= 32 and kk % 4 == 0)):
+    multiple_of_4 = 4 <= kk <= 32 and kk % 4 == 0
+    if kc not in FUSED_C_WIDTHS or not (multiple_of_4 or (lanes == 1 and kk in FUSED_K_WIDTHS)):
         raise ValueError(f"kk/kc: unsupported register widths ({kk}, {kc}) at {lanes} lane(s) a row")
     rows = _rows_per_thread(kk, kc)
     block_n = _block_n(kk * lanes)

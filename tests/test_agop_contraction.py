@@ -267,3 +267,47 @@ def test_rfm_instantiations_compile_without_spills(arch):
 def test_fused_serves_only_gpu_float32_up_to_256_coordinates():
     assert mg.fused_serves(torch.zeros(3, 50)) is False  # a CPU tensor: the blocked reference
     assert mg.fused_serves(torch.zeros(3, 50, dtype=F64)) is False
+
+
+# -- GPU (marked): the fused AGOP and kernel_matvec's backward beyond K = 32 against float64 -------------
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name,q,p", RFM_KERNELS)
+@pytest.mark.parametrize("family,D", [("shifted", 50), ("positive", 100), ("clustered", 24), ("clustered", 200)])
+def test_gpu_fused_agop_matches_float64(name, q, p, family, D):
+    u, v = data(family, 2000, 700, D, D)
+    coef = torch.randn(2000, 2, generator=torch.Generator().manual_seed(1), dtype=F64) / 40
+    u, v, coef = (t.float().double() for t in (u, v, coef))  # the float64 reference of the rounded inputs
+    kern = resolve_rfm_kernel(name, q, p)
+    bw = {"shifted": 3.0, "positive": 2.0, "clustered": 0.5}[family] * (D / 10) ** 0.5
+    want = agop_sum(kern, bw, u, coef, v)
+    dev = torch.device("cuda")
+    got = agop_sum(kern, bw, u.float().to(dev), coef.float().to(dev), v.float().to(dev))
+    assert mg.fused_serves(u.float().to(dev))
+    assert float((got.cpu() - want).norm() / want.norm()) < 1e-4
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("desc_name", ["laplace_l2", "gaussian_l2", "laplace_l1"])
+def test_gpu_matvec_backward_beyond_32_coordinates(desc_name):
+    desc = km.PRESETS[desc_name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(900, 70, device="cuda", generator=g) + 5.0
+    y = torch.randn(1300, 70, device="cuda", generator=g) + 5.0
+    v = torch.randn(1300, 3, device="cuda", generator=g)
+    w = torch.randn(900, 3, device="cuda", generator=g)
+
+    def grads(x, y, v):
+        x, y, v = (t.clone().requires_grad_(True) for t in (x, y, v))
+        out = km.kernel_matvec(desc, x, y, v, bandwidth=8.0)
+        return torch.autograd.grad((out * w.to(out.dtype)).sum(), (x, y, v))
+
+    got = grads(x, y, v)
+    ref = grads(x.double(), y.double(), v.double())
+    for a, b in zip(got, ref):
+        assert float((a.double() - b).norm() / b.norm()) < 1e-5

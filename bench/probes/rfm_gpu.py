@@ -9,7 +9,8 @@ Prints, each as soon as it is measured (a failing row prints its error and the p
    of them centres, 100 near centres), D = 24 / 50 / 100, shifted and clustered, 3 outputs: relative
    Frobenius error (expect <= 1e-4); ``--agop-only``: these and each kernel's AGOP time at n = 20 000,
    D = 50 and 100 on both paths beside kernel_matvec with D + 1 columns; a fit on the GPU (float32) against the same fit on
-   the CPU in float64, n = 3000, D = 16, 3 iterations: M_ and predictions, relative (expect <= 1e-3).
+   the CPU in float64, n = 3000, D = 16, 3 iterations: M_ and predictions, relative (expect <= 1e-3, or
+   <= 3x the float64 fit's own change under a 1e-9 relative move of its inputs: product Laplace's 7e-3).
 2. rows (bench/rfm_bench.py): fit seconds, test NMSE and peak GPU memory of ours and of xRFM (torch
    kernels; with Kermac where importable) for l2 Laplace / product Laplace / lpq p = 1.5 at
    20 000 x 50 (5 iterations), l2 50 000 x 100 (3 iterations), l2 2 x 10^5 x 50 (ours Falkon, xRFM its
@@ -130,8 +131,16 @@ def check_fit(device):
             em = np.linalg.norm(gpu.M_ - cpu.M_) / np.linalg.norm(cpu.M_)
             pc = cpu.predict(xt)
             ep = np.linalg.norm(gpu.predict(xt) - pc) / np.linalg.norm(pc)
-            say(f"check fit {name}: GPU float32 vs CPU float64: M_ {em:.2e}, predictions {ep:.2e} "
-                f"[{'ok' if max(em, ep) <= 1e-3 else 'ABOVE 1e-3'}]; GPU seconds per iteration "
+            # the float64 fit's own spread: the same fit on inputs moved by 1e-9 relative (the l1 kernel's
+            # gradient jumps where a transformed coordinate's difference changes sign: bench/notes/rfm.md, "(c)")
+            xp = x * (1 + 1e-9 * rng.standard_normal(x.shape))
+            cpp = RFMRegressor(**kw).fit(xp, y)
+            sm = np.linalg.norm(cpp.M_ - cpu.M_) / np.linalg.norm(cpu.M_)
+            sp = np.linalg.norm(cpp.predict(xt) - pc) / np.linalg.norm(pc)
+            ok = max(em, ep) <= max(1e-3, 3 * max(sm, sp))
+            say(f"check fit {name}: GPU float32 vs CPU float64: M_ {em:.2e}, predictions {ep:.2e}; float64 fit "
+                f"on inputs moved by 1e-9: M_ {sm:.2e}, predictions {sp:.2e} "
+                f"[{'ok' if ok else 'ABOVE max(1e-3, 3x the float64 spread)'}]; GPU seconds per iteration "
                 f"{[round(h['seconds'], 4) for h in gpu.history_]}")
         except Exception as e:  # noqa: BLE001
             say(f"check fit {name}: FAILED {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")

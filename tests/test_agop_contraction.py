@@ -8,8 +8,6 @@ autograd in float64; the RFM instantiations compiled for sm_80 and sm_90 (regist
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 import torch
@@ -20,7 +18,7 @@ from kermac_like.rfm import agop_sum, function_gradients, resolve_rfm_kernel
 from kermac_like.rfm._agop import contraction_hypers
 from kermac_like.runtime.specs.matvec_grad import lane_widths, matvec_grad_spec
 
-from cpu_shim import THREAD_SHIM, build_cpu_runner
+from cpu_shim import FLOAT_RUNNER_MAIN, MATVEC_GRAD_PRELUDE, THREAD_SHIM, build_cpu_runner, run_float_runner
 
 F64 = torch.float64
 RFM_KERNELS = [("laplace_l2", 1.0, 2.0), ("laplace_l2", 0.7, 2.0), ("product_laplace", 1.0, 2.0),
@@ -105,14 +103,7 @@ def test_lane_widths_and_spec_mirror():
 
 
 # -- the template on the CPU (thread shim: shuffles through a shared array, every grid dimension) -------
-SHIM = THREAD_SHIM + r"""
-#undef __shared__
-#define __shared__
-#include "matvec_grad.cuh"
-namespace kermac_like { namespace matvec_grad_detail {
-alignas(16) float kl_matvec_grad_smem[1 << 14];
-} }
-using namespace kermac_like;
+SHIM = THREAD_SHIM + MATVEC_GRAD_PRELUDE + r"""
 #define T(ip, op, ep, kk, kc, lanes) MatvecGradTraits<Power::ip, Power::op, Epilogue::ep, kk, kc, false, 1, lanes>
 @@INSTANCES@@
 
@@ -128,22 +119,7 @@ void run(std::vector<float>& buf, const long long* h, const float* hf) {
   });
 }
 
-int main(int argc, char** argv) {
-  const int which = std::atoi(argv[1]);
-  FILE* f = std::fopen(argv[2], "rb");
-  long long h[32];
-  float hf[4];
-  if (std::fread(h, 8, 32, f) != 32 || std::fread(hf, 4, 4, f) != 4) return 2;
-  std::vector<float> buf(h[31]);
-  if (std::fread(buf.data(), 4, buf.size(), f) != buf.size()) return 3;
-  std::fclose(f);
-  switch (which) {
-@@CASES@@
-    default: return 4;
-  }
-  return kl_write(argv[3], buf);
-}
-"""
+""" + FLOAT_RUNNER_MAIN
 
 # (rfm kernel, K, split): the RFM descriptors at 2, 4 and 8 lanes a row (K 50 -> 2 x 28, 40 -> 2 x 20,
 # 100 -> 4 x 28, 200 -> 8 x 28) and at one lane (K = 20), with and without an N split.
@@ -182,29 +158,7 @@ def _run_on_cpu(exe, tmp_path, idx, a, b, ga, vb, *, q, r, bw, split, n_per):
     M, K = a.shape
     N, C = vb.shape
     out = np.full((split, M, K), np.nan, dtype=np.float32)  # poisoned: every element must be written
-    parts, offs, pos = [], [], 0
-    guard = np.full(7, 1e30, np.float32)
-    for arr in (a, b, ga, vb, out):
-        flat = np.ascontiguousarray(arr, dtype=np.float32).ravel()
-        offs.append(pos)
-        parts += [flat, guard]
-        pos += flat.size + guard.size
-    buf = np.concatenate(parts)
-    h = np.zeros(32, np.int64)
-    h[:6] = [M, N, K, C, split, n_per]
-    h[16:21] = offs
-    h[31] = buf.size
-    f = tmp_path / f"in{idx}.bin"
-    with open(f, "wb") as fh:
-        fh.write(h.tobytes())
-        fh.write(np.array([q, r, bw, 0.0], np.float32).tobytes())
-        fh.write(buf.astype(np.float32).tobytes())
-    res = subprocess.run([str(exe), str(idx), str(f), str(tmp_path / f"out{idx}.bin")], capture_output=True)
-    assert res.returncode == 0, res.stderr
-    got = np.fromfile(tmp_path / f"out{idx}.bin", dtype=np.float32)
-    np.testing.assert_array_equal(np.delete(got, np.arange(offs[4], offs[4] + out.size)),
-                                  np.delete(buf, np.arange(offs[4], offs[4] + out.size)))
-    return got[offs[4]:offs[4] + out.size].reshape(split, M, K)
+    return run_float_runner(exe, tmp_path, idx, (a, b, ga, vb, out), [M, N, K, C, split, n_per], (q, r, bw, 0.0), 4)
 
 
 @pytest.mark.parametrize("idx", range(len(CPU_CASES)))

@@ -1,6 +1,7 @@
 """GPU probe of kermac_like.rfm (issue 45): correctness against float64, then the target rows.
 
     PYTHONPATH=. python3 bench/probes/rfm_gpu.py [--quick] [--rows l2_20k,...] [--skip-checks] [--agop-only]
+                                                 [--cholesky]
 
 Prints, each as soon as it is measured (a failing row prints its error and the probe goes on):
 
@@ -146,12 +147,59 @@ def check_fit(device):
             say(f"check fit {name}: FAILED {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
 
 
+def check_cholesky(device, quick=False):
+    """linalg.cholesky_3xtf32_ (blocked, 3xTF32 trailing updates) against cuSOLVER's float32 potrf
+    (linalg.solve_cholesky in place): the factor's error against float64 at n = 4000, and the time of
+    one factorisation of the regularised l2 Laplace kernel matrix at 20 000 x 50 and 50 000 x 100."""
+    import kermac_like as km
+    from kermac_like import linalg
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 50, generator=g, dtype=torch.float64) + 3.0
+    k = km.run_kernel(km.PRESETS["laplace_l2"], x, x, bandwidth=10.0) + 1e-3 * torch.eye(4000, dtype=torch.float64)
+    l64 = torch.linalg.cholesky(k)
+    a = k.float().to(device).contiguous()
+    info = linalg.cholesky_3xtf32_(a)
+    l32 = torch.linalg.cholesky(k.float().to(device))
+    err = float((a.double().cpu() - l64).norm() / l64.norm())
+    ref = float((l32.double().cpu() - l64).norm() / l64.norm())
+    say(f"check cholesky n=4000: 3xTF32 blocked {err:.2e} (info {info}), torch float32 {ref:.2e} "
+        f"[{'ok' if err <= 3 * ref + 1e-7 else 'ABOVE 3x float32'}]")
+    for n, d in ((2000, 20),) if quick else ((20_000, 50), (50_000, 100)):
+        xs, _ = rfm_bench.make_task(n, d, device, 4)
+        kk = km.run_kernel(km.PRESETS["laplace_l2"], xs, xs, bandwidth=rfm_bench.BANDWIDTH,
+                           regularization=rfm_bench.REG)
+        work = torch.empty_like(kk)
+        rhs = torch.randn(1, n, device=device)
+
+        def cusolver():
+            work.copy_(kk)
+            linalg.solve_cholesky(work, rhs.clone(), overwrite_a=True)
+
+        def tf32():
+            work.copy_(kk)
+            linalg.cholesky_3xtf32_(work)
+
+        def copy_only():
+            work.copy_(kk)
+
+        t_copy = rfm_bench._event_ms(copy_only, device, repeats=3, warm=1)
+        t_cu = rfm_bench._event_ms(cusolver, device, repeats=3, warm=1) - t_copy
+        t_tf = rfm_bench._event_ms(tf32, device, repeats=3, warm=1) - t_copy
+        say(f"time cholesky n={n}: cuSOLVER float32 potrf+potrs {t_cu:.1f} ms, 3xTF32 blocked {t_tf:.1f} ms "
+            f"({t_cu / t_tf:.2f}x)")
+        del kk, work
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes for the rows")
     ap.add_argument("--rows", default=None, help="comma-separated subset of bench/rfm_bench.py's rows")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--cholesky", action="store_true",
+                    help="the 3xTF32 blocked Cholesky: its check and time against cuSOLVER, then the l2 rows with "
+                         "the setting cholesky_3xtf32 on (only these)")
     ap.add_argument("--agop-only", action="store_true",
                     help="only the AGOP checks and timings (both paths, every kernel), no fit rows")
     args = ap.parse_args(argv)
@@ -162,6 +210,16 @@ def main(argv=None):
     say(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}; xRFM "
         f"{'importable' if rfm_bench.xrfm_modules() is not None else 'not importable'}"
         f"{', Kermac importable' if rfm_bench.xrfm_has_kermac() else ''}")
+    if args.cholesky:
+        from kermac_like import config
+
+        check_cholesky(device, args.quick)
+        with config.override(cholesky_3xtf32=True):
+            rows = rfm_bench.rfm_rows(device, args.quick, (args.rows or "l2_20k,l2_50k").split(","), args.repeats, say)
+        for r in rows:
+            say(f"  cholesky_3xtf32 on: {r['size']}: ours {r.get('ours_ms', 0) / 1e3:.3f} s, test NMSE "
+                f"{r.get('error')}, peak {r.get('ours_peak_gb')} GB, xRFM torch {(r.get('torch_ms') or 0) / 1e3:.3f} s")
+        return 0
     if args.agop_only:
         check_agop(device)
         time_agop(device)

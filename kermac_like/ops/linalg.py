@@ -977,7 +977,18 @@ def cholesky_3xtf32_(a: Tensor, *, block: int | None = None) -> int:
     algorithm runs in float32 (the TF32 rounding of P_lo then not applied: products are exact float32),
     for tests. Memory: the matrix in place plus two panels of N x 3 block floats.
 
-    Translation of the bound: the error is float32 Cholesky's (backward error ~ N eps |A|), not TF32's.
+    The error is float32 Cholesky's (backward error ~ N eps |A|), not TF32's.
+
+    >>> import torch
+    >>> from kermac_like.linalg import cholesky_3xtf32_
+    >>> g = torch.Generator().manual_seed(0)
+    >>> b = torch.randn(300, 300, generator=g)
+    >>> a = b @ b.T + 300 * torch.eye(300)
+    >>> want = torch.linalg.cholesky(a)
+    >>> cholesky_3xtf32_(a, block=64)
+    0
+    >>> bool(torch.allclose(a, want, rtol=1e-4, atol=1e-4))
+    True
     """
     if not isinstance(a, Tensor):
         raise TypeError(f"a: expected a torch.Tensor, got {type(a).__name__}")

@@ -265,3 +265,63 @@ def test_gpu_matvec_backward_beyond_32_coordinates(desc_name):
     ref = grads(x.double(), y.double(), v.double())
     for a, b in zip(got, ref):
         assert float((a.double() - b).norm() / b.norm()) < 1e-5
+
+
+# -- the launch as planned on a GPU, the kernel stood in for by the reference per split ------------------
+class _Kernel:
+    def __init__(self, spec):
+        self.spec = spec
+
+
+def test_fused_contraction_launch_splits_and_arguments(monkeypatch):
+    """diff_contraction's fused launch on CPU tensors planned as on a 132-SM GPU: the stand-in kernel reads
+    the ABI's arguments (pointers mapped back to the operands), sums its split's rows [s n_per, (s + 1)
+    n_per) of b by the float64 reference into out + s L M K; the op's result must be the whole sum."""
+    import ctypes
+
+    from kermac_like.runtime import launcher, store
+
+    real_flat = mg._flat_operand
+    launches, ptr_of = [], {}
+
+    def fake_flat(t, batch, L):  # the launch's float32 operand; its float64 twin for the stand-in's sums
+        f64, s = real_flat(t.double(), batch, L)
+        f32 = f64.float()
+        ptr_of[f32.data_ptr()] = f64
+        return f32, s
+
+    monkeypatch.setattr(mg, "_flat_operand", fake_flat)
+    monkeypatch.setattr(mg, "_gpu_ok", lambda t: True)
+    monkeypatch.setattr(mg, "_sm_count", lambda d: 132)
+    monkeypatch.setattr(mg, "_blocks_per_sm", lambda k: 3)
+    monkeypatch.setattr(store, "get_kernel", lambda spec, device, debug=False: _Kernel(spec))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def launch(kernel, grid, args, debug=False):
+        launches.append((kernel.spec, grid, args))
+        a, b, g, v = (ptr_of[p] for p in args[:4])
+        M, N, K, C, L = (int(x) for x in args[5:10])
+        q, r, bw = (float(x) for x in args[16:19])
+        n_per = int(args[20])
+        assert len(args) == 21 and L == 1 and grid[0] == -(-M // kernel.spec.launch.block_m)
+        h = {"inner_p": q if desc.needs_inner_p else None, "outer_p": r if desc.needs_outer_p else None,
+             "bandwidth": bw}
+        for s in range(grid[1]):
+            lo, hi = s * n_per, min(N, (s + 1) * n_per)
+            part = mg.diff_contraction_reference(desc, a, b[lo:hi], g, v[lo:hi], **h).float().contiguous()
+            ctypes.memmove(args[4] + s * L * M * K * 4, part.data_ptr(), M * K * 4)
+
+    monkeypatch.setattr(launcher, "launch", launch)
+    kern = resolve_rfm_kernel("lpq", 0.8, 1.3)
+    desc = kern.solver_kernel(1.0).desc
+    hyp = contraction_hypers(kern, 3.0)
+    u, v = data("shifted", 3000, 200, 50, 7)
+    coef = torch.randn(3000, 1, generator=torch.Generator().manual_seed(2), dtype=F64)
+    got = mg.diff_contraction(desc, v.float(), u.float(), torch.ones(200, 1), coef.float(), **hyp)
+    spec, grid, args = launches[-1]
+    # 200 rows at 64 a CTA: 4 CTAs for 396 slots, so the 3000 rows of b split (whole tiles of 128)
+    assert spec.traits.endswith(", 28, 1, false, 1, 2>") and grid[1] > 1 and int(args[20]) % 128 == 0
+    assert (grid[1] - 1) * int(args[20]) < 3000 <= grid[1] * int(args[20])
+    ref = mg.diff_contraction_reference(desc, v.float().double(), u.float().double(), torch.ones(200, 1, dtype=F64),
+                                        coef.float().double(), **hyp)
+    assert float((got.double() - ref).norm() / ref.norm()) < 1e-6

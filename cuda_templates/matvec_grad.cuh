@@ -49,14 +49,17 @@ namespace kermac_like {
 // ---------------------------------------------------------------------------
 // Traits: every launch constant derives from the template parameters.
 // ---------------------------------------------------------------------------
-// kK_: register width of the contracted mode (K <= kK; a and b are zero-padded
-// to it in registers and shared memory, which adds 0 to acc and to the
-// outputs).  kC_: likewise for the value mode of g and v.  kEpsilon_: whether
-// the launch applies an epsilon (phi is then 0 where d < epsilon; without it,
-// the NONE epilogue with a NOOP outer power never forms acc at all).  kUnroll_:
-// unrolling of the loop over the b rows of a tile (1 or 2).
+// kK_: register width of the contracted mode per lane (K <= kK * kLanes; a and b are zero-padded
+// to kK * kLanes in registers and shared memory, which adds 0 to acc and to the outputs).  kC_:
+// likewise for the value mode of g and v.  kEpsilon_: whether the launch applies an epsilon (phi
+// is then 0 where d < epsilon; without it, the NONE epilogue with a NOOP outer power never forms
+// acc at all).  kUnroll_: unrolling of the loop over the b rows of a tile (1 or 2).  kLanes_: the
+// lanes that share one row of a (1, 2, 4 or 8; many coordinates, K > 32): lane j of a group owns
+// coordinates [j kK, (j + 1) kK) of a, of the tile of b and of the outputs, and the group sums
+// its partial acc with log2(kLanes) butterfly shuffles (every lane of the group then
+// holds the same acc, summed in the same order), so that no thread holds more than 32 coordinates.
 template <Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, int kK_, int kC_, bool kEpsilon_ = false,
-          int kUnroll_ = 2>
+          int kUnroll_ = 2, int kLanes_ = 1>
 struct MatvecGradTraits {
   static_assert(kInnerPow_ == Power::Abs || kInnerPow_ == Power::Square || kInnerPow_ == Power::Pow,
                 "MatvecGradTraits: the inner power must be Power::Abs, Power::Square or Power::Pow "
@@ -66,6 +69,9 @@ struct MatvecGradTraits {
   static_assert(kK_ >= 1 && kK_ <= 32, "MatvecGradTraits: kK must be in 1..32");
   static_assert(kC_ >= 1 && kC_ <= 32, "MatvecGradTraits: kC must be in 1..32");
   static_assert(kUnroll_ == 1 || kUnroll_ == 2, "MatvecGradTraits: kUnroll must be 1 or 2");
+  static_assert(kLanes_ == 1 || kLanes_ == 2 || kLanes_ == 4 || kLanes_ == 8,
+                "MatvecGradTraits: kLanes must be 1, 2, 4 or 8");
+  static_assert(kLanes_ == 1 || kK_ % 4 == 0, "MatvecGradTraits: kK must be a multiple of 4 when kLanes > 1");
 
   static constexpr Power kInnerPow = kInnerPow_;
   static constexpr Power kOuterPow = kOuterPow_;
@@ -74,6 +80,8 @@ struct MatvecGradTraits {
   static constexpr int kC = kC_;
   static constexpr bool kEpsilon = kEpsilon_;
   static constexpr int kUnroll = kUnroll_;
+  static constexpr int kLanes = kLanes_;
+  static constexpr int kKAll = kK_ * kLanes_;  // the padded width of a row of a and b
   // Whether phi needs acc (NONE with a NOOP outer power and no epsilon is the constant q).
   static constexpr bool kNeedsAcc =
       !(kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::None && !kEpsilon_);
@@ -84,9 +92,11 @@ struct MatvecGradTraits {
   static constexpr int kRowBudget = 96 / (4 * kK + kC);
   static constexpr int kRows = kRowBudget < 1 ? 1 : (kRowBudget > 4 ? 4 : kRowBudget);
   static constexpr int kThreads = 128;
-  static constexpr int kBlockM = kThreads * kRows;
-  static constexpr int kBlockN = 128;
-  static constexpr int kSmemBytes = kBlockN * (kK + kC) * 4;  // dynamic: b tile, then v tile
+  static constexpr int kRowsPerPass = kThreads / kLanes;  // rows of a CTA's threads at one row each
+  static constexpr int kBlockM = kRowsPerPass * kRows;
+  // b tile rows: 128 up to 64 padded coordinates, fewer beyond (dynamic shared memory <= 33 KB).
+  static constexpr int kBlockN = kKAll <= 64 ? 128 : (kKAll <= 128 ? 64 : 32);
+  static constexpr int kSmemBytes = kBlockN * (kKAll + kC) * 4;  // dynamic: b tile, then v tile
 };
 
 namespace matvec_grad_detail {
@@ -202,28 +212,37 @@ struct Phi {
 //   a (L?, M, K), b (L?, N, K), g (L?, M, C), v (L?, N, C): float32, rows
 //     contiguous (row stride K or C); a_bs .. v_bs: element offsets between
 //     batch entries (0: broadcast);
-//   out (L, M, K): float32, dense;
+//   out (S, L, M, K): float32, dense; S = gridDim.y splits of the N range, split s
+//     summing the rows [s n_per, (s + 1) n_per) of b and v into its slice out + s L M K
+//     (the caller adds the S slices; S = 1: out holds the result);
 //   hyp: nullptr (q, r, bw as given) or float32 triples (q, r, bw) per batch
 //     entry at hyp + l * hyp_bs (hyp_bs 0: one triple for all);
-//   eps: the epsilon (read only when kEpsilon).
-// Grid: (ceil(M / kBlockM), 1, min(L, 65535)); the z blocks walk the batch.
+//   eps: the epsilon (read only when kEpsilon); n_per: rows of b per split.
+// Grid: (ceil(M / kBlockM), S, min(L, 65535)); the z blocks walk the batch.
 // ---------------------------------------------------------------------------
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
     const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ g,
     const float* __restrict__ v, float* __restrict__ out, int M, int N, int K, int C, int L, i64 a_bs,
     i64 b_bs, i64 g_bs, i64 v_bs, const float* __restrict__ hyp, i64 hyp_bs, float q, float r,
-    float bw, float eps) {
+    float bw, float eps, int n_per) {
   using namespace matvec_grad_detail;
   constexpr int kK = Tr::kK;
   constexpr int kC = Tr::kC;
   constexpr int kRows = Tr::kRows;
   constexpr int kBN = Tr::kBlockN;
+  constexpr int kKAll = Tr::kKAll;
+  constexpr int kLanes = Tr::kLanes;
   constexpr bool kAcc = Tr::kNeedsAcc;
-  float* bs = kl_matvec_grad_smem;  // [kBN][kK]
-  float* vs = bs + kBN * kK;        // [kBN][kC]
+  float* bs = kl_matvec_grad_smem;  // [kBN][kKAll]
+  float* vs = bs + kBN * kKAll;     // [kBN][kC]
   const int tid = threadIdx.x;
+  const int lane = kLanes == 1 ? 0 : tid % kLanes;  // this thread's coordinates: [lane kK, lane kK + kK)
+  const int slot = kLanes == 1 ? tid : tid / kLanes;
+  const int k0 = lane * kK;
   const int m0 = blockIdx.x * Tr::kBlockM;
+  const int n_lo = blockIdx.y * n_per;
+  const int n_hi = N - n_lo < n_per ? N : n_lo + n_per;
 
   for (int l = blockIdx.z; l < L; l += gridDim.z) {
     const float* al = a + l * a_bs;
@@ -241,11 +260,11 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
     float x[kRows][kK], gr[kRows][kC], sum[kRows][kK], comp[kRows][kK];
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      const int m = m0 + i * Tr::kThreads + tid;
+      const int m = m0 + i * Tr::kRowsPerPass + slot;
       const bool ok = m < M;
 #pragma unroll
       for (int k = 0; k < kK; ++k) {
-        x[i][k] = (ok && k < K) ? al[static_cast<i64>(m) * K + k] : 0.0f;
+        x[i][k] = (ok && k0 + k < K) ? al[static_cast<i64>(m) * K + k0 + k] : 0.0f;
         sum[i][k] = 0.0f;
         comp[i][k] = 0.0f;
       }
@@ -253,20 +272,20 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
       for (int c = 0; c < kC; ++c) gr[i][c] = (ok && c < C) ? gl[static_cast<i64>(m) * C + c] * phi_of.scale : 0.0f;
     }
 
-    for (int n0 = 0; n0 < N; n0 += kBN) {
+    for (int n0 = n_lo; n0 < n_hi; n0 += kBN) {
       __syncthreads();  // the previous tile has been read by every thread
-      for (int idx = tid; idx < kBN * kK; idx += Tr::kThreads) {
-        const int j = idx / kK, k = idx - j * kK;
+      for (int idx = tid; idx < kBN * kKAll; idx += Tr::kThreads) {
+        const int j = idx / kKAll, k = idx - j * kKAll;
         const int n = n0 + j;
-        bs[idx] = (n < N && k < K) ? bl[static_cast<i64>(n) * K + k] : 0.0f;
+        bs[idx] = (n < n_hi && k < K) ? bl[static_cast<i64>(n) * K + k] : 0.0f;
       }
       for (int idx = tid; idx < kBN * kC; idx += Tr::kThreads) {
         const int j = idx / kC, c = idx - j * kC;
         const int n = n0 + j;
-        vs[idx] = (n < N && c < C) ? vl[static_cast<i64>(n) * C + c] : 0.0f;
+        vs[idx] = (n < n_hi && c < C) ? vl[static_cast<i64>(n) * C + c] : 0.0f;
       }
       __syncthreads();
-      const int nt = N - n0 < kBN ? N - n0 : kBN;
+      const int nt = n_hi - n0 < kBN ? n_hi - n0 : kBN;
 
       float part[kRows][kK];
 #pragma unroll
@@ -278,7 +297,7 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
       for (int j = 0; j < nt; ++j) {
         float yb[kK], vb[kC];
 #pragma unroll
-        for (int k = 0; k < kK; ++k) yb[k] = bs[j * kK + k];
+        for (int k = 0; k < kK; ++k) yb[k] = bs[j * kKAll + k0 + k];
 #pragma unroll
         for (int c = 0; c < kC; ++c) vb[c] = vs[j * kC + c];
 #pragma unroll
@@ -297,6 +316,10 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
               acc += pw[k];
             }
           }
+          if constexpr (kLanes > 1 && kAcc) {  // the group's partial sums: the row's acc, in every lane
+#pragma unroll
+            for (int o = 1; o < kLanes; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+          }
           // kC == 1: g[m] is a factor of the whole sum over n (applied at the store).
           float u = kC == 1 ? vb[0] : gr[i][0] * vb[0];
 #pragma unroll
@@ -305,8 +328,9 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
 #pragma unroll
           for (int k = 0; k < kK; ++k) {
             if constexpr (Tr::kInnerPow == Power::Abs) {
-              // sgn(t): +-1, 0 for t == 0, NaN for NaN (t itself in the last two cases)
-              const float sg = t[k] > 0.0f ? 1.0f : (t[k] < 0.0f ? -1.0f : t[k]);
+              // sgn(t): +-1, 0 for t == 0, NaN for NaN (t itself in the last two cases); selects, no
+              // branches (the nested conditional compiled to a branch a coordinate)
+              const float sg = fabsf(t[k]) > 0.0f ? copysignf(1.0f, t[k]) : t[k];
               part[i][k] = math::fma_rn(w, sg, part[i][k]);
             } else if constexpr (Tr::kInnerPow == Power::Square) {
               part[i][k] = math::fma_rn(w, t[k], part[i][k]);
@@ -330,14 +354,14 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
         }
     }
 
-    float* ol = out + static_cast<i64>(l) * M * K;
+    float* ol = out + (static_cast<i64>(blockIdx.y) * L + l) * M * K;
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      const int m = m0 + i * Tr::kThreads + tid;
+      const int m = m0 + i * Tr::kRowsPerPass + slot;
       if (m < M) {
 #pragma unroll
         for (int k = 0; k < kK; ++k)
-          if (k < K) ol[static_cast<i64>(m) * K + k] = kC == 1 ? sum[i][k] * gr[i][0] : sum[i][k];
+          if (k0 + k < K) ol[static_cast<i64>(m) * K + k0 + k] = kC == 1 ? sum[i][k] * gr[i][0] : sum[i][k];
       }
     }
   }

@@ -177,6 +177,9 @@ SETTINGS = _declare(
     Setting("formula_fused", "bool", False, "formula kernels (Matérn, RQ, ..., user expressions) on the fused kernels "
             "through epilogue functors (off: the formula's torch path; the fused paths miss 1e-5 on anisotropic and "
             "clustered data: bench/notes/epilogue.md, session 21)"),
+    Setting("cholesky_3xtf32", "bool", False, "the RFM estimators' Cholesky solve (float32 on a GPU) by the blocked "
+            "factorisation with 3xTF32 tensor-core trailing updates (linalg.cholesky_3xtf32_; off: cuSOLVER's float32 "
+            "potrf; unmeasured on a GPU: bench/notes/rfm.md, \"(b)\")"),
     Setting("kmeans_fused", "bool", True, "KMeans' k-means++ seeding on CUDA by the fused kernel (off: torch)"),
     Setting("kmeans_segsum", "bool", True, "Lloyd's centre update on CUDA by the fused segmented sum (off: torch's "
             "sort and segment_reduce)"),

@@ -106,6 +106,74 @@ using std::min;
 """
 
 
+# matvec_grad.cuh behind THREAD_SHIM (its dynamic shared memory a static array of 64 KB).
+MATVEC_GRAD_PRELUDE = r"""
+#undef __shared__
+#define __shared__
+#include "matvec_grad.cuh"
+namespace kermac_like { namespace matvec_grad_detail {
+alignas(16) float kl_matvec_grad_smem[1 << 14];
+} }
+using namespace kermac_like;
+"""
+
+# The main() of a runner whose input file is 32 int64 (h), 4 float32 (hf), then h[31] float32 (buf), and
+# whose source defines `template <class Tr> void run(std::vector<float>& buf, const long long* h,
+# const float* hf)` and puts its `case i: run<Ii>(buf, h, hf); break;` lines at @@CASES@@; it writes
+# buf back (run_float_runner reads it).
+FLOAT_RUNNER_MAIN = r"""
+int main(int argc, char** argv) {
+  const int which = std::atoi(argv[1]);
+  FILE* f = std::fopen(argv[2], "rb");
+  long long h[32];
+  float hf[4];
+  if (std::fread(h, 8, 32, f) != 32 || std::fread(hf, 4, 4, f) != 4) return 2;
+  std::vector<float> buf(h[31]);
+  if (std::fread(buf.data(), 4, buf.size(), f) != buf.size()) return 3;
+  std::fclose(f);
+  switch (which) {
+@@CASES@@
+    default: return 4;
+  }
+  return kl_write(argv[3], buf);
+}
+"""
+
+
+def run_float_runner(exe, tmp_path, idx: int, arrays, head, floats, out_index: int):
+    """Run case ``idx`` of a FLOAT_RUNNER_MAIN runner: ``arrays`` laid out in one float32 buffer, each
+    followed by a guard of 7 x 1e30 (nothing outside the operands may be touched), h[:len(head)] =
+    head, h[16 + i] = the offset of arrays[i], h[31] = the buffer's size, hf = floats (4). Returns
+    arrays[out_index] as written by the kernel (its shape), after checking that every other element of
+    the buffer, guards included, is unchanged."""
+    import numpy as np
+
+    parts, offs, pos = [], [], 0
+    guard = np.full(7, 1e30, np.float32)
+    for arr in arrays:
+        flat = np.ascontiguousarray(arr, dtype=np.float32).ravel()
+        offs.append(pos)
+        parts += [flat, guard]
+        pos += flat.size + guard.size
+    buf = np.concatenate(parts)
+    h = np.zeros(32, np.int64)
+    h[:len(head)] = head
+    h[16:16 + len(arrays)] = offs
+    h[31] = buf.size
+    f = tmp_path / f"in{idx}.bin"
+    with open(f, "wb") as fh:
+        fh.write(h.tobytes())
+        fh.write(np.asarray(floats, np.float32).tobytes())
+        fh.write(buf.tobytes())
+    res = subprocess.run([str(exe), str(idx), str(f), str(tmp_path / f"out{idx}.bin")], capture_output=True)
+    assert res.returncode == 0, res.stderr
+    got = np.fromfile(tmp_path / f"out{idx}.bin", dtype=np.float32)
+    out = arrays[out_index]
+    span = np.arange(offs[out_index], offs[out_index] + out.size)
+    np.testing.assert_array_equal(np.delete(got, span), np.delete(buf, span))
+    return got[span].reshape(out.shape)
+
+
 def build_cpu_runner(tmp_path_factory, name: str, source: str) -> Path:
     """Compile ``source`` (a runner's C++, after PRELUDE) into an executable in a fresh temporary folder;
     skip the test module without a C++ compiler, fail with the compiler's output on error."""

@@ -19,11 +19,10 @@ bound, determinism.
 from __future__ import annotations
 
 import itertools
-import subprocess
 
 import numpy as np
 import pytest
-from cpu_shim import build_cpu_runner
+from cpu_shim import FLOAT_RUNNER_MAIN, MATVEC_GRAD_PRELUDE, THREAD_SHIM, build_cpu_runner, run_float_runner
 import torch
 
 import kermac_like as km
@@ -196,34 +195,7 @@ def test_double_backward_is_refused():
 
 
 # ------------------------------------------------------------- CUDA kernel on the CPU
-SHIM = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <thread>
-#include <vector>
-
-struct kl_dim3 { unsigned x, y, z; };
-thread_local kl_dim3 threadIdx, blockIdx;
-kl_dim3 gridDim, blockDim;
-static std::barrier<>* kl_barrier;
-inline void __syncthreads() { kl_barrier->arrive_and_wait(); }
-#define __device__
-#define __host__
-#define __global__
-#define __forceinline__ inline
-#define __shared__
-#define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(...)
-
-#include "matvec_grad.cuh"
-
-namespace kermac_like { namespace matvec_grad_detail {
-alignas(16) float kl_matvec_grad_smem[1 << 14];
-} }
-
-using namespace kermac_like;
+SHIM = THREAD_SHIM + MATVEC_GRAD_PRELUDE + r"""
 #define T(ip, op, ep, kk, kc, e) MatvecGradTraits<Power::ip, Power::op, Epilogue::ep, kk, kc, e>
 @@INSTANCES@@
 
@@ -233,41 +205,14 @@ void run(std::vector<float>& buf, const long long* h, const float* hf) {
   float* base = buf.data();
   const int M = h[0], N = h[1], K = h[2], C = h[3], L = h[4];
   gridDim = {unsigned((M + Tr::kBlockM - 1) / Tr::kBlockM), 1u, unsigned(L < 3 ? L : 3)};
-  std::barrier<> bar(Tr::kThreads);
-  kl_barrier = &bar;
-  std::vector<std::thread> pool;
-  for (int t = 0; t < Tr::kThreads; ++t) {
-    pool.emplace_back([&, t] {
-      threadIdx = {unsigned(t), 0, 0};
-      for (unsigned z = 0; z < gridDim.z; ++z)
-        for (unsigned x = 0; x < gridDim.x; ++x) {
-          blockIdx = {x, 0, z};
-          matvec_grad_kernel<Tr>(base + h[16], base + h[17], base + h[18], base + h[19], base + h[20],
-                                 M, N, K, C, L, h[5], h[6], h[7], h[8], h[9] ? base + h[21] : nullptr,
-                                 h[10], hf[0], hf[1], hf[2], hf[3]);
-          kl_barrier->arrive_and_wait();
-        }
-    });
-  }
-  for (auto& th : pool) th.join();
+  kl_run_grid(Tr::kThreads, [&] {
+    matvec_grad_kernel<Tr>(base + h[16], base + h[17], base + h[18], base + h[19], base + h[20], M, N, K, C, L,
+                           h[5], h[6], h[7], h[8], h[9] ? base + h[21] : nullptr, h[10], hf[0], hf[1], hf[2], hf[3],
+                           N);  // one split: n_per = N
+  });
 }
 
-int main(int argc, char** argv) {
-  const int which = std::atoi(argv[1]);
-  FILE* f = std::fopen(argv[2], "rb");
-  long long h[32];
-  float hf[4];
-  if (std::fread(h, 8, 32, f) != 32 || std::fread(hf, 4, 4, f) != 4) return 2;
-  std::vector<float> buf(h[31]);
-  if (std::fread(buf.data(), 4, buf.size(), f) != buf.size()) return 3;
-  std::fclose(f);
-  switch (which) {
-@@CASES@@
-    default: return 4;
-  }
-  return kl_write(argv[3], buf);
-}
-"""
+""" + FLOAT_RUNNER_MAIN
 
 # (descriptor, kK, kC, epsilon): every inner power, outer power and epilogue; padding of
 # K (3 in 4, 5 in 8) and C (3 in 4); the small-K instance of the D = 3 benchmark.
@@ -304,34 +249,12 @@ def run_kernel_on_cpu(exe, tmp_path, idx, a, b, ga, vb, *, q=1.0, r=1.0, bw=1.0,
     L = max(t.shape[0] for t in (a, b, ga, vb))
     M, K = a.shape[1:]
     N, C = vb.shape[1], ga.shape[2]
-    parts, offs, pos = [], [], 0
     out = np.full((L, M, K), np.nan, dtype=np.float32)  # poisoned: every element must be written
     hyp = np.zeros(3, np.float32) if table is None else np.asarray(table, np.float32)
-    guard = np.full(7, 1e30, np.float32)  # nothing outside the operands may be touched
-    for arr in (a, b, ga, vb, out, hyp):
-        flat = np.ascontiguousarray(arr, dtype=np.float32).ravel()
-        offs.append(pos)
-        parts += [flat, guard]
-        pos += flat.size + guard.size
-    buf = np.concatenate(parts)
     bstride = lambda t, rows, cols: 0 if t.shape[0] == 1 else rows * cols  # noqa: E731
-    h = np.zeros(32, np.int64)
-    h[:11] = [M, N, K, C, L, bstride(a, M, K), bstride(b, N, K), bstride(ga, M, C), bstride(vb, N, C),
-              table is not None, 0 if table is None or len(table) == 3 else 3]
-    h[16:22] = offs
-    h[31] = buf.size
-    f = tmp_path / f"in{idx}.bin"
-    with open(f, "wb") as fh:
-        fh.write(h.tobytes())
-        fh.write(np.array([q, r, bw, eps], np.float32).tobytes())
-        fh.write(buf.astype(np.float32).tobytes())
-    res = subprocess.run([str(exe), str(idx), str(f), str(tmp_path / f"out{idx}.bin")], capture_output=True)
-    assert res.returncode == 0, res.stderr
-    got = np.fromfile(tmp_path / f"out{idx}.bin", dtype=np.float32)
-    # operands and guards unchanged
-    np.testing.assert_array_equal(np.delete(got, np.arange(offs[4], offs[4] + out.size)),
-                                  np.delete(buf.astype(np.float32), np.arange(offs[4], offs[4] + out.size)))
-    return got[offs[4]:offs[4] + out.size].reshape(L, M, K)
+    head = [M, N, K, C, L, bstride(a, M, K), bstride(b, N, K), bstride(ga, M, C), bstride(vb, N, C),
+            table is not None, 0 if table is None or len(table) == 3 else 3]
+    return run_float_runner(exe, tmp_path, idx, (a, b, ga, vb, out, hyp), head, (q, r, bw, eps), 4)
 
 
 @pytest.mark.parametrize("idx", range(len(CPU_INSTANCES)))

@@ -146,6 +146,7 @@ from ._library import direct_call
 __all__ = [
     "LinAlgError",
     "cache_info",
+    "cholesky_3xtf32_",
     "eigh",
     "solve_cholesky",
     "solve_lu",
@@ -949,3 +950,86 @@ def _eigh_inplace_fake(a, check_errors, debug):
 
 _EIGH = torch.ops.kermac_like.eigh.default
 _EIGH_INPLACE = torch.ops.kermac_like.eigh_inplace.default
+
+
+# -- a blocked Cholesky whose trailing updates run on tensor cores in 3xTF32 (RFM's solve, issue 45) -----
+def _round_tf32(x: Tensor) -> Tensor:
+    """x rounded to TF32 (10 explicit mantissa bits, round half up on the magnitude): exactly what a
+    tensor core multiplies, so that x - round(x) is exact in float32 (the 3xTF32 split's low part)."""
+    bits = x.view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+
+
+def cholesky_3xtf32_(a: Tensor, *, block: int | None = None) -> int:
+    """Factor the symmetric positive definite float32 matrix ``a`` (N, N) in place into its lower
+    Cholesky factor L (a = L L^T; the strict upper triangle is zeroed); returns 0, or the 1-based
+    column where the factorisation broke down (a is then partly overwritten). Reads the lower
+    triangle only.
+
+    Blocked right-looking: per panel of ``block`` columns (default 512, 1024 beyond N = 30 000) the
+    diagonal block by torch.linalg.cholesky_ex (cuSOLVER), the panel below it by a triangular solve
+    (float32), and the trailing lower part minus P P^T in a few column groups, each one matrix
+    product of [P_hi | P_lo | P_hi] and [P_hi | P_hi | P_lo] (P = P_hi + P_lo, P_hi rounded to TF32):
+    P_hi P_hi^T + P_lo P_hi^T + P_hi P_lo^T accumulated in float32, the 3xTF32 scheme (float32-level
+    products: P_lo's own TF32 rounding is ~2^-21 of P) with TF32 tensor cores on a GPU
+    (torch.backends.cuda.matmul.allow_tf32 within the call). n^3 / 3 flops x 3 on tensor cores against
+    float32 cuSOLVER's n^3 / 3 on the FP32 pipe (bench/notes/rfm.md, "(b)"). On the CPU the same
+    algorithm runs in float32 (the TF32 rounding of P_lo then not applied: products are exact float32),
+    for tests. Memory: the matrix in place plus two panels of N x 3 block floats.
+
+    The error is float32 Cholesky's (backward error ~ N eps |A|), not TF32's.
+
+    >>> import torch
+    >>> from kermac_like.linalg import cholesky_3xtf32_
+    >>> g = torch.Generator().manual_seed(0)
+    >>> b = torch.randn(300, 300, generator=g)
+    >>> a = b @ b.T + 300 * torch.eye(300)
+    >>> want = torch.linalg.cholesky(a)
+    >>> cholesky_3xtf32_(a, block=64)
+    0
+    >>> bool(torch.allclose(a, want, rtol=1e-4, atol=1e-4))
+    True
+    """
+    if not isinstance(a, Tensor):
+        raise TypeError(f"a: expected a torch.Tensor, got {type(a).__name__}")
+    if a.dtype != torch.float32 or a.dim() != 2 or a.shape[0] != a.shape[1]:
+        raise ValueError(f"a: expected a square float32 matrix, got {tuple(a.shape)} {a.dtype}")
+    if not a.is_contiguous():
+        raise ValueError("a: must be C-contiguous (it is factored in place)")
+    n = a.shape[0]
+    nb = int(block) if block is not None else (512 if n <= 30_000 else 1024)
+    if nb < 1:
+        raise ValueError(f"block: expected a positive integer, got {block!r}")
+    cuda = a.is_cuda
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True
+        infos = []  # read once at the end: no host wait between panels (a failed panel's successors
+        for k0 in range(0, n, nb):  # compute NaNs, and the first failure is reported)
+            k1 = min(n, k0 + nb)
+            lkk, info = torch.linalg.cholesky_ex(a[k0:k1, k0:k1])
+            infos.append(info)
+            a[k0:k1, k0:k1] = lkk
+            if k1 == n:
+                break
+            p = torch.linalg.solve_triangular(lkk.mT, a[k1:, k0:k1], upper=True, left=False)  # A21 L^-T
+            a[k1:, k0:k1] = p
+            hi = _round_tf32(p)
+            lo = p - hi
+            if not cuda:  # the tensor cores' rounding of the low part, modelled
+                lo = _round_tf32(lo)
+            w = torch.cat([hi, lo, hi], 1)  # (n - k1, 3 nb)
+            v = torch.cat([hi, hi, lo], 1)
+            rest = n - k1
+            width = max(nb, -(-rest // 4))  # four column groups: ~1/8 of the flops above the diagonal
+            for j0 in range(0, rest, width):
+                j1 = min(rest, j0 + width)
+                a[k1 + j0:, k1 + j0:k1 + j1].addmm_(w[j0:], v[j0:j1].mT, alpha=-1.0)
+        a.tril_()
+        for k0, info in zip(range(0, n, nb), torch.stack(infos).tolist()):
+            if info:
+                return k0 + int(info)
+        return 0
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved

@@ -23,10 +23,13 @@ gradient ``g = dL/dout``:
 
 Paths of the DIFF contraction (:func:`diff_contraction`):
 
-* GPU, float32/float16/bfloat16 inputs, K <= 32 and C <= 32: the fused kernel
+* GPU, float32/float16/bfloat16 inputs, K <= 256 and C <= 32: the fused kernel
   of ``cuda_templates/matvec_grad.cuh`` (spec: ``runtime/specs/matvec_grad.py``) (float32 arithmetic; float16/bfloat16
   are converted to float32 first).  Each CTA owns rows, loops over the other
-  side in shared-memory tiles, and accumulates K outputs per row in registers.
+  side in shared-memory tiles, and accumulates K outputs per row in registers (beyond K = 32,
+  2, 4 or 8 lanes share a row, each with at most 32 of its coordinates; the N range split over
+  CTAs where the rows alone leave the GPU under-filled).  Also the gradients of Recursive
+  Feature Machines (kermac_like.rfm: the AGOP's gradients at points a of f = sum_n vb[n] k(., b_n)).
 * everything else (CPU, float64, larger K or C): :func:`diff_contraction_reference`,
   plain torch in (row block x column block) pieces of at most
   ``reference.BLOCK_ELEMENTS`` elements (x K), so that the temporaries are
@@ -60,7 +63,8 @@ from ..layout import broadcast_shapes
 from ..reference import BLOCK_ELEMENTS
 from ._library import call_op, check_no_hyper_grad, descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
 from ..runtime import launcher, store
-from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, matvec_grad_spec
+from ..plan.core import MATVEC_SCRATCH_BYTES, _blocks_per_sm, _sm_count, choose_split
+from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, lane_widths, matvec_grad_spec
 
 log = logging.getLogger("kermac_like.matvec_grad")
 
@@ -72,6 +76,7 @@ __all__ = [
     "check_no_hyper_grad",
     "matvec_grad_spec",
     "fused_widths",
+    "fused_serves",
     "FUSED_K_WIDTHS",
     "FUSED_C_WIDTHS",
 ]
@@ -230,48 +235,66 @@ def _hyper_table(values, batch: tuple, L: int, device):
     return torch.stack(cols, -1).contiguous()
 
 
+def fused_serves(a: torch.Tensor, C: int = 1) -> bool:
+    """Whether :func:`diff_contraction` takes the fused kernel for data like ``a`` (..., M, K) and C
+    value columns: a GPU of sm_80 or newer, not float64, K <= 256 and C <= 32."""
+    return a.dtype != torch.float64 and lane_widths(a.shape[-1], C) is not None and _gpu_ok(a)
+
+
 def _fused_contraction(desc, a, b, ga, vb, *, q, r, bw, epsilon, batch, widths, debug):
+    """The fused kernel over the full batch: (*batch, M, K) float32. ``widths``: (kK, kC, kLanes)
+    (specs.matvec_grad.lane_widths). Where the row tiles times the batch leave the GPU's CTA slots
+    under-filled, the N range is split over gridDim.y (plan.core.choose_split, as kernel_matvec's;
+    split partial sums of at most MATVEC_SCRATCH_BYTES, added in a fixed order: reproducible)."""
     M, N, K, C = a.shape[-2], b.shape[-2], a.shape[-1], ga.shape[-1]
     L = math.prod(batch) if batch else 1
     dev = a.device
-    out = torch.empty(L, M, K, dtype=torch.float32, device=dev)
-    if out.numel() == 0:
-        return out.reshape(*batch, M, K)
+    if L * M * K == 0:
+        return torch.empty(*batch, M, K, dtype=torch.float32, device=dev)
     if N == 0:
-        return out.zero_().reshape(*batch, M, K)
-    kk, kc = widths
-    spec = matvec_grad_spec(desc, kk, kc, epsilon is not None)  # unroll: specs.matvec_grad.UNROLL
+        return torch.zeros(*batch, M, K, dtype=torch.float32, device=dev)
+    kk, kc, lanes = widths
+    spec = matvec_grad_spec(desc, kk, kc, epsilon is not None, lanes=lanes)  # unroll: specs.matvec_grad.UNROLL
     device = dev.index if dev.index is not None else torch.cuda.current_device()
     kernel = store.get_kernel(spec, device, debug=debug)
+    m_tiles = -(-M // spec.launch.block_m)
+    n_tiles = -(-N // spec.launch.block_n)
+    slots = _sm_count(device) * _blocks_per_sm(kernel)
+    split = choose_split(m_tiles * min(L, 65535), n_tiles, slots, max(1, MATVEC_SCRATCH_BYTES // (4 * L * M * K)))
+    per = -(-n_tiles // split) * spec.launch.block_n  # rows of b a split (whole tiles)
+    split = -(-N // per)
+    out = torch.empty(split, L, M, K, dtype=torch.float32, device=dev)
     (af, sa), (bf, sb), (gf, sg), (vf, sv) = (_flat_operand(t, batch, L) for t in (a, b, ga, vb))
     table = _hyper_table((q, r, bw), batch, L, dev)
     scal = [1.0 if (h is None or isinstance(h, torch.Tensor)) else float(h) for h in (q, r, bw)]
-    grid = (-(-M // spec.launch.block_m), 1, min(L, 65535))
+    grid = (m_tiles, split, min(L, 65535))
     if debug:
-        log.debug("matvec backward %r: fused kernel kK=%d kC=%d, M=%d N=%d K=%d C=%d L=%d grid=%s",
-                  desc, kk, kc, M, N, K, C, L, grid)
+        log.debug("matvec backward %r: fused kernel kK=%d kC=%d lanes=%d, M=%d N=%d K=%d C=%d L=%d grid=%s",
+                  desc, kk, kc, lanes, M, N, K, C, L, grid)
     args = (
         af.data_ptr(), bf.data_ptr(), gf.data_ptr(), vf.data_ptr(), out.data_ptr(),
         np.int32(M), np.int32(N), np.int32(K), np.int32(C), np.int32(L),
         np.int64(sa), np.int64(sb), np.int64(sg), np.int64(sv),
         0 if table is None else table.data_ptr(), np.int64(0 if table is None or table.shape[0] == 1 else 3),
         np.float32(scal[0]), np.float32(scal[1]), np.float32(scal[2]),
-        np.float32(0.0 if epsilon is None else epsilon),
+        np.float32(0.0 if epsilon is None else epsilon), np.int32(per),
     )
     launcher.launch(kernel, grid, args, debug=debug)
-    return out.reshape(*batch, M, K)
+    res = out[0] if split == 1 else out.sum(0)
+    return res.reshape(*batch, M, K)
 
 
 def diff_contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, outer_p=None, bandwidth=None,
                      epsilon=None, debug: bool = False):
     """out[..., m, k] = sum_n phi(acc[m,n]) (ga[m,:] . vb[n,:]) psi(a[m,k] - b[n,k]) over the full batch,
-    in the dtype of ``a``; the fused kernel where it applies, the blocked reference elsewhere."""
+    in the dtype of ``a``; the fused kernel where it applies (K <= 256, C <= 32: specs.matvec_grad.lane_widths),
+    the blocked reference elsewhere."""
     q = _q_of(desc, inner_p)
     hyp = (q, outer_p, bandwidth)
     hshapes = [tuple(h.shape) for h in hyp if isinstance(h, torch.Tensor)]
     batch = tuple(broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hshapes))
     K, C = a.shape[-1], ga.shape[-1]
-    widths = fused_widths(K, C)
+    widths = lane_widths(K, C)
     if widths is not None and a.dtype != torch.float64 and _gpu_ok(a) and math.prod(batch) <= 2**31 - 1:
         out = _fused_contraction(desc, a, b, ga, vb, q=q, r=outer_p, bw=bandwidth, epsilon=epsilon, batch=batch,
                                  widths=widths, debug=debug)

@@ -5,17 +5,27 @@ and evaluation points v_j (m of them), :func:`agop_sum` returns
 
     sum_j sum_o grad f_o(v_j) grad f_o(v_j)^T        (D, D)       (diag: its diagonal, (D,))
 
-in blocks of B evaluation points: per block, the weight matrix w (n, B) (one run_kernel call, and
-one cdist where the kernel's weight has a power of the distance), the block's gradients
-(O, D, B) by one contraction, and their outer products added into the (D, D) sum. Nothing of
-size O x m x D or n x m exists at once: memory is O(D^2 + O D B + n B) with
-B = ``block_bytes`` / (n * itemsize * (1 or 2)), 512 MiB of weights by default.
+in blocks of B evaluation points: per block the block's gradients (O, B, D), their outer products
+added into the (D, D) sum.
 
-The contraction: cdist_grad (the fused kernel, float32 on sm_80+ GPUs) with a = w, b = u^T,
-c = (scale * coefficients)^T, d = v_block^T and the kernel's p; elsewhere (CPU tensors,
-float64) for p = 2 one matrix product per block: grad f_o(v_j) = v_j (w^T c_o)_j - (w^T (c_o u))_j
-on points shifted by a reference point (the centres' median: the two terms cancel to the
-data's centred scale only), and for other p cdist_grad's reference in blocks.
+* GPU (float32, sm_80+, D <= 256): the gradients are kernel_matvec's data-input contraction
+  (ops.matvec_backward.diff_contraction, cuda_templates/matvec_grad.cuh), one pass a output:
+  each thread (or 2-8 lanes beyond D = 32) owns an evaluation point, walks the centres in
+  shared-memory tiles, forms the distance, the weight phi (the kernel's derivative, from the
+  distance, in registers) and its D outputs from direct differences: nothing of size n x B is
+  written; self pairs contribute exactly 0 (psi(0) = 0; phi(0) = 0 where it is unbounded), near
+  pairs keep their accuracy (no product formula). Memory O(D^2 + O D B) (B = ``block_bytes`` /
+  (2 O D itemsize): one block below millions of points) plus the split partial sums (<= 32 MiB).
+* elsewhere (CPU tensors, float64, D > 256), per block the weight matrix w (n, B) (one
+  run_kernel call, and one cdist where the kernel's weight has a power of the distance) and one
+  contraction: cdist_grad (fused on the GPU) with a = w, b = u^T, c = (scale * coefficients)^T,
+  d = v_block^T and the kernel's p; on the CPU for p = 2 one matrix product per block:
+  grad f_o(v_j) = v_j (w^T c_o)_j - (w^T (c_o u))_j on points shifted by a reference point (the
+  centres' median: the two terms cancel to the data's centred scale only), for other p
+  cdist_grad's reference in blocks. Memory O(D^2 + O D B + n B) with
+  B = ``block_bytes`` / (n * itemsize * (1 or 2)), 512 MiB of weights by default.
+
+Nothing of size O x m x D exists at once.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import torch
 from ..centring import reference_point
 from ..ops.distance import cdist
 from ..ops.grad import cdist_grad
+from ..ops.matvec_backward import diff_contraction, fused_serves
 from ..plan.core import _gpu_ok
 from ._kernel import RFMKernel
 
@@ -81,10 +92,46 @@ def _weights(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, v: torch.Tens
     return w
 
 
+def contraction_hypers(kernel: RFMKernel, bandwidth: float) -> dict:
+    """The descriptor's hyper-parameters of k with this bandwidth as diff_contraction takes them
+    (inner_p, outer_p, bandwidth; a POW power's shared ``p`` split into both)."""
+    sk = kernel.solver_kernel(bandwidth)
+    h = sk.hypers
+    desc = sk.desc
+    return {"inner_p": h.get("inner_p", h.get("p")) if desc.needs_inner_p else None,
+            "outer_p": h.get("outer_p", h.get("p")) if desc.needs_outer_p else None,
+            "bandwidth": h.get("bandwidth") if desc.needs_bandwidth else None}
+
+
+def _contraction_blocks(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: torch.Tensor, v: torch.Tensor,
+                        block_bytes: int):
+    """gradient_blocks through kernel_matvec's data-input contraction (one pass a output and block):
+    grad f_o(v_j) = sum_i coef[i, o] grad_v k(v_j, u_i), the kernel's own derivative."""
+    m, D = v.shape
+    coef = coef.to(u.dtype)
+    O = coef.shape[1]
+    desc = kernel.solver_kernel(bandwidth).desc
+    hyp = contraction_hypers(kernel, bandwidth)
+    B = max(1, min(m, int(block_bytes) // max(1, 2 * O * D * u.element_size())))
+    ones = torch.ones((B, 1), dtype=u.dtype, device=u.device)
+    for j0 in range(0, m, B):
+        vb = v[j0:j0 + B]
+        g = torch.stack([diff_contraction(desc, vb, u, ones[:vb.shape[0]], coef[:, o:o + 1], **hyp)
+                         for o in range(O)])
+        yield j0, g  # (O, B, D)
+
+
 def gradient_blocks(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: torch.Tensor, v: torch.Tensor, *,
-                    block_bytes: int = AGOP_BLOCK_BYTES):
+                    block_bytes: int = AGOP_BLOCK_BYTES, contraction: bool | None = None):
     """Yield (j0, g) with g (O, B, D) the gradients at v[j0:j0+B] of f_o = sum_i coef[i, o] k(u_i, .)
-    (u (n, D) centres, coef (n, O), v (m, D)), in the data's dtype."""
+    (u (n, D) centres, coef (n, O), v (m, D)), in the data's dtype. ``contraction``: take kernel_matvec's
+    data-input contraction (default: where its fused kernel serves, ops.matvec_backward.fused_serves;
+    True elsewhere: its blocked reference, for tests)."""
+    if contraction is None:
+        contraction = _fused(u) and fused_serves(u)
+    if contraction:
+        yield from _contraction_blocks(kernel, bandwidth, u, coef, v, block_bytes)
+        return
     n, D = u.shape
     m = v.shape[0]
     dt = u.dtype
@@ -127,7 +174,8 @@ def gradient_blocks(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: 
 
 @torch.no_grad()
 def function_gradients(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: torch.Tensor,
-                       v: torch.Tensor, *, block_bytes: int = AGOP_BLOCK_BYTES) -> torch.Tensor:
+                       v: torch.Tensor, *, block_bytes: int = AGOP_BLOCK_BYTES,
+                       contraction: bool | None = None) -> torch.Tensor:
     """The gradients (O, m, D) of f_o = sum_i coef[i, o] k(u_i, .) at the rows of v: the whole
     tensor (for tests and small problems; :func:`agop_sum` never forms it).
 
@@ -140,14 +188,15 @@ def function_gradients(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coe
     torch.Size([1, 10, 3])
     """
     out = torch.empty((coef.shape[1], v.shape[0], v.shape[1]), dtype=u.dtype, device=u.device)
-    for j0, g in gradient_blocks(kernel, bandwidth, u, coef, v, block_bytes=block_bytes):
+    for j0, g in gradient_blocks(kernel, bandwidth, u, coef, v, block_bytes=block_bytes, contraction=contraction):
         out[:, j0:j0 + g.shape[1]] = g
     return out
 
 
 @torch.no_grad()
 def agop_sum(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: torch.Tensor, v: torch.Tensor, *,
-             diag: bool = False, center: bool = False, block_bytes: int = AGOP_BLOCK_BYTES) -> torch.Tensor:
+             diag: bool = False, center: bool = False, block_bytes: int = AGOP_BLOCK_BYTES,
+             contraction: bool | None = None) -> torch.Tensor:
     """sum over the points v_j and outputs o of grad f_o(v_j) grad f_o(v_j)^T: (D, D) in float64
     (``diag``: its diagonal, (D,)); ``center``: of the gradients minus their mean over all points
     and outputs (xRFM's center_grads, over the whole sample). Memory O(D^2 + n B) (module docstring).
@@ -166,7 +215,7 @@ def agop_sum(kernel: RFMKernel, bandwidth: float, u: torch.Tensor, coef: torch.T
     f64 = torch.float64
     acc = torch.zeros((D,) if diag else (D, D), dtype=f64, device=u.device)
     total = torch.zeros(D, dtype=f64, device=u.device) if center else None
-    for _, g in gradient_blocks(kernel, bandwidth, u, coef, v, block_bytes=block_bytes):
+    for _, g in gradient_blocks(kernel, bandwidth, u, coef, v, block_bytes=block_bytes, contraction=contraction):
         # (O, B, D): the outer products of the block's gradients, in the data's dtype, summed in float64
         if diag:
             acc += g.square().sum((0, 1), dtype=f64)

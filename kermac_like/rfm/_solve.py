@@ -2,7 +2,8 @@
 
 * ``cholesky``: the regularised kernel matrix formed once (run_kernel, the ridge fused on its
   diagonal), factored in place (:func:`kermac_like.linalg.solve_cholesky`: cuSOLVER on a GPU,
-  torch.linalg on a CPU). A float32 factorisation that breaks down is redone in float64 (the
+  torch.linalg on a CPU; with the setting ``cholesky_3xtf32`` on, float32 on a GPU:
+  :func:`kermac_like.linalg.cholesky_3xtf32_`, trailing updates on tensor cores). A float32 factorisation that breaks down is redone in float64 (the
   matrix formed again in float64); one that fails there too raises a ValueError naming ``reg``.
 * ``nystrom``: Falkon through :class:`kermac_like.solvers.KernelRidge` (its Nyström centres,
   preconditioner, streamed and multi-GPU passes): the coefficients live on ``n_centers`` sampled
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import linalg
+from .. import config, linalg
 from .._args import all_finite
 from ..solvers._kernel import SolverKernel
 from ..solvers._nystrom import sample_indices
@@ -37,6 +38,12 @@ class KernelMachine:
 def _cholesky(kernel: SolverKernel, u: torch.Tensor, y: torch.Tensor, reg: float):
     """(c (C, n), info): cuSOLVER in place on a GPU, torch.linalg on a CPU."""
     k = kernel.matrix(u, u, regularization=reg)
+    if u.is_cuda and u.dtype == torch.float32 and config.get("cholesky_3xtf32"):
+        # the blocked factorisation with 3xTF32 tensor-core trailing updates (lower factor in place)
+        info = linalg.cholesky_3xtf32_(k)
+        c = torch.cholesky_solve(y.to(u.dtype), k).T if info == 0 else torch.full_like(y.T, float("nan"), dtype=u.dtype)
+        del k
+        return c, info
     if u.is_cuda:
         c, info, _ = linalg.solve_cholesky(k, y.T.to(u.dtype).contiguous(), overwrite_a=True)
     else:

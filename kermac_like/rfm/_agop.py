@@ -33,10 +33,9 @@ from __future__ import annotations
 import torch
 
 from ..centring import reference_point
-from ..ops.distance import cdist
+from ..ops.distance import cdist, fused_device
 from ..ops.grad import cdist_grad
 from ..ops.matvec_backward import diff_contraction, fused_serves
-from ..plan.core import _gpu_ok
 from ._kernel import RFMKernel
 
 __all__ = ["agop_sum", "function_gradients", "gradient_blocks", "AGOP_BLOCK_BYTES", "DISTANCE_FLOOR"]
@@ -48,7 +47,7 @@ DISTANCE_FLOOR = 1e-10
 
 
 def _fused(u: torch.Tensor) -> bool:
-    return u.dtype == torch.float32 and _gpu_ok(u)
+    return u.dtype == torch.float32 and fused_device(u)
 
 
 def _distances(u: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:

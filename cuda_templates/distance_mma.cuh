@@ -732,8 +732,15 @@ __device__ __forceinline__ void block_tile_product(const typename Traits::T* a_l
             // the least significant), added to the running sum in float32: the tensor cores'
             // accumulation truncates, and one running sum over K would lose about 0.35 K 2^-24
             // of its magnitude in one direction (bench/notes/data_zoo.md, session 22).
-            // Distances only: DOT products keep one running sum (no registers to spare there).
-            if constexpr (kDiff) {
+            // Distances only: DOT products keep one running sum (no registers to spare there), as
+            // does the sm_90 build (16 bytes spilled in the shipped build: there the wgmma kernel
+            // takes every call whose K spans more than one k-tile, plan.distance._few_tiles).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            constexpr bool kPartial = false;
+#else
+            constexpr bool kPartial = kDiff;
+#endif
+            if constexpr (kPartial) {
               float part[4];
               mma_tf32_c(part, a_small[i], b0, b1, 0.f, 0.f);
               mma_tf32(part, a_big[i], b0s, b1s);

@@ -73,7 +73,8 @@ def test_cached_plan_launches_what_a_fresh_plan_launches(as_gpu, cap, name, pres
 
 def test_few_output_tiles_take_the_one_launch_kernel(as_gpu, monkeypatch):
     """By default, float32 tensor-core calls of at most P._FEW_TILES wgmma tiles (and K up
-    to P._FEW_TILES_MAX_K) run mma.sync in one launch; larger ones the wgmma kernel after
+    to P._FEW_TILES_MAX_K; K up to 32 for 3xTF32 distances, whose longer sums take the wgmma
+    kernel's partial sums) run mma.sync in one launch; larger ones the wgmma kernel after
     its b preparation (two launches); KERMAC_LIKE_WGMMA=always takes wgmma for all."""
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "1")
     mode = COMPUTE_MODES[0]
@@ -88,6 +89,7 @@ def test_few_output_tiles_take_the_one_launch_kernel(as_gpu, monkeypatch):
     assert family(4 * 128 + 1, 2 * 256, 20)[0] == "distance_wgmma"  # 10 tiles
     assert family(256, 256, 20, batch=(5,))[0] == "distance_wgmma"  # 10 tiles over the batch
     assert family(256, 256, P._FEW_TILES_MAX_K + 4)[0] == "distance_wgmma"
+    assert family(256, 256, 32) == ("distance_mma", 1) and family(256, 256, 33)[0] == "distance_wgmma"
     assert family(1000, 700, 20) == ("distance_wgmma", 2)
     assert family(256, 256, 8) == ("distance_lowk", 1)  # K <= 8: autotune.LOWK_MM_UP_TO
     monkeypatch.setenv("KERMAC_LIKE_WGMMA", "always")

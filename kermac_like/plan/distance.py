@@ -16,7 +16,7 @@ import torch
 
 from ..centring import same_memory as _same_memory, shift_invariant
 from ..calls import DistanceCall
-from ..descriptor import PRESETS
+from ..descriptor import PRESETS, InnerOperator
 from ..layout import Layout, analyse_matrix, batch_strides, plan_batch
 from .. import config, formula_path, torch_path
 from ..runtime import launcher, store
@@ -111,6 +111,10 @@ _FEW_TILES_MAX_K = 1024
 
 def _few_tiles(call: DistanceCall) -> bool:
     if call.K > _FEW_TILES_MAX_K:
+        return False
+    if call.K > 32 and call.dtype == torch.float32 and call.desc.inner_operator is not InnerOperator.DOT:
+        # 3xTF32 distances beyond one partial sum (32 k): the wgmma kernel's partial sums (the
+        # sm_90 mma.sync build keeps one running sum, 2-4x torch.cdist's error at K = 1024)
         return False
     *batch, M, N = call.out_shape
     tiles = -(-M // 128) * -(-N // 256)

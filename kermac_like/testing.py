@@ -44,6 +44,7 @@ from .config import override
 from .ops import _library as library
 from .plan import core as _plan_core
 from .plan.distance import Tune, spec_override
+from .rfm import _agop as rfm_agop
 from .runtime import cache as _cache
 from .runtime import store as _store
 from .runtime.cache import warm as _warm
@@ -56,7 +57,7 @@ __all__ = ["PlanRecord", "PlanLog", "record_plans", "override", "Tune", "spec_ov
            "clear_caches", "plan_cache_info",
            # private modules checked on their own (and gp_cg, gp_operator, gp_products: lazily)
            "args", "library", "solver_cg", "solver_kernel", "solver_nystrom", "solver_rows", "kmeans_estimator",
-           "kmeans_seeding", "kmeans_lloyd"]
+           "kmeans_seeding", "kmeans_lloyd", "rfm_agop"]
 
 # GPyTorch's are optional: imported on first use (kermac_like.testing.gp_operator).
 _OPTIONAL = {"gp_cg": "kermac_like.gpytorch._cg", "gp_operator": "kermac_like.gpytorch._operator",

@@ -15,7 +15,7 @@ import torch
 import kermac_like as km
 from kermac_like.ops import matvec_backward as mg
 from kermac_like.rfm import agop_sum, function_gradients, resolve_rfm_kernel
-from kermac_like.rfm._agop import contraction_hypers
+from kermac_like.testing import rfm_agop
 from kermac_like.runtime.specs.matvec_grad import lane_widths, matvec_grad_spec
 
 from cpu_shim import FLOAT_RUNNER_MAIN, MATVEC_GRAD_PRELUDE, THREAD_SHIM, build_cpu_runner, run_float_runner
@@ -72,11 +72,11 @@ def test_contraction_gradients_equal_the_existing_path_and_autograd(name, q, p, 
 
 
 def test_contraction_hypers_split_a_shared_p():
-    assert contraction_hypers(resolve_rfm_kernel("lpq", 1.0, 1.5), 2.0) == {"inner_p": 1.5, "outer_p": 1.5,
+    assert rfm_agop.contraction_hypers(resolve_rfm_kernel("lpq", 1.0, 1.5), 2.0) == {"inner_p": 1.5, "outer_p": 1.5,
                                                                             "bandwidth": 2.0}
-    h = contraction_hypers(resolve_rfm_kernel("lpq", 0.8, 1.3), 2.0)
+    h = rfm_agop.contraction_hypers(resolve_rfm_kernel("lpq", 0.8, 1.3), 2.0)
     assert h["inner_p"] == 1.3 and abs(h["outer_p"] - 1.3 / 0.8) < 1e-15 and abs(h["bandwidth"] - 2.0 ** 0.8) < 1e-12
-    assert contraction_hypers(resolve_rfm_kernel("laplace_l2", 1.0, 2.0), 2.0) == {"inner_p": None, "outer_p": None,
+    assert rfm_agop.contraction_hypers(resolve_rfm_kernel("laplace_l2", 1.0, 2.0), 2.0) == {"inner_p": None, "outer_p": None,
                                                                                    "bandwidth": 2.0}
 
 
@@ -170,7 +170,7 @@ def test_lanes_and_split_on_cpu_match_float64(runner, tmp_path, idx):
     u, v = data(family, 300, 90, K, idx)
     coef = torch.randn(300, 1, generator=torch.Generator().manual_seed(idx), dtype=F64)
     bw = {"shifted": 3.0, "positive": 2.0, "clustered": 0.5}[family] * (K / 10) ** 0.5
-    hyp = contraction_hypers(kern, bw)
+    hyp = rfm_agop.contraction_hypers(kern, bw)
     qk = mg._q_of(desc, hyp["inner_p"])
     block_n = matvec_grad_spec(desc, kk, kc, False, lanes=lanes).launch.block_n
     n_per = -(-(-(-300 // block_n)) // split) * block_n
@@ -314,7 +314,7 @@ def test_fused_contraction_launch_splits_and_arguments(monkeypatch):
     monkeypatch.setattr(launcher, "launch", launch)
     kern = resolve_rfm_kernel("lpq", 0.8, 1.3)
     desc = kern.solver_kernel(1.0).desc
-    hyp = contraction_hypers(kern, 3.0)
+    hyp = rfm_agop.contraction_hypers(kern, 3.0)
     u, v = data("shifted", 3000, 200, 50, 7)
     coef = torch.randn(3000, 1, generator=torch.Generator().manual_seed(2), dtype=F64)
     got = mg.diff_contraction(desc, v.float(), u.float(), torch.ones(200, 1), coef.float(), **hyp)

@@ -13,7 +13,7 @@ import torch
 import kermac_like as km
 from kermac_like import config
 from kermac_like.linalg import cholesky_3xtf32_
-from kermac_like.ops.linalg import _round_tf32
+from kermac_like.ops.linalg import round_tf32
 
 F64 = torch.float64
 
@@ -35,7 +35,7 @@ def kernel_matrix(family: str, n: int, seed: int) -> torch.Tensor:
 
 def test_round_tf32_keeps_ten_mantissa_bits_and_the_rest_is_exact():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e3
-    hi = _round_tf32(x)
+    hi = round_tf32(x)
     assert bool(((hi.view(torch.int32) & 0x1FFF) == 0).all())
     assert float(((x - hi).abs() / x.abs()).max()) <= 2.0 ** -11
     assert torch.equal(hi + (x - hi), x)

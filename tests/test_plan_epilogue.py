@@ -34,7 +34,8 @@ def test_run_kernel_of_a_functor_takes_the_tensor_cores(as_gpu, cap, family):
     call = prepare_call(km.rational_quadratic(), a, a, bandwidth=2.0, params={"alpha": 0.5})
     plan = PD.plan_distance(call, None, COMPUTE_MODES[0], False)
     assert plan.family == family
-    assert "kermac_like::epilogue::RationalQuadratic>" in plan.spec.traits
+    # (the wgmma kernel's partial sums of two k-tiles at K = 64: the traits' kChunkTiles after the functor)
+    assert f"kermac_like::epilogue::RationalQuadratic{', 2' if family == 'distance_wgmma' else ''}>" in plan.spec.traits
     assert "Epilogue::None" in plan.spec.traits and "Power::Noop" in plan.spec.traits
     assert 2.0 in _floats(plan) and 0.5 in _floats(plan)  # p0 = bandwidth, p1 = alpha (the inner_p slot)
 

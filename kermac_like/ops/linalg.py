@@ -953,7 +953,7 @@ _EIGH_INPLACE = torch.ops.kermac_like.eigh_inplace.default
 
 
 # -- a blocked Cholesky whose trailing updates run on tensor cores in 3xTF32 (RFM's solve, issue 45) -----
-def _round_tf32(x: Tensor) -> Tensor:
+def round_tf32(x: Tensor) -> Tensor:
     """x rounded to TF32 (10 explicit mantissa bits, round half up on the magnitude): exactly what a
     tensor core multiplies, so that x - round(x) is exact in float32 (the 3xTF32 split's low part)."""
     bits = x.view(torch.int32)
@@ -1015,10 +1015,10 @@ def cholesky_3xtf32_(a: Tensor, *, block: int | None = None) -> int:
                 break
             p = torch.linalg.solve_triangular(lkk.mT, a[k1:, k0:k1], upper=True, left=False)  # A21 L^-T
             a[k1:, k0:k1] = p
-            hi = _round_tf32(p)
+            hi = round_tf32(p)
             lo = p - hi
             if not cuda:  # the tensor cores' rounding of the low part, modelled
-                lo = _round_tf32(lo)
+                lo = round_tf32(lo)
             w = torch.cat([hi, lo, hi], 1)  # (n - k1, 3 nb)
             v = torch.cat([hi, hi, lo], 1)
             rest = n - k1

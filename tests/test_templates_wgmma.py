@@ -123,7 +123,7 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills(shipped):
         assert "USETMAXREG" in text and "LDSM" in text, name
         assert not re.search(r"\bHMMA\b", text), f"mma.sync left in {name}"
         # A from registers: "HGMMA.64x256x8.F32.TF32 R24, R152, gdesc[...]" (64x128 chunked)
-        width = 128 if re.search(r", [12]>$", name) else 256
+        width = 128 if re.search(r", [12]>>$", name) else 256
         hgmma = re.findall(rf"HGMMA\.64x{width}x8\.F32\.TF32 R\d+, (\S+),", text)
         assert hgmma and all(a.startswith("R") for a in hgmma), (name, hgmma[:3])
         counts.append(len(hgmma))

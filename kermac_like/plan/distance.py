@@ -16,7 +16,7 @@ import torch
 
 from ..centring import same_memory as _same_memory, shift_invariant
 from ..calls import DistanceCall
-from ..descriptor import PRESETS, InnerOperator
+from ..descriptor import PRESETS
 from ..layout import Layout, analyse_matrix, batch_strides, plan_batch
 from .. import config, formula_path, torch_path
 from ..runtime import launcher, store
@@ -33,11 +33,12 @@ from ..runtime.specs import (
     lowk_tiles_n,
     distance_spec,
     mma_spec,
+    WGMMA_PREPARE_TILE,
+    wgmma_chunk,
     wgmma_prepare_needs,
     wgmma_prepare_spec,
     wgmma_spec,
 )
-from ..runtime.specs import distance_mma as _specs_mma, distance_wgmma as _specs_wgmma
 from .core import (
     HYPERS,
     Launch,
@@ -111,10 +112,6 @@ _FEW_TILES_MAX_K = 1024
 
 def _few_tiles(call: DistanceCall) -> bool:
     if call.K > _FEW_TILES_MAX_K:
-        return False
-    if call.K > 32 and call.dtype == torch.float32 and call.desc.inner_operator is not InnerOperator.DOT:
-        # 3xTF32 distances beyond one partial sum (32 k): the wgmma kernel's partial sums (the
-        # sm_90 mma.sync build keeps one running sum, 2-4x torch.cdist's error at K = 1024)
         return False
     *batch, M, N = call.out_shape
     tiles = -(-M // 128) * -(-N // 256)
@@ -245,7 +242,10 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
         bplan = _batch_plan(call, tensors)
         kw = dict(tf32=tf32, batch_offsets_ok=_aligned(bplan, ("a", "b"), 16 // call.a.element_size()))
         spec, family = None, "distance_mma"
-        if _wgmma_enabled(call.device, settings) and (settings.wgmma_always or not _few_tiles(call)):
+        # A call the wgmma kernel would sum in partial sums takes it whatever its size: the sm_90
+        # mma.sync build keeps one running sum (2-4x torch.cdist's error at K = 1024).
+        partial = call.dtype == torch.float32 and wgmma_chunk(call.desc, tf32=tf32, chunk=settings.wgmma_chunk, K=call.K)
+        if _wgmma_enabled(call.device, settings) and (settings.wgmma_always or partial or not _few_tiles(call)):
             spec = tune.wgmma_spec(call.desc, av, bv, outv, chunk=settings.wgmma_chunk, **kw)
             family = "distance_wgmma"
         if spec is None:
@@ -309,17 +309,7 @@ def _functor_specs(functor: tuple) -> tuple:
     """(wgmma_spec, mma_spec) with the epilogue functor in the traits: the same objects for the same
     functor, so that the template keys (their Tune) find their templates again."""
 
-    def wgmma(desc, a, b, out, *, tf32, batch_offsets_ok=True, chunk=2):
-        ok = _specs_wgmma.wgmma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)
-        return None if ok is None else _specs_wgmma.wgmma_traits_spec(
-            desc, out.layout, tf32=tf32, functor=functor, chunk=_specs_wgmma.wgmma_chunk(desc, tf32=tf32, chunk=chunk, K=a.tensor.shape[-1]))
-
-    def mma(desc, a, b, out, *, tf32, batch_offsets_ok=True):
-        ok = _specs_mma.mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok)
-        return None if ok is None else _specs_mma.mma_traits_spec(desc, out.layout, torch.float32, tf32=tf32,
-                                                                  functor=functor)
-
-    return wgmma, mma
+    return functools.partial(wgmma_spec, functor=functor), functools.partial(mma_spec, functor=functor)
 
 
 def _formula_tensor_core_plan(call: DistanceCall, out, compute_mode: str, debug: bool):
@@ -666,8 +656,7 @@ class _WgmmaPrepare:
         ext, self.entry = b_entries(bplan.modes, sb)
         self.ext, self.strides, self.bv = ext, sb, bv
         self.N, self.K = call.N, call.K
-        tile = _specs_wgmma.WGMMA_PREPARE_TILE
-        self.n_pad = -(-call.N // tile) * tile  # whole 256-row prepared blocks (whatever the kernel's tile)
+        self.n_pad = -(-call.N // WGMMA_PREPARE_TILE) * WGMMA_PREPARE_TILE  # whole 256-row prepared blocks (whatever the kernel's tile)
         k_pad = -(-call.K // WGMMA_BLOCK_K) * WGMMA_BLOCK_K  # whole 16-column k-tiles
         entries = math.prod(ext)
         self.rows = entries * self.n_pad

@@ -13,7 +13,7 @@ from ..layout import Layout
 from . import cache as kernel_cache, compiler
 from .cache import DB_FILENAME, warm
 from .specs import (KernelSpec, LaunchShape, distance_spec, distance_tunings, mma_specs_for, wgmma_prepare_needs,
-                    wgmma_chunk, wgmma_prepare_spec, wgmma_traits_spec)
+                    wgmma_prepare_spec, wgmma_specs_for)
 from .specs.matvec import C_BUCKETS
 from .specs.matvec_wgmma import carry_spec, matvec_wgmma_spec
 
@@ -37,9 +37,8 @@ def specs_for_descriptor(desc: KernelDescriptor) -> list:
     ))
     specs += mma_specs_for(desc)
     if desc.is_euclidean:  # compiled for sm_90 only (KernelSpec.supports)
+        specs += wgmma_specs_for(desc)
         for t in (False, True):
-            specs += [wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=t, chunk=c)
-                      for c in dict.fromkeys((wgmma_chunk(desc, tf32=t), 0))]
             small, norms = wgmma_prepare_needs(desc, tf32=t)
             specs.append(wgmma_prepare_spec(small=small, norms=norms))
         # kernel_matvec with K > 32 (float32, 3xTF32): every column bucket, and the carry

@@ -65,6 +65,7 @@ from .distance_wgmma import (  # noqa: F401
     wgmma_prepare_needs,
     wgmma_prepare_spec,
     wgmma_spec,
+    wgmma_specs_for,
     wgmma_traits_spec,
 )
 from .kernel_spec import SHIPPED_DESCRIPTORS, KernelSpec, LaunchShape, render_source  # noqa: F401
@@ -82,6 +83,7 @@ __all__ = [
     "wgmma_prepare_spec",
     "wgmma_prepare_needs",
     "wgmma_chunk",
+    "wgmma_specs_for",
     "WGMMA_PREPARE_TILE",
     "grad_spec",
     "grad_mma_spec",

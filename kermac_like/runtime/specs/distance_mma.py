@@ -41,13 +41,14 @@ def mma_traits_spec(desc: KernelDescriptor, out: Layout, dtype, *, tf32: bool = 
     return KernelSpec("distance_mma.cuh", "kermac_like::distance_mma_kernel", traits, MMA_LAUNCH)
 
 
-def mma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True):
+def mma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True, functor=None):
     """The tensor-core instantiation for these operand views, or None when the
     path does not apply (the caller then takes the exact SIMT kernel).
 
     Requires a Euclidean/DOT descriptor, row-major ``a`` and ``b`` with 16-byte
     aligned base pointers and rows (every batch offset too: ``batch_offsets_ok``),
-    and a float32/float16/bfloat16 dtype.  ``out`` may have any layout.
+    and a float32/float16/bfloat16 dtype.  ``out`` may have any layout. ``functor``: as
+    :func:`mma_traits_spec`'s.
     """
     if not desc.is_euclidean or a.tensor.dtype not in _MMA_TYPES:
         return None
@@ -57,7 +58,7 @@ def mma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok:
     for v in (a, b):
         if v.tensor.data_ptr() % 16 or (v.rows > 1 and v.ld % per):
             return None
-    return mma_traits_spec(desc, out.layout, a.tensor.dtype, tf32=tf32)
+    return mma_traits_spec(desc, out.layout, a.tensor.dtype, tf32=tf32, functor=functor)
 
 
 def mma_specs_for(desc: KernelDescriptor) -> list:

@@ -87,24 +87,29 @@ def wgmma_prepare_needs(desc: KernelDescriptor, *, tf32: bool) -> tuple:
 
 
 def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True,
-               chunk: int = 2):
+               chunk: int = 2, functor=None):
     """The sm_90a (wgmma) instantiation for these operand views, or None when it does
     not apply: the requirements of :func:`mma_spec`, float32 data only. The caller
-    checks that the device is sm_90. ``chunk``: the setting wgmma_chunk."""
+    checks that the device is sm_90. ``chunk``: the setting wgmma_chunk; ``functor``: as
+    :func:`wgmma_traits_spec`'s."""
     if a.tensor.dtype != torch.float32:
         return None
     if mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok) is None:
         return None
-    return wgmma_traits_spec(desc, out.layout, tf32=tf32,
+    return wgmma_traits_spec(desc, out.layout, tf32=tf32, functor=functor,
                              chunk=wgmma_chunk(desc, tf32=tf32, chunk=chunk, K=a.tensor.shape[-1]))
+
+def wgmma_specs_for(desc: KernelDescriptor) -> list:
+    """The wgmma instantiations a call of ``desc`` can reach with a row-major output: per precision
+    the default's partial sums and one running sum (K <= 32, plain TF32, DOT)."""
+    return [wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32, chunk=chunk)
+            for tf32 in (False, True) for chunk in dict.fromkeys((wgmma_chunk(desc, tf32=tf32), 0))]
+
 
 def shipped():
     for desc in SHIPPED_DESCRIPTORS:
         if desc.is_euclidean:
-            for tf32 in (False, True):
-                # the default's partial sums, and one running sum (K <= 32, and plain TF32)
-                for chunk in dict.fromkeys((wgmma_chunk(desc, tf32=tf32), 0)):
-                    yield wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32, chunk=chunk)
+            yield from wgmma_specs_for(desc)
     for small in (True, False):
         for norms in (True, False):
             yield wgmma_prepare_spec(small=small, norms=norms)

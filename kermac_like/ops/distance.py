@@ -189,8 +189,8 @@ def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
     """The key of an eager call under which plan.distance.run_by_call_key finds its template:
     ``op`` (the op's name and fixed arguments), ``values`` (its scalar arguments: plain
     numbers, None, or float32 tensors by shape, strides and device), the operands' shapes, strides, 16-byte alignments,
-    dtypes and devices, ``out``'s, the compute mode and the switches a plan reads (TF32, the
-    settings wgmma, autotune, debug and distance_tune); None for a call that takes the full path
+    dtypes and devices, ``out``'s, the compute mode and the switches a plan reads (plan.core.Settings,
+    the same snapshot the plan's own key holds, and the settings autotune and debug); None for a call that takes the full path
     every time (tensor subclasses, hyper-parameter tensors of another dtype). The key's
     second entry is ``values`` itself (the same tuple) when they are all plain numbers."""
     if torch.compiler.is_compiling() or type(a) is not torch.Tensor or type(b) is not torch.Tensor:
@@ -212,9 +212,8 @@ def _call_key(op: tuple, values: tuple, a, b, out, compute_mode):
                 return None
         values = tuple(parts)
     return (op, values, a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16, b.shape, b.stride(), b.dtype, b.device,
-            b.data_ptr() % 16, o, compute_mode, plan_core.MATMUL.allow_tf32,
-            config.get("wgmma"), config.get("wgmma_chunk"), config.get("autotune"), config.get("debug"),
-            config.get("distance_tune"))
+            b.data_ptr() % 16, o, compute_mode, plan_core.Settings.current(), config.get("autotune"),
+            config.get("debug"))
 
 
 def _run_cached(key, a, b, out, hypers: dict | None = None):

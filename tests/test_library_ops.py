@@ -67,6 +67,12 @@ def _op_cases():
                                                                     torch.empty(2, 6, 4, dtype=torch.int64))
     yield "knn_inf", OPS.kernel_topk.default, (x, topk[1], [], *(None,) * 8, 0, None, 3, False, float("inf"), MODE,
                                                 False)
+    lse = (x, torch.randn(15, 3, dtype=F64, requires_grad=True), torch.randn(15, 2, dtype=F64, requires_grad=True),
+           library.descriptor_ints(km.PRESETS["laplace_p"]), 1.3, None, 1.3, None, None,
+           torch.tensor([1.5, 2.0], dtype=F64), 1e-6, False)
+    yield "kernel_logsumexp", OPS.kernel_logsumexp.default, lse
+    plain = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in lse)
+    yield "kernel_logsumexp_out", OPS.kernel_logsumexp_out.default, plain + (torch.empty(2, 6, 2, dtype=F64),)
     yield "eigh", OPS.eigh.default, (spd[0], False, False)
     yield "eigh_inplace", OPS.eigh_inplace.default, (spd.clone(), False, False)
 
@@ -124,6 +130,30 @@ def test_compile_fullgraph_topk_forward_backward():
     g2, = torch.autograd.grad(s2, x)
     assert torch.equal(i1, i2) and torch.allclose(s1, s2, rtol=1e-14)
     assert torch.allclose(g1, g2, rtol=1e-12, atol=1e-12)
+
+
+def test_compile_fullgraph_logsumexp_forward_backward():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 6, 3, generator=g, dtype=F64, requires_grad=True)
+    y = torch.randn(15, 3, generator=g, dtype=F64)
+    lw = torch.randn(15, generator=g, dtype=F64, requires_grad=True)
+    bw = torch.tensor([1.5, 2.0], dtype=F64)
+
+    def f(a, w):
+        return km.kernel_logsumexp(km.PRESETS["gaussian_l2"], a, y, w, bandwidth=bw)
+
+    got, want = torch.compile(f, fullgraph=True, backend="aot_eager")(x, lw), f(x, lw)
+    g1 = torch.autograd.grad(got.sum(), (x, lw))
+    g2 = torch.autograd.grad(want.sum(), (x, lw))
+    ref = torch.logsumexp(-torch.cdist(x, y).square() / (2 * bw.view(2, 1, 1) ** 2) + lw, -1)
+    assert got.shape == (2, 6) and torch.allclose(got, ref, rtol=1e-12)
+    assert torch.allclose(got, want, rtol=1e-14)
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(g1, g2))
+    out = torch.full((2, 6), float("nan"), dtype=F64)
+    torch.compile(lambda a, o: km.kernel_logsumexp(km.PRESETS["gaussian_l2"], a, y, bandwidth=bw, out=o),
+                  fullgraph=True, backend="aot_eager")(x.detach(), out)
+    assert torch.allclose(out, torch.logsumexp(-torch.cdist(x, y).square() / (2 * bw.view(2, 1, 1) ** 2), -1),
+                          rtol=1e-12)
 
 
 def test_compile_fullgraph_cdist_grad():
@@ -319,6 +349,10 @@ def test_gpu_opcheck():
     spd = _spd(2, 16, torch.float32, "cuda")
     torch.library.opcheck(OPS.solve_cholesky.default, (spd, torch.randn(2, 3, 16, device="cuda"), False, False))
     torch.library.opcheck(OPS.eigh.default, (spd, False, False))
+    lw = torch.randn(50, 2, device="cuda", generator=g, requires_grad=True)
+    for name in ("gaussian_l2", "laplace_l1"):  # the fused logsumexp kernel (K = 32)
+        torch.library.opcheck(OPS.kernel_logsumexp.default, (a, b, lw, library.descriptor_ints(km.PRESETS[name]), None,
+                                                             None, None, None, 3.0, None, None, False))
 
 
 @pytest.mark.gpu

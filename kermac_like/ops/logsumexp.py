@@ -12,6 +12,9 @@ calls with K <= 64 in one pass over y, no block in memory; the blocked computati
 rest; memory O((M + N) C) plus one block. Autograd with
 respect to x, y and log_weights: the backward weights each block by the softmax
 ``exp(-phi + log_weights - out)`` and differentiates phi on it (never M x N either).
+Underneath it is the custom op ``torch.ops.kermac_like.kernel_logsumexp`` (``kernel_logsumexp_out``
+for ``out=``), as every family's (ops/_library.py): fake shapes for torch.compile, the backward
+registered with the op; eager calls skip the dispatcher where it has nothing to do.
 
 Error model: phi depends on x - y only (DIFF descriptors), and every path computes it so: the
 fused kernel's direct form and the blocked path (run_kernel without the matrix product,
@@ -32,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -40,9 +44,11 @@ from .. import _debug, formula_path, torch_path
 from .._args import check_same, check_tensor
 from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
 from ..centring import shifted_pair
-from ..layout import analyse_output
+from ..calls import DistanceCall
+from ..layout import analyse_output, broadcast_shapes
 from ..plan.logsumexp import plan_logsumexp
-from ._library import check_no_hyper_grad
+from ._library import (check_no_hyper_grad, descriptor_from_ints, descriptor_ints, direct_call, join_hypers,
+                       register_autograd, split_hyper)
 from .distance import COMPUTE_MODES, check_data, prepare_call, run_kernel
 
 log = logging.getLogger("kermac_like.logsumexp")
@@ -252,49 +258,117 @@ def _forward(call, lw: Tensor, work, debug: bool = False) -> Tensor:
     return out
 
 
-class _LogSumExp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, y, lw, call, work, debug):
-        out = _forward(call._replace(a=x, b=y), lw, work, debug)
-        ctx.save_for_backward(x, y, lw, out)
-        ctx.call, ctx.work = call, work
-        return out
+def _work_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the sums are formed in: float64 for float64 data and on the CPU, else float32."""
+    return torch.float64 if (x.dtype == torch.float64 or x.device.type == "cpu") else torch.float32
 
-    @staticmethod
-    def backward(ctx, g):
-        x, y, lw, out = ctx.saved_tensors
-        call, work = ctx.call, ctx.work
-        batch, M, N, C = call.batch, call.M, call.N, lw.shape[-1]
-        mb, nb = _blocks(batch, M, N, C)
-        needs = ctx.needs_input_grad[:3]
-        xe, ye = x.expand(*batch, M, x.shape[-1]), y.expand(*batch, N, y.shape[-1])
-        lwe = lw.expand(*batch, N, C)
-        gx = torch.zeros(xe.shape, dtype=work, device=x.device) if needs[0] else None
-        gy = torch.zeros(ye.shape, dtype=work, device=x.device) if needs[1] else None
-        glw = torch.zeros(lwe.shape, dtype=work, device=x.device) if needs[2] else None
-        hyp = {k: (v.to(work) if isinstance(v, Tensor) else v) for k, v in call.hypers.items()}
-        for m0 in range(0, M, mb):
-            m1 = min(M, m0 + mb)
-            for n0 in range(0, N, nb):
-                n1 = min(N, n0 + nb)
-                with torch.enable_grad():
-                    xb = xe[..., m0:m1, :].detach().to(work).requires_grad_(needs[0])
-                    yb = ye[..., n0:n1, :].detach().to(work).requires_grad_(needs[1])
-                    lb = lwe[..., n0:n1, :].detach().to(work).requires_grad_(needs[2])
-                    t = -_phi_differentiable(call.desc, xb, yb, hyp, call.epsilon).unsqueeze(-1) + lb.unsqueeze(-3)
-                    w = torch.exp(t.detach() - out[..., m0:m1, None, :].to(work))  # softmax weights
-                    s = (g[..., m0:m1, None, :].to(work) * w * t).sum()
-                    wanted = [v for v, n in zip((xb, yb, lb), needs) if n]
-                    grads = iter(torch.autograd.grad(s, wanted)) if wanted else iter(())
-                if needs[0]:
-                    gx[..., m0:m1, :] += next(grads)
-                if needs[1]:
-                    gy[..., n0:n1, :] += next(grads)
-                if needs[2]:
-                    glw[..., n0:n1, :] += next(grads)
-        res = [None if gr is None else gr.sum_to_size(t_.shape).to(t_.dtype)
-               for gr, t_ in zip((gx, gy, glw), (x, y, lw))]
-        return (*res, None, None, None)
+
+def _backward_blocks(call, x, y, lw, out, g, needs, work):
+    """(dL/dx, dL/dy, dL/dlog_weights) (None where not ``needs``) of ``out`` (the forward's result in
+    ``work``) for the upstream ``g``: per block, the softmax weights ``exp(-phi + log_weights - out)``
+    times phi's derivative (autograd of the block's torch formula); never M x N."""
+    batch, M, N, C = call.batch, call.M, call.N, lw.shape[-1]
+    mb, nb = _blocks(batch, M, N, C)
+    xe, ye = x.expand(*batch, M, x.shape[-1]), y.expand(*batch, N, y.shape[-1])
+    lwe = lw.expand(*batch, N, C)
+    gx = torch.zeros(xe.shape, dtype=work, device=x.device) if needs[0] else None
+    gy = torch.zeros(ye.shape, dtype=work, device=x.device) if needs[1] else None
+    glw = torch.zeros(lwe.shape, dtype=work, device=x.device) if needs[2] else None
+    hyp = {k: (v.to(work) if isinstance(v, Tensor) else v) for k, v in call.hypers.items()}
+    for m0 in range(0, M, mb):
+        m1 = min(M, m0 + mb)
+        for n0 in range(0, N, nb):
+            n1 = min(N, n0 + nb)
+            with torch.enable_grad():
+                xb = xe[..., m0:m1, :].detach().to(work).requires_grad_(needs[0])
+                yb = ye[..., n0:n1, :].detach().to(work).requires_grad_(needs[1])
+                lb = lwe[..., n0:n1, :].detach().to(work).requires_grad_(needs[2])
+                t = -_phi_differentiable(call.desc, xb, yb, hyp, call.epsilon).unsqueeze(-1) + lb.unsqueeze(-3)
+                w = torch.exp(t.detach() - out[..., m0:m1, None, :].to(work))  # softmax weights
+                s = (g[..., m0:m1, None, :].to(work) * w * t).sum()
+                wanted = [v for v, n in zip((xb, yb, lb), needs) if n]
+                grads = iter(torch.autograd.grad(s, wanted)) if wanted else iter(())
+            if needs[0]:
+                gx[..., m0:m1, :] += next(grads)
+            if needs[1]:
+                gy[..., n0:n1, :] += next(grads)
+            if needs[2]:
+                glw[..., n0:n1, :] += next(grads)
+    return [None if gr is None else gr.sum_to_size(t_.shape).to(t_.dtype) for gr, t_ in zip((gx, gy, glw), (x, y, lw))]
+
+
+# -- the ops: kermac_like::kernel_logsumexp and kermac_like::kernel_logsumexp_out ---------------------------
+# kernel_logsumexp(x, y, log_weights (..., N, C), descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor,
+# bandwidth, bandwidth_tensor, epsilon, debug) -> (..., M, C) in the work dtype (float64 for float64 data and on
+# the CPU, else float32: the backward's softmax weights need the unrounded result; the wrapper rounds to x's).
+_N_OP_INPUTS = 12
+
+
+def _call_of(x, y, lw, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor,
+             epsilon) -> DistanceCall:
+    hypers = join_hypers(inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth, bandwidth_tensor, None, None)
+    call = DistanceCall.of(descriptor_from_ints(descriptor), x, y, hypers, 0, epsilon)
+    return call._replace(batch=broadcast_shapes(call.batch, lw.shape[:-2]))
+
+
+def _lse_impl(x: Tensor, y: Tensor, log_weights: Tensor, descriptor: list[int], inner_p: Optional[float],
+              inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
+              bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor], epsilon: Optional[float],
+              debug: bool) -> Tensor:
+    call = _call_of(x, y, log_weights, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
+                    bandwidth_tensor, epsilon)
+    return _forward(call, log_weights, _work_dtype(x), debug)
+
+
+_lse_op = torch.library.custom_op("kermac_like::kernel_logsumexp", _lse_impl, mutates_args=())
+
+
+@torch.library.custom_op("kermac_like::kernel_logsumexp_out", mutates_args=("out",))
+def _lse_out_op(x: Tensor, y: Tensor, log_weights: Tensor, descriptor: list[int], inner_p: Optional[float],
+                inner_p_tensor: Optional[Tensor], outer_p: Optional[float], outer_p_tensor: Optional[Tensor],
+                bandwidth: Optional[float], bandwidth_tensor: Optional[Tensor], epsilon: Optional[float], debug: bool,
+                out: Tensor) -> None:
+    """``out`` (..., M, C), or (..., M) for one column of log_weights, in x's dtype."""
+    res = _lse_impl(x, y, log_weights, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
+                    bandwidth_tensor, epsilon, debug)
+    out.copy_(res.squeeze(-1) if out.dim() < res.dim() else res)
+
+
+@_lse_op.register_fake
+def _lse_fake(x, y, log_weights, descriptor, inner_p, inner_p_tensor, outer_p, outer_p_tensor, bandwidth,
+              bandwidth_tensor, epsilon, debug):
+    hypers = (inner_p_tensor, outer_p_tensor, bandwidth_tensor)
+    batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2], log_weights.shape[:-2],
+                                   *(t.shape for t in hypers if t is not None))
+    return x.new_empty((*batch, x.shape[-2], log_weights.shape[-1]), dtype=_work_dtype(x))
+
+
+@_lse_out_op.register_fake
+def _lse_out_fake(*args):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    x, y, lw, descriptor, ip, ipt, op, opt, bw, bwt, epsilon, debug = inputs
+    ctx.save_for_backward(x, y, lw, output, ipt, opt, bwt)
+    ctx.args = (tuple(descriptor), ip, op, bw, epsilon)
+
+
+def _backward(ctx, g):
+    """dL/dx, dL/dy, dL/dlog_weights of the op (None for the other inputs); double backward raises."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError("kermac_like: double backward through kernel_logsumexp is not supported (the "
+                                  "backward is not differentiable)")
+    x, y, lw, out, ipt, opt, bwt = ctx.saved_tensors
+    descriptor, ip, op, bw, epsilon = ctx.args
+    call = _call_of(x, y, lw, descriptor, ip, ipt, op, opt, bw, bwt, epsilon)
+    grads = _backward_blocks(call, x, y, lw, out, g, ctx.needs_input_grad[:3], out.dtype)
+    return (*grads,) + (None,) * (_N_OP_INPUTS - 3)
+
+
+_LSE_GRAD = register_autograd(_lse_op, _lse_impl, _backward, _setup_context)
+_LSE = torch.ops.kermac_like.kernel_logsumexp.default
+_LSE_OUT = torch.ops.kermac_like.kernel_logsumexp_out.default
 
 
 def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_weights=None, *, out=None, p=None,
@@ -377,9 +451,20 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
                   call.N, call.K, lw.shape[-1], call.batch, work, *_blocks(call.batch, call.M, call.N, lw.shape[-1]))
     if not descriptor.fused_ok:
         res = formula_path.logsumexp(call, lw, work)
+        res = (res.squeeze(-1) if vector else res).to(x.dtype)
+        return res if out is None else out.copy_(res)
+    hyper_tensors = [h for h in call.hypers.values() if isinstance(h, Tensor)]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, lw))
+    if not grad and direct_call(x, y, lw, out, *hyper_tensors):  # the op's implementation, without the dispatcher
+        res = _forward(call, lw, work, debug)
     else:
-        res = _LogSumExp.apply(x, y, lw, call, work, debug)
+        hp = call.hypers
+        args = (x, y, lw, descriptor_ints(descriptor), *split_hyper(hp["inner_p"]), *split_hyper(hp["outer_p"]),
+                *split_hyper(hp["bandwidth"]), call.epsilon, debug)
+        if not grad and out is not None:
+            _LSE_OUT(*args, out)
+            return out
+        res = _LSE_GRAD(x, y, lw, *hyper_tensors)(*args) if grad else _LSE(*args)
     res = (res.squeeze(-1) if vector else res).to(x.dtype)
-    if out is None:
-        return res
-    return out.copy_(res)
+    # out= carries no autograd: computed, then copied into out (out joins the graph)
+    return res if out is None else out.copy_(res)

@@ -28,7 +28,8 @@ Rows against the library a class stands in for (issue 46, item 2; target <= 1.0 
   ``--check``: the largest difference of the two results, and ``ref_err`` the largest error of ours and of
   the torch way against float64 (kernel_logsumexp of the inputs in float64).
 * gpytorch (target <= 1.2): 20 Adam steps (lr 0.1) of ``kermac_like.gpytorch.ScaledExactGP`` with
-  the package's ``RBFKernel(ard_num_dims=8)`` against the same model with GPyTorch's own RBFKernel, N = 2000,
+  the package's ``RBFKernel(ard_num_dims=8)`` (and ``MaternKernel(nu=1.5 | 2.5)``) against the same model with
+  GPyTorch's own kernel, N = 2000,
   D = 8 (x uniform in [-1, 1]^8, bench/_gp.py's y), GPyTorch's default settings (CG above
   max_cholesky_size = 800), the same probe seed. ``--check``: the final losses' difference.
 
@@ -39,6 +40,7 @@ Threads: torch's intra-op default (``--threads`` to change it).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -93,7 +95,7 @@ def _gp_rows():
     try:
         import gpytorch
 
-        from kermac_like.gpytorch import RBFKernel, ScaledExactGP
+        from kermac_like.gpytorch import MaternKernel, RBFKernel, ScaledExactGP
     except ImportError:
         return
 
@@ -120,6 +122,10 @@ def _gp_rows():
 
     yield ("gpytorch_rbf_adam20", "N=2000, D=8, 20 Adam steps", inputs,
            lambda x, y: train(RBFKernel, x, y), lambda x, y: train(gpytorch.kernels.RBFKernel, x, y))
+    for nu in (1.5, 2.5):
+        ours, theirs = (functools.partial(cls, nu=nu) for cls in (MaternKernel, gpytorch.kernels.MaternKernel))
+        yield (f"gpytorch_matern{int(nu * 10)}_adam20", f"N=2000, D=8, Matérn {nu}, 20 Adam steps", inputs,
+               lambda x, y, ours=ours: train(ours, x, y), lambda x, y, theirs=theirs: train(theirs, x, y))
 
 
 def _torch_logsumexp(x, y, w, bw: float):

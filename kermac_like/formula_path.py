@@ -35,7 +35,7 @@ from .centring import centred_together, shifted_pair
 from .descriptor import InnerOperator, PowerType
 from .formula import FormulaDescriptor
 
-__all__ = ["values", "log_values", "distance", "matvec", "matvec_autograd", "logsumexp"]
+__all__ = ["values", "log_values", "distance", "matvec", "matvec_autograd", "logsumexp", "grad_factor"]
 
 DIRECT = "donot_use_mm_for_euclid_dist"
 DEFAULT_MODE = "use_mm_for_euclid_dist_if_necessary"
@@ -129,6 +129,44 @@ def _inner_builtin(family: str):
 
     return {"additive_laplace": add_laplace, "additive_powered_exponential": add_powexp,
             "periodic": periodic}.get(family)
+
+
+def _grad_factor_builtin(family: str):
+    """phi(d; P) = (1/d) dk/dd of the built-in kernels of the l2 distance d (2 dk/d(d^2)): the gradient of
+    k(|x - y|) with respect to x is phi (x - y). Closed forms, finite at d = 0; None for the other families."""
+    def matern32(d, P):
+        c = _SQRT3 / P["bandwidth"]
+        return torch.exp(d * -c).mul_(-c * c)
+
+    def matern52(d, P):
+        c = _SQRT5 / P["bandwidth"]
+        s = d * c
+        return torch.exp(-s).mul_(s.add_(1.0)).mul_(-c * c / 3.0)
+
+    def rq(d, P):
+        a, h = P["alpha"], P["bandwidth"]
+        return torch.pow(1.0 + d * d / (2.0 * a * h * h), -a - 1.0).mul_(-1.0 / (h * h))
+
+    def cauchy(d, P):
+        h = P["bandwidth"]
+        return (1.0 + d * d / (h * h)).reciprocal_().square_().mul_(-2.0 / (h * h))
+
+    def imq(d, P):
+        h = P["bandwidth"]
+        return torch.rsqrt(1.0 + d * d / (h * h)).pow_(3).mul_(-1.0 / (h * h))
+
+    return {"matern32": matern32, "matern52": matern52, "rational_quadratic": rq, "cauchy": cauchy,
+            "inverse_multiquadric": imq}.get(family)
+
+
+def grad_factor(desc: FormulaDescriptor):
+    """``phi(d, hypers)`` for a built-in kernel of the l2 distance (Matérn 3/2 and 5/2, rational quadratic,
+    Cauchy, inverse multiquadric): :func:`_grad_factor_builtin` of the distances ``d`` (*batch, rows, cols) with
+    the call's hyper-parameters (floats, or tensors over the batch modes); None for the other kernels."""
+    if desc.family == "expression" or desc.has_inner or getattr(desc, "derivative", False):
+        return None
+    fn = _grad_factor_builtin(desc.family)
+    return None if fn is None else (lambda d, hypers: fn(d, _params(desc, hypers, d.dtype, 2)))
 
 
 @functools.lru_cache(maxsize=256)

@@ -69,3 +69,63 @@ def test_matern_nu_and_batches():
         with gpytorch.settings.max_cholesky_size(0), torch.no_grad():
             v = torch.randn(2, 30, 2, dtype=torch.float64)
             assert torch.allclose(ours(x) @ v, theirs(x).to_dense() @ v, rtol=1e-10, atol=1e-12)
+
+
+def _operator(desc, z1, z2, **params):
+    return kg.KermacFormulaLinearOperator(z1, z2, descriptor=desc, **params)
+
+
+@pytest.mark.parametrize("family", ["matern32", "matern52", "rq", "cauchy", "imq"])
+@pytest.mark.parametrize("same", [True, False])
+def test_closed_form_derivative_equals_autograd(family, same):
+    """The CPU's closed-form gradients of sum(L * K R) (formula_path.grad_factor) against autograd through the
+    formula (the generic path), float64, a batch mode, points at distance 0 (duplicates) included."""
+    import kermac_like as km
+
+    desc, params = {"matern32": (km.matern(1.5), {}), "matern52": (km.matern(2.5), {}),
+                    "rq": (km.rational_quadratic(), {"alpha": torch.tensor([0.7, 1.9], dtype=torch.float64)}),
+                    "cauchy": (km.cauchy(), {}), "imq": (km.inverse_multiquadric(), {})}[family]
+    g = torch.Generator().manual_seed(4)
+    z1 = torch.randn(2, 40, 3, generator=g, dtype=torch.float64) + 5.0
+    z1[:, 7] = z1[:, 3]  # a duplicate point
+    z1.requires_grad_(True)
+    z2 = z1 if same else (torch.randn(2, 30, 3, generator=g, dtype=torch.float64) + 5.0).requires_grad_(True)
+    params = {**params, "bandwidth": torch.tensor([1.3, 0.6], dtype=torch.float64)}
+    L = torch.randn(2, 40, 4, generator=g, dtype=torch.float64)
+    R = torch.randn(2, z2.shape[1], 4, generator=g, dtype=torch.float64)
+    op = _operator(desc, z1, z2, **params)
+    closed = op._closed_form_derivative(L, R)
+    want = op._autograd_derivative(L, R)
+    assert closed is not None and len(closed) == len(want)
+    for a, b in zip(closed, want):
+        assert (a is None) == (b is None)
+        assert a is None or torch.allclose(a, b, rtol=1e-9, atol=1e-11)
+    if same:  # 2-D: one tensor in both slots (GPyTorch's training covariance), its gradient in the first
+        z = z1[0].detach().requires_grad_(True)
+        op2 = _operator(desc, z, z, **{k: v[0] for k, v in params.items()})
+        closed, want = op2._closed_form_derivative(L[0], R[0]), op2._autograd_derivative(L[0], R[0])
+        assert closed[1] is None and want[1] is None
+        assert torch.allclose(closed[0], want[0], rtol=1e-9, atol=1e-11)
+    # a hyper-parameter that needs its gradient keeps the generic path
+    params_grad = {**params, "bandwidth": params["bandwidth"].clone().requires_grad_(True)}
+    assert _operator(desc, z1, z2, **params_grad)._closed_form_derivative(L, R) is None
+
+
+def test_stored_matrix_shared_and_indexed():
+    """Operators of the same tensors form the CPU matrix once; the preconditioner's entries come from it (equal
+    to the generic path's entries computed pair by pair)."""
+    import kermac_like as km
+
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(60, 3, generator=g, dtype=torch.float64)
+    bw = torch.ones((), dtype=torch.float64)
+    a, b = _operator(km.matern(2.5), z, z, bandwidth=bw), _operator(km.matern(2.5), z, z, bandwidth=bw)
+    assert a._stored() is b._stored()
+    assert _operator(km.matern(1.5), z, z, bandwidth=bw)._stored() is not a._stored()
+    rows, cols = torch.randint(0, 60, (25,), generator=g), torch.randint(0, 60, (25,), generator=g)
+    got = a._get_indices(rows, cols)
+    want = super(kg.KermacFormulaLinearOperator, a)._get_indices(rows, cols)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+    z.add_(1.0)  # changed in place: formed again
+    assert a._stored() is not b._stored() or a._stored()[0, 1] == a._stored()[0, 1]
+    assert torch.allclose(a._stored(), km.run_kernel(km.matern(2.5), z, z, bandwidth=bw), rtol=1e-12)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..descriptor import KernelDescriptor
+from ..formula import check_params
+from ..formula_path import grad_factor
 from ..ops.distance import run_kernel
 from ..ops.matvec import kernel_matvec
 from ._operator import KermacLinearOperatorBase
@@ -87,11 +89,33 @@ class KermacFormulaLinearOperator(KermacLinearOperatorBase):
         tensors = (x1, x2, *self.tensor_params.values())
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, rhs)):
             return formula_covar(x1, x2, descriptor=self.descriptor, **self.tensor_params)
+        return self._stored()
+
+    def _stored(self) -> torch.Tensor:
+        """The kernel matrix without autograd, formed once for the operators of these tensors (_kept)."""
+        x1, x2 = self.x1, self.x2
+        tensors = (x1, x2, *self.tensor_params.values())
         with torch.no_grad():
-            return self._kept(tensors, lambda: formula_covar(x1, x2, descriptor=self.descriptor, **self.tensor_params))
+            return self._kept(tensors, lambda: formula_covar(x1, x2, descriptor=self.descriptor, **self.tensor_params),
+                              (self.descriptor, tuple(self.tensor_params)))
+
+    def _get_indices(self, row_index, col_index, *batch_indices) -> torch.Tensor:
+        # Entries at index tensors (the pivoted-Cholesky preconditioner's rows and their diagonal): on the CPU,
+        # where no gradient is asked for, from the stored matrix (the products form it anyway) instead of one
+        # run_kernel call per request on the gathered pairs
+        if (self._dense_serves() and not (torch.is_grad_enabled() and any(
+                t.requires_grad for t in (self.x1, self.x2, *self.tensor_params.values())))):
+            dense = self._stored()
+            if dense.shape[:-2] == self.batch_shape:
+                return dense[(*batch_indices, row_index, col_index)]
+        return super()._get_indices(row_index, col_index, *batch_indices)
 
     def _bilinear_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
-        # LinearOperator's: autograd of sum(left * K right) through _matmul (kernel_matvec's blocked backward)
+        closed = self._closed_form_derivative(left_vecs, right_vecs)
+        return closed if closed is not None else self._autograd_derivative(left_vecs, right_vecs)
+
+    def _autograd_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
+        """LinearOperator's: autograd of sum(left * K right) through _matmul (kernel_matvec's blocked backward)."""
         args = tuple(self.representation())
         wanted = tuple(a for a in args if a.requires_grad)
         if not wanted:
@@ -112,3 +136,38 @@ class KermacFormulaLinearOperator(KermacLinearOperatorBase):
                 out.append(grads[i])
                 seen.append(a)
         return tuple(out)
+
+    def _closed_form_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
+        """The gradients of sum(left * K right) with respect to x1 and x2 on the CPU (where the products multiply by
+        the stored matrix) for the kernels of the l2 distance with a closed-form derivative
+        (formula_path.grad_factor: Matérn 3/2 and 5/2, RQ, Cauchy, IMQ) whose hyper-parameters need no gradient
+        (GPyTorch's Matérn: the lengthscale is in the scaled inputs); None elsewhere. With W = (L R^T) o phi(D),
+        phi = (1/d) dk/dd of the pairs' distances D: dx1_m = x1_m sum_n W_mn - (W x2)_m, dx2_n = x2_n sum_m W_mn -
+        (W^T x1)_n, the two products and the row sums in float64 (the terms cancel where a point is far from those
+        near it; the inputs are centred by the kernels). Against autograd through the formula: no autograd graph of
+        the N x N elementwise steps and no cdist backward."""
+        x1, x2 = self.x1, self.x2
+        phi = grad_factor(self.descriptor)
+        if phi is None or not self._dense_serves() or not (x1.requires_grad or x2.requires_grad):
+            return None
+        params = self.tensor_params
+        if any(t.requires_grad for t in params.values()):
+            return None
+        with torch.no_grad():
+            a, b = x1.detach(), x2.detach()
+            d = torch.cdist(a, b)  # the distances as the formula's torch path forms them (torch.cdist, default mode)
+            w = torch.matmul(left_vecs.to(a.dtype), right_vecs.to(a.dtype).mT).mul_(phi(d, check_params(self.descriptor, dict(params), a.device)))
+            del d
+            if x1 is x2:  # one tensor in both slots: its gradient once, in its first slot, from W + W^T
+                w = w + w.mT
+                w = w.to(torch.float64)
+                a64 = a.to(torch.float64)
+                g1, g2 = torch.matmul(w, a64).sub_(w.sum(-1, keepdim=True) * a64).neg_(), None
+            else:
+                w = w.to(torch.float64)
+                a64, b64 = a.to(torch.float64), b.to(torch.float64)
+                g1 = torch.matmul(w, b64).sub_(w.sum(-1, keepdim=True) * a64).neg_() if x1.requires_grad else None
+                g2 = torch.matmul(w.mT, a64).sub_(w.sum(-2).unsqueeze(-1) * b64).neg_() if x2.requires_grad else None
+        out = [None if g1 is None else g1.sum_to_size(x1.shape).to(x1.dtype),
+               None if g2 is None else g2.sum_to_size(x2.shape).to(x2.dtype)]
+        return tuple(out) + (None,) * (len(tuple(self.representation())) - 2)

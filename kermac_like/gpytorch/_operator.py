@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from gpytorch.kernels.kernel import dist, sq_dist
 from linear_operator import settings
 from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, KernelLinearOperator
@@ -76,6 +77,10 @@ KERNELS = {"rbf": preset("gaussian_l2"), "laplace": preset("laplace_l2")}
 # product, the exponential), ~30 ms at N = 2000, D = 8 on one core, where the product with the stored matrix
 # takes ~2 ms; GPyTorch's own kernels store the matrix at every N.
 DENSE_CPU_ELEMENTS = 1 << 25
+
+# The CPU's kernel matrices (KermacLinearOperatorBase._kept) by the first tensor they were formed from, then by
+# what else they depend on; an entry goes with that tensor.
+_SHARED = WeakIdKeyDictionary()
 
 
 def dense_covar(x1: torch.Tensor, x2: torch.Tensor, *, kernel: str, outputscale=None, centred: bool = False
@@ -109,14 +114,25 @@ class KermacLinearOperatorBase(KernelLinearOperator):
         entries = math.prod(_broadcast_shape(x1.shape[:-2], x2.shape[:-2])) * x1.shape[-2] * x2.shape[-2]
         return entries <= DENSE_CPU_ELEMENTS
 
-    def _kept(self, tensors: tuple, build):
-        """``build()``, kept on the operator until one of ``tensors`` changes (storage, version, shape, strides)."""
+    def _kept(self, tensors: tuple, build, tag):
+        """``build()``, kept until one of ``tensors`` changes (storage, version, shape, strides): on the operator,
+        and for the other operators of the same ``tensors[0]`` and ``tag`` (what else the build depends on) as
+        long as that tensor lives. linear_operator rebuilds an operator from its representation inside each
+        of its autograd Functions (the log-determinant's CG, the preconditioner), so one training step makes
+        several operators of the same tensors, which form the matrix once."""
         key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in tensors)
         cached = self.__dict__.get("_kl_dense")
-        if cached is None or cached[0] != key:
-            cached = (key, build())
-            self.__dict__["_kl_dense"] = cached
-        return cached[1]
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        shelf = _SHARED.get(tensors[0])
+        hit = None if shelf is None else shelf.get(tag)
+        if hit is None or hit[0] != key:
+            hit = (key, build())
+            if shelf is None:
+                shelf = _SHARED[tensors[0]] = {}
+            shelf[tag] = hit
+        self.__dict__["_kl_dense"] = hit
+        return hit[1]
 
 
 class KermacKernelLinearOperator(KermacLinearOperatorBase):
@@ -252,7 +268,7 @@ class KermacKernelLinearOperator(KermacLinearOperatorBase):
                 run_kernel(desc, a, b, bandwidth=1.0, out=out)
             return out, a
 
-        return self._kept((x1, x2), build)
+        return self._kept((x1, x2), build, (self.kernel, self.centred))
 
     def _bilinear_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor):
         # The gradients of sum_c u_c^T (s K(x1, x2)) v_c (GPyTorch's training backward: U the solves, V the

@@ -561,14 +561,17 @@ __device__ __forceinline__ bool spread_point(float slope, int K, bool real, cons
 }
 
 // The rows of this thread raw into xr (zeros past K): a functor's direct form in the expanded kernel.
+// (Rows and pointer recomputed from values live anyway: nothing more held through the pair loop.)
 template <class Tr, class T>
-__device__ __forceinline__ void load_rows(const T* xl, const int (&rows)[Tr::kRows], int K, i64 sxm, i64 sxk,
+__device__ __forceinline__ void load_rows(const T* xl, int m0, int M, int K, i64 sxm, i64 sxk,
                                           float (&xr)[Tr::kRows][Tr::kChunked ? 1 : Tr::kK]) {
   if constexpr (!Tr::kChunked) {
 #pragma unroll
-    for (int i = 0; i < Tr::kRows; ++i)
+    for (int i = 0; i < Tr::kRows; ++i) {
+      const int m = min(m0 + int(threadIdx.x) + Tr::kThreads * i, M - 1);
 #pragma unroll
-      for (int k = 0; k < Tr::kK; ++k) xr[i][k] = k < K ? load_f(xl + i64(rows[i]) * sxm + k * sxk) : 0.0f;
+      for (int k = 0; k < Tr::kK; ++k) xr[i][k] = k < K ? load_f(xl + i64(m) * sxm + k * sxk) : 0.0f;
+    }
   }
 }
 
@@ -756,7 +759,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         if constexpr (!Tr::kFunctor) fold = __syncthreads_and(fold_ok) != 0;
         if constexpr (Tr::kFunctor) {
           direct = __syncthreads_and(!spread) == 0;
-          if (direct) load_rows<Tr>(xl, rows, K, sxm, sxk, xr);
+          if (direct) load_rows<Tr>(x + x_bs.offset(bi), m0, M, K, sxm, sxk, xr);
         }
       }
     }
@@ -785,7 +788,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
           const bool was = direct;
           const bool real = t * BN + tid < N;
           direct = __syncthreads_and(!(direct || spread_point<Tr>(slope, K, real, centre, py))) == 0;
-          if (direct && !was) load_rows<Tr>(xl, rows, K, sxm, sxk, xr);
+          if (direct && !was) load_rows<Tr>(x + x_bs.offset(bi), m0, M, K, sxm, sxk, xr);
           if (direct) {
             store_raw_point<Tr>(ys, vs, tid, py, pv);
           } else {
@@ -839,7 +842,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
           }
           const bool was = direct;
           direct = __syncthreads_and(!(direct || far)) == 0;
-          if (direct && !was) load_rows<Tr>(xl, rows, K, sxm, sxk, xr);
+          if (direct && !was) load_rows<Tr>(x + x_bs.offset(bi), m0, M, K, sxm, sxk, xr);
         }
         if constexpr (Tr::kExpand) {
           if (!Tr::kFunctor) __syncthreads();

@@ -29,6 +29,16 @@
 namespace kermac_like {
 namespace epilogue {
 
+// Whether a traits' functor parameter names one (void: none).
+template <class E>
+struct IsFunctor {
+  static constexpr bool value = true;
+};
+template <>
+struct IsFunctor<void> {
+  static constexpr bool value = false;
+};
+
 // The hyper-parameter slots of one batch entry (the launch's bandwidth, inner_p and outer_p
 // slots of the flat ABI, which a formula kernel's base fields leave unused).
 struct Params {

@@ -44,7 +44,6 @@
 #include "common.cuh"
 #include "epilogue.cuh"
 #include "math.cuh"
-#include "storage16.cuh"
 
 namespace kermac_like {
 
@@ -89,7 +88,7 @@ struct MatvecGradTraits {
   static constexpr int kLanes = kLanes_;
   static constexpr int kKAll = kK_ * kLanes_;  // the padded width of a row of a and b
   using Epi = Epi_;
-  static constexpr bool kFunctor = !SameType<Epi_, void>::value;
+  static constexpr bool kFunctor = epilogue::IsFunctor<Epi_>::value;
   static_assert(!kFunctor || (kInnerPow_ == Power::Square && kOuterPow_ == Power::Noop &&
                               kEpilogue_ == Epilogue::None && !kEpsilon_),
                 "MatvecGradTraits: an epilogue functor needs the base Square, Noop, None and no epsilon");

@@ -664,7 +664,6 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
     bool fold = false;                        // expanded: a_m factored out of the pair loop
     // A functor's expanded form: the CTA's direct form from a spread tile on (kSpread), the rows raw in xr.
     bool direct = false, spread = false;
-    const float slope = spread_slope<Tr>(fa);
     if constexpr (!Tr::kChunked) {
 #pragma unroll
       for (int i = 0; i < R; ++i)
@@ -740,7 +739,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
             n2 = __fmaf_rn(xv, xv, n2);
             xr[i][k] = xv;
           }
-          if constexpr (Tr::kFunctor) spread = spread || (m0 + tid + NT * i < M && spread_past(slope, n2));
+          if constexpr (Tr::kFunctor) spread = spread || (m0 + tid + NT * i < M && spread_past(spread_slope<Tr>(fa), n2));
           // x'_k = 2 s x_k; the last slot carries 1 (times b_n). A non-finite row (inf, NaN
           // or an overflowing norm) keeps x' = 0 and a_m = -inf (k = 0, as the dense kernel
           // gives for an infinite distance) or NaN (propagates).
@@ -787,7 +786,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         if constexpr (Tr::kFunctor) {  // (the barrier: the previous tile is consumed)
           const bool was = direct;
           const bool real = t * BN + tid < N;
-          direct = __syncthreads_and(!(direct || spread_point<Tr>(slope, K, real, centre, py))) == 0;
+          direct = __syncthreads_and(!(direct || spread_point<Tr>(spread_slope<Tr>(fa), K, real, centre, py))) == 0;
           if (direct && !was) load_rows<Tr>(x + x_bs.offset(bi), m0, M, K, sxm, sxk, xr);
           if (direct) {
             store_raw_point<Tr>(ys, vs, tid, py, pv);
@@ -838,7 +837,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
             float py[Tr::kK];
 #pragma unroll
             for (int k = 0; k < Tr::kK; ++k) py[k] = ys[j * KS + k];
-            far = far || spread_point<Tr>(slope, K, j < jn, centre, py);
+            far = far || spread_point<Tr>(spread_slope<Tr>(fa), K, j < jn, centre, py);
           }
           const bool was = direct;
           direct = __syncthreads_and(!(direct || far)) == 0;

@@ -467,3 +467,38 @@ def test_lowk_functor_cpu(lowk_functor_runner, idx):
     err = np.max(np.abs(got[0, 0, 0] - want) / np.maximum(np.abs(want), 1e-5))
     print(f"low-K {name} K = {K}: {err:.3g}")
     assert err <= 1e-5, err
+
+
+@pytest.mark.parametrize("name", ["matern52", "user"])
+def test_fused_backward_contraction_algebra_cpu(name, monkeypatch):
+    """The fused backward with the contraction kernel (ops.matvec_backward.formula_contraction: dL/dx
+    from (x, y, g, v), dL/dy from (y, x, v, g), phi = 2 dk/d(r2)) stood in for by its float64 formula,
+    against the torch path's blocked autograd to 1e-10 (the arguments' order and the sign)."""
+    from kermac_like.ops import matvec as ops_matvec
+    from kermac_like.ops import matvec_backward
+
+    def contraction(desc, a, b, ga, vb, slots):
+        assert slots == epilogue.slot_hypers(desc, call.hypers)
+        P = {n: call.hypers[n] for n in desc.param_names}
+        with torch.enable_grad():
+            r2 = ((a.unsqueeze(-2) - b.unsqueeze(-3)) ** 2).sum(-1).detach().requires_grad_(True)
+            r = r2.clamp_min(1e-300).sqrt() if desc.outer_power.name == "SQRT" else r2
+            (dk,) = torch.autograd.grad(formula_path._functions(desc)[1](r, P).sum(), r2)
+        w = 2.0 * dk * (ga @ vb.mT)
+        return torch.einsum("mn,mnk->mk", w, a.unsqueeze(-2) - b.unsqueeze(-3))
+
+    monkeypatch.setattr(matvec_backward, "formula_contraction", contraction)
+    monkeypatch.setattr(ops_matvec, "_formula_product", _torch_product)
+    desc, hp = next((d, h) for k, d, h in KERNELS if k == name)
+    desc = desc or _user()
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(40, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
+    y = (torch.randn(30, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
+    v = torch.randn(30, 2, generator=g, dtype=torch.float64).requires_grad_(True)
+    call = ops_matvec.prepare_matvec(desc, x, y, v, bandwidth=hp.get("bandwidth"),
+                                     params={k: val for k, val in hp.items() if k != "bandwidth"})
+    w = torch.randn(40, 2, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((ops_matvec._FormulaMatvec.apply(call, x, y, v) * w).sum(), (x, y, v))
+    want = torch.autograd.grad((formula_path.matvec_autograd(call) * w).sum(), (x, y, v))
+    for a, b in zip(got, want):
+        assert ((a - b).abs().max() / b.abs().max()) < 1e-10

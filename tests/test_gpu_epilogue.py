@@ -170,3 +170,22 @@ def test_run_kernel_on_tensor_cores_against_float64(name, kind, D):
     want = km.run_kernel(desc, x.double(), y.double(), **kw)
     err = ((got.double() - want).abs() / want.abs().clamp_min(1e-5)).max().item()
     assert err <= (3e-5 if kind == "shifted" else 1e-5), (name, kind, D, err)
+
+
+@pytest.mark.parametrize("kind", ["shifted", "positive", "clustered", "anisotropic"])
+@pytest.mark.parametrize("name", ["matern52", "matern32", "rq", "cauchy", "imq", "powexp", "user_matern52"])
+@pytest.mark.parametrize("D, C", [(3, 1), (16, 3)])
+def test_logsumexp_with_a_functor_against_float64(name, kind, D, C):
+    """kernel_logsumexp of a positive formula kernel through lse_kernel with its functor (the term
+    log2 k = Epi::log2_value of the exact squared distance; ops.logsumexp._formula_fused): within 1e-5
+    absolute (log units) of the float64 torch path; the plan is the fused "logsumexp"."""
+    desc, kw = _desc(name)
+    g = torch.Generator().manual_seed(D + 7 * C + len(name) + len(kind))
+    x, y = _data(kind, 1000, 1300, D, g)
+    lw = torch.randn(1300, C, generator=g).to(DEV)
+    with record_plans() as plans:
+        got = km.kernel_logsumexp(desc, x, y, lw, **kw)
+    assert plans.families == ["logsumexp"], plans.families
+    want = km.kernel_logsumexp(desc, x.double(), y.double(), lw.double(), **kw)
+    err = (got.double() - want).abs().max().item()
+    assert err <= (3e-5 if kind == "shifted" else 1e-5), (name, kind, D, C, err)

@@ -104,3 +104,23 @@ def test_formula_kernels_take_the_torch_path_by_default(settings):
     settings(formula_fused=False)
     call = prepare_matvec(km.matern(2.5), torch.randn(40, 3), torch.randn(50, 3), torch.randn(50, 1), bandwidth=1.0)
     assert not PM.formula_fused(call, torch.empty(0))
+
+
+def test_logsumexp_of_a_functor_plans_the_fused_kernel_with_it(as_gpu):
+    """plan_logsumexp with a positive formula's functor (ops.logsumexp._formula_fused: the squared_l2
+    proxy with the functor's slots): lse_kernel's functor instantiation (kVariant 0), p0 = bandwidth and
+    p1 = alpha in the bandwidth and inner_p arguments; a non-positive formula is refused by name first."""
+    from kermac_like.plan.logsumexp import plan_logsumexp
+    from kermac_like.runtime.specs import epilogue
+
+    desc = km.rational_quadratic()
+    x = torch.randn(300, 3)
+    call = prepare_call(desc, x, x, bandwidth=2.0, params={"alpha": 0.5})
+    proxy = call._replace(desc=km.preset("squared_l2"), hypers=epilogue.slot_hypers(desc, call.hypers))
+    lw = torch.zeros(300, 1)
+    plan = plan_logsumexp(proxy, lw, torch.empty(300, 1), False, functor=epilogue.functor(desc))
+    assert plan.family == "logsumexp"
+    assert plan.spec.traits.endswith(", 3, 1, 0, 0, 0, kermac_like::epilogue::RationalQuadratic>")
+    assert 2.0 in _floats(plan) and 0.5 in _floats(plan)
+    with pytest.raises(ValueError, match="descriptor: .* not a positive kernel"):
+        km.kernel_logsumexp(km.polynomial(2), x, x)

@@ -17,7 +17,7 @@ from kermac_like.plan import matvec as PM
 
 @pytest.fixture(autouse=True)
 def _fused(settings):
-    """The routing of the fused formula paths (the setting formula_fused, off by default)."""
+    """The routing of the fused formula paths (the setting formula_fused, on by default)."""
     settings(formula_fused=True)
 
 pytest.importorskip("sympy")
@@ -98,11 +98,15 @@ def test_kernel_matvec_of_a_functor_at_many_coordinates_takes_tensor_core_tiles(
     assert plan.family == "matvec" and ", 0, 2, false, 0, 0, -1, false," in plan.spec.traits
 
 
-def test_formula_kernels_take_the_torch_path_by_default(settings):
-    """formula_fused off (the default): a formula kernel that a functor serves is not routed to the
-    fused kernels (their known accuracy gap on anisotropic and clustered data)."""
-    settings(formula_fused=False)
+def test_formula_fused_setting(as_gpu, settings):
+    """formula_fused on (the default since session 23) routes a formula kernel that a functor serves to
+    the fused kernels; off: the formula's torch path."""
+    from kermac_like import config
+
+    assert config.SETTINGS["formula_fused"].default is True
     call = prepare_matvec(km.matern(2.5), torch.randn(40, 3), torch.randn(50, 3), torch.randn(50, 1), bandwidth=1.0)
+    assert PM.formula_fused(call, torch.empty(0))
+    settings(formula_fused=False)
     assert not PM.formula_fused(call, torch.empty(0))
 
 

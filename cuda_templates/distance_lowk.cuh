@@ -44,13 +44,14 @@
 #pragma once
 
 #include "common.cuh"
+#include "epilogue.cuh"
 #include "math.cuh"
 
 namespace kermac_like {
 
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, Layout kLayoutA_,
           Layout kLayoutB_, int kK_, int kMinBlocksPerSm_ = 2, int kThreadsN_ = 16, bool kMufuEpilogue_ = true,
-          bool kMmNonFinite_ = false, int kTilesN_ = 1, int kChunksK_ = 1>
+          bool kMmNonFinite_ = false, int kTilesN_ = 1, int kChunksK_ = 1, class Epi_ = void>
 struct DistanceLowKTraits {
   static_assert(kInner_ != Inner::Dot || kInnerPow_ == Power::Noop,
                 "DistanceLowKTraits: Inner::Dot requires inner power Power::Noop");
@@ -75,6 +76,16 @@ struct DistanceLowKTraits {
                 "DistanceLowKTraits: kMmNonFinite needs Inner::Diff, Power::Square and a compile-time kK");
   static_assert(kTilesN_ >= 1 && kTilesN_ <= 8 && (kTilesN_ == 1 || kK_ > 0),
                 "DistanceLowKTraits: kTilesN is 1..8 (beyond 1: a compile-time kK)");
+
+  // Epi_: void, or an epilogue functor (epilogue.cuh; base Diff, Square, Noop, None): a formula kernel's
+  // values Epi::value(scale r2) of the exact squared distances (run_kernel of a formula at low K:
+  // direct differences, no expansion to round; plan.distance._formula_tensor_core_plan), its
+  // hyper-parameters p0, p1, p2 in the bandwidth, inner_p and outer_p slots.
+  using Epi = Epi_;
+  static constexpr bool kFunctor = epilogue::IsFunctor<Epi_>::value;
+  static_assert(!kFunctor || (kInner_ == Inner::Diff && kInnerPow_ == Power::Square && kOuterPow_ == Power::Noop &&
+                              kEpilogue_ == Epilogue::None),
+                "DistanceLowKTraits: an epilogue functor needs the base Diff, Square, Noop, None");
 
   using T = float;
   static constexpr Inner kInner = kInner_;
@@ -141,6 +152,27 @@ struct DistanceLowKTraits {
 namespace lowk_detail {
 
 extern __shared__ __align__(16) float kl_lowk_smem[];
+
+// An epilogue functor's constants of one batch entry (none without one).
+template <class Tr, bool kFunctor = Tr::kFunctor>
+struct LowkFunctor {
+  template <class Args>
+  __device__ __forceinline__ LowkFunctor(const Args&, const BatchIndex&) {}
+  __device__ __forceinline__ float operator()(float acc) const { return acc; }
+};
+template <class Tr>
+struct LowkFunctor<Tr, true> {
+  typename Tr::Epi::Args fa;
+  float s;
+  template <class Args>
+  __device__ __forceinline__ LowkFunctor(const Args& args, const BatchIndex& index) {
+    fa = Tr::Epi::args(epilogue::Params{args.bandwidth.at(index), args.inner_p.at(index), args.outer_p.at(index)});
+    s = Tr::Epi::scale(fa);
+  }
+  __device__ __forceinline__ float operator()(float acc) const {
+    return Tr::Epi::template value<false>(acc * s, fa);
+  }
+};
 
 // x, hidden from the optimiser: addresses derived from it are recomputed per
 // chunk instead of being hoisted out of the chunk loop into (spilled) registers.
@@ -475,6 +507,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
   // ---- epilogue of the tile at columns nt .. nt + TN - 1, from registers.
   auto store_tile = [&](const float (&acc)[8][8], const decltype(args.at(0))& entry, int nt) {
     const exact::EpilogueArgs ea = exact::epilogue_args<Tr>(args, entry.index, epsilon);
+    const LowkFunctor<Tr> functor(args, entry.index);
     // The diagonal n - m == reg_diag is, in tile coordinates, c - r == target.
     float lam = 0.0f;
     int target = 0;
@@ -500,8 +533,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm) dis
         float y[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          y[e] = Tr::kMufuEpilogue ? exact::finish_mufu<Tr>(acc[i][h * 4 + e], ea)
-                                   : exact::finish<Tr>(acc[i][h * 4 + e], ea);
+          y[e] = Tr::kFunctor        ? functor(acc[i][h * 4 + e])
+                 : Tr::kMufuEpilogue ? exact::finish_mufu<Tr>(acc[i][h * 4 + e], ea)
+                                     : exact::finish<Tr>(acc[i][h * 4 + e], ea);
         if (lam != 0.0f) {  // the regularised column of row r, relative to c
           const int dc = r + target - c;
 #pragma unroll

@@ -15,6 +15,9 @@
 //                                      instead of MUFU.EX2, for a share of the pairs (the balance of
 //                                      the two pipes: bench/notes/epilogue.md)
 //   float dk_dr2(float z, const Args&) dk / d(r2), the derivative the backward needs
+//   float log2_value(float z, const Args&)
+//                                      log2 k of a positive kernel (kernel_logsumexp: no underflow
+//                                      where the built-ins' closed forms have none)
 //
 // z may be slightly negative where the mainloop's expanded form rounds a zero distance: every
 // functor clamps it at 0. The built-in functors (below) mirror kermac_like/formula.py's families
@@ -28,6 +31,16 @@
 
 namespace kermac_like {
 namespace epilogue {
+
+// Whether a traits' functor parameter names one (void: none).
+template <class E>
+struct IsFunctor {
+  static constexpr bool value = true;
+};
+template <>
+struct IsFunctor<void> {
+  static constexpr bool value = false;
+};
 
 // The hyper-parameter slots of one batch entry (the launch's bandwidth, inner_p and outer_p
 // slots of the flat ABI, which a formula kernel's base fields leave unused).
@@ -70,6 +83,10 @@ struct Matern32 {
   __device__ __forceinline__ static float dk_dr2(float z, const Args& a) {
     return a.g * math::ex2_approx(-math::sqrt_approx(fmaxf(z, 0.0f)));
   }
+  __device__ __forceinline__ static float log2_value(float z, const Args&) {
+    const float u = math::sqrt_approx(fabsf(z));
+    return math::lg2_approx(math::fma_rn(u, kLn2, 1.0f)) - u;
+  }
 };
 
 // Matérn 5/2: k = (1 + t + t^2 / 3) e^-t, t = sqrt(5) d / h; with u = t log2 e (z = u^2)
@@ -94,6 +111,10 @@ struct Matern52 {
     const float u = math::sqrt_approx(fmaxf(z, 0.0f));
     return a.g * math::fma_rn(u, kLn2, 1.0f) * math::ex2_approx(-u);
   }
+  __device__ __forceinline__ static float log2_value(float z, const Args&) {
+    const float u = math::sqrt_approx(fabsf(z));
+    return math::lg2_approx(math::fma_rn(u, math::fma_rn(u, kLn2 * kLn2 / 3.0f, kLn2), 1.0f)) - u;
+  }
 };
 
 // Rational quadratic: k = (1 + r2 / (2 alpha h^2))^-alpha = 2^(-alpha log2(1 + z)), z = r2 / (2 alpha h^2).
@@ -114,6 +135,9 @@ struct RationalQuadratic {
     const float w = 1.0f + fmaxf(z, 0.0f);
     return -a.alpha * a.scale * math::ex2_approx(-a.alpha * math::lg2_approx(w)) * math::rcp_approx(w);
   }
+  __device__ __forceinline__ static float log2_value(float z, const Args& a) {
+    return -a.alpha * math::lg2_approx(1.0f + fmaxf(z, 0.0f));
+  }
 };
 
 // Cauchy (kSqrt false): k = 1 / (1 + r2 / h^2), dk/dr2 = -k^2 / h^2; inverse multiquadric (kSqrt):
@@ -133,6 +157,10 @@ struct InverseQuadratic {
   __device__ __forceinline__ static float dk_dr2(float z, const Args& a) {
     const float k = value<false>(z, a);
     return kSqrt ? -0.5f * a.scale * k * k * k : -a.scale * k * k;
+  }
+  __device__ __forceinline__ static float log2_value(float z, const Args&) {
+    const float l = math::lg2_approx(1.0f + fabsf(z));
+    return kSqrt ? -0.5f * l : -l;
   }
 };
 using Cauchy = InverseQuadratic<false>;
@@ -158,6 +186,9 @@ struct PoweredExponential {
     if (zc == 0.0f) return 0.0f;
     const float w = math::ex2_approx(a.half_q * math::lg2_approx(zc));
     return -math::ex2_approx(-kLog2e * w) * a.half_q * w * math::rcp_approx(zc) * a.scale;
+  }
+  __device__ __forceinline__ static float log2_value(float z, const Args& a) {
+    return -kLog2e * math::ex2_approx(a.half_q * math::lg2_approx(fmaxf(z, 0.0f)));
   }
 };
 

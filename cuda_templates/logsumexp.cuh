@@ -27,6 +27,7 @@
 #include "descriptor_traits.cuh"
 #include "storage16.cuh"
 #include "math.cuh"
+#include "epilogue.cuh"
 
 namespace kermac_like {
 
@@ -41,12 +42,20 @@ namespace kermac_like {
 //   3: as 2, and for an exponential of the squared l2 distance (Gaussian-l2, Laplace of the squared
 //      l2) with kC = 1 the expanded exponent where the planner allows it (lse_detail::kPathExpand).
 // kUnrollJ_ / kRows_: 0 (the defaults below) or the points per trip / rows per thread.
+// Epi_: void, or an epilogue functor of a positive kernel (epilogue.cuh; base Diff, Square, Noop, None,
+// kVariant 0): the term is log2 k = Epi::log2_value(scale r2) of the exact squared distance (a formula
+// kernel's kernel_logsumexp), its hyper-parameters p0, p1, p2 in the bandwidth, inner_p and outer_p slots.
 template <Inner kInner_, Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, class T_, int kK_, int kC_,
-          int kVariant_ = 0, int kUnrollJ_ = 0, int kRows_ = 0>
+          int kVariant_ = 0, int kUnrollJ_ = 0, int kRows_ = 0, class Epi_ = void>
 struct LseTraits : DescriptorTraits<kInner_, kInnerPow_, kOuterPow_, kEpilogue_, T_> {
+  using Epi = Epi_;
+  static constexpr bool kFunctor = epilogue::IsFunctor<Epi_>::value;
   static_assert(kInner_ == Inner::Diff, "LseTraits: phi is a distance (Inner::Diff)");
-  static_assert(kEpilogue_ == Epilogue::Laplace || kEpilogue_ == Epilogue::Gaussian,
+  static_assert(kFunctor || kEpilogue_ == Epilogue::Laplace || kEpilogue_ == Epilogue::Gaussian,
                 "LseTraits: the kernel is exp(-phi): Epilogue::Laplace or Epilogue::Gaussian");
+  static_assert(!kFunctor || (kInnerPow_ == Power::Square && kOuterPow_ == Power::Noop &&
+                              kEpilogue_ == Epilogue::None && kVariant_ == 0),
+                "LseTraits: an epilogue functor needs the base Diff, Square, Noop, None and kVariant 0");
   static_assert(kK_ >= 1 && kK_ <= 64, "LseTraits: kK is the padded K, 1..64");
   static_assert(kC_ >= 1 && kC_ <= 8, "LseTraits: kC is 1..8 columns");
 
@@ -102,6 +111,24 @@ struct Hypers {
   HyperParam inner_p, outer_p, bandwidth;
 };
 
+// An epilogue functor's constants of one batch entry; its term log2 k of a squared distance.
+template <class Tr, bool kFunctor = Tr::kFunctor>
+struct LseFunctor {
+  __device__ __forceinline__ LseFunctor(const Hypers&, const BatchIndex&) {}
+  __device__ __forceinline__ float operator()(float acc) const { return acc; }
+};
+template <class Tr>
+struct LseFunctor<Tr, true> {
+  typename Tr::Epi::Args fa;
+  float s;
+  __device__ __forceinline__ LseFunctor(const Hypers& hp, const BatchIndex& bi) {
+    fa = Tr::Epi::args(epilogue::Params{hp.bandwidth.at(bi), hp.inner_p.at(bi), hp.outer_p.at(bi)});
+    s = Tr::Epi::scale(fa);
+  }
+  __device__ __forceinline__ float operator()(float acc) const { return Tr::Epi::log2_value(acc * s, fa); }
+};
+struct NoLseFunctor {};
+
 // Point j of the staged tile (KS floats, 16-byte aligned) into registers.
 template <int KS>
 __device__ __forceinline__ void stage_point(const float* src, float (&dst)[KS]) {
@@ -117,10 +144,11 @@ __device__ __forceinline__ void stage_point(const float* src, float (&dst)[KS]) 
 // maximum mn (one exp2), then s += exp2(v - mn) per term: 1 + 1/U exp2 per term. NaN terms drop
 // out of the maximum and make s NaN; -inf terms add 0; mx starts at the lowest finite float (a
 // rescale of an empty sum never forms -inf - -inf).
-template <class Tr, int U>
+template <class Tr, int U, class Fn = NoLseFunctor>
 __device__ __forceinline__ void pairs(const float* ys, const float* ls, int j, const float (&xr)[Tr::kRows][Tr::kK],
                                       const math::PowArgs& pw, float inv_outer_p, float scale2,
-                                      float (&mx)[Tr::kRows][Tr::kC], float (&sm)[Tr::kRows][Tr::kC]) {
+                                      float (&mx)[Tr::kRows][Tr::kC], float (&sm)[Tr::kRows][Tr::kC],
+                                      const Fn& fn = Fn{}) {
   constexpr int R = Tr::kRows, KS = Tr::kKS, KK = Tr::kK, C = Tr::kC;
   float yj[U][KS], lj[U][C];
 #pragma unroll
@@ -137,13 +165,17 @@ __device__ __forceinline__ void pairs(const float* ys, const float* ls, int j, c
       float acc = 0.0f;
 #pragma unroll
       for (int q = 0; q < KK; ++q) acc = exact::accumulate<Tr>(acc, xr[i][q], yj[u][q], i, q, pw);
-      float d = acc;
-      if constexpr (!Tr::kSquared) {
-        if constexpr (Tr::kOuterPow == Power::Sqrt) d = math::sqrt_approx(acc);  // MUFU, no slow-path call
-        if constexpr (Tr::kOuterPow == Power::Pow) d = powf(acc, inv_outer_p);
-        if constexpr (Tr::kEpilogue == Epilogue::Gaussian) d = d * d;
+      if constexpr (Tr::kFunctor) {
+        t[u] = fn(acc);  // log2 k
+      } else {
+        float d = acc;
+        if constexpr (!Tr::kSquared) {
+          if constexpr (Tr::kOuterPow == Power::Sqrt) d = math::sqrt_approx(acc);  // MUFU, no slow-path call
+          if constexpr (Tr::kOuterPow == Power::Pow) d = powf(acc, inv_outer_p);
+          if constexpr (Tr::kEpilogue == Epilogue::Gaussian) d = d * d;
+        }
+        t[u] = d * scale2;
       }
-      t[u] = d * scale2;
     }
 #pragma unroll
     for (int c = 0; c < C; ++c) {
@@ -525,10 +557,18 @@ __global__ void __launch_bounds__(Traits::kThreads) lse_kernel(
         }
         __syncthreads();
         const int jfull = jn - jn % U;
+        if constexpr (Tr::kFunctor) {
+          const LseFunctor<Tr> fn(hp, bi);
 #pragma unroll 1
-        for (int j = 0; j < jfull; j += U) pairs<Tr, U>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
+          for (int j = 0; j < jfull; j += U) pairs<Tr, U>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm, fn);
 #pragma unroll 1
-        for (int j = jfull; j < jn; ++j) pairs<Tr, 1>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
+          for (int j = jfull; j < jn; ++j) pairs<Tr, 1>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm, fn);
+        } else {
+#pragma unroll 1
+          for (int j = 0; j < jfull; j += U) pairs<Tr, U>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
+#pragma unroll 1
+          for (int j = jfull; j < jn; ++j) pairs<Tr, 1>(ys, ls, j, xr, pw, inv_outer_p, scale2, mx, sm);
+        }
       }
     }
     if (expand_cta) {  // mx holds c_m = a_m - ref: the reference (lowest float while no term)

@@ -305,6 +305,33 @@ __device__ __forceinline__ float expanded_value(float e, const typename Tr::EpiA
   }
 }
 
+// A functor's expanded form, or its direct one for a spread tile (kSpread): the expanded form rounds
+// r2 to about eps (|x - c|^2 + |y - c|^2) (c the CTA's centre), which moves k by up to L times that
+// relative, L = |dk/dr2(0)| / k(0) (per unit r2: the largest relative slope over r2 >= 0 of every
+// built-in functor). Where L |x - c|^2 of a row or L |y - c|^2 of a point exceeds kSpread / 2 (spread or
+// anisotropic data at a small bandwidth: per-feature scales 1e-2 .. 1e1 missed 1e-5 by up to 10x), the
+// CTA takes the direct differences from that tile on (sticky: its rows are reloaded once). CPU shim,
+// D = 3, randn data times sigma, the expanded form throughout: Matérn 5/2 (the steepest built-in at
+// a given L |x - c|^2) 2.7e-6 at max L |x - c|^2 = 116, 1.9e-5 at 465 (bench/notes/epilogue.md); so
+// 64 a side. NaN or inf norms, or k(0) == 0, take the direct form too.
+// (KERMAC_LIKE_FORMULA_SPREAD: the CPU shim's override, to show the expanded form's miss without it.)
+#ifndef KERMAC_LIKE_FORMULA_SPREAD
+#define KERMAC_LIKE_FORMULA_SPREAD 128.0f
+#endif
+constexpr float kSpread = KERMAC_LIKE_FORMULA_SPREAD;
+
+template <class Tr>
+__device__ __forceinline__ float spread_slope(const typename Tr::EpiArgs& fa) {
+  if constexpr (Tr::kFunctor) {
+    return fabsf(Tr::Epi::dk_dr2(0.0f, fa)) / fabsf(Tr::Epi::template value<false>(0.0f, fa));
+  } else {
+    return 0.0f;
+  }
+}
+
+// Whether a centred squared norm n2 is past the expanded form's half of the spread budget.
+__device__ __forceinline__ bool spread_past(float slope, float n2) { return !(slope * n2 <= 0.5f * kSpread); }
+
 // The launch arguments shared by matvec_kernel and matvec_combine_kernel (flat ABI;
 // cuda.core passes no structs), gathered once at entry.
 template <class T>
@@ -330,7 +357,7 @@ __device__ __forceinline__ double reg_term(const T* v, i64 svn, i64 svc, int N, 
 // The pairs of one staged y tile, registers strategy: rows in registers (xr, xa), one point
 // of the tile per step. kFold (expanded, CTA uniform): the exponent starts from b_n and
 // a_m is applied to the totals at the end.
-template <class Tr, bool kFold>
+template <class Tr, bool kFold, bool kDirect = false>
 __device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TW* vs, int jn,
                                           const float (&xr)[Tr::kRows][Tr::kChunked ? 1 : Tr::kK],
                                           const float (&xa)[Tr::kRows],
@@ -351,12 +378,12 @@ __device__ __forceinline__ void pair_tile(const float* ys, const typename Tr::TW
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       float kv;
-      if constexpr (Tr::kExpand && Tr::kWide) {  // symmetric: (a_m + b_n) first, then x'.y', times s
+      if constexpr (Tr::kExpand && Tr::kWide && !kDirect) {  // symmetric: (a_m + b_n) first, then x'.y', times s
         float e = __fadd_rn(xa[i], yj[Tr::kK - 1]);
 #pragma unroll
         for (int k = 0; k < Tr::kK - 1; ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
         kv = math::ex2_approx(e);
-      } else if constexpr (Tr::kExpand) {
+      } else if constexpr (Tr::kExpand && !kDirect) {
         float e = kFold ? yj[Tr::kK - 1] : xa[i];
 #pragma unroll
         for (int k = 0; k < (kFold ? Tr::kK - 1 : Tr::kK); ++k) e = __fmaf_rn(xr[i][k], yj[k], e);
@@ -502,6 +529,52 @@ __device__ __forceinline__ void store_point(float* ys, typename Tr::TW* vs, int 
   for (int c = 0; c < Tr::kC; ++c) vs[j * Tr::kC + c] = pv[c];
 }
 
+// A functor's direct form in the expanded kernel (kSpread): the point raw (zeros past K, as loaded).
+template <class Tr>
+__device__ __forceinline__ void store_raw_point(float* ys, typename Tr::TW* vs, int j, const float (&py)[Tr::kK],
+                                                const typename Tr::TW (&pv)[Tr::kC]) {
+  constexpr int KS = Tr::kKS;
+#pragma unroll
+  for (int q = 0; q < KS / 4; ++q) {
+    float4 f;
+    f.x = 4 * q < Tr::kK ? py[4 * q] : 0.0f;
+    f.y = 4 * q + 1 < Tr::kK ? py[4 * q + 1] : 0.0f;
+    f.z = 4 * q + 2 < Tr::kK ? py[4 * q + 2] : 0.0f;
+    f.w = 4 * q + 3 < Tr::kK ? py[4 * q + 3] : 0.0f;
+    reinterpret_cast<float4*>(ys + j * KS)[q] = f;
+  }
+#pragma unroll
+  for (int c = 0; c < Tr::kC; ++c) vs[j * Tr::kC + c] = pv[c];
+}
+
+// Whether a real point (``real``) of raw coordinates py is past the spread budget about the centre.
+template <class Tr>
+__device__ __forceinline__ bool spread_point(float slope, int K, bool real, const float (&centre)[Tr::kK],
+                                             const float (&py)[Tr::kK]) {
+  float n2 = 0.0f;
+#pragma unroll
+  for (int k = 0; k < Tr::kK; ++k) {
+    const float d = __fsub_rn(py[k], centre[k]);
+    if (k < K) n2 = __fmaf_rn(d, d, n2);
+  }
+  return real && spread_past(slope, n2);
+}
+
+// The rows of this thread raw into xr (zeros past K): a functor's direct form in the expanded kernel.
+// (Rows and pointer recomputed from values live anyway: nothing more held through the pair loop.)
+template <class Tr, class T>
+__device__ __forceinline__ void load_rows(const T* xl, int m0, int M, int K, i64 sxm, i64 sxk,
+                                          float (&xr)[Tr::kRows][Tr::kChunked ? 1 : Tr::kK]) {
+  if constexpr (!Tr::kChunked) {
+#pragma unroll
+    for (int i = 0; i < Tr::kRows; ++i) {
+      const int m = min(m0 + int(threadIdx.x) + Tr::kThreads * i, M - 1);
+#pragma unroll
+      for (int k = 0; k < Tr::kK; ++k) xr[i][k] = k < K ? load_f(xl + i64(m) * sxm + k * sxk) : 0.0f;
+    }
+  }
+}
+
 }  // namespace matvec_detail
 
 // Grid: (ceil(M / kBlockM), n_split, min(batch, 65535)). Split s covers y tiles
@@ -589,6 +662,8 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
     float xr[R][Tr::kChunked ? 1 : Tr::kK];  // (R, kK) registers strategy
     float xa[R];                              // a_m (expanded)
     bool fold = false;                        // expanded: a_m factored out of the pair loop
+    // A functor's expanded form: the CTA's direct form from a spread tile on (kSpread), the rows raw in xr.
+    bool direct = false, spread = false;
     if constexpr (!Tr::kChunked) {
 #pragma unroll
       for (int i = 0; i < R; ++i)
@@ -664,6 +739,7 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
             n2 = __fmaf_rn(xv, xv, n2);
             xr[i][k] = xv;
           }
+          if constexpr (Tr::kFunctor) spread = spread || (m0 + tid + NT * i < M && spread_past(spread_slope<Tr>(fa), n2));
           // x'_k = 2 s x_k; the last slot carries 1 (times b_n). A non-finite row (inf, NaN
           // or an overflowing norm) keeps x' = 0 and a_m = -inf (k = 0, as the dense kernel
           // gives for an infinite distance) or NaN (propagates).
@@ -680,6 +756,10 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         // Every row of the tile within kFoldMax of its centre: 2^(b_n + x'.y) <= 2^kFoldMax,
         // so a_m moves out of the pair loop (one FFMA less per pair) into a final 2^a_m.
         if constexpr (!Tr::kFunctor) fold = __syncthreads_and(fold_ok) != 0;
+        if constexpr (Tr::kFunctor) {
+          direct = __syncthreads_and(!spread) == 0;
+          if (direct) load_rows<Tr>(x + x_bs.offset(bi), m0, M, K, sxm, sxk, xr);
+        }
       }
     }
 
@@ -703,11 +783,27 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         for (int i = 0; i < R; ++i)
 #pragma unroll
           for (int c = 0; c < KC; ++c) partial[i][c] = TW(0);
-        __syncthreads();  // the previous tile is consumed
-        store_point<Tr>(ys, vs, tid, K, s, centre, py, pv);
+        if constexpr (Tr::kFunctor) {  // (the barrier: the previous tile is consumed)
+          const bool was = direct;
+          const bool real = t * BN + tid < N;
+          direct = __syncthreads_and(!(direct || spread_point<Tr>(spread_slope<Tr>(fa), K, real, centre, py))) == 0;
+          if (direct && !was) load_rows<Tr>(x + x_bs.offset(bi), m0, M, K, sxm, sxk, xr);
+          if (direct) {
+            store_raw_point<Tr>(ys, vs, tid, py, pv);
+          } else {
+            store_point<Tr>(ys, vs, tid, K, s, centre, py, pv);
+          }
+        } else {
+          __syncthreads();  // the previous tile is consumed
+          store_point<Tr>(ys, vs, tid, K, s, centre, py, pv);
+        }
         if (t + 1 < t_end) load_point<Tr>(yl, vl, (t + 1) * BN + tid, N, K, C, sym, syk, svn, svc, py, pv);
         __syncthreads();
-        pair_tile_trips<Tr>(fold, ys, vs, jn, xr, xa, partial, fa);
+        if (Tr::kFunctor && direct) {
+          pair_tile<Tr, false, true>(ys, vs, jn, xr, xa, partial, ka, fa);
+        } else {
+          pair_tile_trips<Tr>(fold, ys, vs, jn, xr, xa, partial, fa);
+        }
 #pragma unroll
         for (int i = 0; i < R; ++i)
 #pragma unroll
@@ -734,11 +830,24 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
           const int j = e / KS, k = e % KS;
           ys[e] = (j < jn && k < K) ? load_f(yl + i64(n0 + j) * sym + k * syk) : 0.0f;
         }
-        if constexpr (Tr::kExpand) {
+        if constexpr (Tr::kExpand && Tr::kFunctor) {  // a spread tile: the direct form (kSpread)
+          bool far = false;
           __syncthreads();
+          for (int j = tid; j < BN; j += NT) {
+            float py[Tr::kK];
+#pragma unroll
+            for (int k = 0; k < Tr::kK; ++k) py[k] = ys[j * KS + k];
+            far = far || spread_point<Tr>(spread_slope<Tr>(fa), K, j < jn, centre, py);
+          }
+          const bool was = direct;
+          direct = __syncthreads_and(!(direct || far)) == 0;
+          if (direct && !was) load_rows<Tr>(x + x_bs.offset(bi), m0, M, K, sxm, sxk, xr);
+        }
+        if constexpr (Tr::kExpand) {
+          if (!Tr::kFunctor) __syncthreads();
           // One thread per point: centre, b_n = -s |y_n - centre|^2 into the last slot (the
           // symmetric form: w = r (y - centre), b_n = -|w|^2).
-          for (int j = tid; j < BN; j += NT) {
+          for (int j = tid; j < BN && !(Tr::kFunctor && direct); j += NT) {
             float n2 = 0.0f;
             float* yj = ys + j * KS;
 #pragma unroll
@@ -761,6 +870,8 @@ __global__ void __launch_bounds__(Traits::kThreads, KL_MATVEC_MIN_BLOCKS) matvec
         // ---- the pairs (fold is CTA uniform)
         if constexpr (Tr::kBlocked) {
           pair_tile_groups<Tr>(ys, vs, jn, xr, xa, partial, total, ka, fa);
+        } else if (Tr::kFunctor && Tr::kExpand && direct) {
+          pair_tile<Tr, false, true>(ys, vs, jn, xr, xa, partial, ka, fa);
         } else if constexpr (Tr::kTrips) {
           pair_tile_trips<Tr>(fold, ys, vs, jn, xr, xa, partial, fa);
         } else if (Tr::kExpand && !Tr::kFunctor && fold) {

@@ -42,6 +42,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "epilogue.cuh"
 #include "math.cuh"
 
 namespace kermac_like {
@@ -58,8 +59,12 @@ namespace kermac_like {
 // coordinates [j kK, (j + 1) kK) of a, of the tile of b and of the outputs, and the group sums
 // its partial acc with log2(kLanes) butterfly shuffles (every lane of the group then
 // holds the same acc, summed in the same order), so that no thread holds more than 32 coordinates.
+// Epi_: void, or an epilogue functor (epilogue.cuh; base Square, Noop, None, no epsilon): a formula
+// kernel's gradient, phi = 2 dk/d(r2) from the functor's dk_dr2 (the fused formula backward,
+// ops.matvec._FormulaMatvec: the contraction with the direct differences x_m - y_n, no cancellation
+// of two split terms); its hyper-parameter slots p0, p1, p2 ride in bw, q and r.
 template <Power kInnerPow_, Power kOuterPow_, Epilogue kEpilogue_, int kK_, int kC_, bool kEpsilon_ = false,
-          int kUnroll_ = 2, int kLanes_ = 1>
+          int kUnroll_ = 2, int kLanes_ = 1, class Epi_ = void>
 struct MatvecGradTraits {
   static_assert(kInnerPow_ == Power::Abs || kInnerPow_ == Power::Square || kInnerPow_ == Power::Pow,
                 "MatvecGradTraits: the inner power must be Power::Abs, Power::Square or Power::Pow "
@@ -82,9 +87,14 @@ struct MatvecGradTraits {
   static constexpr int kUnroll = kUnroll_;
   static constexpr int kLanes = kLanes_;
   static constexpr int kKAll = kK_ * kLanes_;  // the padded width of a row of a and b
+  using Epi = Epi_;
+  static constexpr bool kFunctor = epilogue::IsFunctor<Epi_>::value;
+  static_assert(!kFunctor || (kInnerPow_ == Power::Square && kOuterPow_ == Power::Noop &&
+                              kEpilogue_ == Epilogue::None && !kEpsilon_),
+                "MatvecGradTraits: an epilogue functor needs the base Square, Noop, None and no epsilon");
   // Whether phi needs acc (NONE with a NOOP outer power and no epsilon is the constant q).
   static constexpr bool kNeedsAcc =
-      !(kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::None && !kEpsilon_);
+      kFunctor || !(kOuterPow_ == Power::Noop && kEpilogue_ == Epilogue::None && !kEpsilon_);
 
   // Rows per thread: each shared-memory read of b and v serves kRows pairs.
   // Registers per row: a, the tile sum, the running sum and its compensation
@@ -205,6 +215,30 @@ struct Phi {
   }
 };
 
+// phi of an epilogue functor: 2 dk/d(r2) (the inner power's q = 2 as the constant factor), the
+// functor's constants from the slots p0 = bw, p1 = q, p2 = r.
+template <class E>
+struct FunctorPhi {
+  float scale;  // the constant factor q = 2
+  typename E::Args fa;
+  float s;  // the functor's scale: dk_dr2 takes z = s acc
+
+  __device__ __forceinline__ FunctorPhi(float q, float r, float bw, float) : scale(2.0f) {
+    fa = E::args(epilogue::Params{bw, q, r});
+    s = E::scale(fa);
+  }
+  __device__ __forceinline__ float operator()(float acc) const { return E::dk_dr2(acc * s, fa); }
+};
+
+template <class Tr, bool kFunctor = Tr::kFunctor>
+struct PhiOf {
+  using type = Phi<Tr::kOuterPow, Tr::kEpilogue, Tr::kEpsilon>;
+};
+template <class Tr>
+struct PhiOf<Tr, true> {
+  using type = FunctorPhi<typename Tr::Epi>;
+};
+
 }  // namespace matvec_grad_detail
 
 // ---------------------------------------------------------------------------
@@ -255,7 +289,7 @@ __global__ void __launch_bounds__(Tr::kThreads) matvec_grad_kernel(
       rl = hyp[l * hyp_bs + 1];
       bwl = hyp[l * hyp_bs + 2];
     }
-    const Phi<Tr::kOuterPow, Tr::kEpilogue, Tr::kEpsilon> phi_of(ql, rl, bwl, eps);
+    const typename PhiOf<Tr>::type phi_of(ql, rl, bwl, eps);
 
     float x[kRows][kK], gr[kRows][kC], sum[kRows][kK], comp[kRows][kK];
 #pragma unroll

@@ -174,9 +174,9 @@ SETTINGS = _declare(
     Setting("knn_groups", "choice", "auto", "knn's uncertified rows again on tensor cores, in groups about centres "
             "near them (auto: where more than ops.knn.GROUP_SHARE of the rows failed and the groups resolve clusters, "
             "ops.knn.GROUP_RATIO; on: always, off: never)", ("auto", "on", "off")),
-    Setting("formula_fused", "bool", False, "formula kernels (Matérn, RQ, ..., user expressions) on the fused kernels "
-            "through epilogue functors (off: the formula's torch path; the fused paths miss 1e-5 on anisotropic and "
-            "clustered data: bench/notes/epilogue.md, session 21)"),
+    Setting("formula_fused", "bool", True, "formula kernels (Matérn, RQ, ..., user expressions) on the fused kernels "
+            "through epilogue functors (off: the formula's torch path; within 1e-5 of float64 on every data family "
+            "since session 23: bench/notes/epilogue.md)"),
     Setting("cholesky_3xtf32", "bool", False, "the RFM estimators' Cholesky solve (float32 on a GPU) by the blocked "
             "factorisation with 3xTF32 tensor-core trailing updates (linalg.cholesky_3xtf32_; off: cuSOLVER's float32 "
             "potrf; unmeasured on a GPU: bench/notes/rfm.md, \"(b)\")"),

@@ -40,9 +40,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _debug, formula_path, torch_path
+from .. import _debug, config, formula_path, torch_path
 from .._args import check_same, check_tensor
-from ..descriptor import InnerOperator, KernelDescriptor, KernelType, PowerType
+from ..descriptor import PRESETS, InnerOperator, KernelDescriptor, KernelType, PowerType
+from ..runtime.specs import epilogue
 from ..centring import shifted_pair
 from ..calls import DistanceCall
 from ..layout import analyse_output, broadcast_shapes
@@ -263,6 +264,24 @@ def _work_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if (x.dtype == torch.float64 or x.device.type == "cpu") else torch.float32
 
 
+def _formula_fused(call, lw: Tensor, work, debug: bool):
+    """A positive formula kernel that an epilogue functor serves (specs.epilogue.served) on the fused
+    kernel with its functor (the term log2 k of the exact squared distance; plan.logsumexp), where
+    the setting formula_fused is on, the GPU and data take it and nothing needs a gradient; else None
+    (the formula's torch path)."""
+    desc = call.desc
+    if not (config.get("formula_fused") and epilogue.served(desc) and work == torch.float32
+            and call.device.type == "cuda" and call.K > 0 and not call.epsilon):
+        return None
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                       for t in (call.a, call.b, lw, *call.hypers.values())):
+        return None
+    proxy = call._replace(desc=PRESETS["squared_l2"], hypers=epilogue.slot_hypers(desc, call.hypers))
+    out = torch.empty((*call.batch, call.M, lw.shape[-1]), dtype=call.a.dtype, device=call.device)
+    plan = plan_logsumexp(proxy, lw.to(call.a.dtype), out, debug, functor=epilogue.functor(desc))
+    return None if plan is None else plan.run().to(work)
+
+
 def _backward_blocks(call, x, y, lw, out, g, needs, work):
     """(dL/dx, dL/dy, dL/dlog_weights) (None where not ``needs``) of ``out`` (the forward's result in
     ``work``) for the upstream ``g``: per block, the softmax weights ``exp(-phi + log_weights - out)``
@@ -450,7 +469,9 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
         log.debug("kernel_logsumexp %r: M=%d N=%d K=%d C=%d batch=%s in %s blocks of %d x %d", descriptor, call.M,
                   call.N, call.K, lw.shape[-1], call.batch, work, *_blocks(call.batch, call.M, call.N, lw.shape[-1]))
     if not descriptor.fused_ok:
-        res = formula_path.logsumexp(call, lw, work)
+        res = _formula_fused(call, lw, work, debug)
+        if res is None:
+            res = formula_path.logsumexp(call, lw, work)
         res = (res.squeeze(-1) if vector else res).to(x.dtype)
         return res if out is None else out.copy_(res)
     hyper_tensors = [h for h in call.hypers.values() if isinstance(h, Tensor)]

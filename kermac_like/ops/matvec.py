@@ -140,7 +140,15 @@ class _FormulaMatvec(torch.autograd.Function):
         gx = gy = gv = None
         if nv:
             gv = _formula_product(call, call.desc, y, x, g)
-        if nx or ny:
+        if nx or ny:  # the contraction kernel with the functor's dk/d(r2): direct differences x_m - y_n
+            slots = epilogue.slot_hypers(call.desc, call.hypers)
+            if nx:
+                gx = matvec_backward.formula_contraction(call.desc, x, y, g, v, slots)
+            if ny:
+                gy = matvec_backward.formula_contraction(call.desc, y, x, v, g, slots)
+            gx = gx if gx is None else gx.to(call.dtype)
+            gy = gy if gy is None else gy.to(call.dtype)
+        if (nx and gx is None) or (ny and gy is None):  # beyond its widths: products with K' (split terms)
             dk = epilogue.derivative(call.desc)
             c = y.mean(dim=-2, keepdim=True)
             xc, yc = x - c, y - c
@@ -154,9 +162,9 @@ class _FormulaMatvec(torch.autograd.Function):
                 second = (u.unsqueeze(-1) * prod[..., C:].unflatten(-1, (C, D))).sum(-2)
                 return 2.0 * (a * first - second)
 
-            if nx:
+            if nx and gx is None:
                 gx = pull(xc, yc, v, g)
-            if ny:
+            if ny and gy is None:
                 gy = pull(yc, xc, g, v)
         return None, gx, gy, gv
 

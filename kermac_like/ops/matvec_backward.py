@@ -64,7 +64,8 @@ from ..reference import BLOCK_ELEMENTS
 from ._library import call_op, check_no_hyper_grad, descriptor_from_ints, descriptor_ints, join_hyper, split_hyper
 from ..runtime import launcher, store
 from ..plan.core import MATVEC_SCRATCH_BYTES, _blocks_per_sm, _sm_count, choose_split
-from ..runtime.specs.matvec_grad import FUSED_C_WIDTHS, FUSED_K_WIDTHS, fused_widths, lane_widths, matvec_grad_spec
+from ..runtime.specs.matvec_grad import (FUSED_C_WIDTHS, FUSED_K_WIDTHS, functor_grad_spec, fused_widths, lane_widths,
+                                         matvec_grad_spec)
 
 log = logging.getLogger("kermac_like.matvec_grad")
 
@@ -241,7 +242,7 @@ def fused_serves(a: torch.Tensor, C: int = 1) -> bool:
     return a.dtype != torch.float64 and lane_widths(a.shape[-1], C) is not None and _gpu_ok(a)
 
 
-def _fused_contraction(desc, a, b, ga, vb, *, q, r, bw, epsilon, batch, widths, debug):
+def _fused_contraction(desc, a, b, ga, vb, *, q, r, bw, epsilon, batch, widths, debug, functor=False):
     """The fused kernel over the full batch: (*batch, M, K) float32. ``widths``: (kK, kC, kLanes)
     (specs.matvec_grad.lane_widths). Where the row tiles times the batch leave the GPU's CTA slots
     under-filled, the N range is split over gridDim.y (plan.core.choose_split, as kernel_matvec's;
@@ -254,7 +255,10 @@ def _fused_contraction(desc, a, b, ga, vb, *, q, r, bw, epsilon, batch, widths, 
     if N == 0:
         return torch.zeros(*batch, M, K, dtype=torch.float32, device=dev)
     kk, kc, lanes = widths
-    spec = matvec_grad_spec(desc, kk, kc, epsilon is not None, lanes=lanes)  # unroll: specs.matvec_grad.UNROLL
+    if functor:  # a formula kernel's epilogue functor (q, r, bw: its slots p1, p2, p0)
+        spec = functor_grad_spec(desc, kk, kc, lanes=lanes)
+    else:
+        spec = matvec_grad_spec(desc, kk, kc, epsilon is not None, lanes=lanes)  # unroll: specs.matvec_grad.UNROLL
     device = dev.index if dev.index is not None else torch.cuda.current_device()
     kernel = store.get_kernel(spec, device, debug=debug)
     m_tiles = -(-M // spec.launch.block_m)
@@ -305,6 +309,22 @@ def diff_contraction(desc: KernelDescriptor, a, b, ga, vb, *, inner_p=None, oute
         a, b, ga, vb = (t.float() for t in (a, b, ga, vb))
     return diff_contraction_reference(desc, a, b, ga, vb, inner_p=inner_p, outer_p=outer_p, bandwidth=bandwidth,
                                       epsilon=epsilon)
+
+
+def formula_contraction(desc, a, b, ga, vb, slots: dict, *, debug: bool = False):
+    """The DIFF contraction of a formula kernel that an epilogue functor serves, on the fused kernel
+    with the functor (phi = 2 dk/d(r2)): out[..., m, k] = sum_n 2 k'(r2_mn) (ga[m,:] . vb[n,:]) (a[m,k] -
+    b[n,k]), float32 (*batch, M, K). ``slots``: specs.epilogue.slot_hypers of the call. None where
+    the kernel does not take it (not on a GPU of sm_80+, float64, K > 256 or C > 32)."""
+    K, C = a.shape[-1], ga.shape[-1]
+    widths = lane_widths(K, C)
+    hyp = (slots["inner_p"], slots["outer_p"], slots["bandwidth"])
+    hshapes = [tuple(h.shape) for h in hyp if isinstance(h, torch.Tensor)]
+    batch = tuple(broadcast_shapes(a.shape[:-2], b.shape[:-2], ga.shape[:-2], vb.shape[:-2], *hshapes))
+    if widths is None or a.dtype == torch.float64 or not _gpu_ok(a) or math.prod(batch) > 2**31 - 1:
+        return None
+    return _fused_contraction(desc, a, b, ga, vb, q=hyp[0], r=hyp[1], bw=hyp[2], epsilon=None, batch=batch,
+                              widths=widths, debug=debug, functor=True)
 
 
 # -- the contraction as a torch.library op (so that a registered backward calls only ops) ----------

@@ -312,24 +312,43 @@ def _functor_specs(functor: tuple) -> tuple:
     return functools.partial(wgmma_spec, functor=functor), functools.partial(mma_spec, functor=functor)
 
 
+@functools.lru_cache(maxsize=64)
+def _functor_lowk(functor: tuple):
+    """lowk_spec with the epilogue functor (the same object for the same functor, as _functor_specs)."""
+    return functools.partial(lowk_spec, functor=functor)
+
+
+# Formula kernels up to this K take exact kernels with their functor (direct differences): run_kernel
+# the low-K kernel, kernel_matvec the fused SIMT kernel (plan.matvec). The tensor cores' |x|^2 + |y|^2 -
+# 2 x.y rounds r2 to ~4 eps (|x|^2 + |y|^2), which moves a value by up to L times that (L: its relative
+# slope in r2): on anisotropic data 1.1e-4 - 3.5e-4 at D = 3 and 1.4e-5 - 1.8e-5 at D = 64 against the
+# flat 1e-5 (H200, session 21; the partial sums of session 22 left the D = 64 misses: 19 expected failures
+# before and after). The low-K kernel is as fast as the tensor cores up to K ~ 16 and ~2x slower at
+# K = 37 - 64 (bench/notes/lowk.md); beyond 64: the tensor cores (partial sums).
+FORMULA_LOWK_UP_TO = 64
+
+
 def _formula_tensor_core_plan(call: DistanceCall, out, compute_mode: str, debug: bool):
     """A formula kernel that an epilogue functor serves (runtime.specs.epilogue.served; float32 on a
-    GPU of sm_80+, no epsilon cut): the tensor-core kernels of the squared distance (its plan, the
-    operands centred, the near pairs' direct differences) with the functor in place of the enum
-    epilogue, its hyper-parameters in the bandwidth, inner_p and outer_p slots. None where the tensor
-    cores do not take the call (then the torch path: no exact kernel knows a functor)."""
+    GPU of sm_80+, no epsilon cut): up to FORMULA_LOWK_UP_TO coordinates the exact low-K kernel of the
+    squared distance with the functor, beyond the tensor-core kernels (their plan, the operands
+    centred, the near pairs' direct differences) with it, in place of the enum epilogue, its
+    hyper-parameters in the bandwidth, inner_p and outer_p slots. None where neither takes the call
+    (then the torch path)."""
     if not (config.get("formula_fused") and epilogue.served(call.desc) and call.K > 0
             and call.dtype == torch.float32 and not call.epsilon and _gpu_ok(call.a)):
         return None
     proxy = call._replace(desc=PRESETS["squared_l2"], hypers=epilogue.slot_hypers(call.desc, call.hypers))
-    wgmma, mma = _functor_specs(epilogue.functor(call.desc))
+    functor = epilogue.functor(call.desc)
+    wgmma, mma = _functor_specs(functor)
     if out is None:
         out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
     settings = Settings.current()
-    tune = (settings.distance_tune or SHIPPED)._replace(wgmma_spec=wgmma, mma_spec=mma)
+    lowk = call.K <= FORMULA_LOWK_UP_TO
+    tune = (settings.distance_tune or SHIPPED)._replace(wgmma_spec=wgmma, mma_spec=mma, lowk_spec=_functor_lowk(functor))
     plan = _plan_distance_gpu(proxy, out, compute_mode, debug, settings._replace(distance_tune=tune),
-                              autotune.TENSOR_CORE)
-    if plan is None or plan.family not in ("distance_mma", "distance_wgmma"):
+                              autotune.LOWK if lowk else autotune.TENSOR_CORE)
+    if plan is None or plan.family not in (("distance_lowk",) if lowk else ("distance_mma", "distance_wgmma")):
         return None
     if debug:
         log.debug("run_kernel %r: %s with its epilogue functor", call.desc, plan.family)

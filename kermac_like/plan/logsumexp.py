@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from .. import config
-from ..descriptor import KernelType
+from ..descriptor import PRESETS, KernelType
 from ..runtime import store
 from ..runtime.specs import logsumexp as specs
 from ..runtime.specs.matvec import expandable  # exp(-S d^2) of the squared l2 distance
-from ..runtime.specs.logsumexp import MAX_C, MAX_K, MAX_SPLIT, c_bucket, lse_combine_spec, lse_spec
+from ..runtime.specs.logsumexp import MAX_C, MAX_K, MAX_SPLIT, c_bucket, functor_lse_spec, lse_combine_spec, lse_spec
 from .core import HYPERS, Launch, Plan, batch_plan, _blocks_per_sm, _device_index, _gpu_ok, _sm_count, \
     choose_split
 
@@ -98,7 +98,10 @@ def expand_params(desc, x: torch.Tensor, y: torch.Tensor, bandwidth) -> torch.Te
     return torch.cat([flag.reshape(1), centre])
 
 
-def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = False):
+def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = False, functor: tuple | None = None):
+    """The fused kernel's plan of a validated call, or None (the blocked path). ``functor``: (C++ name,
+    stub source) of a positive formula kernel's epilogue functor; ``call`` is then the squared_l2
+    proxy with the functor's slots as hyper-parameters (ops.logsumexp)."""
     if not call.desc.fused_ok or not fused_serves(call, lw):
         return None
     device = _device_index(call.a.device)
@@ -112,9 +115,15 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
     # direct form's kernel (kVariant 2).
     tune = specs.TUNING or specs.default_tuning(specs.k_bucket(K), c_bucket(min(C, MAX_C)), call.desc, dtype)
     expand = (config.get("lse_expand") and C == 1 and L == 1 and expandable(call.desc) and tune.get("variant") == 3
-              and M > 0 and N > 0)
+              and M > 0 and N > 0 and functor is None)
     variant = None if expand or specs.TUNING is not None else 2
-    spec = lse_spec(call.desc, dtype, K, min(C, MAX_C), variant=variant)
+
+    def spec_of(cc):
+        if functor is not None:
+            return functor_lse_spec(functor, dtype, K, cc)
+        return lse_spec(call.desc, dtype, K, cc, variant=variant)
+
+    spec = spec_of(min(C, MAX_C))
     if L == 0 or M == 0 or C == 0:
         return Plan("logsumexp", spec, (), out, debug=debug)
     if N == 0:  # no terms: log 0
@@ -133,7 +142,7 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
         scratch.append(params)
     for c0 in range(0, C, MAX_C):
         cc = min(MAX_C, C - c0)
-        spec_c = lse_spec(call.desc, dtype, K, cc, variant=variant)
+        spec_c = spec_of(cc)
         kernel = store.get_kernel(spec_c, device, debug=debug)
         kC = c_bucket(cc)
         m_tiles = -(-M // spec_c.launch.block_m)
@@ -147,7 +156,8 @@ def plan_logsumexp(call, lw: torch.Tensor, out: torch.Tensor, debug: bool = Fals
         if split > 1:
             part = torch.empty(split * L * M * kC * 2, dtype=torch.float32, device=call.a.device)
             scratch.append(part)
-            combine = store.get_kernel(lse_combine_spec(call.desc, dtype, cc), device, debug=debug)
+            combine_desc = PRESETS["gaussian_l2"] if functor is not None else call.desc  # (T and kC only)
+            combine = store.get_kernel(lse_combine_spec(combine_desc, dtype, cc), device, debug=debug)
         grid = (m_tiles, split, min(L, 65535))
         if debug:
             log.debug("logsumexp %r: M=%d N=%d K=%d columns %d..%d batch=%s: grid %s, %d y tiles per split", call.desc,

@@ -51,7 +51,7 @@ from .core import (
     choose_split,
 )
 from ..calls import DistanceCall
-from .distance import plan_distance
+from .distance import FORMULA_LOWK_UP_TO, plan_distance
 from .matvec_wgmma import _plan_matvec_wgmma
 
 __all__ = ["plan_matvec", "matvec_blocked", "MATVEC_BLOCKED_MIN_K", "MATVEC_TILE_ELEMENTS", "matvec_shifts",
@@ -175,8 +175,10 @@ def plan_matvec(call, out: torch.Tensor, debug: bool) -> Plan:
     epilogue (specs.matvec.formula_matvec_spec), its hyper-parameters in the bandwidth, inner_p and
     outer_p slots (specs.epilogue.slot_hypers)."""
     functor = not call.desc.fused_ok and formula_fused(call, out)
-    if functor and call.K > MATVEC_BLOCKED_MIN_K and call.dtype == torch.float32:
-        # many coordinates: run_kernel's tensor-core tiles with the functor (plan.distance) times v
+    if functor and call.K > FORMULA_LOWK_UP_TO and call.dtype == torch.float32:
+        # many coordinates: run_kernel's tensor-core tiles with the functor (plan.distance) times v; up
+        # to FORMULA_LOWK_UP_TO the fused SIMT kernel's direct differences (the expansion's rounding of
+        # r2 misses 1e-5 on anisotropic data)
         if debug:
             log_matvec.debug("kernel_matvec %r: K=%d, tensor-core tiles with its epilogue functor times v",
                              call.desc, call.K)

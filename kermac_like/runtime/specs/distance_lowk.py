@@ -106,7 +106,7 @@ def lowk_threads_n(K: int) -> int:
 
 def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_blocks: int = LOWK_MIN_BLOCKS,
               threads_n: int | None = None, mufu_epilogue: bool = True, mm_nonfinite: bool = False,
-              tiles_n: int | None = None, chunks: int | None = None) -> KernelSpec:
+              tiles_n: int | None = None, chunks: int | None = None, functor: tuple | None = None) -> KernelSpec:
     """The low-K instantiation for inputs of layouts ``a``, ``b`` and dimension ``K``
     (output row-major; the caller swaps the operands for a column-major out).
     ``min_blocks`` (kMinBlocksPerSm, 1..3) and ``threads_n`` (kThreadsN: 16, 32, 64 for
@@ -119,7 +119,9 @@ def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_block
     run-time-K variant; the planner passes :func:`lowk_tiles_n`): tiles per block along n.
     ``chunks`` (kChunksK; default :func:`lowk_chunks`): 0 the generic run-time-K variant,
     1 the whole K in shared memory (K <= LOWK_MAX_K), 2..8 the chunk stream (kK =
-    :func:`lowk_bucket`, up to LOWK_CHUNKED_MAX_K)."""
+    :func:`lowk_bucket`, up to LOWK_CHUNKED_MAX_K). ``functor``: (C++ name, stub source) of an
+    epilogue functor (specs.epilogue.functor; ``desc`` then the base squared_l2): a formula kernel's
+    values of the exact squared distances (every template argument rendered)."""
     chunks = lowk_chunks(K) if chunks is None else int(chunks)
     kk = lowk_bucket(K, chunks)
     if not (chunks in (0, 1) and kk <= LOWK_MAX_K or 2 <= chunks <= 8 and kk <= LOWK_CHUNKED_MAX_K
@@ -137,12 +139,14 @@ def lowk_spec(desc: KernelDescriptor, a: Layout, b: Layout, K: int, *, min_block
     args = [int(min_blocks), int(threads_n), "true" if mufu_epilogue else "false", "true" if mm_nonfinite else "false",
             int(tiles_n), max(chunks, 1)]
     defaults = [LOWK_MIN_BLOCKS, LOWK_THREADS_N, "true", "false", 1, 1]
-    while args and args[-1] == defaults[len(args) - 1]:
+    if functor is not None:
+        args.append(functor[0])
+    while functor is None and args and args[-1] == defaults[len(args) - 1]:
         args.pop()
     extra = "".join(f", {x}" for x in args)
     traits = f"kermac_like::DistanceLowKTraits<{desc.cpp_args()}, {a.cpp}, {b.cpp}, {kk}{extra}>"
     return KernelSpec("distance_lowk.cuh", "kermac_like::distance_lowk_kernel", traits,
-                      lowk_launch(kk, threads_n, tiles_n, max(chunks, 1)))
+                      lowk_launch(kk, threads_n, tiles_n, max(chunks, 1)), prelude=functor[1] if functor else "")
 
 
 # The low-K set: row-major inputs (either output layout: one kernel), the presets a

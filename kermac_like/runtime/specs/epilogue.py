@@ -268,4 +268,8 @@ def _render_body(desc: FormulaDescriptor) -> str:
         "  __device__ __forceinline__ static float dk_dr2(float kl_z, const Args& kl_a) {\n"
         f"    const float kl_r = {r_of_z};\n"
         f"{_statements(dvalue, 'false', sympy)}"
+        "  }\n"
+        # log2 k (kernel_logsumexp of a positive kernel): of the value (underflows to -inf below ~1e-38)
+        "  __device__ __forceinline__ static float log2_value(float kl_z, const Args& kl_a) {\n"
+        "    return math::lg2_approx(value<false>(kl_z, kl_a));\n"
         "  }\n")

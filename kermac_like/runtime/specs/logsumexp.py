@@ -18,7 +18,7 @@ from .kernel_spec import CPP_TYPES, KernelSpec, LaunchShape, bucket
 from .topk import K_BUCKETS, MAX_K, k_bucket
 
 __all__ = ["K_BUCKETS", "C_BUCKETS", "MAX_K", "MAX_C", "MAX_SPLIT", "k_bucket", "c_bucket", "rows_per_thread",
-           "unroll_j", "lse_spec", "lse_combine_spec", "shipped", "trip_shape"]
+           "unroll_j", "lse_spec", "lse_combine_spec", "functor_lse_spec", "shipped", "trip_shape"]
 
 THREADS = 128
 # K_BUCKETS, MAX_K and k_bucket are topk's (x rows in registers); larger K: the blocked path.
@@ -110,6 +110,18 @@ def lse_spec(desc: KernelDescriptor, dtype, K: int, C: int, *, variant: int | No
         raise ValueError(f"logsumexp: variant {v}, unroll_j {u}, rows {r} out of range")
     return KernelSpec("logsumexp.cuh", "kermac_like::lse_kernel", _traits(desc, dtype, kK, kC, v, u, r),
                       _launch(kK, kC, r))
+
+
+def functor_lse_spec(functor: tuple, dtype, K: int, C: int) -> KernelSpec:
+    """lse_kernel of a positive formula kernel that an epilogue functor serves: the base squared_l2,
+    kVariant 0 (a running maximum per trip), the term log2 k = Epi::log2_value of the exact squared
+    distance; ``functor``: (C++ name, stub source) of specs.epilogue.functor."""
+    kK = k_bucket(K)
+    if kK == 0:
+        raise ValueError(f"logsumexp: K = {K} is beyond the fused kernel's {MAX_K}")
+    kC = c_bucket(C)
+    traits = _traits(PRESETS["squared_l2"], dtype, kK, kC).rstrip(">") + f", 0, 0, 0, {functor[0]}>"
+    return KernelSpec("logsumexp.cuh", "kermac_like::lse_kernel", traits, _launch(kK, kC), prelude=functor[1])
 
 
 def trip_shape(spec: KernelSpec) -> tuple:

@@ -87,6 +87,20 @@ def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool, *,
     return KernelSpec("matvec_grad.cuh", "kermac_like::matvec_grad_kernel", traits, launch)
 
 
+def functor_grad_spec(desc, kk: int, kc: int, *, lanes: int = 1, unroll: int | None = None) -> KernelSpec:
+    """matvec_grad_kernel of a formula kernel that an epilogue functor serves (specs.epilogue.served):
+    the base Square, Noop, None with the functor (phi = 2 dk/d(r2), its slots p0, p1, p2 in bw, q, r),
+    no epsilon; the widths as :func:`lane_widths` chooses them (the fused formula backward)."""
+    from . import epilogue
+
+    name, prelude = epilogue.functor(desc)
+    base = matvec_grad_spec(PRESETS["squared_l2"], kk, kc, False, unroll=unroll, lanes=lanes)
+    unroll = (UNROLL if lanes == 1 and kk <= 16 else UNROLL_WIDE) if unroll is None else int(unroll)
+    head = base.traits.split(f"{kk}, {kc}, false")[0]
+    traits = f"{head}{kk}, {kc}, false, {unroll}, {lanes}, {name}>"
+    return KernelSpec("matvec_grad.cuh", "kermac_like::matvec_grad_kernel", traits, base.launch, prelude=prelude)
+
+
 def shipped():
     """The gradients of the usual kernels for 3-D point clouds with one value column
     (other widths compile on first use, ~1 s)."""

@@ -603,7 +603,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         rows_b = r1 < kBlockN && n0 / Traits::kPrepTileN + 1 < prep_tiles_n ? kBlockN : r1;
       }
       const unsigned b_bytes = Traits::kStraddle ? (unsigned)(rows_b * kRowBytes * (kSplit ? 2 : 1)) : kBBlockBytes;
-      const unsigned norm_bytes = (unsigned)min(kBlockN, (int)(n_pad - n0)) * 4u;
+      const unsigned norm_bytes =
+          Traits::kStraddle ? (unsigned)min(kBlockN, (int)(n_pad - n0)) * 4u : (unsigned)Traits::kNormBytes;
       for (int kt = 0; kt < num_k_tiles; ++kt) {
         mbar_wait(bar_empty + 8 * stage, phase ^ 1u);  // free in every CTA of the cluster
         const unsigned st = base + stage * kStageBytes;
@@ -760,13 +761,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) {
-          acc[i] += part[i];
-          // The sums made here: ptxas otherwise sinks the last additions into the epilogue, with the
-          // partial sums live beside it (the 192-column tiles' epilogue spilled).
-          asm volatile("" : "+f"(acc[i]));
-        }
-        if constexpr (Traits::kWide) __syncwarp();
+        for (int i = 0; i < kAcc; ++i) acc[i] += part[i];
       } else {
         // One k-tile (consume_k_tile), one k-tile of wgmma in flight: two fragment
         // buffers, used by even and odd k-tiles (distinct registers in the unrolled loop).

@@ -61,6 +61,13 @@ SPECS = [
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR),
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=1),
 ]
+# The 128 x 192 tiles with partial sums (setting wgmma_tile 192; not shipped while the default is 128).
+WIDE = [
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=2, tile=192),
+    wgmma_traits_spec(PRESETS["laplace_l2"], Layout.ROW_MAJOR, chunk=2, tile=192),
+    wgmma_traits_spec(PRESETS["squared_l2"], Layout.COL_MAJOR, chunk=2, tile=192),
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=1, tile=192),
+]
 
 
 def compile_cubin(source, names, arch):
@@ -131,6 +138,33 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills(shipped):
     print(f"sm_90a: registers {regs}")
 
 
+def test_wide_tiles_keep_the_k_loop_in_registers(shipped):
+    """The 128 x 192 tiles (setting wgmma_tile 192): HGMMA.64x192x8 with A from registers, 12 per
+    two k-tiles, setmaxnreg 240 for the consumers (96 + 96 accumulators, 32 fragment registers) and
+    24 for the loader, and no local memory from the first HGMMA to the k-loop's last wait. ptxas
+    spills a few values of the epilogue and of the loader (at most SPILL_WIDE bytes: per tile, not
+    per k-tile; bench/notes/data_zoo.md, session 23)."""
+    build = built(shipped, WIDE)
+    assert len(build) == len(WIDE)
+    for spec, (text, report) in build.items():
+        name = spec.name_expression
+        assert report["spill_stores"] <= SPILL_WIDE and report["stack"] <= SPILL_WIDE, (name, report)
+        assert not any("serialized" in a for a in report.get("advisories", ())), (name, report)
+        hgmma = re.findall(r"HGMMA\.64x192x8\.F32\.TF32 R\d+, (\S+),", text)
+        assert len(hgmma) == 12 and all(a.startswith("R") for a in hgmma), (name, hgmma[:3])
+        assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0" in text and "USETMAXREG.DEALLOC.CTAPOOL 0x18" in text, name
+        lines = text.splitlines()
+        first = next(i for i, l in enumerate(lines) if "HGMMA" in l)
+        last_mma = max(i for i, l in enumerate(lines) if "HGMMA" in l)
+        end = next(i for i in range(last_mma, len(lines)) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in lines[i])
+        loop = "\n".join(lines[first:end])
+        assert "LDL" not in loop and "STL" not in loop, f"local memory in the k-loop of {name}"
+        assert "UBLKCP.S.G.MULTICAST" in text and "LDSM" in text, name
+
+
+SPILL_WIDE = 256
+
+
 def test_plain_sm90_rejects_wgmma():
     spec = SPECS[0]
     with pytest.raises(Exception):
@@ -160,9 +194,10 @@ def test_impossible_combinations_fail_with_their_message(traits, message):
 
 def test_python_mirror_matches_the_traits_arithmetic():
     # (tf32, chunked): stages, bytes of a stage (a, b, B small, norms; 1 KiB multiples), tile width
-    for key, stages, stage, n in (((False, False), 5, (128 + 2 * 256) * 64 + 1024, 256),
-                                  ((True, False), 8, (128 + 256) * 64 + 1024, 256),
-                                  ((False, True), 8, (128 + 2 * 128) * 64 + 1024, 128)):
+    for key, stages, stage, n in (((False, 256), 5, (128 + 2 * 256) * 64 + 1024, 256),
+                                  ((True, 256), 8, (128 + 256) * 64 + 1024, 256),
+                                  ((False, 128), 8, (128 + 2 * 128) * 64 + 1024, 128),
+                                  ((False, 192), 6, (128 + 2 * 192) * 64 + 1024, 192)):
         shape = WGMMA_LAUNCH[key]
         assert shape.smem_bytes == stages * stage + 2 * stages * 8 + 1024
         assert shape.smem_bytes <= 227 * 1024 and shape.threads == 384 and shape.persistent
@@ -170,7 +205,7 @@ def test_python_mirror_matches_the_traits_arithmetic():
     # the traits' own arithmetic agrees (compiled: kSmemBytes and kBlockN per variant)
     checks = "".join(
         f"static_assert({s.traits}::kSmemBytes == {s.launch.smem_bytes} && {s.traits}::kBlockN == {s.launch.block_n}, "
-        f"\"mirror {i}\");\n" for i, s in enumerate(SPECS))
+        f"\"mirror {i}\");\n" for i, s in enumerate(SPECS + WIDE))
     compile_cubin(f'#include "distance_wgmma.cuh"\n' + checks, [], "sm_90a")
     assert WGMMA_PREPARE_LAUNCH.threads == 256 and WGMMA_PREPARE_LAUNCH.block_m == 8  # a warp per row
 
@@ -205,8 +240,14 @@ def test_chunk_choice():
     assert wgmma_chunk(l2, tf32=False, chunk=2, K=32) == 0 and wgmma_chunk(l2, tf32=False, chunk=2, K=33) == 2
     assert wgmma_chunk(l2, tf32=True, chunk=2, K=1024) == 0 and wgmma_chunk(dot, tf32=False, chunk=2, K=1024) == 0
     assert wgmma_chunk(l2, tf32=False, chunk=0, K=1024) == 0
-    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2).launch == WGMMA_LAUNCH[False, True]
-    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR).launch == WGMMA_LAUNCH[False, False]
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2).launch == WGMMA_LAUNCH[False, 128]
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR).launch == WGMMA_LAUNCH[False, 256]
+    # the setting wgmma_tile: 128 x 192 tiles with partial sums only (one running sum stays 128 x 256)
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=192).launch == WGMMA_LAUNCH[False, 192]
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=192).traits.endswith(", 2, 192>")
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, tile=192) == wgmma_traits_spec(l2, Layout.ROW_MAJOR)
+    with pytest.raises(ValueError):
+        wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=256)
 
 
 def test_prepare_needs():

@@ -390,6 +390,29 @@ __device__ __forceinline__ void chunk_k_tile(float (&part)[kAcc], const unsigned
   wgmma_commit();
 }
 
+// The rotating consumers' products (kRotate: 128 x 256 tiles, one 64 x 128 partial sum): one k-tile's
+// products on the 128 columns of the B tile at `b` (its raw half; B small kTileBBytes further) into
+// `part`, in chunk_k_tile's order, the first wgmma's scale-d 0 where `fresh`; no fence, no commit
+// (the caller issues a chunk's k-tiles of one column half as one commit group).
+template <bool kSplit, int kTileBBytes>
+__device__ __forceinline__ void half_k_tile(float (&part)[64], const unsigned (&frag)[2][2][4], unsigned b,
+                                            bool fresh) {
+  int scale_d = fresh ? 0 : 1;
+  if constexpr (kSplit) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      wgmma_m64n128k8_tf32_rs(part, frag[s][1], make_desc(b + s * 32), scale_d);
+      scale_d = 1;
+      wgmma_m64n128k8_tf32_rs(part, frag[s][0], make_desc(b + kTileBBytes + s * 32), 1);
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    wgmma_m64n128k8_tf32_rs(part, frag[s][0], make_desc(b + s * 32), scale_d);
+    scale_d = 1;
+  }
+}
+
 #endif  // KERMAC_LIKE_MMA_HOST_EMULATION
 
 }  // namespace wgmma_detail
@@ -416,19 +439,23 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
   static constexpr bool kChunked = kChunkTiles > 0;
   static_assert(kChunkTiles >= 0 && kChunkTiles <= 2, "DistanceWgmmaTraits: kChunkTiles 0, 1 or 2");
   static_assert(!kChunked || kSplit, "DistanceWgmmaTraits: chunked only with Precision::Tf32x3");
-  // kChunkN (chunked only): the tile's columns, 128 (0: the default) or 192. 128 x 192 tiles
+  // kChunkN (chunked only): the tile's columns, 128 (0: the default), 192 or 256. 128 x 192 tiles
   // (64 x 192 per consumer warpgroup: 96 + 96 accumulators) split a k-tile of a once per 192
-  // output columns rather than 128: 2/3 of the 128 x 128 tiles' a-side work per product
-  // (bench/notes/data_zoo.md, session 23). Their b rows straddle the 256-row prepared blocks.
+  // output columns rather than 128: 2/3 of the 128 x 128 tiles' a-side work per product; their
+  // b rows straddle the 256-row prepared blocks. 128 x 256 tiles (kRotate: 128 running sums,
+  // one 64 x 128 partial sum) sum a chunk's products column half by column half with the same
+  // a fragments (two k-tiles' fragments held, no fragments loaded ahead): the a-side work per
+  // product of one running sum (bench/notes/data_zoo.md, session 23).
   static constexpr int kChunkN = kChunked ? (kChunkN_ > 0 ? kChunkN_ : 128) : 0;
-  static_assert(kChunkN_ == 0 || (kChunked && (kChunkN_ == 128 || kChunkN_ == 192)),
-                "DistanceWgmmaTraits: kChunkN 128 or 192, chunked only");
+  static_assert(kChunkN_ == 0 || (kChunked && (kChunkN_ == 128 || kChunkN_ == 192 || kChunkN_ == 256)),
+                "DistanceWgmmaTraits: kChunkN 128, 192 or 256, chunked only");
+  static constexpr bool kRotate = kChunkN == 256;
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;  // 3 warpgroups
   // setmaxnreg: 56 * 128 + 224 * 256 = 64512 = 168 * 384, the launch allocation; the 192-column
   // tiles' consumers hold 96 + 96 accumulators and 32 fragment registers: 40 * 128 + 232 * 256.
-  static constexpr bool kWide = kChunkN == 192;
+  static constexpr bool kWide = kChunkN == 192 || kRotate;  // 24 / 240 registers
   static constexpr int kProducerRegs = kWide ? 24 : 56;
   static constexpr int kConsumerRegs = kWide ? 240 : 224;
   static_assert(kProducerRegs * kProducerThreads + kConsumerRegs * kConsumerThreads == 168 * kThreads,
@@ -460,7 +487,8 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
 #else
   static constexpr int kClusterM = 2;  // CTAs per cluster: M-tile pairs share each b block (multicast)
 #endif
-  static constexpr int kStages = kStagesArg > 0 ? kStagesArg : (kSplit && !kChunked ? 5 : kWide ? 6 : 8);
+  static constexpr int kStages =
+      kStagesArg > 0 ? kStagesArg : (kSplit && kBlockN == 256 ? 5 : kBlockN == 192 ? 6 : 8);
   static constexpr int kBarrierBytes = 2 * kStages * 8;    // full[], empty[]
   static constexpr int kAlignSlack = 1024;                 // the kernel aligns its base to 1 KiB
   static constexpr int kSmemBytes = kStages * kStageBytes + kBarrierBytes + kAlignSlack;
@@ -731,7 +759,48 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       };
       unsigned frag_even[2][2][4], frag_odd[2][2][4];
-      if constexpr (Traits::kChunked) {
+      if constexpr (Traits::kRotate) {
+        // A chunk (kChunkTiles k-tiles; the last may have one): both k-tiles' a fragments
+        // loaded and split, then per column half h the chunk's products into the one partial sum
+        // (a fresh one), wait, added to running sums 64 h .. 64 h + 63 (the accumulators of
+        // columns 128 h ..: fragment j of the 64 x 256 layout is j % 16 of half j / 16). No
+        // fragments are loaded while this warpgroup's wgmma run: the other warpgroup's fill the
+        // tensor cores meanwhile. Stages go back after the chunk; the tile's last stage (b
+        // norms) after the epilogue.
+        constexpr unsigned kHalfB = 128 * kRowBytes;
+        float part[64];
+        for (int kt = 0; kt < num_k_tiles; kt += Traits::kChunkTiles) {
+          const bool two = Traits::kChunkTiles == 2 && kt + 1 < num_k_tiles;
+          mbar_wait(bar_full + 8 * stage, phase);
+          const unsigned st0 = base + stage * kStageBytes;
+          const int s0 = stage;
+          load_a_k_tile<kSplit, kDiff>(frag_even, na, st0, ld_off);
+          advance();
+          unsigned st1 = st0;
+          if (two) {
+            mbar_wait(bar_full + 8 * stage, phase);
+            st1 = base + stage * kStageBytes;
+            load_a_k_tile<kSplit, kDiff>(frag_odd, na, st1, ld_off);
+            advance();
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            wgmma_fence();
+            half_k_tile<kSplit, kTileBBytes>(part, frag_even, st0 + kTileABytes + h * kHalfB, true);
+            if (two) half_k_tile<kSplit, kTileBBytes>(part, frag_odd, st1 + kTileABytes + h * kHalfB, false);
+            wgmma_commit();
+            wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
+          }
+          if (kt + Traits::kChunkTiles < num_k_tiles) {
+            release(s0);
+            if (two) release(prev_stage);
+          } else if (two) {
+            release(s0);  // prev_stage (the last k-tile's, b norms) after the epilogue
+          }
+        }
+      } else if constexpr (Traits::kChunked) {
         // The products of each kChunkTiles k-tiles in a fresh partial sum (chunk_k_tile); while a
         // k-tile's wgmma runs, the next k-tile's a fragments are loaded and split (two fragment
         // buffers, even and odd k-tiles). A chunk's first k-tile waits for the previous chunk,

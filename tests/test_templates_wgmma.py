@@ -61,12 +61,17 @@ SPECS = [
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR),
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=1),
 ]
-# The 128 x 192 tiles with partial sums (setting wgmma_tile 192; not shipped while the default is 128).
+# The 128 x 192 tiles and the 128 x 256 tiles summed column half by column half, with partial sums
+# (setting wgmma_tile 192 and 256; not shipped while the default is 128).
 WIDE = [
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=2, tile=192),
     wgmma_traits_spec(PRESETS["laplace_l2"], Layout.ROW_MAJOR, chunk=2, tile=192),
     wgmma_traits_spec(PRESETS["squared_l2"], Layout.COL_MAJOR, chunk=2, tile=192),
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=1, tile=192),
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=2, tile=256),
+    wgmma_traits_spec(PRESETS["laplace_l2"], Layout.ROW_MAJOR, chunk=2, tile=256),
+    wgmma_traits_spec(PRESETS["gaussian_l2"], Layout.COL_MAJOR, chunk=2, tile=256),
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=1, tile=256),
 ]
 
 
@@ -139,19 +144,22 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills(shipped):
 
 
 def test_wide_tiles_keep_the_k_loop_in_registers(shipped):
-    """The 128 x 192 tiles (setting wgmma_tile 192): HGMMA.64x192x8 with A from registers, 12 per
-    two k-tiles, setmaxnreg 240 for the consumers (96 + 96 accumulators, 32 fragment registers) and
-    24 for the loader, and no local memory from the first HGMMA to the k-loop's last wait. ptxas
-    spills a few values of the epilogue and of the loader (at most SPILL_WIDE bytes: per tile, not
-    per k-tile; bench/notes/data_zoo.md, session 23)."""
+    """The 128 x 192 tiles (setting wgmma_tile 192: HGMMA.64x192x8, 12 per two k-tiles) and the
+    128 x 256 tiles summed by column halves (256: HGMMA.64x128x8, 12 per half of a chunk of two
+    k-tiles), A from registers, setmaxnreg 240 for the consumers (96 + 96, or 128 + 64, accumulators
+    and 32 fragment registers) and 24 for the loader, and no local memory from the first HGMMA to
+    the k-loop's last wait. ptxas spills a few values of the epilogue (192) and of the loader (at most
+    SPILL_WIDE bytes; bench/notes/data_zoo.md, session 23)."""
     build = built(shipped, WIDE)
     assert len(build) == len(WIDE)
     for spec, (text, report) in build.items():
         name = spec.name_expression
         assert report["spill_stores"] <= SPILL_WIDE and report["stack"] <= SPILL_WIDE, (name, report)
         assert not any("serialized" in a for a in report.get("advisories", ())), (name, report)
-        hgmma = re.findall(r"HGMMA\.64x192x8\.F32\.TF32 R\d+, (\S+),", text)
-        assert len(hgmma) == 12 and all(a.startswith("R") for a in hgmma), (name, hgmma[:3])
+        width = 192 if ", 192>" in spec.traits else 128
+        hgmma = re.findall(rf"HGMMA\.64x{width}x8\.F32\.TF32 R\d+, (\S+),", text)
+        want = 12 if width == 192 else 24 if ", 2, 256>" in spec.traits else 12
+        assert len(hgmma) == want and all(a.startswith("R") for a in hgmma), (name, len(hgmma), hgmma[:3])
         assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0" in text and "USETMAXREG.DEALLOC.CTAPOOL 0x18" in text, name
         lines = text.splitlines()
         first = next(i for i, l in enumerate(lines) if "HGMMA" in l)
@@ -246,8 +254,10 @@ def test_chunk_choice():
     assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=192).launch == WGMMA_LAUNCH[False, 192]
     assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=192).traits.endswith(", 2, 192>")
     assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, tile=192) == wgmma_traits_spec(l2, Layout.ROW_MAJOR)
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=256).launch == WGMMA_LAUNCH[False, 256]
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=256).traits.endswith(", 2, 256>")
     with pytest.raises(ValueError):
-        wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=256)
+        wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=64)
 
 
 def test_prepare_needs():
@@ -322,6 +332,59 @@ def test_copy_layout_is_what_the_descriptor_reads(rows):
                 seen.add(written)
         assert len(seen) == rows * 16  # a bijection onto the tile
         assert min(seen) == tile_base and max(seen) == tile_base + rows * 64 - 4
+
+
+@pytest.mark.parametrize("block_n", [128, 192, 256])
+def test_b_copies_of_a_tile_cover_its_columns(block_n):
+    """The loader's bulk copies of one stage (distance_wgmma_kernel, kStraddle for 192-row tiles),
+    replayed: for every tile n0 of N columns, each CTA of the pair multicasts its share of every
+    piece; the stage's rows r < rows_b receive b row n0 + r of the k-tile (raw half and small half,
+    read from the 256-row prepared blocks), every column n < N of the tile is among them, nothing is
+    read past the prepared buffer (n_pad rows), each share is a multiple of 16 bytes, and the bytes
+    that land in a CTA are what its full barrier expects (b_bytes, and norm_bytes with the norms)."""
+    prep, row_bytes, cluster, k_tiles, entries = WGMMA_PREPARE_TILE, 64, 2, 3, 2
+    straddle = prep % block_n != 0
+    for N in list(range(1, 1100, 37)) + [191, 192, 193, 255, 256, 257, 383, 384, 385, 511, 512, 513, 768]:
+        prep_tiles_n = -(-N // prep)
+        n_pad = prep_tiles_n * prep
+        block_bytes = prep * row_bytes * 2  # raw, then small
+        buffer_bytes = entries * prep_tiles_n * k_tiles * block_bytes
+        for entry in range(entries):
+            for n0 in range(0, N, block_n):
+                off = n0 % prep
+                blocks = (entry * prep_tiles_n + n0 // prep) * k_tiles * block_bytes + off * row_bytes
+                r1, rows_b = block_n, block_n
+                if straddle:
+                    r1 = min(block_n, prep - off)
+                    rows_b = block_n if r1 < block_n and n0 // prep + 1 < prep_tiles_n else r1
+                b_bytes = rows_b * row_bytes * 2
+                norm_bytes = min(block_n, n_pad - n0) * 4 if straddle else block_n * 4
+                assert rows_b >= min(block_n, N - n0) and norm_bytes >= 4 * min(block_n, N - n0)
+                assert entry * n_pad + n0 + norm_bytes // 4 <= entries * n_pad
+                for kt in range(k_tiles):
+                    src = blocks + kt * block_bytes
+                    landed = {}  # stage byte offset (0: the raw tile) -> prepared-buffer byte offset
+                    for rank in range(cluster):
+                        pieces = [(0, src, r1)]
+                        if rows_b > r1:
+                            pieces.append((r1, src + k_tiles * block_bytes - off * row_bytes, rows_b - r1))
+                        for h in range(2):
+                            for dst_row, s, rows in pieces:
+                                share = rows * row_bytes // cluster
+                                assert share % 16 == 0
+                                d = h * block_n * row_bytes + dst_row * row_bytes + rank * share
+                                g = s + h * prep * row_bytes + rank * share
+                                assert 0 <= g and g + share <= buffer_bytes
+                                for i in range(0, share, 16):
+                                    assert d + i not in landed
+                                    landed[d + i] = g + i
+                    assert 16 * len(landed) == b_bytes
+                    for h in range(2):
+                        for r in range(rows_b):
+                            n = n0 + r
+                            want = ((entry * prep_tiles_n + n // prep) * k_tiles + kt) * block_bytes + \
+                                h * prep * row_bytes + (n % prep) * row_bytes
+                            assert landed[h * block_n * row_bytes + r * row_bytes] == want, (N, n0, kt, h, r)
 
 
 def test_copy_writes_of_a_warp_are_contiguous():

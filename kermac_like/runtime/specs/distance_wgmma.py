@@ -20,10 +20,10 @@ from .kernel_spec import SHIPPED_DESCRIPTORS, KernelSpec, LaunchShape
 # Chunked (3xTF32 only; DistanceWgmmaTraits::kChunkTiles, setting wgmma_chunk): 128 x 128 tiles
 # (or 128 x 192: kChunkN, setting wgmma_tile) whose products sum in fresh partial sums of 1 or 2
 # k-tiles; one running sum: 128 x 256 tiles.
-WGMMA_TILES = (128, 192)  # the chunked kernel's tile widths (the setting wgmma_tile's choices)
+WGMMA_TILES = (128, 192, 256)  # the chunked kernel's tile widths (the setting wgmma_tile's choices)
 
 
-def _wgmma_smem(tf32: bool, block_n: int) -> int:
+def _wgmma_smem(tf32: bool, block_n: int) -> int:  # (256: also the partial sums in column halves)
     stages = 5 if block_n == 256 and not tf32 else 6 if block_n == 192 else 8
     stage = 128 * 64 + block_n * 64 * (1 if tf32 else 2) + block_n * 4  # a, b, (B small), b norms
     stage = -(-stage // 1024) * 1024  # the swizzle's 1 KiB alignment
@@ -53,7 +53,8 @@ def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False
     """``functor``: (C++ name, stub source) of an epilogue functor (specs.epilogue.functor), as
     distance_mma.mma_traits_spec's: Diff, outer Noop, Epilogue::None and the functor. ``chunk``:
     :func:`wgmma_chunk`'s answer (the traits' kChunkTiles); ``tile``: the chunked tiles' columns
-    (the setting wgmma_tile; the traits' kChunkN where not the default 128), ignored without chunk."""
+    (the setting wgmma_tile; the traits' kChunkN where not the default 128; 256: the partial sums
+    column half by column half), ignored without chunk."""
     if tile not in WGMMA_TILES:
         raise ValueError(f"wgmma tile width {tile!r}: one of {WGMMA_TILES}")
     outer = "kermac_like::Power::Noop" if desc.outer_power is PowerType.NOOP else "kermac_like::Power::Sqrt"

@@ -161,12 +161,17 @@ def test_wide_tiles_keep_the_k_loop_in_registers(shipped):
         want = 12 if width == 192 else 24 if ", 2, 256>" in spec.traits else 12
         assert len(hgmma) == want and all(a.startswith("R") for a in hgmma), (name, len(hgmma), hgmma[:3])
         assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0" in text and "USETMAXREG.DEALLOC.CTAPOOL 0x18" in text, name
-        lines = text.splitlines()
-        first = next(i for i, l in enumerate(lines) if "HGMMA" in l)
-        last_mma = max(i for i, l in enumerate(lines) if "HGMMA" in l)
-        end = next(i for i in range(last_mma, len(lines)) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in lines[i])
-        loop = "\n".join(lines[first:end])
-        assert "LDL" not in loop and "STL" not in loop, f"local memory in the k-loop of {name}"
+        # the k-loop: from the target of the first backward branch after the last HGMMA that jumps
+        # above the first HGMMA, to that branch (the partial sums' additions included)
+        code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+        first = min(a for a, t in code if "HGMMA" in t)
+        last_mma = max(a for a, t in code if "HGMMA" in t)
+        back = next((a, int(m.group(1), 16)) for a, t in code if a > last_mma
+                    for m in [re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", t)] if m and m.group(1)
+                    and int(m.group(1), 16) < first)
+        loop = [t for a, t in code if back[1] <= a <= back[0]]
+        assert any("HGMMA" in t for t in loop), (name, back)
+        assert not any("LDL" in t or "STL" in t for t in loop), f"local memory in the k-loop of {name}"
         assert "UBLKCP.S.G.MULTICAST" in text and "LDSM" in text, name
 
 

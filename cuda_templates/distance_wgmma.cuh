@@ -453,8 +453,9 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;  // 3 warpgroups
-  // setmaxnreg: 56 * 128 + 224 * 256 = 64512 = 168 * 384, the launch allocation; the 192-column
-  // tiles' consumers hold 96 + 96 accumulators and 32 fragment registers: 40 * 128 + 232 * 256.
+  // setmaxnreg: 56 * 128 + 224 * 256 = 64512 = 168 * 384, the launch allocation; the wide tiles'
+  // consumers hold 96 + 96 (192) or 128 + 64 (256) accumulators and 32 fragment registers:
+  // 24 * 128 + 240 * 256 (at 40 / 232 they spill in the k-loop; the loader spills 2-4 values at 24).
   static constexpr bool kWide = kChunkN == 192 || kRotate;  // 24 / 240 registers
   static constexpr int kProducerRegs = kWide ? 24 : 56;
   static constexpr int kConsumerRegs = kWide ? 240 : 224;

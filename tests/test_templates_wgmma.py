@@ -529,6 +529,99 @@ def test_mbarrier_protocol_has_no_hazards(stages, tiles, k_tiles):
     assert released == set(range(total))
 
 
+@pytest.mark.parametrize("stages", [3, 5])
+@pytest.mark.parametrize("tiles, k_tiles", [(1, 1), (3, 2), (2, 3), (3, 5), (2, 16)])
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_column_halves_protocol_has_no_hazards(stages, tiles, k_tiles, chunk):
+    """The 128 x 256 partial-sum consumers (kRotate), replayed against the loader as in
+    test_mbarrier_protocol_has_no_hazards: per chunk of ``chunk`` k-tiles they wait for each stage
+    in turn, read them (ldmatrix, then both column halves' wgmma, each retired by wait_group 0
+    before the additions), and give the chunk's stages back, but the tile's last k-tile's, which
+    the epilogue reads (b norms) and gives back after it. Every k-tile is read only once landed,
+    released exactly once, never rewritten while held, and nothing deadlocks."""
+    import random
+
+    S, total = stages, tiles * k_tiles
+    rng = random.Random(stages * 1000 + tiles * 100 + k_tiles * 10 + chunk)
+    holder = {s: None for s in range(S)}
+    held, released, landed, pending = set(), set(), set(), []
+    full_phases = {s: 0 for s in range(S)}
+    empty_phases = {s: 0 for s in range(S)}
+    loader = {"q": 0}
+    # the consumer's program: ("wait", q) per k-tile of a chunk, then ("chunk", [q...]) (both halves'
+    # wgmma and additions, then the releases), and after the tile's last chunk ("epilogue", q)
+    program = []
+    for t in range(tiles):
+        for kt in range(0, k_tiles, chunk):
+            qs = [t * k_tiles + j for j in range(kt, min(kt + chunk, k_tiles))]
+            program += [("wait", q) for q in qs] + [("chunk", qs)]
+        program.append(("epilogue", t * k_tiles + k_tiles - 1))
+    pc = {"i": 0}
+
+    def release(q):
+        s = q % S
+        assert holder[s] == q and q in held and q not in released
+        held.discard(q)
+        released.add(q)
+        empty_phases[s] += 1
+
+    def loader_step():
+        q = loader["q"]
+        if q >= total:
+            return False
+        s, use = q % S, q // S
+        if empty_phases[s] < use:
+            return False
+        assert holder[s] is None or holder[s] in released, (q, holder[s])
+        holder[s] = q
+        loader["q"] += 1
+        pending.append(q)
+        return True
+
+    def land_step():
+        if not pending:
+            return False
+        q = pending.pop(rng.randrange(len(pending)))
+        landed.add(q)
+        full_phases[q % S] += 1
+        assert full_phases[q % S] == q // S + 1
+        return True
+
+    def consumer_step():
+        if pc["i"] >= len(program):
+            return False
+        op, arg = program[pc["i"]]
+        if op == "wait":
+            s = arg % S
+            if full_phases[s] < arg // S + 1:
+                return False
+            assert holder[s] == arg and arg in landed
+            held.add(arg)
+        elif op == "chunk":
+            for q in arg:  # read by both halves (wait_group 0 after each)
+                assert q in held and holder[q % S] == q
+            last_of_tile = arg[-1] % k_tiles == k_tiles - 1
+            for q in (arg[:-1] if last_of_tile else arg):
+                release(q)
+        else:  # the epilogue reads the last stage's b norms, then gives it back
+            assert arg in held and holder[arg % S] == arg
+            release(arg)
+        pc["i"] += 1
+        return True
+
+    steps = 0
+    while loader["q"] < total or pending or pc["i"] < len(program):
+        moved = False
+        order = [0, 1, 2]
+        rng.shuffle(order)
+        for who in order:
+            moved |= (loader_step, land_step, consumer_step)[who]()
+        assert moved, "deadlock"
+        steps += 1
+        assert steps < 100000
+    assert released == set(range(total)) and not held
+
+
 # The epilogue's tile-uniform fast path (distance_wgmma.cuh), as written in the kernel.
 FAST_TILE_CONDITION = """(!reg_on || (long long)m0 + reg_diag >= n0 + kBlockN ||
                          (long long)m0 + kBlockM - 1 + reg_diag < n0)"""

@@ -138,6 +138,45 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32_rs(float (&d)[64], const un
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
+// The same with N = 192 (96 accumulators): the 128 x 192 chunked tiles (kChunkN 192).
+__device__ __forceinline__ void wgmma_m64n192k8_tf32_rs(float (&d)[96], const unsigned (&a)[4],
+                                                      unsigned long long desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k8.f32.tf32.tf32 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+      "}, {%96, %97, %98, %99}, %100, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+// The chunked consumers' wgmma by the width of their partial sum.
+__device__ __forceinline__ void wgmma_part_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long desc_b,
+                                              int scale_d) {
+  wgmma_m64n128k8_tf32_rs(d, a, desc_b, scale_d);
+}
+__device__ __forceinline__ void wgmma_part_rs(float (&d)[96], const unsigned (&a)[4], unsigned long long desc_b,
+                                              int scale_d) {
+  wgmma_m64n192k8_tf32_rs(d, a, desc_b, scale_d);
+}
+
 // Four 8 x 16-byte matrices from shared memory: lanes 8 i .. 8 i + 7 give the
 // row addresses of matrix i, and lane l receives 32-bit word l % 4 of row l / 4
 // of matrix i in register i (ldmatrix .b16 moves 32-bit words intact).
@@ -330,25 +369,48 @@ __device__ __forceinline__ void consume_k_tile(float (&acc)[128], unsigned (&fra
 // one running sum over K loses about 0.35 K 2^-24 of its magnitude, always in the same direction
 // (bench/notes/data_zoo.md); a partial sum per k-tile loses that over 6 additions only, and the
 // sums of partial sums round to nearest: about torch's float32 GEMM error, or less.
-template <bool kSplit, int kTileABytes, int kTileBBytes>
-__device__ __forceinline__ void chunk_k_tile(float (&part)[64], const unsigned (&frag)[2][2][4], unsigned st,
+template <bool kSplit, int kTileABytes, int kTileBBytes, int kAcc>
+__device__ __forceinline__ void chunk_k_tile(float (&part)[kAcc], const unsigned (&frag)[2][2][4], unsigned st,
                                              bool fresh) {
   wgmma_fence();
   int scale_d = fresh ? 0 : 1;
   if constexpr (kSplit) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
-      wgmma_m64n128k8_tf32_rs(part, frag[s][1], make_desc(st + kTileABytes + s * 32), scale_d);
+      wgmma_part_rs(part, frag[s][1], make_desc(st + kTileABytes + s * 32), scale_d);
       scale_d = 1;
-      wgmma_m64n128k8_tf32_rs(part, frag[s][0], make_desc(st + kTileABytes + kTileBBytes + s * 32), 1);
+      wgmma_part_rs(part, frag[s][0], make_desc(st + kTileABytes + kTileBBytes + s * 32), 1);
     }
   }
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
-    wgmma_m64n128k8_tf32_rs(part, frag[s][0], make_desc(st + kTileABytes + s * 32), scale_d);
+    wgmma_part_rs(part, frag[s][0], make_desc(st + kTileABytes + s * 32), scale_d);
     scale_d = 1;
   }
   wgmma_commit();
+}
+
+// The rotating consumers' products (kRotate: 128 x 256 tiles, one 64 x 128 partial sum): one k-tile's
+// products on the 128 columns of the B tile at `b` (its raw half; B small kTileBBytes further) into
+// `part`, in chunk_k_tile's order, the first wgmma's scale-d 0 where `fresh`; no fence, no commit
+// (the caller issues a chunk's k-tiles of one column half as one commit group).
+template <bool kSplit, int kTileBBytes>
+__device__ __forceinline__ void half_k_tile(float (&part)[64], const unsigned (&frag)[2][2][4], unsigned b,
+                                            bool fresh) {
+  int scale_d = fresh ? 0 : 1;
+  if constexpr (kSplit) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      wgmma_m64n128k8_tf32_rs(part, frag[s][1], make_desc(b + s * 32), scale_d);
+      scale_d = 1;
+      wgmma_m64n128k8_tf32_rs(part, frag[s][0], make_desc(b + kTileBBytes + s * 32), 1);
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    wgmma_m64n128k8_tf32_rs(part, frag[s][0], make_desc(b + s * 32), scale_d);
+    scale_d = 1;
+  }
 }
 
 #endif  // KERMAC_LIKE_MMA_HOST_EMULATION
@@ -359,7 +421,7 @@ __device__ __forceinline__ void chunk_k_tile(float (&part)[64], const unsigned (
 
 template <Inner kInner_, Power kOuter_, Epilogue kEpilogue_, Layout kLayoutA_, Layout kLayoutB_,
           Layout kLayoutO_, Precision kPrecision_, class T_, int kStagesArg = 0, class Epi_ = void,
-          int kChunkTiles_ = 0>
+          int kChunkTiles_ = 0, int kChunkN_ = 0>
 struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kEpilogue_, kLayoutA_, kLayoutB_,
                                                             kLayoutO_, kPrecision_, T_, Epi_> {
   // (T_ and kPrecision_ below: the base's members are not visible by plain name here)
@@ -377,14 +439,30 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
   static constexpr bool kChunked = kChunkTiles > 0;
   static_assert(kChunkTiles >= 0 && kChunkTiles <= 2, "DistanceWgmmaTraits: kChunkTiles 0, 1 or 2");
   static_assert(!kChunked || kSplit, "DistanceWgmmaTraits: chunked only with Precision::Tf32x3");
+  // kChunkN (chunked only): the tile's columns, 128 (0: the default), 192 or 256. 128 x 192 tiles
+  // (64 x 192 per consumer warpgroup: 96 + 96 accumulators) split a k-tile of a once per 192
+  // output columns rather than 128: 2/3 of the 128 x 128 tiles' a-side work per product; their
+  // b rows straddle the 256-row prepared blocks. 128 x 256 tiles (kRotate: 128 running sums,
+  // one 64 x 128 partial sum) sum a chunk's products column half by column half with the same
+  // a fragments (two k-tiles' fragments held, no fragments loaded ahead): the a-side work per
+  // product of one running sum (bench/notes/data_zoo.md, session 23).
+  static constexpr int kChunkN = kChunked ? (kChunkN_ > 0 ? kChunkN_ : 128) : 0;
+  static_assert(kChunkN_ == 0 || (kChunked && (kChunkN_ == 128 || kChunkN_ == 192 || kChunkN_ == 256)),
+                "DistanceWgmmaTraits: kChunkN 128, 192 or 256, chunked only");
+  static constexpr bool kRotate = kChunkN == 256;
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;  // 3 warpgroups
-  // setmaxnreg: 56 * 128 + 224 * 256 = 64512 = 168 * 384, the launch allocation.
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = 224;
+  // setmaxnreg: 56 * 128 + 224 * 256 = 64512 = 168 * 384, the launch allocation; the wide tiles'
+  // consumers hold 96 + 96 (192) or 128 + 64 (256) accumulators and 32 fragment registers:
+  // 24 * 128 + 240 * 256 (at 40 / 232 they spill in the k-loop; the loader spills 2-4 values at 24).
+  static constexpr bool kWide = kChunkN == 192 || kRotate;  // 24 / 240 registers
+  static constexpr int kProducerRegs = kWide ? 24 : 56;
+  static constexpr int kConsumerRegs = kWide ? 240 : 224;
+  static_assert(kProducerRegs * kProducerThreads + kConsumerRegs * kConsumerThreads == 168 * kThreads,
+                "DistanceWgmmaTraits: setmaxnreg within the launch allocation");
   static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = kChunked ? 128 : 256;
+  static constexpr int kBlockN = kChunked ? kChunkN : 256;
   static constexpr int kAcc = kBlockN / 2;  // accumulators per consumer thread (64 x kBlockN per warpgroup)
   static constexpr int kPrepTileN = 256;    // rows of one prepared b block (WgmmaPrepareTraits::kTileN)
   static constexpr int kRowBytes = 64;  // one k-tile of a row: 16 floats, two k8 steps
@@ -401,13 +479,17 @@ struct DistanceWgmmaTraits : mma_detail::TensorCoreDistance<kInner_, kOuter_, kE
   // One prepared block (kPrepTileN rows: raw, then small): a tile of kBlockN rows reads its rows
   // of each half, kRawBytes at (n0 % kPrepTileN) * kRowBytes of the raw and of the small half.
   static constexpr int kPrepBlockBytes = kPrepTileN * kRowBytes * (kSplit ? 2 : 1);
-  static_assert(kPrepTileN % kBlockN == 0, "DistanceWgmmaTraits: tiles inside one prepared block");
+  // kBlockN | kPrepTileN: a tile lies inside one prepared block; else (192) a tile's rows start at a
+  // multiple of 64 of a block and may run into the next block's first rows (two copies a half).
+  static constexpr bool kStraddle = kPrepTileN % kBlockN != 0;
+  static_assert(kBlockN % 64 == 0 && kBlockN <= kPrepTileN, "DistanceWgmmaTraits: tiles of whole 64-row pieces");
 #ifdef KERMAC_LIKE_WGMMA_CLUSTER  // bench/try_wgmma.py probe
   static constexpr int kClusterM = KERMAC_LIKE_WGMMA_CLUSTER;
 #else
   static constexpr int kClusterM = 2;  // CTAs per cluster: M-tile pairs share each b block (multicast)
 #endif
-  static constexpr int kStages = kStagesArg > 0 ? kStagesArg : (kSplit && !kChunked ? 5 : 8);
+  static constexpr int kStages =
+      kStagesArg > 0 ? kStagesArg : (kSplit && kBlockN == 256 ? 5 : kBlockN == 192 ? 6 : 8);
   static constexpr int kBarrierBytes = 2 * kStages * 8;    // full[], empty[]
   static constexpr int kAlignSlack = 1024;                 // the kernel aligns its base to 1 KiB
   static constexpr int kSmemBytes = kStages * kStageBytes + kBarrierBytes + kAlignSlack;
@@ -540,15 +622,45 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                         (long long)Traits::kPrepBlockBytes +
                                     (n0 % Traits::kPrepTileN) * kRowBytes;
       const int a_rows = M - m0 - prow;  // pass u is valid if 32 u < a_rows
+      // kStraddle (192-row tiles): the first r1 rows from this block (from row n0 % kPrepTileN),
+      // the other kBlockN - r1 from the next block's first rows where it exists (n_pad: past it
+      // the rows are not copied, and those stage rows keep older b rows, which reach only output
+      // columns past N: a wgmma column reads only its own b row); the norms likewise.
+      int r1 = kBlockN, rows_b = kBlockN;
+      if constexpr (Traits::kStraddle) {
+        r1 = min(kBlockN, Traits::kPrepTileN - n0 % Traits::kPrepTileN);
+        rows_b = r1 < kBlockN && n0 / Traits::kPrepTileN + 1 < prep_tiles_n ? kBlockN : r1;
+      }
+      const unsigned b_bytes = Traits::kStraddle ? (unsigned)(rows_b * kRowBytes * (kSplit ? 2 : 1)) : kBBlockBytes;
+      const unsigned norm_bytes =
+          Traits::kStraddle ? (unsigned)min(kBlockN, (int)(n_pad - n0)) * 4u : (unsigned)Traits::kNormBytes;
       for (int kt = 0; kt < num_k_tiles; ++kt) {
         mbar_wait(bar_empty + 8 * stage, phase ^ 1u);  // free in every CTA of the cluster
         const unsigned st = base + stage * kStageBytes;
         const bool last = kt == num_k_tiles - 1;
         if (tid == 0) {
 #ifndef KERMAC_LIKE_WGMMA_DIAG_NO_LOAD
-          mbar_arrive_expect_tx(bar_full + 8 * stage, kBBlockBytes + (kDiff && last ? Traits::kNormBytes : 0));
+          mbar_arrive_expect_tx(bar_full + 8 * stage, b_bytes + (kDiff && last ? norm_bytes : 0u));
           const unsigned char* src = blocks + kt * (long long)Traits::kPrepBlockBytes;
-          if constexpr (kBlockN == Traits::kPrepTileN) {  // raw and small contiguous: one copy
+          if constexpr (Traits::kStraddle) {
+            // rows [0, r1) then [r1, rows_b) of the raw half, the same of the small half; each CTA
+            // multicasts its 1 / kCluster of every piece (64-row pieces: 2 KiB shares).
+            const unsigned char* next = src + (long long)num_k_tiles * Traits::kPrepBlockBytes -
+                                        (n0 % Traits::kPrepTileN) * kRowBytes;
+#pragma unroll
+            for (int h = 0; h < (kSplit ? 2 : 1); ++h) {
+              const unsigned dst_b = st + kTileABytes + h * kTileBBytes;
+              const long long half = (long long)h * Traits::kPrepTileN * kRowBytes;
+              const unsigned share1 = (unsigned)(r1 * kRowBytes / kCluster);
+              bulk_copy_multicast(dst_b + rank * share1, src + half + rank * share1, share1, bar_full + 8 * stage,
+                                  kMask);
+              if (rows_b > r1) {
+                const unsigned share2 = (unsigned)((rows_b - r1) * kRowBytes / kCluster);
+                bulk_copy_multicast(dst_b + r1 * kRowBytes + rank * share2, next + half + rank * share2, share2,
+                                    bar_full + 8 * stage, kMask);
+              }
+            }
+          } else if constexpr (kBlockN == Traits::kPrepTileN) {  // raw and small contiguous: one copy
             bulk_copy_multicast(st + kTileABytes + rank * kShare, src + rank * kShare, kShare, bar_full + 8 * stage,
                                 kMask);
           } else {  // this tile's rows of the raw half, then of the small half
@@ -562,12 +674,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
 #else
           (void)blocks;
-          mbar_arrive_expect_tx(bar_full + 8 * stage, kDiff && last ? Traits::kNormBytes : 0);
+          mbar_arrive_expect_tx(bar_full + 8 * stage, kDiff && last ? norm_bytes : 0u);
 #endif
-          // The tile's b norms (whole tiles: the array is padded to n_pad) with its last
-          // k-tile, into the stage the consumers hold through the epilogue.
+          // The tile's b norms (the array is padded to n_pad: whole tiles, but for 192-row tiles
+          // at its end) with its last k-tile, into the stage the consumers hold through the epilogue.
           if (kDiff && last && rank == 0)
-            bulk_copy_multicast(st + Traits::kNormOffset, b_norm + entry * n_pad + n0, Traits::kNormBytes,
+            bulk_copy_multicast(st + Traits::kNormOffset, b_norm + entry * n_pad + n0, norm_bytes,
                                 bar_full + 8 * stage, kMask);
         }
         const int k_left = K - kt * kBlockK - chunk * 4;
@@ -648,7 +760,48 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       };
       unsigned frag_even[2][2][4], frag_odd[2][2][4];
-      if constexpr (Traits::kChunked) {
+      if constexpr (Traits::kRotate) {
+        // A chunk (kChunkTiles k-tiles; the last may have one): both k-tiles' a fragments
+        // loaded and split, then per column half h the chunk's products into the one partial sum
+        // (a fresh one), wait, added to running sums 64 h .. 64 h + 63 (the accumulators of
+        // columns 128 h ..: fragment j of the 64 x 256 layout is j % 16 of half j / 16). No
+        // fragments are loaded while this warpgroup's wgmma run: the other warpgroup's fill the
+        // tensor cores meanwhile. Stages go back after the chunk; the tile's last stage (b
+        // norms) after the epilogue.
+        constexpr unsigned kHalfB = 128 * kRowBytes;
+        float part[64];
+        for (int kt = 0; kt < num_k_tiles; kt += Traits::kChunkTiles) {
+          const bool two = Traits::kChunkTiles == 2 && kt + 1 < num_k_tiles;
+          mbar_wait(bar_full + 8 * stage, phase);
+          const unsigned st0 = base + stage * kStageBytes;
+          const int s0 = stage;
+          load_a_k_tile<kSplit, kDiff>(frag_even, na, st0, ld_off);
+          advance();
+          unsigned st1 = st0;
+          if (two) {
+            mbar_wait(bar_full + 8 * stage, phase);
+            st1 = base + stage * kStageBytes;
+            load_a_k_tile<kSplit, kDiff>(frag_odd, na, st1, ld_off);
+            advance();
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            wgmma_fence();
+            half_k_tile<kSplit, kTileBBytes>(part, frag_even, st0 + kTileABytes + h * kHalfB, true);
+            if (two) half_k_tile<kSplit, kTileBBytes>(part, frag_odd, st1 + kTileABytes + h * kHalfB, false);
+            wgmma_commit();
+            wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[64 * h + i] += part[i];
+          }
+          if (kt + Traits::kChunkTiles < num_k_tiles) {
+            release(s0);
+            if (two) release(prev_stage);
+          } else if (two) {
+            release(s0);  // prev_stage (the last k-tile's, b norms) after the epilogue
+          }
+        }
+      } else if constexpr (Traits::kChunked) {
         // The products of each kChunkTiles k-tiles in a fresh partial sum (chunk_k_tile); while a
         // k-tile's wgmma runs, the next k-tile's a fragments are loaded and split (two fragment
         // buffers, even and odd k-tiles). A chunk's first k-tile waits for the previous chunk,
@@ -665,7 +818,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
             for (int i = 0; i < kAcc; ++i) acc[i] += part[i];
           }
-          chunk_k_tile<kSplit, kTileABytes, kTileBBytes>(part, frag, st, fresh);
+          chunk_k_tile<kSplit, kTileABytes, kTileBBytes, kAcc>(part, frag, st, fresh);
           if (!fresh) {
             wgmma_wait<1>();
             release(prev_stage);
@@ -739,12 +892,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
           const int col = col0 + j * 8;
-          const float2 nb = *reinterpret_cast<const float2*>(norm_b + col);
+          if constexpr (Traits::kWide) {  // the norm read where the diagonal is (ptxas held all 48 beside 96 sums)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int diag = m0 + row0 + h * 8 - n0;  // tile-local column of m == n
-            if (diag == col) acc[4 * j + 2 * h] = 0.5f * (na[h] + nb.x);
-            if (diag == col + 1) acc[4 * j + 2 * h + 1] = 0.5f * (na[h] + nb.y);
+            for (int h = 0; h < 2; ++h) {
+              const int diag = m0 + row0 + h * 8 - n0;  // tile-local column of m == n
+              if (diag == col) acc[4 * j + 2 * h] = 0.5f * (na[h] + norm_b[col]);
+              if (diag == col + 1) acc[4 * j + 2 * h + 1] = 0.5f * (na[h] + norm_b[col + 1]);
+            }
+          } else {
+            const float2 nb = *reinterpret_cast<const float2*>(norm_b + col);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int diag = m0 + row0 + h * 8 - n0;  // tile-local column of m == n
+              if (diag == col) acc[4 * j + 2 * h] = 0.5f * (na[h] + nb.x);
+              if (diag == col + 1) acc[4 * j + 2 * h + 1] = 0.5f * (na[h] + nb.y);
+            }
           }
         }
       }

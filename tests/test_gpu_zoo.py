@@ -92,6 +92,46 @@ def test_cdist_p2_never_less_accurate_than_torch(name, K, wgmma):
     assert out[3, -2] == 0 and out[7, -1] == 0
 
 
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not _sm90(), reason="the wgmma kernel's tiles (sm_90)")
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("K", [64, 1024])
+@pytest.mark.parametrize("tile", [192, 256])
+def test_cdist_p2_wide_tiles_never_less_accurate_than_torch(name, K, tile):
+    """The wgmma kernel's wide tiles with partial sums (setting wgmma_tile 192: 128 x 192; 256: 128 x
+    256 by column halves): torch.cdist's accuracy as test_cdist_p2_never_less_accurate_than_torch asks
+    of the default tiles; N = 1102 puts 192-column tiles across the 256-row prepared blocks and one
+    past the last of them."""
+    x, y = _pair(name, 600, 1100, K, seed=1)
+    want = _dense(x, y)
+    with km.config.override(wgmma="on", wgmma_tile=tile):
+        out = torch.full((600, y.shape[0]), float("nan"), device="cuda")
+        km.cdist(x, y, out=out)
+    ours = ((out.double() - want).abs() / want)[want > 0].max()
+    theirs = ((torch.cdist(x, y, compute_mode="use_mm_for_euclid_dist").double() - want).abs() / want)[want > 0].max()
+    assert float(ours) <= max(float(theirs), ULPS), (name, K, tile, float(ours), float(theirs))
+    assert out[3, -2] == 0 and out[7, -1] == 0
+
+
+@pytest.mark.skipif(not _sm90(), reason="the wgmma kernel's tiles (sm_90)")
+@pytest.mark.parametrize("name", ["gaussian", "blobs_wide"])
+@pytest.mark.parametrize("tile", [192, 256])
+def test_wide_tiles_sum_as_the_narrow_ones(name, tile):
+    """The same partial sums (the k-tiles of each, their order, the float32 additions) in the wide
+    tiles and in 128 x 128 tiles: the same bits, unless the tensor cores order a product's terms by
+    the width of the wgmma (192; 256 issues the 128 x 128 tiles' m64n128k8 itself: the same bits
+    expected there whatever the hardware's order)."""
+    x, y = _pair(name, 600, 1100, 1024, seed=2)
+    outs = []
+    for t in (128, tile):
+        with km.config.override(wgmma="on", wgmma_tile=t):
+            outs.append(km.cdist(x, y))
+    assert torch.equal(outs[0], outs[1]), float((outs[0] - outs[1]).abs().max())
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("kernel", ["laplace_l2", "gaussian_l2"])
 def test_kernel_matrices_on_every_family(name, kernel):

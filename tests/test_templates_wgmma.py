@@ -61,6 +61,18 @@ SPECS = [
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR),
     wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=1),
 ]
+# The 128 x 192 tiles and the 128 x 256 tiles summed column half by column half, with partial sums
+# (setting wgmma_tile 192 and 256; not shipped while the default is 128).
+WIDE = [
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=2, tile=192),
+    wgmma_traits_spec(PRESETS["laplace_l2"], Layout.ROW_MAJOR, chunk=2, tile=192),
+    wgmma_traits_spec(PRESETS["squared_l2"], Layout.COL_MAJOR, chunk=2, tile=192),
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=1, tile=192),
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=2, tile=256),
+    wgmma_traits_spec(PRESETS["laplace_l2"], Layout.ROW_MAJOR, chunk=2, tile=256),
+    wgmma_traits_spec(PRESETS["gaussian_l2"], Layout.COL_MAJOR, chunk=2, tile=256),
+    wgmma_traits_spec(PRESETS["l2"], Layout.ROW_MAJOR, chunk=1, tile=256),
+]
 
 
 def compile_cubin(source, names, arch):
@@ -131,6 +143,41 @@ def test_compiles_for_sm90a_with_hgmma_and_no_spills(shipped):
     print(f"sm_90a: registers {regs}")
 
 
+def test_wide_tiles_keep_the_k_loop_in_registers(shipped):
+    """The 128 x 192 tiles (setting wgmma_tile 192: HGMMA.64x192x8, 12 per two k-tiles) and the
+    128 x 256 tiles summed by column halves (256: HGMMA.64x128x8, 12 per half of a chunk of two
+    k-tiles), A from registers, setmaxnreg 240 for the consumers (96 + 96, or 128 + 64, accumulators
+    and 32 fragment registers) and 24 for the loader, and no local memory from the first HGMMA to
+    the k-loop's last wait. ptxas spills a few values of the epilogue (192) and of the loader (at most
+    SPILL_WIDE bytes; bench/notes/data_zoo.md, session 23)."""
+    build = built(shipped, WIDE)
+    assert len(build) == len(WIDE)
+    for spec, (text, report) in build.items():
+        name = spec.name_expression
+        assert report["spill_stores"] <= SPILL_WIDE and report["stack"] <= SPILL_WIDE, (name, report)
+        assert not any("serialized" in a for a in report.get("advisories", ())), (name, report)
+        width = 192 if ", 192>" in spec.traits else 128
+        hgmma = re.findall(rf"HGMMA\.64x{width}x8\.F32\.TF32 R\d+, (\S+),", text)
+        want = 12 if width == 192 else 24 if ", 2, 256>" in spec.traits else 12
+        assert len(hgmma) == want and all(a.startswith("R") for a in hgmma), (name, len(hgmma), hgmma[:3])
+        assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0" in text and "USETMAXREG.DEALLOC.CTAPOOL 0x18" in text, name
+        # the k-loop: from the target of the first backward branch after the last HGMMA that jumps
+        # above the first HGMMA, to that branch (the partial sums' additions included)
+        code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+        first = min(a for a, t in code if "HGMMA" in t)
+        last_mma = max(a for a, t in code if "HGMMA" in t)
+        back = next((a, int(m.group(1), 16)) for a, t in code if a > last_mma
+                    for m in [re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", t)] if m and m.group(1)
+                    and int(m.group(1), 16) < first)
+        loop = [t for a, t in code if back[1] <= a <= back[0]]
+        assert any("HGMMA" in t for t in loop), (name, back)
+        assert not any("LDL" in t or "STL" in t for t in loop), f"local memory in the k-loop of {name}"
+        assert "UBLKCP.S.G.MULTICAST" in text and "LDSM" in text, name
+
+
+SPILL_WIDE = 256
+
+
 def test_plain_sm90_rejects_wgmma():
     spec = SPECS[0]
     with pytest.raises(Exception):
@@ -160,9 +207,10 @@ def test_impossible_combinations_fail_with_their_message(traits, message):
 
 def test_python_mirror_matches_the_traits_arithmetic():
     # (tf32, chunked): stages, bytes of a stage (a, b, B small, norms; 1 KiB multiples), tile width
-    for key, stages, stage, n in (((False, False), 5, (128 + 2 * 256) * 64 + 1024, 256),
-                                  ((True, False), 8, (128 + 256) * 64 + 1024, 256),
-                                  ((False, True), 8, (128 + 2 * 128) * 64 + 1024, 128)):
+    for key, stages, stage, n in (((False, 256), 5, (128 + 2 * 256) * 64 + 1024, 256),
+                                  ((True, 256), 8, (128 + 256) * 64 + 1024, 256),
+                                  ((False, 128), 8, (128 + 2 * 128) * 64 + 1024, 128),
+                                  ((False, 192), 6, (128 + 2 * 192) * 64 + 1024, 192)):
         shape = WGMMA_LAUNCH[key]
         assert shape.smem_bytes == stages * stage + 2 * stages * 8 + 1024
         assert shape.smem_bytes <= 227 * 1024 and shape.threads == 384 and shape.persistent
@@ -170,7 +218,7 @@ def test_python_mirror_matches_the_traits_arithmetic():
     # the traits' own arithmetic agrees (compiled: kSmemBytes and kBlockN per variant)
     checks = "".join(
         f"static_assert({s.traits}::kSmemBytes == {s.launch.smem_bytes} && {s.traits}::kBlockN == {s.launch.block_n}, "
-        f"\"mirror {i}\");\n" for i, s in enumerate(SPECS))
+        f"\"mirror {i}\");\n" for i, s in enumerate(SPECS + WIDE))
     compile_cubin(f'#include "distance_wgmma.cuh"\n' + checks, [], "sm_90a")
     assert WGMMA_PREPARE_LAUNCH.threads == 256 and WGMMA_PREPARE_LAUNCH.block_m == 8  # a warp per row
 
@@ -205,8 +253,16 @@ def test_chunk_choice():
     assert wgmma_chunk(l2, tf32=False, chunk=2, K=32) == 0 and wgmma_chunk(l2, tf32=False, chunk=2, K=33) == 2
     assert wgmma_chunk(l2, tf32=True, chunk=2, K=1024) == 0 and wgmma_chunk(dot, tf32=False, chunk=2, K=1024) == 0
     assert wgmma_chunk(l2, tf32=False, chunk=0, K=1024) == 0
-    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2).launch == WGMMA_LAUNCH[False, True]
-    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR).launch == WGMMA_LAUNCH[False, False]
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2).launch == WGMMA_LAUNCH[False, 128]
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR).launch == WGMMA_LAUNCH[False, 256]
+    # the setting wgmma_tile: 128 x 192 tiles with partial sums only (one running sum stays 128 x 256)
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=192).launch == WGMMA_LAUNCH[False, 192]
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=192).traits.endswith(", 2, 192>")
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, tile=192) == wgmma_traits_spec(l2, Layout.ROW_MAJOR)
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=256).launch == WGMMA_LAUNCH[False, 256]
+    assert wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=256).traits.endswith(", 2, 256>")
+    with pytest.raises(ValueError):
+        wgmma_traits_spec(l2, Layout.ROW_MAJOR, chunk=2, tile=64)
 
 
 def test_prepare_needs():
@@ -281,6 +337,59 @@ def test_copy_layout_is_what_the_descriptor_reads(rows):
                 seen.add(written)
         assert len(seen) == rows * 16  # a bijection onto the tile
         assert min(seen) == tile_base and max(seen) == tile_base + rows * 64 - 4
+
+
+@pytest.mark.parametrize("block_n", [128, 192, 256])
+def test_b_copies_of_a_tile_cover_its_columns(block_n):
+    """The loader's bulk copies of one stage (distance_wgmma_kernel, kStraddle for 192-row tiles),
+    replayed: for every tile n0 of N columns, each CTA of the pair multicasts its share of every
+    piece; the stage's rows r < rows_b receive b row n0 + r of the k-tile (raw half and small half,
+    read from the 256-row prepared blocks), every column n < N of the tile is among them, nothing is
+    read past the prepared buffer (n_pad rows), each share is a multiple of 16 bytes, and the bytes
+    that land in a CTA are what its full barrier expects (b_bytes, and norm_bytes with the norms)."""
+    prep, row_bytes, cluster, k_tiles, entries = WGMMA_PREPARE_TILE, 64, 2, 3, 2
+    straddle = prep % block_n != 0
+    for N in list(range(1, 1100, 37)) + [191, 192, 193, 255, 256, 257, 383, 384, 385, 511, 512, 513, 768]:
+        prep_tiles_n = -(-N // prep)
+        n_pad = prep_tiles_n * prep
+        block_bytes = prep * row_bytes * 2  # raw, then small
+        buffer_bytes = entries * prep_tiles_n * k_tiles * block_bytes
+        for entry in range(entries):
+            for n0 in range(0, N, block_n):
+                off = n0 % prep
+                blocks = (entry * prep_tiles_n + n0 // prep) * k_tiles * block_bytes + off * row_bytes
+                r1, rows_b = block_n, block_n
+                if straddle:
+                    r1 = min(block_n, prep - off)
+                    rows_b = block_n if r1 < block_n and n0 // prep + 1 < prep_tiles_n else r1
+                b_bytes = rows_b * row_bytes * 2
+                norm_bytes = min(block_n, n_pad - n0) * 4 if straddle else block_n * 4
+                assert rows_b >= min(block_n, N - n0) and norm_bytes >= 4 * min(block_n, N - n0)
+                assert entry * n_pad + n0 + norm_bytes // 4 <= entries * n_pad
+                for kt in range(k_tiles):
+                    src = blocks + kt * block_bytes
+                    landed = {}  # stage byte offset (0: the raw tile) -> prepared-buffer byte offset
+                    for rank in range(cluster):
+                        pieces = [(0, src, r1)]
+                        if rows_b > r1:
+                            pieces.append((r1, src + k_tiles * block_bytes - off * row_bytes, rows_b - r1))
+                        for h in range(2):
+                            for dst_row, s, rows in pieces:
+                                share = rows * row_bytes // cluster
+                                assert share % 16 == 0
+                                d = h * block_n * row_bytes + dst_row * row_bytes + rank * share
+                                g = s + h * prep * row_bytes + rank * share
+                                assert 0 <= g and g + share <= buffer_bytes
+                                for i in range(0, share, 16):
+                                    assert d + i not in landed
+                                    landed[d + i] = g + i
+                    assert 16 * len(landed) == b_bytes
+                    for h in range(2):
+                        for r in range(rows_b):
+                            n = n0 + r
+                            want = ((entry * prep_tiles_n + n // prep) * k_tiles + kt) * block_bytes + \
+                                h * prep * row_bytes + (n % prep) * row_bytes
+                            assert landed[h * block_n * row_bytes + r * row_bytes] == want, (N, n0, kt, h, r)
 
 
 def test_copy_writes_of_a_warp_are_contiguous():
@@ -418,6 +527,99 @@ def test_mbarrier_protocol_has_no_hazards(stages, tiles, k_tiles):
         steps += 1
         assert steps < 100000
     assert released == set(range(total))
+
+
+@pytest.mark.parametrize("stages", [3, 5])
+@pytest.mark.parametrize("tiles, k_tiles", [(1, 1), (3, 2), (2, 3), (3, 5), (2, 16)])
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_column_halves_protocol_has_no_hazards(stages, tiles, k_tiles, chunk):
+    """The 128 x 256 partial-sum consumers (kRotate), replayed against the loader as in
+    test_mbarrier_protocol_has_no_hazards: per chunk of ``chunk`` k-tiles they wait for each stage
+    in turn, read them (ldmatrix, then both column halves' wgmma, each retired by wait_group 0
+    before the additions), and give the chunk's stages back, but the tile's last k-tile's, which
+    the epilogue reads (b norms) and gives back after it. Every k-tile is read only once landed,
+    released exactly once, never rewritten while held, and nothing deadlocks."""
+    import random
+
+    S, total = stages, tiles * k_tiles
+    rng = random.Random(stages * 1000 + tiles * 100 + k_tiles * 10 + chunk)
+    holder = {s: None for s in range(S)}
+    held, released, landed, pending = set(), set(), set(), []
+    full_phases = {s: 0 for s in range(S)}
+    empty_phases = {s: 0 for s in range(S)}
+    loader = {"q": 0}
+    # the consumer's program: ("wait", q) per k-tile of a chunk, then ("chunk", [q...]) (both halves'
+    # wgmma and additions, then the releases), and after the tile's last chunk ("epilogue", q)
+    program = []
+    for t in range(tiles):
+        for kt in range(0, k_tiles, chunk):
+            qs = [t * k_tiles + j for j in range(kt, min(kt + chunk, k_tiles))]
+            program += [("wait", q) for q in qs] + [("chunk", qs)]
+        program.append(("epilogue", t * k_tiles + k_tiles - 1))
+    pc = {"i": 0}
+
+    def release(q):
+        s = q % S
+        assert holder[s] == q and q in held and q not in released
+        held.discard(q)
+        released.add(q)
+        empty_phases[s] += 1
+
+    def loader_step():
+        q = loader["q"]
+        if q >= total:
+            return False
+        s, use = q % S, q // S
+        if empty_phases[s] < use:
+            return False
+        assert holder[s] is None or holder[s] in released, (q, holder[s])
+        holder[s] = q
+        loader["q"] += 1
+        pending.append(q)
+        return True
+
+    def land_step():
+        if not pending:
+            return False
+        q = pending.pop(rng.randrange(len(pending)))
+        landed.add(q)
+        full_phases[q % S] += 1
+        assert full_phases[q % S] == q // S + 1
+        return True
+
+    def consumer_step():
+        if pc["i"] >= len(program):
+            return False
+        op, arg = program[pc["i"]]
+        if op == "wait":
+            s = arg % S
+            if full_phases[s] < arg // S + 1:
+                return False
+            assert holder[s] == arg and arg in landed
+            held.add(arg)
+        elif op == "chunk":
+            for q in arg:  # read by both halves (wait_group 0 after each)
+                assert q in held and holder[q % S] == q
+            last_of_tile = arg[-1] % k_tiles == k_tiles - 1
+            for q in (arg[:-1] if last_of_tile else arg):
+                release(q)
+        else:  # the epilogue reads the last stage's b norms, then gives it back
+            assert arg in held and holder[arg % S] == arg
+            release(arg)
+        pc["i"] += 1
+        return True
+
+    steps = 0
+    while loader["q"] < total or pending or pc["i"] < len(program):
+        moved = False
+        order = [0, 1, 2]
+        rng.shuffle(order)
+        for who in order:
+            moved |= (loader_step, land_step, consumer_step)[who]()
+        assert moved, "deadlock"
+        steps += 1
+        assert steps < 100000
+    assert released == set(range(total)) and not held
 
 
 # The epilogue's tile-uniform fast path (distance_wgmma.cuh), as written in the kernel.

@@ -192,6 +192,25 @@ def wgmma():
     _distance(["l2", "laplace_l2", "gaussian_l2", "dot"], "use_mm_for_euclid_dist")
 
 
+def wgmma_wide():
+    """The wide tiles with partial sums (setting wgmma_tile 192 or 256): the wgmma family's calls, then
+    N whose 192-column tiles straddle two 256-row prepared blocks (N = 700: n0 = 384 reads rows
+    128-255 of block 1 and 0-63 of block 2) or end at the prepared rows (N = 200, 450: the copies and
+    norms clipped at n_pad), K = 72 (an odd count of k-tiles: the column halves' last chunk of one),
+    and a self-distance with its exact-zero diagonal across tiles."""
+    wgmma()
+    if torch.cuda.get_device_capability() != (9, 0):
+        return
+    desc = km.PRESETS["l2"]
+    for seed, N in ((4, 200), (5, 450), (6, 700)):
+        a, b = _data(seed=seed, sizes=(2, 131, N, 72))
+        _check(_run(desc, a, b, None, "use_mm_for_euclid_dist", None), desc, a, b, 1e-4)
+    x = _data(seed=7, sizes=(1, 450, 1, 72))[0]
+    d = km.cdist(x, x)
+    assert (torch.diagonal(d[0]) == 0).all(), "self-distance diagonal not zero"
+    _check(d, desc, x, x, 1e-4)
+
+
 def _grad():
     L, K, M, N, O = 2, 45, 37, 21, 5
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -412,6 +431,11 @@ FAMILIES = {
     # the distance kernel with one running sum, and with partial sums of two k-tiles (wgmma_chunk)
     "wgmma_chunk0": (wgmma, {"KERMAC_LIKE_WGMMA": "always", "KERMAC_LIKE_WGMMA_CHUNK": "0"}),
     "wgmma_chunk2": (wgmma, {"KERMAC_LIKE_WGMMA": "always", "KERMAC_LIKE_WGMMA_CHUNK": "2"}),
+    # partial sums of two k-tiles in 128 x 192 tiles, and in 128 x 256 tiles by column halves (wgmma_tile)
+    "wgmma_tile192": (wgmma_wide, {"KERMAC_LIKE_WGMMA": "always", "KERMAC_LIKE_WGMMA_CHUNK": "2",
+                                   "KERMAC_LIKE_WGMMA_TILE": "192"}),
+    "wgmma_tile256": (wgmma_wide, {"KERMAC_LIKE_WGMMA": "always", "KERMAC_LIKE_WGMMA_CHUNK": "2",
+                                   "KERMAC_LIKE_WGMMA_TILE": "256"}),
     "grad_simt": (grad_simt, {"KERMAC_LIKE_GRAD_MMA": "0"}),
     "grad_mma": (grad_mma, {"KERMAC_LIKE_GRAD_MMA": "1"}),
     "linalg": (linalg, {}),

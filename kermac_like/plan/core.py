@@ -36,7 +36,7 @@ class Settings(NamedTuple):
     :func:`.distance._few_tiles`); ``grad_mma``: the setting grad_mma; ``distance_tune``: the
     setting distance_tune (:class:`.distance.Tune`; None: the shipped spec functions and limits);
     ``wgmma_chunk``: the setting wgmma_chunk (k-tiles per partial sum of the wgmma distance kernel,
-    0: none)."""
+    0: none); ``wgmma_tile``: the setting wgmma_tile (that kernel's tile columns with partial sums)."""
 
     tf32: bool
     wgmma: bool
@@ -44,12 +44,13 @@ class Settings(NamedTuple):
     wgmma_always: bool = False
     distance_tune: object = None
     wgmma_chunk: int = 2
+    wgmma_tile: int = 128
 
     @staticmethod
     def current() -> "Settings":
         wgmma = config.get("wgmma")
         return Settings(bool(MATMUL.allow_tf32), wgmma != "off", config.get("grad_mma"), wgmma == "always",
-                        config.get("distance_tune"), config.get("wgmma_chunk"))
+                        config.get("distance_tune"), config.get("wgmma_chunk"), config.get("wgmma_tile"))
 
 
 class Launch(NamedTuple):

@@ -246,7 +246,8 @@ def _select(call: DistanceCall, out, hypers: dict, compute_mode: str, settings: 
         # mma.sync build keeps one running sum (2-4x torch.cdist's error at K = 1024).
         partial = call.dtype == torch.float32 and wgmma_chunk(call.desc, tf32=tf32, chunk=settings.wgmma_chunk, K=call.K)
         if _wgmma_enabled(call.device, settings) and (settings.wgmma_always or partial or not _few_tiles(call)):
-            spec = tune.wgmma_spec(call.desc, av, bv, outv, chunk=settings.wgmma_chunk, **kw)
+            spec = tune.wgmma_spec(call.desc, av, bv, outv, chunk=settings.wgmma_chunk, tile=settings.wgmma_tile,
+                                   **kw)
             family = "distance_wgmma"
         if spec is None:
             spec, family = tune.mma_spec(call.desc, av, bv, outv, **kw), "distance_mma"

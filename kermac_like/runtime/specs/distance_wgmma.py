@@ -18,23 +18,22 @@ from .kernel_spec import SHIPPED_DESCRIPTORS, KernelSpec, LaunchShape
 # launch preceded by wgmma_prepare_b_kernel (b in the kernel's shared-memory image, B small
 # for 3xTF32, b row norms for distances), which :func:`wgmma_prepare_spec` renders.
 # Chunked (3xTF32 only; DistanceWgmmaTraits::kChunkTiles, setting wgmma_chunk): 128 x 128 tiles
-# whose products sum in fresh partial sums of 1 or 2 k-tiles.
-def _wgmma_block_n(chunked: bool) -> int:
-    return 128 if chunked else 256
+# (or 128 x 192: kChunkN, setting wgmma_tile) whose products sum in fresh partial sums of 1 or 2
+# k-tiles; one running sum: 128 x 256 tiles.
+WGMMA_TILES = (128, 192, 256)  # the chunked kernel's tile widths (the setting wgmma_tile's choices)
 
 
-def _wgmma_smem(tf32: bool, chunked: bool = False) -> int:
-    n = _wgmma_block_n(chunked)
-    stages = 8 if tf32 or chunked else 5
-    stage = 128 * 64 + n * 64 * (1 if tf32 else 2) + n * 4  # a, b, (B small), b norms
+def _wgmma_smem(tf32: bool, block_n: int) -> int:  # (256: also the partial sums in column halves)
+    stages = 5 if block_n == 256 and not tf32 else 6 if block_n == 192 else 8
+    stage = 128 * 64 + block_n * 64 * (1 if tf32 else 2) + block_n * 4  # a, b, (B small), b norms
     stage = -(-stage // 1024) * 1024  # the swizzle's 1 KiB alignment
     return stages * stage + 2 * stages * 8 + 1024  # stages, barriers, alignment
 
 
-WGMMA_LAUNCH = {  # (tf32, chunked)
-    (tf32, chunked): LaunchShape(threads=384, block_m=128, block_n=_wgmma_block_n(chunked),
-                                 smem_bytes=_wgmma_smem(tf32, chunked), persistent=True, cluster=2)
-    for tf32, chunked in ((False, False), (True, False), (False, True))
+WGMMA_LAUNCH = {  # (tf32, the tile's columns)
+    (tf32, n): LaunchShape(threads=384, block_m=128, block_n=n, smem_bytes=_wgmma_smem(tf32, n), persistent=True,
+                           cluster=2)
+    for tf32, n in ((False, 256), (True, 256), (False, 128), (False, 192))
 }
 WGMMA_PREPARE_TILE = 256  # WgmmaPrepareTraits::kTileN: the prepared b blocks' rows, whatever the tile
 WGMMA_PREPARE_LAUNCH = LaunchShape(threads=256, block_m=8, block_n=1)  # one warp per row of b
@@ -50,17 +49,22 @@ def wgmma_chunk(desc: KernelDescriptor, *, tf32: bool, chunk: int = 2, K: int | 
 
 
 def wgmma_traits_spec(desc: KernelDescriptor, out: Layout, *, tf32: bool = False, functor=None,
-                      chunk: int = 0) -> KernelSpec:
+                      chunk: int = 0, tile: int = 128) -> KernelSpec:
     """``functor``: (C++ name, stub source) of an epilogue functor (specs.epilogue.functor), as
     distance_mma.mma_traits_spec's: Diff, outer Noop, Epilogue::None and the functor. ``chunk``:
-    :func:`wgmma_chunk`'s answer (the traits' kChunkTiles)."""
+    :func:`wgmma_chunk`'s answer (the traits' kChunkTiles); ``tile``: the chunked tiles' columns
+    (the setting wgmma_tile; the traits' kChunkN where not the default 128; 256: the partial sums
+    column half by column half), ignored without chunk."""
+    if tile not in WGMMA_TILES:
+        raise ValueError(f"wgmma tile width {tile!r}: one of {WGMMA_TILES}")
     outer = "kermac_like::Power::Noop" if desc.outer_power is PowerType.NOOP else "kermac_like::Power::Sqrt"
     precision = "kermac_like::Precision::Tf32" if tf32 else "kermac_like::Precision::Tf32x3"
     row = Layout.ROW_MAJOR.cpp
-    tail = f", 0, void, {chunk}" if chunk else ""
-    launch = WGMMA_LAUNCH[tf32, chunk > 0]
+    wide = f", {tile}" if chunk and tile != 128 else ""
+    tail = f", 0, void, {chunk}{wide}" if chunk else ""
+    launch = WGMMA_LAUNCH[tf32, (tile if chunk else 256)]
     if functor is not None:
-        tail = f", 0, {functor[0]}" + (f", {chunk}" if chunk else "")
+        tail = f", 0, {functor[0]}" + (f", {chunk}{wide}" if chunk else "")
         traits = (f"kermac_like::DistanceWgmmaTraits<kermac_like::Inner::Diff, kermac_like::Power::Noop, "
                   f"kermac_like::Epilogue::None, {row}, {row}, {out.cpp}, {precision}, float{tail}>")
         return KernelSpec("distance_wgmma.cuh", "kermac_like::distance_wgmma_kernel", traits, launch,
@@ -87,22 +91,23 @@ def wgmma_prepare_needs(desc: KernelDescriptor, *, tf32: bool) -> tuple:
 
 
 def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_ok: bool = True,
-               chunk: int = 2, functor=None):
+               chunk: int = 2, tile: int = 128, functor=None):
     """The sm_90a (wgmma) instantiation for these operand views, or None when it does
     not apply: the requirements of :func:`mma_spec`, float32 data only. The caller
-    checks that the device is sm_90. ``chunk``: the setting wgmma_chunk; ``functor``: as
-    :func:`wgmma_traits_spec`'s."""
+    checks that the device is sm_90. ``chunk``: the setting wgmma_chunk; ``tile``: the setting
+    wgmma_tile; ``functor``: as :func:`wgmma_traits_spec`'s."""
     if a.tensor.dtype != torch.float32:
         return None
     if mma_spec(desc, a, b, out, tf32=tf32, batch_offsets_ok=batch_offsets_ok) is None:
         return None
-    return wgmma_traits_spec(desc, out.layout, tf32=tf32, functor=functor,
+    return wgmma_traits_spec(desc, out.layout, tf32=tf32, functor=functor, tile=tile,
                              chunk=wgmma_chunk(desc, tf32=tf32, chunk=chunk, K=a.tensor.shape[-1]))
 
-def wgmma_specs_for(desc: KernelDescriptor) -> list:
+def wgmma_specs_for(desc: KernelDescriptor, tile: int = 128) -> list:
     """The wgmma instantiations a call of ``desc`` can reach with a row-major output: per precision
-    the default's partial sums and one running sum (K <= 32, plain TF32, DOT)."""
-    return [wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32, chunk=chunk)
+    the default's partial sums (tiles ``tile`` wide: the setting wgmma_tile's default) and one running
+    sum (K <= 32, plain TF32, DOT)."""
+    return [wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32, chunk=chunk, tile=tile)
             for tf32 in (False, True) for chunk in dict.fromkeys((wgmma_chunk(desc, tf32=tf32), 0))]
 
 

@@ -166,10 +166,10 @@ SETTINGS = _declare(
     Setting("wgmma_chunk", "choice", 2, "the wgmma distance kernel's 3xTF32 products summed in fresh partial sums "
             "of this many k-tiles (16 k each), added in float32 (128 x 128 tiles; 0: one running sum on the tensor "
             "cores, 128 x 256 tiles, 2-4x torch.cdist's error: bench/notes/data_zoo.md, session 22)", (0, 1, 2)),
-    Setting("wgmma_tile", "choice", 128, "the columns of the wgmma distance kernel's tiles with partial sums: 128 "
-            "(128 x 128, measured), 192 (128 x 192: a's split and copies per product down by a third) or 256 "
-            "(128 x 256, the partial sums column half by column half: a's work per product of one running sum; "
-            "bench/notes/data_zoo.md, session 23)", (128, 192, 256)),
+    Setting("wgmma_tile", "choice", 256, "the columns of the wgmma distance kernel's tiles with partial sums: 128 "
+            "(128 x 128), 192 (128 x 192: a's split and copies per product down by a third) or 256 (128 x 256, "
+            "the partial sums column half by column half: a's work per product of one running sum; fastest on an "
+            "H200, the same bits: bench/notes/data_zoo.md, session 23)", (128, 192, 256)),
     Setting("grad_mma", "bool", True, "cdist_grad on tensor cores where it applies (off: the SIMT kernel)"),
     Setting("topk_mma_version", "choice", 6, "the tensor-core top-k candidates' kernel version (6: wgmma on sm_90, "
             "else the highest that fits)", (2, 3, 4, 5, 6)),

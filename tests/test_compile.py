@@ -56,6 +56,10 @@ SPILL_ALLOWANCE = {
     # the l1 (Abs) gradient at 3 coordinates, sm_80: 4 bytes outside the pair loop (session 22, the AGOP's
     # lanes per row; bench/notes/rfm.md)
     "matvec_grad_kernel": 4,
+    # 128 x 256 tiles with partial sums column half by column half (wgmma_tile 256), sm_90a: the loader at 24
+    # registers keeps 3 values in local memory (16 bytes, read once a k-tile); 17.4 against 19.1 ms of the
+    # 128 x 128 tiles at cdist p = 2 30000^2 x 1024 on an H200 (bench/notes/data_zoo.md, session 23)
+    "distance_wgmma_kernel": 16,
 }
 
 

@@ -44,7 +44,7 @@ class Settings(NamedTuple):
     wgmma_always: bool = False
     distance_tune: object = None
     wgmma_chunk: int = 2
-    wgmma_tile: int = 128
+    wgmma_tile: int = 256
 
     @staticmethod
     def current() -> "Settings":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import config
 from ...descriptor import InnerOperator, KernelDescriptor, PowerType
 from ...layout import Layout
 from .distance_mma import mma_spec
@@ -103,10 +104,11 @@ def wgmma_spec(desc: KernelDescriptor, a, b, out, *, tf32: bool, batch_offsets_o
     return wgmma_traits_spec(desc, out.layout, tf32=tf32, functor=functor, tile=tile,
                              chunk=wgmma_chunk(desc, tf32=tf32, chunk=chunk, K=a.tensor.shape[-1]))
 
-def wgmma_specs_for(desc: KernelDescriptor, tile: int = 128) -> list:
+def wgmma_specs_for(desc: KernelDescriptor, tile: int | None = None) -> list:
     """The wgmma instantiations a call of ``desc`` can reach with a row-major output: per precision
-    the default's partial sums (tiles ``tile`` wide: the setting wgmma_tile's default) and one running
+    the default's partial sums (tiles ``tile`` wide, default the setting wgmma_tile) and one running
     sum (K <= 32, plain TF32, DOT)."""
+    tile = config.get("wgmma_tile") if tile is None else tile
     return [wgmma_traits_spec(desc, Layout.ROW_MAJOR, tf32=tf32, chunk=chunk, tile=tile)
             for tf32 in (False, True) for chunk in dict.fromkeys((wgmma_chunk(desc, tf32=tf32), 0))]
 

@@ -112,10 +112,19 @@ def _compile_shipped_once(request, tmp_path_factory):
         if cache_dir and os.environ.get("PYTEST_XDIST_WORKER"):
             os.makedirs(cache_dir, exist_ok=True)
             turns = exclusive(os.path.join(cache_dir, ".test-precompile.lock"))
+        arch = arch_of_device(torch.device("cuda", torch.cuda.current_device()))
         with turns:
-            summary = precompile_specs(shipped_specs(),
-                                       arch_of_device(torch.device("cuda", torch.cuda.current_device())))
-        print(f"\n[conftest] shipped kernels: {summary.get('compiled')} compiled, {summary.get('cached')} cached, "
+            summary = precompile_specs(shipped_specs(), arch)
+            # Then the instantiations outside the shipped set that the session's GPU modules compile up front
+            # (their module-level up_front_specs()), all in one precompile: under pytest-xdist every worker
+            # that draws a test of such a module would otherwise run the module's own up-front precompile
+            # (a pool of processes each) at about the same moment as the others, each compiling the same
+            # kernels; now one worker compiles them on every core while the others wait, and the modules'
+            # fixtures find them cached.
+            extra = _up_front_specs(request.session.items)
+            more = precompile_specs(extra, arch, processes=min(16, os.cpu_count() or 1)) if extra else {}
+        print(f"\n[conftest] shipped kernels: {summary.get('compiled')} compiled, {summary.get('cached')} cached; "
+              f"the GPU modules' up-front kernels: {more.get('compiled', 0)} compiled, {more.get('cached', 0)} cached, "
               f"{time.perf_counter() - t0:.1f} s")
         reset = getattr(_cache, "reset_cache", None)
         if reset is not None:
@@ -127,6 +136,21 @@ def _compile_shipped_once(request, tmp_path_factory):
             else:
                 os.environ["KERMAC_LIKE_CACHE_DIR"] = saved
     yield
+
+
+def _up_front_specs(items) -> list:
+    """The specs that the modules of the selected GPU tests compile up front (a module's ``up_front_specs()``),
+    in module order, without repeats."""
+    specs, seen = [], set()
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ in seen or "gpu" not in item.keywords:
+            continue
+        seen.add(module.__name__)
+        fn = getattr(module, "up_front_specs", None)
+        if callable(fn):
+            specs += fn()
+    return list(dict.fromkeys(specs))
 
 
 # The ShippedBuild that pytest_configure started before collection (a run of the whole suite), or None.

@@ -448,8 +448,9 @@ def test_expanded_kernel_sass(shipped):
 
 
 # -- GPU: the fused kernel against float64 ---------------------------------------------------------
-def _gpu_specs():
-    """Every instantiation the GPU tests reach (compiled up front, in parallel)."""
+def up_front_specs():
+    """Every instantiation the GPU tests reach (compiled up front, in parallel: conftest's session fixture
+    compiles those of every GPU module in the session once, before the tests; gpu_warm then finds them)."""
     f32 = torch.float32
     out = []
     for d in ALL:
@@ -488,7 +489,7 @@ EUCLID_NAMES = ("l2", "squared_l2", "laplace_l2", "gaussian_l2", "dot")
 def gpu_warm():
     from kermac_like.runtime.compiler import arch_of_device, precompile_specs
 
-    precompile_specs(_gpu_specs(), arch_of_device(0), processes=min(16, os.cpu_count() or 1))
+    precompile_specs(up_front_specs(), arch_of_device(0), processes=min(16, os.cpu_count() or 1))
     yield
 
 

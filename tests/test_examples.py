@@ -159,7 +159,7 @@ def example_runs(tmp_path_factory):
 
     todo = [s for s in sorted(KEY_LINES) if (EXAMPLES / s).exists()
             and all(importlib.util.find_spec(m) is not None for m in NEEDS.get(s, ()))]
-    if not torch.cuda.is_available() and hasattr(os, "fork"):
+    if _forked():
         tmp = tmp_path_factory.mktemp("examples")
         runs = _fork_runs(todo, tmp)
         runs[BENCH_QUICK[0]] += (tmp / "bench",)
@@ -185,13 +185,19 @@ def test_example_quick_debug(script, example_runs):
     assert "kermac_like" in p.stderr, p.stderr[-2000:]
 
 
-def test_kernel_regression_without_sklearn(example_runs):
+def _forked() -> bool:
+    """Whether example_runs runs the scripts as forks of one server (no CUDA), and so also NO_SKLEARN's and
+    BENCH_QUICK's runs."""
+    return not torch.cuda.is_available() and hasattr(os, "fork")
+
+
+def test_kernel_regression_without_sklearn(request):
     """scikit-learn is an optional extra: the example must still run and say what it skipped. Without
     CUDA, one of the fork server's runs (example_runs), with sklearn and its submodules taken out of
     sys.modules and `import sklearn` made to fail; with CUDA, a process of its own."""
     name, script, argv, hidden = NO_SKLEARN
-    if name in example_runs:
-        p, out = example_runs[name]
+    if _forked():
+        p, out = request.getfixturevalue("example_runs")[name]
     else:
         code = (
             "import sys, runpy; sys.modules['sklearn'] = None; "  # makes `import sklearn` fail
@@ -205,12 +211,12 @@ def test_kernel_regression_without_sklearn(example_runs):
     assert "synthetic" in p.stdout
 
 
-def test_bench_quick(tmp_path, example_runs):
+def test_bench_quick(tmp_path, request):
     """bench/run.py --quick end to end: without CUDA one of the fork server's runs (example_runs), with CUDA a
     process of its own."""
     name, script, argv = BENCH_QUICK
-    if name in example_runs:
-        p, out, tmp_path = example_runs[name]
+    if _forked():
+        p, out, tmp_path = request.getfixturevalue("example_runs")[name]
     else:
         p, out = _run([str(script), *argv, "--out", str(tmp_path)], timeout=300)
     assert p.returncode == 0, out[-4000:]

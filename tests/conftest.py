@@ -112,7 +112,7 @@ def _compile_shipped_once(request, tmp_path_factory):
         t0 = time.perf_counter()
         # pytest-xdist workers share one cache directory: one worker compiles while the others wait
         # on the lock and then find every kernel cached (not four compiles of the set at once).
-        from shipped_build import exclusive
+        from shipped_build import exclusive, up_front_turn
 
         cache_dir = d or os.environ.get("KERMAC_LIKE_CACHE_DIR")
         turns = contextlib.nullcontext()
@@ -122,14 +122,18 @@ def _compile_shipped_once(request, tmp_path_factory):
         arch = arch_of_device(torch.device("cuda", torch.cuda.current_device()))
         with turns:
             summary = precompile_specs(shipped_specs(), arch)
-            # Then the instantiations outside the shipped set that the session's GPU modules compile up front
-            # (their module-level up_front_specs()), all in one precompile: under pytest-xdist every worker
-            # that draws a test of such a module would otherwise run the module's own up-front precompile
-            # (a pool of processes each) at about the same moment as the others, each compiling the same
-            # kernels; now one worker compiles them on every core while the others wait, and the modules'
-            # fixtures find them cached.
-            extra = _up_front_specs(request.session.items)
-            more = precompile_specs(extra, arch, processes=min(16, os.cpu_count() or 1)) if extra else {}
+        # Then the instantiations outside the shipped set that the session's GPU modules compile up front (their
+        # module-level up_front_specs()), all in one precompile by one worker: under pytest-xdist every worker
+        # that drew a test of such a module ran the module's own up-front precompile (a pool of processes each) at
+        # about the same moment as the others, each compiling the same kernels. The other workers start on their
+        # tests meanwhile; a module's fixture waits for the turn (up_front_turn) and then finds its kernels cached.
+        # (xdist workers with a cache dir each, KERMAC_LIKE_TEST_KEEP_CACHE unset: each module's own, as before)
+        more = {}
+        shared = d is None or not os.environ.get("PYTEST_XDIST_WORKER")
+        with up_front_turn(block=False) as mine:
+            extra = _up_front_specs(request.session.items) if mine and shared else []
+            if extra:
+                more = precompile_specs(extra, arch, processes=min(16, os.cpu_count() or 1))
         print(f"\n[conftest] shipped kernels: {summary.get('compiled')} compiled, {summary.get('cached')} cached; "
               f"the GPU modules' up-front kernels: {more.get('compiled', 0)} compiled, {more.get('cached', 0)} cached, "
               f"{time.perf_counter() - t0:.1f} s")

@@ -38,6 +38,29 @@ def exclusive(path):
         yield
 
 
+@contextlib.contextmanager
+def up_front_turn(block: bool = True):
+    """The turn at the GPU modules' up-front compile (conftest's session fixture, the modules' own fixtures) of
+    pytest-xdist workers that share a kernel cache dir: yields True while this process holds it. ``block``
+    False: yields False at once when another worker holds it (conftest's fixture: one worker compiles every
+    module's kernels while the others start on their tests; a module's fixture waits for its turn and then
+    finds its kernels cached). Outside xdist, or with no cache dir set: yields True."""
+    import fcntl
+
+    cache_dir = os.environ.get("KERMAC_LIKE_CACHE_DIR")
+    if not cache_dir or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield True
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, ".test-up-front.lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
 class ShippedBuild:
     def __init__(self, base: Path):
         self.base = Path(base)

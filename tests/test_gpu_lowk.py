@@ -93,8 +93,10 @@ def warm_cache():
     import os
 
     from kermac_like.runtime.compiler import arch_of_device, precompile_specs
+    from shipped_build import up_front_turn
 
-    precompile_specs(up_front_specs(), arch_of_device(torch.device("cuda")), processes=min(16, os.cpu_count() or 1))
+    with up_front_turn():  # under xdist: after the session's compile of every GPU module's kernels
+        precompile_specs(up_front_specs(), arch_of_device(torch.device("cuda")), processes=min(16, os.cpu_count() or 1))
     yield
 
 

@@ -47,7 +47,10 @@ def up_front_specs():
 @pytest.fixture(scope="module", autouse=True)
 def warm_cache():
     """Compile what this module needs up front, in parallel processes."""
-    km.precompile(ALL, processes=min(16, os.cpu_count() or 1))
+    from shipped_build import up_front_turn
+
+    with up_front_turn():  # under xdist: after the session's compile of every GPU module's kernels
+        km.precompile(ALL, processes=min(16, os.cpu_count() or 1))
     yield
 
 

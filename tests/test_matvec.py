@@ -488,8 +488,10 @@ EUCLID_NAMES = ("l2", "squared_l2", "laplace_l2", "gaussian_l2", "dot")
 @pytest.fixture(scope="module")
 def gpu_warm():
     from kermac_like.runtime.compiler import arch_of_device, precompile_specs
+    from shipped_build import up_front_turn
 
-    precompile_specs(up_front_specs(), arch_of_device(0), processes=min(16, os.cpu_count() or 1))
+    with up_front_turn():  # under xdist: after the session's compile of every GPU module's kernels
+        precompile_specs(up_front_specs(), arch_of_device(0), processes=min(16, os.cpu_count() or 1))
     yield
 
 

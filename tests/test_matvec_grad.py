@@ -379,8 +379,10 @@ def gpu_kernels():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from kermac_like.runtime.compiler import arch_of_device, precompile_specs
+    from shipped_build import up_front_turn
 
-    return precompile_specs(up_front_specs(), arch_of_device(torch.device("cuda")))
+    with up_front_turn():  # under xdist: after the session's compile of every GPU module's kernels
+        return precompile_specs(up_front_specs(), arch_of_device(torch.device("cuda")))
 
 
 @gpu

@@ -1,8 +1,15 @@
 import contextlib
 import os
 
-import pytest
-import torch
+# OpenMP's idle threads sleep instead of spinning (set before torch loads libgomp; the test processes and every
+# process they start inherit it). The suite keeps every core busy (the shipped build beside the tests, the
+# example runs and gloo ranks two at a time), and with the default active wait torch's idle worker threads spin
+# on the cores the others need: on this 2-core machine tests/test_sklearn.py + test_rfm.py took 73-75 CPU-s
+# with it and 14-15 CPU-s without, the three gloo pair checks 80 and 17 CPU-s. Threads and numerics unchanged.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The low-K first-call tier (plan._first_call_tier) runs a stand-in kernel while the one a
 # call asked for compiles: tests that look at which kernel ran or whether a plan was kept
@@ -105,17 +112,30 @@ def _compile_shipped_once(request, tmp_path_factory):
         t0 = time.perf_counter()
         # pytest-xdist workers share one cache directory: one worker compiles while the others wait
         # on the lock and then find every kernel cached (not four compiles of the set at once).
-        from shipped_build import exclusive
+        from shipped_build import exclusive, up_front_turn
 
         cache_dir = d or os.environ.get("KERMAC_LIKE_CACHE_DIR")
         turns = contextlib.nullcontext()
         if cache_dir and os.environ.get("PYTEST_XDIST_WORKER"):
             os.makedirs(cache_dir, exist_ok=True)
             turns = exclusive(os.path.join(cache_dir, ".test-precompile.lock"))
+        arch = arch_of_device(torch.device("cuda", torch.cuda.current_device()))
         with turns:
-            summary = precompile_specs(shipped_specs(),
-                                       arch_of_device(torch.device("cuda", torch.cuda.current_device())))
-        print(f"\n[conftest] shipped kernels: {summary.get('compiled')} compiled, {summary.get('cached')} cached, "
+            summary = precompile_specs(shipped_specs(), arch)
+        # Then the instantiations outside the shipped set that the session's GPU modules compile up front (their
+        # module-level up_front_specs()), all in one precompile by one worker: under pytest-xdist every worker
+        # that drew a test of such a module ran the module's own up-front precompile (a pool of processes each) at
+        # about the same moment as the others, each compiling the same kernels. The other workers start on their
+        # tests meanwhile; a module's fixture waits for the turn (up_front_turn) and then finds its kernels cached.
+        # (xdist workers with a cache dir each, KERMAC_LIKE_TEST_KEEP_CACHE unset: each module's own, as before)
+        more = {}
+        shared = d is None or not os.environ.get("PYTEST_XDIST_WORKER")
+        with up_front_turn(block=False) as mine:
+            extra = _up_front_specs(request.session.items) if mine and shared else []
+            if extra:
+                more = precompile_specs(extra, arch, processes=min(16, os.cpu_count() or 1))
+        print(f"\n[conftest] shipped kernels: {summary.get('compiled')} compiled, {summary.get('cached')} cached; "
+              f"the GPU modules' up-front kernels: {more.get('compiled', 0)} compiled, {more.get('cached', 0)} cached, "
               f"{time.perf_counter() - t0:.1f} s")
         reset = getattr(_cache, "reset_cache", None)
         if reset is not None:
@@ -127,6 +147,21 @@ def _compile_shipped_once(request, tmp_path_factory):
             else:
                 os.environ["KERMAC_LIKE_CACHE_DIR"] = saved
     yield
+
+
+def _up_front_specs(items) -> list:
+    """The specs that the modules of the selected GPU tests compile up front (a module's ``up_front_specs()``),
+    in module order, without repeats."""
+    specs, seen = [], set()
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ in seen or "gpu" not in item.keywords:
+            continue
+        seen.add(module.__name__)
+        fn = getattr(module, "up_front_specs", None)
+        if callable(fn):
+            specs += fn()
+    return list(dict.fromkeys(specs))
 
 
 # The ShippedBuild that pytest_configure started before collection (a run of the whole suite), or None.

@@ -38,6 +38,29 @@ def exclusive(path):
         yield
 
 
+@contextlib.contextmanager
+def up_front_turn(block: bool = True):
+    """The turn at the GPU modules' up-front compile (conftest's session fixture, the modules' own fixtures) of
+    pytest-xdist workers that share a kernel cache dir: yields True while this process holds it. ``block``
+    False: yields False at once when another worker holds it (conftest's fixture: one worker compiles every
+    module's kernels while the others start on their tests; a module's fixture waits for its turn and then
+    finds its kernels cached). Outside xdist, or with no cache dir set: yields True."""
+    import fcntl
+
+    cache_dir = os.environ.get("KERMAC_LIKE_CACHE_DIR")
+    if not cache_dir or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield True
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, ".test-up-front.lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
 class ShippedBuild:
     def __init__(self, base: Path):
         self.base = Path(base)
@@ -172,20 +195,15 @@ def canonical_programs(specs, arch: str, group_size: int = 8) -> list:
     return out
 
 
-def _compile_program(args):
-    from kermac_like.runtime.compiler import compile_specs
-
-    return compile_specs(*args)
-
-
 def compile_programs(programs, arch: str, cache, reports: dict, processes: int = 2) -> dict:
     """Compile each program's kernels that ``cache`` lacks (one program each, ``processes`` at a
-    time) into ``cache``; precompile_specs' summary, the ptxas reports added to ``reports``."""
+    time, in threads of this process: NVRTC runs without the GIL, as in the install's build, so no
+    spawned worker imports torch and the package again) into ``cache``; precompile_specs' summary, the
+    ptxas reports added to ``reports``."""
     import concurrent.futures as cf
-    import multiprocessing
     import time
 
-    from kermac_like.runtime.compiler import kernel_key
+    from kermac_like.runtime.compiler import compile_specs, kernel_key
 
     t0 = time.perf_counter()
     keys = {s: kernel_key(s, arch) for g in programs for s in g}
@@ -193,9 +211,8 @@ def compile_programs(programs, arch: str, cache, reports: dict, processes: int =
     todo = [tuple(s for s in g if keys[s] not in present) for g in programs]
     todo = [g for g in todo if g]
     spills = {}
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=max(1, min(processes, len(todo))), mp_context=ctx) as ex:
-        for record, resources in ex.map(_compile_program, [(g, arch) for g in todo]):
+    with cf.ThreadPoolExecutor(max_workers=max(1, min(processes, len(todo)))) as ex:
+        for record, resources in ex.map(lambda g: compile_specs(g, arch), todo):
             cache.put(record)
             reports.update(resources)
             for expr, res in resources.items():

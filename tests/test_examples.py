@@ -68,24 +68,28 @@ except ImportError:
     pass
 if store.prepare_thread is not None:
     store.prepare_thread.join()  # no thread of this process runs at a fork
-examples, todo, timeout = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+todo, timeout = json.loads(sys.argv[1]), int(sys.argv[2])
 running = {}
 
 
 def start(job):
-    script, out, err = job
+    name, script, out, err, argv, hidden = job
     pid = os.fork()
     if pid:
-        running[pid] = script
+        running[pid] = name
         return
     try:
         signal.alarm(timeout)
         fo, fe = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fo, 1)
         os.dup2(fe, 2)
-        sys.argv = [os.path.join(examples, script), "--quick", "-d"]
-        sys.path.insert(0, examples)
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        for top in hidden:  # as if not installed: `import top` (and its submodules) raise ImportError
+            for m in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+                del sys.modules[m]
+            sys.modules[top] = None
+        sys.argv = [script, *argv]
+        sys.path.insert(0, os.path.dirname(script))  # as `python script` puts it first
+        runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -104,8 +108,8 @@ while jobs or running:
     while jobs and len(running) < 2:
         start(jobs.pop(0))
     pid, status = os.wait()
-    script = running.pop(pid)
-    print(json.dumps([script, os.waitstatus_to_exitcode(status)]), flush=True)
+    name = running.pop(pid)
+    print(json.dumps([name, os.waitstatus_to_exitcode(status)]), flush=True)
 """
 
 
@@ -116,19 +120,33 @@ class _Done:
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
+# The run of kernel_regression.py with scikit-learn hidden (test_kernel_regression_without_sklearn): its name
+# among the fork server's runs, the script, its arguments, the packages hidden.
+NO_SKLEARN = ("kernel_regression.py without sklearn", EXAMPLES / "kernel_regression.py", ["--quick"], ["sklearn"])
+# The benchmark's quick run (test_bench_quick): its name, the script, its arguments but --out (one timed call
+# of each workload, no warm-up call: the test reads the rows, the errors and the table, not the timings).
+BENCH_QUICK = ("bench/run.py --quick", BENCH / "run.py", ["--quick", "--repeats", "1", "--warmup", "0"])
+
+
 def _fork_runs(todo, tmp) -> dict:
-    jobs = [(s, str(tmp / f"{s}.out"), str(tmp / f"{s}.err")) for s in todo]
+    """{name: (run, output)}: every script of ``todo`` with --quick -d, NO_SKLEARN's run and BENCH_QUICK's
+    (its --out: ``tmp``/bench), at most two at a time, the longest first."""
+    name, script, argv = BENCH_QUICK
+    todo = ([(name, script, [*argv, "--out", str(tmp / "bench")], [])]
+            + [(s, EXAMPLES / s, ["--quick", "-d"], []) for s in todo] + [NO_SKLEARN])
+    jobs = [(name, str(script), str(tmp / f"{i}.out"), str(tmp / f"{i}.err"), argv, hidden)
+            for i, (name, script, argv, hidden) in enumerate(todo)]
     env = dict(os.environ)
     env.pop("KERMAC_LIKE_DEBUG", None)
-    p = subprocess.run([sys.executable, "-c", _FORK_SERVER, str(EXAMPLES), json.dumps(jobs), "240"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=240 * len(jobs))
+    p = subprocess.run([sys.executable, "-c", _FORK_SERVER, json.dumps(jobs), "300"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300 * len(jobs))
     codes = dict(json.loads(line) for line in p.stdout.splitlines() if line.startswith("["))
     runs = {}
-    for script, out, err in jobs:
+    for name, _, out, err, _, _ in jobs:
         o = pathlib.Path(out).read_text() if pathlib.Path(out).exists() else ""
         e = pathlib.Path(err).read_text() if pathlib.Path(err).exists() else ""
-        done = _Done(codes.get(script, p.returncode or -1), o, e + ("" if script in codes else p.stderr))
-        runs[script] = (done, o + e)
+        done = _Done(codes.get(name, p.returncode or -1), o, e + ("" if name in codes else p.stderr))
+        runs[name] = (done, o + e)
     return runs
 
 
@@ -141,8 +159,11 @@ def example_runs(tmp_path_factory):
 
     todo = [s for s in sorted(KEY_LINES) if (EXAMPLES / s).exists()
             and all(importlib.util.find_spec(m) is not None for m in NEEDS.get(s, ()))]
-    if not torch.cuda.is_available() and hasattr(os, "fork"):
-        return _fork_runs(todo, tmp_path_factory.mktemp("examples"))
+    if _forked():
+        tmp = tmp_path_factory.mktemp("examples")
+        runs = _fork_runs(todo, tmp)
+        runs[BENCH_QUICK[0]] += (tmp / "bench",)
+        return runs
     with ThreadPoolExecutor(max_workers=2) as pool:
         runs = dict(zip(todo, pool.map(lambda s: _run([str(EXAMPLES / s), "--quick", "-d"]), todo)))
     return runs
@@ -164,22 +185,40 @@ def test_example_quick_debug(script, example_runs):
     assert "kermac_like" in p.stderr, p.stderr[-2000:]
 
 
-def test_kernel_regression_without_sklearn():
-    """scikit-learn is an optional extra: the example must still run and say what it skipped."""
-    code = (
-        "import sys, runpy; sys.modules['sklearn'] = None; "  # makes `import sklearn` fail
-        f"sys.path.insert(0, {str(EXAMPLES)!r}); "
-        f"sys.argv = ['kernel_regression.py', '--quick']; "
-        f"runpy.run_path({str(EXAMPLES / 'kernel_regression.py')!r}, run_name='__main__')"
-    )
-    p, out = _run(["-c", code])
+def _forked() -> bool:
+    """Whether example_runs runs the scripts as forks of one server (no CUDA), and so also NO_SKLEARN's and
+    BENCH_QUICK's runs."""
+    return not torch.cuda.is_available() and hasattr(os, "fork")
+
+
+def test_kernel_regression_without_sklearn(request):
+    """scikit-learn is an optional extra: the example must still run and say what it skipped. Without
+    CUDA, one of the fork server's runs (example_runs), with sklearn and its submodules taken out of
+    sys.modules and `import sklearn` made to fail; with CUDA, a process of its own."""
+    name, script, argv, hidden = NO_SKLEARN
+    if _forked():
+        p, out = request.getfixturevalue("example_runs")[name]
+    else:
+        code = (
+            "import sys, runpy; sys.modules['sklearn'] = None; "  # makes `import sklearn` fail
+            f"sys.path.insert(0, {str(EXAMPLES)!r}); "
+            f"sys.argv = [{script!r}, *{argv!r}]; "
+            f"runpy.run_path({str(EXAMPLES / script)!r}, run_name='__main__')"
+        )
+        p, out = _run(["-c", code])
     assert p.returncode == 0, out[-4000:]
     assert "comparison skipped" in p.stdout, out[-4000:]
     assert "synthetic" in p.stdout
 
 
-def test_bench_quick(tmp_path):
-    p, out = _run([str(BENCH / "run.py"), "--quick", "--out", str(tmp_path), "--repeats", "2"], timeout=300)
+def test_bench_quick(tmp_path, request):
+    """bench/run.py --quick end to end: without CUDA one of the fork server's runs (example_runs), with CUDA a
+    process of its own."""
+    name, script, argv = BENCH_QUICK
+    if _forked():
+        p, out, tmp_path = request.getfixturevalue("example_runs")[name]
+    else:
+        p, out = _run([str(script), *argv, "--out", str(tmp_path)], timeout=300)
     assert p.returncode == 0, out[-4000:]
     res = json.loads((tmp_path / "results.json").read_text())
     names = [r["workload"] for r in res["rows"]]

@@ -70,13 +70,10 @@ def reference(desc, a, b, **kw):
 KS = [1, 3, 5, 8, 16, 37, 64, 100]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def warm_cache():
-    """Compile the instantiations this module launches up front, in parallel processes."""
-    import os
-
+def up_front_specs():
+    """The instantiations this module launches (conftest's session fixture compiles those of every GPU module
+    in the session once, before the tests; warm_cache then finds them cached)."""
     from kermac_like.layout import Layout
-    from kermac_like.runtime.compiler import arch_of_device, precompile_specs
     from kermac_like.runtime.specs import lowk_spec
 
     R, C = Layout.ROW_MAJOR, Layout.COL_MAJOR
@@ -87,7 +84,19 @@ def warm_cache():
               for la, lb in ((R, C), (C, R))]
     specs += [lowk_spec(km.preset(p), la, lb, K, tiles_n=t) for p in ("l1", "gaussian_l2") for K in (5, 37)
               for t in (1, 3, 8) for la, lb in ((R, C), (C, R))]
-    precompile_specs(specs, arch_of_device(torch.device("cuda")), processes=min(16, os.cpu_count() or 1))
+    return specs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_cache():
+    """Compile the instantiations this module launches up front, in parallel processes."""
+    import os
+
+    from kermac_like.runtime.compiler import arch_of_device, precompile_specs
+    from shipped_build import up_front_turn
+
+    with up_front_turn():  # under xdist: after the session's compile of every GPU module's kernels
+        precompile_specs(up_front_specs(), arch_of_device(torch.device("cuda")), processes=min(16, os.cpu_count() or 1))
     yield
 
 

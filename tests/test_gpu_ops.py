@@ -36,10 +36,21 @@ def poisoned(shape, **kw):
 ALL = list(km.KernelDescriptor.all())
 
 
+def up_front_specs():
+    """What this module compiles up front: every descriptor's instantiations (conftest's session fixture
+    compiles those of every GPU module in the session once, before the tests; warm_cache then finds them)."""
+    from kermac_like.runtime.precompile import specs_for_descriptor
+
+    return [s for d in ALL for s in specs_for_descriptor(d)]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def warm_cache():
     """Compile what this module needs up front, in parallel processes."""
-    km.precompile(ALL, processes=min(16, os.cpu_count() or 1))
+    from shipped_build import up_front_turn
+
+    with up_front_turn():  # under xdist: after the session's compile of every GPU module's kernels
+        km.precompile(ALL, processes=min(16, os.cpu_count() or 1))
     yield
 
 

@@ -448,8 +448,9 @@ def test_expanded_kernel_sass(shipped):
 
 
 # -- GPU: the fused kernel against float64 ---------------------------------------------------------
-def _gpu_specs():
-    """Every instantiation the GPU tests reach (compiled up front, in parallel)."""
+def up_front_specs():
+    """Every instantiation the GPU tests reach (compiled up front, in parallel: conftest's session fixture
+    compiles those of every GPU module in the session once, before the tests; gpu_warm then finds them)."""
     f32 = torch.float32
     out = []
     for d in ALL:
@@ -487,8 +488,10 @@ EUCLID_NAMES = ("l2", "squared_l2", "laplace_l2", "gaussian_l2", "dot")
 @pytest.fixture(scope="module")
 def gpu_warm():
     from kermac_like.runtime.compiler import arch_of_device, precompile_specs
+    from shipped_build import up_front_turn
 
-    precompile_specs(_gpu_specs(), arch_of_device(0), processes=min(16, os.cpu_count() or 1))
+    with up_front_turn():  # under xdist: after the session's compile of every GPU module's kernels
+        precompile_specs(up_front_specs(), arch_of_device(0), processes=min(16, os.cpu_count() or 1))
     yield
 
 

@@ -360,13 +360,9 @@ GPU_CASES = [(d, GPU_SHAPES[0]) for d in DIFF_DESCRIPTORS + [km.PRESETS["dot"]]]
 ]
 
 
-@pytest.fixture(scope="module")
-def gpu_kernels():
-    """Compile the fused instantiations these tests reach in a few parallel NVRTC programs."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from kermac_like.runtime.compiler import arch_of_device, precompile_specs
-
+def up_front_specs():
+    """The fused instantiations the GPU tests reach (conftest's session fixture compiles those of every GPU
+    module in the session once, before the tests; gpu_kernels then finds them)."""
     specs = []
     for desc, (M, N, K, C) in GPU_CASES:
         w = mg.fused_widths(K, C)
@@ -374,7 +370,19 @@ def gpu_kernels():
             specs.append(mg.matvec_grad_spec(desc, *w, False))
     specs.append(mg.matvec_grad_spec(KernelDescriptor("diff", "pow", "pow", "laplace"), 4, 2, True))
     specs.append(mg.matvec_grad_spec(km.PRESETS["gaussian_l2"], 4, 2, False))
-    return precompile_specs(specs, arch_of_device(torch.device("cuda")))
+    return specs
+
+
+@pytest.fixture(scope="module")
+def gpu_kernels():
+    """Compile the fused instantiations these tests reach in a few parallel NVRTC programs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kermac_like.runtime.compiler import arch_of_device, precompile_specs
+    from shipped_build import up_front_turn
+
+    with up_front_turn():  # under xdist: after the session's compile of every GPU module's kernels
+        return precompile_specs(up_front_specs(), arch_of_device(torch.device("cuda")))
 
 
 @gpu

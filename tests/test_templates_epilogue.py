@@ -270,6 +270,28 @@ def _torch_product(call, desc, x, y, v):
     return dk @ v
 
 
+def _fused_backward_matches_torch_path(name: str, seed: int, state: dict | None = None) -> None:
+    """ops.matvec._FormulaMatvec's gradients against the torch path's blocked autograd, float64, data offset by
+    50 (``state["call"]``: the validated call, for stand-ins that read it)."""
+    from kermac_like.ops import matvec as ops_matvec
+
+    desc, hp = next((d, h) for k, d, h in KERNELS if k == name)
+    desc = desc or _user()
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(40, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
+    y = (torch.randn(30, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
+    v = torch.randn(30, 2, generator=g, dtype=torch.float64).requires_grad_(True)
+    call = ops_matvec.prepare_matvec(desc, x, y, v, bandwidth=hp.get("bandwidth"),
+                                     params={k: val for k, val in hp.items() if k != "bandwidth"})
+    if state is not None:
+        state["call"] = call
+    w = torch.randn(40, 2, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((ops_matvec._FormulaMatvec.apply(call, x, y, v) * w).sum(), (x, y, v))
+    want = torch.autograd.grad((formula_path.matvec_autograd(call) * w).sum(), (x, y, v))
+    for a, b in zip(got, want):
+        assert ((a - b).abs().max() / b.abs().max()) < 1e-10
+
+
 @pytest.mark.parametrize("name", ["matern52", "rq", "user"])
 def test_fused_backward_formulas_cpu(name, monkeypatch):
     """The fused backward's algebra (ops.matvec._FormulaMatvec: gradients from products with the
@@ -278,19 +300,7 @@ def test_fused_backward_formulas_cpu(name, monkeypatch):
     from kermac_like.ops import matvec as ops_matvec
 
     monkeypatch.setattr(ops_matvec, "_formula_product", _torch_product)
-    desc, hp = next((d, h) for k, d, h in KERNELS if k == name)
-    desc = desc or _user()
-    g = torch.Generator().manual_seed(3)
-    x = (torch.randn(40, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
-    y = (torch.randn(30, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
-    v = torch.randn(30, 2, generator=g, dtype=torch.float64).requires_grad_(True)
-    call = ops_matvec.prepare_matvec(desc, x, y, v, bandwidth=hp.get("bandwidth"),
-                                     params={k: val for k, val in hp.items() if k != "bandwidth"})
-    w = torch.randn(40, 2, generator=g, dtype=torch.float64)
-    got = torch.autograd.grad((ops_matvec._FormulaMatvec.apply(call, x, y, v) * w).sum(), (x, y, v))
-    want = torch.autograd.grad((formula_path.matvec_autograd(call) * w).sum(), (x, y, v))
-    for a, b in zip(got, want):
-        assert ((a - b).abs().max() / b.abs().max()) < 1e-10
+    _fused_backward_matches_torch_path(name, 3)
 
 
 def test_user_derivative_is_finite_at_near_duplicates():
@@ -477,7 +487,10 @@ def test_fused_backward_contraction_algebra_cpu(name, monkeypatch):
     from kermac_like.ops import matvec as ops_matvec
     from kermac_like.ops import matvec_backward
 
+    state = {}
+
     def contraction(desc, a, b, ga, vb, slots):
+        call = state["call"]
         assert slots == epilogue.slot_hypers(desc, call.hypers)
         P = {n: call.hypers[n] for n in desc.param_names}
         with torch.enable_grad():
@@ -489,19 +502,7 @@ def test_fused_backward_contraction_algebra_cpu(name, monkeypatch):
 
     monkeypatch.setattr(matvec_backward, "formula_contraction", contraction)
     monkeypatch.setattr(ops_matvec, "_formula_product", _torch_product)
-    desc, hp = next((d, h) for k, d, h in KERNELS if k == name)
-    desc = desc or _user()
-    g = torch.Generator().manual_seed(4)
-    x = (torch.randn(40, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
-    y = (torch.randn(30, 3, generator=g, dtype=torch.float64) + 50.0).requires_grad_(True)
-    v = torch.randn(30, 2, generator=g, dtype=torch.float64).requires_grad_(True)
-    call = ops_matvec.prepare_matvec(desc, x, y, v, bandwidth=hp.get("bandwidth"),
-                                     params={k: val for k, val in hp.items() if k != "bandwidth"})
-    w = torch.randn(40, 2, generator=g, dtype=torch.float64)
-    got = torch.autograd.grad((ops_matvec._FormulaMatvec.apply(call, x, y, v) * w).sum(), (x, y, v))
-    want = torch.autograd.grad((formula_path.matvec_autograd(call) * w).sum(), (x, y, v))
-    for a, b in zip(got, want):
-        assert ((a - b).abs().max() / b.abs().max()) < 1e-10
+    _fused_backward_matches_torch_path(name, 4, state)
 
 
 # -- kernel_logsumexp of a positive formula: lse_kernel with the functor's log2_value ----------------------

@@ -972,7 +972,7 @@ def cholesky_3xtf32_(a: Tensor, *, block: int | None = None) -> int:
     product of [P_hi | P_lo | P_hi] and [P_hi | P_hi | P_lo] (P = P_hi + P_lo, P_hi rounded to TF32):
     P_hi P_hi^T + P_lo P_hi^T + P_hi P_lo^T accumulated in float32, the 3xTF32 scheme (float32-level
     products: P_lo's own TF32 rounding is ~2^-21 of P) with TF32 tensor cores on a GPU
-    (torch.backends.cuda.matmul.allow_tf32 within the call). n^3 / 3 flops x 3 on tensor cores against
+    (torch.backends.cuda.matmul.allow_tf32 around those products only; the panel's solve in float32). n^3 / 3 flops x 3 on tensor cores against
     float32 cuSOLVER's n^3 / 3 on the FP32 pipe (bench/notes/rfm.md, "(b)"). On the CPU the same
     algorithm runs in float32 (the TF32 rounding of P_lo then not applied: products are exact float32),
     for tests. Memory: the matrix in place plus two panels of N x 3 block floats.
@@ -1003,8 +1003,10 @@ def cholesky_3xtf32_(a: Tensor, *, block: int | None = None) -> int:
     cuda = a.is_cuda
     saved = torch.backends.cuda.matmul.allow_tf32
     try:
-        if cuda:
-            torch.backends.cuda.matmul.allow_tf32 = True
+        # TF32 only for the trailing updates' products: cuBLAS's TRSM (and torch's other float32 calls) run as
+        # float32 (with TF32 allowed, cuBLAS may run the panel solve on TF32 tensor cores too: 1.5e-3 relative
+        # error of the factor at n = 4000 on an H200, session 23, against float32 potrf's 2.2e-5)
+        torch.backends.cuda.matmul.allow_tf32 = False
         infos = []  # read once at the end: no host wait between panels (a failed panel's successors
         for k0 in range(0, n, nb):  # compute NaNs, and the first failure is reported)
             k1 = min(n, k0 + nb)
@@ -1023,9 +1025,11 @@ def cholesky_3xtf32_(a: Tensor, *, block: int | None = None) -> int:
             v = torch.cat([hi, hi, lo], 1)
             rest = n - k1
             width = max(nb, -(-rest // 4))  # four column groups: ~1/8 of the flops above the diagonal
+            torch.backends.cuda.matmul.allow_tf32 = cuda
             for j0 in range(0, rest, width):
                 j1 = min(rest, j0 + width)
                 a[k1 + j0:, k1 + j0:k1 + j1].addmm_(w[j0:], v[j0:j1].mT, alpha=-1.0)
+            torch.backends.cuda.matmul.allow_tf32 = False
         a.tril_()
         for k0, info in zip(range(0, n, nb), torch.stack(infos).tolist()):
             if info:

@@ -35,7 +35,9 @@ def test_run_kernel_of_a_functor_takes_the_tensor_cores(as_gpu, cap, family):
     plan = PD.plan_distance(call, None, COMPUTE_MODES[0], False)
     assert plan.family == family
     # (the wgmma kernel's partial sums of two k-tiles at K = 64: the traits' kChunkTiles after the functor)
-    assert f"kermac_like::epilogue::RationalQuadratic{', 2' if family == 'distance_wgmma' else ''}>" in plan.spec.traits
+    tile = km.config.get("wgmma_tile")  # the partial sums' k-tiles (2) and tile columns (where not 128)
+    wide = f", 2{'' if tile == 128 else f', {tile}'}" if family == "distance_wgmma" else ""
+    assert f"kermac_like::epilogue::RationalQuadratic{wide}>" in plan.spec.traits
     assert "Epilogue::None" in plan.spec.traits and "Power::Noop" in plan.spec.traits
     assert 2.0 in _floats(plan) and 0.5 in _floats(plan)  # p0 = bandwidth, p1 = alpha (the inner_p slot)
 

@@ -95,6 +95,8 @@ template <bool kSplit, bool kDiff>
 inline void load_a_k_tile(unsigned (&)[2][2][4], float (&)[2], unsigned, const unsigned (&)[2]) { fail("not emulated"); }
 template <bool kSplit, int kTileABytes, int kTileBBytes>
 inline void chunk_k_tile(float (&)[64], const unsigned (&)[2][2][4], unsigned, bool) { fail("not emulated"); }
+template <bool kSplit, int kTileBBytes>
+inline void half_k_tile(float (&)[64], const unsigned (&)[2][2][4], unsigned, bool) { fail("not emulated"); }
 
 // D (64 x 256) += A (64 x 8, registers of the warpgroup) B (256 x 8, the stage at the descriptor)^T.
 inline unsigned wg_a[384][4];

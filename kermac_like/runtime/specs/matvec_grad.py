@@ -4,6 +4,7 @@ the launch mirror of MatvecGradTraits, the register widths and the shipped set."
 from __future__ import annotations
 
 from ...descriptor import PRESETS, InnerOperator, KernelDescriptor
+from . import epilogue
 from .kernel_spec import KernelSpec, LaunchShape
 
 # Register widths the fused kernel is instantiated for: K (or C) is rounded up to
@@ -91,8 +92,6 @@ def functor_grad_spec(desc, kk: int, kc: int, *, lanes: int = 1, unroll: int | N
     """matvec_grad_kernel of a formula kernel that an epilogue functor serves (specs.epilogue.served):
     the base Square, Noop, None with the functor (phi = 2 dk/d(r2), its slots p0, p1, p2 in bw, q, r),
     no epsilon; the widths as :func:`lane_widths` chooses them (the fused formula backward)."""
-    from . import epilogue
-
     name, prelude = epilogue.functor(desc)
     base = matvec_grad_spec(PRESETS["squared_l2"], kk, kc, False, unroll=unroll, lanes=lanes)
     unroll = (UNROLL if lanes == 1 and kk <= 16 else UNROLL_WIDE) if unroll is None else int(unroll)

@@ -56,8 +56,19 @@ if has tests; then
     timeout "$T" python3 -m kermac_like precompile --all > "$OUT/precompile.txt" 2>&1 || echo "precompile failed: see precompile.txt"
     summary+=("precompile: $(( $(date +%s) - t0 )) s, $(tail -1 "$OUT/precompile.txt")")
   fi
-  timeout "$T" python3 -m pytest -q -m "gpu and not slow" -rfE --tb=short -p no:cacheprovider $xdist "$@" $where 2>&1 \
-    | tee "$OUT/pytest.log" | tail -n 60
+  # --durations=40 unless given; each test's result line (-rA under xdist's -v) stamped with the seconds since the
+  # start into pytest_times.log, so that a run cut by the step's timeout still says where its time went
+  dur="--durations=40"; [[ " $* " == *" --durations"* ]] && dur=
+  timeout "$T" python3 -m pytest -v -m "gpu and not slow" -rfE --tb=short -p no:cacheprovider $dur $xdist "$@" $where 2>&1 \
+    | python3 -u -c '
+import sys, time
+t0 = time.time()
+with open(sys.argv[1], "w") as stamped:
+    for line in sys.stdin:
+        stamped.write(f"{time.time() - t0:7.1f} {line}")
+        if not any(w in line for w in (" PASSED ", " SKIPPED ", " XFAIL ", " XPASS ")):
+            sys.stdout.write(line)
+' "$OUT/pytest_times.log" | tee "$OUT/pytest.log" | tail -n 60
   status=${PIPESTATUS[0]}
   summary+=("tests: $(grep -E "passed|failed" "$OUT/pytest.log" | tail -1)")
 fi

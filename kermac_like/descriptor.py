@@ -140,7 +140,7 @@ class KernelDescriptor:
     def fused_ok(self) -> bool:
         """Whether the fused CUDA templates compute this descriptor (the planner's routing
         predicate): True for every descriptor of the four enums; the formula kernels
-        (kermac_like/formula.py) take the torch path on every device."""
+        (kermac_like/formula.py) reach the templates only through epilogue functors."""
         return True
 
     @property

@@ -32,9 +32,10 @@ powered exponential of p = 2, user expressions of the squared distance with at m
 hyper-parameters) run on a GPU (sm_80+, float32 / 16-bit data) through the fused templates, which
 take the kernel as an epilogue functor (cuda_templates/epilogue.cuh; a user's formula rendered by
 SymPy's C printer, kermac_like/runtime/specs/epilogue.py): kernel_matvec (the SIMT kernel, forward
-and the gradients for x, y and v) and run_kernel (the tensor-core distance kernels). Everything else
-(the other kernels, float64, the CPU, epsilon cuts, gradients of hyper-parameters, kernel_topk and
-kernel_logsumexp) takes the torch path (kermac_like/formula_path.py), on any device, in blocks of
+and the gradients for x, y and v), run_kernel (the exact low-K kernel up to K = 64, the tensor-core
+distance kernels beyond) and kernel_logsumexp of a positive kernel (without gradients), where the setting
+formula_fused is on (the default). Everything else (the other kernels, float64, the CPU, epsilon cuts,
+gradients of hyper-parameters, kernel_topk) takes the torch path (kermac_like/formula_path.py), on any device, in blocks of
 bounded memory; :attr:`FormulaDescriptor.fused_ok` stays False (no op schema carries a formula).
 ``matern(0.5)`` is the fused ``laplace_l2`` preset itself. Identity: the canonical form
 (:meth:`FormulaDescriptor.canonical`) of the kernel's formulas and hyper-parameters; a rendered

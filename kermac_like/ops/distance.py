@@ -252,8 +252,11 @@ def run_kernel(descriptor: KernelDescriptor, a: torch.Tensor, b: torch.Tensor, *
     (kermac_like/plan/autotune.py).
     ``**params``: the hyper-parameters of a formula kernel (kermac_like/formula.py: alpha, q,
     period, c, an expression's names), floats or tensors over batch modes like ``bandwidth``;
-    formula kernels take the torch path on every device (differentiable with respect to a, b
-    and every tensor hyper-parameter through torch's autograd of their formulas).
+    formula kernels of the l2 distance run on a GPU through the fused kernels with their epilogue
+    functor (setting formula_fused, on by default: the exact low-K kernel up to K = 64, the tensor
+    cores beyond) where nothing needs a gradient; the others, and every differentiable call, on the
+    torch path (differentiable with respect to a, b and every tensor hyper-parameter through
+    torch's autograd of their formulas).
 
     >>> import torch, kermac_like as km
     >>> a = torch.tensor([[0.0, 0.0], [3.0, 4.0]])

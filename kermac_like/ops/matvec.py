@@ -404,10 +404,12 @@ def kernel_matvec(descriptor: KernelDescriptor, x: torch.Tensor, y: torch.Tensor
     fake shapes for torch.compile, autograd for x, y and v (:func:`gradients`, the contraction in
     ops/matvec_backward.py).
 
-    Formula kernels (kermac_like/formula.py; their hyper-parameters as ``**params``) take the torch
-    path on every device (kermac_like/formula_path.py: blocks of bounded memory), differentiable
-    with respect to x, y, v and every tensor hyper-parameter by a backward that recomputes each
-    block (memory O((M + N) C + block) in both passes).
+    Formula kernels (kermac_like/formula.py; their hyper-parameters as ``**params``): those of the l2
+    distance on a GPU (float32/16-bit) through the fused SIMT kernel with their epilogue functor (up
+    to K = 64; the tensor-core tiles beyond), differentiable with respect to x, y and v by the fused
+    contraction (setting formula_fused, on by default); the others, and gradients of tensor
+    hyper-parameters, on the torch path (kermac_like/formula_path.py: blocks of bounded memory, a
+    backward that recomputes each block: memory O((M + N) C + block) in both passes).
 
     >>> import torch, kermac_like as km
     >>> g = km.preset("gaussian_l2")

@@ -285,7 +285,8 @@ def plan_distance(call: DistanceCall, out: torch.Tensor | None, compute_mode: st
                   settings: Settings | None = None, call_key=None) -> Plan:
     """The plan of a validated run_kernel call writing ``out`` (checked; None: a fresh tensor,
     on the torch path its kernels' own result). A descriptor no template knows
-    (``desc.fused_ok`` False: kermac_like/formula.py) takes the torch path on every device."""
+    (``desc.fused_ok`` False: kermac_like/formula.py) takes :func:`_formula_tensor_core_plan`'s fused
+    kernels with its epilogue functor where one serves it, else the torch path."""
     if not call.desc.fused_ok:
         plan = _formula_tensor_core_plan(call, out, compute_mode, debug)
         if plan is not None:

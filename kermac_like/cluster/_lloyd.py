@@ -192,10 +192,10 @@ class _NearestCpu:
 
     def _setup(self, C: int) -> tuple:
         """(centre-major, [x, |x|^2, 1] in that layout, tau |x|^2 in dtype (N,), tau, bits, block rows R,
-        the block's buffer, the column numbers, each block row's first value in the buffer) for C
-        centres. Up to COLUMN_MAJOR_UP_TO centres the block is laid out centre-major (C, rows): the row
-        minima are then reductions across rows, which torch vectorises, where a row of a few values is
-        not."""
+        the block's buffer, the column numbers, each block row's first value in the buffer, the centres'
+        operand [-2c, 1, |c|^2] (C, K + 2) with its column of ones set) for C centres. Up to
+        COLUMN_MAJOR_UP_TO centres the block is laid out centre-major (C, rows): the row minima are then
+        reductions across rows, which torch vectorises, where a row of a few values is not."""
         if self._per_c is not None and self._per_c[0] == C:
             return self._per_c[1]
         X, w = self.X, self.work
@@ -206,19 +206,23 @@ class _NearestCpu:
         xa = torch.cat([X.to(w), self.xn.to(w).unsqueeze(1), torch.ones((N, 1), dtype=w)], 1)  # (N, K + 2)
         R = max(1, min(N, ASSIGN_BLOCK_ELEMENTS // C))
         first_of_row = torch.arange(R) * (1 if centre_major else C)
+        ca = torch.empty((C, K + 2), dtype=w)
+        ca[:, K] = 1.0
         out = (centre_major, xa.t().contiguous() if centre_major else xa, self.xn.mul(tau).to(w), tau, bits, R,
-               torch.empty(R * C, dtype=w), torch.arange(C, dtype=self.ibits), first_of_row)
+               torch.empty(R * C, dtype=w), torch.arange(C, dtype=self.ibits), first_of_row, ca)
         self._per_c = (C, out)
         return out
 
     def labels(self, centres: torch.Tensor, debug: bool = False) -> torch.Tensor:
+        """(N,) int64: knn's labels of X against ``centres``. Keeps the centres in float64 as ``c64``."""
         X, w, ibits = self.X, self.work, self.ibits
         N, K = X.shape
         C = centres.shape[0]
-        centre_major, xa, thr_x, tau, bits, R, buf, cols, first_of_row = self._setup(C)
-        c64 = centres.to(torch.float64)
+        centre_major, xa, thr_x, tau, bits, R, buf, cols, first_of_row, ca = self._setup(C)
+        self.c64 = c64 = centres.to(torch.float64)
         cn = c64.square().sum(1)  # (C,) |c|^2
-        ca = torch.cat([c64.mul(-2.0), torch.ones((C, 1), dtype=torch.float64), cn.unsqueeze(1)], 1).to(w)
+        torch.mul(centres, -2.0, out=ca[:, :K])  # exact: -2c in X's dtype (w is X's or float64)
+        ca[:, K + 1] = cn  # rounded to w
         cn_max = float(cn.max())
         if not self.xn_max + cn_max < self.fi.max / 64:  # the product could overflow: every row exactly
             return self._exact(torch.arange(N), c64, torch.empty(N, dtype=torch.int64), debug)
@@ -308,6 +312,8 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
     the same labels, centres, inertia and n_iter as assigning every point, bitwise. ``hint``: each point's
     nearest centre as the seeding knew it (orders the first assignment's rows; any values are valid)."""
     C = centres.shape[0]
+    if X.device.type == "cpu" and _block_rows(*X.shape) >= X.shape[0]:
+        return _lloyd_cpu(X, weights, centres, max_iter, tol, verbose, debug)
     bounded = bounded_assign(X, C, debug=debug)
     # the CPU: one assignment object for the run, X in float64 for the update where it is one block;
     # the distances only where they are read
@@ -354,5 +360,64 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
         d2 = bounded.exact_d2()
     elif not strict:  # the final E-step: labels (and inertia) of the final centres
         labels, d2 = _assign(X, centres, debug, nearest)
+    # after a strict convergence the centres are those of the unchanged labels: d2 holds
+    return labels, _inertia(d2() if callable(d2) else d2, weights), centres, i + 1
+
+
+def _lloyd_cpu(X, weights, centres, max_iter, tol, verbose=False, debug=False):
+    """:func:`lloyd` on a CPU where X is one block of the update (BLOCK_ROWS x 16 / D rows): the same
+    labels, centres, inertia and n_iter, bitwise, in fewer torch ops an iteration (each op is a
+    dispatch, a parallel region above torch's grain and, on a loaded machine, a wait).
+
+    The update is one ``index_add_`` of the rows of [x w, w] (N, D + 1) in float64, built once a fit
+    (lloyd's own products x w, and its weights, each iteration): each cluster's sums and weight in
+    increasing row order, as :func:`segment_sums`; the division and the centre shift without the
+    empty clusters' masks unless a cluster is empty."""
+    N, D = X.shape
+    C = centres.shape[0]
+    nearest = _NearestCpu(X)
+    xw = torch.empty((N, D + 1), dtype=torch.float64)
+    xw[:, :D] = X
+    if weights is None:
+        xw[:, D] = 1.0
+    else:
+        w64 = weights.to(torch.float64)
+        xw[:, :D].mul_(w64.unsqueeze(1))
+        xw[:, D] = w64
+    acc = torch.empty((C, D + 1), dtype=torch.float64)
+    sums, wsum = acc[:, :D], acc[:, D]
+    labels_old = None
+    strict = False
+    labels = d2 = None
+    i = 0
+    for i in range(max_iter):
+        labels = nearest.labels(centres, debug)
+        c64 = nearest.c64
+        same = labels_old is not None and torch.equal(labels, labels_old)
+        acc.zero_().index_add_(0, labels, xw)
+        d2 = nearest.d2(centres, labels) if verbose else functools.partial(nearest.d2, centres, labels)
+        if float(wsum.min()) > 0:  # no empty cluster (the weights are >= 0)
+            new = sums.div(wsum.unsqueeze(1)).to(X.dtype)
+        else:
+            _relocate_empty(X, weights, labels, d2, sums, wsum, verbose)
+            pos = wsum > 0
+            new = torch.where(pos.unsqueeze(1), sums / torch.where(pos, wsum, 1.0).unsqueeze(1), sums).to(X.dtype)
+        if verbose:
+            print(f"Iteration {i}, inertia {_inertia(d2, weights)}.")
+        shift = float(torch.sub(new, c64).square_().sum())
+        centres = new
+        if same:
+            if verbose:
+                print(f"Converged at iteration {i}: strict convergence.")
+            strict = True
+            break
+        if shift <= tol:
+            if verbose:
+                print(f"Converged at iteration {i}: center shift {shift} within tolerance {tol}.")
+            break
+        labels_old = labels
+    if not strict:  # the final E-step: labels (and inertia) of the final centres
+        labels = nearest.labels(centres, debug)
+        d2 = nearest.d2(centres, labels)
     # after a strict convergence the centres are those of the unchanged labels: d2 holds
     return labels, _inertia(d2() if callable(d2) else d2, weights), centres, i + 1

@@ -369,23 +369,24 @@ def _lloyd_cpu(X, weights, centres, max_iter, tol, verbose=False, debug=False):
     labels, centres, inertia and n_iter, bitwise, in fewer torch ops an iteration (each op is a
     dispatch, a parallel region above torch's grain and, on a loaded machine, a wait).
 
-    The update is one ``index_add_`` of the rows of [x w, w] (N, D + 1) in float64, built once a fit
-    (lloyd's own products x w, and its weights, each iteration): each cluster's sums and weight in
-    increasing row order, as :func:`segment_sums`; the division and the centre shift without the
+    The update is one ``scatter_add_`` along the rows of [x w, w]^T (D + 1, N) in float64, built once a
+    fit (lloyd's own products x w, and its weights, each iteration): each cluster's sums and weight in
+    increasing row order, as :func:`segment_sums` (torch's scatter kernel runs each output row's index
+    dimension in order; index_add_ on (N, D + 1) rows takes its sorting path, ~2x slower); the division and the centre shift without the
     empty clusters' masks unless a cluster is empty."""
     N, D = X.shape
     C = centres.shape[0]
     nearest = _NearestCpu(X)
-    xw = torch.empty((N, D + 1), dtype=torch.float64)
-    xw[:, :D] = X
+    xw = torch.empty((D + 1, N), dtype=torch.float64)  # feature-major: scatter_add_ runs along each row
+    xw[:D] = X.t()
     if weights is None:
-        xw[:, D] = 1.0
+        xw[D] = 1.0
     else:
         w64 = weights.to(torch.float64)
-        xw[:, :D].mul_(w64.unsqueeze(1))
-        xw[:, D] = w64
-    acc = torch.empty((C, D + 1), dtype=torch.float64)
-    sums, wsum = acc[:, :D], acc[:, D]
+        xw[:D].mul_(w64)
+        xw[D] = w64
+    acc = torch.empty((D + 1, C), dtype=torch.float64)
+    sums, wsum = acc[:D].t(), acc[D]
     labels_old = None
     strict = False
     labels = d2 = None
@@ -394,7 +395,7 @@ def _lloyd_cpu(X, weights, centres, max_iter, tol, verbose=False, debug=False):
         labels = nearest.labels(centres, debug)
         c64 = nearest.c64
         same = labels_old is not None and torch.equal(labels, labels_old)
-        acc.zero_().index_add_(0, labels, xw)
+        acc.zero_().scatter_add_(1, labels.expand(D + 1, N), xw)  # each (feature, cluster) in row order
         d2 = nearest.d2(centres, labels) if verbose else functools.partial(nearest.d2, centres, labels)
         if float(wsum.min()) > 0:  # no empty cluster (the weights are >= 0)
             new = sums.div(wsum.unsqueeze(1)).to(X.dtype)

@@ -194,8 +194,7 @@ class _NearestCpu:
 
     def _setup(self, C: int) -> tuple:
         """(centre-major, [x, |x|^2, 1] in that layout, tau |x|^2 in dtype (N,), tau, bits, block rows R,
-        the block's buffer, the column numbers, each block row's first value in the buffer, the centres'
-        operand [-2c, 1, |c|^2] (C, K + 2) with its column of ones set) for C centres. Up to
+        the block's buffer, the column numbers, the centres' operand [-2c, 1, |c|^2] (C, K + 2) with its column of ones set) for C centres. Up to
         COLUMN_MAJOR_UP_TO centres the block is laid out centre-major (C, rows): the row minima are then
         reductions across rows, which torch vectorises, where a row of a few values is not."""
         if self._per_c is not None and self._per_c[0] == C:
@@ -211,11 +210,10 @@ class _NearestCpu:
         xv[:, K] = self.xn
         xv[:, K + 1] = 1.0
         R = max(1, min(N, ASSIGN_BLOCK_ELEMENTS // C))
-        first_of_row = torch.arange(R) * (1 if centre_major else C)
         ca = torch.empty((C, K + 2), dtype=w)
         ca[:, K] = 1.0
         out = (centre_major, xa, self.xn.mul(tau).to(w), tau, bits, R,
-               torch.empty(R * C, dtype=w), torch.arange(C, dtype=self.ibits), first_of_row, ca)
+               torch.empty(R * C, dtype=w), torch.arange(C, dtype=self.ibits), ca)
         self._per_c = (C, out)
         return out
 
@@ -225,7 +223,7 @@ class _NearestCpu:
         X, w, ibits = self.X, self.work, self.ibits
         N, K = X.shape
         C = centres.shape[0]
-        centre_major, xa, thr_x, tau, bits, R, buf, cols, first_of_row, ca = self._setup(C)
+        centre_major, xa, thr_x, tau, bits, R, buf, cols, ca = self._setup(C)
         self.c64 = c64 = centres.to(torch.float64)
         cn = c64.square().sum(1)  # (C,) |c|^2
         torch.mul(centres, -2.0, out=ca[:, :K])  # exact: -2c in X's dtype (w is X's or float64)
@@ -248,8 +246,7 @@ class _NearestCpu:
             key.bitwise_and_(~low).bitwise_or_(cols)
             first = key.amin(1)
             lab = torch.bitwise_and(first, low, out=labels[b0:b1])
-            flat = torch.add(first_of_row[:rows], lab, alpha=key.stride(1))  # (rows,) int64: in buf
-            buf.view(ibits).index_fill_(0, flat, torch.iinfo(ibits).max)
+            key.scatter_(1, lab.unsqueeze(1), torch.iinfo(ibits).max)  # mask each row's smallest
             second = key.amin(1)
             # the values with their column bits (2^bits ulps, in tau); C = 1: second is NaN, certified
             near = second.view(w).sub_(thr_c) <= first.view(w).add_(thr_x[b0:b1])
@@ -406,7 +403,7 @@ def _lloyd_cpu(X, weights, centres, max_iter, tol, verbose=False, debug=False):
         acc.zero_().scatter_add_(1, labels.expand(D + 1, N), xw)  # each (feature, cluster) in row order
         d2 = nearest.d2(centres, labels) if verbose else functools.partial(nearest.d2, centres, labels)
         if float(wsum.min()) > 0:  # no empty cluster (the weights are >= 0)
-            new = sums.div(wsum.unsqueeze(1)).to(X.dtype)
+            new = torch.div(sums, wsum.unsqueeze(1), out=torch.empty((C, D), dtype=X.dtype))  # in float64, rounded
         else:
             _relocate_empty(X, weights, labels, d2, sums, wsum, verbose)
             pos = wsum > 0

@@ -193,9 +193,10 @@ class _NearestCpu:
         self._per_c = None  # what labels() keeps for one number of centres (_setup)
 
     def _setup(self, C: int) -> tuple:
-        """(centre-major, [x, |x|^2, 1] in that layout, tau |x|^2 in dtype (N,), tau, bits, block rows R,
-        the block's buffer, the column numbers, each block row's first value in the buffer, the centres'
-        operand [-2c, 1, |c|^2] (C, K + 2) with its column of ones set) for C centres. Up to
+        """(centre-major, tau, bits, the block's buffer (as integers), the column numbers, the centres'
+        operand [-2c, 1, |c|^2] (C, K + 2) with its column of ones set, per row block (b0, b1, [x, |x|^2, 1]
+        of its rows, the product's output in buf, its bits as (rows, C), each row's first value in buf,
+        tau |x|^2 in dtype)) for C centres. Up to
         COLUMN_MAJOR_UP_TO centres the block is laid out centre-major (C, rows): the row minima are then
         reductions across rows, which torch vectorises, where a row of a few values is not."""
         if self._per_c is not None and self._per_c[0] == C:
@@ -214,8 +215,20 @@ class _NearestCpu:
         ca = torch.empty((C, K + 2), dtype=w)
         ca[:, K] = 1.0
         first_of_row = torch.arange(R) * (1 if centre_major else C)
-        out = (centre_major, xa, self.xn.mul(tau).to(w), tau, bits, R,
-               torch.empty(R * C, dtype=w), torch.arange(C, dtype=self.ibits), first_of_row, ca)
+        buf = torch.empty(R * C, dtype=w)
+        thr_x = self.xn.mul(tau).to(w)
+        blocks = []  # per row block, the views labels() reads and writes (made once: fewer calls an iteration)
+        for b0 in range(0, N, R):
+            b1 = min(N, b0 + R)
+            rows = b1 - b0
+            if centre_major:  # (rows, C) squared distances, a view of buf in either layout
+                src, dst = xa[:, b0:b1], buf[:rows * C].view(C, rows)
+                key = dst.t().view(self.ibits)
+            else:
+                src, dst = xa[b0:b1], buf[:rows * C].view(rows, C)
+                key = dst.view(self.ibits)
+            blocks.append((b0, b1, src, dst, key, first_of_row[:rows], thr_x[b0:b1]))
+        out = (centre_major, tau, bits, buf.view(self.ibits), torch.arange(C, dtype=self.ibits), ca, blocks)
         self._per_c = (C, out)
         return out
 
@@ -225,7 +238,7 @@ class _NearestCpu:
         X, w, ibits = self.X, self.work, self.ibits
         N, K = X.shape
         C = centres.shape[0]
-        centre_major, xa, thr_x, tau, bits, R, buf, cols, first_of_row, ca = self._setup(C)
+        centre_major, tau, bits, bufi, cols, ca, blocks = self._setup(C)
         self.c64 = c64 = centres.to(torch.float64)
         cn = c64.square().sum(1)  # (C,) |c|^2
         torch.mul(centres, -2.0, out=ca[:, :K])  # exact: -2c in X's dtype (w is X's or float64)
@@ -235,25 +248,24 @@ class _NearestCpu:
             return self._exact(torch.arange(N), c64, torch.empty(N, dtype=torch.int64) if out is None else out, debug)
         thr_c = tau * cn_max + 16 * (K + 3) * self.fi.tiny  # the threshold's part common to every row
         low = (1 << bits) - 1
+        imax = torch.iinfo(ibits).max
         labels = torch.empty(N, dtype=torch.int64) if out is None else out
         unsure = []
-        for b0 in range(0, N, R):
-            b1 = min(N, b0 + R)
-            rows = b1 - b0
-            if centre_major:  # (rows, C) squared distances, a view of buf in either layout
-                d = torch.mm(ca, xa[:, b0:b1], out=buf[:rows * C].view(C, rows)).t()
+        cat = ca.t()
+        for b0, b1, src, dst, key, first_of_row, thr_x in blocks:
+            if centre_major:
+                torch.mm(ca, src, out=dst)
             else:
-                d = torch.mm(xa[b0:b1], ca.t(), out=buf[:rows * C].view(rows, C))
-            key = d.view(ibits)  # the distances' bits
-            key.bitwise_and_(~low).bitwise_or_(cols)
+                torch.mm(src, cat, out=dst)
+            key.bitwise_and_(~low).bitwise_or_(cols)  # the distances' bits, their low bits the column
             first = key.amin(1)
             lab = labels[b0:b1]
             lab.copy_(first.bitwise_and(low))  # (bitwise_and into an int64 out=: a slow casting loop)
-            flat = torch.add(first_of_row[:rows], lab, alpha=key.stride(1))  # (rows,) int64: in buf
-            buf.view(ibits).index_fill_(0, flat, torch.iinfo(ibits).max)  # (scatter_: 3x slower row-major)
+            flat = torch.add(first_of_row, lab, alpha=key.stride(1))  # (rows,) int64: in buf
+            bufi.index_fill_(0, flat, imax)  # (scatter_ on key: 3x slower row-major)
             second = key.amin(1)
             # the values with their column bits (2^bits ulps, in tau); C = 1: second is NaN, certified
-            near = second.view(w).sub_(thr_c) <= first.view(w).add_(thr_x[b0:b1])
+            near = second.view(w).sub_(thr_c) <= first.view(w).add_(thr_x)
             unsure.append(near.nonzero()[:, 0].add_(b0) if b0 else near.nonzero()[:, 0])
         idx = unsure[0] if len(unsure) == 1 else torch.cat(unsure)
         return self._exact(idx, c64, labels, debug)
@@ -372,7 +384,28 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
     return labels, _inertia(d2() if callable(d2) else d2, weights), centres, i + 1
 
 
+# Product entries (N x C x (K + 2)) of one assignment below which the CPU Lloyd run takes one thread: its ops
+# are then ~10-100 us, and each one above torch's grain would be a parallel region (2 threads on a loaded
+# 2-core VM: amin over 64 000 floats 129 us against 4 us on one thread). scikit-learn's Lloyd limits BLAS to
+# one thread for its whole run too.
+SERIAL_BELOW = 1 << 23
+
+
 def _lloyd_cpu(X, weights, centres, max_iter, tol, verbose=False, debug=False):
+    """:func:`_lloyd_cpu_run` on one thread (torch.set_num_threads, restored after) where the problem is
+    below SERIAL_BELOW product entries."""
+    threads = torch.get_num_threads()
+    serial = threads > 1 and X.shape[0] * centres.shape[0] * (X.shape[1] + 2) < SERIAL_BELOW
+    if not serial:
+        return _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose, debug)
+    torch.set_num_threads(1)
+    try:
+        return _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose, debug)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=False):
     """:func:`lloyd` on a CPU where X is one block of the update (BLOCK_ROWS x 16 / D rows): the same
     labels, centres, inertia and n_iter, bitwise, in fewer torch ops an iteration (each op is a
     dispatch, a parallel region above torch's grain and, on a loaded machine, a wait).

@@ -196,7 +196,7 @@ class _NearestCpu:
         """(centre-major, tau, bits, the block's buffer (as integers), the column numbers, the centres'
         operand [-2c, 1, |c|^2] (C, K + 2) with its column of ones set, per row block (b0, b1, [x, |x|^2, 1]
         of its rows, the product's output in buf, its bits as (rows, C), each row's first value in buf,
-        tau |x|^2 in dtype)) for C centres. Up to
+        tau |x|^2 in dtype), (the views of ca labels() writes, ca^T, the integers' largest)) for C centres. Up to
         COLUMN_MAJOR_UP_TO centres the block is laid out centre-major (C, rows): the row minima are then
         reductions across rows, which torch vectorises, where a row of a few values is not."""
         if self._per_c is not None and self._per_c[0] == C:
@@ -228,7 +228,8 @@ class _NearestCpu:
                 src, dst = xa[b0:b1], buf[:rows * C].view(rows, C)
                 key = dst.view(self.ibits)
             blocks.append((b0, b1, src, dst, key, first_of_row[:rows], thr_x[b0:b1]))
-        out = (centre_major, tau, bits, buf.view(self.ibits), torch.arange(C, dtype=self.ibits), ca, blocks)
+        out = (centre_major, tau, bits, buf.view(self.ibits), torch.arange(C, dtype=self.ibits), ca, blocks,
+               (ca[:, :K], ca[:, K + 1], ca.t(), torch.iinfo(self.ibits).max))
         self._per_c = (C, out)
         return out
 
@@ -238,20 +239,18 @@ class _NearestCpu:
         X, w, ibits = self.X, self.work, self.ibits
         N, K = X.shape
         C = centres.shape[0]
-        centre_major, tau, bits, bufi, cols, ca, blocks = self._setup(C)
+        centre_major, tau, bits, bufi, cols, ca, blocks, (ca_c, ca_n, cat, imax) = self._setup(C)
         self.c64 = c64 = centres.to(torch.float64)
         cn = c64.square().sum(1)  # (C,) |c|^2
-        torch.mul(centres, -2.0, out=ca[:, :K])  # exact: -2c in X's dtype (w is X's or float64)
-        ca[:, K + 1] = cn  # rounded to w
+        torch.mul(centres, -2.0, out=ca_c)  # exact: -2c in X's dtype (w is X's or float64)
+        ca_n.copy_(cn)  # rounded to w
         cn_max = float(cn.max())
         if not self.xn_max + cn_max < self.fi.max / 64:  # the product could overflow: every row exactly
             return self._exact(torch.arange(N), c64, torch.empty(N, dtype=torch.int64) if out is None else out, debug)
         thr_c = tau * cn_max + 16 * (K + 3) * self.fi.tiny  # the threshold's part common to every row
         low = (1 << bits) - 1
-        imax = torch.iinfo(ibits).max
         labels = torch.empty(N, dtype=torch.int64) if out is None else out
         unsure = []
-        cat = ca.t()
         for b0, b1, src, dst, key, first_of_row, thr_x in blocks:
             if centre_major:
                 torch.mm(ca, src, out=dst)
@@ -259,14 +258,14 @@ class _NearestCpu:
                 torch.mm(src, cat, out=dst)
             key.bitwise_and_(~low).bitwise_or_(cols)  # the distances' bits, their low bits the column
             first = key.amin(1)
-            lab = labels[b0:b1]
+            lab = labels[b0:b1] if len(blocks) > 1 else labels
             lab.copy_(first.bitwise_and(low))  # (bitwise_and into an int64 out=: a slow casting loop)
             flat = torch.add(first_of_row, lab, alpha=key.stride(1))  # (rows,) int64: in buf
             bufi.index_fill_(0, flat, imax)  # (scatter_ on key: 3x slower row-major)
             second = key.amin(1)
             # the values with their column bits (2^bits ulps, in tau); C = 1: second is NaN, certified
             near = second.view(w).sub_(thr_c) <= first.view(w).add_(thr_x)
-            unsure.append(near.nonzero()[:, 0].add_(b0) if b0 else near.nonzero()[:, 0])
+            unsure.append(near.nonzero().view(-1).add_(b0) if b0 else near.nonzero().view(-1))
         idx = unsure[0] if len(unsure) == 1 else torch.cat(unsure)
         return self._exact(idx, c64, labels, debug)
 
@@ -274,7 +273,7 @@ class _NearestCpu:
         """``labels`` with rows ``idx`` rescored as knn's CPU path: float64 direct differences."""
         if idx.numel():
             exact = torch.cdist(self.X.index_select(0, idx).to(torch.float64), c64, compute_mode=_DIRECT)
-            labels[idx] = exact.argmin(1)
+            labels.index_copy_(0, idx, exact.argmin(1))  # (idx distinct; no Python indexing)
         if debug:
             log.debug("kmeans assignment on the CPU: %d rows, %d centres (K = %d, %s product), %d rescored",
                       self.X.shape[0], c64.shape[0], self.X.shape[1], self.work, idx.numel())

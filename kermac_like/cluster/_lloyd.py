@@ -427,7 +427,9 @@ def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=Fals
         xw[D] = w64
     acc = torch.empty((D + 1, C), dtype=torch.float64)
     sums, wsum = acc[:D].t(), acc[D]
+    wcol = wsum.unsqueeze(1)
     lab_bufs = (torch.empty(N, dtype=torch.int64), torch.empty(N, dtype=torch.int64))  # labels, labels_old
+    lab_rows = tuple(b.expand(D + 1, N) for b in lab_bufs)  # scatter_add_'s index: the labels on every row
     labels_old = None
     strict = False
     labels = d2 = None
@@ -436,10 +438,10 @@ def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=Fals
         labels = nearest.labels(centres, debug, out=lab_bufs[i % 2])
         c64 = nearest.c64
         same = labels_old is not None and torch.equal(labels, labels_old)
-        acc.zero_().scatter_add_(1, labels.expand(D + 1, N), xw)  # each (feature, cluster) in row order
+        acc.zero_().scatter_add_(1, lab_rows[i % 2], xw)  # each (feature, cluster) in row order
         d2 = nearest.d2(centres, labels) if verbose else functools.partial(nearest.d2, centres, labels)
         if float(wsum.min()) > 0:  # no empty cluster (the weights are >= 0)
-            new = torch.div(sums, wsum.unsqueeze(1), out=torch.empty((C, D), dtype=X.dtype))  # in float64, rounded
+            new = torch.div(sums, wcol, out=torch.empty((C, D), dtype=X.dtype))  # in float64, rounded
         else:
             _relocate_empty(X, weights, labels, d2, sums, wsum, verbose)
             pos = wsum > 0

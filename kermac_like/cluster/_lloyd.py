@@ -392,16 +392,19 @@ SERIAL_BELOW = 1 << 23
 
 def _lloyd_cpu(X, weights, centres, max_iter, tol, verbose=False, debug=False):
     """:func:`_lloyd_cpu_run` on one thread (torch.set_num_threads, restored after) where the problem is
-    below SERIAL_BELOW product entries."""
+    below SERIAL_BELOW product entries (not with verbose: its inertias are summed as before). The run's
+    results do not depend on the threads (certified labels, per-bin sums in row order, per-pair distances,
+    sums below torch's grain); the inertia, a sum over N, is taken after, on the caller's threads."""
     threads = torch.get_num_threads()
-    serial = threads > 1 and X.shape[0] * centres.shape[0] * (X.shape[1] + 2) < SERIAL_BELOW
-    if not serial:
-        return _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose, debug)
-    torch.set_num_threads(1)
+    serial = threads > 1 and not verbose and X.shape[0] * centres.shape[0] * (X.shape[1] + 2) < SERIAL_BELOW
+    if serial:
+        torch.set_num_threads(1)
     try:
-        return _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose, debug)
+        labels, d2, centres, n_iter = _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose, debug)
     finally:
-        torch.set_num_threads(threads)
+        if serial:
+            torch.set_num_threads(threads)
+    return labels, _inertia(d2() if callable(d2) else d2, weights), centres, n_iter
 
 
 def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=False):
@@ -413,7 +416,8 @@ def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=Fals
     fit (lloyd's own products x w, and its weights, each iteration): each cluster's sums and weight in
     increasing row order, as :func:`segment_sums` (torch's scatter kernel runs each output row's index
     dimension in order; index_add_ on (N, D + 1) rows takes its sorting path, ~2x slower); the division and the centre shift without the
-    empty clusters' masks unless a cluster is empty."""
+    empty clusters' masks unless a cluster is empty. Returns (labels, the squared distances or a callable giving them, centres,
+    n_iter): the caller sums the inertia."""
     N, D = X.shape
     C = centres.shape[0]
     nearest = _NearestCpu(X)
@@ -463,5 +467,6 @@ def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=Fals
     if not strict:  # the final E-step: labels (and inertia) of the final centres
         labels = nearest.labels(centres, debug, out=lab_bufs[(i + 1) % 2])
         d2 = nearest.d2(centres, labels)
-    # after a strict convergence the centres are those of the unchanged labels: d2 holds
-    return labels, _inertia(d2() if callable(d2) else d2, weights), centres, i + 1
+    # after a strict convergence the centres are those of the unchanged labels: d2 holds (the distances, or
+    # the callable that gives them)
+    return labels, d2, centres, i + 1

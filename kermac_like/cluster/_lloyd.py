@@ -7,6 +7,10 @@
   iteration; else knn);
 * the update, :func:`segment_sums`: one deterministic segmented sum of the points by label (no one-hot
   matrix, no floating-point atomics), with scikit-learn's rule for empty clusters (:func:`_relocate_empty`).
+
+On a CPU where X is one block of the update, :func:`_lloyd_cpu` runs the same iterations in fewer torch ops
+(the update one ``scatter_add_`` of a feature-major float64 [x w, w] made once a run; small runs on one
+thread): the same labels, centres, inertia and n_iter, bitwise.
 """
 
 from __future__ import annotations
@@ -236,7 +240,7 @@ class _NearestCpu:
     def labels(self, centres: torch.Tensor, debug: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """(N,) int64: knn's labels of X against ``centres`` (in ``out`` where given). Keeps the centres in
         float64 as ``c64``."""
-        X, w, ibits = self.X, self.work, self.ibits
+        X, w = self.X, self.work
         N, K = X.shape
         C = centres.shape[0]
         centre_major, tau, bits, bufi, cols, ca, blocks, (ca_c, ca_n, cat, imax) = self._setup(C)
@@ -415,9 +419,9 @@ def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=Fals
     The update is one ``scatter_add_`` along the rows of [x w, w]^T (D + 1, N) in float64, built once a
     fit (lloyd's own products x w, and its weights, each iteration): each cluster's sums and weight in
     increasing row order, as :func:`segment_sums` (torch's scatter kernel runs each output row's index
-    dimension in order; index_add_ on (N, D + 1) rows takes its sorting path, ~2x slower); the division and the centre shift without the
-    empty clusters' masks unless a cluster is empty. Returns (labels, the squared distances or a callable giving them, centres,
-    n_iter): the caller sums the inertia."""
+    dimension in order; index_add_ on (N, D + 1) rows takes its sorting path, ~2x slower); the division
+    and the centre shift without the empty clusters' masks unless a cluster is empty. Returns (labels,
+    the squared distances or a callable giving them, centres, n_iter): the caller sums the inertia."""
     N, D = X.shape
     C = centres.shape[0]
     nearest = _NearestCpu(X)

@@ -184,7 +184,8 @@ class _NearestCpu:
     and O(N); the block and the per-row constants are kept from call to call (a fresh allocation
     above glibc's mmap threshold costs its page faults every Lloyd iteration)."""
 
-    def __init__(self, X: torch.Tensor):
+    def __init__(self, X: torch.Tensor, xt64: torch.Tensor | None = None):
+        """``xt64``: X^T in float64 (K, N) where the caller has it (the norms are then taken from it)."""
         N, K = X.shape
         self.X = X
         self.work = w = X.dtype if _exact_float_matmul(X.dtype) else torch.float64
@@ -192,7 +193,8 @@ class _NearestCpu:
         self.ibits = torch.int32 if w == torch.float32 else torch.int64
         # (N,) |x|^2 in float64 (a few float64 roundings of the float64 norm: far within the certificate's
         # u |x|^2 for the norm's rounding to w), without a float64 copy of X or of its squares
-        self.xn = torch.linalg.vector_norm(X, dim=1, dtype=torch.float64).square_()
+        self.xn = (torch.linalg.vector_norm(X, dim=1, dtype=torch.float64) if xt64 is None
+                   else torch.linalg.vector_norm(xt64, dim=0)).square_()
         self.xn_max = float(self.xn.max())
         self._per_c = None  # what labels() keeps for one number of centres (_setup)
 
@@ -424,9 +426,9 @@ def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=Fals
     the squared distances or a callable giving them, centres, n_iter): the caller sums the inertia."""
     N, D = X.shape
     C = centres.shape[0]
-    nearest = _NearestCpu(X)
     xw = torch.empty((D + 1, N), dtype=torch.float64)  # feature-major: scatter_add_ runs along each row
     xw[:D] = X.t()
+    nearest = _NearestCpu(X, xw[:D])  # its norms from X^T in float64 (before the weights)
     if weights is None:
         xw[D] = 1.0
     else:

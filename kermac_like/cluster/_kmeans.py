@@ -44,7 +44,7 @@ import torch
 from .._args import all_finite
 from .._estimator import (HAVE_SKLEARN, BaseEstimator, ClusterMixin, ConvergenceWarning, TransformerMixin,
                           check_count, check_is_fitted, check_n_features)
-from ..centring import REFERENCE_ROWS, centred, reference_point
+from ..centring import REFERENCE_ROWS, centred
 from ..ops.distance import cdist
 from ._kmeans_plusplus import _random_init, kmeans_plusplus
 from ._lloyd import _DIRECT, _assign, _block_rows, _inertia, _local_certificate, lloyd
@@ -78,9 +78,16 @@ def _check_tensor_X(name: str, X: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{name}: found 0 sample(s) (shape={tuple(X.shape)}) while a minimum of 1 is required.")
     if X.shape[1] == 0:
         raise ValueError(f"{name}: 0 feature(s) (shape={tuple(X.shape)}) while a minimum of 1 is required.")
-    if not all_finite(X):
+    if not _finite(X):
         raise ValueError(f"Input {name} contains NaN or infinity.")
     return X.contiguous()
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN/inf in ``t``: its sum in float64 is finite (one read, no temporaries: a NaN or an
+    infinity makes it NaN or infinite; float32 data cannot overflow it), else all_finite's
+    elementwise check (float64 data whose sum overflows)."""
+    return bool(torch.isfinite(t.sum(dtype=torch.float64))) or all_finite(t)
 
 
 def _same_clustering(a: torch.Tensor, b: torch.Tensor, C: int) -> bool:
@@ -98,9 +105,10 @@ def _reference(X: torch.Tensor) -> torch.Tensor:
     it) or far from the origin (x and s within a factor of two: Sterbenz), and data centred within
     its spread get s = 0: the fit is then that of X itself, bitwise (and X is not copied)."""
     rows = X[::max(1, -(-X.shape[0] // REFERENCE_ROWS))]  # reference_point's own sample of X
-    # X is finite (validated): reference_point's scan of every row for infinities finds none, so
-    # it is given the sample alone (the same point; two reads of X fewer)
-    ref = reference_point(rows).to(device=X.device, dtype=torch.float64)
+    # X is finite (validated): reference_point's scan of every row for infinities finds none, and
+    # its median ignores no NaN: per column the lower median of the sample in float32, as
+    # reference_point gives it (torch.median along contiguous rows: half nanmedian's time down columns)
+    ref = torch.median(rows.t().float().contiguous(), dim=1).values.to(torch.float64)
     sample = rows.to(torch.float64) - ref
     spread = sample.square_().mean(0).sqrt_()
     grid = torch.exp2(torch.floor(torch.log2(spread)))
@@ -229,6 +237,15 @@ class KMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             Xt = _check_tensor_X("X", X)
             check_n_features(self, Xt.shape[1], reset=reset, forget_names=True)
             return Xt, True
+        if (type(X) is np.ndarray and X.dtype in (np.float32, np.float64) and X.ndim == 2 and X.size
+                and X.flags.c_contiguous and X.flags.writeable
+                and (reset or getattr(self, "feature_names_in_", None) is None)):
+            # a plain C-ordered float array (no names, nothing to convert): validate_data's checks here,
+            # ~0.5 ms fewer a call; a non-finite value goes to it below for its message
+            Xt = torch.from_numpy(X)
+            if _finite(Xt):
+                check_n_features(self, X.shape[1], reset=reset, forget_names=True)
+                return Xt, False
         if HAVE_SKLEARN:
             from sklearn.utils.validation import validate_data
 

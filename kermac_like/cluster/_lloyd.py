@@ -7,6 +7,10 @@
   iteration; else knn);
 * the update, :func:`segment_sums`: one deterministic segmented sum of the points by label (no one-hot
   matrix, no floating-point atomics), with scikit-learn's rule for empty clusters (:func:`_relocate_empty`).
+
+On a CPU where X is one block of the update, :func:`_lloyd_cpu` runs the same iterations in fewer torch ops
+(the update one ``scatter_add_`` of a feature-major float64 [x w, w] made once a run; small runs on one
+thread): the same labels, centres, inertia and n_iter, bitwise.
 """
 
 from __future__ import annotations
@@ -180,22 +184,27 @@ class _NearestCpu:
     and O(N); the block and the per-row constants are kept from call to call (a fresh allocation
     above glibc's mmap threshold costs its page faults every Lloyd iteration)."""
 
-    def __init__(self, X: torch.Tensor):
+    def __init__(self, X: torch.Tensor, xt64: torch.Tensor | None = None):
+        """``xt64``: X^T in float64 (K, N) where the caller has it (the norms are then taken from it)."""
         N, K = X.shape
         self.X = X
         self.work = w = X.dtype if _exact_float_matmul(X.dtype) else torch.float64
         self.fi = torch.finfo(w)
         self.ibits = torch.int32 if w == torch.float32 else torch.int64
-        self.xn = X.to(torch.float64).square().sum(1)  # (N,) |x|^2 (X itself is float64 data: not in place)
+        # (N,) |x|^2 in float64 (a few float64 roundings of the float64 norm: far within the certificate's
+        # u |x|^2 for the norm's rounding to w), without a float64 copy of X or of its squares
+        self.xn = (torch.linalg.vector_norm(X, dim=1, dtype=torch.float64) if xt64 is None
+                   else torch.linalg.vector_norm(xt64, dim=0)).square_()
         self.xn_max = float(self.xn.max())
         self._per_c = None  # what labels() keeps for one number of centres (_setup)
 
     def _setup(self, C: int) -> tuple:
-        """(centre-major, [x, |x|^2, 1] in that layout, tau |x|^2 in dtype (N,), tau, bits, block rows R,
-        the block's buffer, the column numbers, each block row's first value in the buffer) for C
-        centres. Up to COLUMN_MAJOR_UP_TO centres the block is laid out centre-major (C, rows): the row
-        minima are then reductions across rows, which torch vectorises, where a row of a few values is
-        not."""
+        """(centre-major, tau, bits, the block's buffer (as integers), the column numbers, the centres'
+        operand [-2c, 1, |c|^2] (C, K + 2) with its column of ones set, per row block (b0, b1, [x, |x|^2, 1]
+        of its rows, the product's output in buf, its bits as (rows, C), each row's first value in buf,
+        tau |x|^2 in dtype), (the views of ca labels() writes, ca^T, the integers' largest)) for C centres. Up to
+        COLUMN_MAJOR_UP_TO centres the block is laid out centre-major (C, rows): the row minima are then
+        reductions across rows, which torch vectorises, where a row of a few values is not."""
         if self._per_c is not None and self._per_c[0] == C:
             return self._per_c[1]
         X, w = self.X, self.work
@@ -203,47 +212,66 @@ class _NearestCpu:
         bits = max(1, (C - 1).bit_length())
         tau = (16 * K + 32 + 2.0 ** (bits + 4)) * self.fi.eps / 2
         centre_major = C <= COLUMN_MAJOR_UP_TO
-        xa = torch.cat([X.to(w), self.xn.to(w).unsqueeze(1), torch.ones((N, 1), dtype=w)], 1)  # (N, K + 2)
+        xa = torch.empty((K + 2, N) if centre_major else (N, K + 2), dtype=w)  # [x, |x|^2, 1] in that layout
+        xv = xa.t() if centre_major else xa
+        xv[:, :K] = X
+        xv[:, K] = self.xn
+        xv[:, K + 1] = 1.0
         R = max(1, min(N, ASSIGN_BLOCK_ELEMENTS // C))
+        ca = torch.empty((C, K + 2), dtype=w)
+        ca[:, K] = 1.0
         first_of_row = torch.arange(R) * (1 if centre_major else C)
-        out = (centre_major, xa.t().contiguous() if centre_major else xa, self.xn.mul(tau).to(w), tau, bits, R,
-               torch.empty(R * C, dtype=w), torch.arange(C, dtype=self.ibits), first_of_row)
-        self._per_c = (C, out)
-        return out
-
-    def labels(self, centres: torch.Tensor, debug: bool = False) -> torch.Tensor:
-        X, w, ibits = self.X, self.work, self.ibits
-        N, K = X.shape
-        C = centres.shape[0]
-        centre_major, xa, thr_x, tau, bits, R, buf, cols, first_of_row = self._setup(C)
-        c64 = centres.to(torch.float64)
-        cn = c64.square().sum(1)  # (C,) |c|^2
-        ca = torch.cat([c64.mul(-2.0), torch.ones((C, 1), dtype=torch.float64), cn.unsqueeze(1)], 1).to(w)
-        cn_max = float(cn.max())
-        if not self.xn_max + cn_max < self.fi.max / 64:  # the product could overflow: every row exactly
-            return self._exact(torch.arange(N), c64, torch.empty(N, dtype=torch.int64), debug)
-        thr_c = tau * cn_max + 16 * (K + 3) * self.fi.tiny  # the threshold's part common to every row
-        low = (1 << bits) - 1
-        labels, unsure = [], []
+        buf = torch.empty(R * C, dtype=w)
+        thr_x = self.xn.mul(tau).to(w)
+        blocks = []  # per row block, the views labels() reads and writes (made once: fewer calls an iteration)
         for b0 in range(0, N, R):
             b1 = min(N, b0 + R)
             rows = b1 - b0
             if centre_major:  # (rows, C) squared distances, a view of buf in either layout
-                d = torch.mm(ca, xa[:, b0:b1], out=buf[:rows * C].view(C, rows)).t()
+                src, dst = xa[:, b0:b1], buf[:rows * C].view(C, rows)
+                key = dst.t().view(self.ibits)
             else:
-                d = torch.mm(xa[b0:b1], ca.t(), out=buf[:rows * C].view(rows, C))
-            key = d.view(ibits)  # the distances' bits
-            key.bitwise_and_(~low).bitwise_or_(cols)
+                src, dst = xa[b0:b1], buf[:rows * C].view(rows, C)
+                key = dst.view(self.ibits)
+            blocks.append((b0, b1, src, dst, key, first_of_row[:rows], thr_x[b0:b1]))
+        out = (centre_major, tau, bits, buf.view(self.ibits), torch.arange(C, dtype=self.ibits), ca, blocks,
+               (ca[:, :K], ca[:, K + 1], ca.t(), torch.iinfo(self.ibits).max))
+        self._per_c = (C, out)
+        return out
+
+    def labels(self, centres: torch.Tensor, debug: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(N,) int64: knn's labels of X against ``centres`` (in ``out`` where given). Keeps the centres in
+        float64 as ``c64``."""
+        X, w = self.X, self.work
+        N, K = X.shape
+        C = centres.shape[0]
+        centre_major, tau, bits, bufi, cols, ca, blocks, (ca_c, ca_n, cat, imax) = self._setup(C)
+        self.c64 = c64 = centres.to(torch.float64)
+        cn = c64.square().sum(1)  # (C,) |c|^2
+        torch.mul(centres, -2.0, out=ca_c)  # exact: -2c in X's dtype (w is X's or float64)
+        ca_n.copy_(cn)  # rounded to w
+        cn_max = float(cn.max())
+        if not self.xn_max + cn_max < self.fi.max / 64:  # the product could overflow: every row exactly
+            return self._exact(torch.arange(N), c64, torch.empty(N, dtype=torch.int64) if out is None else out, debug)
+        thr_c = tau * cn_max + 16 * (K + 3) * self.fi.tiny  # the threshold's part common to every row
+        low = (1 << bits) - 1
+        labels = torch.empty(N, dtype=torch.int64) if out is None else out
+        unsure = []
+        for b0, b1, src, dst, key, first_of_row, thr_x in blocks:
+            if centre_major:
+                torch.mm(ca, src, out=dst)
+            else:
+                torch.mm(src, cat, out=dst)
+            key.bitwise_and_(~low).bitwise_or_(cols)  # the distances' bits, their low bits the column
             first = key.amin(1)
-            lab = first.bitwise_and(low)
-            flat = torch.add(first_of_row[:rows], lab, alpha=key.stride(1))  # (rows,) int64: in buf
-            buf.view(ibits).index_fill_(0, flat, torch.iinfo(ibits).max)
+            lab = labels[b0:b1] if len(blocks) > 1 else labels
+            lab.copy_(first.bitwise_and(low))  # (bitwise_and into an int64 out=: a slow casting loop)
+            flat = torch.add(first_of_row, lab, alpha=key.stride(1))  # (rows,) int64: in buf
+            bufi.index_fill_(0, flat, imax)  # (scatter_ on key: 3x slower row-major)
             second = key.amin(1)
             # the values with their column bits (2^bits ulps, in tau); C = 1: second is NaN, certified
-            near = second.view(w).sub_(thr_c) <= first.view(w).add_(thr_x[b0:b1])
-            labels.append(lab.long())
-            unsure.append(near.nonzero()[:, 0].add_(b0) if b0 else near.nonzero()[:, 0])
-        labels = labels[0] if len(labels) == 1 else torch.cat(labels)
+            near = second.view(w).sub_(thr_c) <= first.view(w).add_(thr_x)
+            unsure.append(near.nonzero().view(-1).add_(b0) if b0 else near.nonzero().view(-1))
         idx = unsure[0] if len(unsure) == 1 else torch.cat(unsure)
         return self._exact(idx, c64, labels, debug)
 
@@ -251,7 +279,7 @@ class _NearestCpu:
         """``labels`` with rows ``idx`` rescored as knn's CPU path: float64 direct differences."""
         if idx.numel():
             exact = torch.cdist(self.X.index_select(0, idx).to(torch.float64), c64, compute_mode=_DIRECT)
-            labels[idx] = exact.argmin(1)
+            labels.index_copy_(0, idx, exact.argmin(1))  # (idx distinct; no Python indexing)
         if debug:
             log.debug("kmeans assignment on the CPU: %d rows, %d centres (K = %d, %s product), %d rescored",
                       self.X.shape[0], c64.shape[0], self.X.shape[1], self.work, idx.numel())
@@ -266,7 +294,8 @@ class _NearestCpu:
         R = max(1, min(N, ASSIGN_BLOCK_ELEMENTS // max(1, K)))
         for b0 in range(0, N, R):
             b1 = min(N, b0 + R)
-            pairs = torch.cdist(X[b0:b1].to(torch.float64).unsqueeze(1), c64.index_select(0, labels[b0:b1]).unsqueeze(1),
+            cb = torch.embedding(c64, labels[b0:b1])  # centres[labels] (a gather ~7x index_select's speed here)
+            pairs = torch.cdist(X[b0:b1].to(torch.float64).unsqueeze(1), cb.unsqueeze(1),
                                 compute_mode=_DIRECT)  # (rows, 1, 1): torch.cdist's kernel per pair
             out[b0:b1] = pairs.view(-1).to(X.dtype)
         return out.square_()
@@ -308,6 +337,8 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
     the same labels, centres, inertia and n_iter as assigning every point, bitwise. ``hint``: each point's
     nearest centre as the seeding knew it (orders the first assignment's rows; any values are valid)."""
     C = centres.shape[0]
+    if X.device.type == "cpu" and _block_rows(*X.shape) >= X.shape[0]:
+        return _lloyd_cpu(X, weights, centres, max_iter, tol, verbose, debug)
     bounded = bounded_assign(X, C, debug=debug)
     # the CPU: one assignment object for the run, X in float64 for the update where it is one block;
     # the distances only where they are read
@@ -356,3 +387,92 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
         labels, d2 = _assign(X, centres, debug, nearest)
     # after a strict convergence the centres are those of the unchanged labels: d2 holds
     return labels, _inertia(d2() if callable(d2) else d2, weights), centres, i + 1
+
+
+# Product entries (N x C x (K + 2)) of one assignment below which the CPU Lloyd run takes one thread: its ops
+# are then ~10-100 us, and each one above torch's grain would be a parallel region (2 threads on a loaded
+# 2-core VM: amin over 64 000 floats 129 us against 4 us on one thread). scikit-learn's Lloyd limits BLAS to
+# one thread for its whole run too.
+SERIAL_BELOW = 1 << 23
+
+
+def _lloyd_cpu(X, weights, centres, max_iter, tol, verbose=False, debug=False):
+    """:func:`_lloyd_cpu_run` on one thread (torch.set_num_threads, restored after) where the problem is
+    below SERIAL_BELOW product entries (not with verbose: its inertias are summed as before). The run's
+    results do not depend on the threads (certified labels, per-bin sums in row order, per-pair distances,
+    sums below torch's grain); the inertia, a sum over N, is taken after, on the caller's threads."""
+    threads = torch.get_num_threads()
+    serial = threads > 1 and not verbose and X.shape[0] * centres.shape[0] * (X.shape[1] + 2) < SERIAL_BELOW
+    if serial:
+        torch.set_num_threads(1)
+    try:
+        labels, d2, centres, n_iter = _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose, debug)
+    finally:
+        if serial:
+            torch.set_num_threads(threads)
+    return labels, _inertia(d2() if callable(d2) else d2, weights), centres, n_iter
+
+
+def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=False):
+    """:func:`lloyd` on a CPU where X is one block of the update (BLOCK_ROWS x 16 / D rows): the same
+    labels, centres, inertia and n_iter, bitwise, in fewer torch ops an iteration (each op is a
+    dispatch, a parallel region above torch's grain and, on a loaded machine, a wait).
+
+    The update is one ``scatter_add_`` along the rows of [x w, w]^T (D + 1, N) in float64, built once a
+    fit (lloyd's own products x w, and its weights, each iteration): each cluster's sums and weight in
+    increasing row order, as :func:`segment_sums` (torch's scatter kernel runs each output row's index
+    dimension in order; index_add_ on (N, D + 1) rows takes its sorting path, ~2x slower); the division
+    and the centre shift without the empty clusters' masks unless a cluster is empty. Returns (labels,
+    the squared distances or a callable giving them, centres, n_iter): the caller sums the inertia."""
+    N, D = X.shape
+    C = centres.shape[0]
+    xw = torch.empty((D + 1, N), dtype=torch.float64)  # feature-major: scatter_add_ runs along each row
+    xw[:D] = X.t()
+    nearest = _NearestCpu(X, xw[:D])  # its norms from X^T in float64 (before the weights)
+    if weights is None:
+        xw[D] = 1.0
+    else:
+        w64 = weights.to(torch.float64)
+        xw[:D].mul_(w64)
+        xw[D] = w64
+    acc = torch.empty((D + 1, C), dtype=torch.float64)
+    sums, wsum = acc[:D].t(), acc[D]
+    wcol = wsum.unsqueeze(1)
+    lab_bufs = (torch.empty(N, dtype=torch.int64), torch.empty(N, dtype=torch.int64))  # labels, labels_old
+    lab_rows = tuple(b.expand(D + 1, N) for b in lab_bufs)  # scatter_add_'s index: the labels on every row
+    labels_old = None
+    strict = False
+    labels = d2 = None
+    i = 0
+    for i in range(max_iter):
+        labels = nearest.labels(centres, debug, out=lab_bufs[i % 2])
+        c64 = nearest.c64
+        same = labels_old is not None and torch.equal(labels, labels_old)
+        acc.zero_().scatter_add_(1, lab_rows[i % 2], xw)  # each (feature, cluster) in row order
+        d2 = nearest.d2(centres, labels) if verbose else functools.partial(nearest.d2, centres, labels)
+        if float(wsum.min()) > 0:  # no empty cluster (the weights are >= 0)
+            new = torch.div(sums, wcol, out=torch.empty((C, D), dtype=X.dtype))  # in float64, rounded
+        else:
+            _relocate_empty(X, weights, labels, d2, sums, wsum, verbose)
+            pos = wsum > 0
+            new = torch.where(pos.unsqueeze(1), sums / torch.where(pos, wsum, 1.0).unsqueeze(1), sums).to(X.dtype)
+        if verbose:
+            print(f"Iteration {i}, inertia {_inertia(d2, weights)}.")
+        shift = float(torch.sub(new, c64).square_().sum())
+        centres = new
+        if same:
+            if verbose:
+                print(f"Converged at iteration {i}: strict convergence.")
+            strict = True
+            break
+        if shift <= tol:
+            if verbose:
+                print(f"Converged at iteration {i}: center shift {shift} within tolerance {tol}.")
+            break
+        labels_old = labels
+    if not strict:  # the final E-step: labels (and inertia) of the final centres
+        labels = nearest.labels(centres, debug, out=lab_bufs[(i + 1) % 2])
+        d2 = nearest.d2(centres, labels)
+    # after a strict convergence the centres are those of the unchanged labels: d2 holds (the distances, or
+    # the callable that gives them)
+    return labels, d2, centres, i + 1

@@ -103,3 +103,18 @@ def test_fit_float32_numpy_matches_sklearn_labels():
     ref = SkKMeans(8, init=init, n_init=1, algorithm="lloyd").fit(X)
     assert np.array_equal(ours.labels_, ref.labels_) and ours.n_iter_ == ref.n_iter_
     assert np.allclose(ours.cluster_centers_, ref.cluster_centers_, rtol=1e-5, atol=1e-5)
+
+
+def test_fit_leaves_the_thread_count_alone(monkeypatch):
+    """A CPU fit does not call torch.set_num_threads (a change of the thread count leaves torch 2.13's
+    batched CPU LU broken for the rest of the process: tests/test_linalg.py)."""
+    import numpy as np
+    import torch
+
+    from kermac_like.cluster import KMeans
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
+    X = np.random.RandomState(0).randn(2000, 6).astype(np.float32)
+    KMeans(8, n_init=1, random_state=0).fit(X)
+    assert calls == []

@@ -913,3 +913,28 @@ def test_gpu_first_calls_after_warmup_do_not_wait():
     flags = line[0].split()[1]
     solves = flags[0:2] + flags[3:5]
     assert solves == "1111", f"first calls after warmup (cholesky, lu, eigh per shape): {flags}"
+
+
+def test_cpu_solve_lu_after_a_thread_count_change():
+    """torch 2.13's CPU build returns invalid pivots from a batched lu_factor_ex once the process changed its
+    thread count; solve_lu's CPU path factors such a batch again one matrix at a time (in a new process: the
+    change stays with the process)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch, kermac_like as km
+        torch.manual_seed(0)
+        a = torch.randn(3, 300, 300) + 30 * torch.eye(300)
+        b = torch.randn(3, 4, 300)
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        torch.set_num_threads(max(2, n))
+        x, finfo, sinfo = km.linalg.solve_lu(a, b)
+        res = (a @ x.mT - b.mT).abs().max() / b.abs().max()
+        assert int(finfo.abs().max()) == 0 and float(res) < 1e-4, (finfo, float(res))
+        print("ok", float(res))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr

@@ -9,8 +9,8 @@
   matrix, no floating-point atomics), with scikit-learn's rule for empty clusters (:func:`_relocate_empty`).
 
 On a CPU where X is one block of the update, :func:`_lloyd_cpu` runs the same iterations in fewer torch ops
-(the update one ``scatter_add_`` of a feature-major float64 [x w, w] made once a run; small runs on one
-thread): the same labels, centres, inertia and n_iter, bitwise.
+(the update one ``scatter_add_`` of a feature-major float64 [x w, w] made once a run): the same labels,
+centres, inertia and n_iter, bitwise.
 """
 
 from __future__ import annotations
@@ -389,27 +389,12 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
     return labels, _inertia(d2() if callable(d2) else d2, weights), centres, i + 1
 
 
-# Product entries (N x C x (K + 2)) of one assignment below which the CPU Lloyd run takes one thread: its ops
-# are then ~10-100 us, and each one above torch's grain would be a parallel region (2 threads on a loaded
-# 2-core VM: amin over 64 000 floats 129 us against 4 us on one thread). scikit-learn's Lloyd limits BLAS to
-# one thread for its whole run too.
-SERIAL_BELOW = 1 << 23
-
-
 def _lloyd_cpu(X, weights, centres, max_iter, tol, verbose=False, debug=False):
-    """:func:`_lloyd_cpu_run` on one thread (torch.set_num_threads, restored after) where the problem is
-    below SERIAL_BELOW product entries (not with verbose: its inertias are summed as before). The run's
-    results do not depend on the threads (certified labels, per-bin sums in row order, per-pair distances,
-    sums below torch's grain); the inertia, a sum over N, is taken after, on the caller's threads."""
-    threads = torch.get_num_threads()
-    serial = threads > 1 and not verbose and X.shape[0] * centres.shape[0] * (X.shape[1] + 2) < SERIAL_BELOW
-    if serial:
-        torch.set_num_threads(1)
-    try:
-        labels, d2, centres, n_iter = _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose, debug)
-    finally:
-        if serial:
-            torch.set_num_threads(threads)
+    """:func:`_lloyd_cpu_run`, then the inertia. On the caller's threads: torch.set_num_threads is not touched
+    (after a change of the thread count, torch 2.13's CPU build with oneMKL returns invalid pivots from a
+    batched torch.linalg.lu_factor_ex: "Parameter 6 was incorrect on entry to SLASWP"; a fit must not leave
+    that behind)."""
+    labels, d2, centres, n_iter = _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose, debug)
     return labels, _inertia(d2() if callable(d2) else d2, weights), centres, n_iter
 
 

@@ -287,9 +287,23 @@ def _ref_solve_cholesky(a3, b3, x3, overwrite_a):
     return finfo, torch.zeros_like(finfo)
 
 
+def _lu_factor_ex(a: torch.Tensor):
+    """torch.linalg.lu_factor_ex, with its batched CPU form checked: torch 2.13's CPU build (oneMKL) returns
+    invalid pivots from a batch once the process changed torch.set_num_threads ("Parameter 6 was incorrect
+    on entry to SLASWP"); such a batch is factored again one matrix at a time, which is not affected."""
+    lu, piv, info = torch.linalg.lu_factor_ex(a)
+    if a.dim() > 2 and a.device.type == "cpu" and piv.numel() and (
+            int(piv.min()) < 1 or int(piv.max()) > a.shape[-2]):
+        parts = [torch.linalg.lu_factor_ex(m) for m in a.reshape(-1, *a.shape[-2:])]
+        lu = torch.stack([p[0] for p in parts]).reshape(lu.shape)
+        piv = torch.stack([p[1] for p in parts]).reshape(piv.shape)
+        info = torch.stack([p[2] for p in parts]).reshape(info.shape)
+    return lu, piv, info
+
+
 def _ref_solve_lu(a3, b3, x3, overwrite_a):
     # Factor A^T as cuSOLVER does on the row-major buffer, solve with A = (A^T)^T.
-    lu, piv, finfo = torch.linalg.lu_factor_ex(a3.mT)
+    lu, piv, finfo = _lu_factor_ex(a3.mT)
     x3.copy_(torch.linalg.lu_solve(lu, piv, b3.mT, adjoint=True).mT)
     if overwrite_a:
         a3.copy_(lu.mT)

@@ -329,6 +329,20 @@ def _local_certificate() -> bool:
     return config.get("kmeans_local") == "on"
 
 
+def _converged(i: int, same: bool, shift: float, tol: float, verbose: bool) -> tuple:
+    """(stop, strict) after iteration ``i``: scikit-learn's two tests (no label changed: strict; the centres'
+    squared shift within ``tol``), with its messages."""
+    if same:
+        if verbose:
+            print(f"Converged at iteration {i}: strict convergence.")
+        return True, True
+    if shift <= tol:
+        if verbose:
+            print(f"Converged at iteration {i}: center shift {shift} within tolerance {tol}.")
+        return True, False
+    return False, False
+
+
 def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=None):
     """scikit-learn's _kmeans_single_lloyd: (labels, inertia, centres, n_iter).
 
@@ -369,14 +383,8 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
             print(f"Iteration {i}, inertia {_inertia(d2 if bounded is None else bounded.exact_d2(), weights)}.")
         shift = float((new.to(torch.float64) - centres.to(torch.float64)).square_().sum())
         centres = new
-        if same:
-            if verbose:
-                print(f"Converged at iteration {i}: strict convergence.")
-            strict = True
-            break
-        if shift <= tol:
-            if verbose:
-                print(f"Converged at iteration {i}: center shift {shift} within tolerance {tol}.")
+        stop, strict = _converged(i, same, shift, tol, verbose)
+        if stop:
             break
         labels_old = labels
     if bounded is not None:
@@ -445,14 +453,8 @@ def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=Fals
             print(f"Iteration {i}, inertia {_inertia(d2, weights)}.")
         shift = float(torch.sub(new, c64).square_().sum())
         centres = new
-        if same:
-            if verbose:
-                print(f"Converged at iteration {i}: strict convergence.")
-            strict = True
-            break
-        if shift <= tol:
-            if verbose:
-                print(f"Converged at iteration {i}: center shift {shift} within tolerance {tol}.")
+        stop, strict = _converged(i, same, shift, tol, verbose)
+        if stop:
             break
         labels_old = labels
     if not strict:  # the final E-step: labels (and inertia) of the final centres

@@ -329,6 +329,13 @@ def _local_certificate() -> bool:
     return config.get("kmeans_local") == "on"
 
 
+def _divided(sums: torch.Tensor, wsum: torch.Tensor, dtype) -> torch.Tensor:
+    """The new centres (C, D) in ``dtype``: each cluster's sum over its weight; a cluster without weight keeps
+    its sum (the relocated point's row, or zeros)."""
+    pos = wsum > 0
+    return torch.where(pos.unsqueeze(1), sums / torch.where(pos, wsum, 1.0).unsqueeze(1), sums).to(dtype)
+
+
 def _converged(i: int, same: bool, shift: float, tol: float, verbose: bool) -> tuple:
     """(stop, strict) after iteration ``i``: scikit-learn's two tests (no label changed: strict; the centres'
     squared shift within ``tol``), with its messages."""
@@ -377,8 +384,7 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
             same = changed == 0
         sums, wsum = segment_sums(X, labels, weights, C, x64)
         _relocate_empty(X, weights, labels, d2 if bounded is None else bounded.exact_d2, sums, wsum, verbose)
-        pos = wsum > 0
-        new = torch.where(pos.unsqueeze(1), sums / torch.where(pos, wsum, 1.0).unsqueeze(1), sums).to(X.dtype)
+        new = _divided(sums, wsum, X.dtype)
         if verbose:
             print(f"Iteration {i}, inertia {_inertia(d2 if bounded is None else bounded.exact_d2(), weights)}.")
         shift = float((new.to(torch.float64) - centres.to(torch.float64)).square_().sum())
@@ -398,15 +404,6 @@ def lloyd(X, weights, centres, max_iter, tol, verbose=False, debug=False, hint=N
 
 
 def _lloyd_cpu(X, weights, centres, max_iter, tol, verbose=False, debug=False):
-    """:func:`_lloyd_cpu_run`, then the inertia. On the caller's threads: torch.set_num_threads is not touched
-    (after a change of the thread count, torch 2.13's CPU build with oneMKL returns invalid pivots from a
-    batched torch.linalg.lu_factor_ex: "Parameter 6 was incorrect on entry to SLASWP"; a fit must not leave
-    that behind)."""
-    labels, d2, centres, n_iter = _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose, debug)
-    return labels, _inertia(d2() if callable(d2) else d2, weights), centres, n_iter
-
-
-def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=False):
     """:func:`lloyd` on a CPU where X is one block of the update (BLOCK_ROWS x 16 / D rows): the same
     labels, centres, inertia and n_iter, bitwise, in fewer torch ops an iteration (each op is a
     dispatch, a parallel region above torch's grain and, on a loaded machine, a wait).
@@ -415,8 +412,10 @@ def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=Fals
     fit (lloyd's own products x w, and its weights, each iteration): each cluster's sums and weight in
     increasing row order, as :func:`segment_sums` (torch's scatter kernel runs each output row's index
     dimension in order; index_add_ on (N, D + 1) rows takes its sorting path, ~2x slower); the division
-    and the centre shift without the empty clusters' masks unless a cluster is empty. Returns (labels,
-    the squared distances or a callable giving them, centres, n_iter): the caller sums the inertia."""
+    and the centre shift without the empty clusters' masks unless a cluster is empty. On the caller's
+    threads: torch.set_num_threads is not touched (after a change of the thread count, torch 2.13's CPU
+    build with oneMKL returns invalid pivots from a batched torch.linalg.lu_factor_ex, "Parameter 6 was
+    incorrect on entry to SLASWP": a fit must not leave that behind)."""
     N, D = X.shape
     C = centres.shape[0]
     xw = torch.empty((D + 1, N), dtype=torch.float64)  # feature-major: scatter_add_ runs along each row
@@ -447,8 +446,7 @@ def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=Fals
             new = torch.div(sums, wcol, out=torch.empty((C, D), dtype=X.dtype))  # in float64, rounded
         else:
             _relocate_empty(X, weights, labels, d2, sums, wsum, verbose)
-            pos = wsum > 0
-            new = torch.where(pos.unsqueeze(1), sums / torch.where(pos, wsum, 1.0).unsqueeze(1), sums).to(X.dtype)
+            new = _divided(sums, wsum, X.dtype)
         if verbose:
             print(f"Iteration {i}, inertia {_inertia(d2, weights)}.")
         shift = float(torch.sub(new, c64).square_().sum())
@@ -462,4 +460,4 @@ def _lloyd_cpu_run(X, weights, centres, max_iter, tol, verbose=False, debug=Fals
         d2 = nearest.d2(centres, labels)
     # after a strict convergence the centres are those of the unchanged labels: d2 holds (the distances, or
     # the callable that gives them)
-    return labels, d2, centres, i + 1
+    return labels, _inertia(d2() if callable(d2) else d2, weights), centres, i + 1

@@ -464,7 +464,7 @@ def kernel_logsumexp(descriptor: KernelDescriptor, x: Tensor, y: Tensor, log_wei
             analyse_output("out", out.unsqueeze(-1), (*shape, 1), x.dtype, x.device)
         else:
             analyse_output("out", out, shape, x.dtype, x.device)
-    work = torch.float64 if (x.dtype == torch.float64 or x.device.type == "cpu") else torch.float32
+    work = _work_dtype(x)
     if debug:
         log.debug("kernel_logsumexp %r: M=%d N=%d K=%d C=%d batch=%s in %s blocks of %d x %d", descriptor, call.M,
                   call.N, call.K, lw.shape[-1], call.batch, work, *_blocks(call.batch, call.M, call.N, lw.shape[-1]))

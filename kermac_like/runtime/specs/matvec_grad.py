@@ -57,11 +57,12 @@ def lane_widths(K: int, C: int):
 
 
 def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool, *, unroll: int | None = None,
-                     lanes: int = 1):
+                     lanes: int = 1, functor: tuple | None = None):
     """The KernelSpec of ``matvec_grad_kernel`` for a DIFF descriptor, register widths
     (kK, kC), whether an epsilon applies, the unrolling of the pair loop (1 or 2;
     default :data:`UNROLL`, :data:`UNROLL_WIDE` beyond 16 coordinates a lane) and the lanes that share a row (:data:`LANES`; kK a multiple of 4
-    beyond one)."""
+    beyond one). ``functor``: (C++ name, stub source) of an epilogue functor (specs.epilogue.functor; the
+    traits' last parameter, phi = 2 dk/d(r2)) for ``desc`` the base squared_l2 without epsilon."""
     if desc.inner_operator is not InnerOperator.DIFF:
         raise ValueError("descriptor: the fused matvec backward serves DIFF descriptors (DOT is a matrix product)")
     unroll = (UNROLL if lanes == 1 and kk <= 16 else UNROLL_WIDE) if unroll is None else int(unroll)
@@ -77,27 +78,24 @@ def matvec_grad_spec(desc: KernelDescriptor, kk: int, kc: int, epsilon: bool, *,
     launch = LaunchShape(threads=128, block_m=128 // lanes * rows, block_n=block_n,
                          smem_bytes=block_n * (kk * lanes + kc) * 4)
     tail = ""
-    if lanes != 1:
-        tail = f", {unroll}, {lanes}"
+    if lanes != 1 or functor is not None:
+        tail = f", {unroll}, {lanes}" + (f", {functor[0]}" if functor is not None else "")
     elif unroll != CPP_DEFAULT_UNROLL:
         tail = f", {unroll}"
     traits = (
         f"kermac_like::MatvecGradTraits<{desc.inner_power.cpp}, {desc.outer_power.cpp}, {desc.kernel_type.cpp}, "
         f"{kk}, {kc}, {'true' if epsilon else 'false'}{tail}>"
     )
-    return KernelSpec("matvec_grad.cuh", "kermac_like::matvec_grad_kernel", traits, launch)
+    return KernelSpec("matvec_grad.cuh", "kermac_like::matvec_grad_kernel", traits, launch,
+                      prelude="" if functor is None else functor[1])
 
 
 def functor_grad_spec(desc, kk: int, kc: int, *, lanes: int = 1, unroll: int | None = None) -> KernelSpec:
     """matvec_grad_kernel of a formula kernel that an epilogue functor serves (specs.epilogue.served):
     the base Square, Noop, None with the functor (phi = 2 dk/d(r2), its slots p0, p1, p2 in bw, q, r),
     no epsilon; the widths as :func:`lane_widths` chooses them (the fused formula backward)."""
-    name, prelude = epilogue.functor(desc)
-    base = matvec_grad_spec(PRESETS["squared_l2"], kk, kc, False, unroll=unroll, lanes=lanes)
-    unroll = (UNROLL if lanes == 1 and kk <= 16 else UNROLL_WIDE) if unroll is None else int(unroll)
-    head = base.traits.split(f"{kk}, {kc}, false")[0]
-    traits = f"{head}{kk}, {kc}, false, {unroll}, {lanes}, {name}>"
-    return KernelSpec("matvec_grad.cuh", "kermac_like::matvec_grad_kernel", traits, base.launch, prelude=prelude)
+    return matvec_grad_spec(PRESETS["squared_l2"], kk, kc, False, unroll=unroll, lanes=lanes,
+                            functor=epilogue.functor(desc))
 
 
 def shipped():
